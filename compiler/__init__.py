@@ -1,0 +1,1 @@
+"""Model config normalization, architecture registry, model definitions, tracing and artifact build."""

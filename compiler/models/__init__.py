@@ -1,0 +1,1 @@
+"""Model definitions: thin compositions over the shared layers in ``kiln.compiler.layers``."""

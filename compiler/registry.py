@@ -1,0 +1,68 @@
+"""Architecture registry, keyed by ``config.json`` ``architectures[0]``.
+
+Adding an architecture is one line in ``ARCHITECTURES``: its family (which config fields and
+which model definition apply) and, once it can be compiled, the model definition to build.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Literal
+
+from kiln.errors import KilnError
+
+Family = Literal["dense", "moe", "mla"]
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    name: str
+    family: Family
+    qkv_bias: bool = False  # default when config.json has no attention_bias field
+    qk_norm: bool = False  # per-head RMSNorm on Q and K (Qwen3)
+    model: str | None = None  # "module:Class" of the model definition, None until it exists
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    s.name: s
+    for s in (
+        ArchSpec("LlamaForCausalLM", "dense"),
+        ArchSpec("MistralForCausalLM", "dense"),
+        ArchSpec("Qwen2ForCausalLM", "dense", qkv_bias=True),
+        ArchSpec("Qwen3ForCausalLM", "dense", qk_norm=True),
+        ArchSpec("Qwen3MoeForCausalLM", "moe", qk_norm=True),
+        ArchSpec("MixtralForCausalLM", "moe"),
+        ArchSpec("DeepseekV2ForCausalLM", "mla"),
+        ArchSpec("DeepseekV3ForCausalLM", "mla"),
+    )
+}
+
+
+class UnsupportedArchitecture(KilnError, ValueError):
+    pass
+
+
+def resolve_architecture(name: str) -> ArchSpec:
+    """The registry entry for ``name``; an unknown name lists the supported ones."""
+    try:
+        return ARCHITECTURES[name]
+    except KeyError:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise UnsupportedArchitecture(
+            f"config.json field 'architectures' names {name!r}, which kiln does not support. "
+            f"Supported: {supported}."
+        ) from None
+
+
+def model_class(name: str) -> type:
+    """Import the model definition registered for ``name``."""
+    spec = resolve_architecture(name)
+    if spec.model is None:
+        compilable = ", ".join(sorted(n for n, s in ARCHITECTURES.items() if s.model))
+        raise UnsupportedArchitecture(
+            f"{name} is recognized (config, weights) but has no model definition to compile yet. "
+            f"Compilable now: {compilable or 'none'}."
+        )
+    module, cls = spec.model.split(":")
+    return getattr(importlib.import_module(module), cls)

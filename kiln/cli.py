@@ -1,0 +1,62 @@
+"""The ``kiln`` command line. Each subcommand lives beside the code it drives and is imported
+only when it runs, so ``kiln --help`` stays fast and the runtime never pulls in the compiler."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from kiln import __version__
+from kiln.errors import KilnError
+
+# name -> ("module:attribute", one-line help). Only commands that exist are listed.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "inspect": (
+        "kiln.compiler.cli_inspect:inspect_cmd",
+        "Show what a checkpoint is: attention kind, per-rank shapes, weight and KV bytes.",
+    ),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        target, _ = COMMANDS[name]
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="kiln")
+def cli() -> None:
+    """kiln: compile a Hugging Face checkpoint once, then load and serve it in seconds.
+
+    Run `kiln COMMAND --help` for the options of each command.
+    """
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except KilnError as e:
+        click.secho(f"error: {e}", fg="red", err=True)
+        sys.exit(2)
