@@ -28,6 +28,7 @@ format: install
 
 test: lint
 	$(PY) -m pytest -q
+	$(PY) -m pytest -q bench --benchmark-disable -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,91 @@
+"""Kernel microbenchmarks (pytest-benchmark).
+
+On a GPU every benchmark is timed with CUDA events (``triton.testing.do_bench``, median) and
+reported against ceilings measured in the same session: device read bandwidth and the bf16
+matmul rate. Each result lands in ``benchmark.extra_info`` (``ms``, ``gbps``, ``frac_bw``,
+``tflops``, ``frac_mm``), so ``pytest bench --benchmark-json=FILE`` carries every figure.
+
+Without a GPU the suite runs in smoke mode: tiny shapes, one round, the Triton kernels through
+the interpreter where a benchmark asks for them; it only proves the benchmarks still run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+SMOKE = not torch.cuda.is_available()
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    read_gbps: float  # device read bandwidth, GB/s (1e9 bytes)
+    bf16_tflops: float  # dense bf16 matmul rate
+
+
+def _median_ms(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def measure_ceilings() -> Ceilings:
+    if SMOKE:
+        return Ceilings(read_gbps=float("nan"), bf16_tflops=float("nan"))
+    # Read bandwidth: a sum over 4 GiB (far past L2) reads every byte once.
+    x = torch.randn(2 * 1024**3 // 2, device="cuda", dtype=torch.bfloat16).view(-1, 8192)
+    out = torch.empty(8192, device="cuda", dtype=torch.float32)
+    ms = _median_ms(lambda: torch.sum(x, dim=0, dtype=torch.float32, out=out))
+    read = x.numel() * x.element_size() / (ms * 1e-3) / 1e9
+    x = None  # free before the matmul buffers
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = _median_ms(lambda: a @ b)
+    return Ceilings(read_gbps=read, bf16_tflops=2 * 8192**3 / (ms * 1e-3) / 1e12)
+
+
+@pytest.fixture(scope="session")
+def ceilings() -> Ceilings:
+    return measure_ceilings()
+
+
+@pytest.fixture
+def measure(benchmark, ceilings):
+    """``measure(fn, bytes=..., flops=...)`` times ``fn`` and records its fraction of the ceilings."""
+
+    def run(fn: Callable[[], object], *, bytes: float = 0.0, flops: float = 0.0, **info: object) -> None:
+        benchmark.extra_info.update(info)
+        if SMOKE:
+            benchmark.pedantic(fn, rounds=1, iterations=1)
+            return
+        ms = _median_ms(fn)
+        s = ms * 1e-3
+        benchmark.extra_info.update(ms=ms, bytes=bytes, flops=flops)
+        if bytes:
+            benchmark.extra_info.update(gbps=bytes / s / 1e9, frac_bw=bytes / s / 1e9 / ceilings.read_gbps)
+        if flops:
+            benchmark.extra_info.update(
+                tflops=flops / s / 1e12, frac_mm=flops / s / 1e12 / ceilings.bf16_tflops
+            )
+        benchmark.extra_info.update(
+            ceiling_read_gbps=ceilings.read_gbps, ceiling_bf16_tflops=ceilings.bf16_tflops
+        )
+
+        def synced() -> None:
+            fn()
+            torch.cuda.synchronize()
+
+        benchmark.pedantic(synced, rounds=10, iterations=1, warmup_rounds=2)
+
+    return run
+
+
+def pick(gpu_value, smoke_value):
+    """A shape parameter: the real one on a GPU, a tiny one in smoke mode."""
+    return smoke_value if SMOKE else gpu_value
