@@ -24,13 +24,15 @@ class ArchSpec:
     model: str | None = None  # "module:Class" of the model definition, None until it exists
 
 
+LLAMA = "kiln.compiler.models.llama:LlamaForCausalLM"
+
 ARCHITECTURES: dict[str, ArchSpec] = {
     s.name: s
     for s in (
-        ArchSpec("LlamaForCausalLM", "dense"),
-        ArchSpec("MistralForCausalLM", "dense"),
-        ArchSpec("Qwen2ForCausalLM", "dense", qkv_bias=True),
-        ArchSpec("Qwen3ForCausalLM", "dense", qk_norm=True),
+        ArchSpec("LlamaForCausalLM", "dense", model=LLAMA),
+        ArchSpec("MistralForCausalLM", "dense", model=LLAMA),
+        ArchSpec("Qwen2ForCausalLM", "dense", qkv_bias=True, model=LLAMA),
+        ArchSpec("Qwen3ForCausalLM", "dense", qk_norm=True, model=LLAMA),
         ArchSpec("Qwen3MoeForCausalLM", "moe", qk_norm=True),
         ArchSpec("MixtralForCausalLM", "moe"),
         ArchSpec("DeepseekV2ForCausalLM", "mla"),

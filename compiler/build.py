@@ -1,0 +1,297 @@
+"""``kiln compile``: checkpoint -> artifact directory.
+
+Phases: config (normalize, validate) -> weights (pack per rank) -> trace (export every graph) ->
+kernels (run every graph once on the target device so every Triton kernel of every bucket is
+compiled into ``kernels/``) -> tokenizer -> manifest (versions, GPU arch, sha256 of every file).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.compiler.config import ModelConfig, ParallelConfig, load_config, validate_parallel
+from kiln.compiler.manifest import gpu_arch, versions, write_manifest
+from kiln.compiler.registry import model_class
+from kiln.compiler.trace import CacheSpec, example_inputs, export_graph, input_names, strip_example_inputs
+from kiln.errors import KilnError
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class CompileError(KilnError):
+    pass
+
+
+@dataclass
+class CompileOptions:
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    quant: str | None = None
+    tp: int = 1
+    max_batch_size: int = 256
+    max_seq_len: int | None = None  # default: min(max_position_embeddings, 32768)
+    chunk_size: int = 4096  # largest extend (prefill chunk) in tokens
+    page_size: int = 1
+    force: bool = False
+    verify_weights: bool = True
+
+    def buckets(self) -> list[int]:
+        b = [x for x in DEFAULT_BUCKETS if x <= self.max_batch_size]
+        if not b or b[-1] != self.max_batch_size:
+            b.append(self.max_batch_size)
+        return b
+
+
+@dataclass
+class PhaseTimer:
+    times: dict[str, float] = field(default_factory=dict)
+    verbose: bool = True
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.verbose:
+            print(f"[kiln compile] {name} ...", flush=True)
+        t0 = time.perf_counter()
+        yield
+        self.times[name] = time.perf_counter() - t0
+        if self.verbose:
+            print(f"[kiln compile] {name} done in {self.times[name]:.1f} s", flush=True)
+
+
+def _check_device(device: str) -> None:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CompileError("--device cuda was asked for but no CUDA device is visible; use --device cpu.")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise CompileError(f"--device must be cpu or cuda, got {device!r}.")
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise CompileError(f"output directory {out} exists and is not empty; pass --force to replace it.")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _copy_tokenizer(model_dir: Path, out: Path) -> list[str]:
+    dst = out / "tokenizer"
+    dst.mkdir(exist_ok=True)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def _decode_splits(cfg: ModelConfig, batch: int, max_seq_len: int, tp: int) -> int:
+    from kiln.ops.decode_attention import choose_num_splits
+
+    return choose_num_splits(batch, max_seq_len, cfg.kv_heads_per_rank(tp))
+
+
+def _model(cfg: ModelConfig, opts: CompileOptions) -> torch.nn.Module:
+    cls = model_class(cfg.architecture)
+    with torch.device("meta"):
+        return cls(cfg, DTYPES[opts.dtype], tp=opts.tp, quant=opts.quant)
+
+
+def _check_pack_matches(model: torch.nn.Module, pack: dict[str, torch.Tensor]) -> None:
+    """Every model parameter present once with its shape and dtype; nothing unexpected."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(pack))
+    unexpected = sorted(set(pack) - set(params))
+    if missing or unexpected:
+        raise CompileError(
+            f"weight pack does not match the model definition: missing {missing[:10]}, "
+            f"unexpected {unexpected[:10]}"
+        )
+    for name, p in params.items():
+        t = pack[name]
+        if tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
+            raise CompileError(
+                f"tensor {name}: the checkpoint gives {tuple(t.shape)} {t.dtype}, the config implies "
+                f"{tuple(p.shape)} {p.dtype}; config.json and the weights disagree."
+            )
+
+
+def _cache_spec(cfg: ModelConfig, opts: CompileOptions) -> CacheSpec:
+    return CacheSpec(
+        cfg.num_layers,
+        cfg.kv_heads_per_rank(opts.tp),
+        cfg.head_dim,
+        cfg.v_head_dim,
+        DTYPES[opts.dtype],
+        opts.page_size,
+    )
+
+
+def compile_model(
+    model_dir: str | Path, out_dir: str | Path, opts: CompileOptions, verbose: bool = True
+) -> dict[str, Any]:
+    """Build the artifact for ``model_dir`` into ``out_dir``; returns the manifest."""
+    from kiln.compiler.mappings import param_specs
+    from kiln.weights import load_pack, pack_checkpoint
+
+    model_dir, out = Path(model_dir), Path(out_dir)
+    _check_device(opts.device)
+    if opts.dtype not in DTYPES:
+        raise CompileError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}.")
+    timer = PhaseTimer(verbose=verbose)
+    with timer.phase("config"):
+        cfg = load_config(model_dir)
+        par = ParallelConfig(tp=opts.tp)
+        validate_parallel(cfg, par)
+        max_seq = opts.max_seq_len or min(cfg.max_position_embeddings, 32768)
+        model_class(cfg.architecture)  # fail before any work if the architecture cannot compile
+        _prepare_out(out, opts.force)
+    with timer.phase("weights"):
+        specs = [param_specs(cfg, par, rank, opts.quant) for rank in range(opts.tp)]
+        pack_checkpoint(
+            model_dir,
+            out / "weights",
+            specs,
+            tp=opts.tp,
+            ep=1,
+            dtype=opts.dtype,
+            quant=opts.quant,
+            progress=verbose,
+        )
+    device = torch.device(opts.device)
+    with timer.phase("trace"):
+        model = _model(cfg, opts)
+        weights = load_pack(out / "weights", 0, device)
+        _check_pack_matches(model, weights)
+        cache = _cache_spec(cfg, opts)
+        graphs: dict[str, dict[str, Any]] = {}
+        (out / "graphs").mkdir()
+        buckets = opts.buckets()
+        programs = {}
+        for b in buckets:
+            splits = _decode_splits(cfg, b, max_seq, opts.tp)
+            ex = example_inputs("decode", b, b, cache, cfg.rotary_dim, device)
+            ep = export_graph(model, "decode", weights, ex, opts.page_size, splits)
+            programs[f"decode_b{b}"] = ep
+            graphs[f"decode_b{b}"] = {"mode": "decode", "batch": b, "num_splits": splits}
+        ex = example_inputs("extend", 2, 8, cache, cfg.rotary_dim, device)
+        programs["extend"] = export_graph(
+            model, "extend", weights, ex, opts.page_size, max_tokens=max(opts.chunk_size, 2), max_batch=1024
+        )
+        graphs["extend"] = {"mode": "extend", "max_tokens": opts.chunk_size}
+    with timer.phase("kernels"):
+        kernels_dir = out / "kernels"
+        kernels_dir.mkdir()
+        with _triton_cache(kernels_dir):
+            for name, ep in programs.items():
+                mode = graphs[name]["mode"]
+                b = graphs[name].get("batch", 2)
+                ex = example_inputs(mode, b, b if mode == "decode" else 8, cache, cfg.rotary_dim, device)
+                logits = ep.module()(weights, *(ex[n] for n in input_names(mode)))
+                if not torch.isfinite(logits).all():
+                    raise CompileError(f"graph {name} produced non-finite logits during warm-up")
+        for name, ep in programs.items():
+            torch.export.save(strip_example_inputs(ep), out / "graphs" / f"{name}.pt2")
+            graphs[name]["file"] = f"graphs/{name}.pt2"
+            graphs[name]["inputs"] = list(input_names(graphs[name]["mode"]))
+    with timer.phase("tokenizer"):
+        tok_files = _copy_tokenizer(model_dir, out)
+    with timer.phase("manifest"):
+        gen_cfg = (
+            json.loads((model_dir / "generation_config.json").read_text())
+            if (model_dir / "generation_config.json").is_file()
+            else {}
+        )
+        eos = list(cfg.eos_token_ids) or (
+            [gen_cfg["eos_token_id"]]
+            if isinstance(gen_cfg.get("eos_token_id"), int)
+            else list(gen_cfg.get("eos_token_id") or [])
+        )
+        manifest = write_manifest(
+            out,
+            {
+                "model": cfg.to_dict(),
+                "source": str(model_dir.resolve()),
+                "dtype": opts.dtype,
+                "quant": opts.quant,
+                "tp": opts.tp,
+                "device": device.type,
+                "gpu_arch": gpu_arch(opts.device),
+                "versions": versions(),
+                "max_seq_len": max_seq,
+                "max_batch_size": opts.max_batch_size,
+                "chunk_size": opts.chunk_size,
+                "decode_buckets": buckets,
+                "graphs": graphs,
+                "kv": {
+                    "num_layers": cfg.num_layers,
+                    "num_kv_heads": cache.num_kv_heads,
+                    "head_dim": cfg.head_dim,
+                    "v_head_dim": cfg.v_head_dim,
+                    "dtype": opts.dtype,
+                    "page_size": opts.page_size,
+                    "bytes_per_token": cfg.kv_bytes_per_token(opts.dtype, opts.tp),
+                },
+                "rope": {
+                    "rotary_dim": cfg.rotary_dim,
+                    "base": cfg.rope_theta,
+                    "scaling": asdict(cfg.rope_scaling),
+                    "is_neox": cfg.rope_is_neox,
+                },
+                "vocab_size": cfg.vocab_size,
+                "eos_token_ids": eos,
+                "bos_token_id": cfg.bos_token_id,
+                "tokenizer_files": tok_files,
+                "kernel_choices": {
+                    "attention": "triton",
+                    "page_size": opts.page_size,
+                    "decode_num_splits": {str(b): graphs[f"decode_b{b}"]["num_splits"] for b in buckets},
+                },
+                "compile_seconds": timer.times,
+            },
+        )
+    if verbose:
+        size = sum(f["size"] for f in manifest["files"].values())
+        print(
+            f"[kiln compile] artifact {out} ({size / 2**30:.2f} GiB) in "
+            f"{sum(timer.times.values()):.1f} s: "
+            + ", ".join(f"{k} {v:.1f}s" for k, v in timer.times.items()),
+            flush=True,
+        )
+    return manifest
+
+
+@contextlib.contextmanager
+def _triton_cache(path: Path) -> Iterator[None]:
+    """Point Triton's on-disk cache at ``path`` so every kernel compiled here lands in the artifact."""
+    old = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = str(path.resolve())
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = old

@@ -1,0 +1,99 @@
+"""``kiln compile MODEL_DIR -o ART``."""
+
+from __future__ import annotations
+
+import click
+import torch
+
+from kiln.compiler.build import DTYPES, CompileOptions, compile_model
+
+
+@click.command("compile")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "-o",
+    "--output",
+    "out",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Artifact directory to write.",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cuda", "cpu"]),
+    default=None,
+    help="Device the artifact is built for [default: cuda if present, else cpu].",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(sorted(DTYPES)),
+    default="bfloat16",
+    show_default=True,
+    help="Activation and weight dtype.",
+)
+@click.option(
+    "--quant",
+    type=click.Choice(["fp8"]),
+    default=None,
+    help="Quantize GEMM weights to FP8 (per output channel); activations per token.",
+)
+@click.option("--tp", default=1, show_default=True, help="Tensor-parallel size of the weight packs.")
+@click.option(
+    "--max-batch-size",
+    default=256,
+    show_default=True,
+    help="Largest decode batch; decode graphs are built for 1, 2, 4, ... up to it.",
+)
+@click.option(
+    "--max-seq-len",
+    type=int,
+    default=None,
+    help="Longest sequence served [default: min(max_position_embeddings, 32768)].",
+)
+@click.option(
+    "--chunk-size", default=4096, show_default=True, help="Largest prefill chunk in tokens (chunked prefill)."
+)
+@click.option(
+    "--page-size",
+    type=click.Choice(["1", "16"]),
+    default="1",
+    show_default=True,
+    help="KV-cache page size in tokens.",
+)
+@click.option("--force", is_flag=True, help="Replace an existing output directory.")
+def compile_cmd(
+    model_dir: str,
+    out: str,
+    device: str | None,
+    dtype: str,
+    quant: str | None,
+    tp: int,
+    max_batch_size: int,
+    max_seq_len: int | None,
+    chunk_size: int,
+    page_size: str,
+    force: bool,
+) -> None:
+    """Compile the Hugging Face checkpoint in MODEL_DIR into an artifact directory: weight packs
+    (fused, sharded, optionally FP8), one exported graph per decode batch bucket plus the chunked
+    prefill graph, every Triton kernel precompiled, tokenizer, and a manifest with hashes.
+
+    Copy the artifact to any machine with the same GPU architecture and software versions, then
+    run `kiln generate ART` or `kiln serve ART`.
+    """
+    if max_batch_size < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--max-batch-size")
+    if chunk_size < 2:
+        raise click.BadParameter("must be >= 2", param_hint="--chunk-size")
+    opts = CompileOptions(
+        device=device or ("cuda" if torch.cuda.is_available() else "cpu"),
+        dtype=dtype,
+        quant=quant,
+        tp=tp,
+        max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len,
+        chunk_size=chunk_size,
+        page_size=int(page_size),
+        force=force,
+    )
+    compile_model(model_dir, out, opts)

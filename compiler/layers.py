@@ -1,0 +1,213 @@
+"""Shared layers that model definitions compose. Shapes are per tensor-parallel rank.
+
+Parameter names follow docs/internals.md: they are the names in the weight pack, and the keys of
+the weights dict the exported graphs take. Layers only hold parameter *shapes* (models are built
+on the meta device); values arrive at call time through ``torch.func.functional_call``.
+
+Quantization stays out of the model math: a layer built with ``quant="fp8"`` stores FP8 weights
+with per-output-channel scales, and the norm / activation in front of it emits FP8 activations
+with per-token scales (the fused norm+quant of the design card).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
+from kiln.compiler.context import ForwardContext
+
+FP8 = torch.float8_e4m3fn
+
+
+class QuantAct(NamedTuple):
+    """An FP8 activation and its per-token scales."""
+
+    data: torch.Tensor  # [T, K] float8_e4m3fn
+    scale: torch.Tensor  # [T, 1] f32
+
+
+Act = torch.Tensor | QuantAct
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def quantize_per_token(x: torch.Tensor) -> QuantAct:
+    """Dynamic per-token FP8 quantization of an activation that no fused kernel produced."""
+    # x: [T, K]
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / 448.0).clamp_min(1e-12)  # [T, 1]
+    return QuantAct((x.float() / scale).clamp(-448.0, 448.0).to(FP8), scale)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; with ``quant_out`` it returns a :class:`QuantAct` for an FP8 GEMM behind it."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, quant_out: bool = False):
+        super().__init__()
+        self.weight = _param(hidden, dtype=dtype)
+        self.eps = eps
+        self.quant_out = quant_out
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Act:
+        # x: [T, H]; residual (updated in place to x + residual): [T, H]
+        if residual is None:
+            if self.quant_out:
+                return QuantAct(*torch.ops.kiln.rmsnorm_quant(x, self.weight, self.eps, None))
+            return torch.ops.kiln.rmsnorm(x, self.weight, self.eps)
+        if self.quant_out:
+            return QuantAct(*torch.ops.kiln.fused_add_rmsnorm_quant(x, residual, self.weight, self.eps, None))
+        return torch.ops.kiln.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)`` with W ``[out, in]``; FP8 weights carry ``weight_scale [out]``."""
+
+    def __init__(
+        self,
+        out_features: int,
+        in_features: int,
+        dtype: torch.dtype,
+        bias: bool = False,
+        quant: str | None = None,
+    ):
+        super().__init__()
+        self.quant = quant
+        self.out_dtype = dtype
+        self.weight = _param(out_features, in_features, dtype=FP8 if quant == "fp8" else dtype)
+        if quant == "fp8":
+            self.weight_scale = _param(out_features, dtype=torch.float32)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: Act) -> torch.Tensor:
+        if self.quant != "fp8":
+            assert isinstance(x, torch.Tensor)
+            return nn.functional.linear(x, self.weight, self.bias)
+        q = x if isinstance(x, QuantAct) else quantize_per_token(x)
+        return torch.ops.kiln.fp8_linear(
+            q.data, q.scale, self.weight, self.weight_scale, self.bias, self.out_dtype
+        )
+
+
+class Embedding(nn.Module):
+    """Vocab-parallel embedding (at tp=1 the whole table)."""
+
+    def __init__(self, vocab_per_rank: int, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(vocab_per_rank, hidden, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.weight)  # [T, H]
+
+
+class Attention(nn.Module):
+    """Fused QKV linear -> qkv_rope_kvwrite -> decode/extend attention -> o_proj."""
+
+    def __init__(
+        self,
+        layer: int,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary_dim: int,
+        is_neox: bool,
+        dtype: torch.dtype,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        eps: float = 1e-6,
+        sliding_window: int | None = None,
+        quant: str | None = None,
+    ):
+        super().__init__()
+        self.layer, self.hq, self.hkv, self.d = layer, num_heads, num_kv_heads, head_dim
+        self.rotary_dim, self.is_neox, self.eps = rotary_dim, is_neox, eps
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window or -1
+        self.qkv = Linear((num_heads + 2 * num_kv_heads) * head_dim, hidden, dtype, qkv_bias, quant)
+        self.o = Linear(hidden, num_heads * head_dim, dtype, False, quant)
+        self.q_norm = RMSNorm(head_dim, eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, dtype) if qk_norm else None
+
+    def forward(self, x: Act, ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
+        k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]  # [S, Hkv, D]
+        q = torch.ops.kiln.qkv_rope_kvwrite(
+            qkv,
+            ctx.positions,
+            ctx.cos_sin,
+            k_cache,
+            v_cache,
+            ctx.out_slots,
+            self.hq,
+            self.hkv,
+            self.d,
+            self.rotary_dim,
+            self.is_neox,
+            self.q_norm.weight if self.q_norm is not None else None,
+            self.k_norm.weight if self.k_norm is not None else None,
+            self.eps,
+        )  # [T, Hq, D]
+        if ctx.mode == "decode":
+            o = torch.ops.kiln.decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                ctx.block_table,
+                ctx.req_rows,
+                ctx.seq_lens,
+                self.scale,
+                ctx.page_size,
+                ctx.num_splits,
+                self.sliding_window,
+                0.0,
+            )
+        else:
+            assert ctx.qo_indptr is not None
+            o = torch.ops.kiln.extend_attention(
+                q,
+                k_cache,
+                v_cache,
+                ctx.block_table,
+                ctx.req_rows,
+                ctx.seq_lens,
+                ctx.qo_indptr,
+                self.scale,
+                ctx.page_size,
+                self.sliding_window,
+                0.0,
+            )
+        return self.o(o.flatten(1))  # [T, H]
+
+
+class MLP(nn.Module):
+    """Fused gate_up -> silu_and_mul (+ FP8 quant) -> down."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, quant: str | None = None):
+        super().__init__()
+        self.quant = quant
+        self.gate_up = Linear(2 * intermediate, hidden, dtype, False, quant)
+        self.down = Linear(hidden, intermediate, dtype, False, quant)
+
+    def forward(self, x: Act) -> torch.Tensor:
+        gu = self.gate_up(x)  # [T, 2I]
+        if self.quant == "fp8":
+            return self.down(QuantAct(*torch.ops.kiln.silu_and_mul_quant(gu, None)))
+        return self.down(torch.ops.kiln.silu_and_mul(gu))  # [T, H]
+
+
+class LMHead(nn.Module):
+    """Logits for the rows that are sampled only; float32 out."""
+
+    def __init__(self, vocab: int, vocab_per_rank: int, hidden: int, dtype: torch.dtype, tied: bool):
+        super().__init__()
+        self.vocab = vocab
+        self.weight = None if tied else _param(vocab_per_rank, hidden, dtype=dtype)
+
+    def forward(self, h: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
+        w = embed_weight if self.weight is None else self.weight
+        logits = nn.functional.linear(h, w)  # [B, V_rank]
+        return logits[:, : self.vocab].float()

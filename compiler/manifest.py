@@ -1,0 +1,58 @@
+"""Writing ``manifest.json``: what the runtime needs to know about an artifact, and nothing it
+would have to re-derive from the architecture. The runtime reads it with
+``kiln.runtime.artifact`` (which never imports this package); the schema is shared through the
+plain JSON keys documented there."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+SCHEMA_VERSION = 1
+
+
+def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def gpu_arch(device: str) -> str:
+    """``sm_90`` style for CUDA devices, ``cpu`` otherwise."""
+    if device.startswith("cuda"):
+        major, minor = torch.cuda.get_device_capability(torch.device(device))
+        return f"sm_{major}{minor}"
+    return "cpu"
+
+
+def versions() -> dict[str, Any]:
+    return {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+
+
+def file_table(root: Path, exclude: tuple[str, ...] = ("manifest.json",)) -> dict[str, dict[str, Any]]:
+    """sha256 and size of every file under ``root`` (relative POSIX paths, sorted)."""
+    table: dict[str, dict[str, Any]] = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_file() and rel not in exclude:
+            table[rel] = {"sha256": sha256_file(p), "size": p.stat().st_size}
+    return table
+
+
+def write_manifest(root: Path, body: dict[str, Any]) -> dict[str, Any]:
+    manifest = {"schema_version": SCHEMA_VERSION, **body, "files": file_table(root)}
+    (root / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest

@@ -1,0 +1,73 @@
+"""The decoder-only skeleton every model definition shares: embed -> layers -> norm -> LM head.
+
+A model definition only says how one decoder layer is built (``make_layer``); this class owns the
+residual stream (SGLang-style fused add+RMSNorm between blocks) and computes logits only for the
+rows that are sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kiln.compiler.config import ModelConfig
+from kiln.compiler.context import ForwardContext
+from kiln.compiler.layers import Act, Embedding, LMHead, RMSNorm
+
+LayerFactory = Callable[[int], nn.Module]
+
+
+def vocab_per_rank(cfg: ModelConfig, tp: int) -> int:
+    """Vocab rows per rank: the vocab padded up to a multiple of tp (padding rows are zero)."""
+    return -(-cfg.vocab_size // tp)
+
+
+class DecoderLayer(nn.Module):
+    """input_norm -> attention -> post_attn_norm -> mlp, residual carried by the fused norms."""
+
+    def __init__(
+        self, cfg: ModelConfig, attn: nn.Module, mlp: nn.Module, dtype: torch.dtype, quant: str | None
+    ):
+        super().__init__()
+        fp8 = quant == "fp8"
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, quant_out=fp8)
+        self.attn = attn
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, quant_out=fp8)
+        self.mlp = mlp
+
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # h, residual: [T, H]
+        if residual is None:
+            residual = h
+            x: Act = self.input_norm(h)
+        else:
+            x = self.input_norm(h, residual)
+        h = self.attn(x, ctx)
+        x = self.post_attn_norm(h, residual)
+        return self.mlp(x), residual
+
+
+class DecoderOnlyLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, make_layer: LayerFactory, dtype: torch.dtype, tp: int = 1):
+        super().__init__()
+        self.cfg = cfg
+        v_rank = vocab_per_rank(cfg, tp)
+        self.embed = Embedding(v_rank, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = LMHead(cfg.vocab_size, v_rank, cfg.hidden_size, dtype, cfg.tie_word_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids [T] int64 -> logits [B, V] f32 (decode: every row; extend: ctx.logits_indices)."""
+        h = self.embed(input_ids)  # [T, H]
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, ctx)
+        h = self.norm(h, residual)  # [T, H]
+        if ctx.logits_indices is not None:
+            h = h.index_select(0, ctx.logits_indices)  # [B, H]
+        return self.lm_head(h, self.embed.weight)

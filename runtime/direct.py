@@ -1,0 +1,88 @@
+"""Run an artifact's graphs directly, without the scheduler: for tests and debugging.
+
+runner = DirectRunner("ART", device="cpu")
+logits = runner.prefill([[1, 2, 3], [4, 5]])   # [2, V], at each prompt's last token
+logits = runner.decode([7, 8])                  # [2, V], one new token per sequence
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.runtime.kv_pool import BlockTable, KVPool
+from kiln.runtime.loader import LoadedModel, load_model
+from kiln.runtime.model_runner import ModelRunner, StepInputs
+
+
+class DirectRunner:
+    def __init__(
+        self,
+        artifact: str,
+        device: str = "cpu",
+        num_slots: int = 4096,
+        max_requests: int = 8,
+        cuda_graph: bool = False,
+        model: LoadedModel | None = None,
+    ):
+        self.model = model or load_model(artifact, device)
+        art = self.model.artifact
+        kv = art.kv
+        P = kv["page_size"]
+        self.pool = KVPool(
+            kv["num_layers"],
+            num_slots - num_slots % P,
+            kv["num_kv_heads"],
+            kv["head_dim"],
+            kv["v_head_dim"],
+            art.dtype,
+            self.model.device,
+            P,
+        )
+        self.bt = BlockTable(max_requests, -(-art.max_seq_len // P), self.model.device, P)
+        self.runner = ModelRunner(self.model, self.pool, self.bt, cuda_graph=cuda_graph)
+        self.rows: list[int] = []
+        self.lens: list[int] = []
+
+    def _grow(self, i: int, new_len: int) -> None:
+        row = self.rows[i]
+        need = -(-new_len // self.pool.page_size) - self.bt.num_blocks(row)
+        if need > 0:
+            pages = self.pool.alloc_pages(need)
+            if pages is None:
+                raise MemoryError("DirectRunner: KV pool exhausted; pass a larger num_slots")
+            self.bt.append(row, pages)
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Start one sequence per prompt (dropping earlier ones); logits at each last token."""
+        for row in self.rows:
+            self.pool.free_pages(self.bt.release(row))
+        self.rows, self.lens = [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for i, p in enumerate(prompts):
+            row = self.bt.alloc_row()
+            assert row is not None, "too many sequences for max_requests"
+            self.rows.append(row)
+            self.lens.append(0)
+            self._grow(i, len(p))
+            ids += p
+            pos += range(len(p))
+            slots += self.bt.slots(row, 0, len(p))
+            self.lens[i] = len(p)
+        step = StepInputs(
+            "extend", ids, pos, slots, list(self.rows), list(self.lens), [len(p) for p in prompts]
+        )
+        return self.runner.extend(step)
+
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        """Feed one token per running sequence; logits [B, V]."""
+        assert len(tokens) == len(self.rows)
+        slots = []
+        for i in range(len(tokens)):
+            self._grow(i, self.lens[i] + 1)
+            slots += self.bt.slots(self.rows[i], self.lens[i], self.lens[i] + 1)
+        pos = list(self.lens)
+        self.lens = [n + 1 for n in self.lens]
+        step = StepInputs("decode", list(tokens), pos, slots, list(self.rows), list(self.lens))
+        return self.runner.decode(step)

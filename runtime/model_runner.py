@@ -1,0 +1,171 @@
+"""ModelRunner: turns one scheduled step into logits.
+
+Decode steps run the decode graph of the smallest captured bucket that holds the batch, as a
+CUDA-graph replay (``cuda_graph=False`` runs the graph module directly). Extend steps (chunked
+prefill) run the extend graph, whose token and request dimensions are dynamic. Host work per step
+is O(batch): the step's integers go to the device in one copy.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kiln.runtime.kv_pool import BlockTable, KVPool
+from kiln.runtime.loader import LoadedModel
+
+Mode = Literal["decode", "extend"]
+
+
+@dataclass
+class StepInputs:
+    """One step, as plain Python lists (built by the scheduler)."""
+
+    mode: Mode
+    input_ids: list[int]  # T
+    positions: list[int]  # T
+    out_slots: list[int]  # T
+    req_rows: list[int]  # B
+    seq_lens: list[int]  # B, KV length including this step's tokens
+    extend_lens: list[int] | None = None  # B, extend only
+
+    @property
+    def batch(self) -> int:
+        return len(self.req_rows)
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, pool: KVPool, block_table: BlockTable, cuda_graph: bool = True):
+        self.m = model
+        self.pool = pool
+        self.bt = block_table
+        self.device = model.device
+        self.buckets = sorted(model.artifact.decode_buckets)
+        self.use_cuda_graph = cuda_graph and self.device.type == "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        bmax = self.buckets[-1]
+        # Static decode inputs, sliced per bucket: ids/positions/slots int64, rows/lens int32.
+        self._i64 = torch.zeros(3, bmax, dtype=torch.int64, device=self.device)
+        self._i32 = torch.zeros(2, bmax, dtype=torch.int32, device=self.device)
+        self._out: dict[int, torch.Tensor] = {}
+        pin = self.device.type == "cuda"
+        self._h64 = torch.zeros(3, bmax, dtype=torch.int64, pin_memory=pin)
+        self._h32 = torch.zeros(2, bmax, dtype=torch.int32, pin_memory=pin)
+        self.capture_seconds = 0.0
+        if self.use_cuda_graph:
+            self._capture_all()
+
+    # ------------------------------------------------------------------ decode
+    def bucket_for(self, batch: int) -> int:
+        i = bisect.bisect_left(self.buckets, batch)
+        if i == len(self.buckets):
+            raise ValueError(f"decode batch {batch} exceeds the largest bucket {self.buckets[-1]}")
+        return self.buckets[i]
+
+    def _decode_args(self, b: int) -> tuple:
+        m = self.m
+        return (
+            m.weights,
+            m.cos_sin,
+            self.pool.k_cache,
+            self.pool.v_cache,
+            self._i64[0, :b],
+            self._i64[1, :b],
+            self._i64[2, :b],
+            self.bt.table,
+            self._i32[0, :b],
+            self._i32[1, :b],
+        )
+
+    def _run_decode_graph(self, b: int) -> torch.Tensor:
+        return self.m.graphs[f"decode_b{b}"](*self._decode_args(b))
+
+    def _capture_all(self) -> None:
+        t0 = time.perf_counter()
+        # Padding inputs: row 0 (all-zero block table row), slot 0, seq_len 1: valid and harmless.
+        self._i64.zero_()
+        self._i32[0].zero_()
+        self._i32[1].fill_(1)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for b in reversed(self.buckets):  # largest first so smaller graphs reuse its memory
+                for _ in range(2):  # warm up: allocator and any lazy init outside the capture
+                    self._run_decode_graph(b)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    self._out[b] = self._run_decode_graph(b)
+                self.graphs[b] = g
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+
+    def decode(self, step: StepInputs) -> torch.Tensor:
+        """logits [B, V] f32 for a decode step of B requests (one token each)."""
+        n = step.batch
+        b = self.bucket_for(n)
+        h64, h32 = self._h64, self._h32
+        h64[:, :b].zero_()
+        h32[0, :b].zero_()
+        h32[1, :b].fill_(1)
+        h64[0, :n] = torch.tensor(step.input_ids, dtype=torch.int64)
+        h64[1, :n] = torch.tensor(step.positions, dtype=torch.int64)
+        h64[2, :n] = torch.tensor(step.out_slots, dtype=torch.int64)
+        h32[0, :n] = torch.tensor(step.req_rows, dtype=torch.int32)
+        h32[1, :n] = torch.tensor(step.seq_lens, dtype=torch.int32)
+        self._i64[:, :b].copy_(h64[:, :b], non_blocking=True)
+        self._i32[:, :b].copy_(h32[:, :b], non_blocking=True)
+        self.bt.flush()
+        if self.use_cuda_graph:
+            self.graphs[b].replay()
+            logits = self._out[b]
+        else:
+            logits = self._run_decode_graph(b)
+        return logits[:n]
+
+    # ------------------------------------------------------------------ extend
+    def extend(self, step: StepInputs) -> torch.Tensor:
+        """logits [B, V] f32 at the last new token of each request of an extend step."""
+        assert step.extend_lens is not None
+        ids, pos, slots = list(step.input_ids), list(step.positions), list(step.out_slots)
+        rows, lens, ext = list(step.req_rows), list(step.seq_lens), list(step.extend_lens)
+        n_req = len(rows)
+        # The extend graph's dimensions are >= 2: pad with a sink token and an empty request.
+        if len(ids) < 2:
+            ids, pos, slots = ids + [0], pos + [0], slots + [0]
+        if n_req < 2:
+            rows, lens, ext = rows + [BlockTable.PAD_ROW], lens + [0], ext + [0]
+        indptr = [0]
+        for e in ext:
+            indptr.append(indptr[-1] + e)
+        last = [max(i - 1, 0) for i in indptr[1:]]
+        dev = self.device
+        i64 = torch.tensor([ids, pos, slots], dtype=torch.int64).to(dev, non_blocking=True)
+        i32 = torch.tensor(rows + lens + indptr, dtype=torch.int32).to(dev, non_blocking=True)
+        b = len(rows)
+        logits_idx = torch.tensor(last, dtype=torch.int64).to(dev, non_blocking=True)
+        self.bt.flush()
+        m = self.m
+        logits = m.graphs["extend"](
+            m.weights,
+            m.cos_sin,
+            self.pool.k_cache,
+            self.pool.v_cache,
+            i64[0],
+            i64[1],
+            i64[2],
+            self.bt.table,
+            i32[:b],
+            i32[b : 2 * b],
+            i32[2 * b :],
+            logits_idx,
+        )
+        return logits[:n_req]
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        return self.decode(step) if step.mode == "decode" else self.extend(step)

@@ -1,0 +1,83 @@
+"""Request state (``Req``) and what a step reports back (``RequestOutput``)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.runtime.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued; its KV (if any) was released or never computed
+    RUNNING = "running"  # holds a block-table row and KV pages; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class Req:
+    """One sequence being generated. Bookkeeping only: plain Python ints and lists."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    row: int = -1  # block-table row while running
+    pages: list[int] = field(default_factory=list)  # KV pages, in order
+    kv_len: int = 0  # tokens of fill_ids whose K/V are in the pool
+    cached_len: int = 0  # leading tokens whose pages belong to the radix cache (locked)
+    last_node: Any = None  # radix node locked for this request
+    finish_reason: str | None = None
+    stop_text: str | None = None  # the stop string that ended it, if any
+    text: str = ""  # text emitted so far (after stop-string hold-back)
+    detok: Any = None
+    stop_matcher: Any = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    seed: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token of the sequence: the prompt, then what was generated."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        """True while tokens other than the newest one lack K/V (an extend step is needed).
+
+        Invariant between steps: ``kv_len <= seq_len - 1`` (the newest token's K/V is written by
+        the step that consumes it). A request with exactly one token left goes to decode.
+        """
+        return self.seq_len - self.kv_len > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: new text and tokens since the last report, and totals."""
+
+    rid: str
+    new_text: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    new_logprobs: list[dict[str, Any]]
+    ttft: float | None = None
+    latency: float | None = None

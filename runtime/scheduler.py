@@ -1,0 +1,274 @@
+"""Scheduler: continuous batching with chunked prefill, a radix prefix cache and preemption.
+
+Each step is either an *extend* (prefill chunks of running or newly admitted requests, under a
+token budget) or a *decode* (one token for every running request that has finished prefill).
+When both kinds of work are pending, steps alternate so that decoding requests keep streaming
+while long prompts are prefilled chunk by chunk.
+
+Memory: a request holds a block-table row and KV pages. Its leading pages may belong to the radix
+cache (matched at admission, or inserted by the request itself after each extend), locked while it
+runs. When the pool runs out, unlocked cache leaves are evicted (LRU); if that is not enough, the
+most recently admitted running request is retracted: its computed tokens go into the cache, it
+returns to the front of the waiting queue, and it is recomputed later. Nothing is dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kiln.runtime.kv_pool import BlockTable, KVPool
+from kiln.runtime.model_runner import StepInputs
+from kiln.runtime.radix_cache import RadixCache
+from kiln.runtime.request import Req, Status
+
+
+@dataclass
+class SchedulerConfig:
+    max_running: int = 256  # also capped by the largest decode bucket
+    chunk_size: int = 4096  # extend token budget per step
+    max_seq_len: int = 32768
+    fcfs_threshold: int = 128  # longer queues are served first-come-first-served
+
+
+@dataclass
+class ScheduledBatch:
+    mode: str  # "decode" | "extend"
+    reqs: list[Req]
+    extend_lens: list[int]  # tokens each request processes this step (1 for decode)
+
+    def completes(self, i: int) -> bool:
+        """Whether request ``i``'s logits are used (its step reaches the newest token)."""
+        r = self.reqs[i]
+        return r.kv_len + self.extend_lens[i] == r.seq_len
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, pool: KVPool, block_table: BlockTable, radix: RadixCache):
+        self.cfg = cfg
+        self.pool = pool
+        self.bt = block_table
+        self.radix = radix
+        self.P = pool.page_size
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self._last_mode = "decode"
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- queue management
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, req: Req) -> None:
+        """Stop ``req`` wherever it is; its KV is released (its cached prefix stays cached)."""
+        if req.status is Status.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        elif req.status is Status.RUNNING:
+            self.running.remove(req)
+            self._release(req)
+        req.status = Status.FINISHED
+
+    def finish(self, req: Req) -> None:
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self._release(req)
+        req.status = Status.FINISHED
+
+    # ----------------------------------------------------------------- memory
+    def _pages_needed(self, req: Req, upto: int) -> int:
+        """Extra pages ``req`` needs so that tokens ``0..upto-1`` have slots."""
+        return max(0, -(-upto // self.P) - len(self.bt.pages(req.row)))
+
+    def _alloc(self, n: int) -> list[int] | None:
+        pages = self.pool.alloc_pages(n)
+        if pages is None and self.radix.evictable_size > 0:
+            self.radix.evict(n * self.P, self.pool.free_pages)
+            pages = self.pool.alloc_pages(n)
+        return pages
+
+    def _cache_prefix(self, req: Req) -> None:
+        """Insert ``req``'s computed whole pages into the radix cache and lock them for it."""
+        if self.radix.disabled:
+            return
+        n = (req.kv_len // self.P) * self.P
+        if n <= req.cached_len:
+            return
+        pages = self.bt.pages(req.row)
+        tokens = req.fill_ids[:n]
+        slots = self.pool.slots_of(pages[: n // self.P])
+        already = self.radix.insert(tokens, slots)
+        # Pages the cache already held for [cached_len, already) duplicate ours: adopt the cache's.
+        if already > req.cached_len:
+            dup = pages[req.cached_len // self.P : already // self.P]
+            self.pool.free_pages(dup)
+        new_slots, node = self.radix.match_prefix(tokens + [-1])
+        assert len(new_slots) == n, (len(new_slots), n)
+        cached_pages = new_slots[:: self.P] if self.P > 1 else new_slots
+        if self.P > 1:
+            cached_pages = [s // self.P for s in cached_pages]
+        self.bt.assign(req.row, cached_pages + pages[n // self.P :])
+        self.radix.lock(node)
+        if req.last_node is not None:
+            self.radix.unlock(req.last_node)
+        req.last_node, req.cached_len = node, n
+
+    def _release(self, req: Req) -> None:
+        """Give back ``req``'s row and pages, caching what it computed."""
+        self._cache_prefix(req)
+        pages = self.bt.release(req.row)
+        own = pages[req.cached_len // self.P :]
+        if own:
+            self.pool.free_pages(own)
+        if req.last_node is not None:
+            self.radix.unlock(req.last_node)
+        req.row, req.last_node, req.cached_len, req.kv_len = -1, None, 0, 0
+
+    def _retract_one(self, protect: set[int]) -> bool:
+        """Preempt the most recently admitted running request not in ``protect``."""
+        for req in reversed(self.running):
+            if id(req) not in protect:
+                self.running.remove(req)
+                self._release(req)
+                req.status = Status.WAITING
+                req.num_preemptions += 1
+                self.num_preemptions += 1
+                self.waiting.appendleft(req)
+                return True
+        return False
+
+    # ----------------------------------------------------------------- admission
+    def _order_waiting(self) -> None:
+        if len(self.waiting) <= 1 or self.radix.disabled or len(self.waiting) > self.cfg.fcfs_threshold:
+            return
+        scored = [(-len(self.radix.match_prefix(r.fill_ids)[0]), i, r) for i, r in enumerate(self.waiting)]
+        scored.sort(key=lambda x: (x[0], x[1]))
+        self.waiting = deque(r for _, _, r in scored)
+
+    def _admit(self, req: Req, budget: int) -> int | None:
+        """Give ``req`` a row, its cached prefix and pages for up to ``budget`` tokens; the number
+        of tokens it extends this step, or None if memory does not allow it now."""
+        row = self.bt.alloc_row()
+        if row is None:
+            return None
+        slots, node = self.radix.match_prefix(req.fill_ids)
+        n_cached = len(slots)
+        prefix_pages = [s // self.P for s in slots[:: self.P]] if self.P > 1 else list(slots)
+        self.radix.lock(node)
+        n = min(req.seq_len - n_cached, budget)
+        extra = -(-(n_cached + n) // self.P) - len(prefix_pages)
+        pages = self._alloc(extra)
+        if pages is None:
+            self.radix.unlock(node)
+            self.bt.release(row)
+            return None
+        self.bt.assign(row, prefix_pages + pages)
+        req.row, req.last_node, req.cached_len, req.kv_len = row, node, n_cached, n_cached
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return n
+
+    # ----------------------------------------------------------------- step formation
+    def _schedule_extend(self) -> ScheduledBatch | None:
+        budget = self.cfg.chunk_size
+        reqs: list[Req] = []
+        lens: list[int] = []
+        for req in self.running:  # continue chunked prefills first
+            if not req.prefilling or budget <= 0:
+                continue
+            n = min(req.seq_len - req.kv_len, budget)
+            pages = self._alloc(self._pages_needed(req, req.kv_len + n))
+            if pages is None:
+                continue
+            self.bt.append(req.row, pages)
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+        self._order_waiting()
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
+            n = self._admit(self.waiting[0], budget)
+            if n is None:
+                break
+            req = self.waiting.popleft()
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+        return ScheduledBatch("extend", reqs, lens) if reqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        reqs = [r for r in self.running if not r.prefilling]
+        batch: list[Req] = []
+        for req in reqs:
+            if req.status is not Status.RUNNING:  # retracted while making room for an earlier one
+                continue
+            need = self._pages_needed(req, req.kv_len + 1)
+            pages = self._alloc(need) if need else []
+            while pages is None:
+                if not self._retract_one({id(r) for r in batch} | {id(req)}):
+                    break
+                pages = self._alloc(need)
+            if pages is None:
+                continue  # cannot grow this step; it waits (never dropped)
+            self.bt.append(req.row, pages)
+            batch.append(req)
+        return ScheduledBatch("decode", batch, [1] * len(batch)) if batch else None
+
+    def schedule(self) -> ScheduledBatch | None:
+        """The next step to run, or None when there is nothing runnable."""
+        decode_ready = any(not r.prefilling for r in self.running)
+        extend_first = not (decode_ready and self._last_mode == "extend")
+        order = (self._schedule_extend, self._schedule_decode)
+        for fn in order if extend_first else reversed(order):
+            batch = fn()
+            if batch is not None:
+                self._last_mode = batch.mode
+                return batch
+        if self.waiting and not self.running:
+            # Nothing runs and the head of the queue cannot be admitted even into an empty pool.
+            req = self.waiting[0]
+            raise MemoryError(
+                f"request {req.rid} needs {req.seq_len} tokens of KV but the pool holds "
+                f"{self.pool.capacity_tokens}; raise --kv-memory or shorten the prompt"
+            )
+        return None
+
+    def step_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            fill = req.fill_ids
+            ids += fill[req.kv_len : req.kv_len + n]
+            pos += range(req.kv_len, req.kv_len + n)
+            slots += self.bt.slots(req.row, req.kv_len, req.kv_len + n)
+        return StepInputs(
+            mode="decode" if batch.mode == "decode" else "extend",
+            input_ids=ids,
+            positions=pos,
+            out_slots=slots,
+            req_rows=[r.row for r in batch.reqs],
+            seq_lens=[r.kv_len + n for r, n in zip(batch.reqs, batch.extend_lens)],
+            extend_lens=list(batch.extend_lens) if batch.mode == "extend" else None,
+        )
+
+    def after_step(self, batch: ScheduledBatch) -> None:
+        """Advance KV lengths; extended requests put their new whole pages in the cache."""
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            req.kv_len += n
+            if batch.mode == "extend":
+                self._cache_prefix(req)
+
+    def check_integrity(self) -> None:
+        """Pool, block table and radix cache agree (tests and idle loops call this)."""
+        self.radix.check_integrity()
+        held = sum(len(self.bt.pages(r.row)) - r.cached_len // self.P for r in self.running)
+        cached_pages = self.radix.total_size // self.P
+        free = self.pool.num_free_pages
+        assert held + cached_pages + free == self.pool.capacity_pages, (
+            f"page accounting: running {held} + cached {cached_pages} + free {free} "
+            f"!= capacity {self.pool.capacity_pages}"
+        )
+        if not self.running:
+            assert self.radix.protected_size == 0, "idle but radix cache holds locked nodes"
