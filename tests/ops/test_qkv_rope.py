@@ -1,0 +1,269 @@
+"""kiln::qkv_rope_kvwrite: the fused Triton kernel (interpreter on CPU, real on GPU) against the
+composition of references, in place on a layer view of the [L, S, Hkv, D] pool, under
+torch.export and inside a CUDA graph."""
+
+from __future__ import annotations
+
+import functools
+import io
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kiln.ops.qkv_rope import qkv_rope_kvwrite_ref, qkv_rope_kvwrite_triton  # registers kiln::
+from kiln.ops.rope import rope_cos_sin_cache
+
+MAX_POS = 131072
+PAGE = 16
+EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Case:
+    t: int
+    hq: int
+    hkv: int
+    d: int
+    rot: int
+    neox: bool
+    norm: bool
+    dtype: torch.dtype = torch.float32
+    cache_dtype: torch.dtype | None = None  # default: dtype
+    norm_dtype: torch.dtype | None = None  # default: dtype
+    pad: int = 0  # trailing padding rows (out_slots == 0)
+    layers: int = 2
+    slots: int = 256
+
+    @property
+    def tol(self) -> float:
+        low = torch.bfloat16 in (self.dtype, self.cache_dtype)
+        return 1e-2 if low else 1e-5
+
+
+@functools.lru_cache(maxsize=4)
+def _cos_sin(rot: int, device: str) -> torch.Tensor:
+    return rope_cos_sin_cache(rot, MAX_POS, 500000.0, None, device=device)
+
+
+def _slots(c: Case, g: torch.Generator) -> torch.Tensor:
+    """Distinct rows of [1, S) for the real tokens (always both sides of the first page boundary
+    and the pool's last row when there are enough tokens), then 0 for the padding rows."""
+    n = c.t - c.pad
+    special = torch.tensor([PAGE - 1, PAGE, c.slots - 1])
+    rest = torch.randperm(c.slots - 1, generator=g) + 1
+    s = torch.cat([special, rest[~torch.isin(rest, special)]])[:n]
+    s = s[torch.randperm(n, generator=g)]
+    return torch.cat([s, torch.zeros(c.pad, dtype=torch.int64)])
+
+
+def _inputs(c: Case, device: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    cd = c.cache_dtype or c.dtype
+    qkv = torch.randn(c.t, (c.hq + 2 * c.hkv) * c.d, generator=g).to(c.dtype)
+    positions = torch.randint(0, MAX_POS, (c.t,), generator=g)
+    positions[0] = MAX_POS - 1  # far into a long context
+    if c.t > 1:
+        positions[1] = 0
+    slots = _slots(c, g)
+    assert len(set(slots[: c.t - c.pad].tolist())) == c.t - c.pad
+    pool_k = torch.randn(c.layers, c.slots, c.hkv, c.d, generator=g).to(cd)  # untouched rows: random
+    pool_v = torch.randn(c.layers, c.slots, c.hkv, c.d, generator=g).to(cd)
+    written = slots[slots > 0]
+    pool_k[1, written] = float("nan")  # poison the rows the op must write
+    pool_v[1, written] = float("nan")
+    nd = c.norm_dtype or c.dtype
+    qw = (1 + 0.5 * torch.randn(c.d, generator=g)).to(nd) if c.norm else None
+    kw = (1 + 0.5 * torch.randn(c.d, generator=g)).to(nd) if c.norm else None
+    mv = lambda x: None if x is None else x.to(device)
+    return (
+        mv(qkv),
+        mv(positions),
+        _cos_sin(c.rot, device),
+        mv(pool_k),
+        mv(pool_v),
+        mv(slots),
+        mv(qw),
+        mv(kw),
+    )
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert torch.isfinite(a).all(), "unwritten (poisoned) or non-finite elements"
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _run_and_check(c: Case, device: str, call, seed: int = 0) -> None:
+    """Run ``call`` (the op's signature) on fresh inputs; compare with the reference composition."""
+    qkv, positions, cs, pool_k, pool_v, slots, qw, kw = _inputs(c, device, seed)
+    before_k, before_v = pool_k.clone(), pool_v.clone()
+    ref_k, ref_v = pool_k.clone(), pool_v.clone()
+    meta = (c.hq, c.hkv, c.d, c.rot, c.neox, qw, kw, EPS)
+    q_ref = qkv_rope_kvwrite_ref(qkv, positions, cs, ref_k[1], ref_v[1], slots, *meta)
+    # each row's own k and v (padding rows all share the sink row of the pool)
+    rows_k = torch.empty(c.t, c.hkv, c.d, dtype=pool_k.dtype, device=device)
+    rows_v = torch.empty_like(rows_k)
+    idx = torch.arange(c.t, device=device)
+    qkv_rope_kvwrite_ref(qkv, positions, cs, rows_k, rows_v, idx, *meta)
+
+    q = call(qkv, positions, cs, pool_k[1], pool_v[1], slots, *meta)
+
+    assert q.shape == (c.t, c.hq, c.d) and q.dtype == c.dtype
+    assert _rel(q, q_ref) < c.tol
+    written = slots[slots > 0]
+    untouched = torch.ones(c.slots, dtype=torch.bool, device=device)
+    untouched[slots] = False
+    for pool, ref, before, rows in ((pool_k, ref_k, before_k, rows_k), (pool_v, ref_v, before_v, rows_v)):
+        assert pool.dtype == (c.cache_dtype or c.dtype)
+        assert _rel(pool[1, written], ref[1, written]) < c.tol
+        assert torch.equal(pool[1, untouched], before[1, untouched])
+        assert torch.equal(pool[0], before[0]) and torch.equal(pool[2:], before[2:])  # other layers
+        if c.pad:
+            assert any(_rel(pool[1, 0], rows[r]) < c.tol for r in range(c.t - c.pad, c.t))
+
+
+def _poisoned_triton(*args):
+    q = torch.full(
+        (args[0].shape[0], args[6], args[8]), float("nan"), dtype=args[0].dtype, device=args[0].device
+    )
+    out = qkv_rope_kvwrite_triton(*args, out=q)
+    assert out is q
+    return q
+
+
+CPU_CASES = [
+    Case(t=7, hq=4, hkv=1, d=64, rot=64, neox=True, norm=False, pad=2),  # GQA 4, padding rows
+    Case(t=5, hq=6, hkv=2, d=64, rot=32, neox=False, norm=True),  # 10 heads, partial, GPT-J
+    Case(t=1, hq=8, hkv=1, d=128, rot=128, neox=True, norm=True, dtype=torch.bfloat16),  # GQA 8
+    Case(t=4, hq=3, hkv=3, d=256, rot=64, neox=True, norm=False, dtype=torch.bfloat16, pad=1),  # MHA
+    Case(
+        t=4, hq=2, hkv=2, d=128, rot=96, neox=False, norm=True, dtype=torch.bfloat16, norm_dtype=torch.float32
+    ),
+    Case(t=3, hq=4, hkv=2, d=64, rot=64, neox=True, norm=False, cache_dtype=torch.bfloat16),
+]
+
+
+def _op(*args):
+    return torch.ops.kiln.qkv_rope_kvwrite(*args)
+
+
+@pytest.fixture
+def kernel_on_cpu(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"T{c.t}-{c.hq}x{c.hkv}x{c.d}-rot{c.rot}")
+def test_kernel_matches_reference_cpu(case, kernel_on_cpu):
+    _run_and_check(case, "cpu", _poisoned_triton, seed=case.t * 31 + case.d)
+
+
+def test_op_dispatches_to_kernel_and_reference(kernel_on_cpu, monkeypatch):
+    case = Case(t=3, hq=4, hkv=2, d=64, rot=64, neox=True, norm=True, pad=1)
+    _run_and_check(case, "cpu", _op, seed=1)  # the kernel, through torch.ops.kiln
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "0")
+    _run_and_check(case, "cpu", _op, seed=2)  # the CPU reference
+
+
+def test_shape_errors_name_the_field():
+    c = Case(t=2, hq=4, hkv=2, d=64, rot=64, neox=True, norm=False)
+    qkv, positions, cs, pool_k, pool_v, slots, _, _ = _inputs(c, "cpu", 0)
+    with pytest.raises(ValueError, match="num_q_heads"):
+        _op(qkv[:, :-64], positions, cs, pool_k[1], pool_v[1], slots, 4, 2, 64, 64, True, None, None, EPS)
+    with pytest.raises(ValueError, match="k_cache"):
+        _op(qkv, positions, cs, pool_k[1, :, :1], pool_v[1], slots, 4, 2, 64, 64, True, None, None, EPS)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        _op(qkv, positions, cs, pool_k[1], pool_v[1], slots, 4, 2, 64, 32, True, None, None, EPS)
+    with pytest.raises(ValueError, match="out_slots"):
+        _op(qkv, positions, cs, pool_k[1], pool_v[1], slots[:1], 4, 2, 64, 64, True, None, None, EPS)
+
+
+class _OneLayer(torch.nn.Module):
+    """What a traced attention layer does: select layer 1 of the pool, call the op on the views."""
+
+    def __init__(self, c: Case):
+        super().__init__()
+        self.c = c
+
+    def forward(self, qkv, positions, cos_sin, k_pool, v_pool, out_slots, q_norm_w, k_norm_w):
+        c = self.c
+        q = torch.ops.kiln.qkv_rope_kvwrite(
+            qkv, positions, cos_sin, k_pool[1], v_pool[1], out_slots, c.hq, c.hkv, c.d, c.rot, c.neox,
+            q_norm_w, k_norm_w, EPS,
+        )  # fmt: skip
+        return q.flatten(1)
+
+
+def test_export_mutates_the_pool_in_place(kernel_on_cpu):
+    c = Case(t=4, hq=4, hkv=2, d=64, rot=32, neox=True, norm=True, pad=1, layers=3)
+    args = _inputs(c, "cpu", 3)
+    ep = torch.export.export(_OneLayer(c), args)
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert "kiln.qkv_rope_kvwrite.default" in targets
+    assert not any(("clone" in t or "copy" in t or "functionalized" in t) for t in targets), targets
+    op = next(n for n in ep.graph.nodes if str(n.target) == "kiln.qkv_rope_kvwrite.default")
+    for view in op.args[3:5]:  # the caches are select(pool, 0, 1) of the graph inputs
+        assert str(view.target) == "aten.select.int" and view.args[0].op == "placeholder"
+    assert not ep.graph_signature.buffers_to_mutate and not ep.graph_signature.user_inputs_to_mutate
+
+    buf = io.BytesIO()
+    torch.export.save(ep, buf)
+    buf.seek(0)
+    loaded = torch.export.load(buf)
+
+    def call(qkv, positions, cs, k_layer, v_layer, slots, hq, hkv, d, rot, neox, qw, kw, eps):
+        pool_k, pool_v = k_layer._base, v_layer._base  # the op is handed the pool's layer-1 views
+        ptrs = (pool_k.data_ptr(), pool_v.data_ptr())
+        out = loaded.module()(qkv, positions, cs, pool_k, pool_v, slots, qw, kw)
+        assert (pool_k.data_ptr(), pool_v.data_ptr()) == ptrs
+        return out.view(c.t, c.hq, c.d)
+
+    _run_and_check(c, "cpu", call, seed=4)
+
+
+# --------------------------------------------------------------------------- GPU (real sizes)
+GPU_CASES = [
+    Case(t=1, hq=32, hkv=8, d=128, rot=128, neox=True, norm=False, dtype=torch.bfloat16, slots=70001),
+    Case(t=4096, hq=32, hkv=8, d=128, rot=128, neox=True, norm=False, dtype=torch.bfloat16, slots=70001),
+    Case(t=333, hq=32, hkv=8, d=128, rot=128, neox=True, norm=True, dtype=torch.bfloat16, pad=13, slots=9000),
+    Case(t=4096, hq=64, hkv=4, d=128, rot=128, neox=True, norm=True, dtype=torch.bfloat16, slots=70001),
+    Case(t=77, hq=8, hkv=4, d=256, rot=256, neox=True, norm=False, dtype=torch.bfloat16, slots=4096),
+    Case(t=500, hq=32, hkv=8, d=128, rot=64, neox=True, norm=False, dtype=torch.bfloat16, slots=4096),
+    Case(t=500, hq=16, hkv=16, d=192, rot=64, neox=False, norm=False, dtype=torch.bfloat16, slots=4096),
+    Case(t=64, hq=28, hkv=4, d=128, rot=128, neox=True, norm=False, dtype=torch.float32, slots=4096),
+    Case(t=64, hq=12, hkv=2, d=64, rot=64, neox=True, norm=True, dtype=torch.float32, pad=5, slots=4096),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"T{c.t}-{c.hq}x{c.hkv}x{c.d}-rot{c.rot}")
+def test_kernel_matches_reference_gpu(case):
+    _run_and_check(case, "cuda", _poisoned_triton, seed=5)
+    _run_and_check(case, "cuda", _op, seed=6)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay():
+    c = Case(t=8, hq=32, hkv=8, d=128, rot=128, neox=True, norm=True, dtype=torch.bfloat16, pad=2, slots=4096)
+    static = list(_inputs(c, "cuda", 7))
+    meta = (c.hq, c.hkv, c.d, c.rot, c.neox, static[6], static[7], EPS)
+    run = lambda: _op(*static[:3], static[3][1], static[4][1], static[5], *meta)
+    run()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_static = run()
+
+    def replay(qkv, positions, cs, k_layer, v_layer, slots, *rest):
+        static[0].copy_(qkv)
+        static[1].copy_(positions)
+        static[5].copy_(slots)
+        static[3].copy_(k_layer._base)
+        static[4].copy_(v_layer._base)
+        graph.replay()
+        k_layer._base.copy_(static[3])
+        v_layer._base.copy_(static[4])
+        return q_static.clone()
+
+    for seed in (8, 9):  # new tokens, positions and slots each replay
+        _run_and_check(c, "cuda", replay, seed=seed)
