@@ -1,0 +1,149 @@
+"""FP8 (e4m3fn) linear layer with per-token activation scales and per-channel weight scales.
+
+Op ``torch.ops.kiln.fp8_linear(x, x_scale, w, w_scale, bias, out_dtype) -> [T, N]``:
+
+* ``x``: ``[T, K]`` float8_e4m3fn; ``x_scale``: ``[T, 1]`` (per token) or ``[1]`` (per tensor) float32
+* ``w``: ``[N, K]`` float8_e4m3fn; ``w_scale``: ``[N]`` float32 (per output channel)
+* ``bias``: ``[N]`` or None; ``out_dtype``: bf16, fp16 or fp32
+* ``y[t, n] = x_scale[t] * w_scale[n] * sum_k x[t, k] * w[n, k] + bias[n]``
+
+CUDA, compute capability >= 9.0: ``torch._scaled_mm`` with row-wise scales. Its rules: the first
+operand row-major, the second column-major (so ``w.t()`` of a contiguous ``[N, K]`` weight), scales
+float32 ``[T, 1]`` and ``[1, N]`` contiguous, ``K`` and ``N`` divisible by 16. Where cuBLAS lacks
+row-wise scaling (before CUDA 12.9) torch falls back to a CUTLASS kernel that only writes bf16, so
+other output dtypes are computed in bf16 and cast there. Shapes ``_scaled_mm`` cannot take (K or N
+not a multiple of 16) and older GPUs use the dequantizing reference, with a one-time warning that
+says how to fix it. CPU: the reference (dequantize to float32, matmul).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+from kiln.ops.common import FP8_DTYPE
+
+FAST_ACCUM = os.environ.get("KILN_FP8_FAST_ACCUM", "0") == "1"  # faster, less accurate accumulation
+
+
+def fp8_linear_ref(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Dequantize both operands to float32 and multiply: ``[T, K] x [N, K] -> [T, N]`` in ``out_dtype``."""
+    xf = x.float() * x_scale.float().reshape(-1, 1)  # [T, K]
+    wf = w.float() * w_scale.float().reshape(-1, 1)  # [N, K]
+    y = xf @ wf.t()  # [T, N]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _cublas_rowwise() -> bool:
+    """cuBLAS has row-wise scaled FP8 GEMMs (any output dtype) from CUDA 12.9 on; before that torch
+    routes row-wise scaling to a bf16-output CUTLASS kernel."""
+    v = torch.version.cuda or "0.0"
+    major, minor = (int(p) for p in v.split(".")[:2])
+    return (major, minor) >= (12, 9)
+
+
+def scaled_mm_supported(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """None if ``torch._scaled_mm`` can run this product, else the reason it cannot."""
+    if not x.is_cuda:
+        return "not a CUDA tensor"
+    cap = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    if cap < (9, 0):
+        return f"row-wise scaled FP8 GEMMs need compute capability >= 9.0, this GPU is {cap[0]}.{cap[1]}"
+    n, k = w.shape
+    if k % 16 or n % 16:
+        return f"torch._scaled_mm needs K and N divisible by 16, got N={n}, K={k}"
+    return None
+
+
+def scaled_mm_rowwise(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    fast_accum: bool = FAST_ACCUM,
+) -> torch.Tensor:
+    """``torch._scaled_mm`` with row-wise scales; inputs as ``fp8_linear`` takes them (checked)."""
+    t, n = x.shape[0], w.shape[0]
+    x = x.contiguous()  # row-major [T, K]
+    w = w.contiguous()  # [N, K]; w.t() is the column-major [K, N] operand
+    sa = x_scale.float().reshape(-1, 1)
+    sa = (sa.expand(t, 1) if sa.shape[0] == 1 else sa).contiguous()  # [T, 1]
+    sb = w_scale.float().reshape(1, n).contiguous()  # [1, N]
+    mm_dtype = out_dtype if out_dtype == torch.bfloat16 or _cublas_rowwise() else torch.bfloat16
+    b = bias.to(mm_dtype) if bias is not None else None
+    y = torch._scaled_mm(
+        x, w.t(), scale_a=sa, scale_b=sb, bias=b, out_dtype=mm_dtype, use_fast_accum=fast_accum
+    )
+    return y if mm_dtype == out_dtype else y.to(out_dtype)
+
+
+_warned: set[str] = set()
+
+
+def _check(x, x_scale, w, w_scale, bias, out_dtype) -> None:
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"fp8_linear: need x [T, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != FP8_DTYPE or w.dtype != FP8_DTYPE:
+        raise ValueError(f"fp8_linear: x and w must be {FP8_DTYPE}, got {x.dtype} and {w.dtype}")
+    t, n = x.shape[0], w.shape[0]
+    if x_scale.dtype != torch.float32 or x_scale.numel() not in (1, t) or x_scale.dim() > 2:
+        raise ValueError(f"fp8_linear: x_scale must be [T={t}, 1] or [1] float32, got {tuple(x_scale.shape)}")
+    if w_scale.dtype != torch.float32 or w_scale.shape != (n,):
+        raise ValueError(
+            f"fp8_linear: w_scale must be [N={n}] float32, got {tuple(w_scale.shape)} {w_scale.dtype}"
+        )
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"fp8_linear: bias must be [N={n}], got {tuple(bias.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"fp8_linear: out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+
+
+@torch.library.custom_op("kiln::fp8_linear", mutates_args=())
+def fp8_linear(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``[T, K] fp8 x [N, K] fp8 -> [T, N]`` ``out_dtype``, scaled per token and per channel (+ bias)."""
+    _check(x, x_scale, w, w_scale, bias, out_dtype)
+    if x.shape[0] == 0:
+        return x.new_empty((0, w.shape[0]), dtype=out_dtype)
+    if x.is_cuda:
+        why = scaled_mm_supported(x, w)
+        if why is None:
+            return scaled_mm_rowwise(x, x_scale, w, w_scale, bias, out_dtype)
+        if why not in _warned:
+            _warned.add(why)
+            warnings.warn(
+                f"fp8_linear: {why}; using the slow dequantize-and-matmul path. Pad the weight's N and K "
+                "to multiples of 16 when packing (or quantize this layer to bf16) to get the FP8 GEMM.",
+                stacklevel=2,
+            )
+    return fp8_linear_ref(x, x_scale, w, w_scale, bias, out_dtype)
+
+
+@fp8_linear.register_fake
+def _(x, x_scale, w, w_scale, bias, out_dtype):
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)

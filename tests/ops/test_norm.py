@@ -1,0 +1,254 @@
+"""RMSNorm ops (ops/norm.py): the Triton kernel against the torch reference (interpreter on CPU,
+compiled on the GPU), the reference against Hugging Face, in-place residual, quantization modes,
+edge cases, and torch.export."""
+
+import io
+
+import pytest
+import torch
+
+from kiln.ops import norm
+from kiln.ops.common import FP8_DTYPE, FP8_MIN_SCALE, interpreting
+from kiln.ops.quant import dequantize_fp8
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+FP8_TOL = 1e-2  # dequantized FP8 outputs: a rounding flip moves one element by one e4m3 ulp
+EPS = 1e-6
+MODES = {"none": norm.QUANT_NONE, "static": norm.QUANT_STATIC, "dynamic": norm.QUANT_DYNAMIC}
+
+
+def assert_rel(out, ref, tol, what="output"):
+    """||out - ref|| / ||ref|| < tol; NaN (unwritten, poisoned elements) never passes."""
+    out, ref = out.float(), ref.float()
+    err = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert err < tol, f"{what}: relative error {err:.3e} (limit {tol:.0e})"
+
+
+@pytest.fixture
+def kernel_on_cpu(monkeypatch):
+    if not interpreting():
+        pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set by tests/conftest.py)")
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+
+
+@pytest.fixture
+def compiled_gpu():
+    if interpreting():
+        pytest.fail("GPU kernel tests must run compiled: run them with TRITON_INTERPRET=0")
+
+
+def make_inputs(t, h, dtype, device="cpu", seed=0):
+    g = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(t, h, generator=g, device=device).to(dtype)
+    r = (2 * torch.randn(t, h, generator=g, device=device)).to(dtype)
+    w = (1 + 0.2 * torch.randn(h, generator=g, device=device)).to(dtype)
+    return x, r, w
+
+
+def run_kernel(x, residual, w, scale, quant, max_block=norm.MAX_BLOCK):
+    """The launcher into NaN-poisoned outputs, so unwritten elements show."""
+    t, h = x.shape
+    y = torch.full((t, h), float("nan"), dtype=FP8_DTYPE if quant else x.dtype, device=x.device)
+    s = None
+    if quant:
+        s = torch.full((t, 1) if quant == norm.QUANT_DYNAMIC else (1,), float("nan"), device=x.device)
+    norm.rmsnorm_launch(x, residual, w, EPS, scale, quant, y, s, max_block=max_block)
+    return y, s
+
+
+def check_case(t, h, dtype, mode, with_residual, device="cpu", max_block=norm.MAX_BLOCK, seed=0):
+    quant = MODES[mode]
+    x, r, w = make_inputs(t, h, dtype, device, seed)
+    scale = torch.tensor([0.02], device=device) if mode == "static" else None
+    r_kernel, r_ref = (r.clone(), r.clone()) if with_residual else (None, None)
+    y, s = run_kernel(x, r_kernel, w, scale, quant, max_block)
+    if with_residual:
+        ref = norm.fused_add_rmsnorm_ref(x, r_ref, w, EPS)
+        assert_rel(r_kernel, r_ref, TOL[dtype], "residual")
+    else:
+        ref = norm.rmsnorm_ref(x, w, EPS)
+    if quant == norm.QUANT_NONE:
+        assert y.dtype == dtype
+        assert_rel(y, ref, TOL[dtype])
+        return
+    ref_y, ref_s = norm._quant_ref(ref, scale)
+    assert y.dtype == FP8_DTYPE and s.shape == ref_s.shape
+    assert_rel(s, ref_s, TOL[dtype], "scale")
+    assert_rel(dequantize_fp8(y, s), dequantize_fp8(ref_y, ref_s), FP8_TOL, "dequantized fp8")
+
+
+# ---- CPU: reference vs Hugging Face, kernel (interpreter) vs reference ---------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_matches_hf_llama_rmsnorm_bitwise(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x, r, w = make_inputs(4, 96, dtype)
+    hf = LlamaRMSNorm(96, eps=EPS).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+        assert torch.equal(norm.rmsnorm_ref(x, w, EPS), hf(x))
+        r_ref = r.clone()
+        assert torch.equal(norm.fused_add_rmsnorm_ref(x, r_ref, w, EPS), hf(r + x))
+    assert torch.equal(r_ref, r + x)
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("t,h", [(1, 4096), (4, 100), (2, 7168)])
+def test_kernel_matches_reference(kernel_on_cpu, t, h, dtype, mode, with_residual):
+    check_case(t, h, dtype, mode, with_residual)
+
+
+@pytest.mark.parametrize("mode", ["none", "dynamic"])
+def test_chunked_rows_match_reference(kernel_on_cpu, mode):
+    # max_block=64 walks a 300-wide row in 5 chunks (the last one partial): the path rows wider
+    # than MAX_BLOCK take on the GPU.
+    assert norm.launch_config(300, 64)[:2] == (64, 5)
+    check_case(3, 300, torch.bfloat16, mode, with_residual=True, max_block=64)
+
+
+@pytest.mark.parametrize("triton_on_cpu", [True, False], ids=["kernel", "reference"])
+def test_ops_update_residual_in_place(monkeypatch, triton_on_cpu):
+    if triton_on_cpu and not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1" if triton_on_cpu else "0")
+    x, r, w = make_inputs(3, 256, torch.bfloat16, seed=1)
+    expected = (r.float() + x.float()).to(torch.bfloat16)
+    r1, r2 = r.clone(), r.clone()
+    ptr = r1.data_ptr()
+    y = torch.ops.kiln.fused_add_rmsnorm(x, r1, w, EPS)
+    assert r1.data_ptr() == ptr and torch.equal(r1, expected)
+    assert_rel(y, norm.rmsnorm_ref(expected, w, EPS), TOL[torch.bfloat16])
+    q, s = torch.ops.kiln.fused_add_rmsnorm_quant(x, r2, w, EPS, None)
+    assert torch.equal(r2, expected) and q.dtype == FP8_DTYPE and s.shape == (3, 1)
+
+
+def test_dynamic_quant_all_zero_row(kernel_on_cpu):
+    x, _, w = make_inputs(3, 200, torch.bfloat16, seed=2)
+    x[1] = 0
+    q, s = torch.ops.kiln.rmsnorm_quant(x, w, EPS, None)
+    assert s[1, 0].item() == pytest.approx(FP8_MIN_SCALE) and torch.all(q[1].float() == 0)
+    ref_q, ref_s = norm.rmsnorm_quant_ref(x, w, EPS, None)
+    assert_rel(dequantize_fp8(q, s), dequantize_fp8(ref_q, ref_s), FP8_TOL)
+
+
+def test_static_scale_is_returned_as_a_copy(kernel_on_cpu):
+    x, _, w = make_inputs(2, 64, torch.float32)
+    scale = torch.tensor([0.05])
+    _, s = torch.ops.kiln.rmsnorm_quant(x, w, EPS, scale)
+    assert torch.equal(s, scale) and s.data_ptr() != scale.data_ptr()
+
+
+@pytest.mark.parametrize("triton_on_cpu", ["1", "0"], ids=["kernel", "reference"])
+def test_zero_tokens(monkeypatch, triton_on_cpu):
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", triton_on_cpu)
+    x, r, w = make_inputs(0, 64, torch.bfloat16)
+    scale = torch.tensor([0.5])
+    assert torch.ops.kiln.rmsnorm(x, w, EPS).shape == (0, 64)
+    assert torch.ops.kiln.fused_add_rmsnorm(x, r, w, EPS).shape == (0, 64)
+    q, s = torch.ops.kiln.rmsnorm_quant(x, w, EPS, None)
+    assert q.shape == (0, 64) and s.shape == (0, 1)
+    q, s = torch.ops.kiln.fused_add_rmsnorm_quant(x, r, w, EPS, scale)
+    assert q.shape == (0, 64) and torch.equal(s, scale)
+
+
+def test_bad_inputs_name_the_argument():
+    x, r, w = make_inputs(2, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="w must be"):
+        torch.ops.kiln.rmsnorm(x, w[:10], EPS)
+    with pytest.raises(ValueError, match="residual must match"):
+        torch.ops.kiln.fused_add_rmsnorm(x, r.float(), w, EPS)
+    with pytest.raises(ValueError, match="scale must be"):
+        torch.ops.kiln.rmsnorm_quant(x, w, EPS, torch.ones(2))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(h) * 0.1 + 1)
+        self.w2 = torch.nn.Parameter(torch.randn(h) * 0.1 + 1)
+
+    def forward(self, x, residual):
+        y = torch.ops.kiln.fused_add_rmsnorm(x, residual, self.w1, EPS)
+        q, s = torch.ops.kiln.rmsnorm_quant(y, self.w2, EPS, None)
+        return y, q, s
+
+
+def test_export_keeps_residual_update_in_place(kernel_on_cpu):
+    h = 64
+    mod = _Block(h)
+    x, r, _ = make_inputs(3, h, torch.float32)
+    t = torch.export.Dim("T", min=1, max=64)
+    ep = torch.export.export(mod, (x, r.clone()), dynamic_shapes=({0: t}, {0: t}), strict=False)
+    nodes = list(ep.graph.nodes)
+    placeholders = {n.name: n for n in nodes if n.op == "placeholder"}
+    (call,) = [n for n in nodes if n.target is torch.ops.kiln.fused_add_rmsnorm.default]
+    assert call.args[1] is placeholders["residual"], "the op must mutate the graph input itself"
+    copies = [
+        n for n in nodes if n.op == "call_function" and ("copy" in str(n.target) or "clone" in str(n.target))
+    ]
+    assert not copies, f"unexpected copies in the graph: {copies}"
+
+    buf = io.BytesIO()
+    torch.export.save(ep, buf)
+    buf.seek(0)
+    loaded = torch.export.load(buf)
+    for prog in (ep, loaded):
+        x, r, _ = make_inputs(5, h, torch.float32, seed=3)  # another T than traced
+        r_run, r_ref = r.clone(), r.clone()
+        y, q, s = prog.module()(x, r_run)
+        y_ref = norm.fused_add_rmsnorm_ref(x, r_ref, mod.w1.detach(), EPS)
+        assert torch.equal(r_run, r_ref), "residual update lost through export"
+        assert_rel(y, y_ref, TOL[torch.float32])
+        ref_q, ref_s = norm.rmsnorm_quant_ref(y_ref, mod.w2.detach(), EPS, None)
+        assert_rel(dequantize_fp8(q, s), dequantize_fp8(ref_q, ref_s), FP8_TOL)
+
+
+# ---- GPU: compiled kernels at model sizes -------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("h", [4096, 5120, 3584, 2048, 7168, 100])
+@pytest.mark.parametrize("t", [1, 300])
+def test_gpu_matches_reference(compiled_gpu, t, h, dtype, mode, with_residual):
+    check_case(t, h, dtype, mode, with_residual, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gpu_large_batch_and_chunked_rows(compiled_gpu, mode):
+    check_case(4096, 4096, torch.bfloat16, mode, True, device="cuda")
+    check_case(64, 20000, torch.bfloat16, mode, True, device="cuda")  # > MAX_BLOCK: chunked
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay(compiled_gpu):
+    x, r, w = make_inputs(64, 4096, torch.bfloat16, device="cuda")
+    sx, sr = x.clone(), r.clone()
+    torch.ops.kiln.fused_add_rmsnorm_quant(sx, sr.clone(), w, EPS, None)  # compile outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        q, s = torch.ops.kiln.fused_add_rmsnorm_quant(sx, sr, w, EPS, None)
+    for seed in (5, 6):
+        x, r, _ = make_inputs(64, 4096, torch.bfloat16, device="cuda", seed=seed)
+        sx.copy_(x)
+        sr.copy_(r)
+        g.replay()
+        ref_q, ref_s = norm.fused_add_rmsnorm_quant_ref(x, r, w, EPS, None)  # r becomes r + x
+        assert_rel(sr, r, TOL[torch.bfloat16], "residual")
+        assert_rel(dequantize_fp8(q, s), dequantize_fp8(ref_q, ref_s), FP8_TOL)
+
+
+def test_row_strided_input(kernel_on_cpu):
+    x, r, w = make_inputs(3, 96, torch.bfloat16, seed=8)
+    wide = torch.cat([x, torch.full_like(x, float("nan"))], dim=1)  # x as a view with row stride 192
+    r_ref = r.clone()
+    y = torch.ops.kiln.fused_add_rmsnorm(wide[:, :96], r, w, EPS)
+    assert_rel(y, norm.fused_add_rmsnorm_ref(x, r_ref, w, EPS), TOL[torch.bfloat16])
+    assert torch.equal(r, r_ref)
