@@ -153,7 +153,7 @@ def compile_model(
     model_dir: str | Path, out_dir: str | Path, opts: CompileOptions, verbose: bool = True
 ) -> dict[str, Any]:
     """Build the artifact for ``model_dir`` into ``out_dir``; returns the manifest."""
-    from kiln.compiler.mappings import param_specs
+    from kiln.compiler.mappings import all_rank_specs, skip_patterns
     from kiln.weights import load_pack, pack_checkpoint
 
     model_dir, out = Path(model_dir), Path(out_dir)
@@ -169,16 +169,16 @@ def compile_model(
         model_class(cfg.architecture)  # fail before any work if the architecture cannot compile
         _prepare_out(out, opts.force)
     with timer.phase("weights"):
-        specs = [param_specs(cfg, par, rank, opts.quant) for rank in range(opts.tp)]
         pack_checkpoint(
             model_dir,
             out / "weights",
-            specs,
+            all_rank_specs(cfg, par, opts.quant),
             tp=opts.tp,
             ep=1,
             dtype=opts.dtype,
             quant=opts.quant,
             progress=verbose,
+            skip=skip_patterns(cfg),
         )
     device = torch.device(opts.device)
     with timer.phase("trace"):
@@ -257,7 +257,12 @@ def compile_model(
                 "rope": {
                     "rotary_dim": cfg.rotary_dim,
                     "base": cfg.rope_theta,
-                    "scaling": asdict(cfg.rope_scaling),
+                    # HF falls back to max_position_embeddings when scaling has no original length
+                    "scaling": asdict(cfg.rope_scaling)
+                    | {
+                        "original_max_position": cfg.rope_scaling.original_max_position
+                        or cfg.max_position_embeddings
+                    },
                     "is_neox": cfg.rope_is_neox,
                 },
                 "vocab_size": cfg.vocab_size,

@@ -1,17 +1,18 @@
 """Shared test configuration.
 
-GPU tests carry ``@pytest.mark.gpu`` and skip without CUDA. Kernel tests on CPU run the real
-Triton kernels through the interpreter: ``TRITON_INTERPRET=1`` is set here, before triton loads.
+GPU tests carry ``@pytest.mark.gpu`` and skip without CUDA. Without a GPU, kernel tests run the
+real Triton kernels through the interpreter: ``TRITON_INTERPRET=1`` is set here, before any
+kernel module is imported (on a GPU machine the kernels compile for the device instead).
 """
 
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,109 @@
+"""``kiln generate ART PROMPT``: stream a completion to the terminal."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from kiln.runtime.sampling_params import SamplingParams
+
+
+def engine_options(f):  # shared by generate, serve and bench
+    opts = [
+        click.option(
+            "--device",
+            type=click.Choice(["cuda", "cpu"]),
+            default=None,
+            help="Device to run on [default: cuda if present, else cpu].",
+        ),
+        click.option(
+            "--kv-memory",
+            type=float,
+            default=None,
+            metavar="GiB",
+            help="KV-cache memory [default: free device memory after weights and a reserve].",
+        ),
+        click.option(
+            "--no-cuda-graph", is_flag=True, help="Run decode steps eagerly instead of replaying CUDA graphs."
+        ),
+        click.option("--no-radix-cache", is_flag=True, help="Disable prefix caching."),
+        click.option("--max-running", type=int, default=None, help="Cap on concurrently running requests."),
+        click.option(
+            "--chunk-size", type=int, default=None, help="Prefill chunk in tokens (<= the artifact's)."
+        ),
+        click.option("--verify", is_flag=True, help="Check every artifact file's sha256 before loading."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def options_from(kw: dict) -> dict:
+    return dict(
+        device=kw.pop("device"),
+        kv_memory_gib=kw.pop("kv_memory"),
+        cuda_graph=not kw.pop("no_cuda_graph"),
+        radix_cache=not kw.pop("no_radix_cache"),
+        max_running=kw.pop("max_running"),
+        chunk_size=kw.pop("chunk_size"),
+        verify=kw.pop("verify"),
+    )
+
+
+@click.command("generate")
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False))
+@click.argument("prompt")
+@click.option("--max-tokens", default=128, show_default=True, help="New tokens at most.")
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--top-k", default=-1, show_default=True, help="-1 = off.")
+@click.option("--seed", type=int, default=None, help="Same seed, same output.")
+@click.option("--chat", is_flag=True, help="Wrap PROMPT as a user message with the chat template.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@engine_options
+def generate_cmd(
+    artifact: str,
+    prompt: str,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    chat: bool,
+    stop: tuple[str, ...],
+    **kw,
+) -> None:
+    """Load ARTIFACT and stream a completion of PROMPT to the terminal."""
+    from kiln.runtime.llm import LLM
+
+    llm = LLM(artifact, log=True, **options_from(kw))
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=list(stop) or None,
+    )
+    params.validate()
+    text: str | list[int] = prompt
+    if chat:
+        text = llm.tokenizer.encode(
+            llm.apply_chat_template([{"role": "user", "content": prompt}]), add_special_tokens=False
+        )
+    t0 = time.perf_counter()
+    last = None
+    for out in llm.stream(text, params):
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+        last = out
+    dt = time.perf_counter() - t0
+    if last is not None:
+        n = len(last.token_ids)
+        click.echo(
+            f"\n[kiln] {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s), TTFT {last.ttft * 1e3:.0f} ms, "
+            f"finish: {last.finish_reason}",
+            err=True,
+        )

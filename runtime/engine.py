@@ -1,0 +1,298 @@
+"""Engine: the decode loop. One ``step()`` = schedule -> model step -> sample -> stop checks.
+
+The engine is synchronous and single-threaded; the offline API (``kiln.LLM``) calls ``step()``
+until its requests finish, and the server drives it from a worker thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kiln.errors import KilnError
+from kiln.runtime.kv_pool import BlockTable, KVPool, size_for_memory
+from kiln.runtime.loader import load_model
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.radix_cache import RadixCache
+from kiln.runtime.request import Req, RequestOutput
+from kiln.runtime.sampler import Sampler, SamplingBatch, resolve_seed
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kiln.runtime.tokenizer import RequestText, load_tokenizer
+
+GIB = 1024**3
+
+
+class RequestError(KilnError, ValueError):
+    """A request the engine cannot accept (``param`` names the offending field)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class EngineOptions:
+    device: str | None = None  # default: the artifact's device kind
+    kv_memory_gib: float | None = None  # default: free device memory after weights and a reserve
+    cuda_graph: bool = True
+    radix_cache: bool = True
+    max_running: int | None = None  # default: the largest decode bucket
+    chunk_size: int | None = None  # default: the artifact's chunk size
+    activation_reserve_gib: float = 4.0
+    gpu_memory_fraction: float = 0.90
+    verify: bool = False
+    log: bool = True
+
+
+def _kv_bytes(opts: EngineOptions, device: torch.device, kv_bytes_per_token: int, max_tokens: int) -> int:
+    if opts.kv_memory_gib is not None:
+        return int(opts.kv_memory_gib * GIB)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        usable = free - (1 - opts.gpu_memory_fraction) * total - opts.activation_reserve_gib * GIB
+        return max(int(usable), 0)
+    # CPU: enough for the largest batch at full length, within 2 GiB.
+    return min(2 * GIB, kv_bytes_per_token * max_tokens)
+
+
+class Engine:
+    def __init__(self, artifact: str, options: EngineOptions | None = None):
+        opts = options or EngineOptions()
+        self.opts = opts
+        t0 = time.perf_counter()
+        dev = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_model(artifact, dev, verify=opts.verify, log=opts.log)
+        art = self.model.artifact
+        self.artifact = art
+        self.device = self.model.device
+        kv, P = art.kv, art.kv["page_size"]
+        self.max_seq_len = art.max_seq_len
+        max_running = min(opts.max_running or art.decode_buckets[-1], art.decode_buckets[-1])
+        t = time.perf_counter()
+        want = _kv_bytes(opts, self.device, kv["bytes_per_token"], max_running * self.max_seq_len + P)
+        num_slots = size_for_memory(want, kv["bytes_per_token"], P)
+        self.pool = KVPool(
+            kv["num_layers"],
+            num_slots,
+            kv["num_kv_heads"],
+            kv["head_dim"],
+            kv["v_head_dim"],
+            art.dtype,
+            self.device,
+            P,
+        )
+        self.bt = BlockTable(max_running, -(-self.max_seq_len // P), self.device, P)
+        self.model.phases["kv_pool"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.runner = ModelRunner(self.model, self.pool, self.bt, cuda_graph=opts.cuda_graph)
+        self.model.phases["cuda_graphs"] = time.perf_counter() - t
+        self.radix = RadixCache(P, disabled=not opts.radix_cache)
+        chunk = min(opts.chunk_size or art.chunk_size, art.chunk_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_running=max_running, chunk_size=chunk, max_seq_len=self.max_seq_len),
+            self.pool,
+            self.bt,
+            self.radix,
+        )
+        self.sampler = Sampler(art.vocab_size, self.bt.num_rows, self.device)
+        t = time.perf_counter()
+        self.tokenizer = load_tokenizer(art.tokenizer_dir) if art.tokenizer_dir.is_dir() else None
+        self.model.phases["tokenizer"] = time.perf_counter() - t
+        self.eos_ids = set(art.eos_token_ids)
+        self.requests: dict[str, Req] = {}
+        self._ids = itertools.count()
+        self._sampler_rows: dict[str, int] = {}
+        self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0}
+        self.startup_seconds = time.perf_counter() - t0
+        if opts.log:
+            print(
+                f"[kiln] KV pool: {self.pool.capacity_tokens:,} tokens "
+                f"({self.pool.nbytes / GIB:.2f} GiB, page size {P}); ready in {self.startup_seconds:.2f} s "
+                f"({', '.join(f'{k} {v:.2f}s' for k, v in self.model.phases.items())})",
+                flush=True,
+            )
+
+    # ------------------------------------------------------------------ requests
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("prompt", "this artifact has no tokenizer; pass token ids")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        rid: str | None = None,
+        seed_index: int = 0,
+    ) -> Req:
+        params = params or SamplingParams()
+        params.validate()
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("prompt", "the prompt is empty")
+        vocab = self.artifact.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise RequestError("prompt", f"token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_seq_len:
+            raise RequestError(
+                "prompt",
+                f"the prompt has {len(ids)} tokens but the context is {self.max_seq_len} "
+                f"(the artifact's max_seq_len); shorten the prompt",
+            )
+        if len(ids) + 1 > self.pool.capacity_tokens:
+            raise RequestError(
+                "prompt",
+                f"the prompt needs {len(ids) + 1} KV slots but the pool holds "
+                f"{self.pool.capacity_tokens}; raise --kv-memory",
+            )
+        rid = rid or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise RequestError("rid", f"request id {rid!r} is already in use")
+        req = Req(rid=rid, prompt_ids=ids, params=params, seed=resolve_seed(params, seed_index))
+        if self.tokenizer is not None:
+            req.detok = RequestText(self.tokenizer, ids, params)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        self.stats["prompt_tokens"] += len(ids)
+        return req
+
+    def abort(self, rid: str) -> None:
+        req = self.requests.pop(rid, None)
+        if req is not None and not req.finished:
+            self.scheduler.abort(req)
+            req.finish_reason = "abort"
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        self.stats["steps"] += 1
+        for req in batch.reqs:  # newly admitted (or resumed): fresh sampler row
+            if self._sampler_rows.get(req.rid) != req.row:
+                self.sampler.reset_row(req.row, req.prompt_ids, req.output_ids)
+                self._sampler_rows[req.rid] = req.row
+                if req.kv_len == req.cached_len:
+                    self.stats["cached_tokens"] += req.cached_len
+        step = self.scheduler.step_inputs(batch)
+        logits = self.runner.forward(step)  # [B, V]
+        done = [i for i in range(len(batch.reqs)) if batch.completes(i)]
+        self.scheduler.after_step(batch)
+        if not done:
+            return []
+        return self._sample_and_process(batch, done, logits)
+
+    def _sample_and_process(
+        self, batch: ScheduledBatch, done: list[int], logits: torch.Tensor
+    ) -> list[RequestOutput]:
+        reqs = [batch.reqs[i] for i in done]
+        if len(done) < len(batch.reqs):
+            logits = logits[torch.tensor(done, device=logits.device)]
+        sb = SamplingBatch.build(
+            [r.params for r in reqs],
+            [r.row for r in reqs],
+            self.device,
+            seeds=[r.seed for r in reqs],
+            steps=[len(r.output_ids) for r in reqs],
+            eos_token_ids=sorted(self.eos_ids),
+        )
+        out = self.sampler.sample(logits, sb)
+        self.sampler.observe(sb.rows, out.next_ids)
+        next_ids = out.next_ids.tolist()  # the one host sync per step
+        lp = out.logprobs.tolist() if out.logprobs is not None else None
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        now = time.perf_counter()
+        outputs = []
+        for j, req in enumerate(reqs):
+            tok = next_ids[j]
+            req.output_ids.append(tok)
+            self.stats["generated_tokens"] += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            new_lp: list[dict[str, Any]] = []
+            if req.params.logprobs is not None and lp is not None:
+                n = req.params.logprobs
+                entry = {
+                    "token_id": tok,
+                    "logprob": lp[j],
+                    "top": list(zip(top_ids[j][:n], top_lp[j][:n])) if top_ids else [],
+                }
+                req.logprobs.append(entry)
+                new_lp.append(entry)
+            new_text = self._check_stop(req, tok)
+            if req.finish_reason is not None:
+                req.finish_time = now
+                self.scheduler.finish(req)
+                self.requests.pop(req.rid, None)
+                self._sampler_rows.pop(req.rid, None)
+            outputs.append(
+                RequestOutput(
+                    rid=req.rid,
+                    new_text=new_text,
+                    new_token_ids=[tok],
+                    token_ids=list(req.output_ids),
+                    text=req.text,
+                    finished=req.finished,
+                    finish_reason=req.finish_reason,
+                    num_prompt_tokens=len(req.prompt_ids),
+                    num_cached_tokens=req.cached_len,
+                    new_logprobs=new_lp,
+                    ttft=req.first_token_time - req.arrival if req.first_token_time else None,
+                    latency=(req.finish_time - req.arrival) if req.finish_time else None,
+                )
+            )
+        return outputs
+
+    def _check_stop(self, req: Req, tok: int) -> str:
+        """Apply stop conditions after ``tok`` was appended; returns the text to emit now."""
+        p = req.params
+        n_out = len(req.output_ids)
+        stop_tok = (tok in self.eos_ids and not p.ignore_eos) or tok in (p.stop_token_ids or ())
+        if stop_tok and n_out > p.min_tokens - 1:
+            req.finish_reason = "stop"
+            new_text = req.detok.flush() if req.detok else ""
+        else:
+            new_text, stopped = req.detok.add(tok) if req.detok else ("", False)
+            if stopped:
+                req.finish_reason = "stop"
+            elif n_out >= p.max_tokens or req.seq_len >= self.max_seq_len:
+                req.finish_reason = "length"
+                new_text += req.detok.flush() if req.detok else ""
+        req.text += new_text
+        return new_text
+
+    def run_until_done(self) -> None:
+        while self.has_work():
+            self.step()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        self.bt.flush()
+        self.bt.check()
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix not in use (for benchmarks that must start cold)."""
+        self.radix.evict(self.radix.evictable_size, self.pool.free_pages)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_capacity_tokens": self.pool.capacity_tokens,
+            "kv_free_tokens": self.pool.num_free_slots,
+            "kv_cached_tokens": self.radix.total_size,
+            "preemptions": self.scheduler.num_preemptions,
+            **self.stats,
+        }
+
+    def __repr__(self) -> str:
+        return f"Engine({self.artifact.root}, device={self.device}, kv={self.pool.capacity_tokens} tokens)"

@@ -1,0 +1,155 @@
+"""The offline API: ``from kiln import LLM, SamplingParams``.
+
+llm = LLM("ART")
+outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32, temperature=0))
+for piece in llm.stream("Tell me a story"): print(piece.new_text, end="")
+out = llm.chat([{"role": "user", "content": "Hi"}])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.runtime.engine import Engine, EngineOptions
+from kiln.runtime.request import RequestOutput
+from kiln.runtime.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+@dataclass
+class GenerationOutput:
+    """One finished completion."""
+
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[str, Any]] | None = None
+    num_cached_tokens: int = 0
+    ttft: float | None = None  # seconds from submission to the first token
+    latency: float | None = None  # seconds from submission to the last token
+    index: int = 0  # which of the n completions of its prompt
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class LLM:
+    """Load an artifact and generate. Options are :class:`EngineOptions` fields (``device``,
+    ``kv_memory_gib``, ``cuda_graph``, ``radix_cache``, ``max_running``, ``chunk_size``, ...)."""
+
+    def __init__(self, artifact: str, **options: Any):
+        options.setdefault("log", False)
+        self.engine = Engine(artifact, EngineOptions(**options))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def _submit(
+        self, prompts: Sequence[Prompt], params: Sequence[SamplingParams]
+    ) -> list[tuple[str, int, int]]:
+        subs = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            for k in range(sp.n):
+                req = self.engine.add_request(p, sp, seed_index=k)
+                subs.append((req.rid, i, k))
+        return subs
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[GenerationOutput]:
+        """Generate for every prompt (strings or token-id lists); one output per completion, in
+        prompt order (n > 1 gives n consecutive outputs for that prompt)."""
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        plist: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        params = _params_list(sampling_params, len(plist))
+        subs = self._submit(plist, params)
+        finals: dict[str, RequestOutput] = {}
+        reqs = {rid: self.engine.requests[rid] for rid, _, _ in subs}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(subs), desc="generate", unit="req")
+        while len(finals) < len(subs):
+            if not self.engine.has_work():
+                raise RuntimeError("engine idle with unfinished requests")  # never expected
+            for out in self.engine.step():
+                if out.finished and out.rid in reqs:
+                    finals[out.rid] = out
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        results = []
+        for rid, _, k in subs:
+            o, r = finals[rid], reqs[rid]
+            results.append(
+                GenerationOutput(
+                    prompt_token_ids=r.prompt_ids,
+                    text=o.text,
+                    token_ids=o.token_ids,
+                    finish_reason=o.finish_reason,
+                    logprobs=r.logprobs if r.params.logprobs is not None else None,
+                    num_cached_tokens=o.num_cached_tokens,
+                    ttft=o.ttft,
+                    latency=o.latency,
+                    index=k,
+                )
+            )
+        return results
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield a :class:`RequestOutput` per new token of one prompt (``new_text`` is the delta)."""
+        sp = sampling_params or SamplingParams()
+        req = self.engine.add_request(prompt, sp)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.rid == req.rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if not req.finished:
+                self.engine.abort(req.rid)
+
+    def apply_chat_template(self, messages: Sequence[Message]) -> str:
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this artifact's tokenizer has no chat template")
+        return tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[GenerationOutput]:
+        """Chat completion(s) with the artifact's chat template: one conversation or a list."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[Prompt] = [
+            self.engine.tokenizer.encode(
+                self.apply_chat_template(c),  # type: ignore[arg-type]
+                add_special_tokens=False,
+            )
+            for c in convs
+        ]
+        return self.generate(prompts, sampling_params)
+
+
+def _params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if sp is None:
+        return [SamplingParams()] * n
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    if len(sp) != n:
+        raise ValueError(f"{len(sp)} sampling params for {n} prompts")
+    return list(sp)
