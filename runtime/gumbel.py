@@ -1,0 +1,151 @@
+"""Seeded Gumbel-max sampling: ``argmax(x + g)`` with counter-based noise, fused in one kernel.
+
+The noise for token ``v`` of a row is a pure function of that row's two 32-bit keys (derived on
+the host from the request's seed and step, ``row_keys``) and ``v``:
+
+    h = lowbias32(lowbias32((v + key_a) mod 2**32) ^ key_b)
+    u = (h >> 8 + 0.5) / 2**24                    in (0, 1), 24 bits
+    g = -log(-log(u))                             standard Gumbel
+
+so a request's draw depends on nothing else in the batch (same seed, same output, whatever the
+batch). ``argmax(x + g)`` over logits ``x`` (masked entries ``-inf``) samples ``softmax(x)``.
+
+``gumbel_argmax(x[B, V] f32, keys[B, 2] i64) -> [B] i64`` launches the Triton kernel on CUDA
+(one program per row and 2048-token chunk, then a tiny torch reduction over chunks) and the
+plain-torch reference on CPU (the kernel under the interpreter when ``KILN_TRITON_ON_CPU=1``).
+No host sync, fixed grid per shape: fits in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.ops.common import next_pow2, use_triton
+
+M32 = 0xFFFFFFFF
+M64 = 0xFFFFFFFFFFFFFFFF
+C1, C2 = 0x7FEB352D, 0x846CA68B  # lowbias32 multipliers (Wellons' hash prospector)
+CHUNK = 2048  # tokens per program
+_M32 = tl.constexpr(M32)  # kernels may only read constexpr globals
+_C1 = tl.constexpr(C1)
+_C2 = tl.constexpr(C2)
+
+
+# ---- host side: per-row keys ----------------------------------------------------------------------
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def row_keys(seed: int, step: int) -> tuple[int, int]:
+    """The two 32-bit noise keys of a request at generation step ``step`` (Python ints)."""
+    z = _splitmix64((seed & M64) ^ _splitmix64(step & M64))
+    return z & M32, z >> 32
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """Seed of completion ``index`` of a request with ``n > 1`` (index 0 keeps ``seed``)."""
+    return seed if index == 0 else _splitmix64((seed & M64) ^ _splitmix64(index)) >> 1
+
+
+# ---- torch reference ------------------------------------------------------------------------------
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32): the constant as a signed 32-bit value
+    keeps the product inside int64."""
+    cs = c - (1 << 32) if c >= 1 << 31 else c
+    return (x * cs) & M32
+
+
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, C1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, C2)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The noise ``g: [B, V]`` f32 for ``keys: [B, 2]`` int64 (reference; also used by tests)."""
+    v = torch.arange(vocab, device=keys.device, dtype=torch.int64)  # [V]
+    h = _lowbias32((v[None, :] + keys[:, :1]) & M32)  # [B, V]
+    h = _lowbias32(h ^ keys[:, 1:2])
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    return -torch.log(-torch.log(u))
+
+
+def gumbel_argmax_ref(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``argmax(x + g)`` per row. x: [B, V] f32, keys: [B, 2] int64 -> [B] int64."""
+    return (x + gumbel_noise(keys, x.shape[1])).argmax(dim=-1)
+
+
+# ---- Triton kernel --------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tl_lowbias32(x):
+    # x: uint64 holding a 32-bit value; products of two 32-bit values fit in 64 bits.
+    x = x ^ (x >> 16)
+    x = (x * _C1) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _C2) & _M32
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(
+    x_ptr, stride_x, keys_ptr, best_val_ptr, best_idx_ptr, V, num_chunks,
+    CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    key_a = tl.load(keys_ptr + row * 2).to(tl.uint64)
+    key_b = tl.load(keys_ptr + row * 2 + 1).to(tl.uint64)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    start = chunk * CHUNK_SIZE
+    for off in range(0, CHUNK_SIZE, BLOCK):
+        offs = start + off + tl.arange(0, BLOCK)  # [BLOCK]
+        mask = offs < V
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        h = _tl_lowbias32((offs.to(tl.uint64) + key_a) & _M32)
+        h = _tl_lowbias32(h ^ key_b)
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        s = x - tl.log(-tl.log(u))
+        s = tl.where(mask, s, float("-inf"))
+        take = s > best
+        best = tl.where(take, s, best)
+        best_i = tl.where(take, offs, best_i)
+    top = tl.max(best, axis=0)
+    top_i = tl.min(tl.where(best == top, best_i, 2147483647), axis=0)  # lowest index on ties
+    tl.store(best_val_ptr + row * num_chunks + chunk, top)
+    tl.store(best_idx_ptr + row * num_chunks + chunk, top_i)
+
+
+def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row: ``argmax(x + g)``.
+
+    x: [B, V] float32 (row stride may exceed V; entries ``-inf`` are never chosen unless the
+    whole row is ``-inf``). keys: [B, 2] int64 from ``row_keys``. Returns [B] int64.
+    """
+    if not use_triton(x):
+        return gumbel_argmax_ref(x, keys)
+    B, V = x.shape
+    assert x.stride(1) == 1, "gumbel_argmax: rows must be contiguous"
+    chunk = min(CHUNK, next_pow2(V))
+    block = min(1024, chunk)
+    num_chunks = triton.cdiv(V, chunk)
+    best_val = torch.empty(B, num_chunks, dtype=torch.float32, device=x.device)
+    best_idx = torch.empty(B, num_chunks, dtype=torch.int32, device=x.device)
+    _gumbel_argmax_kernel[(B, num_chunks)](
+        x, x.stride(0), keys.contiguous(), best_val, best_idx, V, num_chunks, CHUNK_SIZE=chunk, BLOCK=block
+    )
+    j = best_val.argmax(dim=1, keepdim=True)  # [B, 1], first (lowest-index) chunk on ties
+    return best_idx.gather(1, j).squeeze(1).to(torch.int64)
