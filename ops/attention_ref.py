@@ -1,0 +1,139 @@
+"""Plain-torch references for paged decode and extend attention.
+
+Both read K/V from the paged pool described in docs/internals.md: token position ``p`` of the
+request in block-table row ``r`` lives at slot ``block_table[r, p // P] * P + p % P``. They loop over
+requests on the host (``.tolist()``), gather that request's K/V rows, and run a masked softmax in
+float32. They are the CPU implementation of the ops and the oracle of the kernel tests; they are
+not meant to be fast.
+
+Masks: key ``j`` is visible to query position ``i`` iff ``j <= i`` and, with a sliding window
+``W > 0``, ``i - j < W``. Soft-cap ``cap > 0``: ``s = cap * tanh(s / cap)`` on the scaled scores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def request_slots(block_table: torch.Tensor, row: int, length: int, page_size: int) -> torch.Tensor:
+    """Slots of positions ``0..length-1`` of block-table row ``row``: ``[length]`` int64."""
+    pos = torch.arange(length, device=block_table.device)
+    pages = block_table[row, pos // page_size].long()
+    return pages * page_size + pos % page_size
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    sm_scale: float,
+    sliding_window: int,
+    logit_cap: float,
+) -> torch.Tensor:
+    """One request: q ``[n, Hq, D]`` at positions ``q_pos [n]`` over keys ``k [L, Hkv, D]``,
+    ``v [L, Hkv, Dv]`` at positions ``0..L-1``. Returns ``[n, Hq, Dv]`` float32."""
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    qf = q.float().transpose(0, 1)  # [Hq, n, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, Dv]
+    s = torch.matmul(qf, kf.transpose(1, 2)) * sm_scale  # [Hq, n, L]
+    if logit_cap > 0:
+        s = logit_cap * torch.tanh(s / logit_cap)
+    kpos = torch.arange(k.shape[0], device=q.device)
+    visible = kpos[None, :] <= q_pos[:, None]  # [n, L]
+    if sliding_window > 0:
+        visible &= (q_pos[:, None] - kpos[None, :]) < sliding_window
+    s = s.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key -> zeros
+    return torch.matmul(p, vf).transpose(0, 1)  # [n, Hq, Dv]
+
+
+def extend_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    sm_scale: float,
+    page_size: int,
+    sliding_window: int = -1,
+    logit_cap: float = 0.0,
+) -> torch.Tensor:
+    """Extend attention, reference.
+
+    q ``[T, Hq, D]``; k_cache ``[S, Hkv, D]``; v_cache ``[S, Hkv, Dv]``; block_table ``[R, M]``
+    int32; req_rows, seq_lens ``[B]`` int32; qo_indptr ``[B + 1]`` int32. Request ``b``'s new
+    tokens are rows ``qo_indptr[b]:qo_indptr[b+1]`` of ``q`` at positions
+    ``seq_lens[b] - n_b + j``. Returns ``[T, Hq, Dv]`` in q's dtype; rows of ``q`` that belong
+    to no request (bucket padding) are zeros.
+    """
+    t, hq = q.shape[0], q.shape[1]
+    out = torch.zeros(t, hq, v_cache.shape[-1], dtype=torch.float32, device=q.device)
+    indptr = qo_indptr.tolist()
+    for b, (row, seq_len) in enumerate(zip(req_rows.tolist(), seq_lens.tolist())):
+        lo, hi = indptr[b], indptr[b + 1]
+        if hi <= lo:
+            continue
+        slots = request_slots(block_table, row, seq_len, page_size)  # [L]
+        q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)  # [n]
+        out[lo:hi] = _attend(
+            q[lo:hi], k_cache[slots], v_cache[slots], q_pos, sm_scale, sliding_window, logit_cap
+        )
+    return out.to(q.dtype)
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    page_size: int,
+    sliding_window: int = -1,
+    logit_cap: float = 0.0,
+) -> torch.Tensor:
+    """Decode attention, reference: one query per request at position ``seq_lens[b] - 1``.
+
+    q ``[B, Hq, D]``; caches and metadata as in :func:`extend_attention_ref`. Returns
+    ``[B, Hq, Dv]`` in q's dtype (zeros for a request with ``seq_lens[b] == 0``).
+    """
+    b = q.shape[0]
+    qo_indptr = torch.arange(b + 1, dtype=torch.int32, device=q.device)
+    return extend_attention_ref(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        req_rows,
+        seq_lens,
+        qo_indptr,
+        sm_scale,
+        page_size,
+        sliding_window,
+        logit_cap,
+    )
+
+
+def random_block_table(
+    seq_lens: list[int], page_size: int, device: torch.device | str = "cpu", spare_pages: int = 3
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A random paged layout for tests and benchmarks: ``(block_table [R, M] int32, req_rows [B]
+    int32, num_slots)``. Pages are scattered over a pool of ``num_slots`` slots (page 0, which
+    holds the reserved sink slot 0, is never used); rows are shuffled and unused entries are 0."""
+    p = page_size
+    need = [max(1, -(-n // p)) for n in seq_lens]  # pages per request
+    num_pages = 1 + sum(need) + spare_pages
+    pages = (torch.randperm(num_pages - 1) + 1).tolist()
+    rows = len(seq_lens) + 2
+    table = torch.zeros(rows, max(need) + 1, dtype=torch.int32)
+    req_rows = torch.randperm(rows)[: len(seq_lens)].to(torch.int32)
+    for r, n in zip(req_rows.tolist(), need):
+        table[r, :n] = torch.tensor(pages[:n], dtype=torch.int32)
+        pages = pages[n:]
+    return table.to(device), req_rows.to(device), num_pages * p

@@ -1,0 +1,170 @@
+"""Paged decode attention: the Triton kernels (interpreter on CPU, real on GPU) vs the torch
+reference, on fresh random inputs with NaN-poisoned outputs and intermediates.
+
+Tolerances: relative error ||out - ref|| / ||ref|| below 1e-5 in float32 (the interpreter computes
+``tl.dot`` in float32 numpy, GPU float32 runs with ``input_precision="ieee"``; both land near 1e-7)
+and below 1e-2 in bfloat16 (the kernel rounds the softmax weights to bf16 before P @ V, as flash
+attention does; that alone costs a few 1e-3).
+"""
+
+import random
+
+import pytest
+import torch
+
+from kiln.ops import decode_attention as dec
+from kiln.ops.attention_ref import decode_attention_ref, random_block_table
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture
+def seed():
+    s = random.randrange(2**31)
+    torch.manual_seed(s)
+    return s
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    """Route the op to the Triton kernel under the interpreter, and poison every float buffer the
+    op allocates with ``torch.empty`` (output, split partials) with NaN."""
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(seq_lens, hq, hkv, d, dv, page_size, dtype, device="cpu"):
+    block_table, req_rows, num_slots = random_block_table(seq_lens, page_size, device)
+    q = torch.randn(len(seq_lens), hq, d, dtype=dtype, device=device)
+    k_cache = torch.randn(num_slots, hkv, d, dtype=dtype, device=device)
+    v_cache = torch.randn(num_slots, hkv, dv, dtype=dtype, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, block_table, req_rows, lens
+
+
+def check(seed, seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype, window=-1, cap=0.0, device="cpu"):
+    q, k, v, bt, rows, lens = make_inputs(seq_lens, hq, hkv, d, dv, page_size, dtype, device)
+    scale = d**-0.5
+    out = torch.ops.kiln.decode_attention(q, k, v, bt, rows, lens, scale, page_size, num_splits, window, cap)
+    ref = decode_attention_ref(q, k, v, bt, rows, lens, scale, page_size, window, cap)
+    assert out.shape == (len(seq_lens), hq, dv) and out.dtype == dtype
+    assert not out.isnan().any(), f"seed {seed}: NaN in output (unwritten or 0/0)"
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"seed {seed}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    "seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype",
+    [
+        ([1], 8, 2, 64, 64, 16, 1, torch.float32),  # one token
+        ([1, 37, 70], 12, 3, 64, 64, 16, 3, torch.float32),  # Hq=12, Hkv=3; pages crossed
+        ([5, 33], 8, 8, 64, 64, 1, 1, torch.bfloat16),  # ratio 1, page size 1, direct write
+        ([1, 100, 20], 16, 2, 128, 128, 16, 8, torch.bfloat16),  # ratio 8, more splits than needed
+        ([9, 24], 4, 1, 256, 256, 1, 2, torch.float32),  # head_dim 256, MQA
+        ([17, 50], 8, 2, 64, 32, 16, 4, torch.bfloat16),  # Dv != D
+        ([30], 4, 2, 80, 48, 1, 2, torch.float32),  # head dims that are not powers of two
+    ],
+)
+def test_decode_matches_reference(
+    triton_on_cpu, seed, seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype
+):
+    check(seed, seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype)
+
+
+@pytest.mark.parametrize(
+    "window, cap, dtype",
+    [
+        (5, 0.0, torch.float32),
+        (-1, 5.0, torch.float32),
+        (20, 30.0, torch.bfloat16),
+        (500, 0.0, torch.float32),
+    ],
+)
+def test_decode_window_and_softcap(triton_on_cpu, seed, window, cap, dtype):
+    check(seed, [3, 41, 66], 8, 2, 64, 64, 16, 3, dtype, window=window, cap=cap)
+
+
+def test_decode_long_context(triton_on_cpu, seed):
+    # positions far into a long context, over many scattered pages
+    check(seed, [3000, 2500], 4, 1, 64, 64, 16, 4, torch.bfloat16)
+
+
+def test_decode_empty_sequence_gives_zeros(triton_on_cpu, seed):
+    q, k, v, bt, rows, _ = make_inputs([1, 40], 8, 2, 64, 64, 16, torch.float32)
+    lens = torch.tensor([0, 40], dtype=torch.int32)
+    out = torch.ops.kiln.decode_attention(q, k, v, bt, rows, lens, 0.125, 16, 4, -1, 0.0)
+    ref = decode_attention_ref(q, k, v, bt, rows, lens, 0.125, 16)
+    assert torch.equal(out[0], torch.zeros_like(out[0])), f"seed {seed}"
+    assert rel_err(out[1], ref[1]) < 1e-5, f"seed {seed}"
+
+
+def test_choose_num_splits():
+    # batch 1 at a long context: enough programs to fill 132 SMs several times over
+    s = dec.choose_num_splits(1, 32768, 8)
+    assert 8 * s >= 4 * 132 and s <= dec.MAX_SPLITS
+    # a full batch needs no split; a short context never gets splits under MIN_KEYS_PER_SPLIT keys
+    assert dec.choose_num_splits(64, 8192, 8) <= 3
+    assert dec.choose_num_splits(1, 300, 8) == 1
+    assert all(
+        dec.choose_num_splits(b, n, 8) >= dec.choose_num_splits(2 * b, n, 8)
+        for b in (1, 4, 16)
+        for n in (1024, 32768)
+    )
+    with pytest.raises(ValueError, match="batch"):
+        dec.choose_num_splits(0, 1024, 8)
+
+
+def test_cpu_path_is_reference(seed, monkeypatch):
+    monkeypatch.delenv("KILN_TRITON_ON_CPU", raising=False)
+    q, k, v, bt, rows, lens = make_inputs([7, 19], 8, 2, 64, 64, 16, torch.float32)
+    out = torch.ops.kiln.decode_attention(q, k, v, bt, rows, lens, 0.125, 16, 2, -1, 0.0)
+    assert torch.equal(out, decode_attention_ref(q, k, v, bt, rows, lens, 0.125, 16))
+
+
+def test_bad_shapes_are_named(seed):
+    q, k, v, bt, rows, lens = make_inputs([4], 6, 4, 64, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        torch.ops.kiln.decode_attention(q, k, v, bt, rows, lens, 0.125, 16, 1, -1, 0.0)
+
+
+# --------------------------------------------------------------------------- GPU, real sizes
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_gpu_llama_shapes(seed, dtype, page_size):
+    lens = [1, 17, 1000, 4097, 8192, 300, 2048, 65]
+    splits = dec.choose_num_splits(len(lens), 8192, 8)
+    check(seed, lens, 32, 8, 128, 128, page_size, splits, dtype, device="cuda")
+    check(seed, lens, 32, 8, 128, 128, page_size, 1, dtype, device="cuda")
+    check(seed, lens[:3], 16, 2, 256, 256, page_size, 4, dtype, window=700, cap=30.0, device="cuda")
+
+
+@pytest.mark.gpu
+def test_decode_gpu_cuda_graph_replay(seed):
+    """One capture serves other sequence lengths: lengths are read on the device."""
+    q, k, v, bt, rows, lens = make_inputs([4096] * 4, 32, 8, 128, 128, 16, torch.bfloat16, "cuda")
+    lens.copy_(torch.tensor([5, 100, 2000, 4000], dtype=torch.int32))
+    splits = dec.choose_num_splits(4, 4096, 8)
+    args = (q, k, v, bt, rows, lens, 128**-0.5, 16, splits, -1, 0.0)
+    torch.ops.kiln.decode_attention(*args)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.kiln.decode_attention(*args)
+    for new in ([1, 4096, 17, 3000], [4096, 4096, 4096, 1]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = decode_attention_ref(q, k, v, bt, rows, lens, 128**-0.5, 16)
+        assert not out.isnan().any() and rel_err(out, ref) < 1e-2, f"seed {seed}, lens {new}"

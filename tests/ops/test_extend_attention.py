@@ -1,0 +1,173 @@
+"""Paged extend attention: the Triton kernel (interpreter on CPU, real on GPU) vs the torch
+reference on fresh random inputs, outputs poisoned with NaN; plus a torch.export round trip of a
+module that calls both attention ops.
+
+Tolerances as in test_decode_attention.py: relative error below 1e-5 in float32 (interpreter and
+GPU ``ieee`` dots are float32; observed ~2e-7), below 1e-2 in bfloat16 (softmax weights rounded to
+bf16 before P @ V; observed ~5e-3).
+"""
+
+import io
+import random
+
+import pytest
+import torch
+
+from kiln.ops import decode_attention as _dec  # noqa: F401  (registers kiln::decode_attention)
+from kiln.ops.attention_ref import decode_attention_ref, extend_attention_ref, random_block_table
+from kiln.ops.extend_attention import ExtendConfig, extend_attention_triton
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture
+def seed():
+    s = random.randrange(2**31)
+    torch.manual_seed(s)
+    return s
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    """Route the ops to the Triton kernels under the interpreter; poison ``torch.empty`` with NaN."""
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(ext, prefix, pad, hq, hkv, d, dv, page_size, dtype, device="cpu"):
+    """Requests with ``ext[b]`` new tokens over ``prefix[b]`` cached ones; ``pad`` padding rows."""
+    lens = [e + p for e, p in zip(ext, prefix)]
+    block_table, req_rows, num_slots = random_block_table(lens, page_size, device)
+    indptr = torch.tensor([0, *torch.tensor(ext).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q = torch.randn(sum(ext) + pad, hq, d, dtype=dtype, device=device)
+    k_cache = torch.randn(num_slots, hkv, d, dtype=dtype, device=device)
+    v_cache = torch.randn(num_slots, hkv, dv, dtype=dtype, device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, block_table, req_rows, seq_lens, indptr
+
+
+def check(seed, ext, prefix, pad, hq, hkv, d, dv, page_size, dtype, window=-1, cap=0.0, config=None,
+          device="cpu"):  # fmt: skip
+    q, k, v, bt, rows, lens, indptr = make_inputs(ext, prefix, pad, hq, hkv, d, dv, page_size, dtype, device)
+    scale = d**-0.5
+    if config is None:
+        out = torch.ops.kiln.extend_attention(q, k, v, bt, rows, lens, indptr, scale, page_size, window, cap)
+    else:
+        out = extend_attention_triton(q, k, v, bt, rows, lens, indptr, scale, page_size, window, cap, config)
+    ref = extend_attention_ref(q, k, v, bt, rows, lens, indptr, scale, page_size, window, cap)
+    assert out.shape == (q.shape[0], hq, dv) and out.dtype == dtype
+    assert not out.isnan().any(), f"seed {seed}: NaN in output (unwritten rows?)"
+    if pad:
+        assert torch.equal(out[-pad:], torch.zeros_like(out[-pad:])), f"seed {seed}: padding rows not zero"
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"seed {seed}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    "ext, prefix, pad, hq, hkv, d, dv, page_size, dtype",
+    [
+        # mixed lengths, a request with no new tokens, empty and non-empty prefixes, Hq=12/Hkv=3
+        ([5, 0, 40, 17], [0, 3, 30, 50], 6, 12, 3, 64, 64, 16, torch.float32),
+        ([1], [20], 0, 8, 8, 64, 64, 1, torch.bfloat16),  # one token, ratio 1, page size 1
+        ([33, 7], [70, 0], 3, 16, 2, 128, 128, 16, torch.bfloat16),  # ratio 8
+        ([9], [12], 0, 4, 1, 256, 256, 1, torch.float32),  # head_dim 256
+        ([20, 3], [16, 40], 2, 8, 2, 64, 32, 16, torch.bfloat16),  # Dv != D
+        ([11], [5], 1, 4, 2, 80, 48, 16, torch.float32),  # head dims that are not powers of two
+    ],
+)
+def test_extend_matches_reference(triton_on_cpu, seed, ext, prefix, pad, hq, hkv, d, dv, page_size, dtype):
+    check(seed, ext, prefix, pad, hq, hkv, d, dv, page_size, dtype)
+
+
+@pytest.mark.parametrize(
+    "hq, hkv, config",
+    [
+        (9, 3, ExtendConfig(block_m=32, block_n=16, pack=3, num_warps=1, num_stages=1)),  # 10 tokens/tile
+        (16, 2, ExtendConfig(block_m=64, block_n=32, pack=8, num_warps=1, num_stages=1)),
+        (16, 2, ExtendConfig(block_m=32, block_n=16, pack=2, num_warps=1, num_stages=1)),
+    ],
+)
+def test_extend_gqa_packing(triton_on_cpu, seed, hq, hkv, config):
+    check(seed, [19, 1, 30], [0, 45, 17], 5, hq, hkv, 64, 64, 16, torch.float32, config=config)
+
+
+@pytest.mark.parametrize(
+    "window, cap, dtype",
+    [(6, 0.0, torch.float32), (-1, 5.0, torch.float32), (25, 30.0, torch.bfloat16)],
+)
+def test_extend_window_and_softcap(triton_on_cpu, seed, window, cap, dtype):
+    check(seed, [30, 4], [20, 60], 2, 8, 2, 64, 64, 16, dtype, window=window, cap=cap)
+
+
+def test_extend_long_prefix(triton_on_cpu, seed):
+    # a few new tokens far into a long context, over many scattered pages
+    cfg = ExtendConfig(block_m=16, block_n=64, num_warps=1, num_stages=1)
+    check(seed, [5], [3000], 3, 4, 1, 64, 64, 16, torch.bfloat16, config=cfg)
+
+
+def test_cpu_path_is_reference(seed, monkeypatch):
+    monkeypatch.delenv("KILN_TRITON_ON_CPU", raising=False)
+    q, k, v, bt, rows, lens, indptr = make_inputs([4, 9], [3, 0], 2, 8, 2, 64, 64, 16, torch.float32)
+    out = torch.ops.kiln.extend_attention(q, k, v, bt, rows, lens, indptr, 0.125, 16, -1, 0.0)
+    assert torch.equal(out, extend_attention_ref(q, k, v, bt, rows, lens, indptr, 0.125, 16))
+
+
+class TinyAttention(torch.nn.Module):
+    """Calls both ops the way a traced layer does (caches are per-layer views of [L, S, H, D])."""
+
+    def forward(self, q_ext, q_dec, k_cache, v_cache, block_table, rows, lens, indptr, dec_rows, dec_lens):
+        ext = torch.ops.kiln.extend_attention(
+            q_ext, k_cache[1], v_cache[1], block_table, rows, lens, indptr, 0.125, 16, -1, 0.0
+        )
+        dec = torch.ops.kiln.decode_attention(
+            q_dec, k_cache[1], v_cache[1], block_table, dec_rows, dec_lens, 0.125, 16, 2, -1, 0.0
+        )
+        return ext.flatten(1), dec.flatten(1)
+
+
+def test_export_round_trip(triton_on_cpu, seed):
+    q, k, v, bt, rows, lens, indptr = make_inputs([6, 3], [10, 0], 2, 8, 2, 64, 64, 16, torch.float32)
+    k_cache, v_cache = torch.stack([torch.randn_like(k), k]), torch.stack([torch.randn_like(v), v])
+    q_dec = torch.randn(2, 8, 64)
+    args = (q, q_dec, k_cache, v_cache, bt, rows, lens, indptr, rows.flip(0), lens.flip(0))
+    ep = torch.export.export(TinyAttention(), args)
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert {"kiln.extend_attention.default", "kiln.decode_attention.default"} <= targets, targets
+    buf = io.BytesIO()
+    torch.export.save(ep, buf)
+    buf.seek(0)
+    ext, dec = torch.export.load(buf).module()(*args)
+    ref_ext = extend_attention_ref(q, k, v, bt, rows, lens, indptr, 0.125, 16)
+    ref_dec = decode_attention_ref(q_dec, k, v, bt, rows.flip(0), lens.flip(0), 0.125, 16)
+    assert rel_err(ext, ref_ext.flatten(1)) < 1e-5, f"seed {seed}"
+    assert rel_err(dec, ref_dec.flatten(1)) < 1e-5, f"seed {seed}"
+
+
+# --------------------------------------------------------------------------- GPU, real sizes
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_gpu_llama_shapes(seed, dtype, page_size):
+    check(seed, [4096], [4096], 0, 32, 8, 128, 128, page_size, dtype, device="cuda")
+    check(seed, [1000, 77, 2000, 1], [3000, 0, 129, 5000], 18, 32, 8, 128, 128, page_size, dtype,
+          device="cuda")  # fmt: skip
+    check(seed, [700, 30], [900, 0], 5, 16, 2, 256, 256, page_size, dtype, window=512, cap=30.0,
+          device="cuda")  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pack", [1, 2, 4])
+def test_extend_gpu_pack_variants(seed, pack):
+    cfg = ExtendConfig(block_m=128, block_n=64, pack=pack, num_warps=8, num_stages=2)
+    check(seed, [1500, 33], [2000, 0], 7, 32, 8, 128, 128, 16, torch.bfloat16, config=cfg, device="cuda")
