@@ -30,7 +30,6 @@ import triton.language as tl
 from kiln.ops.attention_ref import decode_attention_ref
 from kiln.ops.common import interpreting, next_pow2, use_triton
 
-LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
 MAX_SPLITS = 128
 
