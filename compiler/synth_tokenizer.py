@@ -128,9 +128,10 @@ def _train(vocab: int, byte_fallback: bool):
         # Rare characters stay out of the alphabet, so they are spelled with byte tokens. The
         # alphabet is picked here (ties by code point): the trainer's own pick breaks ties randomly.
         counts = Counter("".join(corpus()).replace(" ", "▁"))
-        alphabet = sorted(counts, key=lambda c: (-counts[c], c))[:ALPHABET]
+        size = min(ALPHABET, vocab - 256)
+        alphabet = sorted(counts, key=lambda c: (-counts[c], c))[:size]
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab - 256, initial_alphabet=alphabet, limit_alphabet=ALPHABET, show_progress=False
+            vocab_size=vocab - 256, initial_alphabet=alphabet, limit_alphabet=size, show_progress=False
         )
     else:
         tok = Tokenizer(models.BPE())
@@ -170,12 +171,16 @@ def build_tokenizer(
     """Train and write the tokenizer into ``out_dir`` (created); see the module docstring.
 
     ``chat_template``: a Jinja template for ``apply_chat_template`` (default: Llama-3 style).
-    The vocabulary has exactly ``vocab_size`` entries (at least 1024).
+    The vocabulary has exactly ``vocab_size`` entries: 256 byte tokens (or byte-fallback tokens),
+    learned merges (or, for byte fallback, characters), 5 named and N reserved special tokens.
     """
     from tokenizers import AddedToken, processors
 
-    if vocab_size < 1024:
-        raise ValueError(f"build_tokenizer: vocab_size must be >= 1024, got {vocab_size}")
+    least = 256 + len(SPECIAL_TOKENS) + 1
+    if vocab_size < least:
+        raise ValueError(
+            f"build_tokenizer: vocab_size must be >= {least} (256 byte tokens + specials), got {vocab_size}"
+        )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # deterministic, and no fork warnings
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
