@@ -178,3 +178,13 @@ def test_synth_tokenizer_files_ids_and_determinism(tmp_path, byte_fallback):
         "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\n"
     )
+
+
+def test_synth_tokenizer_small_vocab(tmp_path):
+    for bf in (False, True):
+        info = build_tokenizer(tmp_path / str(bf), vocab_size=300, byte_fallback=bf)
+        tok = AutoTokenizer.from_pretrained(info.path)
+        ids = tok.encode(TEXTS[2], add_special_tokens=False)
+        assert len(tok) == 300 and max(ids) < 300 and tok.decode(ids) == TEXTS[2]
+    with pytest.raises(ValueError, match="vocab_size must be >= 262"):
+        build_tokenizer(tmp_path / "tiny", vocab_size=250)
