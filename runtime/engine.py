@@ -101,7 +101,10 @@ class Engine:
         )
         self.sampler = Sampler(art.vocab_size, self.bt.num_rows, self.device)
         t = time.perf_counter()
-        self.tokenizer = load_tokenizer(art.tokenizer_dir) if art.tokenizer_dir.is_dir() else None
+        has_tok = {"tokenizer.json", "tokenizer.model", "vocab.json"} & set(
+            art.manifest.get("tokenizer_files", [])
+        )
+        self.tokenizer = load_tokenizer(art.tokenizer_dir) if has_tok else None
         self.model.phases["tokenizer"] = time.perf_counter() - t
         self.eos_ids = set(art.eos_token_ids)
         self.requests: dict[str, Req] = {}
@@ -180,7 +183,7 @@ class Engine:
             if self._sampler_rows.get(req.rid) != req.row:
                 self.sampler.reset_row(req.row, req.prompt_ids, req.output_ids)
                 self._sampler_rows[req.rid] = req.row
-                if req.kv_len == req.cached_len:
+                if req.kv_len == req.cached_len and not req.num_preemptions:
                     self.stats["cached_tokens"] += req.cached_len
         step = self.scheduler.step_inputs(batch)
         logits = self.runner.forward(step)  # [B, V]
@@ -244,7 +247,7 @@ class Engine:
                     finished=req.finished,
                     finish_reason=req.finish_reason,
                     num_prompt_tokens=len(req.prompt_ids),
-                    num_cached_tokens=req.cached_len,
+                    num_cached_tokens=req.prefix_hit,
                     new_logprobs=new_lp,
                     ttft=req.first_token_time - req.arrival if req.first_token_time else None,
                     latency=(req.finish_time - req.arrival) if req.finish_time else None,

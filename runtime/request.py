@@ -29,6 +29,7 @@ class Req:
     pages: list[int] = field(default_factory=list)  # KV pages, in order
     kv_len: int = 0  # tokens of fill_ids whose K/V are in the pool
     cached_len: int = 0  # leading tokens whose pages belong to the radix cache (locked)
+    prefix_hit: int = 0  # tokens matched in the radix cache at (first) admission
     last_node: Any = None  # radix node locked for this request
     finish_reason: str | None = None
     stop_text: str | None = None  # the stop string that ended it, if any

@@ -166,6 +166,8 @@ class Scheduler:
             return None
         self.bt.assign(row, prefix_pages + pages)
         req.row, req.last_node, req.cached_len, req.kv_len = row, node, n_cached, n_cached
+        if not req.num_preemptions:
+            req.prefix_hit = n_cached
         req.status = Status.RUNNING
         self.running.append(req)
         return n

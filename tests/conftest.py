@@ -11,6 +11,9 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+# Test tensors are tiny: on the 2-core CI machines OpenMP's thread hand-off made a [4,1,16]x[4,16,50]
+# matmul take ~3 ms with 2 threads against ~5 us with one.
+torch.set_num_threads(1)
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

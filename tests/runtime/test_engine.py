@@ -1,0 +1,106 @@
+"""The engine end to end on CPU (float32): greedy tokens identical to Hugging Face `generate`,
+with the radix cache on and off, large and forced-small prefill chunks, shared prefixes, a KV
+pool too small for the workload (preemption), and aborts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import CONFIGS, make_checkpoint
+
+from kiln import LLM, SamplingParams
+from kiln.compiler.build import CompileOptions, compile_model
+
+NEW = 32
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def setup(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eng-" + request.param)
+    hf = make_checkpoint(root / "hf", request.param, seed=3, eos=None)
+    opts = CompileOptions(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=128, chunk_size=64)
+    compile_model(root / "hf", root / "art", opts, verbose=False)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 23, 40, 12)]
+    with torch.no_grad():
+        expect = [
+            hf.generate(
+                torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    return hf, root / "art", prompts, expect
+
+
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("radix", [True, False])
+@pytest.mark.parametrize("chunk", [64, 7])
+def test_greedy_matches_hf(setup, radix, chunk):
+    _, art, prompts, expect = setup
+    llm = LLM(str(art), device="cpu", radix_cache=radix, chunk_size=chunk)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expect
+    assert all(o.finish_reason == "length" for o in outs)
+    llm.engine.check_integrity()
+
+
+def test_shared_prefix_hits_cache(setup):
+    hf, art, _, _ = setup
+    g = torch.Generator().manual_seed(11)
+    prefix = torch.randint(3, 300, (24,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 9, 5)]
+    with torch.no_grad():
+        expect = [
+            hf.generate(
+                torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    llm = LLM(str(art), device="cpu")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = llm.generate(prompts[:1], params)
+    rest = llm.generate(prompts[1:], params)
+    assert [o.token_ids for o in first + rest] == expect
+    assert all(o.num_cached_tokens >= 24 for o in rest)
+    assert llm.engine.stats["cached_tokens"] >= 48
+    llm.engine.check_integrity()
+
+
+def test_small_pool_preempts_and_matches(setup):
+    _, art, prompts, expect = setup
+    per_token = 2 * 2 * 2 * 32 * 4  # layers x (K+V) x kv heads x head_dim (<= 32) x 4 bytes
+    llm = LLM(str(art), device="cpu", kv_memory_gib=100 * per_token / 2**30)
+    cap = llm.engine.pool.capacity_tokens
+    assert cap < sum(len(p) + NEW for p in prompts)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expect
+    assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.check_integrity()
+
+
+def test_abort_leaves_cache_clean(setup):
+    _, art, prompts, expect = setup
+    llm = LLM(str(art), device="cpu")
+    eng = llm.engine
+    reqs = [eng.add_request(p, GREEDY) for p in prompts]
+    for _ in range(6):
+        eng.step()
+    eng.abort(reqs[1].rid)
+    eng.abort(reqs[2].rid)
+    done = {}
+    while eng.has_work():
+        for out in eng.step():
+            if out.finished:
+                done[out.rid] = out.token_ids
+    assert done == {reqs[0].rid: expect[0], reqs[3].rid: expect[3]}
+    eng.check_integrity()
+    assert eng.radix.protected_size == 0
+
+
+def test_prompt_too_long_is_rejected(setup):
+    _, art, _, _ = setup
+    llm = LLM(str(art), device="cpu")
+    with pytest.raises(ValueError, match="context is 128"):
+        llm.generate([[5] * 200], GREEDY)

@@ -1,0 +1,63 @@
+"""Tiny random Hugging Face checkpoints of every dense architecture, shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+)
+
+CONFIGS = {
+    "llama-untied": lambda: transformers.LlamaConfig(
+        **TINY,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "llama-tied": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=True),
+    "mistral-headdim": lambda: transformers.MistralConfig(**TINY, head_dim=32, sliding_window=None),
+    "qwen2-bias": lambda: transformers.Qwen2Config(**TINY),
+    "qwen3-qknorm": lambda: transformers.Qwen3Config(**TINY, head_dim=32),
+}
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=g))
+
+
+def make_checkpoint(path, name: str, seed: int = 0, eos: int | None = 2):
+    cfg = CONFIGS[name]()
+    cfg.eos_token_id = eos
+    model = transformers.AutoModelForCausalLM.from_config(
+        cfg, attn_implementation="eager", dtype=torch.float32
+    )
+    randomize(model, seed)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    model.save_pretrained(path, max_shard_size="200KB")
+    return model.eval()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
