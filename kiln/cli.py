@@ -17,6 +17,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kiln.compiler.cli_inspect:inspect_cmd",
         "Show what a checkpoint is: attention kind, per-rank shapes, weight and KV bytes.",
     ),
+    "pack": (
+        "kiln.compiler.cli_pack:pack_cmd",
+        "Shard, fuse and optionally FP8-quantize a checkpoint into per-rank weight packs.",
+    ),
 }
 
 

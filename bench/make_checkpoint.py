@@ -1,0 +1,61 @@
+"""Write a random-weight Hugging Face checkpoint of a bundled config (or any config.json).
+
+    python bench/make_checkpoint.py --preset llama-3.1-8b -o /tmp/llama8b [--num-layers 4]
+    python bench/make_checkpoint.py --config path/to/config.json -o DIR --dtype float16
+
+Big configs are written without instantiating the model (meta device + random tensors shard by
+shard, see kiln.compiler.synth); tiny ones go through transformers' save_pretrained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kiln.compiler.cli_inspect import bundled_configs
+    from kiln.compiler.synth import make_checkpoint
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=sorted(bundled_configs()), help="a bundled config")
+    src.add_argument("--config", type=Path, help="a config.json to use instead")
+    ap.add_argument("-o", "--out", type=Path, required=True, help="output directory")
+    ap.add_argument("--num-layers", type=int, default=None, help="keep shapes, use fewer layers")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-shard-size", default="5GB")
+    ap.add_argument("--engine", default="auto", choices=["auto", "hf", "fast"])
+    ap.add_argument(
+        "--stacked-experts", action="store_true", help="transformers-5 pre-stacked expert tensors"
+    )
+    ap.add_argument("--no-tokenizer", action="store_true")
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args(argv)
+    config = a.preset if a.preset else json.loads(a.config.read_text())
+    t0 = time.perf_counter()
+    out = make_checkpoint(
+        a.out,
+        config,
+        a.dtype,
+        a.seed,
+        a.max_shard_size,
+        a.num_layers,
+        not a.no_tokenizer,
+        engine=a.engine,
+        original_format=not a.stacked_experts,
+        threads=a.threads,
+    )
+    dt = time.perf_counter() - t0
+    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    n = len(list(out.glob("*.safetensors")))
+    print(f"wrote {out}: {n} shard(s), {size / 1e9:.2f} GB in {dt:.1f} s ({size / 1e9 / dt:.2f} GB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

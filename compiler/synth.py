@@ -1,0 +1,276 @@
+"""Synthetic Hugging Face checkpoints (random weights) for tests, benchmarks and the demo.
+
+Two engines write the same tensor names and shapes Hugging Face's ``save_pretrained`` would:
+
+* ``"hf"``: instantiate the model with transformers (``AutoModelForCausalLM.from_config``),
+  re-randomize every parameter (std 0.02; norms 1 + noise, so biases and norms are not constant),
+  and ``save_pretrained(max_shard_size=...)``. Exact, for tiny configs.
+* ``"fast"``: build the model on the meta device for names and shapes (reverted to the on-disk
+  names with transformers' own ``revert_weight_conversion``, as ``save_pretrained`` does), then
+  write random tensors shard by shard with a thread pool, never materializing the model. Values come
+  from a 64 Mi-element pool of N(0, 0.02) numbers copied from per-tensor random offsets, so an
+  8B-shaped checkpoint takes seconds, not the minutes a fresh normal draw per element would.
+
+``engine="auto"`` picks ``hf`` under 200 M parameters, ``fast`` above.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.compiler.cli_inspect import bundled_configs
+from kiln.compiler.config import ConfigError, normalize_config
+from kiln.weights.st_format import plan_layout, pwrite_all, tensor_bytes
+
+HF_ENGINE_MAX_PARAMS = 200_000_000
+POOL_NUMEL = 64 * 1024 * 1024
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(s: int | str) -> int:
+    """``5GB`` (decimal, as Hugging Face reads it), ``64MiB`` or a byte count -> bytes."""
+    if isinstance(s, int):
+        return s
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", s)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot read size {s!r}; write e.g. 5GB, 64MiB or 1000000")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def resolve_config(config: dict[str, Any] | str, dtype: str, num_layers: int | None) -> dict[str, Any]:
+    """A raw config.json dict from a dict or a bundled preset name, with dtype and layers applied."""
+    if isinstance(config, str):
+        presets = bundled_configs()
+        if config not in presets:
+            raise ConfigError(f"unknown preset {config!r}; bundled: {', '.join(sorted(presets))}.")
+        raw = json.loads(presets[config].read_text())
+    else:
+        raw = json.loads(json.dumps(config))
+    if num_layers is not None:
+        raw["num_hidden_layers"] = num_layers
+        if raw.get("mlp_only_layers"):
+            raw["mlp_only_layers"] = [i for i in raw["mlp_only_layers"] if i < num_layers]
+    raw["torch_dtype"] = dtype
+    raw.pop("dtype", None)
+    normalize_config(raw)  # fail early on configs kiln cannot serve
+    return raw
+
+
+def _hf_config(raw: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    kw = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")}
+    return AutoConfig.for_model(raw["model_type"], **kw)
+
+
+def _is_norm(name: str, t: torch.Tensor) -> bool:
+    return t.dim() == 1 and "norm" in name
+
+
+# ----------------------------------------------------------------------------- hf engine
+def _write_hf(
+    out: Path, raw: dict[str, Any], dtype: torch.dtype, seed: int, max_shard: int, original: bool
+) -> None:
+    import inspect
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_hf_config(raw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.02)
+            if _is_norm(name, p):
+                p.add_(1.0)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.02)
+    model.to(dtype)
+    kw: dict[str, Any] = {"max_shard_size": max_shard}
+    if "save_original_format" in inspect.signature(model.save_pretrained).parameters:
+        kw["save_original_format"] = original
+    model.save_pretrained(out, **kw)
+
+
+# ----------------------------------------------------------------------------- fast engine
+def _meta_tensors(raw: dict[str, Any], original: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor save_pretrained would write, from a meta-device model."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_hf_config(raw))
+    sd = dict(model.state_dict())
+    if raw.get("tie_word_embeddings"):
+        sd.pop("lm_head.weight", None)
+    if original:
+        try:
+            from transformers.core_model_loading import revert_weight_conversion
+        except ImportError:  # transformers 4: in-memory names are the on-disk names
+            pass
+        else:
+            sd = revert_weight_conversion(model, sd)
+    return [(n, tuple(t.shape)) for n, t in sd.items() if not n.endswith("inv_freq")]
+
+
+class _Pool:
+    """``size`` N(0, 0.02) values doubled end to end, so any offset < size has size values after it."""
+
+    def __init__(self, seed: int, dtype: torch.dtype, size: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.size = size
+        half = (torch.randn(size, generator=g) * 0.02).to(dtype)
+        self.values = torch.cat([half, half])
+
+    def fill(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        n = math.prod(shape)
+        out = torch.empty(n, dtype=self.values.dtype)
+        rng = random.Random(int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little"))
+        for s in range(0, n, self.size):
+            k = min(self.size, n - s)
+            off = rng.randrange(self.size)
+            out[s : s + k].copy_(self.values[off : off + k])
+        t = out.view(shape)
+        if _is_norm(name, t):
+            t.add_(1.0)
+        return t
+
+
+def _shard(
+    items: list[tuple[str, tuple[int, ...]]], itemsize: int, max_shard: int
+) -> list[list[tuple[str, tuple[int, ...]]]]:
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in items:
+        n = math.prod(shape) * itemsize
+        if shards[-1] and size + n > max_shard:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += n
+    return shards
+
+
+def _write_fast(
+    out: Path,
+    raw: dict[str, Any],
+    dtype: torch.dtype,
+    seed: int,
+    max_shard: int,
+    original: bool,
+    threads: int,
+) -> None:
+    items = _meta_tensors(raw, original)
+    shards = _shard(items, dtype.itemsize, max_shard)
+    largest = max(math.prod(s) for _, s in items)
+    pool = _Pool(seed, dtype, min(POOL_NUMEL, 1 << (largest - 1).bit_length()))
+    k = len(shards)
+    names = (
+        ["model.safetensors"] if k == 1 else [f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)]
+    )
+    budget = threading.BoundedSemaphore(2 * threads)  # tensors generated but not yet written
+    weight_map: dict[str, str] = {}
+    fds = []
+    try:
+        with ThreadPoolExecutor(max_workers=threads) as ex:
+            futures = []
+            for fname, shard in zip(names, shards):
+                lay = plan_layout([(n, s, dtype) for n, s in shard], {"format": "pt"})
+                fd = os.open(out / fname, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                fds.append(fd)
+                os.ftruncate(fd, lay.size)
+                pwrite_all(fd, lay.header, 0)
+
+                def job(name: str, shape: tuple[int, ...], fd: int = fd, off: int = 0) -> None:
+                    try:
+                        pwrite_all(fd, tensor_bytes(pool.fill(name, shape, seed)), off)
+                    finally:
+                        budget.release()
+
+                for name, shape in shard:
+                    weight_map[name] = fname
+                    budget.acquire()
+                    futures.append(ex.submit(job, name, shape, fd, lay.offsets[name]))
+            for f in futures:
+                f.result()
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if k > 1:
+        total = sum(math.prod(s) * dtype.itemsize for _, s in items)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    hf_cfg = _hf_config(raw)  # config.json as save_pretrained writes it (defaults filled in)
+    hf_cfg.save_pretrained(out)
+    gen = {
+        k: getattr(hf_cfg, k)
+        for k in ("bos_token_id", "eos_token_id")
+        if getattr(hf_cfg, k, None) is not None
+    }
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+
+
+# ----------------------------------------------------------------------------- entry point
+def make_checkpoint(
+    out_dir: str | Path,
+    config: dict[str, Any] | str,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    max_shard_size: int | str = "5GB",
+    num_layers: int | None = None,
+    with_tokenizer: bool = True,
+    *,
+    engine: str = "auto",
+    original_format: bool = True,
+    threads: int | None = None,
+) -> Path:
+    """Write a random-weight Hugging Face checkpoint of ``config`` (a config.json dict or a bundled
+    preset name such as ``llama-3.1-8b``) into ``out_dir``: config.json, safetensors shards of at
+    most ``max_shard_size`` (with model.safetensors.index.json when there are several),
+    generation_config.json and, when asked, the synthetic tokenizer (``kiln.compiler.synth_tokenizer``;
+    config.json and generation_config.json then carry its bos/eos ids).
+
+    ``original_format=False`` keeps transformers 5's pre-stacked expert tensors
+    (``mlp.experts.gate_up_proj``) instead of per-expert ones. Returns ``out_dir``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = resolve_config(config, dtype, num_layers)
+    tdt = getattr(torch, dtype)
+    if engine == "auto":
+        engine = "hf" if normalize_config(raw).num_params < HF_ENGINE_MAX_PARAMS else "fast"
+    if engine == "hf":
+        _write_hf(out, raw, tdt, seed, parse_size(max_shard_size), original_format)
+    elif engine == "fast":
+        _write_fast(
+            out, raw, tdt, seed, parse_size(max_shard_size), original_format, threads or os.cpu_count() or 4
+        )
+    else:
+        raise ValueError(f"engine must be auto, hf or fast, got {engine!r}")
+    if with_tokenizer:
+        _add_tokenizer(out, raw["vocab_size"])
+    return out
+
+
+def _add_tokenizer(out: Path, vocab_size: int) -> None:
+    """Write the synthetic tokenizer and point config.json / generation_config.json at its ids."""
+    from kiln.compiler.synth_tokenizer import build_tokenizer
+
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    gen_path = out / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    gen.update(bos_token_id=tok.bos_token_id, eos_token_id=list(tok.eos_token_ids))
+    gen_path.write_text(json.dumps(gen, indent=2))

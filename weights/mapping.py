@@ -1,0 +1,174 @@
+"""Stage 3: checkpoint names -> packed tensors.
+
+The model side declares, per architecture and rank, which checkpoint regions make each packed
+tensor (:class:`~kiln.weights.spec.ParamSpec`, built by ``kiln.compiler.mappings``). This module
+applies those declarations to a stream:
+
+* **FP8 scale names are normalized**: ``*.weight_scale_inv`` (DeepSeek block scales, a dequant
+  multiplier despite the name) -> ``*.weight_scale``; ``*.activation_scale`` -> ``*.input_scale``.
+  An FP8 checkpoint weight is dequantized to float32 as soon as its scale has also streamed past
+  (per-tensor, per-channel or block scales). Static activation and KV scales are dropped: packs
+  quantize activations dynamically per token.
+* **Skip rules**: rotary ``inv_freq`` and cos/sin caches; anything matching the model's declared
+  skip patterns; decoder layers past those the specs use (next-token-prediction layers, unless the
+  specs ask for them); ``lm_head.weight`` when no spec uses it (tied embeddings).
+* Every other name must be a source of some spec; an unknown name is an error (a silently dropped
+  tensor is a wrong model), as is a source that never arrives or arrives twice.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.errors import KilnError
+from kiln.weights.spec import ParamSpec, Piece, Region
+
+GENERIC_SKIPS = (
+    r"(^|\.)rotary_emb\.inv_freq$",
+    r"(^|\.)rotary_emb\.(cos|sin)_cached$",
+)
+ACTIVATION_SCALE = re.compile(r"\.(input_scale|k_scale|v_scale|kv_scale|q_scale|prob_scale)$")
+LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class MappingError(KilnError, ValueError):
+    """A checkpoint whose tensors do not match what the architecture declares. Names the tensors."""
+
+
+def normalize_name(name: str) -> str:
+    """FP8 scale-name normalization (see the module docstring)."""
+    if name.endswith(".weight_scale_inv"):
+        return name[: -len("_inv")]
+    if name.endswith(".activation_scale"):
+        return name[: -len("activation_scale")] + "input_scale"
+    return name
+
+
+def dequantize_fp8_weight(w: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
+    """``w`` fp8 ``[..., N, K]`` times ``scale`` (per-tensor ``[]``/``[1]``, per-channel ``[..., N]``
+    or ``[..., N, 1]``, or block ``[..., ceil(N/bn), ceil(K/bk)]``) -> float32."""
+    wf = w.to(torch.float32)
+    s = scale.to(torch.float32)
+    if s.numel() == 1:
+        return wf * s.reshape(())
+    n, k = wf.shape[-2:]
+    if s.shape == wf.shape[:-1] or s.shape == (*wf.shape[:-1], 1):
+        return wf * s.reshape(*wf.shape[:-1], 1)
+    if s.dim() == wf.dim() and s.shape[:-2] == wf.shape[:-2]:
+        sn, sk = s.shape[-2:]
+        bn, bk = math.ceil(n / sn), math.ceil(k / sk)
+        # Block sizes are powers of two (128 in practice); ceil() above undershoots for ragged edges.
+        bn, bk = 1 << (bn - 1).bit_length(), 1 << (bk - 1).bit_length()
+        if math.ceil(n / bn) == sn and math.ceil(k / bk) == sk:
+            full = s.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)
+            return wf * full[..., :n, :k]
+    raise MappingError(
+        f"{name}: cannot apply an FP8 scale of shape {list(scale.shape)} to a weight of shape "
+        f"{list(w.shape)} (expected per-tensor, per-channel or block scales)."
+    )
+
+
+@dataclass
+class NormalizeStats:
+    dropped_activation_scales: int = 0
+    dequantized: int = 0
+
+
+def normalize_stream(
+    stream: Iterable[tuple[str, torch.Tensor]], stats: NormalizeStats | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Apply scale-name normalization and FP8 dequantization to ``stream`` (see the module docstring)."""
+    stats = stats if stats is not None else NormalizeStats()
+    fp8: dict[str, torch.Tensor] = {}  # weight name -> fp8 weight waiting for its scale
+    scales: dict[str, torch.Tensor] = {}  # weight name -> scale waiting for its weight
+    for raw, t in stream:
+        name = normalize_name(raw)
+        if ACTIVATION_SCALE.search(name):
+            stats.dropped_activation_scales += 1
+            continue
+        if name.endswith(".weight_scale"):
+            wname = name[: -len("_scale")]
+            if wname in fp8:
+                stats.dequantized += 1
+                yield wname, dequantize_fp8_weight(fp8.pop(wname), t, wname)
+            else:
+                scales[wname] = t.clone()
+            continue
+        if t.dtype in FP8_DTYPES:
+            if name in scales:
+                stats.dequantized += 1
+                yield name, dequantize_fp8_weight(t, scales.pop(name), name)
+            else:
+                fp8[name] = t
+            continue
+        yield name, t
+    if fp8 or scales:
+        lonely = [f"{n} (no weight_scale)" for n in fp8] + [f"{n}_scale (no fp8 weight)" for n in scales]
+        raise MappingError(f"unpaired FP8 tensors in the checkpoint: {', '.join(sorted(lonely)[:20])}")
+
+
+@dataclass(frozen=True)
+class Target:
+    rank: int
+    spec: ParamSpec
+    piece_idx: int  # index of ``piece`` in ``spec.pieces``
+    piece: Piece
+    region: Region
+
+
+@dataclass
+class Plan:
+    """The inverse of the specs: checkpoint name -> every (rank, spec, piece, region) it feeds."""
+
+    specs_per_rank: list[list[ParamSpec]]
+    skip: tuple[str, ...] = ()
+    targets: dict[str, list[Target]] = field(default_factory=dict)
+    max_layer: int = -1  # highest decoder layer index any spec reads
+
+    def __post_init__(self) -> None:
+        self._skip = [re.compile(p) for p in (*GENERIC_SKIPS, *self.skip)]
+        for rank, specs in enumerate(self.specs_per_rank):
+            seen: set[str] = set()
+            for spec in specs:
+                if spec.name in seen:
+                    raise ValueError(f"rank {rank}: two specs named {spec.name}")
+                seen.add(spec.name)
+                for k, piece in enumerate(spec.pieces):
+                    for region in piece.sources:
+                        self.targets.setdefault(region.name, []).append(Target(rank, spec, k, piece, region))
+                        m = LAYER_RE.search(region.name)
+                        if m:
+                            self.max_layer = max(self.max_layer, int(m.group(1)))
+
+    def skip_reason(self, name: str) -> str | None:
+        """Why ``name`` is not packed, or None when it must be (or is unknown)."""
+        if name in self.targets:
+            return None
+        for p in self._skip:
+            if p.search(name):
+                return f"skip rule {p.pattern}"
+        m = LAYER_RE.search(name)
+        if m and int(m.group(1)) > self.max_layer >= 0:
+            return "layer past the model's layers (next-token-prediction layers not requested)"
+        if name == "lm_head.weight":
+            return "lm_head unused (tied embeddings)"
+        return None
+
+    def check_shape(self, name: str, t: torch.Tensor, where: str) -> list[Target]:
+        """The targets of ``name``, after checking ``t`` has the shape every region expects."""
+        targets = self.targets[name]
+        want = targets[0].region.shape
+        if tuple(t.shape) != want:
+            users = sorted({tg.spec.name for tg in targets})
+            raise MappingError(
+                f"checkpoint tensor {name!r} ({where}) has shape {list(t.shape)} but packed "
+                f"{', '.join(users[:4])} expects {list(want)} from config.json; the config and the "
+                "weights disagree (wrong config.json, or a layout kiln does not know)."
+            )
+        return targets

@@ -1,0 +1,363 @@
+"""Stages 4-6: shard, post-process and write a checkpoint as per-rank weight packs, in one pass.
+
+Every checkpoint tensor is read once (all ranks are served from the same read); each piece a spec
+declares is copied into that rank's staging buffer for the packed tensor (converting the dtype on
+the way); when a packed tensor's last piece arrives it is quantized if asked (FP8 e4m3 per output
+channel, ``kiln.ops.quant``), hashed and written at its offset, and freed.
+
+**Host memory** (anonymous, beyond the page cache) stays bounded by: the stream's read-ahead window
+(0 with mmap, see :mod:`weights.stream`) + staging buffers of packed tensors still waiting for a
+piece (with Hugging Face's layer-ordered shards: about one decoder layer, all ranks together) + the
+writer's queue (``write_budget_bytes``, 1 GiB by default). A packed tensor that is a whole,
+same-dtype, contiguous checkpoint tensor is written straight from the mmap without staging.
+``bench/weights_load.py`` measures the peak for an 8B-shaped checkpoint; ``tests/weights`` on a
+small one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+import kiln
+from kiln.weights.discover import discover_weights
+from kiln.weights.index import INDEX_NAME, PackError, PackFile, PackIndex, PackTensor, RankIndex
+from kiln.weights.mapping import (
+    ACTIVATION_SCALE,
+    FP8_DTYPES,
+    MappingError,
+    NormalizeStats,
+    Plan,
+    normalize_name,
+    normalize_stream,
+)
+from kiln.weights.spec import ACT_DTYPES, ParamSpec
+from kiln.weights.st_format import dtype_name, read_header
+from kiln.weights.stream import CheckpointStream, SourceInfo
+from kiln.weights.writer import RankFiles, TensorWriter, sha256_file
+
+DEFAULT_MAX_FILE_BYTES = 2 * 1024**3  # files past this are split; smaller files hash and load in parallel
+
+
+@dataclass
+class _Pending:
+    buf: torch.Tensor
+    done: set[int]
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise PackError(f"output {out} exists and is not a directory.")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise PackError(f"output directory {out} is not empty; pass --force to overwrite the pack in it.")
+        (out / INDEX_NAME).unlink(missing_ok=True)  # first: a half-rewritten pack must not look complete
+        for p in out.glob("rank*.safetensors"):
+            p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def source_fingerprint(model_dir: Path, stream: CheckpointStream) -> dict[str, Any]:
+    """sha256 over config.json and every weight file's name, size and header (cheap, not the data)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    cfg = model_dir / "config.json"
+    if cfg.is_file():
+        h.update(cfg.read_bytes())
+    files = []
+    headers = {hd.path: hd.raw for hd in stream.headers}
+    for p in stream.files.files:
+        size = p.stat().st_size
+        files.append({"name": p.name, "bytes": size})
+        h.update(f"{p.name}\0{size}\0".encode())
+        h.update(headers.get(p, b""))
+    return {"dir": str(model_dir.resolve()), "fingerprint": h.hexdigest(), "files": files}
+
+
+def _precheck(plan: Plan, infos: dict[str, SourceInfo]) -> None:
+    """With safetensors headers in hand, fail before reading data: missing, doubled, mis-shaped or
+    unknown tensors, each named."""
+    present: dict[str, SourceInfo] = {}
+    scales = set()
+    for raw, info in infos.items():
+        name = normalize_name(raw)
+        if name.endswith(".weight_scale"):
+            scales.add(name.removesuffix("_scale"))
+        elif not ACTIVATION_SCALE.search(name):
+            present[name] = info
+    unscaled = sorted(n for n, i in present.items() if i.dtype in FP8_DTYPES and n not in scales)
+    if unscaled:
+        raise MappingError(f"FP8 checkpoint weights without a weight_scale(_inv): {', '.join(unscaled[:12])}")
+    missing: list[str] = []
+    for rank, specs in enumerate(plan.specs_per_rank):
+        for spec in specs:
+            for piece in spec.pieces:
+                found = [r for r in piece.sources if r.name in present]
+                if not found:
+                    missing.append(f"{piece.sources[0].name} (for rank {rank} {spec.name})")
+                elif len(found) > 1:
+                    raise MappingError(
+                        f"{spec.name}: the checkpoint holds the same weights twice, as "
+                        f"{' and '.join(f'{r.name} ({present[r.name].file})' for r in found)}; remove one copy."
+                    )
+    if missing:
+        raise MappingError(f"{len(missing)} tensor(s) missing from the checkpoint: {', '.join(missing[:12])}")
+    for name, info in present.items():
+        if name in plan.targets:
+            want = plan.targets[name][0].region.shape
+            if info.shape != want:
+                users = sorted({t.spec.name for t in plan.targets[name]})
+                raise MappingError(
+                    f"checkpoint tensor {name!r} ({info.file}) has shape {list(info.shape)} but packed "
+                    f"{', '.join(users[:4])} expects {list(want)} from config.json; the config and the "
+                    "weights disagree."
+                )
+    unknown = sorted(n for n in present if n not in plan.targets and plan.skip_reason(n) is None)
+    if unknown:
+        raise MappingError(
+            f"{len(unknown)} checkpoint tensor(s) that no packed parameter uses: {', '.join(unknown[:12])}. "
+            "The architecture's name mapping does not know them (wrong architecture in config.json?)."
+        )
+
+
+def pack_checkpoint(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    specs_per_rank: list[list[ParamSpec]],
+    tp: int,
+    ep: int = 1,
+    dtype: str = "bfloat16",
+    quant: str | None = None,
+    progress: bool = True,
+    *,
+    skip: tuple[str, ...] = (),
+    readahead: int = 0,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    force: bool = False,
+    workers: int = 4,
+    write_budget_bytes: int = 1 << 30,
+    model_info: dict[str, Any] | None = None,
+) -> PackIndex:
+    """Pack ``model_dir``'s checkpoint into ``out_dir`` for ``tp`` ranks; returns the written index.
+
+    Args:
+        specs_per_rank: ``specs_per_rank[r]`` lists rank ``r``'s packed tensors
+            (``kiln.compiler.mappings.param_specs``).
+        dtype: activation dtype of the pack (bfloat16, float16, float32).
+        quant: ``None`` or ``"fp8"``; must agree with the specs.
+        skip: extra regexes of checkpoint names not to pack (the generic skip rules always apply).
+        readahead: shards read ahead by worker threads (0: mmap; see :mod:`weights.stream`).
+        max_file_bytes: a rank's data is split into several files past this size.
+    """
+    model_dir, out = Path(model_dir), Path(out_dir)
+    if dtype not in ACT_DTYPES:
+        raise PackError(f"dtype must be one of {', '.join(ACT_DTYPES)}, got {dtype!r}.")
+    if quant not in (None, "fp8"):
+        raise PackError(f"quant must be None or 'fp8', got {quant!r}.")
+    if len(specs_per_rank) != tp:
+        raise PackError(f"got specs for {len(specs_per_rank)} ranks but tp={tp}.")
+    quantized = {s.name for specs in specs_per_rank for s in specs if s.quant}
+    if bool(quantized) != (quant == "fp8"):
+        raise PackError(f"quant={quant!r} but {len(quantized)} spec(s) ask for quantization.")
+    files = discover_weights(model_dir)
+    stream = CheckpointStream(files, readahead)
+    plan = Plan(specs_per_rank, tuple(skip))
+    if files.format == "safetensors":
+        _precheck(plan, stream.infos)
+    _prepare_out(out, force)
+    meta = {"format": "kiln-pack", "dtype": dtype, "quant": quant or "none"}
+    ranks = [
+        RankFiles(
+            out, r, [e for s in specs for e in s.packed(dtype)], max_file_bytes, {**meta, "rank": str(r)}
+        )
+        for r, specs in enumerate(specs_per_rank)
+    ]
+    total_tensors = sum(len(rf.slots) for rf in ranks)
+    writer = TensorWriter(workers, write_budget_bytes)
+    pending: dict[tuple[int, str], _Pending] = {}
+    finished: set[tuple[int, str]] = set()
+    unknown: list[str] = []
+    nstats = NormalizeStats()
+    skipped = 0
+    bar = tqdm(
+        total=stream.total_bytes or None,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="pack",
+        disable=not progress,
+    )
+    try:
+        read = 0
+        for name, t in normalize_stream(stream, nstats):
+            if name not in plan.targets:
+                if plan.skip_reason(name) is None:
+                    unknown.append(name)
+                skipped += 1
+            else:
+                where = stream.infos[name].file if name in stream.infos else "checkpoint"
+                for tg in plan.check_shape(name, t, where):
+                    key = (tg.rank, tg.spec.name)
+                    if key in finished:
+                        raise MappingError(
+                            f"{name} would be loaded twice into rank {tg.rank} {tg.spec.name}."
+                        )
+                    slots = ranks[tg.rank].slots
+                    spec = tg.spec
+                    if len(spec.pieces) == 1 and _direct(spec, tg, t, dtype):
+                        writer.submit(spec.name, tg.region.take(t), slots[spec.name])
+                        finished.add(key)
+                        continue
+                    p = pending.get(key)
+                    if p is None:
+                        sdt = torch.float32 if spec.dtype == "float32" else getattr(torch, dtype)
+                        alloc = torch.zeros if spec.padded else torch.empty
+                        p = pending[key] = _Pending(alloc(spec.shape, dtype=sdt), set())
+                    if tg.piece_idx in p.done:
+                        raise MappingError(f"{name} would be loaded twice into rank {tg.rank} {spec.name}.")
+                    tg.piece.place(tg.region, t, p.buf)
+                    p.done.add(tg.piece_idx)
+                    if len(p.done) == len(spec.pieces):
+                        del pending[key]
+                        finished.add(key)
+                        _finish(spec, p.buf, slots, writer)
+            del t
+            bar.update(stream.stats.bytes - read)
+            read = stream.stats.bytes
+            bar.set_postfix_str(f"{writer.written}/{total_tensors} tensors", refresh=False)
+        if unknown:
+            raise MappingError(
+                f"{len(unknown)} checkpoint tensor(s) that no packed parameter uses: {', '.join(unknown[:12])}."
+            )
+        _check_complete(plan, finished, pending)
+        writer.drain()
+        bar.set_postfix_str(f"{writer.written}/{total_tensors} tensors", refresh=True)
+    finally:
+        bar.close()
+        writer.close()  # waits for queued writes, on the error path too
+        for rf in ranks:
+            rf.close()
+    index = _build_index(model_dir, out, stream, ranks, specs_per_rank, writer, tp, ep, dtype, quant)
+    index.model = {
+        **(model_info or {}),
+        "skipped_tensors": skipped,
+        "dropped_activation_scales": nstats.dropped_activation_scales,
+        "dequantized_fp8": nstats.dequantized,
+        "peak_write_queue_bytes": writer.peak_inflight,
+        "peak_readahead_bytes": stream.stats.peak_buffered_bytes,
+    }
+    index.save(out)
+    return index
+
+
+def _direct(spec: ParamSpec, tg: Any, t: torch.Tensor, dtype: str) -> bool:
+    """Whether ``t``'s region is the packed tensor as is (no staging copy needed)."""
+    piece = tg.piece
+    if spec.quant or spec.padded or piece.transpose or piece.dst_index:
+        return False
+    if t.dtype != spec.storage_dtype(dtype):
+        return False
+    return tg.region.take(t).is_contiguous()
+
+
+def _finish(spec: ParamSpec, buf: torch.Tensor, slots: dict[str, Any], writer: TensorWriter) -> None:
+    if spec.quant == "fp8":
+        from kiln.ops.quant import quantize_fp8_per_channel
+
+        w, s = quantize_fp8_per_channel(buf)  # w: [..., N, K] fp8, s: [..., N] f32
+        writer.submit(spec.name, w, slots[spec.name])
+        writer.submit(spec.scale_name, s, slots[spec.scale_name])
+    else:
+        writer.submit(spec.name, buf, slots[spec.name])
+
+
+def _check_complete(
+    plan: Plan, finished: set[tuple[int, str]], pending: dict[tuple[int, str], _Pending]
+) -> None:
+    missing = []
+    for rank, specs in enumerate(plan.specs_per_rank):
+        for spec in specs:
+            if (rank, spec.name) in finished:
+                continue
+            done = pending[(rank, spec.name)].done if (rank, spec.name) in pending else set()
+            need = [p.sources[0].name for k, p in enumerate(spec.pieces) if k not in done]
+            missing.append(f"rank {rank} {spec.name} (needs {', '.join(need[:3])})")
+    if missing:
+        raise MappingError(
+            f"{len(missing)} packed tensor(s) incomplete, sources missing from the checkpoint: {'; '.join(missing[:10])}"
+        )
+
+
+def _build_index(
+    model_dir: Path,
+    out: Path,
+    stream: CheckpointStream,
+    ranks: list[RankFiles],
+    specs_per_rank: list[list[ParamSpec]],
+    writer: TensorWriter,
+    tp: int,
+    ep: int,
+    dtype: str,
+    quant: str | None,
+) -> PackIndex:
+    paths = [p for rf in ranks for p in rf.paths]
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(paths)))) as pool:
+        digests = dict(zip(paths, pool.map(sha256_file, paths)))
+    index = PackIndex(
+        tp=tp,
+        ep=ep,
+        dtype=dtype,
+        quant=quant,
+        source=source_fingerprint(model_dir, stream),
+        ranks=[],
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        kiln_version=kiln.__version__,
+    )
+    for r, (rf, specs) in enumerate(zip(ranks, specs_per_rank)):
+        placement = {n: s.placement for s in specs for n, *_ in s.packed(dtype)}
+        ri = RankIndex(rank=r, files=[PackFile(p.name, p.stat().st_size, digests[p]) for p in rf.paths])
+        for path in rf.paths:
+            hdr = read_header(path)
+            for name, info in hdr.tensors.items():
+                ri.tensors[name] = PackTensor(
+                    name,
+                    info.shape,
+                    dtype_name(info.dtype),
+                    path.name,
+                    info.begin,
+                    info.nbytes,
+                    writer.crc32.get(name, ""),
+                    placement.get(name, ""),
+                )
+        index.ranks.append(ri)
+    return index
+
+
+def summarize(index: PackIndex) -> str:
+    """A few lines for the end of ``kiln pack``."""
+    gib = 1024**3
+    lines = [
+        f"packed {sum(len(r.tensors) for r in index.ranks)} tensors, {index.nbytes / gib:.2f} GiB, "
+        f"tp={index.tp} ep={index.ep} dtype={index.dtype} quant={index.quant or 'none'}"
+    ]
+    for r in index.ranks:
+        lines.append(
+            f"  rank {r.rank}: {len(r.tensors)} tensors, {r.nbytes / gib:.3f} GiB in {len(r.files)} file(s)"
+        )
+    m = index.model
+    lines.append(
+        f"  skipped {m.get('skipped_tensors', 0)} checkpoint tensor(s), dequantized {m.get('dequantized_fp8', 0)} FP8 "
+        f"weight(s); source fingerprint {index.source.get('fingerprint', '')[:16]}"
+    )
+    return "\n".join(lines)
+
+
+__all__ = ["DEFAULT_MAX_FILE_BYTES", "pack_checkpoint", "source_fingerprint", "summarize"]
