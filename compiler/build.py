@@ -55,6 +55,7 @@ class CompileOptions:
     max_seq_len: int | None = None  # default: min(max_position_embeddings, 32768)
     chunk_size: int = 4096  # largest extend (prefill chunk) in tokens
     page_size: int = 1
+    decode_graphs: str = "dynamic"  # "dynamic": one graph, dynamic batch; "per-bucket": one per bucket
     force: bool = False
     verify_weights: bool = True
 
@@ -189,29 +190,37 @@ def compile_model(
         graphs: dict[str, dict[str, Any]] = {}
         (out / "graphs").mkdir()
         buckets = opts.buckets()
+        max_blocks = -(-max_seq // opts.page_size)  # the runtime's block-table width
         programs = {}
-        for b in buckets:
-            splits = _decode_splits(cfg, b, max_seq, opts.tp)
-            ex = example_inputs("decode", b, b, cache, cfg.rotary_dim, device)
-            ep = export_graph(model, "decode", weights, ex, opts.page_size, splits)
-            programs[f"decode_b{b}"] = ep
-            graphs[f"decode_b{b}"] = {"mode": "decode", "batch": b, "num_splits": splits}
-        ex = example_inputs("extend", 2, 8, cache, cfg.rotary_dim, device)
+        ex = example_inputs("decode", 2, 2, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
+        if opts.decode_graphs == "dynamic":
+            programs["decode"] = export_graph(
+                model, "decode", weights, ex, opts.page_size, max_batch=buckets[-1]
+            )
+            graphs["decode"] = {"mode": "decode", "batch": None}
+        else:
+            for b in buckets:
+                ex = example_inputs("decode", b, b, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
+                programs[f"decode_b{b}"] = export_graph(
+                    model, "decode", weights, ex, opts.page_size, dynamic_batch=False
+                )
+                graphs[f"decode_b{b}"] = {"mode": "decode", "batch": b}
+        ex = example_inputs("extend", 2, 8, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
         programs["extend"] = export_graph(
-            model, "extend", weights, ex, opts.page_size, max_tokens=max(opts.chunk_size, 2), max_batch=1024
+            model,
+            "extend",
+            weights,
+            ex,
+            opts.page_size,
+            max_tokens=max(opts.chunk_size, 2),
+            max_batch=buckets[-1],
         )
         graphs["extend"] = {"mode": "extend", "max_tokens": opts.chunk_size}
     with timer.phase("kernels"):
         kernels_dir = out / "kernels"
         kernels_dir.mkdir()
         with _triton_cache(kernels_dir):
-            for name, ep in programs.items():
-                mode = graphs[name]["mode"]
-                b = graphs[name].get("batch", 2)
-                ex = example_inputs(mode, b, b if mode == "decode" else 8, cache, cfg.rotary_dim, device)
-                logits = ep.module()(weights, *(ex[n] for n in input_names(mode)))
-                if not torch.isfinite(logits).all():
-                    raise CompileError(f"graph {name} produced non-finite logits during warm-up")
+            _warm_up(programs, graphs, weights, cache, cfg, device, buckets, max_blocks, opts.chunk_size)
         for name, ep in programs.items():
             torch.export.save(strip_example_inputs(ep), out / "graphs" / f"{name}.pt2")
             graphs[name]["file"] = f"graphs/{name}.pt2"
@@ -272,7 +281,8 @@ def compile_model(
                 "kernel_choices": {
                     "attention": "triton",
                     "page_size": opts.page_size,
-                    "decode_num_splits": {str(b): graphs[f"decode_b{b}"]["num_splits"] for b in buckets},
+                    "decode_graphs": opts.decode_graphs,
+                    "decode_num_splits": {str(b): _decode_splits(cfg, b, max_seq, opts.tp) for b in buckets},
                 },
                 "compile_seconds": timer.times,
             },
@@ -286,6 +296,66 @@ def compile_model(
             flush=True,
         )
     return manifest
+
+
+# Extend warm-up shapes (tokens, requests): Triton specializes integer arguments by value class
+# (== 1, divisible by 16, other), so each class of T and B must run once for the cache to cover
+# every launch the runtime can make.
+EXTEND_WARMUP = (
+    (1, 1),
+    (2, 1),
+    (2, 2),
+    (16, 1),
+    (16, 2),
+    (16, 16),
+    (17, 1),
+    (17, 3),
+    (17, 16),
+    (32, 16),
+    (33, 1),
+    (48, 3),
+)
+
+
+def _warm_up(
+    programs: dict[str, Any],
+    graphs: dict[str, dict[str, Any]],
+    weights: dict[str, torch.Tensor],
+    cache: CacheSpec,
+    cfg: ModelConfig,
+    device: torch.device,
+    buckets: list[int],
+    max_blocks: int,
+    chunk: int,
+) -> None:
+    """Run every graph at every shape class the runtime will use (compiling each Triton kernel
+    specialization into the cache) and check the logits are finite."""
+    runs: list[tuple[str, str, int, int]] = []
+    for name, g in graphs.items():
+        if g["mode"] == "decode":
+            runs += [(name, "decode", b, b) for b in ([g["batch"]] if g["batch"] else buckets)]
+        else:
+            runs += [(name, "extend", b, t) for t, b in EXTEND_WARMUP if t <= chunk and b <= buckets[-1]]
+    if device.type == "cpu":  # no Triton kernels to compile: one finiteness check per graph
+        runs = [r for r in runs if (r[2], r[3]) in ((1, 1), (2, 2), (buckets[0], buckets[0]))]
+    modules = {name: ep.module() for name, ep in programs.items()}
+    for name, mode, b, t in runs:
+        ex = example_inputs(
+            mode,
+            b,
+            t,
+            cache,
+            cfg.rotary_dim,
+            device,
+            max_blocks=max_blocks,
+            num_slots=max(64, 2 * t),
+            rows=max(8, b + 1),
+        )
+        logits = modules[name](weights, *(ex[n] for n in input_names(mode)))
+        if not torch.isfinite(logits).all():
+            raise CompileError(
+                f"graph {name} produced non-finite logits during warm-up (batch {b}, tokens {t})"
+            )
 
 
 @contextlib.contextmanager

@@ -60,6 +60,14 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
     show_default=True,
     help="KV-cache page size in tokens.",
 )
+@click.option(
+    "--decode-graphs",
+    type=click.Choice(["dynamic", "per-bucket"]),
+    default="dynamic",
+    show_default=True,
+    help="One decode graph with a dynamic batch (fast to load; CUDA graphs are still captured "
+    "per bucket) or one static graph per bucket.",
+)
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 def compile_cmd(
     model_dir: str,
@@ -72,11 +80,13 @@ def compile_cmd(
     max_seq_len: int | None,
     chunk_size: int,
     page_size: str,
+    decode_graphs: str,
     force: bool,
 ) -> None:
     """Compile the Hugging Face checkpoint in MODEL_DIR into an artifact directory: weight packs
-    (fused, sharded, optionally FP8), one exported graph per decode batch bucket plus the chunked
-    prefill graph, every Triton kernel precompiled, tokenizer, and a manifest with hashes.
+    (fused, sharded, optionally FP8), the decode graph (CUDA graphs are captured per batch bucket
+    at load) and the chunked-prefill graph, every Triton kernel precompiled for every bucket,
+    the tokenizer, and a manifest with sha256 of every file.
 
     Copy the artifact to any machine with the same GPU architecture and software versions, then
     run `kiln generate ART` or `kiln serve ART`.
@@ -94,6 +104,7 @@ def compile_cmd(
         max_seq_len=max_seq_len,
         chunk_size=chunk_size,
         page_size=int(page_size),
+        decode_graphs=decode_graphs,
         force=force,
     )
     compile_model(model_dir, out, opts)

@@ -1,5 +1,5 @@
-"""Tracing: one ``torch.export`` graph per decode batch bucket, one extend graph with dynamic
-token and request dimensions (chunked prefill).
+"""Tracing: a decode graph (dynamic batch; or one per batch bucket) and an extend graph with
+dynamic token and request dimensions (chunked prefill).
 
 Graphs never embed weights: the model is built on the meta device and called through
 ``torch.func.functional_call`` with the weights as a dict input, and the stored example inputs
@@ -120,12 +120,18 @@ def export_graph(
     weights: Mapping[str, torch.Tensor],
     inputs: Mapping[str, torch.Tensor],
     page_size: int,
-    num_splits: int = 1,
+    num_splits: int = 0,
     max_tokens: int = 1 << 16,
     max_batch: int = 1024,
+    dynamic_batch: bool = True,
 ) -> ExportedProgram:
-    """Export ``model`` for one mode. Decode graphs are static (one per batch bucket); the extend
-    graph has dynamic token (T) and request (B) dimensions."""
+    """Export ``model`` for one mode.
+
+    Extend: dynamic token (T) and request (B) dimensions. Decode: a dynamic batch dimension by
+    default (one graph serves every bucket; the runtime captures one CUDA graph per bucket from
+    it), or static shapes (``dynamic_batch=False``, one graph per bucket). ``num_splits=0`` lets
+    decode attention pick its split-KV factor from the batch at capture time.
+    """
     gm = GraphModule(model, mode, page_size, num_splits)
     names = input_names(mode)
     args = (dict(weights), *(inputs[n] for n in names))
@@ -137,9 +143,9 @@ def export_graph(
         "v_cache": {1: S},
         "block_table": {0: R, 1: M},
     }
+    B = Dim("B", min=1, max=max_batch)
     if mode == "extend":
-        T = Dim("T", min=2, max=max_tokens)
-        B = Dim("B", min=2, max=max_batch)
+        T = Dim("T", min=1, max=max_tokens)
         per_input |= {
             "input_ids": {0: T},
             "positions": {0: T},
@@ -149,6 +155,8 @@ def export_graph(
             "qo_indptr": {0: B + 1},
             "logits_indices": {0: B},
         }
+    elif dynamic_batch:
+        per_input |= {n: {0: B} for n in ("input_ids", "positions", "out_slots", "req_rows", "seq_lens")}
     dynamic = ({k: None for k in weights}, *(per_input.get(n) for n in names))
     with torch.no_grad():
         ep = torch.export.export(gm, args, dynamic_shapes=dynamic, strict=False)

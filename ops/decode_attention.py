@@ -240,10 +240,12 @@ def decode_attention_triton(
     """Launch the Triton kernels (shapes as in the module docstring); ``config`` overrides the
     block size and launch parameters (benchmarks sweep it)."""
     _check(q, k_cache, v_cache, page_size)
-    if num_splits < 1:
-        raise ValueError(f"decode_attention: num_splits must be >= 1, got {num_splits}.")
+    if num_splits < 0:
+        raise ValueError(f"decode_attention: num_splits must be >= 0 (0 = auto), got {num_splits}.")
     bsz, hq, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
+    if num_splits == 0:  # auto: from the batch and the block table's context capacity
+        num_splits = choose_num_splits(max(bsz, 1), block_table.shape[1] * page_size, hkv)
     group = hq // hkv
     cfg = config or default_config(d, dv)
     out = torch.empty(bsz, hq, dv, dtype=q.dtype, device=q.device)

@@ -82,7 +82,8 @@ class ModelRunner:
         )
 
     def _run_decode_graph(self, b: int) -> torch.Tensor:
-        return self.m.graphs[f"decode_b{b}"](*self._decode_args(b))
+        graph = self.m.graphs.get("decode") or self.m.graphs[f"decode_b{b}"]
+        return graph(*self._decode_args(b))
 
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
@@ -132,14 +133,9 @@ class ModelRunner:
     def extend(self, step: StepInputs) -> torch.Tensor:
         """logits [B, V] f32 at the last new token of each request of an extend step."""
         assert step.extend_lens is not None
-        ids, pos, slots = list(step.input_ids), list(step.positions), list(step.out_slots)
-        rows, lens, ext = list(step.req_rows), list(step.seq_lens), list(step.extend_lens)
+        ids, pos, slots = step.input_ids, step.positions, step.out_slots
+        rows, lens, ext = step.req_rows, step.seq_lens, step.extend_lens
         n_req = len(rows)
-        # The extend graph's dimensions are >= 2: pad with a sink token and an empty request.
-        if len(ids) < 2:
-            ids, pos, slots = ids + [0], pos + [0], slots + [0]
-        if n_req < 2:
-            rows, lens, ext = rows + [BlockTable.PAD_ROW], lens + [0], ext + [0]
         indptr = [0]
         for e in ext:
             indptr.append(indptr[-1] + e)

@@ -54,3 +54,26 @@ def test_compile_is_deterministic(compiled, tmp_path):
     b = json.loads((tmp_path / "again" / "manifest.json").read_text())["files"]
     graph_and_weights = [k for k in a if k.endswith((".pt2", ".safetensors"))]
     assert graph_and_weights and all(a[k]["sha256"] == b[k]["sha256"] for k in graph_and_weights)
+
+
+def test_per_bucket_decode_graphs_match_dynamic(compiled, tmp_path):
+    _, root = compiled
+    opts = CompileOptions(
+        device="cpu",
+        dtype="float32",
+        max_batch_size=2,
+        max_seq_len=128,
+        chunk_size=64,
+        decode_graphs="per-bucket",
+    )
+    compile_model(root / "hf", tmp_path / "pb", opts, verbose=False)
+    assert sorted(p.name for p in (tmp_path / "pb" / "graphs").iterdir()) == [
+        "decode_b1.pt2",
+        "decode_b2.pt2",
+        "extend.pt2",
+    ]
+    a = DirectRunner(str(root / "art"), device="cpu", num_slots=256)
+    b = DirectRunner(str(tmp_path / "pb"), device="cpu", num_slots=256)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    torch.testing.assert_close(a.prefill(prompts), b.prefill(prompts), rtol=0, atol=0)
+    torch.testing.assert_close(a.decode([11, 12]), b.decode([11, 12]), rtol=0, atol=0)
