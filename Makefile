@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(VENV)/bin/kiln inspect llama-3.1-8b --kv-memory 40
+	$(VENV)/bin/kiln demo
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -17,6 +17,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kiln.compiler.cli_inspect:inspect_cmd",
         "Show what a checkpoint is: attention kind, per-rank shapes, weight and KV bytes.",
     ),
+    "compile": (
+        "kiln.compiler.cli_compile:compile_cmd",
+        "Compile a Hugging Face checkpoint into a servable artifact (graphs, kernels, weight packs).",
+    ),
+    "demo": (
+        "kiln.demo:demo_cmd",
+        "Build a small random-weight model with a real tokenizer, compile it here, and generate.",
+    ),
+    "generate": (
+        "kiln.runtime.cli_generate:generate_cmd",
+        "Load an artifact and stream a completion of a prompt to the terminal.",
+    ),
     "pack": (
         "kiln.compiler.cli_pack:pack_cmd",
         "Shard, fuse and optionally FP8-quantize a checkpoint into per-rank weight packs.",

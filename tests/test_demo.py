@@ -1,0 +1,62 @@
+"""`kiln demo` builds, compiles and generates on this machine; `kiln generate` streams from the
+artifact it left; `kiln.LLM.chat` uses the artifact's chat template."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("demo")
+    p = subprocess.run(
+        [sys.executable, "-m", "kiln", "demo", "--dir", str(d), "--max-tokens", "12"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    m = re.search(r"generate (\d+) tokens", p.stdout)
+    assert m and int(m.group(1)) == 12, p.stdout[-2000:]
+    assert "[kiln compile] artifact" in p.stdout
+    return d
+
+
+def test_generate_streams_from_demo_artifact(demo_dir):
+    art = demo_dir / "artifact-cpu"
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kiln",
+            "generate",
+            str(art),
+            "Hello there",
+            "--max-tokens",
+            "5",
+            "--seed",
+            "3",
+            "--temperature",
+            "0.8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "5 tokens in" in p.stderr and "finish: length" in p.stderr
+
+
+def test_chat_and_reproducible_seed(demo_dir):
+    from kiln import LLM, SamplingParams
+
+    llm = LLM(str(demo_dir / "artifact-cpu"), device="cpu")
+    sp = SamplingParams(max_tokens=6, temperature=1.0, seed=1234)
+    a = llm.chat([{"role": "user", "content": "Hi!"}], sp)[0]
+    b = llm.chat([{"role": "user", "content": "Hi!"}], sp)[0]
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 6
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Hi!"}])
+    assert "Hi!" in prompt and prompt != "Hi!"
+    assert a.prompt_token_ids == llm.tokenizer.encode(prompt, add_special_tokens=False)
