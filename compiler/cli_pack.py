@@ -58,7 +58,7 @@ def pack_cmd(
     """Pack MODEL_DIR (a Hugging Face checkpoint) into OUT: rank{r}.safetensors per tensor-parallel
     rank, already fused (qkv, gate_up, experts, MLA w_kc/w_vc), sharded and optionally quantized, plus
     pack.json with shapes, dtypes and sha256 of every file."""
-    from kiln.weights import pack_checkpoint, summarize, verify_pack
+    from kiln.weights import pack_checkpoint, verify_pack
 
     if out.exists() and out.is_dir() and any(out.iterdir()) and not force:
         raise click.UsageError(
@@ -90,7 +90,7 @@ def pack_cmd(
         },
     )
     dt = time.perf_counter() - t0
-    click.echo(summarize(index))
+    click.echo(index.summary())
     click.echo(f"  wrote {out} in {dt:.1f} s ({index.nbytes / max(dt, 1e-9) / 1e9:.2f} GB/s)")
     if verify:
         t0 = time.perf_counter()

@@ -3,17 +3,18 @@
 Stages (one file each): :mod:`.discover` (which files), :mod:`.stream` (``(name, tensor)`` over
 mmapped shards, optional bounded read-ahead), :mod:`.mapping` (names -> packed tensors, skip rules,
 FP8 scale names), :mod:`.spec` (sharding and placement, frozen per tensor), :mod:`.pack`
-(post-processing and the streaming writer), :mod:`.reader` (checks and loading). The per-architecture
+(post-processing and the streaming writer), :mod:`.verify` (checks) and :mod:`.reader` (loading). The per-architecture
 declarations live in ``kiln.compiler.mappings``.
 """
 
 from kiln.weights.discover import CheckpointError, WeightFiles, discover_weights
 from kiln.weights.index import PackError, PackIndex
 from kiln.weights.mapping import MappingError
-from kiln.weights.pack import pack_checkpoint, summarize
-from kiln.weights.reader import LoadOptions, load_pack, verify_pack
+from kiln.weights.pack import pack_checkpoint
+from kiln.weights.reader import LoadOptions, load_pack
 from kiln.weights.spec import ParamSpec, Piece, Region, even_split, expected_tensors
 from kiln.weights.stream import CheckpointStream
+from kiln.weights.verify import verify_pack
 
 __all__ = [
     "CheckpointError",
@@ -31,6 +32,5 @@ __all__ = [
     "expected_tensors",
     "load_pack",
     "pack_checkpoint",
-    "summarize",
     "verify_pack",
 ]

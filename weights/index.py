@@ -166,6 +166,24 @@ class PackIndex:
         except (KeyError, TypeError, ValueError) as e:
             raise PackError(f"{path} is malformed ({e!r}); re-run `kiln pack`.") from e
 
+    def summary(self) -> str:
+        """A few lines for the end of ``kiln pack``."""
+        gib = 1024**3
+        lines = [
+            f"packed {sum(len(r.tensors) for r in self.ranks)} tensors, {self.nbytes / gib:.2f} GiB, "
+            f"tp={self.tp} ep={self.ep} dtype={self.dtype} quant={self.quant or 'none'}"
+        ]
+        for r in self.ranks:
+            lines.append(
+                f"  rank {r.rank}: {len(r.tensors)} tensors, {r.nbytes / gib:.3f} GiB in {len(r.files)} file(s)"
+            )
+        m = self.model
+        lines.append(
+            f"  skipped {m.get('skipped_tensors', 0)} checkpoint tensor(s), dequantized {m.get('dequantized_fp8', 0)} FP8 "
+            f"weight(s); source fingerprint {self.source.get('fingerprint', '')[:16]}"
+        )
+        return "\n".join(lines)
+
     def rank(self, r: int) -> RankIndex:
         if not 0 <= r < len(self.ranks):
             raise PackError(

@@ -27,6 +27,7 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.weights.spec import ParamSpec, Piece, Region
+from kiln.weights.stream import SourceInfo
 
 GENERIC_SKIPS = (
     r"(^|\.)rotary_emb\.inv_freq$",
@@ -172,3 +173,49 @@ class Plan:
                 "weights disagree (wrong config.json, or a layout kiln does not know)."
             )
         return targets
+
+
+def precheck(plan: Plan, infos: dict[str, SourceInfo]) -> None:
+    """With safetensors headers in hand, fail before reading data: missing, doubled, mis-shaped or
+    unknown tensors, each named."""
+    present: dict[str, SourceInfo] = {}
+    scales = set()
+    for raw, info in infos.items():
+        name = normalize_name(raw)
+        if name.endswith(".weight_scale"):
+            scales.add(name.removesuffix("_scale"))
+        elif not ACTIVATION_SCALE.search(name):
+            present[name] = info
+    unscaled = sorted(n for n, i in present.items() if i.dtype in FP8_DTYPES and n not in scales)
+    if unscaled:
+        raise MappingError(f"FP8 checkpoint weights without a weight_scale(_inv): {', '.join(unscaled[:12])}")
+    missing: list[str] = []
+    for rank, specs in enumerate(plan.specs_per_rank):
+        for spec in specs:
+            for piece in spec.pieces:
+                found = [r for r in piece.sources if r.name in present]
+                if not found:
+                    missing.append(f"{piece.sources[0].name} (for rank {rank} {spec.name})")
+                elif len(found) > 1:
+                    raise MappingError(
+                        f"{spec.name}: the checkpoint holds the same weights twice, as "
+                        f"{' and '.join(f'{r.name} ({present[r.name].file})' for r in found)}; remove one copy."
+                    )
+    if missing:
+        raise MappingError(f"{len(missing)} tensor(s) missing from the checkpoint: {', '.join(missing[:12])}")
+    for name, info in present.items():
+        if name in plan.targets:
+            want = plan.targets[name][0].region.shape
+            if info.shape != want:
+                users = sorted({t.spec.name for t in plan.targets[name]})
+                raise MappingError(
+                    f"checkpoint tensor {name!r} ({info.file}) has shape {list(info.shape)} but packed "
+                    f"{', '.join(users[:4])} expects {list(want)} from config.json; the config and the "
+                    "weights disagree."
+                )
+    unknown = sorted(n for n in present if n not in plan.targets and plan.skip_reason(n) is None)
+    if unknown:
+        raise MappingError(
+            f"{len(unknown)} checkpoint tensor(s) that no packed parameter uses: {', '.join(unknown[:12])}. "
+            "The architecture's name mapping does not know them (wrong architecture in config.json?)."
+        )

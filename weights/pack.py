@@ -29,18 +29,10 @@ from tqdm.auto import tqdm
 import kiln
 from kiln.weights.discover import discover_weights
 from kiln.weights.index import INDEX_NAME, PackError, PackFile, PackIndex, PackTensor, RankIndex
-from kiln.weights.mapping import (
-    ACTIVATION_SCALE,
-    FP8_DTYPES,
-    MappingError,
-    NormalizeStats,
-    Plan,
-    normalize_name,
-    normalize_stream,
-)
+from kiln.weights.mapping import MappingError, NormalizeStats, Plan, normalize_stream, precheck
 from kiln.weights.spec import ACT_DTYPES, ParamSpec
 from kiln.weights.st_format import dtype_name, read_header
-from kiln.weights.stream import CheckpointStream, SourceInfo
+from kiln.weights.stream import CheckpointStream
 from kiln.weights.writer import RankFiles, TensorWriter, sha256_file
 
 DEFAULT_MAX_FILE_BYTES = 2 * 1024**3  # files past this are split; smaller files hash and load in parallel
@@ -62,70 +54,6 @@ def _prepare_out(out: Path, force: bool) -> None:
         for p in out.glob("rank*.safetensors"):
             p.unlink()
     out.mkdir(parents=True, exist_ok=True)
-
-
-def source_fingerprint(model_dir: Path, stream: CheckpointStream) -> dict[str, Any]:
-    """sha256 over config.json and every weight file's name, size and header (cheap, not the data)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    cfg = model_dir / "config.json"
-    if cfg.is_file():
-        h.update(cfg.read_bytes())
-    files = []
-    headers = {hd.path: hd.raw for hd in stream.headers}
-    for p in stream.files.files:
-        size = p.stat().st_size
-        files.append({"name": p.name, "bytes": size})
-        h.update(f"{p.name}\0{size}\0".encode())
-        h.update(headers.get(p, b""))
-    return {"dir": str(model_dir.resolve()), "fingerprint": h.hexdigest(), "files": files}
-
-
-def _precheck(plan: Plan, infos: dict[str, SourceInfo]) -> None:
-    """With safetensors headers in hand, fail before reading data: missing, doubled, mis-shaped or
-    unknown tensors, each named."""
-    present: dict[str, SourceInfo] = {}
-    scales = set()
-    for raw, info in infos.items():
-        name = normalize_name(raw)
-        if name.endswith(".weight_scale"):
-            scales.add(name.removesuffix("_scale"))
-        elif not ACTIVATION_SCALE.search(name):
-            present[name] = info
-    unscaled = sorted(n for n, i in present.items() if i.dtype in FP8_DTYPES and n not in scales)
-    if unscaled:
-        raise MappingError(f"FP8 checkpoint weights without a weight_scale(_inv): {', '.join(unscaled[:12])}")
-    missing: list[str] = []
-    for rank, specs in enumerate(plan.specs_per_rank):
-        for spec in specs:
-            for piece in spec.pieces:
-                found = [r for r in piece.sources if r.name in present]
-                if not found:
-                    missing.append(f"{piece.sources[0].name} (for rank {rank} {spec.name})")
-                elif len(found) > 1:
-                    raise MappingError(
-                        f"{spec.name}: the checkpoint holds the same weights twice, as "
-                        f"{' and '.join(f'{r.name} ({present[r.name].file})' for r in found)}; remove one copy."
-                    )
-    if missing:
-        raise MappingError(f"{len(missing)} tensor(s) missing from the checkpoint: {', '.join(missing[:12])}")
-    for name, info in present.items():
-        if name in plan.targets:
-            want = plan.targets[name][0].region.shape
-            if info.shape != want:
-                users = sorted({t.spec.name for t in plan.targets[name]})
-                raise MappingError(
-                    f"checkpoint tensor {name!r} ({info.file}) has shape {list(info.shape)} but packed "
-                    f"{', '.join(users[:4])} expects {list(want)} from config.json; the config and the "
-                    "weights disagree."
-                )
-    unknown = sorted(n for n in present if n not in plan.targets and plan.skip_reason(n) is None)
-    if unknown:
-        raise MappingError(
-            f"{len(unknown)} checkpoint tensor(s) that no packed parameter uses: {', '.join(unknown[:12])}. "
-            "The architecture's name mapping does not know them (wrong architecture in config.json?)."
-        )
 
 
 def pack_checkpoint(
@@ -171,7 +99,7 @@ def pack_checkpoint(
     stream = CheckpointStream(files, readahead)
     plan = Plan(specs_per_rank, tuple(skip))
     if files.format == "safetensors":
-        _precheck(plan, stream.infos)
+        precheck(plan, stream.infos)
     _prepare_out(out, force)
     meta = {"format": "kiln-pack", "dtype": dtype, "quant": quant or "none"}
     ranks = [
@@ -316,7 +244,7 @@ def _build_index(
         ep=ep,
         dtype=dtype,
         quant=quant,
-        source=source_fingerprint(model_dir, stream),
+        source=stream.fingerprint(model_dir),
         ranks=[],
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         kiln_version=kiln.__version__,
@@ -341,23 +269,4 @@ def _build_index(
     return index
 
 
-def summarize(index: PackIndex) -> str:
-    """A few lines for the end of ``kiln pack``."""
-    gib = 1024**3
-    lines = [
-        f"packed {sum(len(r.tensors) for r in index.ranks)} tensors, {index.nbytes / gib:.2f} GiB, "
-        f"tp={index.tp} ep={index.ep} dtype={index.dtype} quant={index.quant or 'none'}"
-    ]
-    for r in index.ranks:
-        lines.append(
-            f"  rank {r.rank}: {len(r.tensors)} tensors, {r.nbytes / gib:.3f} GiB in {len(r.files)} file(s)"
-        )
-    m = index.model
-    lines.append(
-        f"  skipped {m.get('skipped_tensors', 0)} checkpoint tensor(s), dequantized {m.get('dequantized_fp8', 0)} FP8 "
-        f"weight(s); source fingerprint {index.source.get('fingerprint', '')[:16]}"
-    )
-    return "\n".join(lines)
-
-
-__all__ = ["DEFAULT_MAX_FILE_BYTES", "pack_checkpoint", "source_fingerprint", "summarize"]
+__all__ = ["DEFAULT_MAX_FILE_BYTES", "pack_checkpoint"]

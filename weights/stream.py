@@ -19,12 +19,14 @@ accounted peak; ``tests/weights/test_stream.py`` measures the process's anonymou
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -85,6 +87,21 @@ class CheckpointStream:
     def total_bytes(self) -> int:
         """Bytes of tensor data to stream (0 for .bin/.pt, whose sizes are unknown up front)."""
         return sum(i.nbytes for i in self.infos.values())
+
+    def fingerprint(self, model_dir: Path) -> dict[str, Any]:
+        """sha256 over config.json and every weight file's name, size and header (cheap, not the data)."""
+        h = hashlib.sha256()
+        cfg = model_dir / "config.json"
+        if cfg.is_file():
+            h.update(cfg.read_bytes())
+        files = []
+        headers = {hd.path: hd.raw for hd in self.headers}
+        for p in self.files.files:
+            size = p.stat().st_size
+            files.append({"name": p.name, "bytes": size})
+            h.update(f"{p.name}\0{size}\0".encode())
+            h.update(headers.get(p, b""))
+        return {"dir": str(model_dir.resolve()), "fingerprint": h.hexdigest(), "files": files}
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.files.format == "pt":

@@ -26,7 +26,6 @@ from kiln.weights import (
     verify_pack,
 )
 from kiln.weights.memory import PeakAnonMemory
-from kiln.weights.pack import source_fingerprint
 
 
 @pytest.fixture
@@ -63,12 +62,12 @@ def test_pack_json(packed, tmp_path):
     assert PackIndex.load(out).source["fingerprint"] == index.source["fingerprint"]
     copy = tmp_path / "copy"
     shutil.copytree(d, copy)
-    same = source_fingerprint(copy, CheckpointStream(discover_weights(copy)))["fingerprint"]
+    same = CheckpointStream(discover_weights(copy)).fingerprint(copy)["fingerprint"]
     assert same == index.source["fingerprint"]
     (copy / "config.json").write_text(
         (d / "config.json").read_text().replace("{", '{"rms_norm_eps": 1e-5,', 1)
     )
-    assert source_fingerprint(copy, CheckpointStream(discover_weights(copy)))["fingerprint"] != same
+    assert CheckpointStream(discover_weights(copy)).fingerprint(copy)["fingerprint"] != same
 
 
 def test_corrupted_byte_is_caught_by_verify_and_named(packed):

@@ -97,3 +97,23 @@ def test_unknown_tensor_and_shape_mismatch_are_named(checkpoint, tmp_path):
         (d / "config.json").write_bytes((src / "config.json").read_bytes())
         with pytest.raises(MappingError, match=match):
             pack(d, tmp_path / "out", tp=2, force=True)
+
+
+def test_bin_checkpoint_packs_like_safetensors(checkpoint, tmp_path):
+    """pytorch_model.bin (read with torch.load(weights_only=True)) gives the same rank files; a
+    missing tensor is reported after the stream, by name."""
+    src = checkpoint("llama")
+    hf = hf_tensors(src)
+    d = tmp_path / "bin"
+    d.mkdir()
+    (d / "config.json").write_bytes((src / "config.json").read_bytes())
+    torch.save(hf, d / "pytorch_model.bin")
+    a, _ = pack(src, tmp_path / "a", tp=2)
+    b, _ = pack(d, tmp_path / "b", tp=2)
+    assert [f.sha256 for r in a.ranks for f in r.files] == [f.sha256 for r in b.ranks for f in r.files]
+    del hf["model.layers.1.mlp.up_proj.weight"]
+    torch.save(hf, d / "pytorch_model.bin")
+    with pytest.raises(
+        MappingError, match=r"layers\.1\.mlp\.gate_up\.weight.*model\.layers\.1\.mlp\.up_proj\.weight"
+    ):
+        pack(d, tmp_path / "c", tp=2)

@@ -13,8 +13,7 @@ from kiln.compiler.cli_inspect import bundled_configs
 from kiln.compiler.config import ParallelConfig, normalize_config
 from kiln.compiler.mappings import all_rank_specs, skip_patterns
 from kiln.compiler.synth import _meta_tensors, make_checkpoint, parse_size, resolve_config
-from kiln.weights.mapping import Plan
-from kiln.weights.pack import _precheck
+from kiln.weights.mapping import Plan, precheck
 from kiln.weights.stream import SourceInfo
 
 
@@ -70,7 +69,7 @@ def test_preset_names_and_shapes_match_the_declarations(preset):
     for tp in (1, 8 if cfg.num_heads % 8 == 0 else 4):
         ep = tp if cfg.moe is not None else 1
         plan = Plan(all_rank_specs(cfg, ParallelConfig(tp=tp, ep=ep)), skip_patterns(cfg))
-        _precheck(plan, infos)  # raises on any missing, mis-shaped or unknown tensor
+        precheck(plan, infos)  # raises on any missing, mis-shaped or unknown tensor
 
 
 def test_parse_size():
