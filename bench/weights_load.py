@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="4,8,16", help="reader threads to try for load_pack")
     ap.add_argument("--chunks-mib", default="16,64", help="staging chunk sizes to try (MiB)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and pack")
+    ap.add_argument("--no-sync", action="store_true", help="skip os.sync() after writing (slow disks)")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
@@ -163,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     res["checkpoint"] = {"bytes": size, "seconds": time.perf_counter() - t}
     t = time.perf_counter()
-    os.sync()  # a downloaded checkpoint is clean in the page cache; do not make the packer pay its writeback
+    if not a.no_sync:
+        os.sync()  # a downloaded checkpoint is clean in the page cache; do not make the packer pay its writeback
     res["checkpoint"]["sync_seconds"] = time.perf_counter() - t
     print(f"checkpoint: {size / GB:.2f} GB in {res['checkpoint']['seconds']:.1f} s", flush=True)
     child = subprocess.run(
@@ -171,8 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     res["pack"] = json.loads(child.stdout.strip().splitlines()[-1])
     t = time.perf_counter()
-    os.sync()  # let writeback finish so it does not disturb the read measurements
+    if not a.no_sync:
+        os.sync()  # let writeback finish so it does not disturb the read measurements
     res["pack"]["sync_seconds"] = time.perf_counter() - t
+    pk = res["pack"]
+    print(
+        f"pack: {pk['seconds']:.1f} s, peak anon {pk['peak_anon_bytes'] / GB:.2f} GB; syncs "
+        f"{res['checkpoint']['sync_seconds']:.1f} s + {pk['sync_seconds']:.1f} s",
+        flush=True,
+    )
     files = sorted(out.glob("rank0*.safetensors"))
     read_rate(files, 8)  # warm the page cache
     reads = {th: read_rate(files, th) for th in (1, 4, 8, 16)}
