@@ -17,6 +17,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kiln.compiler.cli_inspect:inspect_cmd",
         "Show what a checkpoint is: attention kind, per-rank shapes, weight and KV bytes.",
     ),
+    "bench": (
+        "kiln.runtime.cli_bench:bench_cmd",
+        "Measure decode latency, throughput and start-up (optionally beside Hugging Face transformers).",
+    ),
     "compile": (
         "kiln.compiler.cli_compile:compile_cmd",
         "Compile a Hugging Face checkpoint into a servable artifact (graphs, kernels, weight packs).",

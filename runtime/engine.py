@@ -111,6 +111,9 @@ class Engine:
         self._ids = itertools.count()
         self._sampler_rows: dict[str, int] = {}
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0}
+        self.last_step_mode = ""
+        self.last_step_host_s = 0.0
+        self._t_host = 0.0
         self.startup_seconds = time.perf_counter() - t0
         if opts.log:
             print(
@@ -175,10 +178,12 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         self.stats["steps"] += 1
+        self.last_step_mode = batch.mode
         for req in batch.reqs:  # newly admitted (or resumed): fresh sampler row
             if self._sampler_rows.get(req.rid) != req.row:
                 self.sampler.reset_row(req.row, req.prompt_ids, req.output_ids)
@@ -189,13 +194,16 @@ class Engine:
         logits = self.runner.forward(step)  # [B, V]
         done = [i for i in range(len(batch.reqs)) if batch.completes(i)]
         self.scheduler.after_step(batch)
+        self._t_host = time.perf_counter() - t0  # host time up to the launches; the sync adds on
         if not done:
+            self.last_step_host_s = self._t_host
             return []
         return self._sample_and_process(batch, done, logits)
 
     def _sample_and_process(
         self, batch: ScheduledBatch, done: list[int], logits: torch.Tensor
     ) -> list[RequestOutput]:
+        t0_sample = time.perf_counter()
         reqs = [batch.reqs[i] for i in done]
         if len(done) < len(batch.reqs):
             logits = logits[torch.tensor(done, device=logits.device)]
@@ -209,7 +217,9 @@ class Engine:
         )
         out = self.sampler.sample(logits, sb)
         self.sampler.observe(sb.rows, out.next_ids)
+        t_launched = time.perf_counter()
         next_ids = out.next_ids.tolist()  # the one host sync per step
+        t_synced = time.perf_counter()
         lp = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
@@ -253,6 +263,8 @@ class Engine:
                     latency=(req.finish_time - req.arrival) if req.finish_time else None,
                 )
             )
+        # Host time of this step: everything but waiting for the device at the sync above.
+        self.last_step_host_s = self._t_host + (t_launched - t0_sample) + (time.perf_counter() - t_synced)
         return outputs
 
     def _check_stop(self, req: Req, tok: int) -> str:

@@ -7,8 +7,13 @@ to the device. Each phase is timed and reported.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
+import types
+import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +35,50 @@ class LoadedModel:
 def use_artifact_kernels(art: Artifact) -> None:
     """Point Triton at the artifact's precompiled kernel cache."""
     os.environ["TRITON_CACHE_DIR"] = str((art.root / "kernels").resolve())
+
+
+class _CachedTyping(types.ModuleType):
+    """``typing`` with a memoized ``get_type_hints``: torch.export's deserializer calls it for
+    every node of the graph on the same few schema classes (about half of a load's time)."""
+
+    def __init__(self) -> None:
+        super().__init__("typing")
+        self._hints: dict[tuple[Any, bool], Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(typing, name)
+
+    def get_type_hints(
+        self, obj: Any, globalns: Any = None, localns: Any = None, include_extras: bool = False
+    ) -> Any:
+        key = (obj, include_extras)
+        if key not in self._hints:
+            self._hints[key] = typing.get_type_hints(obj, globalns, localns, include_extras)
+        return self._hints[key]
+
+
+@contextlib.contextmanager
+def _fast_deserialize() -> Iterator[None]:
+    try:
+        from torch._export.serde import serialize
+    except ImportError:  # layout of a future torch: load normally
+        yield
+        return
+    old = getattr(serialize, "typing", None)
+    if old is not typing:
+        yield
+        return
+    serialize.typing = _CachedTyping()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        serialize.typing = old  # type: ignore[assignment]
+
+
+def load_graphs(art: Artifact) -> dict[str, Any]:
+    """Deserialize every graph of the artifact into a callable module."""
+    with _fast_deserialize():
+        return {name: torch.export.load(art.root / g["file"]).module() for name, g in art.graphs.items()}
 
 
 def load_model(
@@ -56,14 +105,30 @@ def load_model(
     from kiln.weights import load_pack
 
     mark("manifest")
-    graphs = {}
-    for name, g in art.graphs.items():
-        graphs[name] = torch.export.load(art.root / g["file"]).module()
+    # Weights stream in on a worker thread (file reads and copies release the GIL) while this
+    # thread deserializes the graphs.
+    loaded: dict[str, Any] = {}
+
+    def load_weights() -> None:
+        try:
+            loaded["weights"] = load_pack(art.root / "weights", rank, dev)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            loaded["seconds"] = time.perf_counter() - t_w
+        except BaseException as e:  # re-raised below
+            loaded["error"] = e
+
+    t_w = time.perf_counter()
+    worker = threading.Thread(target=load_weights, name="kiln-load-weights")
+    worker.start()
+    graphs = load_graphs(art)
     mark("graphs")
-    weights = load_pack(art.root / "weights", rank, dev)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    mark("weights")
+    worker.join()
+    if "error" in loaded:
+        raise loaded["error"]
+    weights = loaded["weights"]
+    mark("weights (overlapped)")
+    phases["weights_load"] = loaded["seconds"]
     r = art.rope
     cos_sin = rope_cos_sin_cache(r["rotary_dim"], art.max_seq_len, r["base"], r["scaling"], device=dev)
     mark("rope")

@@ -1,0 +1,244 @@
+"""Measurements behind ``kiln bench``: decode latency against the read-bandwidth roofline,
+offline throughput, start-up by phase, and the same figures for Hugging Face transformers on the
+same weights (``--compare-hf``), so every claim is a ratio measured in one run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.runtime.llm import LLM
+from kiln.runtime.sampling_params import SamplingParams
+
+
+def read_bandwidth_gbps(device: torch.device) -> float:
+    """Device read bandwidth (GB/s): a sum over 4 GiB of bf16, median of CUDA-event timings."""
+    if device.type != "cuda":
+        return float("nan")
+    x = torch.randn(1 << 31, device=device, dtype=torch.bfloat16).view(-1, 8192)
+    out = torch.empty(8192, device=device, dtype=torch.float32)
+    times = []
+    for i in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.sum(x, dim=0, dtype=torch.float32, out=out)
+        b.record()
+        b.synchronize()
+        if i >= 2:
+            times.append(a.elapsed_time(b) * 1e-3)
+    nbytes = x.numel() * x.element_size()
+    del x
+    torch.cuda.empty_cache()
+    return nbytes / statistics.median(times) / 1e9
+
+
+def environment() -> dict[str, Any]:
+    import triton
+
+    env = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "command": " ".join(sys.argv),
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def random_prompts(n: int, length: int | tuple[int, int], vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lens = [length if isinstance(length, int) else rng.randint(*length) for _ in range(n)]
+    return [[rng.randrange(10, vocab) for _ in range(k)] for k in lens]
+
+
+@dataclass
+class LatencyResult:
+    batch: int
+    input_len: int
+    output_len: int
+    ttft_s: float  # submission to the batch's first tokens (prefill of every request)
+    decode_tok_s: float  # B x (output_len - 1) / decode time
+    itl_ms: float  # mean decode step
+    host_ms_per_step: float  # Python time per decode step (not waiting for the GPU)
+    bytes_per_step: float  # weights + KV read per decode step (mean)
+    roofline_tok_s: float  # B / (bytes_per_step / read bandwidth)
+    frac_roofline: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def weight_bytes_per_step(llm: LLM) -> int:
+    """Bytes of weights a decode step reads: every tensor but the embedding table (only B rows)."""
+    w = llm.engine.model.weights
+    return sum(t.nbytes for n, t in w.items() if n != "embed.weight" or "lm_head.weight" not in w)
+
+
+def kiln_latency(
+    llm: LLM, batch: int, input_len: int, output_len: int, read_gbps: float, seed: int = 0
+) -> LatencyResult:
+    eng = llm.engine
+    eng.reset_prefix_cache()
+    prompts = random_prompts(batch, input_len, eng.artifact.vocab_size, seed)
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        eng.add_request(p, sp)
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first_done = None
+    step_times: list[float] = []
+    host_times: list[float] = []
+    finished = got_first = 0
+    while finished < batch:
+        ts = time.perf_counter()
+        outs = eng.step()
+        te = time.perf_counter()
+        for o in outs:
+            got_first += len(o.token_ids) == 1
+            finished += o.finished
+        if eng.last_step_mode == "decode":
+            step_times.append(te - ts)
+            host_times.append(eng.last_step_host_s)
+        if first_done is None and got_first == batch:
+            first_done = te
+    t_end = time.perf_counter()
+    decode_s = t_end - first_done
+    kv_per_tok = eng.artifact.kv["bytes_per_token"]
+    mean_ctx = input_len + output_len / 2
+    nbytes = weight_bytes_per_step(llm) + batch * mean_ctx * kv_per_tok
+    roof = batch / (nbytes / (read_gbps * 1e9)) if read_gbps == read_gbps else float("nan")
+    tok_s = batch * (output_len - 1) / decode_s
+    return LatencyResult(
+        batch=batch,
+        input_len=input_len,
+        output_len=output_len,
+        ttft_s=first_done - t0,
+        decode_tok_s=tok_s,
+        itl_ms=1e3 * statistics.mean(step_times) if step_times else float("nan"),
+        host_ms_per_step=1e3 * statistics.median(host_times) if host_times else float("nan"),
+        bytes_per_step=nbytes,
+        roofline_tok_s=roof,
+        frac_roofline=tok_s / roof if roof == roof else float("nan"),
+    )
+
+
+def hf_latency(
+    model_dir: str,
+    batches: list[int],
+    input_len: int,
+    output_len: int,
+    vocab: int,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> dict[int, dict[str, float]]:
+    """Hugging Face transformers ``generate`` (greedy) on the same weights and prompt lengths."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="cuda").eval()
+    res = {}
+    for b in batches:
+        ids = torch.tensor(random_prompts(b, input_len, vocab, seed), device="cuda")
+        kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+            torch.cuda.synchronize()
+            ttft = time.perf_counter() - t
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kw)
+            torch.cuda.synchronize()
+            total = time.perf_counter() - t
+        res[b] = {
+            "ttft_s": ttft,
+            "decode_tok_s": b * (output_len - 1) / max(total - ttft, 1e-9),
+            "itl_ms": 1e3 * (total - ttft) / (output_len - 1),
+        }
+    del model
+    torch.cuda.empty_cache()
+    return res
+
+
+def kiln_throughput(
+    llm: LLM,
+    num_prompts: int,
+    input_len: int | tuple[int, int],
+    output_len: int | tuple[int, int],
+    seed: int = 0,
+) -> dict[str, float]:
+    eng = llm.engine
+    eng.reset_prefix_cache()
+    rng = random.Random(seed + 1)
+    prompts = random_prompts(num_prompts, input_len, eng.artifact.vocab_size, seed)
+    outs = [output_len if isinstance(output_len, int) else rng.randint(*output_len) for _ in prompts]
+    t = time.perf_counter()
+    res = llm.generate(
+        prompts, [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs], use_tqdm=True
+    )
+    dt = time.perf_counter() - t
+    n_in, n_out = sum(map(len, prompts)), sum(len(r.token_ids) for r in res)
+    return {
+        "seconds": dt,
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "input_tok_s": n_in / dt,
+        "output_tok_s": n_out / dt,
+        "total_tok_s": (n_in + n_out) / dt,
+        "requests_s": num_prompts / dt,
+        "preemptions": eng.scheduler.num_preemptions,
+    }
+
+
+STARTUP_CHILD = r"""
+import json, sys, time
+t0 = float(sys.argv[2])
+from kiln import LLM, SamplingParams
+t_import = time.time()
+llm = LLM(sys.argv[1], log=False)
+t_ready = time.time()
+out = llm.generate([[11, 12, 13, 14]], SamplingParams(max_tokens=1, temperature=0.0))
+t_first = time.time()
+print("KILN_STARTUP " + json.dumps({"import_s": t_import - t0, "ready_s": t_ready - t0,
+      "first_token_s": t_first - t0, "phases": llm.engine.model.phases}))
+"""
+
+
+def startup(artifact: str, runs: int = 2) -> dict[str, Any]:
+    """Fresh processes: process start to ready and to first token (the first run warms the page
+    cache; the best of the later ones is reported)."""
+    results = []
+    for _ in range(runs):
+        t0 = time.time()
+        p = subprocess.run(
+            [sys.executable, "-c", STARTUP_CHILD, artifact, repr(t0)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        line = [x for x in p.stdout.splitlines() if x.startswith("KILN_STARTUP ")]
+        if p.returncode or not line:
+            raise RuntimeError(f"start-up child failed: {p.stderr[-2000:]}")
+        results.append(json.loads(line[0].split(" ", 1)[1]))
+    best = min(results[1:] or results, key=lambda r: r["first_token_s"])
+    return {"runs": results, **best}

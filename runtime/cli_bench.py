@@ -1,0 +1,131 @@
+"""``kiln bench latency|throughput|startup ART``: figures measured side by side in one run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kiln.runtime.cli_generate import engine_options, options_from
+
+
+def _range(s: str) -> int | tuple[int, int]:
+    if ":" in s:
+        lo, hi = (int(x) for x in s.split(":"))
+        if not 1 <= lo <= hi:
+            raise click.BadParameter(f"{s!r}: need 1 <= LO <= HI")
+        return lo, hi
+    return int(s)
+
+
+def _write(report: dict[str, Any], path: str | None) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
+        click.echo(f"[kiln bench] wrote {path}")
+
+
+@click.group("bench")
+def bench_cmd() -> None:
+    """Benchmarks: decode latency vs the roofline, throughput, start-up; optionally beside
+    Hugging Face transformers on the same weights (--compare-hf)."""
+
+
+@bench_cmd.command("latency")
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False))
+@click.option("--batch-sizes", default="1,8,64,256", show_default=True)
+@click.option("--input-len", default=512, show_default=True)
+@click.option("--output-len", default=256, show_default=True)
+@click.option(
+    "--compare-hf",
+    "hf_dir",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Also run Hugging Face transformers generate (bf16) on this checkpoint.",
+)
+@click.option("--json", "json_path", default=None, help="Write the full report here.")
+@engine_options
+def latency_cmd(
+    artifact: str,
+    batch_sizes: str,
+    input_len: int,
+    output_len: int,
+    hf_dir: str | None,
+    json_path: str | None,
+    **kw: Any,
+) -> None:
+    """Decode tokens/s per batch size, TTFT, inter-token latency, host time per step, and bytes
+    moved per step over the device read bandwidth measured in the same run."""
+    from kiln.runtime.artifact import open_artifact
+    from kiln.runtime.benchmark import environment, hf_latency, kiln_latency, read_bandwidth_gbps
+    from kiln.runtime.llm import LLM
+
+    batches = [int(b) for b in batch_sizes.split(",")]
+    report: dict[str, Any] = {"env": environment(), "artifact": artifact}
+    if hf_dir:  # first, so its memory is back before kiln sizes its KV pool
+        vocab = open_artifact(artifact, "cuda").vocab_size
+        report["hf"] = {
+            str(b): v for b, v in hf_latency(hf_dir, batches, input_len, output_len, vocab).items()
+        }
+    llm = LLM(artifact, log=True, **options_from(kw))
+    bw = read_bandwidth_gbps(llm.engine.device)
+    kiln_latency(llm, 1, min(input_len, 32), 4, bw)  # warm-up
+    rows = [kiln_latency(llm, b, input_len, output_len, bw) for b in batches]
+    report |= {"read_gbps": bw, "kiln": [asdict(r) for r in rows], "startup_phases": llm.engine.model.phases}
+    click.echo(f"\nread bandwidth {bw:.0f} GB/s; input {input_len}, output {output_len}")
+    click.echo(
+        f"{'batch':>6} {'tok/s':>10} {'roofline':>9} {'ITL ms':>8} {'host ms':>8} {'TTFT s':>7}"
+        + (f" {'HF tok/s':>9} {'kiln/HF':>8}" if hf_dir else "")
+    )
+    for r in rows:
+        line = (
+            f"{r.batch:>6} {r.decode_tok_s:>10.1f} {r.frac_roofline:>9.1%} {r.itl_ms:>8.2f} "
+            f"{r.host_ms_per_step:>8.3f} {r.ttft_s:>7.3f}"
+        )
+        if hf_dir:
+            h = report["hf"][str(r.batch)]
+            line += f" {h['decode_tok_s']:>9.1f} {r.decode_tok_s / h['decode_tok_s']:>8.2f}"
+        click.echo(line)
+    _write(report, json_path)
+
+
+@bench_cmd.command("throughput")
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False))
+@click.option("--num-prompts", default=1000, show_default=True)
+@click.option("--input-len", default="128:1024", show_default=True, help="N or LO:HI (uniform).")
+@click.option("--output-len", default="128:1024", show_default=True, help="N or LO:HI (uniform).")
+@click.option("--json", "json_path", default=None)
+@engine_options
+def throughput_cmd(
+    artifact: str, num_prompts: int, input_len: str, output_len: str, json_path: str | None, **kw: Any
+) -> None:
+    """Offline throughput: every prompt submitted at once; input and output tokens/s."""
+    from kiln.runtime.benchmark import environment, kiln_throughput
+    from kiln.runtime.llm import LLM
+
+    llm = LLM(artifact, log=True, **options_from(kw))
+    r = kiln_throughput(llm, num_prompts, _range(input_len), _range(output_len))
+    click.echo(
+        f"{num_prompts} prompts in {r['seconds']:.1f} s: input {r['input_tok_s']:.0f} tok/s, output "
+        f"{r['output_tok_s']:.0f} tok/s, {r['requests_s']:.2f} req/s, preemptions {r['preemptions']}"
+    )
+    _write({"env": environment(), "artifact": artifact, "kiln": r}, json_path)
+
+
+@bench_cmd.command("startup")
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False))
+@click.option("--runs", default=2, show_default=True, help="Fresh processes; the first warms the page cache.")
+@click.option("--json", "json_path", default=None)
+def startup_cmd(artifact: str, runs: int, json_path: str | None) -> None:
+    """Process start to ready and to first token, by phase, in fresh processes."""
+    from kiln.runtime.benchmark import environment, startup
+
+    r = startup(artifact, runs)
+    click.echo(
+        f"import {r['import_s']:.2f} s, ready {r['ready_s']:.2f} s, first token {r['first_token_s']:.2f} s"
+    )
+    click.echo("phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in r["phases"].items()))
+    _write({"env": environment(), "artifact": artifact, "startup": r}, json_path)
