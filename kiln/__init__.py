@@ -6,8 +6,15 @@ The import namespace maps onto the repository's top-level folders: ``kiln.ops`` 
     from kiln import LLM, SamplingParams
 """
 
+import os
 from importlib import metadata
 from typing import Any
+
+# A source checkout used without installing (PYTHONPATH=repo): map kiln.ops, kiln.weights,
+# kiln.compiler and kiln.runtime onto the top-level folders, as the installed package does.
+_SRC_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_SRC_ROOT, "ops", "__init__.py")) and _SRC_ROOT not in __path__:
+    __path__.append(_SRC_ROOT)
 
 try:
     __version__ = metadata.version("kiln")
