@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import SMOKE, pick
 
-from kiln.runtime.gumbel import gumbel_argmax, gumbel_argmax_ref, row_keys
+from kiln.ops.sampling import gumbel_argmax, gumbel_argmax_ref, row_keys
 from kiln.runtime.sampler import Sampler, SamplingBatch
 from kiln.runtime.sampling_params import SamplingParams as SP
 

@@ -221,6 +221,7 @@ def compile_model(
         kernels_dir.mkdir()
         with _triton_cache(kernels_dir):
             _warm_up(programs, graphs, weights, cache, cfg, device, buckets, max_blocks, opts.chunk_size)
+            _warm_up_sampler(cfg.vocab_size, device)
         for name, ep in programs.items():
             torch.export.save(strip_example_inputs(ep), out / "graphs" / f"{name}.pt2")
             graphs[name]["file"] = f"graphs/{name}.pt2"
@@ -356,6 +357,18 @@ def _warm_up(
             raise CompileError(
                 f"graph {name} produced non-finite logits during warm-up (batch {b}, tokens {t})"
             )
+
+
+def _warm_up_sampler(vocab: int, device: torch.device) -> None:
+    """Compile the seeded-sampling kernel the runtime's sampler launches, for each row-count class."""
+    if device.type != "cuda":
+        return
+    from kiln.ops.sampling import gumbel_argmax
+
+    for rows in (1, 2, 16):
+        x = torch.randn(rows, vocab, device=device)
+        keys = torch.randint(0, 1 << 31, (rows, 2), dtype=torch.int64, device=device)
+        gumbel_argmax(x, keys)
 
 
 @contextlib.contextmanager

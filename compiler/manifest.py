@@ -42,17 +42,35 @@ def versions() -> dict[str, Any]:
     }
 
 
-def file_table(root: Path, exclude: tuple[str, ...] = ("manifest.json",)) -> dict[str, dict[str, Any]]:
-    """sha256 and size of every file under ``root`` (relative POSIX paths, sorted)."""
+def pack_hashes(root: Path) -> dict[str, dict[str, Any]]:
+    """sha256 and size of the weight-pack files, as the pack writer recorded them in pack.json."""
+    index = root / "weights" / "pack.json"
+    if not index.is_file():
+        return {}
+    known = {}
+    for rank in json.loads(index.read_text()).get("ranks", []):
+        for f in rank.get("files", []):
+            known[f"weights/{f['name']}"] = {"sha256": f["sha256"], "size": f["bytes"]}
+    return known
+
+
+def file_table(
+    root: Path, exclude: tuple[str, ...] = ("manifest.json",), known: dict[str, dict[str, Any]] | None = None
+) -> dict[str, dict[str, Any]]:
+    """sha256 and size of every file under ``root`` (relative POSIX paths, sorted). Hashes in
+    ``known`` are reused when the size still matches (the pack writer hashed while writing)."""
+    known = known or {}
     table: dict[str, dict[str, Any]] = {}
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root).as_posix()
         if p.is_file() and rel not in exclude:
-            table[rel] = {"sha256": sha256_file(p), "size": p.stat().st_size}
+            size = p.stat().st_size
+            k = known.get(rel)
+            table[rel] = k if k and k["size"] == size else {"sha256": sha256_file(p), "size": size}
     return table
 
 
 def write_manifest(root: Path, body: dict[str, Any]) -> dict[str, Any]:
-    manifest = {"schema_version": SCHEMA_VERSION, **body, "files": file_table(root)}
+    manifest = {"schema_version": SCHEMA_VERSION, **body, "files": file_table(root, known=pack_hashes(root))}
     (root / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest

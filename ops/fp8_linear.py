@@ -89,10 +89,14 @@ def scaled_mm_rowwise(
     sa = (sa.expand(t, 1) if sa.shape[0] == 1 else sa).contiguous()  # [T, 1]
     sb = w_scale.float().reshape(1, n).contiguous()  # [1, N]
     mm_dtype = out_dtype if out_dtype == torch.bfloat16 or _cublas_rowwise() else torch.bfloat16
-    b = bias.to(mm_dtype) if bias is not None else None
+    # cuBLAS takes a fused bias only with a 16-bit output; a float32 output adds it afterwards.
+    fused_bias = bias is not None and mm_dtype != torch.float32
+    b = bias.to(mm_dtype) if fused_bias else None
     y = torch._scaled_mm(
         x, w.t(), scale_a=sa, scale_b=sb, bias=b, out_dtype=mm_dtype, use_fast_accum=fast_accum
     )
+    if bias is not None and not fused_bias:
+        y = y + bias.to(y.dtype)
     return y if mm_dtype == out_dtype else y.to(out_dtype)
 
 

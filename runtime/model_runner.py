@@ -141,9 +141,17 @@ class ModelRunner:
             indptr.append(indptr[-1] + e)
         last = [max(i - 1, 0) for i in indptr[1:]]
         dev = self.device
-        i64 = torch.tensor([ids, pos, slots], dtype=torch.int64).to(dev, non_blocking=True)
-        i32 = torch.tensor(rows + lens + indptr, dtype=torch.int32).to(dev, non_blocking=True)
-        b = len(rows)
+        # One host->device copy per dtype. Every segment starts 16-byte aligned: Triton specializes
+        # kernels on pointer alignment, and the artifact's kernels were built for aligned inputs.
+        t, b = len(ids), n_req
+        tp, bp = -(-t // 2) * 2, -(-(b + 1) // 4) * 4
+        h64 = torch.zeros(3, tp, dtype=torch.int64)
+        h64[:, :t] = torch.tensor([ids, pos, slots], dtype=torch.int64)
+        h32 = torch.zeros(3, bp, dtype=torch.int32)
+        h32[0, :b] = torch.tensor(rows, dtype=torch.int32)
+        h32[1, :b] = torch.tensor(lens, dtype=torch.int32)
+        h32[2, : b + 1] = torch.tensor(indptr, dtype=torch.int32)
+        i64, i32 = h64.to(dev, non_blocking=True), h32.to(dev, non_blocking=True)
         logits_idx = torch.tensor(last, dtype=torch.int64).to(dev, non_blocking=True)
         self.bt.flush()
         m = self.m
@@ -152,13 +160,13 @@ class ModelRunner:
             m.cos_sin,
             self.pool.k_cache,
             self.pool.v_cache,
-            i64[0],
-            i64[1],
-            i64[2],
+            i64[0, :t],
+            i64[1, :t],
+            i64[2, :t],
             self.bt.table,
-            i32[:b],
-            i32[b : 2 * b],
-            i32[2 * b :],
+            i32[0, :b],
+            i32[1, :b],
+            i32[2, : b + 1],
             logits_idx,
         )
         return logits[:n_req]

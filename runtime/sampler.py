@@ -10,7 +10,7 @@ HF semantics over prompt + generated tokens; frequency/presence: OpenAI semantic
 tokens), min_tokens masking of EOS/stop ids, then greedy rows take ``argmax`` (ties: lowest id);
 sampled rows divide by temperature, keep top-k, then top-p (on the top-k renormalized
 distribution), then min-p (``p >= min_p * p_max``), and draw by Gumbel-max with noise hashed from
-(seed, step, token id) (``runtime/gumbel.py``): the same seed gives the same tokens whatever
+(seed, step, token id) (``ops/sampling.py``): the same seed gives the same tokens whatever
 else is in the batch. Unseeded requests should get a seed at admission (``resolve_seed``).
 
 Logprobs are ``log_softmax`` of the raw logits (before penalties and temperature), as vLLM and
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.runtime.gumbel import derive_seed, gumbel_argmax, row_keys
+from kiln.ops.sampling import derive_seed, gumbel_argmax, row_keys
 from kiln.runtime.sampling_params import SamplingParams
 
 _rng = random.SystemRandom()

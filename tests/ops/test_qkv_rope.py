@@ -118,8 +118,12 @@ def _run_and_check(c: Case, device: str, call, seed: int = 0) -> None:
         assert _rel(pool[1, written], ref[1, written]) < c.tol
         assert torch.equal(pool[1, untouched], before[1, untouched])
         assert torch.equal(pool[0], before[0]) and torch.equal(pool[2:], before[2:])  # other layers
-        if c.pad:
-            assert any(_rel(pool[1, 0], rows[r]) < c.tol for r in range(c.t - c.pad, c.t))
+        if c.pad:  # padding rows race on the sink row: it may hold a mix of them, but only theirs
+            sink = pool[1, 0].float()
+            lo = torch.stack([rows[r] for r in range(c.t - c.pad, c.t)]).float().amin(0)
+            hi = torch.stack([rows[r] for r in range(c.t - c.pad, c.t)]).float().amax(0)
+            slack = 0.02 * torch.maximum(lo.abs(), hi.abs()) + 1e-3  # kernel vs reference rounding
+            assert bool(((sink >= lo - slack) & (sink <= hi + slack)).all())
 
 
 def _poisoned_triton(*args):
@@ -254,10 +258,12 @@ def test_cuda_graph_replay():
     with torch.cuda.graph(graph):
         q_static = run()
 
-    def replay(qkv, positions, cs, k_layer, v_layer, slots, *rest):
+    def replay(qkv, positions, cs, k_layer, v_layer, slots, hq, hkv, d, rot, neox, qw, kw, eps):
         static[0].copy_(qkv)
         static[1].copy_(positions)
         static[5].copy_(slots)
+        static[6].copy_(qw)  # the norm weights are drawn afresh for every seed too
+        static[7].copy_(kw)
         static[3].copy_(k_layer._base)
         static[4].copy_(v_layer._base)
         graph.replay()

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from kiln.runtime.gumbel import gumbel_argmax, gumbel_argmax_ref, row_keys
+from kiln.ops.sampling import gumbel_argmax, gumbel_argmax_ref, row_keys
 from kiln.runtime.sampler import Sampler, SamplingBatch, resolve_seed
 from kiln.runtime.sampling_params import SamplingParams as SP
 
@@ -261,11 +261,12 @@ def test_gpu_sample_matches_cpu_and_does_not_sync():
             s.reset_row(r, [r, r + 1])
     ref = cpu.sample(logits, SamplingBatch.build(params, rows, "cpu", steps=[2] * 64)).next_ids
     batch = SamplingBatch.build(params, rows, "cuda", steps=[2] * 64)
-    gpu.sample(logits.cuda(), batch)  # materializes the penalty rows
+    logits_gpu = logits.cuda()
+    gpu.sample(logits_gpu, batch)  # materializes the penalty rows
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = gpu.sample(logits.cuda(), batch)
+        out = gpu.sample(logits_gpu, batch)
         gpu.observe(batch.rows, out.next_ids)
     finally:
         torch.cuda.set_sync_debug_mode("default")
