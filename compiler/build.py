@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from kiln.compiler.config import ModelConfig, ParallelConfig, load_config, validate_parallel
+from kiln.compiler.context import GRAPH_INPUTS
 from kiln.compiler.manifest import gpu_arch, versions, write_manifest
 from kiln.compiler.registry import model_class
-from kiln.compiler.trace import CacheSpec, example_inputs, export_graph, input_names, strip_example_inputs
+from kiln.compiler.trace import CacheSpec, example_inputs, export_graph, strip_example_inputs
 from kiln.errors import KilnError
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -55,7 +56,7 @@ class CompileOptions:
     max_seq_len: int | None = None  # default: min(max_position_embeddings, 32768)
     chunk_size: int = 4096  # largest extend (prefill chunk) in tokens
     page_size: int = 1
-    decode_graphs: str = "dynamic"  # "dynamic": one graph, dynamic batch; "per-bucket": one per bucket
+    decode_graphs: str = "shared"  # "shared": the dynamic graph serves decode too; "per-bucket": static ones
     force: bool = False
     verify_weights: bool = True
 
@@ -191,31 +192,23 @@ def compile_model(
         (out / "graphs").mkdir()
         buckets = opts.buckets()
         max_blocks = -(-max_seq // opts.page_size)  # the runtime's block-table width
-        programs = {}
-        ex = example_inputs("decode", 2, 2, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
-        if opts.decode_graphs == "dynamic":
-            programs["decode"] = export_graph(
-                model, "decode", weights, ex, opts.page_size, max_batch=buckets[-1]
-            )
-            graphs["decode"] = {"mode": "decode", "batch": None}
-        else:
-            for b in buckets:
-                ex = example_inputs("decode", b, b, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
-                programs[f"decode_b{b}"] = export_graph(
-                    model, "decode", weights, ex, opts.page_size, dynamic_batch=False
-                )
-                graphs[f"decode_b{b}"] = {"mode": "decode", "batch": b}
-        ex = example_inputs("extend", 2, 8, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
-        programs["extend"] = export_graph(
+        programs: dict[str, Any] = {}
+        # The shared graph: dynamic tokens and requests; serves prefill and (captured per bucket) decode.
+        ex = example_inputs(2, 8, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
+        programs["model"] = export_graph(
             model,
-            "extend",
             weights,
             ex,
             opts.page_size,
-            max_tokens=max(opts.chunk_size, 2),
-            max_batch=buckets[-1],
+            max_tokens=max(opts.chunk_size, buckets[-1]),
+            max_batch=max(buckets[-1], 2),
         )
-        graphs["extend"] = {"mode": "extend", "max_tokens": opts.chunk_size}
+        graphs["model"] = {"batch": None, "max_tokens": max(opts.chunk_size, buckets[-1])}
+        if opts.decode_graphs == "per-bucket":
+            for b in buckets:
+                ex = example_inputs(b, b, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
+                programs[f"decode_b{b}"] = export_graph(model, weights, ex, opts.page_size, static_batch=True)
+                graphs[f"decode_b{b}"] = {"batch": b}
     with timer.phase("kernels"):
         kernels_dir = out / "kernels"
         kernels_dir.mkdir()
@@ -225,7 +218,7 @@ def compile_model(
         for name, ep in programs.items():
             torch.export.save(strip_example_inputs(ep), out / "graphs" / f"{name}.pt2")
             graphs[name]["file"] = f"graphs/{name}.pt2"
-            graphs[name]["inputs"] = list(input_names(graphs[name]["mode"]))
+            graphs[name]["inputs"] = list(GRAPH_INPUTS)
     with timer.phase("tokenizer"):
         tok_files = _copy_tokenizer(model_dir, out)
     with timer.phase("manifest"):
@@ -331,18 +324,14 @@ def _warm_up(
 ) -> None:
     """Run every graph at every shape class the runtime will use (compiling each Triton kernel
     specialization into the cache) and check the logits are finite."""
-    runs: list[tuple[str, str, int, int]] = []
-    for name, g in graphs.items():
-        if g["mode"] == "decode":
-            runs += [(name, "decode", b, b) for b in ([g["batch"]] if g["batch"] else buckets)]
-        else:
-            runs += [(name, "extend", b, t) for t, b in EXTEND_WARMUP if t <= chunk and b <= buckets[-1]]
-    if device.type == "cpu":  # no Triton kernels to compile: one finiteness check per graph
-        runs = [r for r in runs if (r[2], r[3]) in ((1, 1), (2, 2), (buckets[0], buckets[0]))]
+    decode_graph = {b: f"decode_b{b}" for b in buckets if f"decode_b{b}" in graphs}
+    runs = [(decode_graph.get(b, "model"), b, b) for b in buckets]  # decode steps: T == B
+    runs += [("model", b, t) for t, b in EXTEND_WARMUP if t <= chunk and b <= buckets[-1] and t != b]
+    if device.type == "cpu":  # no Triton kernels to compile: a finiteness check per graph suffices
+        runs = [r for r in runs if r[1] <= 2]
     modules = {name: ep.module() for name, ep in programs.items()}
-    for name, mode, b, t in runs:
+    for name, b, t in runs:
         ex = example_inputs(
-            mode,
             b,
             t,
             cache,
@@ -352,7 +341,7 @@ def _warm_up(
             num_slots=max(64, 2 * t),
             rows=max(8, b + 1),
         )
-        logits = modules[name](weights, *(ex[n] for n in input_names(mode)))
+        logits = modules[name](weights, *(ex[n] for n in GRAPH_INPUTS))
         if not torch.isfinite(logits).all():
             raise CompileError(
                 f"graph {name} produced non-finite logits during warm-up (batch {b}, tokens {t})"

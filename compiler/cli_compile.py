@@ -62,11 +62,11 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
 )
 @click.option(
     "--decode-graphs",
-    type=click.Choice(["dynamic", "per-bucket"]),
-    default="dynamic",
+    type=click.Choice(["shared", "per-bucket"]),
+    default="shared",
     show_default=True,
-    help="One decode graph with a dynamic batch (fast to load; CUDA graphs are still captured "
-    "per bucket) or one static graph per bucket.",
+    help="shared: the one dynamic-shape graph also serves decode (one graph to load; CUDA graphs "
+    "are still captured per bucket); per-bucket: an extra static graph per decode bucket.",
 )
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 def compile_cmd(

@@ -1,21 +1,19 @@
 """ForwardContext: the per-batch inputs every layer sees, passed explicitly (never a global).
 
-The same tensors are the inputs of the exported graphs; see docs/internals.md for their layout.
+The same tensors are the inputs of the exported graph; see docs/internals.md for their layout.
+One graph serves every step: a decode step is an extend step in which each of the B requests
+brings one token (T == B), which the attention op dispatches to its split-KV decode kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-
-Mode = Literal["decode", "extend"]
 
 
 @dataclass
 class ForwardContext:
-    mode: Mode
     positions: torch.Tensor  # [T] int64
     out_slots: torch.Tensor  # [T] int64, KV slot each new token writes (0 = padding sink)
     cos_sin: torch.Tensor  # [max_pos, rotary_dim] f32
@@ -24,14 +22,14 @@ class ForwardContext:
     block_table: torch.Tensor  # [R, max_blocks] int32
     req_rows: torch.Tensor  # [B] int32
     seq_lens: torch.Tensor  # [B] int32, KV length including this step's tokens
-    qo_indptr: torch.Tensor | None = None  # [B + 1] int32, extend only
-    logits_indices: torch.Tensor | None = None  # [B] int64, extend only: rows to compute logits for
+    qo_indptr: torch.Tensor  # [B + 1] int32, request b's tokens are rows qo_indptr[b]:qo_indptr[b+1]
+    logits_indices: torch.Tensor  # [B] int64, the rows whose logits are computed
     page_size: int = 1
-    num_splits: int = 1  # decode split-KV factor, fixed per decode bucket
+    num_splits: int = 0  # decode split-KV factor (0: chosen from the batch at capture)
 
 
 # Names and order of the graph inputs after the weights dict. The runtime binds by these names.
-DECODE_INPUTS = (
+GRAPH_INPUTS = (
     "cos_sin",
     "k_cache",
     "v_cache",
@@ -41,5 +39,6 @@ DECODE_INPUTS = (
     "block_table",
     "req_rows",
     "seq_lens",
+    "qo_indptr",
+    "logits_indices",
 )
-EXTEND_INPUTS = (*DECODE_INPUTS, "qo_indptr", "logits_indices")

@@ -104,7 +104,7 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Fused QKV linear -> qkv_rope_kvwrite -> decode/extend attention -> o_proj."""
+    """Fused QKV linear -> qkv_rope_kvwrite -> paged attention (decode or extend) -> o_proj."""
 
     def __init__(
         self,
@@ -151,35 +151,20 @@ class Attention(nn.Module):
             self.k_norm.weight if self.k_norm is not None else None,
             self.eps,
         )  # [T, Hq, D]
-        if ctx.mode == "decode":
-            o = torch.ops.kiln.decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                ctx.block_table,
-                ctx.req_rows,
-                ctx.seq_lens,
-                self.scale,
-                ctx.page_size,
-                ctx.num_splits,
-                self.sliding_window,
-                0.0,
-            )
-        else:
-            assert ctx.qo_indptr is not None
-            o = torch.ops.kiln.extend_attention(
-                q,
-                k_cache,
-                v_cache,
-                ctx.block_table,
-                ctx.req_rows,
-                ctx.seq_lens,
-                ctx.qo_indptr,
-                self.scale,
-                ctx.page_size,
-                self.sliding_window,
-                0.0,
-            )
+        o = torch.ops.kiln.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            ctx.block_table,
+            ctx.req_rows,
+            ctx.seq_lens,
+            ctx.qo_indptr,
+            self.scale,
+            ctx.page_size,
+            ctx.num_splits,
+            self.sliding_window,
+            0.0,
+        )  # [T, Hq, Dv]; decode kernel when every request brings one token
         return self.o(o.flatten(1))  # [T, H]
 
 

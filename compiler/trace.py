@@ -1,5 +1,9 @@
-"""Tracing: a decode graph (dynamic batch; or one per batch bucket) and an extend graph with
-dynamic token and request dimensions (chunked prefill).
+"""Tracing with ``torch.export``.
+
+By default one graph serves every step, with dynamic token (T) and request (B) dimensions: chunked
+prefill runs it directly and the runtime captures it once per decode bucket as a CUDA graph (a
+decode step is T == B; the attention op then runs its split-KV decode kernel). Alternatively
+(``static_batch``) one graph per decode bucket with static shapes.
 
 Graphs never embed weights: the model is built on the meta device and called through
 ``torch.func.functional_call`` with the weights as a dict input, and the stored example inputs
@@ -15,16 +19,15 @@ import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram
 
-from kiln.compiler.context import DECODE_INPUTS, EXTEND_INPUTS, ForwardContext, Mode
+from kiln.compiler.context import GRAPH_INPUTS, ForwardContext
 
 
 class GraphModule(nn.Module):
     """Wraps a model so the exported graph's inputs are (weights, *per-batch tensors)."""
 
-    def __init__(self, model: nn.Module, mode: Mode, page_size: int, num_splits: int = 1):
+    def __init__(self, model: nn.Module, page_size: int, num_splits: int = 0):
         super().__init__()
         self.model = model
-        self.mode: Mode = mode
         self.page_size = page_size
         self.num_splits = num_splits
 
@@ -40,11 +43,10 @@ class GraphModule(nn.Module):
         block_table: torch.Tensor,
         req_rows: torch.Tensor,
         seq_lens: torch.Tensor,
-        qo_indptr: torch.Tensor | None = None,
-        logits_indices: torch.Tensor | None = None,
+        qo_indptr: torch.Tensor,
+        logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         ctx = ForwardContext(
-            mode=self.mode,
             positions=positions,
             out_slots=out_slots,
             cos_sin=cos_sin,
@@ -63,8 +65,7 @@ class GraphModule(nn.Module):
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """Shapes of the KV pool and block table used for tracing (sizes are dynamic at run time
-    only through the metadata; the pool tensors are whatever the runtime allocates)."""
+    """KV-pool layout the graphs are traced for (the pool's size is dynamic)."""
 
     num_layers: int
     num_kv_heads: int
@@ -75,7 +76,6 @@ class CacheSpec:
 
 
 def example_inputs(
-    mode: Mode,
     batch: int,
     tokens: int,
     cache: CacheSpec,
@@ -85,12 +85,18 @@ def example_inputs(
     max_blocks: int = 16,
     rows: int = 8,
 ) -> dict[str, torch.Tensor]:
-    """Small, valid per-batch inputs (everything but the weights) for tracing and warm-up."""
+    """Small, valid per-batch inputs (everything but the weights) for tracing and warm-up:
+    ``batch`` requests sharing ``tokens`` new tokens (tokens == batch: a decode step)."""
     dev = torch.device(device)
     i32, i64 = torch.int32, torch.int64
     per_req = tokens // batch
-    t = {
-        "cos_sin": torch.zeros(max_blocks * cache.page_size, rotary_dim, dtype=torch.float32, device=dev),
+    lens = [per_req] * batch
+    lens[-1] += tokens - per_req * batch
+    indptr = torch.tensor([0, *lens], dtype=i32).cumsum(0).to(i32)
+    return {
+        "cos_sin": torch.zeros(
+            max(max_blocks * cache.page_size, 2), rotary_dim, dtype=torch.float32, device=dev
+        ),
         "k_cache": torch.zeros(
             cache.num_layers, num_slots, cache.num_kv_heads, cache.head_dim, dtype=cache.dtype, device=dev
         ),
@@ -98,43 +104,28 @@ def example_inputs(
             cache.num_layers, num_slots, cache.num_kv_heads, cache.v_head_dim, dtype=cache.dtype, device=dev
         ),
         "input_ids": torch.zeros(tokens, dtype=i64, device=dev),
-        "positions": torch.arange(tokens, dtype=i64, device=dev) % per_req,
+        "positions": torch.cat([torch.arange(n, dtype=i64) for n in lens]).to(dev),
         "out_slots": torch.zeros(tokens, dtype=i64, device=dev),
         "block_table": torch.zeros(rows, max_blocks, dtype=i32, device=dev),
         "req_rows": torch.arange(batch, dtype=i32, device=dev) % rows,
-        "seq_lens": torch.full((batch,), per_req, dtype=i32, device=dev),
+        "seq_lens": torch.tensor(lens, dtype=i32, device=dev),
+        "qo_indptr": indptr.to(dev),
+        "logits_indices": (indptr[1:] - 1).to(i64).to(dev),
     }
-    if mode == "extend":
-        t["qo_indptr"] = torch.arange(batch + 1, dtype=i32, device=dev) * per_req
-        t["logits_indices"] = torch.arange(1, batch + 1, dtype=i64, device=dev) * per_req - 1
-    return t
-
-
-def input_names(mode: Mode) -> tuple[str, ...]:
-    return EXTEND_INPUTS if mode == "extend" else DECODE_INPUTS
 
 
 def export_graph(
     model: nn.Module,
-    mode: Mode,
     weights: Mapping[str, torch.Tensor],
     inputs: Mapping[str, torch.Tensor],
     page_size: int,
-    num_splits: int = 0,
     max_tokens: int = 1 << 16,
     max_batch: int = 1024,
-    dynamic_batch: bool = True,
+    static_batch: bool = False,
 ) -> ExportedProgram:
-    """Export ``model`` for one mode.
-
-    Extend: dynamic token (T) and request (B) dimensions. Decode: a dynamic batch dimension by
-    default (one graph serves every bucket; the runtime captures one CUDA graph per bucket from
-    it), or static shapes (``dynamic_batch=False``, one graph per bucket). ``num_splits=0`` lets
-    decode attention pick its split-KV factor from the batch at capture time.
-    """
-    gm = GraphModule(model, mode, page_size, num_splits)
-    names = input_names(mode)
-    args = (dict(weights), *(inputs[n] for n in names))
+    """Export ``model`` with dynamic T and B (default) or with the example's static shapes."""
+    gm = GraphModule(model, page_size)
+    args = (dict(weights), *(inputs[n] for n in GRAPH_INPUTS))
     # The pool, rope table and block table are sized by the runtime: dynamic in every graph.
     S, P, R, M = Dim("S", min=2), Dim("P", min=2), Dim("R", min=2), Dim("M", min=2)
     per_input: dict[str, dict[int, Dim] | None] = {
@@ -143,9 +134,8 @@ def export_graph(
         "v_cache": {1: S},
         "block_table": {0: R, 1: M},
     }
-    B = Dim("B", min=1, max=max_batch)
-    if mode == "extend":
-        T = Dim("T", min=1, max=max_tokens)
+    if not static_batch:
+        T, B = Dim("T", min=1, max=max_tokens), Dim("B", min=1, max=max_batch)
         per_input |= {
             "input_ids": {0: T},
             "positions": {0: T},
@@ -155,12 +145,9 @@ def export_graph(
             "qo_indptr": {0: B + 1},
             "logits_indices": {0: B},
         }
-    elif dynamic_batch:
-        per_input |= {n: {0: B} for n in ("input_ids", "positions", "out_slots", "req_rows", "seq_lens")}
-    dynamic = ({k: None for k in weights}, *(per_input.get(n) for n in names))
+    dynamic = ({k: None for k in weights}, *(per_input.get(n) for n in GRAPH_INPUTS))
     with torch.no_grad():
-        ep = torch.export.export(gm, args, dynamic_shapes=dynamic, strict=False)
-    return ep
+        return torch.export.export(gm, args, dynamic_shapes=dynamic, strict=False)
 
 
 def strip_example_inputs(ep: ExportedProgram) -> ExportedProgram:

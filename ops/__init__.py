@@ -8,6 +8,7 @@ that call them are deserialized).
 
 from kiln.ops import (  # noqa: F401  (imported to register the ops)
     activation,
+    attention,
     decode_attention,
     extend_attention,
     fp8_linear,

@@ -114,7 +114,7 @@ def kiln_latency(
         outs = eng.step()
         te = time.perf_counter()
         for o in outs:
-            got_first += len(o.token_ids) == 1
+            got_first += o.num_output_tokens == 1
             finished += o.finished
         if eng.last_step_mode == "decode":
             step_times.append(te - ts)

@@ -48,9 +48,12 @@ class ModelRunner:
         self.use_cuda_graph = cuda_graph and self.device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         bmax = self.buckets[-1]
-        # Static decode inputs, sliced per bucket: ids/positions/slots int64, rows/lens int32.
+        # Static decode inputs, sliced per bucket: ids/positions/slots int64, rows/lens int32, and
+        # the constant request layout of a decode step (one token each): qo_indptr and logits rows.
         self._i64 = torch.zeros(3, bmax, dtype=torch.int64, device=self.device)
         self._i32 = torch.zeros(2, bmax, dtype=torch.int32, device=self.device)
+        self._indptr = torch.arange(bmax + 1, dtype=torch.int32, device=self.device)
+        self._rows_out = torch.arange(bmax, dtype=torch.int64, device=self.device)
         self._out: dict[int, torch.Tensor] = {}
         pin = self.device.type == "cuda"
         self._h64 = torch.zeros(3, bmax, dtype=torch.int64, pin_memory=pin)
@@ -79,10 +82,12 @@ class ModelRunner:
             self.bt.table,
             self._i32[0, :b],
             self._i32[1, :b],
+            self._indptr[: b + 1],
+            self._rows_out[:b],
         )
 
     def _run_decode_graph(self, b: int) -> torch.Tensor:
-        graph = self.m.graphs.get("decode") or self.m.graphs[f"decode_b{b}"]
+        graph = self.m.graphs.get(f"decode_b{b}") or self.m.graphs["model"]
         return graph(*self._decode_args(b))
 
     def _capture_all(self) -> None:
@@ -111,14 +116,12 @@ class ModelRunner:
         n = step.batch
         b = self.bucket_for(n)
         h64, h32 = self._h64, self._h32
-        h64[:, :b].zero_()
-        h32[0, :b].zero_()
-        h32[1, :b].fill_(1)
-        h64[0, :n] = torch.tensor(step.input_ids, dtype=torch.int64)
-        h64[1, :n] = torch.tensor(step.positions, dtype=torch.int64)
-        h64[2, :n] = torch.tensor(step.out_slots, dtype=torch.int64)
-        h32[0, :n] = torch.tensor(step.req_rows, dtype=torch.int32)
-        h32[1, :n] = torch.tensor(step.seq_lens, dtype=torch.int32)
+        # Padding rows: token 0 at position 0 into the sink slot, block-table row 0, length 1.
+        h64[:, n:b] = 0
+        h32[0, n:b] = 0
+        h32[1, n:b] = 1
+        h64[:, :n] = torch.tensor([step.input_ids, step.positions, step.out_slots], dtype=torch.int64)
+        h32[:, :n] = torch.tensor([step.req_rows, step.seq_lens], dtype=torch.int32)
         self._i64[:, :b].copy_(h64[:, :b], non_blocking=True)
         self._i32[:, :b].copy_(h32[:, :b], non_blocking=True)
         self.bt.flush()
@@ -155,7 +158,7 @@ class ModelRunner:
         logits_idx = torch.tensor(last, dtype=torch.int64).to(dev, non_blocking=True)
         self.bt.flush()
         m = self.m
-        logits = m.graphs["extend"](
+        logits = m.graphs["model"](
             m.weights,
             m.cos_sin,
             self.pool.k_cache,

@@ -73,10 +73,11 @@ class RequestOutput:
     rid: str
     new_text: str
     new_token_ids: list[int]
-    token_ids: list[int]
+    token_ids: list[int]  # every generated token: filled when finished (empty while running)
     text: str
     finished: bool
     finish_reason: str | None
+    num_output_tokens: int
     num_prompt_tokens: int
     num_cached_tokens: int
     new_logprobs: list[dict[str, Any]]

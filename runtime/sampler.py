@@ -117,6 +117,11 @@ class SamplingBatch:
         B = len(params_list)
         if len(rows) != B:
             raise ValueError(f"SamplingBatch.build: {B} params but {len(rows)} rows")
+        if all(
+            p.is_greedy and not p.uses_penalties and p.logprobs is None and p.min_tokens == 0
+            for p in params_list
+        ):
+            return cls._greedy(list(rows), device)
         seeded = seeds is not None or any(p.seed is not None for p in params_list)
         if steps is None and (seeded or any(p.min_tokens > 0 for p in params_list)):
             raise ValueError(
@@ -142,7 +147,8 @@ class SamplingBatch:
                     p.presence_penalty,
                 )
             )
-            ints.append((row, p.top_k if p.top_k > 0 else off_k, *row_keys(seed, step), int(g)))
+            keys = (0, 0) if g else row_keys(seed, step)  # greedy rows draw no noise
+            ints.append((row, p.top_k if p.top_k > 0 else off_k, *keys, int(g)))
             if step < p.min_tokens:
                 banned = list(p.stop_token_ids or ()) + ([] if p.ignore_eos else list(eos_token_ids))
                 ban_b += [i] * len(banned)
@@ -177,6 +183,39 @@ class SamplingBatch:
             use_min_p=any(p.min_p > 0.0 for p in sampled),
             use_penalties=any(p.uses_penalties for p in params_list),
             num_logprobs=max(want) if want else None,
+        )
+
+    @classmethod
+    def _greedy(cls, rows: list[int], device: torch.device | str) -> SamplingBatch:
+        """The common all-greedy batch: argmax only, so nothing but the rows is built."""
+        B = len(rows)
+        r = torch.tensor(rows, dtype=torch.int64)
+        if torch.device(device).type == "cuda":
+            r = r.pin_memory()
+        r = r.to(device, non_blocking=True)
+        none = r[:0]
+        return cls(
+            size=B,
+            row_list=rows,
+            rows=r,
+            keys=none,
+            greedy=none,
+            temperature=none,
+            top_p=none,
+            min_p=none,
+            rep=none,
+            freq=none,
+            pres=none,
+            top_k=none,
+            ban=None,
+            all_greedy=True,
+            any_greedy=True,
+            use_top_k=False,
+            max_top_k=0,
+            use_top_p=False,
+            use_min_p=False,
+            use_penalties=False,
+            num_logprobs=None,
         )
 
 

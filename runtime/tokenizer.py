@@ -1,7 +1,16 @@
-"""Tokenizer loading and the per-request text pipeline (detokenizer -> stop-string matcher)."""
+"""Tokenizer loading and the per-request text pipeline (detokenizer -> stop-string matcher).
+
+Start-up matters, so an artifact with a ``tokenizer.json`` is served by :class:`FastTokenizer`:
+the Rust ``tokenizers`` library plus the chat template rendered with sandboxed Jinja, the way
+transformers renders it (loading it takes ~0.04 s; ``AutoTokenizer`` took 3-6 s, most of it
+importing transformers). Anything else falls back to ``AutoTokenizer`` (local files only, no
+remote code).
+"""
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -9,8 +18,92 @@ from kiln.runtime.detokenizer import IncrementalDetokenizer, StopMatcher
 from kiln.runtime.sampling_params import SamplingParams
 
 
-def load_tokenizer(path: str | Path) -> Any:
-    """The artifact's Hugging Face tokenizer (local files only, no remote code)."""
+def _token_text(tok: Any) -> str | None:
+    if isinstance(tok, dict):  # {"content": "<s>", ...} in some tokenizer_config.json files
+        return tok.get("content")
+    return tok
+
+
+class FastTokenizer:
+    """The subset of a transformers tokenizer kiln uses, over ``tokenizers.Tokenizer``."""
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer
+
+        root = Path(path)
+        self.backend_tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        cfg_path = root / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        template = cfg.get("chat_template")
+        if template is None and (root / "chat_template.jinja").is_file():
+            template = (root / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: use "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+        self._compiled: Any = None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.backend_tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.backend_tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend_tokenizer.get_vocab()
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size()
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tokenize: bool = False,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        if self._compiled is None:
+            from jinja2.ext import loopcontrols
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise ValueError(message)
+
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+            )
+            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+                x, indent=indent, ensure_ascii=ensure_ascii
+            )
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._compiled = env.from_string(self.chat_template)
+        text = self._compiled.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def load_tokenizer(path: str | Path, fast: bool = True) -> Any:
+    """The artifact's tokenizer: :class:`FastTokenizer` when ``tokenizer.json`` exists (and
+    ``fast``), else transformers' ``AutoTokenizer`` from local files, without remote code."""
+    if fast and (Path(path) / "tokenizer.json").is_file():
+        return FastTokenizer(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)

@@ -62,12 +62,11 @@ class DecoderOnlyLM(nn.Module):
         self.lm_head = LMHead(cfg.vocab_size, v_rank, cfg.hidden_size, dtype, cfg.tie_word_embeddings)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """input_ids [T] int64 -> logits [B, V] f32 (decode: every row; extend: ctx.logits_indices)."""
+        """input_ids [T] int64 -> logits [B, V] f32 at the rows ``ctx.logits_indices``."""
         h = self.embed(input_ids)  # [T, H]
         residual: torch.Tensor | None = None
         for layer in self.layers:
             h, residual = layer(h, residual, ctx)
         h = self.norm(h, residual)  # [T, H]
-        if ctx.logits_indices is not None:
-            h = h.index_select(0, ctx.logits_indices)  # [B, H]
+        h = h.index_select(0, ctx.logits_indices)  # [B, H]
         return self.lm_head(h, self.embed.weight)

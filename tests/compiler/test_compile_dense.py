@@ -56,7 +56,7 @@ def test_compile_is_deterministic(compiled, tmp_path):
     assert graph_and_weights and all(a[k]["sha256"] == b[k]["sha256"] for k in graph_and_weights)
 
 
-def test_per_bucket_decode_graphs_match_dynamic(compiled, tmp_path):
+def test_per_bucket_decode_graphs_match_shared(compiled, tmp_path):
     _, root = compiled
     opts = CompileOptions(
         device="cpu",
@@ -70,7 +70,7 @@ def test_per_bucket_decode_graphs_match_dynamic(compiled, tmp_path):
     assert sorted(p.name for p in (tmp_path / "pb" / "graphs").iterdir()) == [
         "decode_b1.pt2",
         "decode_b2.pt2",
-        "extend.pt2",
+        "model.pt2",
     ]
     a = DirectRunner(str(root / "art"), device="cpu", num_slots=256)
     b = DirectRunner(str(tmp_path / "pb"), device="cpu", num_slots=256)
