@@ -104,6 +104,7 @@ def kiln_latency(
         eng.add_request(p, sp)
     if eng.device.type == "cuda":
         torch.cuda.synchronize()
+    hb0 = dict(eng.host_breakdown)
     t0 = time.perf_counter()
     first_done = None
     step_times: list[float] = []
@@ -122,6 +123,8 @@ def kiln_latency(
         if first_done is None and got_first == batch:
             first_done = te
     t_end = time.perf_counter()
+    steps = max(len(step_times) + 1, 1)
+    breakdown = {k: 1e3 * (eng.host_breakdown[k] - hb0[k]) / steps for k in hb0}  # ms per step
     decode_s = t_end - first_done
     kv_per_tok = eng.artifact.kv["bytes_per_token"]
     mean_ctx = input_len + output_len / 2
@@ -139,6 +142,7 @@ def kiln_latency(
         bytes_per_step=nbytes,
         roofline_tok_s=roof,
         frac_roofline=tok_s / roof if roof == roof else float("nan"),
+        extra={"ms_per_step_by_part": breakdown},
     )
 
 

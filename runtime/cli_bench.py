@@ -92,6 +92,39 @@ def latency_cmd(
     _write(report, json_path)
 
 
+@bench_cmd.command("report")
+@click.option("--latency", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option("--throughput", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option("--startup", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option(
+    "--kernels",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="The kernel suite's results (bench/report.py output).",
+)
+@click.option("--json", "json_path", default=None, help="Write the merged report here.")
+@click.option("--plot", "plot_path", default=None, help="Write a PNG: decode tok/s vs batch, roofline, HF.")
+def report_cmd(
+    latency: str | None,
+    throughput: str | None,
+    startup: str | None,
+    kernels: str | None,
+    json_path: str | None,
+    plot_path: str | None,
+) -> None:
+    """Merge latency, throughput, start-up and kernel results into one report (and a plot)."""
+    from kiln.runtime.bench_report import merge, plot, ratios
+
+    report = merge({"latency": latency, "throughput": throughput, "startup": startup, "kernels": kernels})
+    report["kiln_over_hf"] = ratios(report)
+    for r in report["kiln_over_hf"]:
+        click.echo(f"batch {r['batch']:>4}: kiln/HF decode {r['decode_tok_s']:.2f}x, TTFT {r['ttft']:.2f}x")
+    _write(report, json_path)
+    if plot_path:
+        plot(report, plot_path)
+        click.echo(f"[kiln bench] wrote {plot_path}")
+
+
 @bench_cmd.command("throughput")
 @click.argument("artifact", type=click.Path(exists=True, file_okay=False))
 @click.option("--num-prompts", default=1000, show_default=True)

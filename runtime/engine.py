@@ -112,6 +112,8 @@ class Engine:
         self._sampler_rows: dict[str, int] = {}
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0}
         self.last_step_mode = ""
+        # Cumulative seconds per part of a step (host work; "wait" is the sync on the device).
+        self.host_breakdown = dict.fromkeys(("schedule", "launch", "sample", "wait", "outputs"), 0.0)
         self.last_step_host_s = 0.0
         self._t_host = 0.0
         self.startup_seconds = time.perf_counter() - t0
@@ -191,7 +193,10 @@ class Engine:
                 if req.kv_len == req.cached_len and not req.num_preemptions:
                     self.stats["cached_tokens"] += req.cached_len
         step = self.scheduler.step_inputs(batch)
+        t1 = time.perf_counter()
         logits = self.runner.forward(step)  # [B, V]
+        self.host_breakdown["schedule"] += t1 - t0
+        self.host_breakdown["launch"] += time.perf_counter() - t1
         done = [i for i in range(len(batch.reqs)) if batch.completes(i)]
         self.scheduler.after_step(batch)
         self._t_host = time.perf_counter() - t0  # host time up to the launches; the sync adds on
@@ -220,6 +225,8 @@ class Engine:
         t_launched = time.perf_counter()
         next_ids = out.next_ids.tolist()  # the one host sync per step
         t_synced = time.perf_counter()
+        self.host_breakdown["sample"] += t_launched - t0_sample
+        self.host_breakdown["wait"] += t_synced - t_launched
         lp = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
@@ -265,7 +272,9 @@ class Engine:
                 )
             )
         # Host time of this step: everything but waiting for the device at the sync above.
-        self.last_step_host_s = self._t_host + (t_launched - t0_sample) + (time.perf_counter() - t_synced)
+        t_end = time.perf_counter()
+        self.host_breakdown["outputs"] += t_end - t_synced
+        self.last_step_host_s = self._t_host + (t_launched - t0_sample) + (t_end - t_synced)
         return outputs
 
     def _check_stop(self, req: Req, tok: int) -> str:

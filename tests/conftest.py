@@ -23,3 +23,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def demo_artifact(tmp_path_factory):
+    """The built-in demo model (``kiln demo``'s), compiled for the CPU once per test session."""
+    from kiln.demo import build_demo
+
+    return build_demo(tmp_path_factory.mktemp("demo"), "cpu")

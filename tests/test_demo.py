@@ -5,11 +5,8 @@ import re
 import subprocess
 import sys
 
-import pytest
 
-
-@pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
+def test_demo_command(tmp_path_factory):
     d = tmp_path_factory.mktemp("demo")
     p = subprocess.run(
         [sys.executable, "-m", "kiln", "demo", "--dir", str(d), "--max-tokens", "12"],
@@ -21,11 +18,10 @@ def demo_dir(tmp_path_factory):
     m = re.search(r"generate (\d+) tokens", p.stdout)
     assert m and int(m.group(1)) == 12, p.stdout[-2000:]
     assert "[kiln compile] artifact" in p.stdout
-    return d
 
 
-def test_generate_streams_from_demo_artifact(demo_dir):
-    art = demo_dir / "artifact-cpu"
+def test_generate_streams_from_demo_artifact(demo_artifact):
+    art = demo_artifact
     p = subprocess.run(
         [
             sys.executable,
@@ -49,10 +45,10 @@ def test_generate_streams_from_demo_artifact(demo_dir):
     assert "5 tokens in" in p.stderr and "finish: length" in p.stderr
 
 
-def test_chat_and_reproducible_seed(demo_dir):
+def test_chat_and_reproducible_seed(demo_artifact):
     from kiln import LLM, SamplingParams
 
-    llm = LLM(str(demo_dir / "artifact-cpu"), device="cpu")
+    llm = LLM(str(demo_artifact), device="cpu")
     sp = SamplingParams(max_tokens=6, temperature=1.0, seed=1234)
     a = llm.chat([{"role": "user", "content": "Hi!"}], sp)[0]
     b = llm.chat([{"role": "user", "content": "Hi!"}], sp)[0]

@@ -1,0 +1,62 @@
+"""Where a decode step's GPU time goes: kernel durations per step by kernel, at given batch sizes.
+
+    python bench/gpu/profile_decode.py ART --batch-sizes 1,64 --json OUT.json
+
+Runs the decode graph eagerly (no CUDA graph) under torch.profiler so each kernel is recorded;
+kernel durations are what the CUDA-graph replay runs too, without the launch gaps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kiln import LLM, SamplingParams
+from kiln.runtime.benchmark import random_prompts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("artifact")
+    ap.add_argument("--batch-sizes", default="1,64")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    llm = LLM(a.artifact, cuda_graph=False, kv_memory_gib=40)
+    eng = llm.engine
+    result = {}
+    for b in (int(x) for x in a.batch_sizes.split(",")):
+        for p in random_prompts(b, a.context, eng.artifact.vocab_size):
+            eng.add_request(p, SamplingParams(max_tokens=a.steps + 8, temperature=0.0, ignore_eos=True))
+        while any(r.prefilling for r in eng.scheduler.running) or eng.scheduler.waiting:
+            eng.step()
+        for _ in range(2):
+            eng.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.steps):
+                eng.step()
+            torch.cuda.synchronize()
+        per: dict[str, float] = defaultdict(float)
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                per[e.name] += e.device_time / a.steps  # us per step
+        total = sum(per.values())
+        top = sorted(per.items(), key=lambda kv: -kv[1])[:14]
+        result[b] = {"gpu_us_per_step": total, "top": top}
+        print(f"\nbatch {b}: GPU kernel time {total / 1e3:.3f} ms per decode step")
+        for name, us in top:
+            print(f"  {us:9.1f} us {us / total:6.1%}  {name[:90]}")
+        eng.run_until_done()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
