@@ -10,9 +10,9 @@ if [ -n "$WEIGHTS" ]; then
     --reps 2 2>&1 | tail -14
 fi
 [ -f $CK/config.json ] || python bench/make_checkpoint.py --preset llama-3.1-8b -o $CK 2>&1 | tail -1
-timeout 300 python -m kiln compile $CK -o $ART --force 2>&1 | grep -E "artifact|Error|error" | tail -3
-python -m kiln bench startup $ART --runs 2 --json "$OUT/startup.json" 2>&1 | tail -2
-timeout 330 python -m kiln bench latency $ART --batch-sizes ${BATCHES:-1,8,64,256} --input-len 512 \
+[ -f $ART/manifest.json ] || timeout 300 python -m kiln compile $CK -o $ART --force 2>&1 | grep -E "artifact|Error|error" | tail -3
+[ -z "$SKIP_LAT" ] && python -m kiln bench startup $ART --runs 2 --json "$OUT/startup.json" 2>&1 | tail -2
+[ -z "$SKIP_LAT" ] && timeout 330 python -m kiln bench latency $ART --batch-sizes ${BATCHES:-1,8,64,256} --input-len 512 \
   --output-len ${OUTLEN:-128} --kv-memory 60 --compare-hf $CK --json "$OUT/latency.json" 2>&1 | grep -v "it/s\]" | tail -7
 [ -n "$NPROMPTS" ] && timeout 200 python -m kiln bench throughput $ART --num-prompts $NPROMPTS --kv-memory 80 \
   --json "$OUT/throughput.json" 2>&1 | tail -1
