@@ -17,5 +17,5 @@ fi
 [ -n "$NPROMPTS" ] && timeout 200 python -m kiln bench throughput $ART --num-prompts $NPROMPTS --kv-memory 80 \
   --json "$OUT/throughput.json" 2>&1 | tail -1
 [ -n "$PROFILE" ] && timeout 120 python bench/gpu/profile_decode.py $ART --batch-sizes 1,64 --json "$OUT/profile.json" 2>&1 | tail -34
-python -m kiln bench report --latency "$OUT/latency.json" --startup "$OUT/startup.json" \
+[ -z "$SKIP_LAT" ] && python -m kiln bench report --latency "$OUT/latency.json" --startup "$OUT/startup.json" \
   ${NPROMPTS:+--throughput "$OUT/throughput.json"} --json "$OUT/report.json" --plot "$OUT/report.png" | tail -5
