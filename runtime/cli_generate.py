@@ -29,6 +29,11 @@ def engine_options(f):  # shared by generate, serve and bench
             "--no-cuda-graph", is_flag=True, help="Run decode steps eagerly instead of replaying CUDA graphs."
         ),
         click.option("--no-radix-cache", is_flag=True, help="Disable prefix caching."),
+        click.option(
+            "--no-overlap",
+            is_flag=True,
+            help="Finish each decode step before launching the next (no host/GPU overlap).",
+        ),
         click.option("--max-running", type=int, default=None, help="Cap on concurrently running requests."),
         click.option(
             "--chunk-size", type=int, default=None, help="Prefill chunk in tokens (<= the artifact's)."
@@ -46,6 +51,7 @@ def options_from(kw: dict) -> dict:
         kv_memory_gib=kw.pop("kv_memory"),
         cuda_graph=not kw.pop("no_cuda_graph"),
         radix_cache=not kw.pop("no_radix_cache"),
+        overlap=not kw.pop("no_overlap"),
         max_running=kw.pop("max_running"),
         chunk_size=kw.pop("chunk_size"),
         verify=kw.pop("verify"),

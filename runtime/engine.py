@@ -19,9 +19,10 @@ from kiln.runtime.loader import load_model
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.radix_cache import RadixCache
 from kiln.runtime.request import Req, RequestOutput
-from kiln.runtime.sampler import Sampler, SamplingBatch, resolve_seed
+from kiln.runtime.sampler import Sampler, resolve_seed
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kiln.runtime.scheduler import Scheduler, SchedulerConfig
+from kiln.runtime.stepper import PLACEHOLDER, Launched, Stepper
 from kiln.runtime.tokenizer import RequestText, load_tokenizer
 
 GIB = 1024**3
@@ -41,6 +42,7 @@ class EngineOptions:
     kv_memory_gib: float | None = None  # default: free device memory after weights and a reserve
     cuda_graph: bool = True
     radix_cache: bool = True
+    overlap: bool = True  # launch the next decode step before finishing the current one
     max_running: int | None = None  # default: the largest decode bucket
     chunk_size: int | None = None  # default: the artifact's chunk size
     activation_reserve_gib: float = 4.0
@@ -115,7 +117,7 @@ class Engine:
         # Cumulative seconds per part of a step (host work; "wait" is the sync on the device).
         self.host_breakdown = dict.fromkeys(("schedule", "launch", "sample", "wait", "outputs"), 0.0)
         self.last_step_host_s = 0.0
-        self._t_host = 0.0
+        self.stepper = Stepper(self, overlap=opts.overlap)
         self.startup_seconds = time.perf_counter() - t0
         if opts.log:
             print(
@@ -174,67 +176,36 @@ class Engine:
         if req is not None and not req.finished:
             self.scheduler.abort(req)
             req.finish_reason = "abort"
+            while req.output_ids and req.output_ids[-1] == PLACEHOLDER:
+                req.output_ids.pop()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.stepper.inflight is not None
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        self.stats["steps"] += 1
-        self.last_step_mode = batch.mode
-        for req in batch.reqs:  # newly admitted (or resumed): fresh sampler row
-            if self._sampler_rows.get(req.rid) != req.row:
-                self.sampler.reset_row(req.row, req.prompt_ids, req.output_ids)
-                self._sampler_rows[req.rid] = req.row
-                if req.kv_len == req.cached_len and not req.num_preemptions:
-                    self.stats["cached_tokens"] += req.cached_len
-        step = self.scheduler.step_inputs(batch)
-        t1 = time.perf_counter()
-        logits = self.runner.forward(step)  # [B, V]
-        self.host_breakdown["schedule"] += t1 - t0
-        self.host_breakdown["launch"] += time.perf_counter() - t1
-        done = [i for i in range(len(batch.reqs)) if batch.completes(i)]
-        self.scheduler.after_step(batch)
-        self._t_host = time.perf_counter() - t0  # host time up to the launches; the sync adds on
-        if not done:
-            self.last_step_host_s = self._t_host
-            return []
-        return self._sample_and_process(batch, done, logits)
+        """Run one step (see ``runtime/stepper.py``); returns the requests' new outputs."""
+        return self.stepper.step()
 
-    def _sample_and_process(
-        self, batch: ScheduledBatch, done: list[int], logits: torch.Tensor
-    ) -> list[RequestOutput]:
-        t0_sample = time.perf_counter()
-        reqs = [batch.reqs[i] for i in done]
-        if len(done) < len(batch.reqs):
-            logits = logits[torch.tensor(done, device=logits.device)]
-        sb = SamplingBatch.build(
-            [r.params for r in reqs],
-            [r.row for r in reqs],
-            self.device,
-            seeds=[r.seed for r in reqs],
-            steps=[len(r.output_ids) for r in reqs],
-            eos_token_ids=sorted(self.eos_ids),
-        )
-        out = self.sampler.sample(logits, sb)
-        self.sampler.observe(sb.rows, out.next_ids)
-        t_launched = time.perf_counter()
-        next_ids = out.next_ids.tolist()  # the one host sync per step
+    def _finish(self, launched: Launched, extra_host_s: float = 0.0) -> list[RequestOutput]:
+        """Read back a launched step's tokens, apply stop conditions and build the outputs."""
+        t0 = time.perf_counter()
+        if launched.event is not None:
+            launched.event.synchronize()
         t_synced = time.perf_counter()
-        self.host_breakdown["sample"] += t_launched - t0_sample
-        self.host_breakdown["wait"] += t_synced - t_launched
-        lp = out.logprobs.tolist() if out.logprobs is not None else None
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        self.host_breakdown["wait"] += t_synced - t0
+        h = launched.host
+        next_ids = h["ids"].tolist()
+        lp = h["logprobs"].tolist() if "logprobs" in h else None
+        top_ids = h["top_ids"].tolist() if "top_ids" in h else None
+        top_lp = h["top_logprobs"].tolist() if "top_logprobs" in h else None
         now = time.perf_counter()
         outputs = []
-        for j, req in enumerate(reqs):
-            tok = next_ids[j]
-            req.output_ids.append(tok)
+        for j, req in enumerate(launched.reqs):
+            if req.finished:  # finished or aborted while this step was in flight: discard
+                continue
+            tok, k = next_ids[j], launched.index[j]
+            req.output_ids[k] = tok
             self.stats["generated_tokens"] += 1
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -248,8 +219,9 @@ class Engine:
                 }
                 req.logprobs.append(entry)
                 new_lp.append(entry)
-            new_text = self._check_stop(req, tok)
+            new_text = self._check_stop(req, tok, k + 1)
             if req.finish_reason is not None:
+                del req.output_ids[k + 1 :]  # a token sampled by a step launched after this one
                 req.finish_time = now
                 self.scheduler.finish(req)
                 self.requests.pop(req.rid, None)
@@ -263,7 +235,7 @@ class Engine:
                     text=req.text,
                     finished=req.finished,
                     finish_reason=req.finish_reason,
-                    num_output_tokens=len(req.output_ids),
+                    num_output_tokens=k + 1,
                     num_prompt_tokens=len(req.prompt_ids),
                     num_cached_tokens=req.prefix_hit,
                     new_logprobs=new_lp,
@@ -271,16 +243,15 @@ class Engine:
                     latency=(req.finish_time - req.arrival) if req.finish_time else None,
                 )
             )
-        # Host time of this step: everything but waiting for the device at the sync above.
         t_end = time.perf_counter()
         self.host_breakdown["outputs"] += t_end - t_synced
-        self.last_step_host_s = self._t_host + (t_launched - t0_sample) + (t_end - t_synced)
+        # Host time of this step: launching plus finishing, not waiting for the device.
+        self.last_step_host_s = launched.host_s + extra_host_s + (t_end - t_synced)
         return outputs
 
-    def _check_stop(self, req: Req, tok: int) -> str:
-        """Apply stop conditions after ``tok`` was appended; returns the text to emit now."""
+    def _check_stop(self, req: Req, tok: int, n_out: int) -> str:
+        """Stop conditions for ``tok``, the ``n_out``-th output token; returns the text to emit now."""
         p = req.params
-        n_out = len(req.output_ids)
         stop_tok = (tok in self.eos_ids and not p.ignore_eos) or tok in (p.stop_token_ids or ())
         if stop_tok and n_out > p.min_tokens - 1:
             req.finish_reason = "stop"
@@ -289,7 +260,7 @@ class Engine:
             new_text, stopped = req.detok.add(tok) if req.detok else ("", False)
             if stopped:
                 req.finish_reason = "stop"
-            elif n_out >= p.max_tokens or req.seq_len >= self.max_seq_len:
+            elif n_out >= p.max_tokens or len(req.prompt_ids) + n_out >= self.max_seq_len:
                 req.finish_reason = "length"
                 new_text += req.detok.flush() if req.detok else ""
         req.text += new_text

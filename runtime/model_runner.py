@@ -111,8 +111,11 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
 
-    def decode(self, step: StepInputs) -> torch.Tensor:
-        """logits [B, V] f32 for a decode step of B requests (one token each)."""
+    def decode(
+        self, step: StepInputs, subst: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """logits [B, V] f32 for a decode step of B requests (one token each). ``subst``
+        ``(rows [k], ids [k])``: input ids still on the device (sampled by the previous step)."""
         n = step.batch
         b = self.bucket_for(n)
         h64, h32 = self._h64, self._h32
@@ -124,6 +127,8 @@ class ModelRunner:
         h32[:, :n] = torch.tensor([step.req_rows, step.seq_lens], dtype=torch.int32)
         self._i64[:, :b].copy_(h64[:, :b], non_blocking=True)
         self._i32[:, :b].copy_(h32[:, :b], non_blocking=True)
+        if subst is not None:
+            self._i64[0].index_copy_(0, subst[0], subst[1])
         self.bt.flush()
         if self.use_cuda_graph:
             self.graphs[b].replay()
@@ -174,5 +179,10 @@ class ModelRunner:
         )
         return logits[:n_req]
 
-    def forward(self, step: StepInputs) -> torch.Tensor:
-        return self.decode(step) if step.mode == "decode" else self.extend(step)
+    def forward(
+        self, step: StepInputs, subst: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        if step.mode == "decode":
+            return self.decode(step, subst)
+        assert subst is None, "extend steps take their input ids from the host"
+        return self.extend(step)

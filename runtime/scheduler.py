@@ -97,7 +97,7 @@ class Scheduler:
         if n <= req.cached_len:
             return
         pages = self.bt.pages(req.row)
-        tokens = req.fill_ids[:n]
+        tokens = req.tokens(0, n)
         slots = self.pool.slots_of(pages[: n // self.P])
         already = self.radix.insert(tokens, slots)
         # Pages the cache already held for [cached_len, already) duplicate ours: adopt the cache's.
@@ -217,6 +217,13 @@ class Scheduler:
             batch.append(req)
         return ScheduledBatch("decode", batch, [1] * len(batch)) if batch else None
 
+    def schedule_decode(self) -> ScheduledBatch | None:
+        """A decode step of every decode-ready request (for overlapped decoding)."""
+        batch = self._schedule_decode()
+        if batch is not None:
+            self._last_mode = "decode"
+        return batch
+
     def schedule(self) -> ScheduledBatch | None:
         """The next step to run, or None when there is nothing runnable."""
         decode_ready = any(not r.prefilling for r in self.running)
@@ -241,8 +248,7 @@ class Scheduler:
         pos: list[int] = []
         slots: list[int] = []
         for req, n in zip(batch.reqs, batch.extend_lens):
-            fill = req.fill_ids
-            ids += fill[req.kv_len : req.kv_len + n]
+            ids += req.tokens(req.kv_len, req.kv_len + n)
             pos += range(req.kv_len, req.kv_len + n)
             slots += self.bt.slots(req.row, req.kv_len, req.kv_len + n)
         return StepInputs(

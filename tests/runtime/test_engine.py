@@ -39,11 +39,31 @@ GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 @pytest.mark.parametrize("chunk", [64, 7])
 def test_greedy_matches_hf(setup, radix, chunk):
     _, art, prompts, expect = setup
-    llm = LLM(str(art), device="cpu", radix_cache=radix, chunk_size=chunk)
+    overlap = radix  # both decode loops, overlapped and not, over the four combinations
+    llm = LLM(str(art), device="cpu", radix_cache=radix, chunk_size=chunk, overlap=overlap)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expect
     assert all(o.finish_reason == "length" for o in outs)
+    assert (llm.engine.stepper.overlapped > 0) == overlap
     llm.engine.check_integrity()
+
+
+def test_overlap_stops_and_seeds_like_sequential(setup):
+    """Requests that stop at different steps (max_tokens, stop ids) and seeded sampling give the
+    same tokens with and without overlapped decoding."""
+    _, art, prompts, expect = setup
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 9, 32, 1)]
+    params[2] = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, stop_token_ids=[expect[2][5]])
+    params.append(SamplingParams(max_tokens=20, temperature=0.9, top_p=0.8, seed=4, ignore_eos=True))
+    runs = []
+    for overlap in (False, True):
+        llm = LLM(str(art), device="cpu", overlap=overlap)
+        runs.append([o.token_ids for o in llm.generate(prompts + prompts[:1], params)])
+        llm.engine.check_integrity()
+    assert runs[0] == runs[1]
+    stop_at = expect[2].index(expect[2][5])  # the first occurrence stops it (the stop id is kept)
+    assert runs[0][:2] == [expect[0][:3], expect[1][:9]] and runs[0][2] == expect[2][: stop_at + 1]
+    assert runs[0][3] == expect[3][:1] and len(runs[0][4]) == 20
 
 
 def test_shared_prefix_hits_cache(setup):

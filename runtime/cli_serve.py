@@ -1,0 +1,66 @@
+"""``kiln serve ART``: the OpenAI-compatible HTTP server (see :mod:`kiln.runtime.server`)."""
+
+from __future__ import annotations
+
+import click
+
+from kiln.runtime.cli_generate import engine_options, options_from
+
+
+@click.command("serve")
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface)."
+)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option(
+    "--api-key",
+    envvar="KILN_API_KEY",
+    default=None,
+    help="Require 'Authorization: Bearer KEY' on /v1/* [env: KILN_API_KEY].",
+)
+@click.option(
+    "--max-queue",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Sequences allowed to wait for a running slot; past it requests get 429 [default: no limit].",
+)
+@click.option(
+    "--served-model-name", default=None, help="Model id clients use [default: the artifact's directory name]."
+)
+@click.option("--max-body-mb", default=16.0, show_default=True, help="Largest request body (413 past it).")
+@click.option(
+    "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
+)
+@click.option("--access-log", is_flag=True, help="Log every HTTP request.")
+@engine_options
+def serve_cmd(
+    artifact: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    max_queue: int | None,
+    served_model_name: str | None,
+    max_body_mb: float,
+    log_level: str,
+    access_log: bool,
+    **kw,
+) -> None:
+    """Serve ARTIFACT over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions,
+    /v1/models, /health, /metrics."""
+    import torch
+
+    from kiln.runtime.engine import Engine, EngineOptions
+    from kiln.runtime.server import ServerOptions, serve
+
+    opts = EngineOptions(**options_from(kw))
+    if (opts.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
+        torch.set_num_threads(1)  # small CPU models: OpenMP hand-offs cost more than the math
+    engine = Engine(artifact, opts)
+    server_opts = ServerOptions(
+        model_name=served_model_name,
+        api_key=api_key or None,
+        max_queue=max_queue,
+        max_body_bytes=int(max_body_mb * (1 << 20)),
+    )
+    serve(engine, host, port, server_opts, log_level=log_level, access_log=access_log)

@@ -1,0 +1,417 @@
+"""``kiln serve``: an OpenAI-compatible HTTP server over one :class:`Engine`.
+
+    app = create_app(engine, ServerOptions(api_key="sk-..."))   # then run it with uvicorn
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming with
+``stream_options.include_usage``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
+(Prometheus). The engine runs on its own thread (:mod:`kiln.runtime.server_worker`); handlers
+tokenize off the event loop, submit, then stream or collect the outputs. A client that
+disconnects aborts its requests and frees their KV. Errors use OpenAI's shape with status 400
+(bad parameters, bad JSON, wrong types, prompt too long), 401 (``api_key`` set and the bearer
+token missing or wrong), 404 (unknown model or path), 413 (body over ``max_body_bytes``), 429
+(``max_queue`` full) and 503 (the engine is gone).
+
+Tests reach the engine through ``app.state.kiln.worker.call(fn)`` (runs ``fn(engine)`` between
+steps); no HTTP endpoint exposes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kiln.runtime.server_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Reply,
+    bad_request,
+    error_body,
+    resolve_max_tokens,
+    sampling_params,
+)
+from kiln.runtime.server_worker import EngineWorker, ServerMetrics, Sink, WorkerUnavailable
+
+
+@dataclass
+class ServerOptions:
+    model_name: str | None = None  # default: the artifact directory's name
+    api_key: str | None = None  # bearer token required on /v1/* when set
+    max_queue: int | None = None  # sequences allowed to wait for a running slot (None: no limit)
+    max_body_bytes: int = 16 << 20
+
+
+class OpenAIServer:
+    """What the handlers share: the worker, the model's facts, the admission count."""
+
+    def __init__(self, engine: Any, opts: ServerOptions):
+        self.opts = opts
+        self.model_name = opts.model_name or Path(engine.artifact.root).resolve().name
+        self.tokenizer = engine.tokenizer
+        self.context = engine.max_seq_len
+        self.vocab_size = engine.artifact.vocab_size
+        self.max_running = engine.scheduler.cfg.max_running
+        self.metrics = ServerMetrics()
+        self.worker = EngineWorker(engine, self.metrics)
+        self.inflight = 0  # accepted sequences not yet finished (event loop only)
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ helpers
+    def token_text(self, tid: int) -> str:
+        s = self._token_text.get(tid)
+        if s is None:
+            s = self.tokenizer.decode([tid]) if self.tokenizer is not None else f"token_id:{tid}"
+            self._token_text[tid] = s
+        return s
+
+    def check_model(self, model: str | None) -> None:
+        if model not in (None, "", self.model_name):
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _encode(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        out = []
+        for p in prompts:
+            if isinstance(p, list):
+                out.append(p)
+                continue
+            if self.tokenizer is None:
+                raise bad_request("prompt", "this model has no tokenizer; send token ids")
+            out.append(_tokenize(self.tokenizer, p, True, "prompt"))
+        return out
+
+    def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise bad_request("messages", "this model has no chat template; use /v1/completions")
+        try:
+            text = tok.apply_chat_template(
+                [m.to_template() for m in req.messages], tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # the template rejected the conversation
+            raise bad_request("messages", f"the chat template rejected these messages: {e}") from None
+        return _tokenize(tok, text, False, "messages")
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, req: CompletionRequest | ChatCompletionRequest, http: Request) -> Response:
+        chat = isinstance(req, ChatCompletionRequest)
+        self.check_model(req.model)
+        if not self.worker.alive:
+            raise APIError(503, f"the server cannot take requests: {self.worker.error}", "server_error")
+        params = sampling_params(req, self.vocab_size)
+        if chat:
+            prompts = [await asyncio.to_thread(self._chat_ids, req)]
+        else:
+            prompts = await asyncio.to_thread(self._encode, req.prompts())
+        pparam = "messages" if chat else "prompt"
+        per_prompt = []
+        for ids in prompts:
+            if not ids:
+                raise bad_request(pparam, "the prompt is empty")
+            if any(isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
+                raise bad_request(pparam, f"token ids must be in [0, {self.vocab_size})")
+            mt = resolve_max_tokens(params, len(ids), self.context, pparam)
+            per_prompt.append(dataclasses.replace(params, max_tokens=mt))
+        n, nseq = params.n, len(prompts) * params.n
+        if self.opts.max_queue is not None and self.inflight + nseq > self.max_running + self.opts.max_queue:
+            raise APIError(
+                429,
+                f"the server queue is full ({self.inflight} sequences in flight, {self.max_running} "
+                f"running at most and {self.opts.max_queue} queued); retry later",
+                "rate_limit_error",
+                code="queue_full",
+            )
+        base = uuid.uuid4().hex[:24]
+        loop = asyncio.get_running_loop()
+        sink = Sink(loop, {f"{base}-{i}-{k}": i * n + k for i in range(len(prompts)) for k in range(n)})
+        seqs = [(rid, prompts[i // n], per_prompt[i // n], i % n) for rid, i in sink.rids.items()]
+        reply = Reply(self, chat, ("chatcmpl-" if chat else "cmpl-") + base, req, prompts, n)
+        self.inflight += nseq
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.inflight -= nseq
+                if not reply.done:
+                    self.worker.abort(sink)
+
+        try:
+            await self.worker.submit(sink, seqs)
+        except WorkerUnavailable as e:
+            release()
+            raise APIError(503, f"the server cannot take requests: {e}", "server_error") from None
+        except ValueError as e:  # RequestError / InvalidSamplingParams from add_request
+            release()
+            raise bad_request(getattr(e, "param", pparam), str(e)) from None
+        except BaseException:
+            release()
+            raise
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _Stream(reply.events(sink, include_usage), on_close=release)
+        try:
+            body = await _unless_disconnected(reply.collect(sink), http)
+        finally:
+            release()
+        return JSON(body) if body is not None else Response(status_code=499)  # 499: client closed
+
+
+def _tokenize(tok: Any, text: str, special: bool, param: str) -> list[int]:
+    try:
+        return tok.encode(text, add_special_tokens=special)
+    except Exception as e:  # e.g. lone surrogates, which JSON can carry but UTF-8 cannot
+        raise bad_request(param, f"the text could not be tokenized: {e}") from None
+
+
+class JSON(JSONResponse):
+    """JSON with non-ASCII escaped: any string a client sent (lone surrogates included) renders."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
+async def _unless_disconnected(coro: Any, http: Request) -> Any:
+    """Await ``coro``; if the client disconnects first, cancel it (the caller aborts)."""
+    work = asyncio.ensure_future(coro)
+
+    async def watch() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            await asyncio.sleep(0.05)  # a server that reports more than the disconnect: no busy loop
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done() or work.cancelled():
+        return None  # the client left
+    return work.result()
+
+
+class _Stream(StreamingResponse):
+    """Server-sent events; ``on_close`` runs however the response ends (done, client gone)."""
+
+    def __init__(self, content: Any, on_close: Any):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+# ---------------------------------------------------------------------------------- the app
+def create_app(engine: Any, opts: ServerOptions | None = None) -> FastAPI:
+    """The FastAPI app over ``engine``. Its lifespan starts and stops the engine thread."""
+    import contextlib
+
+    st = OpenAIServer(engine, opts or ServerOptions())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        st.worker.start()
+        try:
+            yield
+        finally:
+            st.worker.stop()
+
+    app = FastAPI(title="kiln", version="1", lifespan=lifespan)
+    app.state.kiln = st
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSON(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            msg = f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}"
+            return JSON(error_body(msg, "invalid_request_error"), status_code=400)
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        return JSON(error_body(f"{where}: {err['msg']}", "invalid_request_error", param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return JSON(error_body(str(e.detail), kind), status_code=e.status_code, headers=e.headers)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await st.generate(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await st.generate(body, request)
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": st.model_name,
+            "object": "model",
+            "created": st.created,
+            "owned_by": "kiln",
+            "max_model_len": st.context,
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        st.check_model(model or None)
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if st.worker.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "error", "error": st.worker.error}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        if st.worker.alive:
+            try:
+                fut = st.worker.call(lambda e: e.status())
+                st.metrics.status = await asyncio.wait_for(asyncio.wrap_future(fut), 10.0)
+            except (WorkerUnavailable, TimeoutError):
+                pass
+        return Response(st.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return _Gate(app, st)  # type: ignore[return-value]
+
+
+class _Gate:
+    """ASGI middleware: bearer-token check on /v1/*, the body-size limit (413), HTTP counts."""
+
+    KNOWN: ClassVar[set[str]] = {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/health",
+        "/metrics",
+    }
+
+    def __init__(self, app: FastAPI, st: OpenAIServer):
+        self.app, self.st = app, st
+        self.state = app.state  # tests: create_app(...).state.kiln
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def counted_send(msg: dict) -> None:
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            await self._gate(scope, receive, counted_send)
+        finally:
+            path = scope["path"]
+            endpoint = path if path in self.KNOWN else "other"
+            self.st.metrics.http.labels(endpoint, str(status[0])).inc()
+
+    async def _gate(self, scope: dict, receive: Any, send: Any) -> None:
+        key = self.st.opts.api_key
+        if key and scope["path"].startswith("/v1"):
+            headers = dict(scope["headers"])
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                msg = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+                return await _send_json(
+                    send, 401, error_body(msg, "invalid_request_error", None, "invalid_api_key")
+                )
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            body, too_big = await _read_body(receive, self.st.opts.max_body_bytes)
+            if body is None:  # the client left
+                return
+            if too_big:
+                limit = self.st.opts.max_body_bytes
+                msg = f"the request body is larger than {limit} bytes"
+                return await _send_json(
+                    send, 413, error_body(msg, "invalid_request_error", None, "request_too_large")
+                )
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+
+async def _read_body(receive: Any, limit: int) -> tuple[bytes | None, bool]:
+    """The whole body (None if the client disconnected), and whether it passed ``limit`` bytes.
+    An oversized body is read to the end but not kept (so the 413 reaches the client), up to
+    64 MiB past the limit; beyond that the connection is closed after the reply."""
+    parts, size = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None, False
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size <= limit:
+            parts.append(chunk)
+        if not msg.get("more_body", False) or size > limit + (64 << 20):
+            break
+    return (b"" if size > limit else b"".join(parts)), size > limit
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    sent = False
+
+    async def again() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # then wait for the disconnect, as the server reports it
+
+    return again
+
+
+async def _send_json(send: Any, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+def serve(
+    engine: Any, host: str, port: int, opts: ServerOptions, log_level: str = "info", access_log: bool = False
+) -> None:
+    """Run the server until interrupted (blocking)."""
+    import uvicorn
+
+    app = create_app(engine, opts)
+    uvicorn.run(
+        app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5
+    )
