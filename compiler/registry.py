@@ -25,6 +25,7 @@ class ArchSpec:
 
 
 LLAMA = "kiln.compiler.models.llama:LlamaForCausalLM"
+MOE = "kiln.compiler.models.moe:MoEForCausalLM"
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     s.name: s
@@ -33,8 +34,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("MistralForCausalLM", "dense", model=LLAMA),
         ArchSpec("Qwen2ForCausalLM", "dense", qkv_bias=True, model=LLAMA),
         ArchSpec("Qwen3ForCausalLM", "dense", qk_norm=True, model=LLAMA),
-        ArchSpec("Qwen3MoeForCausalLM", "moe", qk_norm=True),
-        ArchSpec("MixtralForCausalLM", "moe"),
+        ArchSpec("Qwen3MoeForCausalLM", "moe", qk_norm=True, model=MOE),
+        ArchSpec("MixtralForCausalLM", "moe", model=MOE),
         ArchSpec("DeepseekV2ForCausalLM", "mla"),
         ArchSpec("DeepseekV3ForCausalLM", "mla"),
     )

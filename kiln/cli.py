@@ -33,6 +33,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kiln.runtime.cli_generate:generate_cmd",
         "Load an artifact and stream a completion of a prompt to the terminal.",
     ),
+    "serve": (
+        "kiln.runtime.cli_serve:serve_cmd",
+        "Serve an artifact over HTTP with OpenAI's API (completions, chat, streaming, metrics).",
+    ),
     "pack": (
         "kiln.compiler.cli_pack:pack_cmd",
         "Shard, fuse and optionally FP8-quantize a checkpoint into per-rank weight packs.",

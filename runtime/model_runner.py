@@ -56,8 +56,11 @@ class ModelRunner:
         self._rows_out = torch.arange(bmax, dtype=torch.int64, device=self.device)
         self._out: dict[int, torch.Tensor] = {}
         pin = self.device.type == "cuda"
-        self._h64 = torch.zeros(3, bmax, dtype=torch.int64, pin_memory=pin)
-        self._h32 = torch.zeros(2, bmax, dtype=torch.int32, pin_memory=pin)
+        # Pinned staging for the decode inputs, double-buffered: with overlapped decoding the next
+        # step's inputs are written while the previous step's copy may still be queued.
+        self._h64 = [torch.zeros(3, bmax, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._h32 = [torch.zeros(2, bmax, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._flip = 0
         self.capture_seconds = 0.0
         if self.use_cuda_graph:
             self._capture_all()
@@ -118,7 +121,8 @@ class ModelRunner:
         ``(rows [k], ids [k])``: input ids still on the device (sampled by the previous step)."""
         n = step.batch
         b = self.bucket_for(n)
-        h64, h32 = self._h64, self._h32
+        self._flip ^= 1
+        h64, h32 = self._h64[self._flip], self._h32[self._flip]
         # Padding rows: token 0 at position 0 into the sink slot, block-table row 0, length 1.
         h64[:, n:b] = 0
         h32[0, n:b] = 0
