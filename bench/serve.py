@@ -1,0 +1,309 @@
+"""Serving benchmark: random prompts with Poisson arrivals against ``kiln serve``; reports TTFT,
+inter-token latency (ITL), time per output token (TPOT) and end-to-end latency (mean, p50, p90,
+p99) and request/token throughput.
+
+    # start a server on ART (loopback, a free port), replay, stop it:
+    python bench/serve.py --artifact ART --num-prompts 500 --rate 16 --json bench/results/serve.json
+    # or against a running server (token ids need the vocabulary size):
+    python bench/serve.py --url http://127.0.0.1:8000 --vocab-size 128256 --num-prompts 200 --rate inf
+
+Each request is a streamed ``/v1/completions`` call on random token ids (``--input-len``, spread
+by ``--range-ratio``) with ``ignore_eos`` and ``max_tokens = --output-len`` (so every request
+generates exactly that many tokens) and ``stream_options.include_usage`` (token counts come from
+the server). TTFT is send -> first text chunk; ITL is the gap between text chunks (a chunk can
+carry two tokens when the detokenizer held back an incomplete character); TPOT is
+(end-to-end - TTFT) / (output tokens - 1). ``--rate inf`` sends everything at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class Result:
+    ok: bool
+    prompt_len: int
+    requested: int  # max_tokens (with ignore_eos: exactly what the server must generate)
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    """Mean, p50, p90, p99 in milliseconds (NaN when empty)."""
+    if not xs:
+        return {k: float("nan") for k in ("mean", "p50", "p90", "p99")}
+    s = sorted(xs)
+
+    def q(p: float) -> float:  # linear interpolation between closest ranks
+        k = (len(s) - 1) * p
+        lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+        return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+    return {"mean": statistics.fmean(s) * 1e3, "p50": q(0.5) * 1e3, "p90": q(0.9) * 1e3, "p99": q(0.99) * 1e3}
+
+
+async def one_request(
+    http: httpx.AsyncClient, model: str, prompt: list[int], args: argparse.Namespace, out_len: int
+) -> Result:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": out_len,
+        "temperature": args.temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    res = Result(ok=False, prompt_len=len(prompt), requested=out_len)
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    res.error = str(ev["error"])
+                    return res
+                now = time.perf_counter()
+                if ev.get("usage"):
+                    res.output_tokens = ev["usage"]["completion_tokens"]
+                if any(c.get("text") for c in ev.get("choices", ())):
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.e2e = time.perf_counter() - t0
+        res.ok = res.output_tokens > 0 and last is not None
+        if not res.ok:
+            res.error = "no tokens"
+    except Exception as e:  # a failed request is counted, not fatal
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def replay(args: argparse.Namespace, url: str, vocab: int) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+
+    def length(n: int) -> int:
+        lo, hi = max(1, int(n * (1 - args.range_ratio))), max(1, int(n * (1 + args.range_ratio)))
+        return rng.randint(lo, hi)
+
+    prompts = [
+        [rng.randrange(10, vocab) for _ in range(length(args.input_len))] for _ in range(args.num_prompts)
+    ]
+    out_lens = [length(args.output_len) for _ in range(args.num_prompts)]
+    limits = httpx.Limits(
+        max_connections=args.max_concurrency or args.num_prompts + 8, max_keepalive_connections=64
+    )
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.timeout), limits=limits) as http:
+        models = (await http.get("/v1/models")).json()["data"]
+        model = models[0]["id"]
+        for i in range(args.warmup):  # first-request effects stay out of the figures
+            await one_request(http, model, prompts[i % len(prompts)][:16], args, 4)
+        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+        async def limited(p: list[int], n: int) -> Result:
+            if sem is None:
+                return await one_request(http, model, p, args, n)
+            async with sem:
+                return await one_request(http, model, p, args, n)
+
+        tasks = []
+        t_start = time.perf_counter()
+        for p, n in zip(prompts, out_lens):
+            tasks.append(asyncio.ensure_future(limited(p, n)))
+            if args.rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t_start
+        metrics = (await http.get("/metrics")).text
+    ok = [r for r in results if r.ok]
+    out_tok = sum(r.output_tokens for r in ok)
+    in_tok = sum(r.prompt_len for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    errors = sorted({r.error for r in results if not r.ok})
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors[:10],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tok / duration,
+        "total_token_throughput": (in_tok + out_tok) / duration,
+        "input_tokens": in_tok,
+        "output_tokens": out_tok,
+        "requested_output_tokens": sum(r.requested for r in ok),
+        "ttft_ms": percentiles([r.ttft for r in ok]),
+        "itl_ms": percentiles([x for r in ok for x in r.itl]),
+        "tpot_ms": percentiles(tpot),
+        "e2e_ms": percentiles([r.e2e for r in ok]),
+        "server_metrics": _server_figures(metrics),
+    }
+
+
+def _server_figures(text: str) -> dict[str, float]:
+    keep = (
+        "kiln_prefix_cache_hit_rate",
+        "kiln_preemptions_total",
+        "kiln_engine_steps_total",
+        "kiln_kv_cache_capacity_tokens",
+    )
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] in keep:
+            out[parts[0]] = float(parts[1])
+    return out
+
+
+# ------------------------------------------------------------------------------------ server
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "kiln", "serve", args.artifact, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += shlex.split(args.server_args)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "w")  # noqa: SIM115 (the child keeps it)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(
+                f"the server exited with {proc.returncode}; see {log_path}:\n{log_path.read_text()[-3000:]}"
+            )
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    stop_server(proc)
+    raise SystemExit(f"the server did not become healthy in {args.startup_timeout} s; see {log_path}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)  # our own process group (start_new_session)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--artifact", help="Start `kiln serve ARTIFACT` on a free loopback port for the run.")
+    src.add_argument("--url", help="A running server, e.g. http://127.0.0.1:8000.")
+    ap.add_argument("--server-args", default="", help="Extra `kiln serve` options, e.g. '--max-running 128'.")
+    ap.add_argument(
+        "--vocab-size", type=int, default=None, help="With --url: token ids are drawn below this."
+    )
+    ap.add_argument("--num-prompts", type=int, default=200)
+    ap.add_argument(
+        "--rate", type=float, default=float("inf"), help="Requests per second (Poisson); inf = all at once."
+    )
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--range-ratio", type=float, default=0.0, help="Lengths uniform in [L(1-r), L(1+r)].")
+    ap.add_argument("--max-concurrency", type=int, default=None, help="Requests in flight at most.")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="Per-request timeout (s).")
+    ap.add_argument("--startup-timeout", type=float, default=900.0)
+    ap.add_argument("--json", dest="json_path", default=None, help="Write the report here.")
+    args = ap.parse_args(argv)
+
+    proc = None
+    if args.artifact:
+        manifest = json.loads((Path(args.artifact) / "manifest.json").read_text())
+        vocab = int(manifest["vocab_size"])
+        log_path = Path(args.json_path + ".server.log" if args.json_path else "serve-bench.server.log")
+        t = time.perf_counter()
+        proc, url = start_server(args, log_path)
+        startup = time.perf_counter() - t
+    else:
+        if not args.vocab_size:
+            ap.error("--url needs --vocab-size (token ids are drawn below it)")
+        vocab, url, startup = args.vocab_size, args.url.rstrip("/"), None
+    try:
+        report = asyncio.run(replay(args, url, vocab))
+    finally:
+        if proc is not None:
+            stop_server(proc)
+    report = {
+        "config": {k: v for k, v in vars(args).items() if k != "json_path"},
+        "server_startup_s": startup,
+        **report,
+    }
+    report["config"]["rate"] = str(args.rate)
+    try:
+        from kiln.runtime.benchmark import environment
+
+        report["env"] = environment()
+    except Exception:  # the client may run without kiln installed
+        pass
+    print_report(report)
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"[bench serve] wrote {args.json_path}")
+    return report
+
+
+def print_report(r: dict[str, Any]) -> None:
+    c = r["config"]
+    print(
+        f"[bench serve] {r['completed']} ok, {r['failed']} failed in {r['duration_s']:.2f} s "
+        f"(rate {c['rate']}/s, in {c['input_len']}, out {c['output_len']})"
+    )
+    print(
+        f"  throughput: {r['request_throughput']:.2f} req/s, {r['output_throughput']:.1f} output tok/s, "
+        f"{r['total_token_throughput']:.1f} total tok/s"
+    )
+    print(f"  {'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        p = r[key]
+        print(f"  {key[:-3]:<6}" + "".join(f"{p[q]:>10.2f}" for q in ("mean", "p50", "p90", "p99")))
+    for e in r["errors"]:
+        print(f"  error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""``kiln serve`` from the command line, and ``bench/serve.py``, which starts ``kiln serve`` as a
+subprocess on a free loopback port and replays Poisson-timed requests against it."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from kiln.cli import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serve_options(demo_artifact, monkeypatch):
+    """Loopback by default; the key comes from KILN_API_KEY; queue, name and body limit pass through."""
+    import kiln.runtime.server as server
+
+    seen = {}
+    monkeypatch.setattr(
+        server,
+        "serve",
+        lambda engine, host, port, opts, **kw: seen.update(
+            host=host, port=port, opts=opts, engine=engine, **kw
+        ),
+    )
+    r = CliRunner().invoke(
+        cli,
+        [
+            "serve",
+            str(demo_artifact),
+            "--max-queue",
+            "3",
+            "--served-model-name",
+            "demo",
+            "--max-body-mb",
+            "1",
+            "--device",
+            "cpu",
+        ],
+        env={"KILN_API_KEY": "sk-env"},
+        catch_exceptions=False,
+    )
+    assert r.exit_code == 0, r.output
+    assert seen["host"] == "127.0.0.1" and seen["port"] == 8000
+    o = seen["opts"]
+    assert (o.api_key, o.max_queue, o.model_name, o.max_body_bytes) == ("sk-env", 3, "demo", 1 << 20)
+    assert seen["engine"].device.type == "cpu"
+    r = CliRunner().invoke(cli, ["serve", str(demo_artifact), "--max-queue", "-1"])
+    assert r.exit_code != 0 and "max-queue" in r.output
+
+
+def test_bench_serve_smoke(demo_artifact, tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "bench" / "serve.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serve"] = bench  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    out = tmp_path / "serve.json"
+    report = bench.main(
+        [
+            "--artifact", str(demo_artifact),
+            "--num-prompts", "8",
+            "--rate", "40",
+            "--input-len", "24",
+            "--range-ratio", "0.5",
+            "--output-len", "6",
+            "--warmup", "1",
+            "--server-args", "--device cpu --max-running 4",
+            "--json", str(out),
+        ]
+    )  # fmt: skip
+    assert out.exists() and report["completed"] == 8 and report["failed"] == 0, report["errors"]
+    assert report["output_tokens"] == report["requested_output_tokens"]
+    assert 8 * 3 <= report["output_tokens"] <= 8 * 9
+    assert 8 * 12 <= report["input_tokens"] <= 8 * 36
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        p = report[key]
+        assert all(math.isfinite(p[q]) and p[q] > 0 for q in ("mean", "p50", "p90", "p99")), (key, p)
+        assert p["p50"] <= p["p90"] <= p["p99"], (key, p)
+    assert report["ttft_ms"]["p99"] <= report["e2e_ms"]["p99"]
+    assert report["output_throughput"] > 0 and report["server_startup_s"] > 0
+    assert "kiln_prefix_cache_hit_rate" in report["server_metrics"]
+    assert "Finished server process" in (tmp_path / "serve.json.server.log").read_text()  # stopped cleanly
