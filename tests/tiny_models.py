@@ -46,13 +46,21 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.08 * torch.randn(p.shape, generator=g))
 
 
-def make_checkpoint(path, name: str, seed: int = 0, eos: int | None = 2):
+def make_checkpoint(path, name: str, seed: int = 0, eos: int | None = 2, hf_init: bool = False, **overrides):
+    """A tiny random checkpoint. Weights are redrawn wider than HF's init (std 0.08, norms
+    1 +- 0.2) so float32 comparisons exercise every path; ``hf_init`` keeps transformers' init."""
     cfg = CONFIGS[name]()
     cfg.eos_token_id = eos
+    for k, v in overrides.items():  # e.g. a wider hidden size
+        setattr(cfg, k, v)
     model = transformers.AutoModelForCausalLM.from_config(
         cfg, attn_implementation="eager", dtype=torch.float32
     )
-    randomize(model, seed)
+    if hf_init:
+        torch.manual_seed(seed)
+        model.init_weights()
+    else:
+        randomize(model, seed)
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.save_pretrained(path, max_shard_size="200KB")
