@@ -1,0 +1,113 @@
+"""The sparse MoE block: router -> top-k routing -> fused experts (grouped GEMMs) [+ shared experts].
+
+Parameter names (docs/internals.md, under ``layers.{i}.moe.``): ``router.weight [E, H]``
+(``router.bias [E]``: DeepSeek-V3's correction bias), ``w13 [E, 2I, H]`` gate rows then up rows,
+``w2 [E, H, I]``, with FP8 ``w13_scale [E, 2I]`` / ``w2_scale [E, H]``, and ``shared.gate_up.weight``
+/ ``shared.down.weight`` when the config has shared experts. Expert parallelism is not wired yet:
+every rank holds all ``E`` experts and ``fused_moe`` gets no expert map.
+
+The router needs the un-quantized activation, so with ``--quant fp8`` :class:`MoEDecoderLayer`'s
+post-attention norm emits the activation dtype and ``fused_moe`` quantizes per token itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
+from kiln.compiler.config import ModelConfig
+from kiln.compiler.layers import FP8, MLP
+from kiln.compiler.models.base import DecoderLayer
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Router(nn.Module):
+    """Replicated router linear ``[E, H]`` (activation dtype), optional correction bias ``[E]``."""
+
+    def __init__(self, num_experts: int, hidden: int, dtype: torch.dtype, bias: bool):
+        super().__init__()
+        self.weight = _param(num_experts, hidden, dtype=dtype)
+        self.bias = _param(num_experts, dtype=dtype) if bias else None
+
+
+class FusedMoE(nn.Module):
+    """``x [T, H]`` (activation dtype) -> ``[T, H]``: routed experts plus shared experts, if any.
+
+    ``round_weights``: round the routing weights to the activation dtype before the experts use
+    them (Hugging Face's Qwen3-MoE does; Mixtral keeps them float32). ``tuning``: a recorded
+    block-size table for ``kiln.fused_moe`` ("" = the op's default table).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        tp: int = 1,
+        quant: str | None = None,
+        round_weights: bool = False,
+        tuning: str = "",
+    ):
+        super().__init__()
+        m = cfg.moe
+        if m is None:
+            raise ValueError(f"{cfg.architecture}: FusedMoE needs a config with MoE fields")
+        h, e = cfg.hidden_size, m.num_experts
+        inter = -(-m.intermediate_size // tp)
+        self.top_k, self.renormalize, self.scoring = m.top_k, m.norm_topk_prob, m.scoring_func
+        self.num_groups, self.topk_groups = m.num_groups, m.topk_groups
+        self.scale = m.routed_scaling_factor
+        self.round_weights, self.tuning, self.dtype = round_weights, tuning, dtype
+        self.router = Router(e, h, dtype, bias=m.has_correction_bias)
+        wdtype = FP8 if quant == "fp8" else dtype
+        self.w13 = _param(e, 2 * inter, h, dtype=wdtype)
+        self.w2 = _param(e, h, inter, dtype=wdtype)
+        self.w13_scale = _param(e, 2 * inter, dtype=torch.float32) if quant == "fp8" else None
+        self.w2_scale = _param(e, h, dtype=torch.float32) if quant == "fp8" else None
+        shared = m.num_shared_experts * m.shared_intermediate_size
+        self.shared = MLP(h, -(-shared // tp), dtype, quant) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]
+        if self.scoring == "sigmoid":  # DeepSeek-V3 routes on float32 logits
+            logits = nn.functional.linear(x.float(), self.router.weight.float())  # [T, E]
+        else:
+            logits = nn.functional.linear(x, self.router.weight)  # [T, E]
+        bias = self.router.bias.float() if self.router.bias is not None else None
+        w, ids = torch.ops.kiln.moe_topk(
+            logits,
+            bias,
+            self.top_k,
+            self.renormalize,
+            self.scoring,
+            self.num_groups,
+            self.topk_groups,
+            self.scale,
+        )  # [T, k] f32, [T, k] int32
+        if self.round_weights:
+            w = w.to(self.dtype).float()
+        y = torch.ops.kiln.fused_moe(
+            x, self.w13, self.w2, w, ids, None, self.w13_scale, self.w2_scale, self.tuning
+        )  # [T, H]
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """A decoder layer whose MLP is a :class:`FusedMoE` registered as ``moe`` (the pack's names)
+    and fed the activation dtype even with FP8 (the router must see un-quantized activations)."""
+
+    def __init__(
+        self, cfg: ModelConfig, attn: nn.Module, moe: FusedMoE, dtype: torch.dtype, quant: str | None
+    ):
+        super().__init__(cfg, attn, moe, dtype, quant)
+        self._modules["moe"] = self._modules.pop("mlp")  # parameter names layers.{i}.moe.*
+        self.post_attn_norm.quant_out = False
+
+    @property
+    def mlp(self) -> nn.Module:  # DecoderLayer.forward calls self.mlp
+        return self._modules["moe"]

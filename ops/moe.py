@@ -1,0 +1,255 @@
+"""Fused MoE experts: align -> grouped GEMM ``w13`` (+ SiLU-and-mul) -> grouped GEMM ``w2`` (x routing
+weight) -> top-k combine, as one op.
+
+Op ``torch.ops.kiln.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale,
+tuning) -> y [T, H]`` (dtype of ``x``):
+
+* ``x``: ``[T, H]`` bf16/fp16/fp32 (the normed activations);
+* ``w13``: ``[E, 2I, H]`` gate rows then up rows per expert; ``w2``: ``[E, H, I]``; both in ``x``'s
+  dtype, or float8_e4m3fn with ``w13_scale [E, 2I]`` / ``w2_scale [E, H]`` float32 per-output-channel
+  scales (the activations are then quantized per token: ``x`` before ``w13``, the SiLU-and-mul
+  output before ``w2``);
+* ``topk_weights [T, k]`` f32, ``topk_ids [T, k]`` int32 (from ``kiln.moe_topk``);
+* ``expert_map``: ``[E_global]`` int32 global -> local slot (-1: another rank's expert, contributes
+  nothing here), or None when ``topk_ids`` are local already;
+* ``tuning``: "" to use ``moe_config``'s table, or a recorded table (``moe_gemm.parse_tuning``).
+
+``y[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e][:I] @ x[t]) * (w13[e][I:] @ x[t]))`` over
+the local experts ``e = topk_ids[t, j]``, rounded as Hugging Face's expert MLP rounds (see
+ops/moe_gemm.py); the ``k`` terms are summed in float32 and rounded once.
+
+The block sizes are chosen here from the concrete ``T`` (the op is one opaque node of the exported
+graph, so each decode bucket captured and each prefill chunk gets the table's entry for its size).
+Intermediates: ``[T * k, I]`` (``[T * k, 2I]`` for FP8) and ``[T * k, H]`` in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.ops import activation
+from kiln.ops.common import FP8_DTYPE, FP8_MIN_SCALE, interpreting, next_pow2, use_triton
+from kiln.ops.moe_align import moe_align_run
+from kiln.ops.moe_gemm import moe_gemm_launch, pick_configs
+from kiln.ops.quant import (
+    dequantize_fp8,
+    quantize_fp8_per_token,
+    tl_dynamic_scale,
+    tl_quantize_fp8,
+    tl_round,
+)
+
+# ---- torch reference ------------------------------------------------------------------------------
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain torch, one expert at a time (reads which experts were hit on the host)."""
+    act = x.dtype
+    fp8 = w13.dtype == FP8_DTYPE
+    local = expert_map.long()[topk_ids.long()] if expert_map is not None else topk_ids.long()  # [T, k]
+    xin = dequantize_fp8(*quantize_fp8_per_token(x)) if fp8 else x.float()  # [T, H] f32
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(local[local >= 0]).tolist():
+        tok, j = torch.where(local == e)
+        w13e = dequantize_fp8(w13[e], w13_scale[e]) if fp8 else w13[e].float()  # [2I, H]
+        w2e = dequantize_fp8(w2[e], w2_scale[e]) if fp8 else w2[e].float()  # [H, I]
+        gu = (xin[tok] @ w13e.t()).to(act)  # [n, 2I]
+        if fp8:
+            h = dequantize_fp8(*activation.silu_and_mul_quant_ref(gu, None))  # [n, I] f32
+        else:
+            h = activation.silu_and_mul_ref(gu).float()
+        y = (h @ w2e.t()).to(act).float() * topk_weights[tok, j].float()[:, None]  # [n, H]
+        out.index_add_(0, tok, y.to(act).float())
+    return out.to(act)
+
+
+# ---- Triton kernels: per-token FP8 quantization of x, top-k combine ---------------------------------
+
+
+@triton.jit
+def _quant_rows_kernel(X, Q, S, H, stride_x, BLOCK: tl.constexpr, MIN_SCALE: tl.constexpr, RF: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK):
+        v = tl.load(X + row * stride_x + h0 + offs, mask=h0 + offs < H, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    s = tl_dynamic_scale(tl.max(amax, axis=0), MIN_SCALE)
+    tl.store(S + row, s)
+    for h0 in range(0, H, BLOCK):
+        m = h0 + offs < H
+        v = tl.load(X + row * stride_x + h0 + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(Q + row * H + h0 + offs, tl_quantize_fp8(v, s, RF), mask=m)
+
+
+@triton.jit
+def _combine_kernel(
+    Y2,
+    IDS,
+    MAP,
+    OUT,
+    H,
+    K,
+    stride_y,
+    stride_o,
+    HAS_MAP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    RF: tl.constexpr,
+):  # Y2: [T * K, H] weighted expert outputs; OUT: [T, H]
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(K):
+        p = t * K + j
+        use = hmask
+        if HAS_MAP:
+            slot = tl.load(MAP + tl.load(IDS + p))
+            use = use & (tl.zeros([BLOCK_H], dtype=tl.int32) + slot >= 0)  # broadcast the scalar
+        acc += tl.load(Y2 + p * stride_y + offs, mask=use, other=0.0).to(tl.float32)
+    out_ty = OUT.dtype.element_ty
+    tl.store(OUT + t * stride_o + offs, tl_round(acc, out_ty, RF).to(out_ty), mask=hmask)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token FP8 of ``x [T, H]`` (Triton): ``(q fp8 [T, H], s [T, 1] f32)``."""
+    t, h = x.shape
+    q = x.new_empty((t, h), dtype=FP8_DTYPE)
+    s = x.new_empty((t, 1), dtype=torch.float32)
+    if t:
+        block = min(next_pow2(h), 4096)
+        _quant_rows_kernel[(t,)](
+            x, q, s, h, x.stride(0), BLOCK=block, MIN_SCALE=FP8_MIN_SCALE, RF=interpreting(),
+            num_warps=max(1, min(8, block // 512)),
+        )  # fmt: skip
+    return q, s
+
+
+def moe_combine(
+    y2: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out[t] = sum_j y2[t * k + j]`` over the local pairs (Triton), float32 sum, ``y2``'s dtype out."""
+    t, k = topk_ids.shape
+    h = y2.shape[1]
+    out = y2.new_empty((t, h)) if out is None else out
+    if t:
+        block = min(next_pow2(h), 1024)
+        _combine_kernel[(t, triton.cdiv(h, block))](
+            y2, topk_ids, expert_map if expert_map is not None else topk_ids, out,
+            h, k, y2.stride(0), out.stride(0), HAS_MAP=expert_map is not None, BLOCK_H=block, RF=interpreting(),
+            num_warps=max(1, min(4, block // 256)),
+        )  # fmt: skip
+    return out
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    tuning: str = "",
+    configs: tuple[dict[str, int], dict[str, int]] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The kernels in sequence; ``configs`` (w13, w2) overrides the table (tests, benchmarks);
+    ``out`` ``[T, H]`` receives the result (allocated when None)."""
+    t, h = x.shape
+    e, i, k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
+    c1, c2 = configs or pick_configs(tuning, e, i, h, t, k)
+    if c1["BLOCK_M"] != c2["BLOCK_M"]:
+        raise ValueError(f"fused_moe: the two GEMM configs must share BLOCK_M, got {c1} and {c2}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    topk_ids = topk_ids.contiguous()
+    topk_weights = topk_weights.contiguous()
+    sorted_ids, block_expert, num_padded = moe_align_run(topk_ids, expert_map, e, c1["BLOCK_M"])
+    align = (sorted_ids, block_expert, num_padded)
+    p = t * k
+    if w13.dtype == FP8_DTYPE:
+        xq, xs = quantize_rows(x)
+        gu = x.new_empty((p, 2 * i))
+        moe_gemm_launch(xq, xs, w13, w13_scale, gu, None, *align, c1, a_div=k)
+        hq = gu.new_empty((p, i), dtype=FP8_DTYPE)
+        hs = gu.new_empty((p, 1), dtype=torch.float32)
+        activation.silu_and_mul_launch(gu, None, activation.QUANT_DYNAMIC, hq, hs)
+        y2 = x.new_empty((p, h))
+        moe_gemm_launch(hq, hs, w2, w2_scale, y2, topk_weights, *align, c2, a_div=1)
+    else:
+        hid = x.new_empty((p, i))
+        moe_gemm_launch(x, None, w13, None, hid, None, *align, c1, a_div=k, fuse_silu=True)
+        y2 = x.new_empty((p, h))
+        moe_gemm_launch(hid, None, w2, None, y2, topk_weights, *align, c2, a_div=1)
+    return moe_combine(y2, topk_ids, expert_map, out)
+
+
+# ---- custom op ------------------------------------------------------------------------------------
+
+
+def _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> None:
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"fused_moe: x must be [T, H] bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
+    t, h = x.shape
+    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[2] != h or w2.shape[1] != h:
+        raise ValueError(
+            f"fused_moe: need w13 [E, 2I, H={h}] and w2 [E, H={h}, I], got {tuple(w13.shape)}, {tuple(w2.shape)}"
+        )
+    e, i = w13.shape[0], w2.shape[2]
+    if w13.shape[1] != 2 * i or w2.shape[0] != e:
+        raise ValueError(f"fused_moe: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} disagree on E or I")
+    fp8 = w13.dtype == FP8_DTYPE
+    if w2.dtype != w13.dtype or not (fp8 or w13.dtype == x.dtype):
+        raise ValueError(
+            f"fused_moe: w13/w2 must both be {x.dtype} or float8_e4m3fn, got {w13.dtype}, {w2.dtype}"
+        )
+    if fp8 and (
+        w13_scale is None or w2_scale is None or w13_scale.shape != (e, 2 * i) or w2_scale.shape != (e, h)
+    ):
+        raise ValueError(
+            f"fused_moe: FP8 weights need w13_scale [E, 2I]={(e, 2 * i)} and w2_scale [E, H]={(e, h)}"
+        )
+    if topk_ids.dtype != torch.int32 or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        raise ValueError(
+            f"fused_moe: topk_ids must be [T={t}, k] int32, got {tuple(topk_ids.shape)} {topk_ids.dtype}"
+        )
+    if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"fused_moe: topk_weights must be float32 shaped like topk_ids, got {tuple(topk_weights.shape)}"
+        )
+
+
+@torch.library.custom_op("kiln::fused_moe", mutates_args=())
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    tuning: str,
+) -> torch.Tensor:
+    """Routed experts of a MoE layer, ``x [T, H] -> [T, H]`` (see the module docstring)."""
+    _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    if use_triton(x):
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, tuning)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
+
+
+@fused_moe.register_fake
+def _(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, tuning):
+    return torch.empty_like(x)

@@ -1,0 +1,242 @@
+"""MoE routing: router logits -> the top-k experts of every token and their weights.
+
+Op ``torch.ops.kiln.moe_topk(logits, bias, top_k, renormalize, scoring, num_groups, topk_groups,
+scale) -> (weights [T, k] float32, ids [T, k] int32)``, ``logits: [T, E]`` bf16/fp16/fp32:
+
+* ``scoring="softmax"`` (Qwen3-MoE, Mixtral): ``p = softmax(logits.f32)``; the ``k`` largest ``p``;
+  with ``renormalize`` the chosen weights are divided by their sum (Mixtral always, Qwen3-MoE when
+  ``norm_topk_prob``). ``bias`` must be None and ``num_groups`` 1.
+* ``scoring="sigmoid"`` (DeepSeek-V3 ``noaux_tc``): ``s = sigmoid(logits.f32)``; experts are *chosen*
+  on ``c = s + bias`` (the ``e_score_correction_bias``, ``[E]`` float32, or zeros) by grouped top-k:
+  the experts are ``num_groups`` equal groups, a group's score is the sum of its two largest ``c``,
+  only the ``topk_groups`` best groups compete, and the ``k`` largest ``c`` among them win. The
+  weights are the chosen ``s`` (without the bias); with ``renormalize`` divided by ``sum + 1e-20``.
+
+Both modes finally multiply the weights by ``scale`` (``routed_scaling_factor``; 1.0 for Qwen3-MoE
+and Mixtral). ``ids`` of a row are always distinct, in descending order of the choice score; ties
+go to the lower expert index and NaN scores count as -inf.
+
+Kernel: one program per token, the ``E`` scores in registers; top-k by ``k`` rounds of
+(max, lowest index achieving it, exclude), group selection likewise over the group scores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.ops.common import next_pow2, use_triton
+
+SCORINGS = ("softmax", "sigmoid")
+
+# ---- torch reference ------------------------------------------------------------------------------
+
+
+def moe_topk_ref(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    renormalize: bool,
+    scoring: str,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch, following Hugging Face's Qwen3-MoE / Mixtral routers and DeepSeek-V3's
+    published gate (sigmoid, correction bias, group-limited top-k). Returns ``(w f32, ids int32)``."""
+    t, e = logits.shape
+    x = logits.float()  # [T, E]
+    if scoring == "softmax":
+        p = torch.softmax(x, dim=-1)
+        w, ids = torch.topk(p, top_k, dim=-1)  # [T, k]
+        if renormalize:
+            w = w / w.sum(dim=-1, keepdim=True)
+    else:
+        s = torch.sigmoid(x)  # [T, E]
+        c = s + (bias.float() if bias is not None else 0.0)
+        if num_groups > 1:
+            groups = c.view(t, num_groups, e // num_groups)
+            gscore = groups.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+            gidx = torch.topk(gscore, topk_groups, dim=-1)[1]  # [T, topk_groups]
+            gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gidx, True)
+            emask = gmask.unsqueeze(-1).expand(t, num_groups, e // num_groups).reshape(t, e)
+            c = c.masked_fill(~emask, float("-inf"))
+        ids = torch.topk(c, top_k, dim=-1)[1]  # [T, k]
+        w = s.gather(1, ids)
+        if renormalize:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return (w * scale).float(), ids.to(torch.int32)
+
+
+# ---- Triton kernel --------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pick(score, avail, offs, N_PAD: tl.constexpr):
+    """Index of the largest available ``score`` (lowest index on ties) and its score."""
+    cand = tl.where(avail, score, float("-inf"))
+    best = tl.max(cand, axis=0)
+    idx = tl.min(tl.where(avail & (cand == best), offs, N_PAD), axis=0)
+    return idx, best
+
+
+@triton.jit
+def _moe_topk_kernel(
+    L,  # [T, E] router logits
+    BIAS,  # [E] f32 correction bias (HAS_BIAS)
+    W_OUT,  # [T, K] f32
+    ID_OUT,  # [T, K] int32
+    E,
+    stride_l,
+    scale,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+    G: tl.constexpr,  # expert groups (sigmoid mode)
+    G_PAD: tl.constexpr,
+    TOPK_G: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    valid = offs < E
+    x = tl.load(L + row * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    x = tl.where(x == x, x, float("-inf"))  # NaN -> -inf: never preferred, ids stay distinct
+    if SIGMOID:
+        p = 1.0 / (1.0 + tl.exp(-x))  # weights: [E_PAD]
+        choice = p
+        if HAS_BIAS:
+            choice = p + tl.load(BIAS + offs, mask=valid, other=0.0).to(tl.float32)
+        avail = valid
+        if G > 1:
+            gs = E // G
+            grp = offs // gs
+            goffs = tl.arange(0, G_PAD)
+            gscore = tl.full([G_PAD], float("-inf"), tl.float32)
+            for g in tl.static_range(G):
+                in_g = valid & (grp == g)
+                i1, m1 = _pick(choice, in_g, offs, E_PAD)
+                _, m2 = _pick(choice, in_g & (offs != i1), offs, E_PAD)
+                gscore = tl.where(goffs == g, m1 + m2, gscore)
+            gavail = goffs < G
+            gsel = goffs < 0  # all False
+            for _j in tl.static_range(TOPK_G):
+                gi, _ = _pick(gscore, gavail, goffs, G_PAD)
+                gsel = gsel | (goffs == gi)
+                gavail = gavail & (goffs != gi)
+            avail = offs < 0
+            for g in tl.static_range(G):
+                chosen = tl.sum(tl.where((goffs == g) & gsel, 1, 0), axis=0) > 0
+                avail = avail | (valid & (grp == g) & chosen)
+    else:
+        m = tl.max(x, axis=0)
+        ex = tl.where(valid, tl.exp(x - m), 0.0)
+        p = ex / tl.sum(ex, axis=0)
+        choice = p
+        avail = valid
+    choice = tl.where(choice == choice, choice, float("-inf"))  # an all-NaN row: p is NaN too
+    koffs = tl.arange(0, K_PAD)
+    w = tl.zeros([K_PAD], dtype=tl.float32)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    for j in tl.static_range(K):
+        i, _ = _pick(choice, avail, offs, E_PAD)
+        wj = tl.sum(tl.where(offs == i, p, 0.0), axis=0)
+        w = tl.where(koffs == j, wj, w)
+        ids = tl.where(koffs == j, i, ids)
+        avail = avail & (offs != i)
+    if RENORM:
+        total = tl.sum(w, axis=0)
+        if SIGMOID:
+            total = total + 1e-20
+        w = w / total
+    kmask = koffs < K
+    tl.store(W_OUT + row * K + koffs, w * scale, mask=kmask)
+    tl.store(ID_OUT + row * K + koffs, ids, mask=kmask)
+
+
+def moe_topk_launch(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    renormalize: bool,
+    scoring: str,
+    num_groups: int,
+    topk_groups: int,
+    scale: float,
+    w_out: torch.Tensor,
+    ids_out: torch.Tensor,
+) -> None:
+    """Run the kernel into preallocated ``w_out [T, k] f32`` and ``ids_out [T, k] int32``."""
+    t, e = logits.shape
+    if t == 0:
+        return
+    e_pad = next_pow2(e)
+    _moe_topk_kernel[(t,)](
+        logits, bias if bias is not None else logits, w_out, ids_out,
+        e, logits.stride(0), float(scale),
+        K=top_k, K_PAD=next_pow2(top_k), E_PAD=e_pad, SIGMOID=scoring == "sigmoid",
+        HAS_BIAS=bias is not None, RENORM=renormalize,
+        G=num_groups, G_PAD=next_pow2(num_groups), TOPK_G=topk_groups,
+        num_warps=1 if e_pad <= 256 else 4,
+    )  # fmt: skip
+
+
+# ---- custom op ------------------------------------------------------------------------------------
+
+
+def _check(logits, bias, top_k, scoring, num_groups, topk_groups) -> None:
+    if logits.dim() != 2 or logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(
+            f"moe_topk: logits must be [T, E] bf16/fp16/fp32, got {tuple(logits.shape)} {logits.dtype}"
+        )
+    e = logits.shape[1]
+    if not 1 <= top_k <= e:
+        raise ValueError(f"moe_topk: top_k must be in 1..E={e}, got {top_k}")
+    if scoring not in SCORINGS:
+        raise ValueError(f"moe_topk: scoring must be one of {SCORINGS}, got {scoring!r}")
+    if scoring == "softmax" and (bias is not None or num_groups != 1):
+        raise ValueError("moe_topk: softmax scoring takes no bias and num_groups=1 (those are sigmoid mode)")
+    if bias is not None and (bias.shape != (e,) or bias.dtype != torch.float32):
+        raise ValueError(f"moe_topk: bias must be [E={e}] float32, got {tuple(bias.shape)} {bias.dtype}")
+    if num_groups < 1 or e % num_groups or (num_groups > 1 and e // num_groups < 2):
+        raise ValueError(
+            f"moe_topk: num_groups ({num_groups}) must divide E={e} into groups of at least 2 experts"
+        )
+    if not 1 <= topk_groups <= num_groups or top_k > topk_groups * (e // num_groups):
+        raise ValueError(
+            f"moe_topk: topk_groups ({topk_groups}) must be in 1..num_groups ({num_groups}) and its "
+            f"groups must hold top_k={top_k} experts"
+        )
+
+
+@torch.library.custom_op("kiln::moe_topk", mutates_args=())
+def moe_topk(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    renormalize: bool,
+    scoring: str,
+    num_groups: int,
+    topk_groups: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits ``[T, E]`` -> ``(weights [T, k] f32, ids [T, k] int32)`` (see the module docstring)."""
+    _check(logits, bias, top_k, scoring, num_groups, topk_groups)
+    if use_triton(logits):
+        t = logits.shape[0]
+        w = logits.new_empty((t, top_k), dtype=torch.float32)
+        ids = logits.new_empty((t, top_k), dtype=torch.int32)
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        moe_topk_launch(logits, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, w, ids)
+        return w, ids
+    return moe_topk_ref(logits, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale)
+
+
+@moe_topk.register_fake
+def _(logits, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale):
+    t = logits.shape[0]
+    return logits.new_empty((t, top_k), dtype=torch.float32), logits.new_empty((t, top_k), dtype=torch.int32)

@@ -1,0 +1,244 @@
+"""Grouped GEMM and the fused MoE op (ops/moe_gemm.py, ops/moe.py): kernels against the references
+(interpreter on CPU, compiled on the GPU) in bf16/fp16/fp32 and FP8, the reference against Hugging
+Face's expert block, expert maps, the block-size table and recorded tuning tables."""
+
+import json
+
+import pytest
+import torch
+
+from kiln.ops import moe
+from kiln.ops import moe_align as ma
+from kiln.ops import moe_gemm as mg
+from kiln.ops.common import FP8_DTYPE, interpreting
+from kiln.ops.quant import quantize_fp8_per_channel
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+FP8_TOL = 1e-2
+SMALL = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=2)
+
+
+def assert_rel(out, ref, tol, what="output"):
+    """||out - ref|| / ||ref|| < tol; NaN (unwritten, poisoned elements) never passes."""
+    out, ref = out.float(), ref.float()
+    err = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert err < tol, f"{what}: relative error {err:.3e} (limit {tol:.0e})"
+
+
+@pytest.fixture
+def kernel_on_cpu(monkeypatch):
+    if not interpreting():
+        pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set by tests/conftest.py)")
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+
+
+@pytest.fixture
+def compiled_gpu():
+    if interpreting():
+        pytest.fail("GPU kernel tests must run compiled: run them with TRITON_INTERPRET=0")
+
+
+def make_moe(t, h, i, e, k, dtype, fp8=False, device="cpu", seed=0, hot=None):
+    """Random activations, experts and routing (distinct experts per token; ``hot``: every token's
+    first choice is that expert). Returns the fused_moe arguments after ``x``."""
+    g = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(t, h, generator=g, device=device).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g, device=device) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g, device=device) / i**0.5).to(dtype)
+    s13 = s2 = None
+    if fp8:
+        w13, s13 = quantize_fp8_per_channel(w13)
+        w2, s2 = quantize_fp8_per_channel(w2)
+    scores = torch.rand(t, e, generator=g, device=device)
+    if hot is not None:
+        scores[:, hot] = 2.0
+    w, ids = torch.topk(scores, k, dim=-1)
+    return x, w13, w2, (w / w.sum(-1, keepdim=True)).float(), ids.to(torch.int32), s13, s2
+
+
+def run_fused(x, w13, w2, w, ids, s13, s2, expert_map=None, cfg=SMALL):
+    out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)  # poisoned
+    moe.fused_moe_triton(x, w13, w2, w, ids, expert_map, s13, s2, configs=(cfg, cfg), out=out)
+    return out
+
+
+# ---- the grouped GEMM alone -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["plain", "fused_silu", "mul_weight"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_grouped_gemm_matches_per_pair_reference(kernel_on_cpu, dtype, mode):
+    t, h, i, e, k = 7, 48, 40, 8, 3  # H, I not multiples of the blocks
+    x, w13, w2, w, ids, _, _ = make_moe(t, h, i, e, k, dtype, seed=3)
+    align = ma.moe_align_ref(ids, None, e, SMALL["BLOCK_M"])
+    flat = ids.reshape(-1).long()
+    if mode == "mul_weight":
+        a = torch.randn(t * k, i).to(dtype)
+        c = torch.full((t * k, h), float("nan"), dtype=dtype)
+        mg.moe_gemm_launch(a, None, w2, None, c, w, *align, SMALL, a_div=1)
+        ref = torch.stack([(a[p].float() @ w2[flat[p]].float().t()).to(dtype).float() for p in range(t * k)])
+        ref = ref * w.reshape(-1, 1)
+    else:
+        fuse = mode == "fused_silu"
+        c = torch.full((t * k, i if fuse else 2 * i), float("nan"), dtype=dtype)
+        mg.moe_gemm_launch(x, None, w13, None, c, None, *align, SMALL, a_div=k, fuse_silu=fuse)
+        ref = torch.stack([(x[p // k].float() @ w13[flat[p]].float().t()).to(dtype) for p in range(t * k)])
+        if fuse:
+            from kiln.ops.activation import silu_and_mul_ref
+
+            ref = silu_and_mul_ref(ref)
+    assert_rel(c, ref, TOL[dtype])
+
+
+# ---- the fused op -----------------------------------------------------------------------------------
+
+CASES = [  # (T, H, I, E, k, hot expert or None)
+    (5, 64, 32, 8, 2, None),  # Mixtral-like top-2
+    (3, 32, 32, 128, 8, None),  # Qwen3-30B-A3B's E and top-8, few tokens: most experts get none
+    (6, 32, 48, 16, 1, None),  # top-1
+    (9, 48, 32, 8, 3, 5),  # every token on expert 5
+    (1, 64, 32, 4, 4, None),  # k = E: every expert gets the one token
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-H{c[1]}-I{c[2]}-E{c[3]}-k{c[4]}-hot{c[5]}")
+def test_fused_moe_matches_reference(kernel_on_cpu, case, dtype):
+    t, h, i, e, k, hot = case
+    args = make_moe(t, h, i, e, k, dtype, seed=t + e, hot=hot)
+    assert_rel(run_fused(*args), moe.fused_moe_ref(*args[:5], None, *args[5:]), TOL[dtype])
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"T{c[0]}-E{c[3]}-k{c[4]}")
+def test_fused_moe_fp8_matches_reference(kernel_on_cpu, case):
+    t, h, i, e, k, hot = case
+    args = make_moe(t, h, i, e, k, torch.bfloat16, fp8=True, seed=t + e + 1, hot=hot)
+    assert args[1].dtype == FP8_DTYPE
+    assert_rel(run_fused(*args), moe.fused_moe_ref(*args[:5], None, *args[5:]), FP8_TOL)
+
+
+def test_expert_map_sums_only_local_experts(kernel_on_cpu):
+    x, w13, w2, w, ids, _, _ = make_moe(6, 32, 32, 16, 4, torch.float32, seed=9)
+    emap = torch.full((16,), -1, dtype=torch.int32)
+    emap[4:12] = torch.arange(8, dtype=torch.int32)  # this rank holds global experts 4..11
+    local13, local2 = w13[4:12].contiguous(), w2[4:12].contiguous()
+    out = run_fused(x, local13, local2, w, ids, None, None, expert_map=emap)
+    ref = moe.fused_moe_ref(x, local13, local2, w, ids, emap)
+    assert_rel(out, ref, TOL[torch.float32])
+    masked = torch.where(
+        (ids >= 4) & (ids < 12), w, 0.0
+    )  # the global reference with other experts' weights zeroed
+    assert_rel(out, moe.fused_moe_ref(x, w13, w2, masked, ids), TOL[torch.float32])
+
+
+def test_reference_matches_hf_qwen3_moe_experts():
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2)
+    block = Qwen3MoeSparseMoeBlock(cfg).eval()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(1, 10, 32)
+    with torch.no_grad():
+        ref = block(x)[0]
+        logits = x[0] @ block.gate.weight.t()
+        w, ids = torch.ops.kiln.moe_topk(logits, None, 2, False, "softmax", 1, 1, 1.0)
+        out = moe.fused_moe_ref(x[0], block.experts.gate_up_proj, block.experts.down_proj, w, ids)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_op_dispatch_and_bad_arguments(monkeypatch):
+    args = make_moe(4, 32, 16, 8, 2, torch.float32, seed=2)
+    for triton_on_cpu in ["1", "0"] if interpreting() else ["0"]:
+        monkeypatch.setenv("KILN_TRITON_ON_CPU", triton_on_cpu)
+        out = torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], "")
+        assert_rel(out, moe.fused_moe_ref(*args[:5], None, *args[5:]), TOL[torch.float32])
+    x, w13, w2, w, ids, _, _ = args
+    with pytest.raises(ValueError, match="topk_ids must be"):
+        torch.ops.kiln.fused_moe(x, w13, w2, w, ids.long(), None, None, None, "")
+    with pytest.raises(ValueError, match="disagree"):
+        torch.ops.kiln.fused_moe(x, w13[:, :30], w2, w, ids, None, None, None, "")
+    with pytest.raises(ValueError, match="w13_scale"):
+        q13, q2 = w13.to(FP8_DTYPE), w2.to(FP8_DTYPE)
+        torch.ops.kiln.fused_moe(x, q13, q2, w, ids, None, None, None, "")
+
+
+# ---- block sizes ------------------------------------------------------------------------------------
+
+
+def test_moe_config_table():
+    e, i, h, k = 128, 768, 2048, 8
+    seen = []
+    for t in (1, 2, 8, 32, 128, 256, 512, 1024, 4096, 16384):
+        c1, c2 = mg.pick_configs("", e, i, h, t, k)
+        assert set(c1) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}
+        assert c1["BLOCK_M"] == c2["BLOCK_M"] == mg.moe_block_m(e, t, k)
+        assert c1 == mg.moe_config(e, 2 * i, h, t, k)
+        seen.append(c1["BLOCK_M"])
+    assert seen == sorted(seen) and seen[0] == 16 and seen[-1] == 128
+    assert mg.moe_config(8, 64, 32, 1, 2)["BLOCK_K"] == 32  # never wider than the (padded) K
+
+
+def test_warmup_tokens_cover_every_specialization():
+    def signature(t, e, i, h, k):
+        c1, c2 = mg.pick_configs("", e, i, h, t, k)
+        return (tuple(c1.values()), tuple(c2.values()), t * k <= ma.CHUNK)
+
+    for e, i, h, k, n in ((128, 768, 2048, 8, 4096), (8, 1792, 4096, 2, 256)):
+        warm = mg.moe_warmup_tokens(e, i, h, k, n)
+        assert warm[0] == 1 and warm == sorted(warm) and warm[-1] <= n
+        sigs = [signature(t, e, i, h, k) for t in warm]
+        assert len(set(sigs)) == len(sigs)  # no redundant warm-up run
+        assert {signature(t, e, i, h, k) for t in range(1, n + 1)} == set(sigs)
+
+
+def test_recorded_tuning_table_is_used(kernel_on_cpu):
+    big = dict(SMALL, BLOCK_M=32, BLOCK_N=64)
+    table = json.dumps({"4": {"w13": SMALL, "w2": SMALL}, "64": {"w13": big, "w2": big}})
+    assert mg.pick_configs(table, 8, 32, 32, 3, 2) == (SMALL, SMALL)
+    assert mg.pick_configs(table, 8, 32, 32, 5, 2) == (big, big)
+    assert mg.pick_configs(table, 8, 32, 32, 999, 2) == (big, big)  # past the last entry: the last
+    args = make_moe(5, 32, 32, 8, 2, torch.float32, seed=4)
+    out = torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], table)
+    assert_rel(out, moe.fused_moe_ref(*args[:5], None, *args[5:]), TOL[torch.float32])
+    with pytest.raises(ValueError, match="one BLOCK_M"):
+        mg.parse_tuning(json.dumps({"4": {"w13": SMALL, "w2": big}}))
+
+
+# ---- GPU: compiled kernels at Qwen3-30B-A3B and Mixtral sizes -----------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("t", [1, 7, 64, 300, 4096])
+@pytest.mark.parametrize(
+    "shape", [(2048, 768, 128, 8), (4096, 1792, 8, 2)], ids=["qwen3-30b-a3b", "mixtral-tp8"]
+)
+def test_gpu_fused_moe_matches_reference(compiled_gpu, shape, t, fp8):
+    h, i, e, k = shape
+    args = make_moe(t, h, i, e, k, torch.bfloat16, fp8=fp8, device="cuda", seed=t)
+    cfg = mg.pick_configs("", e, i, h, t, k)
+    out = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+    moe.fused_moe_triton(*args[:5], None, *args[5:], configs=cfg, out=out)
+    assert_rel(out, moe.fused_moe_ref(*args[:5], None, *args[5:]), FP8_TOL if fp8 else TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_float32_and_cuda_graph_replay(compiled_gpu):
+    args = make_moe(16, 256, 128, 32, 4, torch.float32, device="cuda", seed=1)
+    assert_rel(
+        torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], ""),
+        moe.fused_moe_ref(*args[:5], None, *args[5:]),
+        TOL[torch.float32],
+    )
+    x, w13, w2, w, ids, _, _ = make_moe(32, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=2)
+    torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")  # compile outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")
+    for seed in (3, 4):
+        nx, _, _, nw, nids, _, _ = make_moe(32, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=seed)
+        x.copy_(nx), w.copy_(nw), ids.copy_(nids)
+        g.replay()
+        assert_rel(out, moe.fused_moe_ref(x, w13, w2, w, ids), TOL[torch.bfloat16])
