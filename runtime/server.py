@@ -25,7 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -113,8 +113,6 @@ class OpenAIServer:
     async def generate(self, req: CompletionRequest | ChatCompletionRequest, http: Request) -> Response:
         chat = isinstance(req, ChatCompletionRequest)
         self.check_model(req.model)
-        if not self.worker.alive:
-            raise APIError(503, f"the server cannot take requests: {self.worker.error}", "server_error")
         params = sampling_params(req, self.vocab_size)
         if chat:
             prompts = [await asyncio.to_thread(self._chat_ids, req)]
@@ -129,6 +127,8 @@ class OpenAIServer:
                 raise bad_request(pparam, f"token ids must be in [0, {self.vocab_size})")
             mt = resolve_max_tokens(params, len(ids), self.context, pparam)
             per_prompt.append(dataclasses.replace(params, max_tokens=mt))
+        if not self.worker.alive:
+            raise APIError(503, f"the server cannot take requests: {self.worker.error}", "server_error")
         n, nseq = params.n, len(prompts) * params.n
         if self.opts.max_queue is not None and self.inflight + nseq > self.max_running + self.opts.max_queue:
             raise APIError(
@@ -305,23 +305,18 @@ def create_app(engine: Any, opts: ServerOptions | None = None) -> FastAPI:
                 pass
         return Response(st.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    return _Gate(app, st)  # type: ignore[return-value]
+    app.add_middleware(_Gate, st=st)
+    return app
+
+
+_ENDPOINTS = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"))
 
 
 class _Gate:
     """ASGI middleware: bearer-token check on /v1/*, the body-size limit (413), HTTP counts."""
 
-    KNOWN: ClassVar[set[str]] = {
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/models",
-        "/health",
-        "/metrics",
-    }
-
-    def __init__(self, app: FastAPI, st: OpenAIServer):
+    def __init__(self, app: Any, st: OpenAIServer):
         self.app, self.st = app, st
-        self.state = app.state  # tests: create_app(...).state.kiln
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -337,7 +332,7 @@ class _Gate:
             await self._gate(scope, receive, counted_send)
         finally:
             path = scope["path"]
-            endpoint = path if path in self.KNOWN else "other"
+            endpoint = path if path in _ENDPOINTS else "other"  # bounded label values
             self.st.metrics.http.labels(endpoint, str(status[0])).inc()
 
     async def _gate(self, scope: dict, receive: Any, send: Any) -> None:

@@ -178,9 +178,9 @@ class ChatCompletionRequest(_SamplingRequest):
 
 # ------------------------------------------------------------------------- sampling params
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> SamplingParams:
-    """The request's :class:`SamplingParams` (``max_tokens`` still None when not given).
-
-    Raises ``APIError`` (400) naming the first bad parameter."""
+    """The request's :class:`SamplingParams`; ``max_tokens`` 0 means "not given" (chat: the rest
+    of the context, see :func:`resolve_max_tokens`). Raises ``APIError`` (400) naming the first
+    bad parameter."""
     req.unsupported()
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -235,7 +235,9 @@ class ServerMetrics:
         self.finished = Counter(
             "kiln_request_finished", "Completions (sequences) finished.", ["finish_reason"], registry=r
         )
-        self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens accepted.", registry=r)
+        self.prompt_tokens = Counter(
+            "kiln_prompt_tokens", "Prompt tokens of sequences that produced a token.", registry=r
+        )
         self.generation_tokens = Counter("kiln_generation_tokens", "Tokens generated.", registry=r)
         self.ttft = Histogram(
             "kiln_time_to_first_token_seconds",

@@ -25,7 +25,8 @@ class LiveServer:
 
         engine_keys = {"max_running", "kv_memory_gib"}
         eng_opts = {k: opts.pop(k) for k in list(opts) if k in engine_keys}
-        self.engine = Engine(str(artifact), EngineOptions(device="cpu", log=False, **eng_opts))
+        device = opts.pop("device", "cpu")
+        self.engine = Engine(str(artifact), EngineOptions(device=device, log=False, **eng_opts))
         self.app = create_app(self.engine, ServerOptions(**opts))
         self.kiln = self.app.state.kiln
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -58,6 +59,13 @@ class LiveServer:
                 return s
             assert time.monotonic() < deadline, f"server not idle after {timeout} s: {s}"
             time.sleep(0.05)
+
+    def wait_running(self, n: int, timeout: float = 30.0) -> None:
+        """Wait until ``n`` sequences are running."""
+        deadline = time.monotonic() + timeout
+        while self.kiln.worker.alive and self.call(lambda e: e.status())["running"] < n:
+            assert time.monotonic() < deadline, f"fewer than {n} requests running after {timeout} s"
+            time.sleep(0.02)
 
     def check_clean(self) -> dict[str, Any]:
         """Idle, KV integrity clean, no leaked request or sink, every used slot in the prefix cache."""

@@ -217,3 +217,45 @@ def test_server_stays_clean(server):
         t.join()
     assert results == [400] * 8
     server.check_clean()
+
+
+def test_engine_failure_answers_every_request(demo_artifact):
+    """If the engine raises mid-generation, every accepted request still gets an answer (an error
+    event in its stream, a 503 otherwise), /health turns 503 and new requests get 503."""
+    s = LiveServer(demo_artifact)
+    try:
+        c = s.client()
+        stream = c.completions.create(
+            model=s.model, prompt="x", max_tokens=500, stream=True, extra_body={"ignore_eos": True}
+        )
+        it = iter(stream)
+        assert next(it).choices
+        pending = {}
+
+        def long_request():
+            pending["r"] = s.post(
+                "/v1/completions", json={"prompt": "y", "max_tokens": 500, "ignore_eos": True}
+            )
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        s.wait_running(2)
+
+        def boom():
+            raise RuntimeError("injected device failure")
+
+        s.call(lambda e: setattr(e, "step", boom))
+        with pytest.raises(openai.APIError) as e:
+            list(it)
+        assert "injected device failure" in str(e.value)
+        t.join(30)
+        err = assert_error(pending["r"], 503)
+        assert "injected device failure" in err["message"] and err["type"] == "server_error"
+        r = httpx.get(s.url + "/health")
+        assert r.status_code == 503 and "injected device failure" in r.json()["error"]
+        assert_error(s.post("/v1/completions", json={"prompt": "z", "max_tokens": 1}), 503)
+        assert_error(
+            s.post("/v1/completions", json={"prompt": "z", "temperature": -1}), 400
+        )  # still validated
+    finally:
+        s.stop()
