@@ -197,25 +197,35 @@ def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     log = open(log_path, "w")  # noqa: SIM115 (the child keeps it)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.startup_timeout
+    try:
+        wait_healthy(url, args.startup_timeout, proc, log_path)
+    except BaseException:
+        stop_server(proc)
+        raise
+    return proc, url
+
+
+def wait_healthy(
+    url: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None
+) -> None:
+    """Poll ``url``/health until it answers 200 (fail early if ``proc`` exits)."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(
-                f"the server exited with {proc.returncode}; see {log_path}:\n{log_path.read_text()[-3000:]}"
-            )
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-3000:] if log else ""
+            raise SystemExit(f"the server exited with {proc.returncode}; see {log}:\n{tail}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.25)
-    stop_server(proc)
-    raise SystemExit(f"the server did not become healthy in {args.startup_timeout} s; see {log_path}")
+    raise SystemExit(f"the server at {url} did not become healthy in {timeout} s (log: {log})")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)  # our own process group (start_new_session)
+        os.killpg(proc.pid, signal.SIGTERM)  # our own process group; uvicorn shuts down gracefully
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -262,6 +272,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not args.vocab_size:
             ap.error("--url needs --vocab-size (token ids are drawn below it)")
         vocab, url, startup = args.vocab_size, args.url.rstrip("/"), None
+        wait_healthy(url, args.startup_timeout)
     try:
         report = asyncio.run(replay(args, url, vocab))
     finally:
