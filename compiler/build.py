@@ -327,6 +327,12 @@ def _warm_up(
     decode_graph = {b: f"decode_b{b}" for b in buckets if f"decode_b{b}" in graphs}
     runs = [(decode_graph.get(b, "model"), b, b) for b in buckets]  # decode steps: T == B
     runs += [("model", b, t) for t, b in EXTEND_WARMUP if t <= chunk and b <= buckets[-1] and t != b]
+    if cfg.moe is not None:  # each block-size choice of the grouped GEMM, as one request's prefill
+        from kiln.ops.moe_gemm import moe_warmup_tokens
+
+        m = cfg.moe
+        sizes = moe_warmup_tokens(m.num_experts, m.intermediate_size, cfg.hidden_size, m.top_k, chunk)
+        runs += [("model", 1, t) for t in sizes if t > 1]
     if device.type == "cpu":  # no Triton kernels to compile: a finiteness check per graph suffices
         runs = [r for r in runs if r[1] <= 2]
     modules = {name: ep.module() for name, ep in programs.items()}
