@@ -84,3 +84,20 @@ def test_loading_compiles_no_triton_kernel(gpu_art):
     assert p.returncode == 0 and "CHILD-OK" in p.stdout, p.stderr[-3000:]
     after = sorted(p.relative_to(kernels) for p in kernels.rglob("*"))
     assert after == before, f"new Triton cache entries after load: {sorted(set(after) - set(before))[:10]}"
+
+
+def test_overlapped_decoding_matches_sequential(gpu_art):
+    from kiln import LLM, SamplingParams
+
+    _, art = gpu_art
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (7, 30, 64, 2, 19)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 40, 17, 40, 1)]
+    runs = []
+    for overlap in (False, True):
+        llm = LLM(str(art), device="cuda", overlap=overlap)
+        runs.append([o.token_ids for o in llm.generate(prompts, params)])
+        assert (llm.engine.stepper.overlapped > 0) == overlap
+        llm.engine.check_integrity()
+        del llm
+    assert runs[0] == runs[1]
