@@ -30,9 +30,10 @@ def engine_options(f):  # shared by generate, serve and bench
         ),
         click.option("--no-radix-cache", is_flag=True, help="Disable prefix caching."),
         click.option(
-            "--no-overlap",
+            "--overlap",
             is_flag=True,
-            help="Finish each decode step before launching the next (no host/GPU overlap).",
+            help="Launch each decode step before the previous one is finished on the host (hides host "
+            "work behind the GPU; experimental, off by default).",
         ),
         click.option("--max-running", type=int, default=None, help="Cap on concurrently running requests."),
         click.option(
@@ -51,7 +52,7 @@ def options_from(kw: dict) -> dict:
         kv_memory_gib=kw.pop("kv_memory"),
         cuda_graph=not kw.pop("no_cuda_graph"),
         radix_cache=not kw.pop("no_radix_cache"),
-        overlap=not kw.pop("no_overlap"),
+        overlap=kw.pop("overlap"),
         max_running=kw.pop("max_running"),
         chunk_size=kw.pop("chunk_size"),
         verify=kw.pop("verify"),

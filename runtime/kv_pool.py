@@ -18,6 +18,7 @@ Row 0 is the padding row (all zeros, so every lookup through it lands on the sin
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -188,6 +189,7 @@ class BlockTable:
         self._free_rows: list[int] = list(range(self.num_rows - 1, 0, -1))
         self._in_use = bytearray(self.num_rows)
         self._pending: dict[tuple[int, int], int] = {}  # (row, block) -> page, last write wins
+        self.stager: Any = None  # a runtime.staging.HostStager, set by the engine
 
     # rows -------------------------------------------------------------------------------------
     @property
@@ -261,11 +263,15 @@ class BlockTable:
         if not self._pending:
             return
         rows, blocks = zip(*self._pending.keys())
-        packed = torch.tensor([rows, blocks, list(self._pending.values())], dtype=torch.int64)  # [3, n]
+        values = [list(rows), list(blocks), list(self._pending.values())]  # [3, n]
         self._pending.clear()
-        if self.device.type == "cuda":
-            packed = packed.pin_memory()
-        dev = packed.to(self.device, non_blocking=True)
+        if self.stager is not None:  # persistent pinned buffers (no allocation, no sync)
+            dev = self.stager.to_device(values, torch.int64)
+        else:
+            packed = torch.tensor(values, dtype=torch.int64)
+            if self.device.type == "cuda":
+                packed = packed.pin_memory()
+            dev = packed.to(self.device, non_blocking=True)
         self.table.index_put_((dev[0], dev[1]), dev[2].to(torch.int32))
 
     def check(self) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,8 +36,11 @@ from kiln.runtime.sampling_params import SamplingParams
 _rng = random.SystemRandom()
 
 
-def _h2d(data: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A host list as a device tensor without a host sync (pinned, non-blocking on CUDA)."""
+def _h2d(data: list, dtype: torch.dtype, device: torch.device | str, stager: Any = None) -> torch.Tensor:
+    """A host list as a device tensor without a host sync (pinned, non-blocking on CUDA); through
+    ``stager`` (a :class:`~kiln.runtime.staging.HostStager`) when given: no pinned allocation."""
+    if stager is not None:
+        return stager.to_device(data, dtype)
     t = torch.tensor(data, dtype=dtype)
     if torch.device(device).type == "cuda":
         t = t.pin_memory()
@@ -104,8 +108,9 @@ class SamplingBatch:
         seeds: Sequence[int] | None = None,
         steps: Sequence[int] | None = None,
         eos_token_ids: Sequence[int] = (),
+        stager: Any = None,
     ) -> SamplingBatch:
-        """Tensors for one step.
+        """Tensors for one step (copied through ``stager`` when given, see ``_h2d``).
 
         params_list[i] and rows[i] (block-table row) describe batch entry i. ``seeds[i]``: the
         request's seed from ``resolve_seed`` (default: ``params.seed``, or a fresh random draw for
@@ -121,7 +126,7 @@ class SamplingBatch:
             p.is_greedy and not p.uses_penalties and p.logprobs is None and p.min_tokens == 0
             for p in params_list
         ):
-            return cls._greedy(list(rows), device)
+            return cls._greedy(list(rows), device, stager)
         seeded = seeds is not None or any(p.seed is not None for p in params_list)
         if steps is None and (seeded or any(p.min_tokens > 0 for p in params_list)):
             raise ValueError(
@@ -154,11 +159,11 @@ class SamplingBatch:
                 ban_b += [i] * len(banned)
                 ban_t += banned
         sampled = [p for p, g in zip(params_list, greedy_list) if not g]
-        f = _h2d([list(c) for c in zip(*floats)], torch.float32, device).reshape(6, B, 1)  # [6, B, 1]
-        n = _h2d([list(c) for c in zip(*ints)], torch.int64, device).reshape(5, B)  # [5, B]
+        f = _h2d([list(c) for c in zip(*floats)], torch.float32, device, stager).reshape(6, B, 1)  # [6, B, 1]
+        n = _h2d([list(c) for c in zip(*ints)], torch.int64, device, stager).reshape(5, B)  # [5, B]
         ban = None
         if ban_b:
-            idx = _h2d([ban_b, ban_t], torch.int64, device)  # [2, K]
+            idx = _h2d([ban_b, ban_t], torch.int64, device, stager)  # [2, K]
             ban = (idx[0], idx[1])
         want = [p.logprobs for p in params_list if p.logprobs is not None]
         return cls(
@@ -186,13 +191,10 @@ class SamplingBatch:
         )
 
     @classmethod
-    def _greedy(cls, rows: list[int], device: torch.device | str) -> SamplingBatch:
+    def _greedy(cls, rows: list[int], device: torch.device | str, stager: Any = None) -> SamplingBatch:
         """The common all-greedy batch: argmax only, so nothing but the rows is built."""
         B = len(rows)
-        r = torch.tensor(rows, dtype=torch.int64)
-        if torch.device(device).type == "cuda":
-            r = r.pin_memory()
-        r = r.to(device, non_blocking=True)
+        r = _h2d(rows, torch.int64, device, stager)
         none = r[:0]
         return cls(
             size=B,

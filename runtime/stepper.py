@@ -43,14 +43,6 @@ class Launched:
         return {r.rid: j for j, r in enumerate(self.reqs)}
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type != "cuda":
-        return t
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    return out
-
-
 class Stepper:
     """Owns the launch/finish cycle for an :class:`~kiln.runtime.engine.Engine`."""
 
@@ -78,12 +70,9 @@ class Stepper:
             pos = prev.position()
             dst = [i for i, r in enumerate(batch.reqs) if r.output_ids and r.output_ids[-1] == PLACEHOLDER]
             src = [pos[batch.reqs[i].rid] for i in dst]
-            if dst:
-                dev = prev.ids.device
-                subst = (
-                    torch.tensor(dst, device=dev),
-                    prev.ids.index_select(0, torch.tensor(src, device=dev)),
-                )
+            if dst:  # a pageable torch.tensor(..., device=) here would wait for the step in flight
+                idx = e.stager.to_device([dst, src], torch.int64)  # [2, k]
+                subst = (idx[0], prev.ids.index_select(0, idx[1]))
         t1 = time.perf_counter()
         logits = e.runner.forward(step, subst)  # [B, V]
         e.host_breakdown["schedule"] += t1 - t0
@@ -96,7 +85,7 @@ class Stepper:
         t2 = time.perf_counter()
         reqs = [batch.reqs[i] for i in done]
         if len(done) < len(batch.reqs):
-            logits = logits[torch.tensor(done, device=logits.device)]
+            logits = logits[e.stager.to_device(done, torch.int64)]
         sb = SamplingBatch.build(
             [r.params for r in reqs],
             [r.row for r in reqs],
@@ -110,10 +99,10 @@ class Stepper:
         launched = Launched(batch, reqs, [len(r.output_ids) for r in reqs], out.next_ids)
         for r in reqs:
             r.output_ids.append(PLACEHOLDER)
-        launched.host["ids"] = _to_host(out.next_ids)
+        launched.host["ids"] = e.stager.to_host(out.next_ids)
         if out.logprobs is not None:
             for k in ("logprobs", "top_ids", "top_logprobs"):
-                launched.host[k] = _to_host(getattr(out, k))
+                launched.host[k] = e.stager.to_host(getattr(out, k))
         if out.next_ids.device.type == "cuda":
             launched.event = torch.cuda.Event()
             launched.event.record()
@@ -138,7 +127,7 @@ class Stepper:
                 batch = e.scheduler.schedule_decode()
                 nxt = self.launch(batch, prev) if batch is not None else None
                 self.overlapped += nxt is not None
-            outs = e._finish(prev, extra_host_s=nxt.host_s if nxt else 0.0)
+            outs = e._finish(prev, launch_host_s=nxt.host_s if nxt else 0.0)
             self.inflight = nxt
             return outs
         batch = e.scheduler.schedule()
@@ -151,4 +140,4 @@ class Stepper:
             self.inflight = launched
             e.last_step_host_s = launched.host_s
             return []
-        return e._finish(launched)
+        return e._finish(launched, launch_host_s=launched.host_s)

@@ -66,7 +66,7 @@ def test_cuda_graph_replay_equals_eager(gpu_art):
 CHILD = r"""
 import sys, random
 from kiln import LLM, SamplingParams
-llm = LLM(sys.argv[1], device="cuda")
+llm = LLM(sys.argv[1], device="cuda", overlap=True)
 rng = random.Random(0)
 for batch in (1, 3, 16, 5):
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 90))] for _ in range(batch)]
@@ -95,9 +95,10 @@ def test_overlapped_decoding_matches_sequential(gpu_art):
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 40, 17, 40, 1)]
     runs = []
     for overlap in (False, True):
-        llm = LLM(str(art), device="cuda", overlap=overlap)
+        # An explicit pool: the default sizes itself from free memory, which other tests' engines
+        # (kept alive until collected) still hold.
+        llm = LLM(str(art), device="cuda", overlap=overlap, kv_memory_gib=0.5)
         runs.append([o.token_ids for o in llm.generate(prompts, params)])
         assert (llm.engine.stepper.overlapped > 0) == overlap
         llm.engine.check_integrity()
-        del llm
     assert runs[0] == runs[1]
