@@ -1,0 +1,64 @@
+"""`kiln compile` refuses, with a message naming the problem and the fix: an existing output
+directory without --force, an unsupported architecture, a config that contradicts the weights
+(naming the tensor), and a device that is not there."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_models import make_checkpoint
+
+
+def compile_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "kiln", "compile", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ck")
+    make_checkpoint(d / "hf", "llama-untied")
+    return d / "hf"
+
+
+def test_existing_output_needs_force(ckpt, tmp_path):
+    (tmp_path / "art").mkdir()
+    (tmp_path / "art" / "keep.txt").write_text("x")
+    p = compile_cli(ckpt, "-o", tmp_path / "art", "--device", "cpu")
+    assert p.returncode == 2 and "exists and is not empty; pass --force" in p.stderr
+    assert (tmp_path / "art" / "keep.txt").exists()
+
+
+def test_unsupported_architecture_lists_supported(ckpt, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = json.loads((ckpt / "config.json").read_text()) | {"architectures": ["GPT2LMHeadModel"]}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    p = compile_cli(bad, "-o", tmp_path / "art", "--device", "cpu")
+    assert p.returncode == 2 and "'GPT2LMHeadModel'" in p.stderr and "LlamaForCausalLM" in p.stderr
+
+
+def test_config_contradicting_weights_names_the_tensor(ckpt, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    cfg = json.loads((bad / "config.json").read_text()) | {"intermediate_size": 96}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    p = compile_cli(bad, "-o", tmp_path / "art", "--device", "cpu")
+    assert p.returncode == 2 and "mlp" in p.stderr and ("gate_proj" in p.stderr or "gate_up" in p.stderr), (
+        p.stderr
+    )
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_missing_device(ckpt, tmp_path):
+    p = compile_cli(ckpt, "-o", tmp_path / "art", "--device", "cuda")
+    assert p.returncode == 2 and "no CUDA device is visible; use --device cpu" in p.stderr
