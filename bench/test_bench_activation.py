@@ -7,7 +7,7 @@ and through torch.compile. On a GPU every variant is captured in a CUDA graph an
 
 import pytest
 import torch
-from conftest import SMOKE, pick
+from conftest import SMOKE, graphed, pick
 
 from kiln.ops import activation
 
@@ -16,22 +16,6 @@ TOKENS = pick([1, 8, 64, 256, 4096], [3])
 DEV = "cpu" if SMOKE else "cuda"
 DTYPE = torch.bfloat16
 VARIANTS = ["silu_and_mul", "silu_and_mul_fp8_dynamic"]
-
-
-def graphed(fn):
-    """On a GPU: ``fn`` warmed up (compiled) on a side stream, captured in a CUDA graph; returns replay."""
-    if SMOKE:
-        return fn
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 @pytest.mark.parametrize("impl", ["kiln", "eager", "compile"])

@@ -11,7 +11,7 @@ is captured in a CUDA graph and replayed.
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SMOKE, _median_ms, pick
+from conftest import SMOKE, _median_ms, graphed, pick
 
 from kiln.ops import fp8_linear as fl
 from kiln.ops.quant import quantize_fp8_per_channel, quantize_fp8_per_token
@@ -20,22 +20,6 @@ MS = pick([1, 16, 256, 1024, 4096], [2])
 SHAPES = pick([(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)], [(32, 64)])
 DEV = "cpu" if SMOKE else "cuda"
 IMPLS = ["fp8", "fp8_fast_accum", "bf16", "ref_eager", "ref_compile"]
-
-
-def graphed(fn):
-    """On a GPU: ``fn`` warmed up (compiled) on a side stream, captured in a CUDA graph; returns replay."""
-    if SMOKE:
-        return fn
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -18,7 +18,7 @@ tiny shapes through the interpreter, one round.
 
 import pytest
 import torch
-from conftest import SMOKE, pick
+from conftest import SMOKE, graphed, pick
 
 from kiln.ops.moe_gemm import moe_block_m
 from kiln.ops.quant import quantize_fp8_per_channel
@@ -33,22 +33,6 @@ IMPLS = ["triton", "triton_fp8", "eager", "routing", "align"]
 def _kernels_on_cpu(monkeypatch):
     if SMOKE:
         monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
-
-
-def graphed(fn):
-    """On a GPU: ``fn`` warmed up (compiled) on a side stream, captured in a CUDA graph; returns replay."""
-    if SMOKE:
-        return fn
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def eager_moe(x, w13, w2, weights, ids):

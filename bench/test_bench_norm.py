@@ -9,7 +9,7 @@ token counts measure the kernel rather than Python and launch overhead.
 
 import pytest
 import torch
-from conftest import SMOKE, pick
+from conftest import SMOKE, graphed, pick
 
 from kiln.ops import norm
 
@@ -23,22 +23,6 @@ VARIANTS = {  # name -> scale argument of the quant op (None = dynamic), or "bf1
     "add_rmsnorm_fp8_dynamic": None,
     "add_rmsnorm_fp8_static": "static",
 }
-
-
-def graphed(fn):
-    """On a GPU: ``fn`` warmed up (compiled) on a side stream, captured in a CUDA graph; returns replay."""
-    if SMOKE:
-        return fn
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def _call(variant, impl):

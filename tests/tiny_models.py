@@ -69,3 +69,37 @@ def make_checkpoint(path, name: str, seed: int = 0, eos: int | None = 2, hf_init
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def hf_greedy(hf, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Hugging Face ``generate`` (greedy, no EOS stop), one prompt at a time: the new tokens."""
+    with torch.no_grad():
+        return [
+            hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+
+
+def check_against_hf(runner, hf, prompts: list[list[int]], decode_steps: int, tol: float = 1e-4) -> None:
+    """Prefill ``prompts`` with a DirectRunner, then greedy decode steps; at every step each
+    sequence's logits must match HF's full forward within ``tol`` (max relative error)."""
+    logits = runner.prefill(prompts)
+    seqs = [list(p) for p in prompts]
+    for step in range(decode_steps + 1):
+        with torch.no_grad():
+            for i, s in enumerate(seqs):
+                ref = hf(torch.tensor([s])).logits[0, -1]
+                err = rel_err(logits[i], ref)
+                assert err <= tol, f"step {step} seq {i}: max rel err {err:.2e}"
+        if step == decode_steps:
+            return
+        nxt = logits.argmax(-1).tolist()
+        for s, t in zip(seqs, nxt):
+            s.append(t)
+        logits = runner.decode(nxt)

@@ -14,7 +14,7 @@ from torch import nn
 
 from kiln.compiler.config import ModelConfig
 from kiln.compiler.context import ForwardContext
-from kiln.compiler.layers import Act, Embedding, LMHead, RMSNorm
+from kiln.compiler.layers import MLP, Act, Attention, Embedding, LMHead, RMSNorm
 
 LayerFactory = Callable[[int], nn.Module]
 
@@ -22,6 +22,32 @@ LayerFactory = Callable[[int], nn.Module]
 def vocab_per_rank(cfg: ModelConfig, tp: int) -> int:
     """Vocab rows per rank: the vocab padded up to a multiple of tp (padding rows are zero)."""
     return -(-cfg.vocab_size // tp)
+
+
+def llama_attention(
+    cfg: ModelConfig, layer: int, dtype: torch.dtype, tp: int, quant: str | None
+) -> Attention:
+    """Llama-style attention for ``layer`` as the config describes it (QKV bias, QK-norm, head_dim,
+    partial rotary, sliding window), per tensor-parallel rank."""
+    return Attention(
+        layer,
+        cfg.hidden_size,
+        cfg.num_heads // tp,
+        cfg.kv_heads_per_rank(tp),
+        cfg.head_dim,
+        cfg.rotary_dim,
+        cfg.rope_is_neox,
+        dtype,
+        qkv_bias=cfg.qkv_bias,
+        qk_norm=cfg.qk_norm,
+        eps=cfg.rms_norm_eps,
+        sliding_window=cfg.sliding_window,
+        quant=quant,
+    )
+
+
+def dense_mlp(cfg: ModelConfig, dtype: torch.dtype, tp: int, quant: str | None) -> MLP:
+    return MLP(cfg.hidden_size, -(-cfg.intermediate_size // tp), dtype, quant)
 
 
 class DecoderLayer(nn.Module):

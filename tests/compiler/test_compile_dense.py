@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import CONFIGS, make_checkpoint, rel_err
+from tiny_models import CONFIGS, check_against_hf, make_checkpoint
 
 from kiln.compiler.build import CompileOptions, compile_model
 from kiln.runtime.direct import DirectRunner
@@ -28,20 +28,7 @@ def test_prefill_and_decode_match_hf(compiled):
     runner = DirectRunner(str(root / "art"), device="cpu", num_slots=512)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (32, 20)]
-    logits = runner.prefill(prompts)
-    seqs = [list(p) for p in prompts]
-    for step in range(9):
-        with torch.no_grad():
-            for i, s in enumerate(seqs):
-                ref = hf(torch.tensor([s])).logits[0, -1]
-                err = rel_err(logits[i], ref)
-                assert err <= 1e-4, f"step {step} seq {i}: max rel err {err:.2e}"
-        if step == 8:
-            break
-        nxt = logits.argmax(-1).tolist()
-        for s, t in zip(seqs, nxt):
-            s.append(t)
-        logits = runner.decode(nxt)
+    check_against_hf(runner, hf, prompts, decode_steps=8)
 
 
 def test_compile_is_deterministic(compiled, tmp_path):

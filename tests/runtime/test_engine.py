@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import CONFIGS, make_checkpoint
+from tiny_models import CONFIGS, hf_greedy, make_checkpoint
 
 from kiln import LLM, SamplingParams
 from kiln.compiler.build import CompileOptions, compile_model
@@ -22,13 +22,7 @@ def setup(request, tmp_path_factory):
     compile_model(root / "hf", root / "art", opts, verbose=False)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 23, 40, 12)]
-    with torch.no_grad():
-        expect = [
-            hf.generate(
-                torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
-            )[0, len(p) :].tolist()
-            for p in prompts
-        ]
+    expect = hf_greedy(hf, prompts, NEW)
     return hf, root / "art", prompts, expect
 
 
@@ -71,13 +65,7 @@ def test_shared_prefix_hits_cache(setup):
     g = torch.Generator().manual_seed(11)
     prefix = torch.randint(3, 300, (24,), generator=g).tolist()
     prompts = [prefix + torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 9, 5)]
-    with torch.no_grad():
-        expect = [
-            hf.generate(
-                torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
-            )[0, len(p) :].tolist()
-            for p in prompts
-        ]
+    expect = hf_greedy(hf, prompts, 8)
     llm = LLM(str(art), device="cpu")
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     first = llm.generate(prompts[:1], params)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import hf_greedy
 from tiny_moe_models import MOE_CONFIGS, make_moe_checkpoint
 
 from kiln import LLM, SamplingParams
@@ -21,13 +22,7 @@ def setup(request, tmp_path_factory):
     compile_model(root / "hf", root / "art", opts, verbose=False)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 23, 40, 12)]
-    with torch.no_grad():
-        expect = [
-            hf.generate(
-                torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
-            )[0, len(p) :].tolist()
-            for p in prompts
-        ]
+    expect = hf_greedy(hf, prompts, NEW)
     return root / "art", prompts, expect
 
 
