@@ -90,30 +90,16 @@ class Scheduler:
         return pages
 
     def _cache_prefix(self, req: Req) -> None:
-        """Insert ``req``'s computed whole pages into the radix cache and lock them for it."""
-        if self.radix.disabled:
-            return
-        n = (req.kv_len // self.P) * self.P
-        if n <= req.cached_len:
-            return
-        pages = self.bt.pages(req.row)
-        tokens = req.tokens(0, n)
-        slots = self.pool.slots_of(pages[: n // self.P])
-        already = self.radix.insert(tokens, slots)
-        # Pages the cache already held for [cached_len, already) duplicate ours: adopt the cache's.
-        if already > req.cached_len:
-            dup = pages[req.cached_len // self.P : already // self.P]
-            self.pool.free_pages(dup)
-        new_slots, node = self.radix.match_prefix(tokens + [-1])
-        assert len(new_slots) == n, (len(new_slots), n)
-        cached_pages = new_slots[:: self.P] if self.P > 1 else new_slots
-        if self.P > 1:
-            cached_pages = [s // self.P for s in cached_pages]
-        self.bt.assign(req.row, cached_pages + pages[n // self.P :])
-        self.radix.lock(node)
-        if req.last_node is not None:
-            self.radix.unlock(req.last_node)
-        req.last_node, req.cached_len = node, n
+        """Insert ``req``'s computed whole pages into the radix cache; the lock moves to them and
+        pages the cache already held for the same tokens replace ours (ours are freed)."""
+        pages, req.cached_len, req.last_node = self.radix.cache_unfinished(
+            req.tokens(0, req.kv_len),
+            self.bt.pages(req.row),
+            req.cached_len,
+            req.last_node,
+            self.pool.free_pages,
+        )
+        self.bt.assign(req.row, pages)
 
     def _release(self, req: Req) -> None:
         """Give back ``req``'s row and pages, caching what it computed."""
