@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.decode_attention import decode_attention
-from kiln.ops.extend_attention import extend_attention
+from kiln.ops.decode_attention import decode_attention_any
+from kiln.ops.extend_attention import extend_attention_any
 
 
 @torch.library.custom_op("kiln::paged_attention", mutates_args=())
@@ -39,7 +39,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Decode attention when ``T == B``, extend attention otherwise (see the module docstring)."""
     if q.shape[0] == req_rows.shape[0]:
-        return decode_attention(
+        return decode_attention_any(
             q,
             k_cache,
             v_cache,
@@ -52,7 +52,7 @@ def paged_attention(
             sliding_window,
             logit_cap,
         )
-    return extend_attention(
+    return extend_attention_any(
         q,
         k_cache,
         v_cache,

@@ -278,8 +278,7 @@ def decode_attention_triton(
     return out
 
 
-@torch.library.custom_op("kiln::decode_attention", mutates_args=())
-def decode_attention(
+def decode_attention_any(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -292,7 +291,7 @@ def decode_attention(
     sliding_window: int,
     logit_cap: float,
 ) -> torch.Tensor:
-    """Paged decode attention (see the module docstring): ``[B, Hq, D] -> [B, Hq, Dv]``."""
+    """The op's body: the Triton kernels where ``use_triton`` says so, else the reference."""
     if use_triton(q):
         return decode_attention_triton(
             q,
@@ -309,6 +308,26 @@ def decode_attention(
         )
     _check(q, k_cache, v_cache, page_size)
     return decode_attention_ref(
+        q, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size, sliding_window, logit_cap
+    )
+
+
+@torch.library.custom_op("kiln::decode_attention", mutates_args=())
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    page_size: int,
+    num_splits: int,
+    sliding_window: int,
+    logit_cap: float,
+) -> torch.Tensor:
+    """Paged decode attention (see the module docstring): ``[B, Hq, D] -> [B, Hq, Dv]``."""
+    return decode_attention_any(
         q,
         k_cache,
         v_cache,
@@ -317,6 +336,7 @@ def decode_attention(
         seq_lens,
         sm_scale,
         page_size,
+        num_splits,
         sliding_window,
         logit_cap,
     )

@@ -261,6 +261,39 @@ def extend_attention_triton(
     return out
 
 
+def extend_attention_any(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    sm_scale: float,
+    page_size: int,
+    sliding_window: int,
+    logit_cap: float,
+) -> torch.Tensor:
+    """The op's body: the Triton kernel where ``use_triton`` says so, else the reference."""
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        req_rows,
+        seq_lens,
+        qo_indptr,
+        sm_scale,
+        page_size,
+        sliding_window,
+        logit_cap,
+    )
+    if use_triton(q):
+        return extend_attention_triton(*args)
+    _check(q, k_cache, v_cache, page_size)
+    return extend_attention_ref(*args)
+
+
 @torch.library.custom_op("kiln::extend_attention", mutates_args=())
 def extend_attention(
     q: torch.Tensor,
@@ -276,22 +309,7 @@ def extend_attention(
     logit_cap: float,
 ) -> torch.Tensor:
     """Paged extend attention (see the module docstring): ``[T, Hq, D] -> [T, Hq, Dv]``."""
-    if use_triton(q):
-        return extend_attention_triton(
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            req_rows,
-            seq_lens,
-            qo_indptr,
-            sm_scale,
-            page_size,
-            sliding_window,
-            logit_cap,
-        )
-    _check(q, k_cache, v_cache, page_size)
-    return extend_attention_ref(
+    return extend_attention_any(
         q,
         k_cache,
         v_cache,
