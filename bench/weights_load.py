@@ -40,7 +40,8 @@ TINY = dict(
 )
 PACK_CHILD = r"""
 import json, sys, time
-from kiln.compiler.config import ParallelConfig, load_config
+from kiln.compiler.config import load_config
+from kiln.compiler.parallel import ParallelConfig
 from kiln.compiler.mappings import all_rank_specs, skip_patterns
 from kiln.weights import pack_checkpoint
 from kiln.weights.memory import PeakAnonMemory, rss_kib

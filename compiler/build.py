@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from kiln.compiler.config import ModelConfig, ParallelConfig, load_config, validate_parallel
+from kiln.compiler.config import ModelConfig, load_config
 from kiln.compiler.context import GRAPH_INPUTS
 from kiln.compiler.manifest import gpu_arch, versions, write_manifest
+from kiln.compiler.parallel import ParallelConfig, validate_parallel
 from kiln.compiler.registry import model_class
 from kiln.compiler.trace import CacheSpec, example_inputs, export_graph, strip_example_inputs
 from kiln.errors import KilnError
@@ -58,7 +59,6 @@ class CompileOptions:
     page_size: int = 1
     decode_graphs: str = "shared"  # "shared": the dynamic graph serves decode too; "per-bucket": static ones
     force: bool = False
-    verify_weights: bool = True
 
     def buckets(self) -> list[int]:
         b = [x for x in DEFAULT_BUCKETS if x <= self.max_batch_size]

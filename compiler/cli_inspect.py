@@ -10,15 +10,8 @@ from typing import Any
 
 import click
 
-from kiln.compiler.config import (
-    ConfigError,
-    ModelConfig,
-    ParallelConfig,
-    kv_capacity_tokens,
-    load_config,
-    per_rank_shapes,
-    validate_parallel,
-)
+from kiln.compiler.config import ConfigError, ModelConfig, load_config
+from kiln.compiler.parallel import ParallelConfig, kv_capacity_tokens, per_rank_shapes, validate_parallel
 
 GIB = 1024**3
 DTYPES = ("bfloat16", "float16", "float32", "fp8")

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import click
 
-from kiln.compiler.config import ParallelConfig, load_config, validate_parallel
+from kiln.compiler.config import load_config
 from kiln.compiler.mappings import all_rank_specs, skip_patterns
+from kiln.compiler.parallel import ParallelConfig, validate_parallel
 from kiln.compiler.synth import parse_size
 
 

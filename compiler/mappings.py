@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiln.compiler.config import ConfigError, ModelConfig, ParallelConfig, validate_parallel
+from kiln.compiler.config import ConfigError, ModelConfig
+from kiln.compiler.parallel import ParallelConfig, validate_parallel
 from kiln.weights.spec import ParamSpec, Piece, Region, even_split
 
 

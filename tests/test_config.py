@@ -6,14 +6,8 @@ import json
 import pytest
 
 from kiln.compiler.cli_inspect import bundled_configs
-from kiln.compiler.config import (
-    ConfigError,
-    ParallelConfig,
-    kv_capacity_tokens,
-    load_config,
-    normalize_config,
-    validate_parallel,
-)
+from kiln.compiler.config import ConfigError, load_config, normalize_config
+from kiln.compiler.parallel import ParallelConfig, kv_capacity_tokens, validate_parallel
 from kiln.compiler.registry import UnsupportedArchitecture
 
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from weights_helpers import hf_tensors, load_ranks, pack
 
-from kiln.compiler.config import ParallelConfig, load_config
+from kiln.compiler.config import load_config
 from kiln.compiler.mappings import param_specs
+from kiln.compiler.parallel import ParallelConfig
 from kiln.weights import (
     CheckpointStream,
     LoadOptions,

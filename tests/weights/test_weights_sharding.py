@@ -9,8 +9,9 @@ import pytest
 import torch
 from weights_helpers import CONFIGS, check_dense, hf_tensors, load_ranks, pack
 
-from kiln.compiler.config import ParallelConfig, load_config
+from kiln.compiler.config import load_config
 from kiln.compiler.mappings import param_specs
+from kiln.compiler.parallel import ParallelConfig
 from kiln.weights import MappingError
 from kiln.weights.st_format import write_tensor_file
 

@@ -10,8 +10,9 @@ import torch
 from weights_helpers import CONFIGS, hf_tensors
 
 from kiln.compiler.cli_inspect import bundled_configs
-from kiln.compiler.config import ParallelConfig, normalize_config
+from kiln.compiler.config import normalize_config
 from kiln.compiler.mappings import all_rank_specs, skip_patterns
+from kiln.compiler.parallel import ParallelConfig
 from kiln.compiler.synth import _meta_tensors, make_checkpoint, parse_size, resolve_config
 from kiln.weights.mapping import Plan, precheck
 from kiln.weights.stream import SourceInfo

@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from kiln.compiler.config import ParallelConfig, load_config
+from kiln.compiler.config import load_config
 from kiln.compiler.mappings import all_rank_specs, skip_patterns
+from kiln.compiler.parallel import ParallelConfig
 from kiln.weights import expected_tensors, load_pack, pack_checkpoint
 
 _ATTN = dict(hidden_size=64, num_attention_heads=4, max_position_embeddings=64, vocab_size=250)
