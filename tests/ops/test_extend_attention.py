@@ -15,7 +15,7 @@ import torch
 
 from kiln.ops import decode_attention as _dec  # noqa: F401  (registers kiln::decode_attention)
 from kiln.ops.attention_ref import decode_attention_ref, extend_attention_ref, random_block_table
-from kiln.ops.extend_attention import ExtendConfig, extend_attention_triton
+from kiln.ops.extend_attention import ExtendConfig, _resolve_pack, extend_attention_triton
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -96,10 +96,25 @@ def test_extend_matches_reference(triton_on_cpu, seed, ext, prefix, pad, hq, hkv
         (9, 3, ExtendConfig(block_m=32, block_n=16, pack=3, num_warps=1, num_stages=1)),  # 10 tokens/tile
         (16, 2, ExtendConfig(block_m=64, block_n=32, pack=8, num_warps=1, num_stages=1)),
         (16, 2, ExtendConfig(block_m=32, block_n=16, pack=2, num_warps=1, num_stages=1)),
+        (12, 2, ExtendConfig(block_m=32, block_n=16, max_pack=4, num_warps=1, num_stages=1)),  # pack 3
     ],
 )
 def test_extend_gqa_packing(triton_on_cpu, seed, hq, hkv, config):
     check(seed, [19, 1, 30], [0, 45, 17], 5, hq, hkv, 64, 64, 16, torch.float32, config=config)
+
+
+@pytest.mark.parametrize(
+    "group, config, want",
+    [
+        (4, ExtendConfig(block_m=128), 4),
+        (4, ExtendConfig(block_m=128, max_pack=2), 2),
+        (6, ExtendConfig(block_m=128, max_pack=4), 3),
+        (7, ExtendConfig(block_m=128, max_pack=2), 1),
+        (8, ExtendConfig(block_m=32), 2),  # at least 16 tokens per tile
+    ],
+)
+def test_automatic_pack(group, config, want):
+    assert _resolve_pack(config, group) == want
 
 
 @pytest.mark.parametrize(
