@@ -10,20 +10,32 @@ bytes changed).
 Loading:
 
 * CPU: each tensor read straight into its own buffer (``preadv``, several threads).
-* CUDA, ``staging="pinned"`` (default; also runs on a CPU device with plain buffers, for tests): reader threads ``preadv`` fixed-size chunks of the files
-  into a ring of pinned host buffers; the main thread issues non-blocking host-to-device copies on
-  a side stream; a buffer is refilled once the event recorded after its copies has completed.
-  Reads from the page cache and PCIe transfers overlap. All tensors of the rank live in one device
-  allocation, each at a 256-byte-aligned offset.
+* CUDA, ``staging="pinned"`` (default; also runs on a CPU device with plain buffers, for tests):
+  all tensors of the rank live in one device allocation (the arena), each at a 256-byte-aligned
+  offset, in file order, so a file's tensors are as contiguous in the arena as in the file
+  (:func:`plan_staging`). Each file is cut into ``chunk_bytes`` chunks regardless of tensor
+  boundaries. ``threads`` reader threads take chunks in turn; each one owns a ring of
+  ``buffers_per_thread`` pinned buffers: it ``preadv``-s a chunk into the next buffer, issues the
+  host-to-device copy of the whole chunk itself (one copy per chunk, more only where a tensor's
+  alignment padding falls inside it) on one of ``copy_streams`` side streams, records an event, and
+  moves on; a buffer is refilled once its event is done. No central thread hands buffers around
+  and nothing synchronizes the device in the loop, so reads from the page cache and PCIe transfers
+  overlap with up to ``threads * buffers_per_thread`` chunks in flight. On return the caller's
+  current stream waits for the side streams (no host synchronization): use the tensors on that
+  stream or synchronize first.
 * CUDA, ``staging="direct"``: ``safetensors.safe_open(device=...)`` (the baseline).
+
+The returned tensors are views into the arena: usable like any tensor, but resizing one (``resize_``,
+``set_``) or expecting it to free memory on its own does not work; the arena is freed when the last
+of them is dropped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +51,17 @@ DEVICE_ALIGN = 256
 
 @dataclass(frozen=True)
 class LoadOptions:
+    """How :func:`load_pack` stages the data (see the module docstring). ``threads``: reader
+    threads; ``chunk_bytes``: bytes per read and per host-to-device copy (one pinned buffer);
+    ``buffers_per_thread``: pipeline depth of each reader (pinned memory is ``threads *
+    buffers_per_thread * chunk_bytes`` at most); ``copy_streams``: CUDA streams the readers issue
+    their copies on (reader ``k`` uses stream ``k % copy_streams``)."""
+
     staging: str = "auto"  # auto | pinned | direct
-    threads: int = max(2, min(16, os.cpu_count() or 2))  # reader threads
-    chunk_bytes: int = 16 * 1024 * 1024  # one pinned staging buffer
-    buffers_per_thread: int = 2
+    threads: int = max(2, min(16, os.cpu_count() or 2))
+    chunk_bytes: int = 8 * 1024 * 1024
+    buffers_per_thread: int = 3
+    copy_streams: int = 1
 
 
 def load_pack(
@@ -136,105 +155,169 @@ def _load_direct(pack_dir: Path, tensors: list[PackTensor], dev: torch.device) -
     return out
 
 
-def _device_views(tensors: list[PackTensor], dev: torch.device) -> dict[str, torch.Tensor]:
-    """One device allocation for the whole rank, each tensor at a 256-byte-aligned offset."""
-    offs, pos = [], 0
+# One device copy: (byte offset in the chunk's staging buffer, byte offset in the arena, bytes).
+Run = tuple[int, int, int]
+# Contiguous bytes [begin, end) of one file, read with one preadv, copied with one copy per run (one
+# run unless a tensor's alignment padding in the arena falls inside the chunk).
+Chunk = tuple[str, int, int, tuple[Run, ...]]  # file, begin, end, runs
+
+
+@dataclass(frozen=True)
+class StagingPlan:
+    """The arena layout and the chunks of a staged load (:func:`plan_staging`)."""
+
+    arena_bytes: int
+    offsets: list[int]  # arena byte offset of each tensor, in the order given
+    segments: list[tuple[str, int, int, int]]  # file, file offset, arena offset, bytes
+    chunk_bytes: int
+
+    def extents(self) -> list[int]:
+        """Lengths of the file ranges chunks are cut from (maximal file-contiguous ranges)."""
+        out: list[int] = []
+        prev = None
+        for f, fb, _, n in self.segments:
+            if prev is not None and prev[0] == f and prev[1] == fb:
+                out[-1] += n
+            else:
+                out.append(n)
+            prev = (f, fb + n)
+        return out
+
+    def num_chunks(self) -> int:
+        return sum(-(-n // self.chunk_bytes) for n in self.extents())
+
+    def max_chunk_bytes(self) -> int:
+        return min(self.chunk_bytes, max(self.extents(), default=0))
+
+    def chunks(self) -> Iterator[Chunk]:
+        """Each file range cut every ``chunk_bytes`` regardless of tensor boundaries; a chunk's
+        runs are the maximal pieces contiguous in both the file and the arena. A generator: the
+        reader threads pull from it, so a large pack's chunk list is never built up front."""
+        cb = self.chunk_bytes
+        cur: list | None = None  # [file, begin, end, runs] of the chunk being filled
+        for f, fbegin, abegin, n in self.segments:
+            done = 0
+            while done < n:
+                if cur is None or cur[0] != f or cur[2] != fbegin + done or cur[2] - cur[1] >= cb:
+                    if cur is not None:
+                        yield (cur[0], cur[1], cur[2], tuple(cur[3]))
+                    if n - done >= cb:  # fast path: a whole chunk inside this segment
+                        yield (f, fbegin + done, fbegin + done + cb, ((0, abegin + done, cb),))
+                        done += cb
+                        cur = None
+                        continue
+                    cur = [f, fbegin + done, fbegin + done, []]
+                k = min(n - done, cb - (cur[2] - cur[1]))
+                cur[3].append((cur[2] - cur[1], abegin + done, k))
+                cur[2] += k
+                done += k
+        if cur is not None:
+            yield (cur[0], cur[1], cur[2], tuple(cur[3]))
+
+
+def plan_staging(tensors: list[PackTensor], chunk_bytes: int) -> StagingPlan:
+    """The arena layout of a staged load; ``tensors`` sorted by ``(file, offset)``.
+
+    Tensors in file order, each at a :data:`DEVICE_ALIGN`-aligned arena offset (padding only after
+    a tensor whose size is not a multiple of it), so consecutive tensors of a file whose sizes are
+    multiples of 256 bytes (every tensor of an 8B-shaped bf16 model) are contiguous in the arena
+    as they are in the file, and a chunk spanning several of them is one copy.
+    """
+    offsets: list[int] = []
+    segs: list[list] = []  # [file, file offset, arena offset, bytes], contiguous in both
+    pos = 0
     for t in tensors:
-        offs.append(pos)
+        offsets.append(pos)
+        if t.nbytes:
+            s = segs[-1] if segs else None
+            if s is not None and s[0] == t.file and s[1] + s[3] == t.offset and s[2] + s[3] == pos:
+                s[3] += t.nbytes
+            else:
+                segs.append([t.file, t.offset, pos, t.nbytes])
         pos += -(-t.nbytes // DEVICE_ALIGN) * DEVICE_ALIGN
-    arena = torch.empty(max(pos, 1), dtype=torch.uint8, device=dev)
-    return {
-        t.name: arena[o : o + t.nbytes].view(DTYPE_NAMES[t.dtype]).view(t.shape)
-        for t, o in zip(tensors, offs)
-    }
+    return StagingPlan(pos, offsets, [tuple(x) for x in segs], max(1, chunk_bytes))
 
 
 def _load_staged(
     pack_dir: Path, tensors: list[PackTensor], dev: torch.device, opts: LoadOptions
 ) -> dict[str, torch.Tensor]:
-    out = _device_views(tensors, dev)
-    # Chunks of contiguous file bytes; each lists the tensor pieces it carries.
-    chunks: list[tuple[str, int, int, list[tuple[str, int, int, int]]]] = []
-    cb = opts.chunk_bytes
-    for t in tensors:
-        done = 0
-        while done < t.nbytes:
-            if (
-                not chunks
-                or chunks[-1][0] != t.file
-                or chunks[-1][2] != t.offset + done
-                or chunks[-1][2] - chunks[-1][1] >= cb
-            ):
-                chunks.append((t.file, t.offset + done, t.offset + done, []))
-            f, begin, end, parts = chunks[-1]
-            n = min(t.nbytes - done, cb - (end - begin))
-            parts.append((t.name, done, end - begin, n))  # dst byte offset, src offset in chunk, bytes
-            chunks[-1] = (f, begin, end + n, parts)
-            done += n
-    nbuf = max(2, opts.threads * opts.buffers_per_thread)
+    plan = plan_staging(tensors, opts.chunk_bytes)
+    arena = torch.empty(max(plan.arena_bytes, 1), dtype=torch.uint8, device=dev)
+    out = {
+        t.name: arena[o : o + t.nbytes].view(DTYPE_NAMES[t.dtype]).view(t.shape)
+        for t, o in zip(tensors, plan.offsets)
+    }
+    nchunks = plan.num_chunks()
+    if not nchunks:
+        return out
     cuda = dev.type == "cuda"
-    bufs = [
-        torch.empty(cb, dtype=torch.uint8, pin_memory=cuda) for _ in range(min(nbuf, max(2, len(chunks))))
-    ]
-    views = [memoryview(b.numpy()).cast("B") for b in bufs]
-    events: list[torch.cuda.Event | None] = [None] * len(bufs)
-    free: queue.Queue[int] = queue.Queue()
-    for i in range(len(bufs)):
-        free.put(i)
-    ready: queue.Queue[tuple[int, int] | BaseException] = queue.Queue()
-    next_chunk = iter(range(len(chunks)))
+    buf_bytes = plan.max_chunk_bytes()
+    nthreads = max(1, min(opts.threads, nchunks))
+    depth = max(1, opts.buffers_per_thread)
+    streams = (
+        [torch.cuda.Stream(dev) for _ in range(max(1, min(opts.copy_streams, nthreads)))] if cuda else []
+    )
+    todo = plan.chunks()
     lock = threading.Lock()
+    errors: list[BaseException] = []
     fds = _open_all(pack_dir, tensors)
-    stream = torch.cuda.Stream(dev) if cuda else None
-    stop = threading.Event()
 
-    def reader() -> None:
+    def reader(k: int) -> None:
+        # This thread's ring: `depth` staging buffers (pinned on CUDA), allocated on first use, and
+        # the event recorded after the copies out of each; a buffer is refilled once its event is
+        # done (a blocking-sync event: the wait sleeps instead of spinning on a core the other
+        # readers need). Nothing here waits for the other threads or synchronizes the device.
+        stream = streams[k % len(streams)] if cuda else None
+        bufs: list[torch.Tensor] = []
+        views: list[memoryview] = []
+        events: list[torch.cuda.Event] = []
+        i = 0
         try:
-            while not stop.is_set():
-                with lock:
-                    c = next(next_chunk, None)
-                if c is None:
-                    return
-                b = free.get()
-                ev = events[b]
-                if ev is not None:
-                    ev.synchronize()  # its previous copies are done: safe to overwrite
-                f, begin, end, _ = chunks[c]
-                _pread_into(fds[f], views[b][: end - begin], begin, pack_dir / f)
-                ready.put((c, b))
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                while not errors:
+                    with lock:
+                        c = next(todo, None)
+                    if c is None:
+                        return
+                    s = i % depth
+                    i += 1
+                    if s == len(bufs):
+                        bufs.append(torch.empty(buf_bytes, dtype=torch.uint8, pin_memory=cuda))
+                        views.append(memoryview(bufs[s].numpy()).cast("B"))
+                        if cuda:
+                            events.append(torch.cuda.Event(blocking=True))
+                    elif cuda:
+                        events[s].synchronize()
+                    f, begin, end, runs = c
+                    _pread_into(fds[f], views[s][: end - begin], begin, pack_dir / f)
+                    b = bufs[s]
+                    for src, dst, n in runs:
+                        arena[dst : dst + n].copy_(b[src : src + n], non_blocking=cuda)
+                    if cuda:
+                        events[s].record(stream)
         except BaseException as e:
-            ready.put(e)
+            errors.append(e)
 
-    threads = [threading.Thread(target=reader, daemon=True) for _ in range(max(1, opts.threads))]
-    for th in threads:
-        th.start()
+    threads = [
+        threading.Thread(target=reader, args=(k,), name=f"kiln-load-{k}", daemon=True)
+        for k in range(nthreads)
+    ]
     try:
-        dst_bytes = {name: _bytes_of(x) for name, x in out.items()}
-        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-            for _ in range(len(chunks)):
-                item = ready.get()
-                if isinstance(item, BaseException):
-                    raise item
-                c, b = item
-                for name, dst_off, src_off, n in chunks[c][3]:
-                    dst_bytes[name][dst_off : dst_off + n].copy_(
-                        bufs[b][src_off : src_off + n], non_blocking=cuda
-                    )
-                if cuda:  # the buffer may be refilled once its copies are done
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                    events[b] = ev
-                free.put(b)
-        if stream is not None:
-            stream.synchronize()
-    finally:
-        stop.set()
-        for _ in threads:
-            free.put(0)  # unblock readers waiting for a buffer
         for th in threads:
-            th.join()
+            th.start()
+    finally:
+        for th in threads:
+            if th.ident is not None:
+                th.join()
         for fd in fds.values():
             os.close(fd)
-    if stream is not None:
-        torch.cuda.current_stream(dev).wait_stream(stream)
+    if errors:
+        for s in streams:  # nothing may still write into memory that is about to be freed
+            s.synchronize()
+        raise errors[0]
+    if cuda:  # the caller's stream sees the copies; the arena is not reused before they finish
+        cur = torch.cuda.current_stream(dev)
+        for s in streams:
+            cur.wait_stream(s)
+            arena.record_stream(s)
     return out
