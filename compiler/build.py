@@ -21,6 +21,7 @@ import torch
 
 from kiln.compiler.config import ModelConfig, load_config
 from kiln.compiler.context import GRAPH_INPUTS
+from kiln.compiler.graph_code import emit_graph_code
 from kiln.compiler.manifest import gpu_arch, versions, write_manifest
 from kiln.compiler.parallel import ParallelConfig, validate_parallel
 from kiln.compiler.registry import model_class
@@ -219,6 +220,9 @@ def compile_model(
             torch.export.save(strip_example_inputs(ep), out / "graphs" / f"{name}.pt2")
             graphs[name]["file"] = f"graphs/{name}.pt2"
             graphs[name]["inputs"] = list(GRAPH_INPUTS)
+            layout = emit_graph_code(ep, out / "graphs" / f"{name}.py", list(weights), len(GRAPH_INPUTS))
+            if layout is not None:
+                graphs[name]["python"] = {"file": f"graphs/{name}.py", **layout}
     with timer.phase("tokenizer"):
         tok_files = _copy_tokenizer(model_dir, out)
     with timer.phase("manifest"):

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kiln.runtime.artifact import Artifact, open_artifact
+from kiln.runtime.graph_code import load_graph_code
 
 
 @dataclass
@@ -75,10 +76,30 @@ def _fast_deserialize() -> Iterator[None]:
         serialize.typing = old  # type: ignore[assignment]
 
 
-def load_graphs(art: Artifact) -> dict[str, Any]:
-    """Deserialize every graph of the artifact into a callable module."""
-    with _fast_deserialize():
-        return {name: torch.export.load(art.root / g["file"]).module() for name, g in art.graphs.items()}
+def graph_format() -> str:
+    """``python`` (default: the graphs' generated source, milliseconds) or ``pt2``
+    (``torch.export.load``, seconds), from ``KILN_GRAPH_FORMAT``."""
+    fmt = os.environ.get("KILN_GRAPH_FORMAT", "python")
+    if fmt not in ("python", "pt2"):
+        raise ValueError(f"KILN_GRAPH_FORMAT must be 'python' or 'pt2', got {fmt!r}")
+    return fmt
+
+
+def load_graphs(art: Artifact, fmt: str | None = None) -> dict[str, Any]:
+    """Load every graph of the artifact as a callable ``graph(weights, *inputs)``: its generated
+    Python source when the artifact has one (and ``fmt`` is python), else the ``.pt2``."""
+    fmt = fmt or graph_format()
+    files = art.manifest.get("files", {})
+    graphs: dict[str, Any] = {}
+    for name, g in art.graphs.items():
+        code = g.get("python")
+        if fmt == "python" and code is not None:
+            sha = files.get(code["file"], {}).get("sha256")
+            graphs[name] = load_graph_code(art.root / code["file"], code, sha)
+            continue
+        with _fast_deserialize():
+            graphs[name] = torch.export.load(art.root / g["file"]).module()
+    return graphs
 
 
 def load_model(

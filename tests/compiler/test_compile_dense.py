@@ -39,7 +39,7 @@ def test_compile_is_deterministic(compiled, tmp_path):
     compile_model(root / "hf", tmp_path / "again", opts, verbose=False)
     a = json.loads((root / "art" / "manifest.json").read_text())["files"]
     b = json.loads((tmp_path / "again" / "manifest.json").read_text())["files"]
-    graph_and_weights = [k for k in a if k.endswith((".pt2", ".safetensors"))]
+    graph_and_weights = [k for k in a if k.endswith((".pt2", ".py", ".safetensors"))]
     assert graph_and_weights and all(a[k]["sha256"] == b[k]["sha256"] for k in graph_and_weights)
 
 
@@ -56,11 +56,28 @@ def test_per_bucket_decode_graphs_match_shared(compiled, tmp_path):
     compile_model(root / "hf", tmp_path / "pb", opts, verbose=False)
     assert sorted(p.name for p in (tmp_path / "pb" / "graphs").iterdir()) == [
         "decode_b1.pt2",
+        "decode_b1.py",
         "decode_b2.pt2",
+        "decode_b2.py",
         "model.pt2",
+        "model.py",
     ]
     a = DirectRunner(str(root / "art"), device="cpu", num_slots=256)
     b = DirectRunner(str(tmp_path / "pb"), device="cpu", num_slots=256)
     prompts = [[5, 6, 7, 8], [9, 10]]
+    torch.testing.assert_close(a.prefill(prompts), b.prefill(prompts), rtol=0, atol=0)
+    torch.testing.assert_close(a.decode([11, 12]), b.decode([11, 12]), rtol=0, atol=0)
+
+
+def test_python_graphs_match_pt2(compiled, monkeypatch):
+    # the generated source (default) and torch.export.load of the .pt2 run the same graph
+    _, root = compiled
+    monkeypatch.setenv("KILN_GRAPH_FORMAT", "python")
+    a = DirectRunner(str(root / "art"), device="cpu", num_slots=256)
+    assert type(a.model.graphs["model"]).__name__ == "CodeGraph"
+    monkeypatch.setenv("KILN_GRAPH_FORMAT", "pt2")
+    b = DirectRunner(str(root / "art"), device="cpu", num_slots=256)
+    assert type(b.model.graphs["model"]).__name__ != "CodeGraph"
+    prompts = [[5, 6, 7, 8, 9], [9, 10]]
     torch.testing.assert_close(a.prefill(prompts), b.prefill(prompts), rtol=0, atol=0)
     torch.testing.assert_close(a.decode([11, 12]), b.decode([11, 12]), rtol=0, atol=0)

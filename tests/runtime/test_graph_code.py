@@ -1,0 +1,47 @@
+"""Graphs loaded from their generated Python source: integrity checks and the format switch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from kiln.runtime.artifact import open_artifact
+from kiln.runtime.graph_code import CodeGraph, GraphCodeError
+from kiln.runtime.loader import graph_format, load_graphs
+
+
+def test_artifact_records_python_graph(demo_artifact):
+    m = json.loads((demo_artifact / "manifest.json").read_text())
+    code = m["graphs"]["model"]["python"]
+    assert code["file"] == "graphs/model.py" and code["file"] in m["files"]
+    assert code["num_inputs"] == len(m["graphs"]["model"]["inputs"])
+    assert len(code["weight_keys"]) == len(set(code["weight_keys"])) > 0
+    src = (demo_artifact / code["file"]).read_text()
+    assert "torch.ops.kiln." in src and "import " not in src  # graph calls only, nothing imported
+
+
+def test_tampered_source_is_refused(demo_artifact, tmp_path):
+    art_dir = tmp_path / "art"
+    shutil.copytree(demo_artifact, art_dir)
+    py = art_dir / "graphs" / "model.py"
+    src = py.read_text()
+    py.write_text(src.replace("torch.ops.kiln.", "torch.ops.kilN.", 1)[: len(src)].ljust(len(src)))
+    art = open_artifact(art_dir, "cpu")  # same size: only the hash tells
+    with pytest.raises(GraphCodeError, match="sha256"):
+        load_graphs(art, "python")
+    assert not isinstance(load_graphs(art, "pt2")["model"], CodeGraph)  # the .pt2 still loads
+
+
+def test_format_switch(monkeypatch, demo_artifact):
+    monkeypatch.setenv("KILN_GRAPH_FORMAT", "onnx")
+    with pytest.raises(ValueError, match="KILN_GRAPH_FORMAT"):
+        graph_format()
+    monkeypatch.delenv("KILN_GRAPH_FORMAT")
+    assert graph_format() == "python"
+    graphs = load_graphs(open_artifact(demo_artifact, "cpu"))
+    assert isinstance(graphs["model"], CodeGraph)
+    with pytest.raises(TypeError, match="inputs"):
+        graphs["model"]({}, torch.zeros(1))
