@@ -5,6 +5,9 @@ updated residual. ``frac_bw`` is that over the measured read bandwidth (target: 
 tokens). Each kernel sits beside the torch reference run eagerly and through torch.compile. On a
 GPU every variant is captured in a CUDA graph and replayed, as the runtime serves it, so small
 token counts measure the kernel rather than Python and launch overhead.
+
+``test_fused_add_rmsnorm_sweep`` (GPU only) times the kernel's launch shapes (rows per program x
+num_warps) for every variant at 4096 and 256 tokens: the data for ``norm.LAUNCH_DEFAULTS``.
 """
 
 import pytest
@@ -12,6 +15,7 @@ import torch
 from conftest import SMOKE, graphed, pick
 
 from kiln.ops import norm
+from kiln.ops.common import FP8_DTYPE
 
 H = pick(4096, 256)
 TOKENS = pick([1, 8, 64, 256, 4096], [3])
@@ -56,7 +60,30 @@ def test_fused_add_rmsnorm(measure, monkeypatch, tokens, variant, impl):
         out = graphed(lambda: fn(x, residual, w, EPS))
     else:
         out = graphed(lambda: fn(x, residual, w, EPS, scale))
-    es = x.element_size()
+    measure(out, bytes=_moved(tokens, quant), tokens=tokens, hidden=H, variant=variant, impl=impl)
+
+
+def _moved(tokens: int, quant) -> int:
+    """x, residual in and out, w, y (bf16, or fp8 (+ the dynamic scales))."""
+    es = DTYPE.itemsize
     out_bytes = tokens * H * (es if quant == "bf16" else 1) + (tokens * 4 if quant is None else 0)
-    moved = 3 * tokens * H * es + H * w.element_size() + out_bytes  # x, residual in/out, w, y (+ s)
-    measure(out, bytes=moved, tokens=tokens, hidden=H, variant=variant, impl=impl)
+    return 3 * tokens * H * es + H * es + out_bytes
+
+
+@pytest.mark.skipif(SMOKE, reason="launch sweep: GPU only")
+@pytest.mark.parametrize("num_warps", [4, 8, 16])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("tokens", [4096, 256])
+def test_fused_add_rmsnorm_sweep(measure, tokens, variant, rows, num_warps):
+    x = torch.randn(tokens, H, device=DEV, dtype=DTYPE)
+    residual = torch.randn(tokens, H, device=DEV, dtype=DTYPE)
+    w = torch.randn(H, device=DEV, dtype=DTYPE)
+    quant = VARIANTS[variant]
+    mode = {"bf16": norm.QUANT_NONE, None: norm.QUANT_DYNAMIC, "static": norm.QUANT_STATIC}[quant]
+    scale = torch.tensor([0.05], device=DEV) if quant == "static" else None
+    y = torch.empty(tokens, H, device=DEV, dtype=DTYPE if quant == "bf16" else FP8_DTYPE)
+    s = None if quant == "bf16" else torch.empty((tokens, 1) if quant is None else (1,), device=DEV)
+    launch = dict(rows_per_program=rows, num_warps=num_warps)
+    fn = lambda: norm.rmsnorm_launch(x, residual, w, EPS, scale, mode, y, s, **launch)
+    measure(graphed(fn), bytes=_moved(tokens, quant), tokens=tokens, hidden=H, variant=variant, **launch)

@@ -14,6 +14,12 @@ row-wise scaling (before CUDA 12.9) torch falls back to a CUTLASS kernel that on
 other output dtypes are computed in bf16 and cast there. Shapes ``_scaled_mm`` cannot take (K or N
 not a multiple of 16) and older GPUs use the dequantizing reference, with a one-time warning that
 says how to fix it. CPU: the reference (dequantize to float32, matmul).
+
+Backends (``fp8_linear_forward(..., backend=...)``; the op reads ``KILN_FP8_GEMM`` at call time, so
+at CUDA-graph capture for decode graphs): ``cublas`` (default) is the above; ``triton`` runs
+ops/fp8_gemm.py's kernel on CUDA GPUs of compute capability >= 8.9 (any N and K; others fall back to
+the cuBLAS rules) and, with ``KILN_TRITON_ON_CPU=1`` under ``TRITON_INTERPRET=1``, on CPU tensors.
+``KILN_FP8_FAST_ACCUM=1`` selects the faster, less accurate FP8 accumulation in both.
 """
 
 from __future__ import annotations
@@ -24,9 +30,19 @@ import warnings
 
 import torch
 
-from kiln.ops.common import FP8_DTYPE
+from kiln.ops.common import FP8_DTYPE, use_triton
+from kiln.ops.fp8_gemm import fp8_gemm
 
 FAST_ACCUM = os.environ.get("KILN_FP8_FAST_ACCUM", "0") == "1"  # faster, less accurate accumulation
+BACKENDS = ("cublas", "triton")
+
+
+def fp8_backend(backend: str | None = None) -> str:
+    """``backend``, else ``KILN_FP8_GEMM`` (default ``cublas``), checked."""
+    b = backend if backend is not None else os.environ.get("KILN_FP8_GEMM", "cublas")
+    if b not in BACKENDS:
+        raise ValueError(f"fp8_linear: backend must be one of {BACKENDS} (KILN_FP8_GEMM), got {b!r}")
+    return b
 
 
 def fp8_linear_ref(
@@ -69,6 +85,16 @@ def scaled_mm_supported(x: torch.Tensor, w: torch.Tensor) -> str | None:
     n, k = w.shape
     if k % 16 or n % 16:
         return f"torch._scaled_mm needs K and N divisible by 16, got N={n}, K={k}"
+    return None
+
+
+def triton_fp8_supported(x: torch.Tensor) -> str | None:
+    """None if ops/fp8_gemm.py's kernel can run on ``x``'s device, else the reason it cannot."""
+    if not x.is_cuda:
+        return None if use_triton(x) else "not a CUDA tensor (and the Triton interpreter is off)"
+    cap = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    if cap < (8, 9):
+        return f"FP8 tensor-core dots need compute capability >= 8.9, this GPU is {cap[0]}.{cap[1]}"
     return None
 
 
@@ -121,19 +147,22 @@ def _check(x, x_scale, w, w_scale, bias, out_dtype) -> None:
         raise ValueError(f"fp8_linear: out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
 
 
-@torch.library.custom_op("kiln::fp8_linear", mutates_args=())
-def fp8_linear(
+def fp8_linear_forward(
     x: torch.Tensor,
     x_scale: torch.Tensor,
     w: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    backend: str | None = None,
 ) -> torch.Tensor:
-    """``[T, K] fp8 x [N, K] fp8 -> [T, N]`` ``out_dtype``, scaled per token and per channel (+ bias)."""
+    """The op's body: checks, then the backend (``backend`` or ``KILN_FP8_GEMM``, see the module
+    docstring), the cuBLAS rules or the reference."""
     _check(x, x_scale, w, w_scale, bias, out_dtype)
     if x.shape[0] == 0:
         return x.new_empty((0, w.shape[0]), dtype=out_dtype)
+    if fp8_backend(backend) == "triton" and triton_fp8_supported(x) is None:
+        return fp8_gemm(x, x_scale, w, w_scale, bias, out_dtype, fast_accum=FAST_ACCUM)
     if x.is_cuda:
         why = scaled_mm_supported(x, w)
         if why is None:
@@ -146,6 +175,19 @@ def fp8_linear(
                 stacklevel=2,
             )
     return fp8_linear_ref(x, x_scale, w, w_scale, bias, out_dtype)
+
+
+@torch.library.custom_op("kiln::fp8_linear", mutates_args=())
+def fp8_linear(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``[T, K] fp8 x [N, K] fp8 -> [T, N]`` ``out_dtype``, scaled per token and per channel (+ bias)."""
+    return fp8_linear_forward(x, x_scale, w, w_scale, bias, out_dtype)
 
 
 @fp8_linear.register_fake

@@ -15,8 +15,12 @@ Rounding follows Hugging Face's LlamaRMSNorm exactly: the residual sum is rounde
 dtype, the statistics are float32, ``normalized`` is rounded to the activation dtype before the
 weight multiply, and the product is rounded again (to the activation dtype, also before quantizing).
 
-Kernel: one program per row. A row of ``H <= MAX_BLOCK`` stays in registers (one read, one write);
-a longer row is walked in chunks (sum of squares, [amax,] then normalize and store).
+Kernel: one program per ``ROWS`` rows (``LAUNCH_DEFAULTS``, overridable per launch). A row of
+``H <= MAX_BLOCK`` stays in registers: one read of x and residual, one write of the residual and of
+``y`` (and of the row's scale), whatever the quantization; a longer row is walked in chunks (sum of
+squares, [amax,] then normalize and store). Quantizing costs no division per element: one IEEE
+reciprocal per scale, then a multiply and one FMA refinement per element, which returns exactly the
+IEEE quotient ``y / s`` (``ops/quant.py: tl_quantize_fp8_rcp``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from kiln.ops.quant import (
     quantize_fp8_per_token,
     quantize_fp8_static,
     tl_dynamic_scale,
-    tl_quantize_fp8,
+    tl_quantize_fp8_rcp,
     tl_round,
 )
 
@@ -78,27 +82,52 @@ def fused_add_rmsnorm_quant_ref(
 
 
 @triton.jit
-def _load_sum(x_row, r_row, offs, mask, HAS_RES: tl.constexpr, STORE_RES: tl.constexpr, RF: tl.constexpr):
-    """v = x (+ residual) rounded to the activation dtype, as float32; optionally stored to residual."""
-    v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        r = tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)
-        v = tl_round(v + r, x_row.dtype.element_ty, RF)
-        if STORE_RES:
-            tl.store(r_row + offs, v.to(r_row.dtype.element_ty), mask=mask)
+def _load(ptrs, mask, MASKED: tl.constexpr):
+    if MASKED:
+        v = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        v = tl.load(ptrs)
     return v
 
 
 @triton.jit
-def _normalize(v, x_row, W, offs, mask, rstd, RF: tl.constexpr):
-    """HF rounding: normalized -> activation dtype, times the weight -> activation dtype (float32)."""
-    act = x_row.dtype.element_ty
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+def _store(ptrs, v, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptrs, v, mask=mask)
+    else:
+        tl.store(ptrs, v)
+
+
+@triton.jit
+def _load_sum(
+    x_ptrs,
+    r_ptrs,
+    mask,
+    HAS_RES: tl.constexpr,
+    STORE_RES: tl.constexpr,
+    MASKED: tl.constexpr,
+    RF: tl.constexpr,
+):
+    """v = x (+ residual) rounded to the activation dtype, as float32; optionally stored to residual."""
+    v = _load(x_ptrs, mask, MASKED).to(tl.float32)
+    if HAS_RES:
+        r = _load(r_ptrs, mask, MASKED).to(tl.float32)
+        v = tl_round(v + r, x_ptrs.dtype.element_ty, RF)
+        if STORE_RES:
+            _store(r_ptrs, v.to(r_ptrs.dtype.element_ty), mask, MASKED)
+    return v
+
+
+@triton.jit
+def _normalize(v, act: tl.constexpr, w_ptrs, cmask, rstd, MASK_COLS: tl.constexpr, RF: tl.constexpr):
+    """HF rounding: normalized -> activation dtype, times the weight -> activation dtype (float32).
+    ``v [ROWS, BLOCK]``, ``w_ptrs``/``cmask [1, BLOCK]``, ``rstd [ROWS, 1]``."""
+    w = _load(w_ptrs, cmask, MASK_COLS).to(tl.float32)
     n = tl_round(v * rstd, act, RF)
     return tl_round(w * n, act, RF)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _rmsnorm_kernel(
     X,  # [T, H] input
     R,  # [T, H] residual (updated in place) or a dummy
@@ -106,6 +135,7 @@ def _rmsnorm_kernel(
     Y,  # [T, H] output: activation dtype, or fp8 when quantizing
     S,  # dynamic: [T, 1] f32 scales out; static: [1] f32 copy of the scale out
     SCALE_IN,  # static: [1] f32 scale in
+    T,
     H,
     stride_x,
     stride_r,
@@ -115,65 +145,105 @@ def _rmsnorm_kernel(
     QUANT: tl.constexpr,  # 0 none, 1 static, 2 dynamic
     BLOCK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
+    ROWS: tl.constexpr,  # rows per program (a power of two)
+    MASK_COLS: tl.constexpr,  # H != BLOCK * NUM_CHUNKS
+    MASKED: tl.constexpr,  # MASK_COLS or ROWS > 1 (the last program may run past T)
     ROUND_IN_F32: tl.constexpr,
     MIN_SCALE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * stride_x
-    r_row = R + row * stride_r
-    y_row = Y + row * stride_y
-    offs0 = tl.arange(0, BLOCK)
+    pid = tl.program_id(0)
+    act = X.dtype.element_ty
+    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    rmask = rows[:, None] < T  # [ROWS, 1]
+    x_base = X + rows[:, None] * stride_x  # [ROWS, 1] row pointers
+    r_base = R + rows[:, None] * stride_r
+    y_base = Y + rows[:, None] * stride_y
+    cols0 = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
     if QUANT == 1:
         s = tl.load(SCALE_IN)
-        if row == 0:
+        inv = tl.math.div_rn(1.0, s)  # one IEEE reciprocal; elements multiply (tl_quantize_fp8_rcp)
+        if pid == 0:
             tl.store(S, s)
     if NUM_CHUNKS == 1:
-        mask = offs0 < H
-        v = _load_sum(x_row, r_row, offs0, mask, HAS_RES, True, ROUND_IN_F32)  # [BLOCK] f32
-        rstd = 1.0 / tl.math.sqrt_rn(tl.sum(v * v, axis=0) / H + eps)
-        y = _normalize(v, x_row, W, offs0, mask, rstd, ROUND_IN_F32)  # [BLOCK] f32
+        cmask = cols0 < H
+        mask = rmask & cmask
+        v = _load_sum(x_base + cols0, r_base + cols0, mask, HAS_RES, True, MASKED, ROUND_IN_F32)
+        rstd = 1.0 / tl.math.sqrt_rn(tl.sum(v * v, axis=1) / H + eps)  # [ROWS]
+        y = _normalize(v, act, W + cols0, cmask, rstd[:, None], MASK_COLS, ROUND_IN_F32)  # [ROWS, BLOCK]
         if QUANT == 0:
-            tl.store(y_row + offs0, y.to(Y.dtype.element_ty), mask=mask)
+            _store(y_base + cols0, y.to(Y.dtype.element_ty), mask, MASKED)
         else:
             if QUANT == 2:
-                s = tl_dynamic_scale(tl.max(tl.abs(y), axis=0), MIN_SCALE)
-                tl.store(S + row, s)
-            tl.store(y_row + offs0, tl_quantize_fp8(y, s, ROUND_IN_F32), mask=mask)
+                s = tl_dynamic_scale(tl.max(tl.abs(y), axis=1), MIN_SCALE)[:, None]  # [ROWS, 1]
+                _store(S + rows[:, None], s, rmask, ROWS > 1)
+                inv = tl.math.div_rn(tl.full([ROWS, 1], 1.0, tl.float32), s)
+            _store(y_base + cols0, tl_quantize_fp8_rcp(y, s, inv, ROUND_IN_F32), mask, MASKED)
     else:
         # Pass 1: sum of squares (the residual is written only in the last pass).
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for c in range(NUM_CHUNKS):
-            offs = c * BLOCK + offs0
-            v = _load_sum(x_row, r_row, offs, offs < H, HAS_RES, False, ROUND_IN_F32)
+            cols = c * BLOCK + cols0
+            v = _load_sum(
+                x_base + cols, r_base + cols, rmask & (cols < H), HAS_RES, False, MASKED, ROUND_IN_F32
+            )
             acc += v * v
-        rstd = 1.0 / tl.math.sqrt_rn(tl.sum(acc, axis=0) / H + eps)
+        rstd = (1.0 / tl.math.sqrt_rn(tl.sum(acc, axis=1) / H + eps))[:, None]  # [ROWS, 1]
         if QUANT == 2:  # pass 2: amax of the normalized row
-            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            amax = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
             for c in range(NUM_CHUNKS):
-                offs = c * BLOCK + offs0
-                mask = offs < H
-                v = _load_sum(x_row, r_row, offs, mask, HAS_RES, False, ROUND_IN_F32)
-                amax = tl.maximum(amax, tl.abs(_normalize(v, x_row, W, offs, mask, rstd, ROUND_IN_F32)))
-            s = tl_dynamic_scale(tl.max(amax, axis=0), MIN_SCALE)
-            tl.store(S + row, s)
+                cols = c * BLOCK + cols0
+                cmask = cols < H
+                v = _load_sum(
+                    x_base + cols, r_base + cols, rmask & cmask, HAS_RES, False, MASKED, ROUND_IN_F32
+                )
+                y = _normalize(v, act, W + cols, cmask, rstd, MASK_COLS, ROUND_IN_F32)
+                amax = tl.maximum(amax, tl.abs(y))
+            s = tl_dynamic_scale(tl.max(amax, axis=1), MIN_SCALE)[:, None]  # [ROWS, 1]
+            _store(S + rows[:, None], s, rmask, ROWS > 1)
+            inv = tl.math.div_rn(tl.full([ROWS, 1], 1.0, tl.float32), s)
         for c in range(NUM_CHUNKS):  # last pass: residual, normalize, store
-            offs = c * BLOCK + offs0
-            mask = offs < H
-            v = _load_sum(x_row, r_row, offs, mask, HAS_RES, True, ROUND_IN_F32)
-            y = _normalize(v, x_row, W, offs, mask, rstd, ROUND_IN_F32)
+            cols = c * BLOCK + cols0
+            cmask = cols < H
+            mask = rmask & cmask
+            v = _load_sum(x_base + cols, r_base + cols, mask, HAS_RES, True, MASKED, ROUND_IN_F32)
+            y = _normalize(v, act, W + cols, cmask, rstd, MASK_COLS, ROUND_IN_F32)
             if QUANT == 0:
-                tl.store(y_row + offs, y.to(Y.dtype.element_ty), mask=mask)
+                _store(y_base + cols, y.to(Y.dtype.element_ty), mask, MASKED)
             else:
-                tl.store(y_row + offs, tl_quantize_fp8(y, s, ROUND_IN_F32), mask=mask)
+                _store(y_base + cols, tl_quantize_fp8_rcp(y, s, inv, ROUND_IN_F32), mask, MASKED)
 
 
-def launch_config(h: int, max_block: int = MAX_BLOCK) -> tuple[int, int, int]:
-    """(BLOCK, NUM_CHUNKS, num_warps) for rows of ``h`` elements: ~16 elements per thread. Rows
-    wider than ``max_block`` go in CHUNK-wide pieces (wider chunks spill registers)."""
+# Launch shape per quantization mode for rows that stay in registers: (rows per program, num_warps;
+# None = ~16 elements per thread). Pick these from ``bench/test_bench_norm.py::test_fused_add_rmsnorm_sweep``
+# on the target GPU.
+LAUNCH_DEFAULTS: dict[int, tuple[int, int | None]] = {
+    QUANT_NONE: (1, None),
+    QUANT_STATIC: (1, None),
+    QUANT_DYNAMIC: (1, None),
+}
+
+
+def launch_config(
+    h: int,
+    max_block: int = MAX_BLOCK,
+    quant: int = QUANT_NONE,
+    rows_per_program: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[int, int, int, int]:
+    """(BLOCK, NUM_CHUNKS, num_warps, rows per program) for rows of ``h`` elements.
+
+    A row of ``h <= max_block`` is one register block; wider rows go in CHUNK-wide pieces (wider
+    chunks spill registers). ``rows_per_program`` and ``num_warps`` override ``LAUNCH_DEFAULTS``.
+    """
     block = next_pow2(h)
     if block > max_block:
         block = min(CHUNK, next_pow2(max_block))
-    return block, triton.cdiv(h, block), min(16, max(1, block // 512))
+    rows, warps = LAUNCH_DEFAULTS[quant]
+    rows = rows_per_program or rows
+    if rows & (rows - 1):
+        raise ValueError(f"rmsnorm: rows_per_program must be a power of two, got {rows}")
+    warps = num_warps or warps or min(16, max(1, block // 512))
+    return block, triton.cdiv(h, block), warps, rows
 
 
 def rmsnorm_launch(
@@ -186,23 +256,29 @@ def rmsnorm_launch(
     y: torch.Tensor,
     s: torch.Tensor | None,
     max_block: int = MAX_BLOCK,
+    *,
+    rows_per_program: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Run the Triton kernel into preallocated outputs ``y`` (and ``s`` when quantizing).
 
     ``x``: [T, H] with unit last stride; ``residual`` like ``x`` or None; ``quant`` one of
     QUANT_NONE / QUANT_STATIC (``scale`` [1] f32, ``s`` [1]) / QUANT_DYNAMIC (``s`` [T, 1] f32).
+    ``rows_per_program`` / ``num_warps`` override the launch shape (see ``launch_config``).
     """
     t, h = x.shape
     if t == 0:
         return
-    block, chunks, warps = launch_config(h, max_block)
+    block, chunks, warps, rows = launch_config(h, max_block, quant, rows_per_program, num_warps)
     r = residual if residual is not None else x
-    _rmsnorm_kernel[(t,)](
+    mask_cols = h != block * chunks
+    _rmsnorm_kernel[(triton.cdiv(t, rows),)](
         x, r, w, y,
         s if s is not None else y,
         scale if scale is not None else w,
-        h, x.stride(0), r.stride(0), y.stride(0), eps,
-        HAS_RES=residual is not None, QUANT=quant, BLOCK=block, NUM_CHUNKS=chunks,
+        t, h, x.stride(0), r.stride(0), y.stride(0), eps,
+        HAS_RES=residual is not None, QUANT=quant, BLOCK=block, NUM_CHUNKS=chunks, ROWS=rows,
+        MASK_COLS=mask_cols, MASKED=mask_cols or rows > 1,
         ROUND_IN_F32=interpreting(), MIN_SCALE=FP8_MIN_SCALE, num_warps=warps,
     )  # fmt: skip
 

@@ -99,7 +99,7 @@ def fp8_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.maximum(FP8_REL_ERROR * x.float().abs(), FP8_SUBNORMAL_ABS_ERROR * s)
 
 
-# ---- Triton side: used by the fused kernels (norm.py, activation.py) -----------------------------
+# ---- Triton side: used by the fused kernels (norm.py, activation.py, moe.py) ----------------------
 
 
 @triton.jit
@@ -136,6 +136,29 @@ def tl_quantize_fp8(y, s, ROUND_IN_F32: tl.constexpr):
     """float32 block ``y`` divided by the float32 scalar scale ``s`` (IEEE division, as torch does),
     saturated to +-448 and cast to float8e4nv (round to nearest even)."""
     v = tl.math.div_rn(y, s + tl.zeros_like(y))
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    if ROUND_IN_F32:
+        v = _round_e4m3_in_f32(v)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def tl_quantize_fp8_rcp(y, s, inv_s, ROUND_IN_F32: tl.constexpr):
+    """``tl_quantize_fp8(y, s)``, bit for bit, without a division per element.
+
+    ``inv_s`` is ``1 / s`` rounded to nearest (``tl.math.div_rn``, once per scale); ``s`` and
+    ``inv_s`` are scalars or broadcast against ``y``. ``q = y * inv_s`` is within an ulp of
+    ``y / s``; one refinement ``q + fma(-q, s, y) * inv_s`` (the residual is exact in float32) gives
+    the correctly rounded quotient (Markstein's theorem), i.e. what IEEE division (and torch's
+    ``y / s``) returns, for 3 FP operations instead of a full-precision division. ``q`` is kept as
+    is when it is zero (the refinement would turn -0 into +0) or past +-512 (it saturates to +-448
+    either way, and an overflow to inf would make the refinement NaN).
+    """
+    s = tl.broadcast_to(s, y.shape)
+    inv_s = tl.broadcast_to(inv_s, y.shape)
+    q = y * inv_s
+    refine = (tl.abs(q) < 512.0) & (q != 0.0)
+    v = tl.where(refine, tl.fma(tl.fma(-q, s, y), inv_s, q), q)
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     if ROUND_IN_F32:
         v = _round_e4m3_in_f32(v)

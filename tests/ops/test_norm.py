@@ -45,23 +45,24 @@ def make_inputs(t, h, dtype, device="cpu", seed=0):
     return x, r, w
 
 
-def run_kernel(x, residual, w, scale, quant, max_block=norm.MAX_BLOCK):
-    """The launcher into NaN-poisoned outputs, so unwritten elements show."""
+def run_kernel(x, residual, w, scale, quant, max_block=norm.MAX_BLOCK, **launch):
+    """The launcher into NaN-poisoned outputs, so unwritten elements show. ``launch``:
+    ``rows_per_program`` / ``num_warps`` overrides."""
     t, h = x.shape
     y = torch.full((t, h), float("nan"), dtype=FP8_DTYPE if quant else x.dtype, device=x.device)
     s = None
     if quant:
         s = torch.full((t, 1) if quant == norm.QUANT_DYNAMIC else (1,), float("nan"), device=x.device)
-    norm.rmsnorm_launch(x, residual, w, EPS, scale, quant, y, s, max_block=max_block)
+    norm.rmsnorm_launch(x, residual, w, EPS, scale, quant, y, s, max_block=max_block, **launch)
     return y, s
 
 
-def check_case(t, h, dtype, mode, with_residual, device="cpu", max_block=norm.MAX_BLOCK, seed=0):
+def check_case(t, h, dtype, mode, with_residual, device="cpu", max_block=norm.MAX_BLOCK, seed=0, **launch):
     quant = MODES[mode]
     x, r, w = make_inputs(t, h, dtype, device, seed)
     scale = torch.tensor([0.02], device=device) if mode == "static" else None
     r_kernel, r_ref = (r.clone(), r.clone()) if with_residual else (None, None)
-    y, s = run_kernel(x, r_kernel, w, scale, quant, max_block)
+    y, s = run_kernel(x, r_kernel, w, scale, quant, max_block, **launch)
     if with_residual:
         ref = norm.fused_add_rmsnorm_ref(x, r_ref, w, EPS)
         assert_rel(r_kernel, r_ref, TOL[dtype], "residual")
@@ -108,6 +109,48 @@ def test_chunked_rows_match_reference(kernel_on_cpu, mode):
     # than MAX_BLOCK take on the GPU.
     assert norm.launch_config(300, 64)[:2] == (64, 5)
     check_case(3, 300, torch.bfloat16, mode, with_residual=True, max_block=64)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("rows,warps", [(2, 2), (4, 1), (8, 4)])
+@pytest.mark.parametrize("t,h,max_block", [(5, 96, norm.MAX_BLOCK), (7, 300, 64), (1, 128, norm.MAX_BLOCK)])
+def test_rows_per_program_match_reference(kernel_on_cpu, t, h, max_block, rows, warps, mode):
+    # several rows per program, the last program partly past T (5 and 7 rows), single-block and
+    # chunked rows, H equal to the block (no column mask) and not
+    check_case(t, h, torch.bfloat16, mode, True, max_block=max_block, rows_per_program=rows, num_warps=warps)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_partial_last_program_writes_nothing_past_the_last_row(kernel_on_cpu, mode):
+    # the outputs are views of longer, poisoned buffers: rows past T must stay untouched
+    quant = MODES[mode]
+    t, h = 3, 64
+    x, r, w = make_inputs(t + 5, h, torch.bfloat16, seed=4)
+    r_buf, y_buf = r.clone(), torch.full((t + 5, h), float("nan"), dtype=FP8_DTYPE if quant else x.dtype)
+    s_buf = torch.full((t + 5, 1), float("nan"))
+    scale = torch.tensor([0.02]) if mode == "static" else None
+    s = s_buf[:t] if quant == norm.QUANT_DYNAMIC else (torch.empty(1) if quant else None)
+    norm.rmsnorm_launch(x[:t], r_buf[:t], w, EPS, scale, quant, y_buf[:t], s, rows_per_program=8)
+    assert torch.equal(r_buf[t:], r[t:])
+    assert y_buf[t:].float().isnan().all() and s_buf[t:].isnan().all()
+    assert not y_buf[:t].float().isnan().any()
+    r_ref = r[:t].clone()
+    ref = norm.fused_add_rmsnorm_ref(x[:t], r_ref, w, EPS)
+    assert torch.equal(r_buf[:t], r_ref)
+    if quant:
+        ref_y, ref_s = norm._quant_ref(ref, scale)
+        s_out = s_buf[:t] if quant == norm.QUANT_DYNAMIC else s
+        assert_rel(dequantize_fp8(y_buf[:t], s_out), dequantize_fp8(ref_y, ref_s), FP8_TOL)
+
+
+def test_launch_config_defaults_and_overrides():
+    assert norm.launch_config(4096) == (4096, 1, 8, 1)  # ~16 elements per thread, one row per program
+    for quant in MODES.values():
+        assert norm.launch_config(4096, quant=quant) == (4096, 1, 8, 1)  # the quant variants alike
+    assert norm.launch_config(4096, rows_per_program=4, num_warps=16) == (4096, 1, 16, 4)
+    assert norm.launch_config(20000) == (4096, 5, 8, 1)  # chunked
+    with pytest.raises(ValueError, match="power of two"):
+        norm.launch_config(4096, rows_per_program=3)
 
 
 @pytest.mark.parametrize("triton_on_cpu", [True, False], ids=["kernel", "reference"])
@@ -225,6 +268,15 @@ def test_gpu_matches_reference(compiled_gpu, t, h, dtype, mode, with_residual):
 def test_gpu_large_batch_and_chunked_rows(compiled_gpu, mode):
     check_case(4096, 4096, torch.bfloat16, mode, True, device="cuda")
     check_case(64, 20000, torch.bfloat16, mode, True, device="cuda")  # > MAX_BLOCK: chunked
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("warps", [4, 8, 16])
+def test_gpu_launch_overrides(compiled_gpu, warps, rows, mode):
+    # every launch shape bench/test_bench_norm.py's sweep times compiles and is correct
+    check_case(333, 4096, torch.bfloat16, mode, True, device="cuda", rows_per_program=rows, num_warps=warps)
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ from kiln.ops.quant import (
     quantize_fp8_per_token,
     quantize_fp8_static,
     tl_quantize_fp8,
+    tl_quantize_fp8_rcp,
     tl_round,
 )
 
@@ -107,3 +108,48 @@ def test_triton_fp8_and_bf16_rounding_match_torch(round_in_f32):
     ref = x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
     assert torch.equal(b.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+
+
+@triton.jit
+def _quant_div_vs_rcp_kernel(X, S, QD, QR, N, BLOCK: tl.constexpr, ROUND_IN_F32: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + offs, mask=mask, other=0.0)
+    s = tl.load(S)
+    tl.store(QD + offs, tl_quantize_fp8(x, s, ROUND_IN_F32), mask=mask)
+    tl.store(QR + offs, tl_quantize_fp8_rcp(x, s, tl.math.div_rn(1.0, s), ROUND_IN_F32), mask=mask)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's 3e38 / 1e-12
+@pytest.mark.parametrize("round_in_f32", _ROUND_MODES)
+@pytest.mark.parametrize("scale", [1.0, 0.02, 3.7 / 448, 1e-12, 123.456, 2.0**-20 * 3])
+def test_reciprocal_quantize_matches_division_bit_for_bit(round_in_f32, scale):
+    dev = "cpu" if interpreting() else "cuda"
+    if dev == "cuda" and not torch.cuda.is_available():
+        pytest.skip("compiled Triton needs a GPU; run under TRITON_INTERPRET=1 on CPU")
+    g = torch.Generator().manual_seed(0)
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mid = (grid[1:] + grid[:-1]) / 2
+    s32 = torch.tensor([scale], dtype=torch.float32)
+    # quotients on and next to the e4m3 ties (the cases a one-ulp error would flip), signed zeros,
+    # overflowing values, random ones
+    near = torch.cat([mid, mid.nextafter(mid + 1), mid.nextafter(mid - 1)]) * s32
+    near = torch.cat([near, near.nextafter(near * 2), near.nextafter(torch.zeros_like(near))])
+    x = torch.cat(
+        [
+            near,
+            torch.tensor([0.0, -0.0, 3e38, -3e38, 1e-30, -1e-30]),
+            torch.randn(3000, generator=g) * 200 * s32,
+            torch.randn(500, generator=g) * 1e-3 * s32,
+        ]
+    ).to(dev)
+    n = x.numel()
+    qd = torch.empty(n, dtype=FP8_DTYPE, device=dev)
+    qr = torch.empty(n, dtype=FP8_DTYPE, device=dev)
+    _quant_div_vs_rcp_kernel[(1,)](
+        x, s32.to(dev), qd, qr, n, BLOCK=triton.next_power_of_2(n), ROUND_IN_F32=round_in_f32
+    )
+    ref = (x / s32.to(dev)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    assert torch.equal(qd.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(qr.view(torch.uint8), ref.view(torch.uint8))

@@ -1,0 +1,261 @@
+"""Triton FP8 GEMM (ops/fp8_gemm.py): the kernel against plain torch (interpreter on CPU, compiled
+on the GPU) over shapes that are not multiples of the blocks, M = 1, split-K, per-token and
+per-tensor scales, bias and output dtypes; the configuration table; the ``fp8_linear`` backend
+switch (ops/fp8_linear.py)."""
+
+import math
+
+import pytest
+import torch
+
+from kiln.ops import fp8_gemm as fg
+from kiln.ops import fp8_linear as fl
+from kiln.ops.common import FP8_DTYPE, interpreting
+from kiln.ops.quant import quantize_fp8_per_channel, quantize_fp8_per_token
+
+# Interpreter: e4m3 products are exact in float32, so only the summation order differs from torch.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+SMALL = dict(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2)
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture
+def kernel_on_cpu(monkeypatch):
+    if not interpreting():
+        pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set by tests/conftest.py)")
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+
+
+@pytest.fixture
+def compiled_gpu():
+    if interpreting():
+        pytest.fail("GPU kernel tests must run compiled: run them with TRITON_INTERPRET=0")
+
+
+def make_case(m, n, k, device="cpu", seed=0, per_tensor=False, bias_dtype=torch.bfloat16):
+    g = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device=device) * torch.logspace(-1, 1, m, device=device)[:, None]
+    w = torch.randn(n, k, generator=g, device=device) * torch.logspace(-1, 1, n, device=device)[:, None]
+    bias = torch.randn(n, generator=g, device=device).to(bias_dtype) if bias_dtype is not None else None
+    if per_tensor:
+        xs = (x.abs().amax() / 448).reshape(1)
+        xq = (x / xs).to(FP8_DTYPE)
+    else:
+        xq, xs = quantize_fp8_per_token(x)
+    wq, ws = quantize_fp8_per_channel(w)
+    return xq, xs, wq, ws, bias
+
+
+def check(
+    m, n, k, out_dtype=torch.bfloat16, device="cpu", per_tensor=False, bias_dtype=torch.bfloat16, **cfg
+):
+    xq, xs, wq, ws, bias = make_case(m, n, k, device, per_tensor=per_tensor, bias_dtype=bias_dtype)
+    y = fg.fp8_gemm(xq, xs, wq, ws, bias, out_dtype, **cfg)
+    ref = fg.fp8_gemm_ref(xq, xs, wq, ws, bias, torch.float32)
+    assert y.dtype == out_dtype and y.shape == (m, n)
+    assert not y.float().isnan().any()
+    assert rel_err(y, ref) < TOL[out_dtype], f"relative error {rel_err(y, ref):.2e}"
+    # and the dequantizing reference fp8_linear uses agrees
+    assert rel_err(ref, fl.fp8_linear_ref(xq, xs, wq, ws, bias, torch.float32)) < 1e-5
+    return y
+
+
+# ---- CPU: the kernel through the interpreter ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (5, 40, 96), (19, 72, 100), (33, 16, 200)])
+def test_kernel_matches_reference(kernel_on_cpu, m, n, k, split_k):
+    # M = 1, M and N not multiples of the blocks, K not a multiple of BLOCK_K (masked steps), more
+    # K slices than steps for some slices
+    check(m, n, k, split_k=split_k, **SMALL)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["per_token", "per_tensor"])
+def test_scales_bias_and_out_dtypes(kernel_on_cpu, out_dtype, bias_dtype, per_tensor):
+    check(7, 40, 64, out_dtype, per_tensor=per_tensor, bias_dtype=bias_dtype, **SMALL)
+    check(7, 40, 64, out_dtype, per_tensor=per_tensor, bias_dtype=bias_dtype, split_k=2, **SMALL)
+
+
+@pytest.mark.parametrize("m", [1, 3, 70])
+def test_default_configs(kernel_on_cpu, m):
+    # the table's own (GPU-sized) blocks: 64/128-wide tiles over a small problem, automatic split-K
+    cfg = fg.fp8_gemm_config(m, 96, 512)
+    assert cfg.block_k == 128 and cfg.split_k >= 1
+    check(m, 96, 512)
+
+
+def test_split_k_only_reorders_the_sum(kernel_on_cpu):
+    xq, xs, wq, ws, bias = make_case(9, 40, 256, seed=3)
+    ys = [fg.fp8_gemm(xq, xs, wq, ws, bias, torch.float32, split_k=s, **SMALL) for s in (1, 2, 4, 8)]
+    for y in ys[1:]:
+        torch.testing.assert_close(y, ys[0], rtol=1e-6, atol=1e-5)
+
+
+def test_strided_rows_and_column_view_scales(kernel_on_cpu):
+    xq, xs, wq, ws, bias = make_case(6, 48, 64, seed=4)
+    wide = torch.zeros(6, 96, dtype=torch.uint8).view(FP8_DTYPE)
+    wide[:, :64] = xq  # x as a view with row stride 96
+    xs_view = torch.cat([xs, torch.full_like(xs, float("nan"))], dim=1)[:, :1]  # [M, 1] stride 2
+    y = fg.fp8_gemm(wide[:, :64], xs_view, wq, ws, bias, torch.float32, **SMALL)
+    assert rel_err(y, fg.fp8_gemm_ref(xq, xs, wq, ws, bias, torch.float32)) < 1e-5
+
+
+def test_empty_and_zero_k(kernel_on_cpu):
+    xq, xs, wq, ws, bias = make_case(0, 32, 32)
+    assert fg.fp8_gemm(xq, xs, wq, ws, bias, torch.bfloat16).shape == (0, 32)
+    xq, wq = torch.empty(3, 0, dtype=FP8_DTYPE), torch.empty(32, 0, dtype=FP8_DTYPE)
+    y = fg.fp8_gemm(xq, torch.ones(3, 1), wq, ws, bias, torch.float32)
+    torch.testing.assert_close(y, bias.float().expand(3, 32))
+    assert torch.equal(fg.fp8_gemm(xq, torch.ones(3, 1), wq, ws, None, torch.float32), torch.zeros(3, 32))
+
+
+def test_bad_inputs():
+    xq, xs, wq, ws, bias = make_case(4, 32, 64)
+    with pytest.raises(ValueError, match="need x"):
+        fg.fp8_gemm(xq, xs, wq[:, :32], ws, bias, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"must be torch\.float8_e4m3fn"):
+        fg.fp8_gemm(xq.float(), xs, wq, ws, bias, torch.bfloat16)
+    with pytest.raises(ValueError, match="power of two"):
+        fg.fp8_gemm(xq, xs, wq, ws, bias, torch.bfloat16, block_n=48)
+    with pytest.raises(ValueError, match="block_k must be >= 32"):
+        fg.fp8_gemm(xq, xs, wq, ws, bias, torch.bfloat16, block_k=16)
+
+
+# ---- configuration table ------------------------------------------------------------------------------
+
+
+def test_config_strings_round_trip():
+    cfg = fg.Fp8GemmConfig(64, 128, 128, 8, 4, 5, 2)
+    assert str(cfg) == "m64n128k128g8w4s5k2"
+    assert fg.Fp8GemmConfig.parse(str(cfg)) == cfg
+    with pytest.raises(ValueError, match="bad config string"):
+        fg.Fp8GemmConfig.parse("m64n128")
+
+
+def test_buckets_table_and_overrides(monkeypatch):
+    assert [fg.m_bucket(m) for m in (1, 16, 17, 256, 257, 512, 1024, 5000)] == [
+        16, 16, 64, 256, 512, 512, 1024, math.inf,
+    ]  # fmt: skip
+    assert set(fg.BUCKET_DEFAULTS) == set(fg.M_BUCKETS)
+    for cfg in fg.BUCKET_DEFAULTS.values():
+        cfg.check()
+    # a measured entry wins over the bucket default, for that (bucket, N, K) only
+    monkeypatch.setitem(fg.TABLE, (256, 4096, 4096), "m128n256k128g8w8s3k1")
+    assert str(fg.fp8_gemm_config(200, 4096, 4096)) == "m128n256k128g8w8s3k1"
+    assert fg.fp8_gemm_config(200, 4096, 14336).block_n == fg.BUCKET_DEFAULTS[256].block_n
+    # keyword overrides and an explicit config
+    assert fg.fp8_gemm_config(200, 4096, 4096, split_k=4, num_stages=5).split_k == 4
+    explicit = fg.Fp8GemmConfig(64, 64, 128, 8, 4, 3, 1)
+    assert fg.fp8_gemm_config(200, 4096, 4096, config=explicit) == explicit
+    with pytest.raises(TypeError):
+        fg.fp8_gemm_config(200, 4096, 4096, blockm=64)
+
+
+def test_auto_split_k_fills_the_gpu():
+    cfg = fg.Fp8GemmConfig(64, 64, 128, 8, 4, 4, 0)
+    assert fg.auto_split_k(1, 4096, 4096, cfg, sms=132) == 2  # 64 tiles -> 128 programs
+    assert fg.auto_split_k(1, 1024, 4096, cfg, sms=132) == 8  # 16 tiles, capped at 8 slices
+    assert fg.auto_split_k(1, 1024, 512, cfg, sms=132) == 1  # 4 steps of K: nothing to split
+    assert fg.auto_split_k(256, 14336, 4096, cfg, sms=132) == 1  # 896 tiles already
+    assert fg.fp8_gemm_config(1, 4096, 4096, sms=132).split_k == 2
+
+
+# ---- fp8_linear backend switch --------------------------------------------------------------------------
+
+
+def test_backend_switch(kernel_on_cpu, monkeypatch):
+    xq, xs, wq, ws, bias = make_case(5, 40, 64, seed=5)  # N = 40: not a multiple of 16
+    ref = fl.fp8_linear_ref(xq, xs, wq, ws, bias, torch.float32)
+    calls = []
+    real = fl.fp8_gemm
+    monkeypatch.setattr(fl, "fp8_gemm", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    y = fl.fp8_linear_forward(xq, xs, wq, ws, bias, torch.float32, backend="triton")
+    assert len(calls) == 1 and rel_err(y, ref) < 1e-5
+    fl.fp8_linear_forward(xq, xs, wq, ws, bias, torch.float32, backend="cublas")  # CPU: the reference
+    assert len(calls) == 1
+    monkeypatch.setenv("KILN_FP8_GEMM", "triton")  # the op follows the environment, read per call
+    y = torch.ops.kiln.fp8_linear(xq, xs, wq, ws, bias, torch.bfloat16)
+    assert len(calls) == 2 and rel_err(y, ref) < 1e-2
+    monkeypatch.setenv("KILN_FP8_GEMM", "cublas")
+    torch.ops.kiln.fp8_linear(xq, xs, wq, ws, bias, torch.bfloat16)
+    assert len(calls) == 2
+    monkeypatch.setenv("KILN_FP8_GEMM", "cutlass")
+    with pytest.raises(ValueError, match="KILN_FP8_GEMM"):
+        torch.ops.kiln.fp8_linear(xq, xs, wq, ws, bias, torch.bfloat16)
+
+
+def test_default_backend_is_cublas(monkeypatch):
+    monkeypatch.delenv("KILN_FP8_GEMM", raising=False)
+    assert fl.fp8_backend() == "cublas"
+    assert fl.fp8_backend("triton") == "triton"
+
+
+def test_triton_backend_without_the_interpreter_uses_the_reference(monkeypatch):
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "0")
+    xq, xs, wq, ws, bias = make_case(3, 32, 32)
+    assert fl.triton_fp8_supported(xq) is not None
+    y = fl.fp8_linear_forward(xq, xs, wq, ws, bias, torch.float32, backend="triton")
+    assert torch.equal(y, fl.fp8_linear_ref(xq, xs, wq, ws, bias, torch.float32))
+
+
+# ---- GPU: compiled kernels at Llama-3.1-8B shapes ---------------------------------------------------------
+
+
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["per_token", "per_tensor"])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 256, 300, 512, 4096])
+def test_gpu_default_configs_match_reference(compiled_gpu, m, n, k, per_tensor):
+    xq, xs, wq, ws, bias = make_case(m, n, k, "cuda", per_tensor=per_tensor)
+    y = fl.fp8_linear_forward(xq, xs, wq, ws, bias, torch.bfloat16, backend="triton")
+    ref = fl.fp8_linear_ref(xq, xs, wq, ws, bias, torch.float32)
+    assert y.dtype == torch.bfloat16 and rel_err(y, ref) < 1e-2
+    # as accurate as cuBLAS (both accumulate in float32, rounded once to bf16)
+    cublas = fl.scaled_mm_rowwise(xq, xs, wq, ws, bias, torch.bfloat16)
+    assert rel_err(y, ref) < 1.5 * rel_err(cublas, ref) + 1e-3
+
+
+# The bucket defaults compile on sm_90 and are right on aligned and unaligned shapes (masked K steps,
+# partial tiles), with split-K forced where the default has none. (The sweep's candidates are checked
+# against cuBLAS by the sweep itself, bench/test_bench_fp8_linear.py.)
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["precise", "fast"])
+@pytest.mark.parametrize("cfg", sorted({str(c) for c in fg.BUCKET_DEFAULTS.values()}))
+def test_gpu_bucket_defaults_compile_and_match(compiled_gpu, cfg, fast_accum):
+    config = fg.Fp8GemmConfig.parse(cfg)
+    for m, n, k in ((256, 4096, 4096), (37, 200, 272)):
+        check(m, n, k, device="cuda", config=config, fast_accum=fast_accum)
+        check(m, n, k, device="cuda", config=config, fast_accum=fast_accum, split_k=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gpu_out_dtypes(compiled_gpu, out_dtype):
+    check(300, 1024, 2048, out_dtype, device="cuda")
+    check(3, 1024, 2048, out_dtype, device="cuda", split_k=4)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay(compiled_gpu, monkeypatch):
+    monkeypatch.setenv("KILN_FP8_GEMM", "triton")
+    xq, xs, wq, ws, bias = make_case(64, 4096, 4096, "cuda")
+    sx, ss = xq.clone(), xs.clone()
+    torch.ops.kiln.fp8_linear(sx, ss, wq, ws, bias, torch.bfloat16)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = torch.ops.kiln.fp8_linear(sx, ss, wq, ws, bias, torch.bfloat16)
+    xq2, xs2, *_ = make_case(64, 4096, 4096, "cuda", seed=7)
+    sx.copy_(xq2)
+    ss.copy_(xs2)
+    g.replay()
+    assert rel_err(y, fl.fp8_linear_ref(xq2, xs2, wq, ws, bias, torch.float32)) < 1e-2
