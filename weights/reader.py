@@ -59,9 +59,12 @@ class LoadOptions:
 
     staging: str = "auto"  # auto | pinned | direct
     threads: int = max(2, min(16, os.cpu_count() or 2))
+    # defaults from the H200 sweep (bench/results/2026-11-29_h200_weights_load_run2.json): 16
+    # threads, 8 MiB, depth 2, 2 streams = 38.7 GB/s, 97% of the page-cache ceiling; depth 3 and
+    # one stream gave 82%
     chunk_bytes: int = 8 * 1024 * 1024
-    buffers_per_thread: int = 3
-    copy_streams: int = 1
+    buffers_per_thread: int = 2
+    copy_streams: int = 2
 
 
 def load_pack(
