@@ -13,6 +13,8 @@ variant is captured in a CUDA graph and replayed.
 ``bf16_ms``, ``cublas_ms`` and the speedups over both: the data for ``fp8_gemm.TABLE``.
 """
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -80,7 +82,7 @@ def _case(m, n, k):
 @pytest.mark.parametrize("accum", ["precise", "fast"])
 @pytest.mark.parametrize("cfg", fg.SWEEP_CONFIGS)
 @pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)], ids=str)
-@pytest.mark.parametrize("m", [256, 512])
+@pytest.mark.parametrize("m", [int(x) for x in os.environ.get("KILN_SWEEP_M", "256,512").split(",")])
 def test_fp8_gemm_sweep(measure, m, n, k, cfg, accum):
     x, w, xq, xs, wq, ws = _case(m, n, k)
     out = torch.bfloat16
