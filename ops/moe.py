@@ -20,7 +20,10 @@ ops/moe_gemm.py); the ``k`` terms are summed in float32 and rounded once.
 
 The block sizes are chosen here from the concrete ``T`` (the op is one opaque node of the exported
 graph, so each decode bucket captured and each prefill chunk gets the table's entry for its size).
-Intermediates: ``[T * k, I]`` (``[T * k, 2I]`` for FP8) and ``[T * k, H]`` in the activation dtype.
+A config with ``BLOCK_M`` 1 (decode-sized ``T``, see ops/moe_gemm.py) runs the decode GEMV instead:
+no alignment; with a w2 ``GROUP_M`` above 1 the w2 GEMV also writes the top-k sum itself (no
+combine kernel). Intermediates: ``[T * k, I]`` (``[T * k, 2I]`` for FP8) and ``[T * k, H]`` (but
+for the fused top-k sum) in the activation dtype.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import triton.language as tl
 from kiln.ops import activation
 from kiln.ops.common import FP8_DTYPE, FP8_MIN_SCALE, interpreting, next_pow2, use_triton
 from kiln.ops.moe_align import moe_align_run
-from kiln.ops.moe_gemm import moe_gemm_launch, pick_configs
+from kiln.ops.moe_gemm import check_config, moe_gemm_launch, moe_gemv_launch, pick_configs
 from kiln.ops.quant import (
     dequantize_fp8,
     quantize_fp8_per_token,
@@ -173,9 +176,16 @@ def fused_moe_triton(
     c1, c2 = configs or pick_configs(tuning, e, i, h, t, k)
     if c1["BLOCK_M"] != c2["BLOCK_M"]:
         raise ValueError(f"fused_moe: the two GEMM configs must share BLOCK_M, got {c1} and {c2}")
+    if configs:
+        check_config(c1, "fused_moe w13 config")
+        check_config(c2, "fused_moe w2 config")
     x = x if x.stride(1) == 1 else x.contiguous()
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
+    if c1["BLOCK_M"] == 1:
+        return _fused_moe_gemv(
+            x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, c1, c2, out
+        )
     sorted_ids, block_expert, num_padded = moe_align_run(topk_ids, expert_map, e, c1["BLOCK_M"])
     align = (sorted_ids, block_expert, num_padded)
     p = t * k
@@ -193,6 +203,31 @@ def fused_moe_triton(
         moe_gemm_launch(x, None, w13, None, hid, None, *align, c1, a_div=k, fuse_silu=True)
         y2 = x.new_empty((p, h))
         moe_gemm_launch(hid, None, w2, None, y2, topk_weights, *align, c2, a_div=1)
+    return moe_combine(y2, topk_ids, expert_map, out)
+
+
+def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, c1, c2, out):
+    """The decode variant (``BLOCK_M`` 1): w13 GEMV per pair, then w2 GEMV per pair and the combine
+    kernel, or (w2 ``GROUP_M`` > 1) w2 GEMV + top-k sum per token."""
+    t, h = x.shape
+    i, k = w2.shape[2], topk_ids.shape[1]
+    ids, emap = topk_ids, expert_map
+    if w13.dtype == FP8_DTYPE:
+        xq, xs = quantize_rows(x)
+        gu = x.new_empty((t * k, 2 * i))
+        moe_gemv_launch(xq, xs, w13, w13_scale, gu, None, ids, emap, c1, a_div=k)
+        a = gu.new_empty((t * k, i), dtype=FP8_DTYPE)
+        a_scale = gu.new_empty((t * k, 1), dtype=torch.float32)
+        activation.silu_and_mul_launch(gu, None, activation.QUANT_DYNAMIC, a, a_scale)
+    else:
+        a, a_scale = x.new_empty((t * k, i)), None
+        moe_gemv_launch(x, None, w13, None, a, None, ids, emap, c1, a_div=k, fuse_silu=True)
+    if c2["GROUP_M"] > 1:  # the top-k sum in the w2 GEMV
+        out = x.new_empty((t, h)) if out is None else out
+        moe_gemv_launch(a, a_scale, w2, w2_scale, out, topk_weights, ids, emap, c2, a_div=1, combine=True)
+        return out
+    y2 = x.new_empty((t * k, h))
+    moe_gemv_launch(a, a_scale, w2, w2_scale, y2, topk_weights, ids, emap, c2, a_div=1)
     return moe_combine(y2, topk_ids, expert_map, out)
 
 

@@ -20,10 +20,11 @@ hit wastes ``block_m - 1`` rows), so the op is CUDA-graph safe; pairs routed to 
 are left out (the combine skips them).
 
 Kernels (no host sync): (1) per chunk of pairs, a per-expert count (one-hot [CHUNK, E] summed);
-(2) one program: exclusive scan of the counts over chunks, padded expert starts, ``num_padded``,
-``block_expert`` and the sentinel fill; (3) per chunk, each pair's rank inside its expert (a
-cumulative sum of the one-hot) placed at ``start[e] + chunk offset + rank``. When every pair fits
-one chunk (decode: ``T * k <= 128``) a single program does all three (one launch instead of three).
+(2) one program: exclusive scan of the counts over chunks (up to ``SCAN_ROWS`` chunks per step),
+padded expert starts, ``num_padded``, ``block_expert`` and the sentinel fill; (3) per chunk, each
+pair's rank inside its expert (a cumulative sum of the one-hot) placed at ``start[e] + chunk offset
++ rank``. When every pair fits one chunk (decode: ``T * k <= 128``) a single program does all three
+(one launch instead of three).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from kiln.ops.common import next_pow2, use_triton
 
 CHUNK = 128  # pairs per program in the count and scatter kernels
 FILL = 1024  # entries per step of the sentinel fill
+SCAN_ROWS = 64  # most chunks per step of the scan over chunks (a [rows, E] tile: at most 4096 counts)
 
 
 def align_rows(num_pairs, num_experts: int, block_m: int):
@@ -175,14 +177,18 @@ def _offsets_kernel(
     SORTED, BLOCK_EXPERT, NUM_PADDED,
     num_chunks, num_pairs, E, M,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, FILL_: tl.constexpr, BLOCKS: tl.constexpr,
+    ROWS: tl.constexpr,
 ):  # fmt: skip
     experts = tl.arange(0, E_PAD)
     emask = experts < E
     run = tl.zeros([E_PAD], dtype=tl.int32)
-    for c in range(num_chunks):
-        cnt = tl.load(COUNTS + c * E + experts, mask=emask, other=0)
-        tl.store(COUNTS + c * E + experts, run, mask=emask)
-        run += cnt
+    for c0 in range(0, num_chunks, ROWS):  # ROWS chunks per step: a scan down the tile
+        rows = c0 + tl.arange(0, ROWS)
+        m = (rows < num_chunks)[:, None] & emask[None, :]
+        ptr = COUNTS + rows[:, None] * E + experts[None, :]  # [ROWS, E_PAD]
+        cnt = tl.load(ptr, mask=m, other=0)
+        tl.store(ptr, run[None, :] + tl.cumsum(cnt, axis=0) - cnt, mask=m)
+        run += tl.sum(cnt, axis=0)
     starts = _layout(run, SORTED, BLOCK_EXPERT, NUM_PADDED, num_pairs, E, M, BLOCK_M, E_PAD, FILL_, BLOCKS)
     tl.store(STARTS + experts, starts, mask=emask)
 
@@ -229,8 +235,9 @@ def moe_align_launch(
     starts = topk_ids.new_empty((num_experts,), dtype=torch.int32)
     _count_kernel[(chunks,)](ids, emap, counts, p, num_experts, HAS_MAP=has_map, CHUNK_=CHUNK, E_PAD=e_pad)
     _offsets_kernel[(1,)](
-        counts, starts, sorted_ids, block_expert, num_padded, chunks, p, num_experts, m, **layout
-    )
+        counts, starts, sorted_ids, block_expert, num_padded, chunks, p, num_experts, m, **layout,
+        ROWS=min(SCAN_ROWS, max(1, 4096 // e_pad)),  # not from `chunks`: no specialization per T
+    )  # fmt: skip
     _scatter_kernel[(chunks,)](
         ids, emap, counts, starts, sorted_ids, p, num_experts, HAS_MAP=has_map, CHUNK_=CHUNK, E_PAD=e_pad
     )

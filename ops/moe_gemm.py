@@ -1,7 +1,6 @@
-"""Grouped GEMM over stacked expert weights, fed by the sorted, block-padded pairs of ops/moe_align.py,
-and the block-size table it runs with.
+"""Grouped GEMM over stacked expert weights, in two variants, and the launch table they run with.
 
-``moe_gemm_launch`` computes, for every local pair ``p`` (token ``t = p // a_div``, expert ``e``),
+Both compute, for every local pair ``p = t * k + j`` (token ``t``'s ``j``-th expert ``e``),
 ``C[p] = epilogue(A[p // a_div] @ W[e]^T)``:
 
 * ``A``: ``[rows, K]`` bf16/fp16/fp32, or float8_e4m3fn with per-row scales ``a_scale [rows, 1]`` f32;
@@ -15,20 +14,38 @@ Rounding follows Hugging Face's expert MLP in the activation dtype: GEMM results
 before the (float32) routing weight multiplies it. FP8 products accumulate in float32 and are
 scaled by ``a_scale[row] * w_scale[e, n]`` before rounding.
 
-Kernel: one program per (row block of one expert, ``BLOCK_N`` weight rows), grouped ``GROUP_M``
-row blocks at a time for L2 reuse; row blocks past ``num_padded`` exit at once (the grid is sized
-by the worst case, so shapes never depend on the routing). With ``fuse_silu`` a program holds the
-gate and the up accumulator (``BLOCK_N / 2`` columns each).
+Variants (``BLOCK_M`` of the launch config picks one):
 
-``moe_config(E, N, K, tokens, top_k)`` picks the blocks from the rows each expert receives on
-average; ``BLOCK_M`` depends on ``(E, tokens, top_k)`` only, so both GEMMs of a layer share the
-alignment. A compiler can record its output (or a measured table, see ``parse_tuning``).
+* grouped GEMM (``BLOCK_M`` 16..256, ``moe_gemm_launch``): fed by the sorted, block-padded pairs of
+  ops/moe_align.py; one program per (row block of one expert, ``BLOCK_N`` weight rows), grouped
+  ``GROUP_M`` row blocks at a time for L2 reuse; row blocks past ``num_padded`` exit at once (the
+  grid is sized by the worst case, so shapes never depend on the routing). With ``fuse_silu`` a
+  program holds the gate and the up accumulator (``BLOCK_N / 2`` columns each).
+* decode GEMV (``BLOCK_M == 1``, ``moe_gemv_launch``): for a few tokens, where every hit expert
+  gets about one row and the op is a read of the hit experts' weights. No alignment: a program
+  reads its pair's expert straight from ``topk_ids`` and computes ``BLOCK_N`` weight rows of it with
+  vector loads along K and float32 multiply-adds (no padded MMA rows), its K loop software-pipelined
+  ``num_stages`` deep; the grid is (pairs, N / BLOCK_N), so even one token has hundreds of
+  programs. With ``combine`` a program takes all ``k`` pairs of one token (``BLOCK_N`` output
+  columns of each: one gathered ``[k * BLOCK_N, BLOCK_K]`` weight tile per step, and as many
+  activation rows) and writes the top-k sum straight to ``out [T, H]`` (the w2 GEMM and
+  ops/moe.py's combine in one kernel). ``GROUP_M`` picks that for the w2 GEMV: 1 = one pair per
+  program, then the combine kernel; above 1 = ``combine`` (w13 ignores it).
+
+The launch table (``DEFAULT_TABLE``) is a tuple of ``TableRow``: by the average rows each expert
+receives (``tokens * top_k / E``), the ``BLOCK_M`` of both GEMMs and one tile per GEMM.
+``moe_config`` / ``pick_configs`` resolve it for a shape and a token count; ``moe_tuning_table``
+writes the resolved table for one model as the JSON a compiler can record (and ``fused_moe``'s
+``tuning`` argument reads back, ``parse_tuning``): ``{"<max tokens>": {"w13": cfg, "w2": cfg}}``,
+``cfg`` the keys ``CONFIG_KEYS``.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -37,42 +54,108 @@ import triton.language as tl
 from kiln.ops.common import FP8_DTYPE, interpreting, next_pow2
 from kiln.ops.quant import tl_round
 
-# (largest average rows per expert, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): decode-sized
-# batches read each hit expert once with many narrow programs; prefill-sized ones use big tiles.
-_TABLE = (
-    (0.25, 64, 64, 1, 4, 4),
-    (2.0, 64, 128, 1, 4, 3),
-    (8.0, 128, 128, 1, 4, 2),
-    (16.0, 256, 128, 16, 4, 2),
-    (32.0, 128, 64, 1, 4, 3),
-    (float("inf"), 256, 64, 16, 8, 3),
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+
+class Tile(NamedTuple):
+    """One GEMM's launch parameters besides ``BLOCK_M`` (``BLOCK_N`` counts weight rows)."""
+
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+class TableRow(NamedTuple):
+    """Launch parameters for batches whose average rows per expert are at most ``max_rows``.
+
+    ``block_m``: 1 for the decode GEMV, 0 for the power of two above the average rows within
+    16..128 (``auto_block_m``), else that row block."""
+
+    max_rows: float
+    block_m: int
+    w13: Tile
+    w2: Tile
+
+
+# Decode-sized batches (at most a quarter row per expert: 1..4 tokens at E=128, top-8; 1 token at
+# E=8, top-2) run the GEMV (w2: one pair per program, then the combine kernel); then the grouped
+# GEMM, narrow programs while each expert gets a few rows, big tiles (GROUP_M swizzle, 8 warps) for
+# prefill. Retune from the sweeps in bench/test_bench_moe.py (``-k sweep``).
+DEFAULT_TABLE: tuple[TableRow, ...] = (
+    TableRow(0.25, 1, Tile(32, 256, 1, 4, 3), Tile(32, 256, 1, 4, 3)),
+    TableRow(2.0, 0, Tile(64, 128, 1, 4, 3), Tile(64, 128, 1, 4, 3)),
+    TableRow(8.0, 0, Tile(128, 128, 1, 4, 2), Tile(128, 128, 1, 4, 2)),
+    TableRow(16.0, 0, Tile(256, 128, 16, 4, 2), Tile(256, 128, 16, 4, 2)),
+    TableRow(32.0, 0, Tile(128, 64, 1, 4, 3), Tile(128, 64, 1, 4, 3)),
+    TableRow(math.inf, 0, Tile(256, 64, 16, 8, 3), Tile(256, 64, 16, 8, 3)),
 )
 
 
-def moe_block_m(num_experts: int, tokens: int, top_k: int) -> int:
-    """Row block: the power of two above the average rows per expert, within 16..128."""
-    rows = tokens * top_k / max(num_experts, 1)
+def _rows(num_experts: int, tokens: int, top_k: int) -> float:
+    return tokens * top_k / max(num_experts, 1)
+
+
+def auto_block_m(rows: float) -> int:
+    """The power of two above ``rows`` (average rows per expert), within 16..128."""
     return min(128, max(16, next_pow2(int(rows) + 1)))
 
 
-def moe_config(num_experts: int, n: int, k: int, tokens: int, top_k: int = 8) -> dict[str, int]:
-    """Launch parameters of the grouped GEMM for ``W [E, N, K]`` at ``tokens`` tokens.
+def table_row(num_experts: int, tokens: int, top_k: int, table: tuple[TableRow, ...] = DEFAULT_TABLE):
+    rows = _rows(num_experts, tokens, top_k)
+    return next((r for r in table if rows <= r.max_rows), table[-1])
+
+
+def moe_block_m(
+    num_experts: int, tokens: int, top_k: int, table: tuple[TableRow, ...] = DEFAULT_TABLE
+) -> int:
+    """``BLOCK_M`` of both GEMMs at ``tokens`` tokens (1: the decode GEMV, no alignment)."""
+    row = table_row(num_experts, tokens, top_k, table)
+    return row.block_m or auto_block_m(_rows(num_experts, tokens, top_k))
+
+
+def clip_config(cfg: dict[str, int], n: int, k: int) -> dict[str, int]:
+    """``cfg`` with ``BLOCK_N`` / ``BLOCK_K`` no wider than the (padded) ``N`` / ``K`` of ``W [E, N, K]``
+    (and at least what the variant needs: 32 for the grouped GEMM's MMA, 2 / 16 for the GEMV)."""
+    lo_n, lo_k = (2, 16) if cfg["BLOCK_M"] == 1 else (32, 32)
+    return dict(
+        cfg,
+        BLOCK_N=max(lo_n, min(cfg["BLOCK_N"], next_pow2(n))),
+        BLOCK_K=max(lo_k, min(cfg["BLOCK_K"], next_pow2(k))),
+    )
+
+
+def moe_config(
+    num_experts: int,
+    n: int,
+    k: int,
+    tokens: int,
+    top_k: int = 8,
+    gemm: str = "w13",
+    table: tuple[TableRow, ...] = DEFAULT_TABLE,
+) -> dict[str, int]:
+    """Launch parameters of one GEMM (``gemm``: "w13" or "w2") for ``W [E, N, K]`` at ``tokens``.
 
     Returns ``{"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}``; ``BLOCK_N``
     counts weight rows (a fused SiLU program computes ``BLOCK_N / 2`` gate and up columns each).
     """
-    rows = tokens * top_k / max(num_experts, 1)
-    _, bn, bk, gm, warps, stages = next(r for r in _TABLE if rows <= r[0])
-    bn = max(32, min(bn, next_pow2(n)))
-    bk = max(32, min(bk, next_pow2(k)))
-    return dict(
-        BLOCK_M=moe_block_m(num_experts, tokens, top_k),
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP_M=gm,
-        num_warps=warps,
-        num_stages=stages,
-    )
+    if gemm not in ("w13", "w2"):
+        raise ValueError(f"moe_config: gemm must be 'w13' or 'w2', got {gemm!r}")
+    row = table_row(num_experts, tokens, top_k, table)
+    tile = row.w13 if gemm == "w13" else row.w2
+    cfg = dict(zip(CONFIG_KEYS, (moe_block_m(num_experts, tokens, top_k, table), *tile), strict=True))
+    return clip_config(cfg, n, k)
+
+
+def check_config(cfg: dict[str, int], what: str = "moe config") -> None:
+    """A launch config has exactly ``CONFIG_KEYS``, positive ints, power-of-two blocks, and a
+    ``BLOCK_M`` of 1 (GEMV) or 16..256 (grouped GEMM)."""
+    if set(cfg) != set(CONFIG_KEYS) or not all(isinstance(v, int) and v > 0 for v in cfg.values()):
+        raise ValueError(f"{what}: need positive ints {CONFIG_KEYS}, got {cfg}")
+    blocks = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"])
+    if any(b & (b - 1) for b in blocks) or not (cfg["BLOCK_M"] == 1 or 16 <= cfg["BLOCK_M"] <= 256):
+        raise ValueError(f"{what}: blocks must be powers of two and BLOCK_M 1 or 16..256, got {cfg}")
 
 
 @functools.lru_cache(maxsize=64)
@@ -85,6 +168,8 @@ def parse_tuning(tuning: str) -> tuple[tuple[int, dict[str, dict[str, int]]], ..
     for key, entry in json.loads(tuning).items():
         if set(entry) != {"w13", "w2"} or entry["w13"]["BLOCK_M"] != entry["w2"]["BLOCK_M"]:
             raise ValueError(f"moe tuning entry {key!r} needs 'w13' and 'w2' configs with one BLOCK_M")
+        for gemm in ("w13", "w2"):
+            check_config(entry[gemm], f"moe tuning entry {key!r} {gemm}")
         table.append((int(key), entry))
     return tuple(sorted(table, key=lambda kv: kv[0]))
 
@@ -93,18 +178,35 @@ def pick_configs(
     tuning: str, num_experts: int, inter: int, hidden: int, tokens: int, top_k: int
 ) -> tuple[dict[str, int], dict[str, int]]:
     """(w13 config, w2 config) for ``tokens``: the recorded table's first entry with ``max tokens >=
-    tokens`` (else its last), or ``moe_config`` when ``tuning`` is empty."""
+    tokens`` (else its last), or ``DEFAULT_TABLE`` through ``moe_config`` when ``tuning`` is empty."""
     if tuning:
         table = parse_tuning(tuning)
         entry = next((e for m, e in table if tokens <= m), table[-1][1])
         return entry["w13"], entry["w2"]
     return (
-        moe_config(num_experts, 2 * inter, hidden, tokens, top_k),
-        moe_config(num_experts, hidden, inter, tokens, top_k),
+        moe_config(num_experts, 2 * inter, hidden, tokens, top_k, "w13"),
+        moe_config(num_experts, hidden, inter, tokens, top_k, "w2"),
     )
 
 
-# ---- Triton kernel --------------------------------------------------------------------------------
+def moe_tuning_table(num_experts: int, inter: int, hidden: int, top_k: int, max_tokens: int) -> str:
+    """``DEFAULT_TABLE`` resolved for one model's shapes up to ``max_tokens``, as the JSON
+    ``parse_tuning`` reads (one entry per run of token counts with the same configs), so that
+    ``pick_configs(<it>, ...) == pick_configs("", ...)`` for every ``tokens <= max_tokens``: what a
+    compiler records in the manifest (and what a per-GPU retune replaces)."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    prev = None
+    for t in range(1, max_tokens + 1):
+        c1, c2 = pick_configs("", num_experts, inter, hidden, t, top_k)
+        if prev is not None and (c1, c2) != prev[1]:
+            out[str(prev[0])] = {"w13": prev[1][0], "w2": prev[1][1]}
+        prev = (t, (c1, c2))
+    if prev is not None:
+        out[str(prev[0])] = {"w13": prev[1][0], "w2": prev[1][1]}
+    return json.dumps(out)
+
+
+# ---- Triton kernels -------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -112,6 +214,26 @@ def _dot(a, b, UPCAST: tl.constexpr, PREC: tl.constexpr):
     if UPCAST:  # the interpreter's bf16 dot is wrong; float32 is exact for every input dtype
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _epilogue(
+    acc, acc_up, a_s, s_gate, s_up, tw, out_ty: tl.constexpr,
+    FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, RF: tl.constexpr,
+):  # fmt: skip
+    """float32 products -> the rounded output (as float32): FP8 scales (``a_s`` per row, ``s_gate`` /
+    ``s_up`` per column), SiLU-and-mul, routing weight ``tw``; unused arguments are ignored."""
+    if FP8:
+        acc = acc * a_s * s_gate
+        if FUSE_SILU:
+            acc_up = acc_up * a_s * s_up
+    y = tl_round(acc, out_ty, RF)
+    if FUSE_SILU:
+        up = tl_round(acc_up, out_ty, RF)
+        y = tl_round(y / (1.0 + tl.exp(-y)), out_ty, RF) * up
+    if MUL_WEIGHT:
+        y = y * tw
+    return tl_round(y, out_ty, RF)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
@@ -143,8 +265,7 @@ def _moe_gemm_kernel(
     a_ptr = A + arow[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
     w_ptr = W + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if FUSE_SILU:
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = acc
     for k0 in range(0, K, BLOCK_K):
         kmask = offs_k < K - k0
         a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -156,20 +277,95 @@ def _moe_gemm_kernel(
         a_ptr += BLOCK_K
         w_ptr += BLOCK_K
     out_ty = C.dtype.element_ty
+    a_s, s_gate, s_up, tw = acc, acc, acc, acc  # placeholders when unused
     if FP8:
         a_s = tl.load(A_SCALE + arow, mask=rmask, other=0.0)[:, None]  # [BM, 1]
         s_ptr = W_SCALE + e * stride_se + offs_n
-        acc = acc * a_s * tl.load(s_ptr, mask=nmask, other=0.0)[None, :]
+        s_gate = tl.load(s_ptr, mask=nmask, other=0.0)[None, :]
         if FUSE_SILU:
-            acc_up = acc_up * a_s * tl.load(s_ptr + N, mask=nmask, other=0.0)[None, :]
-    y = tl_round(acc, out_ty, ROUND_IN_F32)
-    if FUSE_SILU:
-        up = tl_round(acc_up, out_ty, ROUND_IN_F32)
-        y = tl_round(y / (1.0 + tl.exp(-y)), out_ty, ROUND_IN_F32) * up
+            s_up = tl.load(s_ptr + N, mask=nmask, other=0.0)[None, :]
     if MUL_WEIGHT:
-        y = y * tl.load(TOPK_W + pair, mask=rmask, other=0.0)[:, None]
+        tw = tl.load(TOPK_W + pair, mask=rmask, other=0.0)[:, None]
+    y = _epilogue(acc, acc_up, a_s, s_gate, s_up, tw, out_ty, FUSE_SILU, MUL_WEIGHT, FP8, ROUND_IN_F32)
     c_ptr = C + pair[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptr, tl_round(y, out_ty, ROUND_IN_F32).to(out_ty), mask=rmask[:, None] & nmask[None, :])
+    tl.store(c_ptr, y.to(out_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _moe_gemv_kernel(
+    A, A_SCALE, W, W_SCALE, C, TOPK_W, IDS, MAP,
+    N, K,
+    stride_am, stride_we, stride_wn, stride_se, stride_cm,
+    A_DIV: tl.constexpr, GROUP: tl.constexpr, P_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
+    FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, ROUND_IN_F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    # Program (g, n): pairs g * GROUP .. + GROUP (GROUP 1: one pair; GROUP k: a token's k pairs,
+    # summed into C[g]) x BLOCK_N output columns (N: I when FUSE_SILU, the up rows start at row N).
+    # Its tile rows r = j * BLOCK_N + c: pair slot j, column c (2-D tiles only).
+    g = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, P_PAD * BLOCK_N)
+    slot = r // BLOCK_N
+    pair = g * GROUP + slot  # [R] int64
+    offs_n = tl.program_id(1) * BLOCK_N + r % BLOCK_N
+    nmask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    if GROUP == 1:
+        e0 = tl.load(IDS + g)
+        if HAS_MAP:
+            e0 = tl.load(MAP + e0)
+        if e0 < 0:
+            return  # another rank's expert: the combine skips this pair
+        e = tl.zeros([P_PAD * BLOCK_N], dtype=tl.int32) + e0
+        a_ptr = A + (g // A_DIV) * stride_am + offs_k[None, :]  # [1, BK]: one row for the tile
+    else:
+        e = tl.load(IDS + pair, mask=slot < GROUP, other=-1)
+        if HAS_MAP:
+            e = tl.load(MAP + e, mask=e >= 0, other=-1)
+        a_ptr = A + (pair // A_DIV)[:, None] * stride_am + offs_k[None, :]  # [R, BK]
+    use = e >= 0  # rows of a local expert
+    rmask = use & nmask
+    e64 = tl.where(use, e, 0).to(tl.int64)
+    w_ptr = W + e64[:, None] * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc = tl.zeros([P_PAD * BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([P_PAD * BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        kmask = offs_k[None, :] < K - k0
+        if GROUP == 1:
+            a = tl.load(a_ptr, mask=kmask, other=0.0).to(tl.float32)
+        else:
+            a = tl.load(a_ptr, mask=use[:, None] & kmask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr, mask=rmask[:, None] & kmask, other=0.0).to(tl.float32)
+        acc += tl.sum(w * a, axis=1)
+        if FUSE_SILU:
+            wu = tl.load(w_ptr + N * stride_wn, mask=rmask[:, None] & kmask, other=0.0).to(tl.float32)
+            acc_up += tl.sum(wu * a, axis=1)
+        a_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+    out_ty = C.dtype.element_ty
+    a_s, s_gate, s_up, tw = acc, acc, acc, acc  # placeholders when unused
+    if FP8:
+        a_s = tl.load(A_SCALE + pair // A_DIV, mask=use, other=0.0)
+        s_ptr = W_SCALE + e64 * stride_se + offs_n
+        s_gate = tl.load(s_ptr, mask=rmask, other=0.0)
+        if FUSE_SILU:
+            s_up = tl.load(s_ptr + N, mask=rmask, other=0.0)
+    if MUL_WEIGHT:
+        tw = tl.load(TOPK_W + pair, mask=use, other=0.0)
+    y = _epilogue(acc, acc_up, a_s, s_gate, s_up, tw, out_ty, FUSE_SILU, MUL_WEIGHT, FP8, ROUND_IN_F32)
+    if GROUP == 1:
+        tl.store(C + g * stride_cm + offs_n, y.to(out_ty), mask=nmask)
+    else:  # the top-k sum in float32 (other ranks' experts left out), rounded once
+        cols = tl.arange(0, BLOCK_N)
+        pick = rmask[:, None] & ((r % BLOCK_N)[:, None] == cols[None, :])  # [R, BN]
+        total = tl.sum(tl.where(pick, y[:, None], 0.0), axis=0)  # [BN]
+        offs_c = tl.program_id(1) * BLOCK_N + cols
+        tl.store(
+            C + g * stride_cm + offs_c, tl_round(total, out_ty, ROUND_IN_F32).to(out_ty), mask=offs_c < N
+        )
+
+
+# ---- launchers ------------------------------------------------------------------------------------
 
 
 def moe_gemm_launch(
@@ -216,15 +412,69 @@ def moe_gemm_launch(
     )  # fmt: skip
 
 
-def moe_warmup_tokens(num_experts: int, inter: int, hidden: int, top_k: int, max_tokens: int) -> list[int]:
-    """One token count per distinct kernel specialization of ``fused_moe`` up to ``max_tokens``
-    (the block-size entry of each GEMM, and the one-program vs chunked alignment), so that a
-    compile-time warm-up running these sizes leaves nothing for the runtime to compile."""
+def moe_gemv_launch(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    c: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    cfg: dict[str, int],
+    a_div: int,
+    fuse_silu: bool = False,
+    combine: bool = False,
+) -> None:
+    """Run the decode GEMV (no alignment; see the module docstring) into ``c``.
+
+    ``topk_ids [T, k]`` int32 (contiguous) and ``expert_map`` as ``fused_moe`` takes them; ``c``:
+    ``[T * k, N]`` one row per pair (pairs of other ranks' experts are left unwritten), or with
+    ``combine`` ``[T, N]``: row ``t`` = the sum over its local pairs (zeros when it has none).
+    ``a_div`` and ``topk_weights`` as for ``moe_gemm_launch``; ``cfg["BLOCK_M"]`` must be 1.
+    """
+    t, k = topk_ids.shape
+    if t == 0:
+        return
+    if cfg["BLOCK_M"] != 1:
+        raise ValueError(f"moe_gemv: the decode GEMV runs with BLOCK_M 1, got {cfg}")
+    if a.stride(1) != 1 or w.stride(2) != 1 or c.stride(1) != 1 or not topk_ids.is_contiguous():
+        raise ValueError("moe_gemv: a, w and c need a unit last stride, topk_ids a contiguous layout")
+    n_out = w.shape[1] // 2 if fuse_silu else w.shape[1]
+    bn = cfg["BLOCK_N"] // (2 if fuse_silu else 1)
+    fp8 = w.dtype == FP8_DTYPE
+    group = k if combine else 1
+    grid = (t if combine else t * k, triton.cdiv(n_out, bn))
+    _moe_gemv_kernel[grid](
+        a, a_scale if fp8 else a, w, w_scale if fp8 else w, c,
+        topk_weights if topk_weights is not None else c,
+        topk_ids, expert_map if expert_map is not None else topk_ids,
+        n_out, w.shape[2],
+        a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0) if fp8 else 0, c.stride(0),
+        A_DIV=a_div, GROUP=group, P_PAD=next_pow2(group), HAS_MAP=expert_map is not None,
+        FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None, FP8=fp8, ROUND_IN_F32=interpreting(),
+        BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+def specialization(c1: dict[str, int], c2: dict[str, int], tokens: int, top_k: int) -> tuple:
+    """What selects ``fused_moe``'s kernel specializations at ``tokens``: both configs, and for the
+    grouped GEMM the one-program vs chunked alignment (the decode GEMV has no alignment)."""
     from kiln.ops.moe_align import CHUNK
 
+    align = None if c1["BLOCK_M"] == 1 else tokens * top_k <= CHUNK
+    return tuple(c1[n] for n in CONFIG_KEYS), tuple(c2[n] for n in CONFIG_KEYS), align
+
+
+def moe_warmup_tokens(
+    num_experts: int, inter: int, hidden: int, top_k: int, max_tokens: int, tuning: str = ""
+) -> list[int]:
+    """One token count per distinct kernel specialization of ``fused_moe`` up to ``max_tokens``
+    (``specialization``; ``tuning`` as ``fused_moe`` gets it), so that a compile-time warm-up
+    running these sizes leaves nothing for the runtime to compile."""
     seen: dict[tuple, int] = {}
     for t in range(1, max_tokens + 1):
-        c1 = moe_config(num_experts, 2 * inter, hidden, t, top_k)
-        c2 = moe_config(num_experts, hidden, inter, t, top_k)
-        seen.setdefault((tuple(c1.values()), tuple(c2.values()), t * top_k <= CHUNK), t)
+        c1, c2 = pick_configs(tuning, num_experts, inter, hidden, t, top_k)
+        seen.setdefault(specialization(c1, c2, t, top_k), t)
     return sorted(seen.values())

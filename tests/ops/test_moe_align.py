@@ -76,6 +76,14 @@ def test_kernel_matches_reference(kernel_on_cpu, case, device="cpu"):
     check_layout(ids, None, e, bm, *outs)
 
 
+def test_scan_over_chunks_in_several_steps(kernel_on_cpu, monkeypatch):
+    monkeypatch.setattr(ma, "SCAN_ROWS", 2)  # 7 chunks: 4 steps of the offsets scan, the last partial
+    ids = routed(100, 8, 8, seed=7)
+    outs = ma._new_outputs(ids, 8, 16)
+    ma.moe_align_launch(ids, None, 8, 16, *outs)
+    assert all(torch.equal(a, b) for a, b in zip(outs, ma.moe_align_ref(ids, None, 8, 16)))
+
+
 def test_expert_map_drops_other_ranks_experts(kernel_on_cpu):
     ids = routed(13, 4, 32, seed=5)
     emap = torch.full((32,), -1, dtype=torch.int32)

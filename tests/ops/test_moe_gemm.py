@@ -1,6 +1,6 @@
-"""Grouped GEMM and the fused MoE op (ops/moe_gemm.py, ops/moe.py): kernels against the references
-(interpreter on CPU, compiled on the GPU) in bf16/fp16/fp32 and FP8, the reference against Hugging
-Face's expert block, expert maps, the block-size table and recorded tuning tables."""
+"""Grouped GEMM, decode GEMV and the fused MoE op (ops/moe_gemm.py, ops/moe.py): kernels against the
+references (interpreter on CPU, compiled on the GPU) in bf16/fp16/fp32 and FP8, the reference
+against Hugging Face's expert block, expert maps, the launch table and recorded tuning tables."""
 
 import json
 
@@ -16,6 +16,9 @@ from kiln.ops.quant import quantize_fp8_per_channel
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 FP8_TOL = 1e-2
 SMALL = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=2)
+GEMV = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)  # decode variant
+GEMV_SUM = dict(GEMV, GROUP_M=8)  # w2: the top-k sum in the GEMV (no combine kernel)
+VARIANTS = {"grouped": SMALL, "gemv": GEMV, "gemv_sum": GEMV_SUM}
 
 
 def assert_rel(out, ref, tol, what="output"):
@@ -90,6 +93,53 @@ def test_grouped_gemm_matches_per_pair_reference(kernel_on_cpu, dtype, mode):
     assert_rel(c, ref, TOL[dtype])
 
 
+@pytest.mark.parametrize("mode", ["plain", "fused_silu", "mul_weight", "combine"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_gemv_matches_per_pair_reference(kernel_on_cpu, dtype, mode):
+    t, h, i, e, k = 5, 48, 40, 8, 3  # H, I not multiples of the blocks
+    x, w13, w2, w, ids, _, _ = make_moe(t, h, i, e, k, dtype, seed=5)
+    flat = ids.reshape(-1).long()
+    cfg = dict(GEMV, BLOCK_N=8)
+    if mode in ("mul_weight", "combine"):
+        a = torch.randn(t * k, i).to(dtype)
+        rows = t if mode == "combine" else t * k
+        c = torch.full((rows, h), float("nan"), dtype=dtype)
+        mg.moe_gemv_launch(a, None, w2, None, c, w, ids, None, cfg, a_div=1, combine=mode == "combine")
+        ref = torch.stack([(a[p].float() @ w2[flat[p]].float().t()).to(dtype).float() for p in range(t * k)])
+        ref = (ref * w.reshape(-1, 1)).to(dtype)
+        if mode == "combine":  # the top-k sum of the rounded pair outputs, in float32, rounded once
+            ref = ref.float().reshape(t, k, h).sum(1).to(dtype)
+    else:
+        fuse = mode == "fused_silu"
+        c = torch.full((t * k, i if fuse else 2 * i), float("nan"), dtype=dtype)
+        mg.moe_gemv_launch(x, None, w13, None, c, None, ids, None, cfg, a_div=k, fuse_silu=fuse)
+        ref = torch.stack([(x[p // k].float() @ w13[flat[p]].float().t()).to(dtype) for p in range(t * k)])
+        if fuse:
+            from kiln.ops.activation import silu_and_mul_ref
+
+            ref = silu_and_mul_ref(ref)
+    assert_rel(c, ref, TOL[dtype])
+
+
+def test_gemv_skips_other_ranks_experts(kernel_on_cpu):
+    t, h, i, k = 4, 32, 24, 3
+    x, w13, w2, w, ids, _, _ = make_moe(t, h, i, 16, k, torch.float32, seed=6)
+    ids[0] = torch.tensor([9, 10, 11], dtype=torch.int32)  # token 0: no local expert at all
+    emap = torch.full((16,), -1, dtype=torch.int32)
+    emap[:8] = torch.arange(8, dtype=torch.int32)  # this rank holds global experts 0..7
+    w13, w2 = w13[:8].contiguous(), w2[:8].contiguous()
+    hid = torch.full((t * k, i), -5.0)
+    mg.moe_gemv_launch(x, None, w13, None, hid, None, ids, emap, GEMV, a_div=k, fuse_silu=True)
+    local = (ids.reshape(-1) < 8).tolist()
+    assert all((hid[p] == -5.0).all() != local[p] for p in range(t * k))  # other ranks' pairs untouched
+    hid[~torch.tensor(local)] = float("nan")  # never read: the combine masks them
+    out = torch.full((t, h), float("nan"))
+    mg.moe_gemv_launch(hid, None, w2, None, out, w, ids, emap, GEMV, a_div=1, combine=True)
+    assert (out[0] == 0).all()  # no local expert: zeros, as the combine writes
+    masked = torch.where(ids < 8, w, 0.0)
+    assert_rel(out, moe.fused_moe_ref(x, w13, w2, masked, torch.where(ids < 8, ids, 0)), TOL[torch.float32])
+
+
 # ---- the fused op -----------------------------------------------------------------------------------
 
 CASES = [  # (T, H, I, E, k, hot expert or None)
@@ -101,28 +151,51 @@ CASES = [  # (T, H, I, E, k, hot expert or None)
 ]
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-H{c[1]}-I{c[2]}-E{c[3]}-k{c[4]}-hot{c[5]}")
-def test_fused_moe_matches_reference(kernel_on_cpu, case, dtype):
+def test_fused_moe_matches_reference(kernel_on_cpu, case, dtype, variant):
     t, h, i, e, k, hot = case
     args = make_moe(t, h, i, e, k, dtype, seed=t + e, hot=hot)
-    assert_rel(run_fused(*args), moe.fused_moe_ref(*args[:5], None, *args[5:]), TOL[dtype])
+    out = run_fused(*args, cfg=VARIANTS[variant])
+    assert_rel(out, moe.fused_moe_ref(*args[:5], None, *args[5:]), TOL[dtype])
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"T{c[0]}-E{c[3]}-k{c[4]}")
-def test_fused_moe_fp8_matches_reference(kernel_on_cpu, case):
+def test_fused_moe_fp8_matches_reference(kernel_on_cpu, case, variant):
     t, h, i, e, k, hot = case
     args = make_moe(t, h, i, e, k, torch.bfloat16, fp8=True, seed=t + e + 1, hot=hot)
     assert args[1].dtype == FP8_DTYPE
-    assert_rel(run_fused(*args), moe.fused_moe_ref(*args[:5], None, *args[5:]), FP8_TOL)
+    out = run_fused(*args, cfg=VARIANTS[variant])
+    assert_rel(out, moe.fused_moe_ref(*args[:5], None, *args[5:]), FP8_TOL)
 
 
-def test_expert_map_sums_only_local_experts(kernel_on_cpu):
+def test_decode_sizes_run_the_gemv_by_default(kernel_on_cpu, monkeypatch):
+    t, h, i, e, k = 2, 64, 32, 128, 8  # Qwen3-30B-A3B's E and top-8: 2 tokens -> the decode GEMV
+    assert mg.pick_configs("", e, i, h, t, k)[0]["BLOCK_M"] == 1
+    args = make_moe(t, h, i, e, k, torch.bfloat16, seed=11)
+    launched = []
+    for name in ("moe_gemv_launch", "moe_gemm_launch", "moe_align_run", "moe_combine"):
+        real = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, _n=name, _f=real, **kw: launched.append(_n) or _f(*a, **kw))
+    out = torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], "")
+    assert launched == ["moe_gemv_launch", "moe_gemv_launch", "moe_combine"]  # no alignment
+    ref = moe.fused_moe_ref(*args[:5], None, *args[5:])
+    assert_rel(out, ref, TOL[torch.bfloat16])
+    launched.clear()  # a w2 GROUP_M above 1: the top-k sum in the GEMV, no combine kernel either
+    table = json.dumps({"4": {"w13": GEMV, "w2": GEMV_SUM}})
+    assert torch.equal(torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], table), out)
+    assert launched == ["moe_gemv_launch", "moe_gemv_launch"]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_expert_map_sums_only_local_experts(kernel_on_cpu, variant):
     x, w13, w2, w, ids, _, _ = make_moe(6, 32, 32, 16, 4, torch.float32, seed=9)
     emap = torch.full((16,), -1, dtype=torch.int32)
     emap[4:12] = torch.arange(8, dtype=torch.int32)  # this rank holds global experts 4..11
     local13, local2 = w13[4:12].contiguous(), w2[4:12].contiguous()
-    out = run_fused(x, local13, local2, w, ids, None, None, expert_map=emap)
+    out = run_fused(x, local13, local2, w, ids, None, None, expert_map=emap, cfg=VARIANTS[variant])
     ref = moe.fused_moe_ref(x, local13, local2, w, ids, emap)
     assert_rel(out, ref, TOL[torch.float32])
     masked = torch.where(
@@ -162,6 +235,12 @@ def test_op_dispatch_and_bad_arguments(monkeypatch):
     with pytest.raises(ValueError, match="w13_scale"):
         q13, q2 = w13.to(FP8_DTYPE), w2.to(FP8_DTYPE)
         torch.ops.kiln.fused_moe(x, q13, q2, w, ids, None, None, None, "")
+    with pytest.raises(ValueError, match="share BLOCK_M"):
+        moe.fused_moe_triton(x, w13, w2, w, ids, None, None, None, configs=(SMALL, GEMV))
+    with pytest.raises(ValueError, match=r"BLOCK_M 1 or 16\.\.256"):
+        moe.fused_moe_triton(x, w13, w2, w, ids, None, None, None, configs=(dict(SMALL, BLOCK_M=8),) * 2)
+    with pytest.raises(ValueError, match="positive ints"):
+        moe.fused_moe_triton(x, w13, w2, w, ids, None, None, None, configs=(dict(GEMV, SPLIT_K=2),) * 2)
 
 
 # ---- block sizes ------------------------------------------------------------------------------------
@@ -170,40 +249,69 @@ def test_op_dispatch_and_bad_arguments(monkeypatch):
 def test_moe_config_table():
     e, i, h, k = 128, 768, 2048, 8
     seen = []
-    for t in (1, 2, 8, 32, 128, 256, 512, 1024, 4096, 16384):
+    for t in (1, 2, 4, 5, 8, 32, 128, 256, 512, 1024, 4096, 16384):
         c1, c2 = mg.pick_configs("", e, i, h, t, k)
-        assert set(c1) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}
+        assert tuple(c1) == tuple(c2) == mg.CONFIG_KEYS
+        mg.check_config(c1), mg.check_config(c2)
         assert c1["BLOCK_M"] == c2["BLOCK_M"] == mg.moe_block_m(e, t, k)
-        assert c1 == mg.moe_config(e, 2 * i, h, t, k)
+        assert c1 == mg.moe_config(e, 2 * i, h, t, k, "w13") and c2 == mg.moe_config(e, h, i, t, k, "w2")
         seen.append(c1["BLOCK_M"])
-    assert seen == sorted(seen) and seen[0] == 16 and seen[-1] == 128
-    assert mg.moe_config(8, 64, 32, 1, 2)["BLOCK_K"] == 32  # never wider than the (padded) K
+    assert seen == sorted(seen) and seen[:3] == [1, 1, 1] and seen[3] == 16 and seen[-1] == 128
+    assert mg.moe_block_m(8, 1, 2) == 1 and mg.moe_block_m(8, 2, 2) == 16  # Mixtral: one token is decode
+    assert mg.moe_config(8, 64, 32, 5, 2)["BLOCK_K"] == 32  # never wider than the (padded) K
+    assert mg.moe_config(8, 8, 8, 1, 2)["BLOCK_N"] == 8  # the GEMV's tile is clipped too
+    rows = [r.max_rows for r in mg.DEFAULT_TABLE]
+    assert rows == sorted(rows) and rows[-1] == float("inf")
+    with pytest.raises(ValueError, match="gemm must be"):
+        mg.moe_config(e, h, i, 1, k, "w3")
+
+
+@pytest.mark.parametrize("shape", [(128, 768, 2048, 8), (8, 1792, 4096, 2), (64, 1408, 2048, 6)])
+def test_tuning_table_records_the_default_table(shape):
+    e, i, h, k = shape
+    recorded = mg.moe_tuning_table(e, i, h, k, 2048)
+    keys = [m for m, _ in mg.parse_tuning(recorded)]
+    assert keys[-1] == 2048 and len(keys) <= 2 * len(mg.DEFAULT_TABLE)  # rows, and auto BLOCK_M steps
+    for t in range(1, 2049):
+        assert mg.pick_configs(recorded, e, i, h, t, k) == mg.pick_configs("", e, i, h, t, k), t
+    assert json.loads(recorded)[str(keys[0])]["w13"]["BLOCK_M"] == (1 if 0.25 * e / k >= 1 else 16)
 
 
 def test_warmup_tokens_cover_every_specialization():
-    def signature(t, e, i, h, k):
-        c1, c2 = mg.pick_configs("", e, i, h, t, k)
-        return (tuple(c1.values()), tuple(c2.values()), t * k <= ma.CHUNK)
+    def signature(t, e, i, h, k, tuning=""):
+        return mg.specialization(*mg.pick_configs(tuning, e, i, h, t, k), t, k)
 
-    for e, i, h, k, n in ((128, 768, 2048, 8, 4096), (8, 1792, 4096, 2, 256)):
-        warm = mg.moe_warmup_tokens(e, i, h, k, n)
+    gemv_table = json.dumps({"3": {"w13": GEMV, "w2": GEMV}, "40": {"w13": SMALL, "w2": SMALL}})
+    for e, i, h, k, n, tuning in (
+        (128, 768, 2048, 8, 4096, ""),
+        (8, 1792, 4096, 2, 256, ""),
+        (16, 32, 32, 4, 100, gemv_table),
+    ):
+        warm = mg.moe_warmup_tokens(e, i, h, k, n, tuning)
         assert warm[0] == 1 and warm == sorted(warm) and warm[-1] <= n
-        sigs = [signature(t, e, i, h, k) for t in warm]
+        sigs = [signature(t, e, i, h, k, tuning) for t in warm]
         assert len(set(sigs)) == len(sigs)  # no redundant warm-up run
-        assert {signature(t, e, i, h, k) for t in range(1, n + 1)} == set(sigs)
+        assert {signature(t, e, i, h, k, tuning) for t in range(1, n + 1)} == set(sigs)
+    assert mg.moe_warmup_tokens(16, 32, 32, 4, 100, gemv_table) == [1, 4, 33]  # GEMV; one / chunked align
 
 
 def test_recorded_tuning_table_is_used(kernel_on_cpu):
     big = dict(SMALL, BLOCK_M=32, BLOCK_N=64)
-    table = json.dumps({"4": {"w13": SMALL, "w2": SMALL}, "64": {"w13": big, "w2": big}})
+    table = json.dumps(
+        {"2": {"w13": GEMV, "w2": GEMV}, "4": {"w13": SMALL, "w2": SMALL}, "64": {"w13": big, "w2": big}}
+    )
+    assert mg.pick_configs(table, 8, 32, 32, 2, 2) == (GEMV, GEMV)
     assert mg.pick_configs(table, 8, 32, 32, 3, 2) == (SMALL, SMALL)
     assert mg.pick_configs(table, 8, 32, 32, 5, 2) == (big, big)
     assert mg.pick_configs(table, 8, 32, 32, 999, 2) == (big, big)  # past the last entry: the last
-    args = make_moe(5, 32, 32, 8, 2, torch.float32, seed=4)
-    out = torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], table)
-    assert_rel(out, moe.fused_moe_ref(*args[:5], None, *args[5:]), TOL[torch.float32])
+    for t in (2, 5):  # the GEMV entry, then the grouped GEMM's
+        args = make_moe(t, 32, 32, 8, 2, torch.float32, seed=4)
+        out = torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], table)
+        assert_rel(out, moe.fused_moe_ref(*args[:5], None, *args[5:]), TOL[torch.float32])
     with pytest.raises(ValueError, match="one BLOCK_M"):
         mg.parse_tuning(json.dumps({"4": {"w13": SMALL, "w2": big}}))
+    with pytest.raises(ValueError, match="powers of two"):
+        mg.parse_tuning(json.dumps({"4": {"w13": dict(GEMV, BLOCK_K=48), "w2": GEMV}}))
 
 
 # ---- GPU: compiled kernels at Qwen3-30B-A3B and Mixtral sizes -----------------------------------------
@@ -213,11 +321,14 @@ def test_recorded_tuning_table_is_used(kernel_on_cpu):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize(
     "shape,t",
-    [((2048, 768, 128, 8), t) for t in (1, 64, 4096)] + [((4096, 1792, 8, 2), t) for t in (7, 300)],
+    [((2048, 768, 128, 8), t) for t in (1, 4, 8, 64, 4096)] + [((4096, 1792, 8, 2), t) for t in (1, 7, 300)],
     ids=[
-        "qwen3-30b-a3b-T1",
+        "qwen3-30b-a3b-T1",  # decode GEMV
+        "qwen3-30b-a3b-T4",  # decode GEMV, some experts hit twice
+        "qwen3-30b-a3b-T8",
         "qwen3-30b-a3b-T64",
         "qwen3-30b-a3b-T4096",
+        "mixtral-tp8-T1",  # decode GEMV
         "mixtral-tp8-T7",
         "mixtral-tp8-T300",
     ],
@@ -232,6 +343,21 @@ def test_gpu_fused_moe_matches_reference(compiled_gpu, shape, t, fp8):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("w2_group", [1, 8], ids=["w2-per-pair", "w2-topk-sum"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_gpu_gemv_variants(compiled_gpu, t, w2_group, fp8):
+    h, i, e, k = 2048, 768, 128, 8
+    args = make_moe(t, h, i, e, k, torch.bfloat16, fp8=fp8, device="cuda", seed=t + w2_group)
+    c1 = mg.moe_config(e, 2 * i, h, 1, k, "w13")
+    c2 = dict(mg.moe_config(e, h, i, 1, k, "w2"), GROUP_M=w2_group, BLOCK_N=8 if w2_group > 1 else 32)
+    assert c1["BLOCK_M"] == c2["BLOCK_M"] == 1
+    out = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+    moe.fused_moe_triton(*args[:5], None, *args[5:], configs=(c1, c2), out=out)
+    assert_rel(out, moe.fused_moe_ref(*args[:5], None, *args[5:]), FP8_TOL if fp8 else TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
 def test_gpu_float32_and_cuda_graph_replay(compiled_gpu):
     args = make_moe(16, 256, 128, 32, 4, torch.float32, device="cuda", seed=1)
     assert_rel(
@@ -239,13 +365,16 @@ def test_gpu_float32_and_cuda_graph_replay(compiled_gpu):
         moe.fused_moe_ref(*args[:5], None, *args[5:]),
         TOL[torch.float32],
     )
-    x, w13, w2, w, ids, _, _ = make_moe(32, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=2)
-    torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")  # compile outside capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")
-    for seed in (3, 4):
-        nx, _, _, nw, nids, _, _ = make_moe(32, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=seed)
-        x.copy_(nx), w.copy_(nw), ids.copy_(nids)
-        g.replay()
-        assert_rel(out, moe.fused_moe_ref(x, w13, w2, w, ids), TOL[torch.bfloat16])
+    for t in (32, 2):  # grouped GEMM, decode GEMV
+        x, w13, w2, w, ids, _, _ = make_moe(t, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=2)
+        torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")  # compile outside capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")
+        for seed in (3, 4):
+            nx, _, _, nw, nids, _, _ = make_moe(
+                t, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=seed
+            )
+            x.copy_(nx), w.copy_(nw), ids.copy_(nids)
+            g.replay()
+            assert_rel(out, moe.fused_moe_ref(x, w13, w2, w, ids), TOL[torch.bfloat16])
