@@ -13,11 +13,11 @@
 #      NPROMPTS (400; 0 skips the throughput run), MAXBS (256, compile --max-batch-size),
 #      KV (40, --kv-memory GiB), NO_TESTS=1, PROFILE=1 (per-kernel decode profile at batch 1 and 64).
 # Kernel stages instead of / before the end to end (bench/test_bench_moe.py):
-#      SWEEP=decode (1, 4, 8, 16 tokens) | prefill (4096 tokens) | all: the launch-config sweeps,
-#      best 3 per case printed; KERNELS=1: the fused-op rows (KILN_MOE_TUNING=table.json to try a
+#      SWEEP=1,4,8,16,4096 (token counts, any subset): the launch-config sweeps at those sizes, best
+#      3 per case printed; KERNELS=1: the fused-op rows (KILN_MOE_TUNING=table.json to try a
 #      retuned table); E2E=0: stop after those.
 # Writes into OUTDIR: gpu_tests.log, compile.log, latency.json, throughput.json, roofline_active.json
-# (and profile.json, moe_sweep_*.json/.txt, moe_kernels.json/.txt); prints the table last.
+# (and profile.json, moe_sweep_<sizes>.json/.txt, moe_kernels.json/.txt); prints the table last.
 set -o pipefail
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 source bench/gpu/env.sh
@@ -39,10 +39,10 @@ for k, v in sorted(best.items(), key=str):
     print(k, "frac, us, config:", sorted(v, key=lambda t: -t[0])[:3])
 PY
 }
-case "$SWEEP" in
-  decode|all) moe_bench moe_sweep_decode "sweep and (1tok or 4tok or 8tok or 16tok)" 560; best moe_sweep_decode ;;&
-  prefill|all) moe_bench moe_sweep_prefill "sweep and 4096tok" 560; best moe_sweep_prefill ;;
-esac
+if [ -n "$SWEEP" ]; then
+  tag=$(echo "$SWEEP" | tr ',' '_'); expr=$(echo "$SWEEP" | sed 's/\([0-9]*\)/\1tok/g; s/,/ or /g')
+  moe_bench "moe_sweep_$tag" "sweep and ($expr)" ${SWEEP_TIMEOUT:-560}; best "moe_sweep_$tag"
+fi
 if [ -n "$KERNELS" ]; then
   moe_bench moe_kernels "test_fused_moe and not sweep" 300
   grep -E "ceilings|triton\]|align\]" "$OUT/moe_kernels.txt"
