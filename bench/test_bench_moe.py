@@ -7,6 +7,10 @@ Rows of ``test_fused_moe`` (``impl``):
   with the default launch table (ops/moe_gemm.py: ``DEFAULT_TABLE``) or the recorded table in
   ``KILN_MOE_TUNING`` (the JSON ``moe_tuning_table`` writes, or a path to it): how a retuned table
   is checked before it becomes the default;
+* ``cutlass``: the same MoE with both GEMMs in ``torch._grouped_mm``, PyTorch's CUTLASS grouped
+  GEMM for sm90 (tokens sorted by expert with torch ops, our SiLU-and-mul, index_add combine):
+  CUTLASS beside Triton without carrying the CuTe DSL wheels (92 MB, over the GPU machine's
+  64 MiB transfer limit); on CPU (smoke) torch's reference grouped GEMM;
 * ``eager``: the torch baseline Hugging Face's expert loop amounts to (per hit expert: gather,
   gate_up, SiLU-and-mul, down, weight, index_add; bf16, not capturable: it reads the routing on the
   host);
@@ -54,7 +58,7 @@ from kiln.ops.quant import quantize_fp8_per_channel
 H, I, E, K = pick((2048, 768, 128, 8), (64, 32, 8, 2))
 TOKENS = pick([1, 8, 64, 256, 1024, 4096], [3])
 DEV = "cpu" if SMOKE else "cuda"
-IMPLS = ["triton", "triton_fp8", "eager", "routing", "align"]
+IMPLS = ["triton", "triton_fp8", "cutlass", "eager", "routing", "align"]
 
 
 def _tuning() -> str:
@@ -87,6 +91,20 @@ def eager_moe(x, w13, w2, weights, ids):
         y = (h @ w2[e].t()) * weights[tok, j, None].to(x.dtype)
         out.index_add_(0, tok, y)
     return out
+
+
+def cutlass_moe(x, w13t, w2t, weights, ids):
+    """Both expert GEMMs through ``torch._grouped_mm`` (CUTLASS); w13t [E, H, 2I], w2t [E, I, H]."""
+    flat = ids.reshape(-1)  # [T*k]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(w13t.shape[0], dtype=torch.int32, device=x.device)
+    counts.index_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0).to(torch.int32)  # [E] group ends
+    tok = order // ids.shape[1]
+    gu = torch._grouped_mm(x[tok], w13t, offs=offs)  # [T*k, 2I]
+    y = torch._grouped_mm(torch.ops.kiln.silu_and_mul(gu), w2t, offs=offs)  # [T*k, H]
+    y = y * weights.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, tok, y)
 
 
 @functools.lru_cache(maxsize=1)
@@ -132,6 +150,15 @@ def test_fused_moe(measure, t, impl):
         return
     if impl == "eager":
         fn = lambda: eager_moe(x, w13, w2, weights, ids)
+    elif impl == "cutlass":
+        if not hasattr(torch, "_grouped_mm"):
+            pytest.skip(f"torch {torch.__version__} has no _grouped_mm")
+        w13t, w2t = w13.transpose(1, 2), w2.transpose(1, 2)
+        out = cutlass_moe(x, w13t, w2t, weights, ids)
+        ref = eager_moe(x.float(), w13.float(), w2.float(), weights, ids)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 2e-2, f"grouped_mm MoE vs eager float32: relative error {err:.2e}"
+        fn = graphed(lambda: cutlass_moe(x, w13t, w2t, weights, ids))
     else:
         if impl == "triton_fp8":
             w13, s13 = quantize_fp8_per_channel(w13)
