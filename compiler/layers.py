@@ -64,7 +64,12 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)`` with W ``[out, in]``; FP8 weights carry ``weight_scale [out]``."""
+    """``y = x W^T (+ b)`` with W ``[out, in]``; FP8 weights carry ``weight_scale [out]``.
+
+    Non-FP8 weights go through ``kiln::linear``: at decode-sized T (<= ``KILN_GEMV_MAX_M``, 8) the
+    bandwidth-bound GEMV kernel of ops/gemv.py, otherwise cuBLAS; decided inside the op at run time
+    (T is dynamic in the exported graph). ``KILN_GEMV=0`` in the runtime's environment keeps cuBLAS.
+    """
 
     def __init__(
         self,
@@ -85,7 +90,7 @@ class Linear(nn.Module):
     def forward(self, x: Act) -> torch.Tensor:
         if self.quant != "fp8":
             assert isinstance(x, torch.Tensor)
-            return nn.functional.linear(x, self.weight, self.bias)
+            return torch.ops.kiln.linear(x, self.weight, self.bias)
         q = x if isinstance(x, QuantAct) else quantize_per_token(x)
         return torch.ops.kiln.fp8_linear(
             q.data, q.scale, self.weight, self.weight_scale, self.bias, self.out_dtype
@@ -169,7 +174,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Fused gate_up -> silu_and_mul (+ FP8 quant) -> down."""
+    """Fused gate_up -> silu_and_mul (+ FP8 quant) -> down.
+
+    Non-FP8: ``kiln::linear_silu_mul`` (at decode-sized T one GEMV that writes ``silu(gate) * up``
+    directly, else cuBLAS then ``silu_and_mul``), then ``down`` as a :class:`Linear`.
+    """
 
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, quant: str | None = None):
         super().__init__()
@@ -178,10 +187,12 @@ class MLP(nn.Module):
         self.down = Linear(hidden, intermediate, dtype, False, quant)
 
     def forward(self, x: Act) -> torch.Tensor:
-        gu = self.gate_up(x)  # [T, 2I]
         if self.quant == "fp8":
+            gu = self.gate_up(x)  # [T, 2I]
             return self.down(QuantAct(*torch.ops.kiln.silu_and_mul_quant(gu, None)))
-        return self.down(torch.ops.kiln.silu_and_mul(gu))  # [T, H]
+        assert isinstance(x, torch.Tensor)
+        act = torch.ops.kiln.linear_silu_mul(x, self.gate_up.weight, self.gate_up.bias)  # [T, I]
+        return self.down(act)  # [T, H]
 
 
 class LMHead(nn.Module):

@@ -12,6 +12,7 @@ from kiln.ops import (  # noqa: F401  (imported to register the ops)
     decode_attention,
     extend_attention,
     fp8_linear,
+    gemv,
     moe,
     moe_align,
     moe_routing,

@@ -1,0 +1,656 @@
+"""Skinny GEMM (GEMV) for decode: ``y [M, N] = x [M, K] @ W [N, K]^T (+ bias)`` with ``M`` small.
+
+At batch 1..8 a linear layer is a pass over its weight: the kernel's only job is to stream ``W``
+at HBM bandwidth. Each program owns ``BLOCK_N`` rows of ``W`` (and, with split-K, one slice of
+``K``), walks ``K`` in ``BLOCK_K`` chunks with 16-byte vector loads, and applies every chunk to all
+``M`` rows of ``x`` at once, so ``W`` is read exactly once. Accumulation is float32; the output is
+rounded once to the activation dtype (as cuBLAS does).
+
+Ops (``torch.ops.kiln.*``); ``x [T, K]`` and ``w [N, K]`` of one dtype (bf16, fp16 or fp32), ``w``
+row-major, ``bias [N]`` or None:
+
+* ``linear(x, w, bias) -> [T, N]``: what ``compiler/layers.py: Linear`` calls for non-FP8
+  weights. The GEMV kernel when ``1 <= T <= KILN_GEMV_MAX_M`` on a device that runs Triton,
+  ``torch.nn.functional.linear`` (cuBLAS) otherwise. The choice is made in the op body at call
+  time, so one exported graph with a dynamic T serves prefill (cuBLAS) and decode (GEMV).
+* ``linear_silu_mul(x, w, bias) -> [T, I]``: ``w`` is ``[2I, K]`` with the gate rows ``[0, I)``
+  and the up rows ``[I, 2I)`` (the packed ``mlp.gate_up.weight``). ``silu(gate) * up`` with the
+  roundings of ``linear`` followed by ``silu_and_mul`` (gate and up rounded to the activation
+  dtype, silu in float32 rounded, product rounded). Small T: one GEMV whose programs load the
+  matching gate and up rows and write the activation directly; otherwise ``F.linear`` then
+  ``silu_and_mul``.
+
+Switches, read at call time (so at CUDA-graph capture for decode graphs): ``KILN_GEMV=0`` sends
+every call to cuBLAS (+ ``silu_and_mul``); ``KILN_GEMV_MAX_M`` (default 8) is the largest T that
+takes the GEMV. On CPU the ops run cuBLAS's stand-in ``F.linear`` unless ``KILN_TRITON_ON_CPU=1``
+with ``TRITON_INTERPRET=1`` (ops/common.py), so CPU artifacts are unchanged.
+
+Kernels, picked by ``use_dot``:
+
+* ``_gemv_fma_kernel`` (CUDA cores; default for ``M <= 2``, takes ``M <= 4``): the W tile is
+  loaded as ``[BLOCK_N, BLOCK_K / VEC, VEC]`` (``VEC`` elements = one 16-byte load per thread);
+  each x row keeps a ``[BLOCK_N, BLOCK_K / VEC]`` float32 accumulator, summed inside each thread
+  per step; the cross-thread reduction happens once, after the K loop. x is loaded through
+  pointers of the W tile's shape (broadcast over rows) so it arrives in the same register layout
+  (repeat loads hit L1) and the loop has no layout conversion. There is no software pipeline on
+  this path: bytes in flight are one step's loads times the resident programs.
+* ``_gemv_dot_kernel`` (tensor cores; default for ``M >= 3``): swap-AB, ``acc [BLOCK_N, 16] +=
+  W_tile @ x_tile^T`` with x padded to 16 rows (mma.sync below 64 W rows, wgmma from 64); the W
+  tiles go through Triton's multi-stage cp.async pipeline (``num_stages``). The padded rows cost
+  tensor-core time only, which is plentiful at these intensities.
+
+Both were cross-compiled for sm_90 (no GPU here) at the Llama-3.1-8B shapes: no spills, no
+layout conversion inside the K loop, 16-byte global loads (FMA) or cp.async + mma (DOT). Neither
+has been timed yet: ``bench/test_bench_gemv.py`` measures them and sweeps the launch parameters.
+
+Split-K (``split_k > 1``, atomic-free): program ``(n, s)`` covers ``K`` slice ``s``, writes float32
+partials to a ``[split_k, M, N_partial]`` workspace, and ``_splitk_reduce_kernel`` sums them, adds
+the bias and applies the epilogue. For N = 4096 at M = 1 there are only ``4096 / BLOCK_N`` row
+slabs; a narrow ``BLOCK_N`` or split-K puts enough loads in flight on 132 SMs.
+
+Launch parameters: ``gemv_config(m, n, k, gate_up, ...)``: ``TUNED`` (measured winners, keyed by
+``(next_pow2(M), N, K, gate_up, dtype bytes)``) first, then ``heuristic_config``. Every parameter
+can be overridden by keyword on :func:`gemv`. The choice depends on ``M`` only through
+``next_pow2(M)`` and ``M`` is not specialized by Triton, so the compile warm-up (decode buckets
+1, 2, 4, 8) compiles every kernel a T <= 8 launch can need. (Exceptions: an artifact with
+``--max-batch-size`` < 8 whose prefill chunks of 5..8 tokens would pick a kernel the warm-up never
+ran, only if ``TUNED`` gives M class 8 a different config than class 4; ``KILN_GEMV_MAX_M`` > 8;
+``KILN_GEMV=0`` at compile time. Triton then compiles at run time, once, into the artifact's cache.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.ops.common import interpreting, next_pow2, use_triton
+from kiln.ops.quant import tl_round
+
+DEFAULT_MAX_M = 8
+DEFAULT_SMS = 132  # H200; used where no device can be asked (the interpreter)
+DOT_M = 16  # tensor-core tiles pad x to 16 rows
+FMA_MAX_M = 4  # the CUDA-core kernel keeps one accumulator per x row, up to 4
+REDUCE_BLOCK = 256
+
+
+def gemv_enabled() -> bool:
+    return os.environ.get("KILN_GEMV", "1") != "0"
+
+
+def gemv_max_m() -> int:
+    return int(os.environ.get("KILN_GEMV_MAX_M", DEFAULT_MAX_M))
+
+
+# ---- torch references -----------------------------------------------------------------------------
+
+
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 product (+ bias) rounded once to ``x.dtype``: what the kernel computes."""
+    y = x.float() @ w.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def gate_up_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu_and_mul(gemv_ref(x, w, bias))``: ``[M, 2I] -> [M, I]`` with the activation's roundings."""
+    from kiln.ops.activation import silu_and_mul_ref
+
+    return silu_and_mul_ref(gemv_ref(x, w, bias))
+
+
+# ---- Triton kernels -------------------------------------------------------------------------------
+
+
+@triton.jit
+def _act(g, u, GATE_UP: tl.constexpr, DT: tl.constexpr, ROUND_IN_F32: tl.constexpr):
+    """float32 sums (bias included) -> output values rounded to ``DT`` (as float32): ``g`` itself, or
+    with ``GATE_UP`` ``silu(g) * u`` with the roundings of ``linear`` + ``silu_and_mul``."""
+    if GATE_UP:
+        g = tl_round(g, DT, ROUND_IN_F32)
+        u = tl_round(u, DT, ROUND_IN_F32)
+        a = tl_round(g / (1.0 + tl.exp(-g)), DT, ROUND_IN_F32)
+        y = tl_round(a * u, DT, ROUND_IN_F32)
+    else:
+        y = tl_round(g, DT, ROUND_IN_F32)
+    return y
+
+
+@triton.jit
+def _load_f32(ptrs, mask, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=mask, other=0.0)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _fma4(a0, a1, a2, a3, w, x0, x1, x2, x3, BLOCK_M: tl.constexpr):
+    """``a_m[n, j] += sum_v w[n, j, v] * x_m[n, j, v]`` for the first ``BLOCK_M`` (<= 4) rows: the sum
+    over the ``VEC`` axis stays inside a thread (one 16-byte load's worth)."""
+    a0 += tl.sum(w * x0, axis=2)
+    if BLOCK_M > 1:
+        a1 += tl.sum(w * x1, axis=2)
+    if BLOCK_M > 2:
+        a2 += tl.sum(w * x2, axis=2)
+        a3 += tl.sum(w * x3, axis=2)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _finish_row(g, u, m, M, bg, bu, offs_n, n_mask, Y, P, pid_k, stride_ym, N_OUT,
+                SPLIT_K: tl.constexpr, GATE_UP: tl.constexpr, ROUND_IN_F32: tl.constexpr):  # fmt: skip
+    """Row ``m`` of an FMA program: reduce ``[BLOCK_N, KB]`` partial sums, then the output (bias,
+    epilogue, rounding) or, with split-K, the float32 partials."""
+    g = tl.sum(g, axis=1)  # [BLOCK_N]
+    mask = n_mask & (offs_n * 0 + m < M)
+    if SPLIT_K == 1:
+        if GATE_UP:
+            u = tl.sum(u, axis=1) + bu
+        DT: tl.constexpr = Y.dtype.element_ty
+        y = _act(g + bg, u, GATE_UP, DT, ROUND_IN_F32)
+        tl.store(Y + m * stride_ym + offs_n, y.to(DT), mask=mask)
+    else:
+        N_P = N_OUT * 2 if GATE_UP else N_OUT
+        p = P + (pid_k * M + m).to(tl.int64) * N_P + offs_n
+        tl.store(p, g, mask=mask)
+        if GATE_UP:
+            tl.store(p + N_OUT, tl.sum(u, axis=1), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_fma_kernel(
+    X,  # [M, K]
+    W,  # [N_W, K] row-major (N_W = N_OUT, or 2 * N_OUT for gate_up)
+    B,  # [N_W] bias (any pointer when HAS_BIAS is off)
+    Y,  # [M, N_OUT] output (SPLIT_K == 1)
+    P,  # [SPLIT_K, M, N_W] float32 partials (SPLIT_K > 1)
+    M,
+    N_OUT,
+    K,
+    K_SPLIT,  # K elements per split (a multiple of BLOCK_K)
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    UP_OFF,  # gate_up: first up row (= N_OUT)
+    BLOCK_M: tl.constexpr,  # 1, 2 or 4
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr,  # elements per 16-byte load
+    SPLIT_K: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,  # every split is a whole number of BLOCK_K steps inside K: no K masks
+    ROUND_IN_F32: tl.constexpr,  # the interpreter: round bf16 by hand
+):
+    """CUDA cores. The W tile is loaded as ``[BLOCK_N, BLOCK_K / VEC, VEC]`` so each thread owns whole
+    16-byte pieces; x is loaded through pointers of the same shape (broadcast over rows) so it lands
+    in the same layout with no shuffle through shared memory (repeated loads hit L1)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    KB: tl.constexpr = BLOCK_K // VEC
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N_OUT
+    # Rows past the end re-read the last valid row (clamped, not masked) so W loads stay unmasked and
+    # fully vectorized; their results are never stored. Same for x rows past M.
+    rows = tl.minimum(offs_n, N_OUT - 1).to(tl.int64)[:, None, None]
+    offs_k = (tl.arange(0, KB)[:, None] * VEC + tl.arange(0, VEC)[None, :])[None, :, :]  # [1, KB, VEC]
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    wg_ptrs = W + rows * stride_wn + k_lo + offs_k  # [BLOCK_N, KB, VEC]
+    wu_ptrs = wg_ptrs + UP_OFF * stride_wn
+    x_ptrs = X + k_lo + offs_k + 0 * rows  # [BLOCK_N, KB, VEC], every row the same
+    xo1 = tl.minimum(1, M - 1).to(tl.int64) * stride_xm
+    xo2 = tl.minimum(2, M - 1).to(tl.int64) * stride_xm
+    xo3 = tl.minimum(3, M - 1).to(tl.int64) * stride_xm
+    g0 = tl.zeros([BLOCK_N, KB], dtype=tl.float32)
+    g1 = tl.zeros([BLOCK_N, KB], dtype=tl.float32)
+    g2 = tl.zeros([BLOCK_N, KB], dtype=tl.float32)
+    g3 = tl.zeros([BLOCK_N, KB], dtype=tl.float32)
+    u0 = tl.zeros([BLOCK_N, KB], dtype=tl.float32)
+    u1 = tl.zeros([BLOCK_N, KB], dtype=tl.float32)
+    u2 = tl.zeros([BLOCK_N, KB], dtype=tl.float32)
+    u3 = tl.zeros([BLOCK_N, KB], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            k_mask = None
+        else:
+            k_mask = k + offs_k < k_hi
+        x0 = _load_f32(x_ptrs, k_mask, EVEN_K)
+        x1 = x0
+        x2 = x0
+        x3 = x0
+        if BLOCK_M > 1:
+            x1 = _load_f32(x_ptrs + xo1, k_mask, EVEN_K)
+        if BLOCK_M > 2:
+            x2 = _load_f32(x_ptrs + xo2, k_mask, EVEN_K)
+            x3 = _load_f32(x_ptrs + xo3, k_mask, EVEN_K)
+        w = _load_f32(wg_ptrs, k_mask, EVEN_K)
+        g0, g1, g2, g3 = _fma4(g0, g1, g2, g3, w, x0, x1, x2, x3, BLOCK_M)
+        if GATE_UP:
+            w = _load_f32(wu_ptrs, k_mask, EVEN_K)
+            u0, u1, u2, u3 = _fma4(u0, u1, u2, u3, w, x0, x1, x2, x3, BLOCK_M)
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    bg = 0.0
+    bu = 0.0
+    if HAS_BIAS and SPLIT_K == 1:  # with split-K the reduce kernel adds it
+        bg = tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if GATE_UP:
+            bu = tl.load(B + UP_OFF + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    _finish_row(
+        g0, u0, 0, M, bg, bu, offs_n, n_mask, Y, P, pid_k, stride_ym, N_OUT, SPLIT_K, GATE_UP, ROUND_IN_F32
+    )
+    if BLOCK_M > 1:
+        _finish_row(
+            g1,
+            u1,
+            1,
+            M,
+            bg,
+            bu,
+            offs_n,
+            n_mask,
+            Y,
+            P,
+            pid_k,
+            stride_ym,
+            N_OUT,
+            SPLIT_K,
+            GATE_UP,
+            ROUND_IN_F32,
+        )
+    if BLOCK_M > 2:
+        _finish_row(
+            g2,
+            u2,
+            2,
+            M,
+            bg,
+            bu,
+            offs_n,
+            n_mask,
+            Y,
+            P,
+            pid_k,
+            stride_ym,
+            N_OUT,
+            SPLIT_K,
+            GATE_UP,
+            ROUND_IN_F32,
+        )
+        _finish_row(
+            g3,
+            u3,
+            3,
+            M,
+            bg,
+            bu,
+            offs_n,
+            n_mask,
+            Y,
+            P,
+            pid_k,
+            stride_ym,
+            N_OUT,
+            SPLIT_K,
+            GATE_UP,
+            ROUND_IN_F32,
+        )
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    if UPCAST or a.dtype == tl.float32:  # fp32 inputs: no tf32; the interpreter's 16-bit dot is wrong
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_dot_kernel(
+    X, W, B, Y, P,  # as _gemv_fma_kernel
+    M, N_OUT, K, K_SPLIT, stride_xm, stride_wn, stride_ym, UP_OFF,
+    BLOCK_M: tl.constexpr,  # >= 16: x rows padded for the tensor cores
+    BLOCK_N: tl.constexpr,  # >= 16
+    BLOCK_K: tl.constexpr,  # >= 16
+    SPLIT_K: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ROUND_IN_F32: tl.constexpr,  # the interpreter: round bf16 by hand, float32 dots
+):  # fmt: skip
+    """Tensor cores, swap-AB: ``acc [BLOCK_N, BLOCK_M] += W_tile [BLOCK_N, BLOCK_K] @ x_tile^T``. The
+    W tiles go through the software pipeline (``num_stages``) like any Triton matmul operand."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    DT: tl.constexpr = Y.dtype.element_ty
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N_OUT
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)[None, :]
+    rows = tl.minimum(offs_n, N_OUT - 1).to(tl.int64)[:, None]  # clamped, as in the FMA kernel
+    rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)[:, None]
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    wg_ptrs = W + rows * stride_wn + k_lo + offs_k  # [BLOCK_N, BLOCK_K]
+    wu_ptrs = wg_ptrs + UP_OFF * stride_wn
+    x_ptrs = X + rows_x * stride_xm + k_lo + offs_k  # [BLOCK_M, BLOCK_K]
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            xt = tl.trans(tl.load(x_ptrs))  # [BLOCK_K, BLOCK_M]
+            wg = tl.load(wg_ptrs)
+        else:
+            k_mask = k + offs_k < k_hi
+            xt = tl.trans(tl.load(x_ptrs, mask=k_mask, other=0.0))
+            wg = tl.load(wg_ptrs, mask=k_mask, other=0.0)
+        acc_g = _dot(wg, xt, acc_g, ROUND_IN_F32)
+        if GATE_UP:
+            if EVEN_K:
+                wu = tl.load(wu_ptrs)
+            else:
+                wu = tl.load(wu_ptrs, mask=k_mask, other=0.0)
+            acc_u = _dot(wu, xt, acc_u, ROUND_IN_F32)
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    mask = n_mask[:, None] & (offs_m < M)[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc_g += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            if GATE_UP:
+                acc_u += tl.load(B + UP_OFF + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        y = _act(acc_g, acc_u, GATE_UP, DT, ROUND_IN_F32)
+        tl.store(Y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None], y.to(DT), mask=mask)
+    else:
+        N_P = N_OUT * 2 if GATE_UP else N_OUT
+        p = P + (pid_k * M + offs_m[None, :]).to(tl.int64) * N_P + offs_n[:, None]
+        tl.store(p, acc_g, mask=mask)
+        if GATE_UP:
+            tl.store(p + N_OUT, acc_u, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _splitk_reduce_kernel(
+    P,  # [SPLIT_K, M, N_P] float32
+    B,
+    Y,  # [M, N_OUT]
+    M,
+    N_OUT,
+    stride_ym,
+    UP_OFF,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROUND_IN_F32: tl.constexpr,
+):
+    row = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n_mask = offs_n < N_OUT
+    N_P = N_OUT * 2 if GATE_UP else N_OUT
+    g = tl.zeros([BLOCK], dtype=tl.float32)
+    u = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        p = P + (s * M + row).to(tl.int64) * N_P + offs_n
+        g += tl.load(p, mask=n_mask, other=0.0)
+        if GATE_UP:
+            u += tl.load(p + N_OUT, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        g += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if GATE_UP:
+            u += tl.load(B + UP_OFF + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    DT: tl.constexpr = Y.dtype.element_ty
+    y = _act(g, u, GATE_UP, DT, ROUND_IN_F32)
+    tl.store(Y + row.to(tl.int64) * stride_ym + offs_n, y.to(DT), mask=n_mask)
+
+
+# ---- launch configuration -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int
+    use_dot: bool
+
+
+# Measured winners (bench/test_bench_gemv.py::test_gemv_sweep prints entries in this form), keyed by
+# (next_pow2(M), N_out, K, gate_up, element bytes). Empty until the first GPU sweep; the heuristic
+# below serves every shape meanwhile.
+TUNED: dict[tuple[int, int, int, bool, int], GemvConfig] = {}
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def heuristic_config(
+    m: int, n_out: int, k: int, gate_up: bool, elem_bytes: int, sms: int, use_dot: bool | None = None
+) -> GemvConfig:
+    """A first guess (checked for registers and spills by cross-compiling for sm_90, not timed),
+    meant to be replaced by ``TUNED`` entries from the GPU sweep.
+
+    FMA path for ``M <= 2``, 4 warps: ``BLOCK_N`` the widest power of two <= 16 (8 for gate_up,
+    which loads two tiles) that still makes >= 4 programs per SM, so N = 4096 gets narrow slabs
+    rather than split-K; then ``BLOCK_K`` so each thread has 4 (M = 1) or 2 (M = 2) 16-byte W
+    loads in flight per step (no software pipeline on this path: bytes in flight come from the
+    loads of one step times the resident programs). DOT path for ``M >= 3``: 16-row W tiles,
+    ``BLOCK_K`` 256, 4 stages (48 KiB of shared memory). Split-K (both paths) only while there
+    are fewer than 2 programs per SM and each split keeps >= 4 K steps. ``use_dot`` forces a path.
+    """
+    bm = next_pow2(m)
+    if use_dot is None:
+        use_dot = bm > 2
+    vec = 16 // elem_bytes
+    warps = 4
+    kp = max(16, next_pow2(k))
+    if use_dot:
+        block_n, block_k, stages = 16, min(256, kp), 4
+    else:
+        stages = 1
+        block_n = (16 if bm == 1 else 8) // (2 if gate_up else 1)
+        while block_n > 2 and triton.cdiv(n_out, block_n) < 4 * sms:
+            block_n //= 2
+        loads = (4 if bm == 1 else 2) // (2 if gate_up else 1)  # 16-byte W loads per thread per step
+        block_k = max(vec, min(kp, 2048, loads * vec * 32 * warps // block_n))
+    split = 1
+    tiles = triton.cdiv(n_out, block_n)
+    while tiles * split < 2 * sms and k // (2 * split * block_k) >= 4:
+        split *= 2
+    return GemvConfig(block_n, block_k, warps, stages, split, use_dot)
+
+
+def gemv_config(
+    m: int, n_out: int, k: int, gate_up: bool = False, elem_bytes: int = 2, sms: int = DEFAULT_SMS
+) -> GemvConfig:
+    """Launch parameters for an ``[m, k] x [n_out (x2 for gate_up), k]^T`` GEMV (tuned or heuristic)."""
+    tuned = TUNED.get((next_pow2(m), n_out, k, gate_up, elem_bytes))
+    return tuned if tuned is not None else heuristic_config(m, n_out, k, gate_up, elem_bytes, sms)
+
+
+# ---- launcher -------------------------------------------------------------------------------------
+
+
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    gate_up: bool = False,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    split_k: int | None = None,
+    use_dot: bool | None = None,
+) -> torch.Tensor:
+    """Launch the GEMV (no dispatch: always the Triton kernel). ``x [M, K]``, ``w [N, K]`` (``[2I, K]``
+    with ``gate_up``), ``bias [N]`` / ``[2I]``; returns ``[M, N]`` / ``[M, I]`` in ``x.dtype``
+    (into ``out`` when given). Keywords override the :func:`gemv_config` choice."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"gemv: need x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"gemv: x and w must share a bf16/fp16/fp32 dtype, got {x.dtype} and {w.dtype}")
+    n_w = w.shape[0]
+    if gate_up and n_w % 2:
+        raise ValueError(f"gemv: gate_up needs an even number of weight rows, got {n_w}")
+    if bias is not None and bias.shape != (n_w,):
+        raise ValueError(f"gemv: bias must be [{n_w}], got {tuple(bias.shape)}")
+    m, k = x.shape
+    n_out = n_w // 2 if gate_up else n_w
+    if out is None:
+        out = x.new_empty((m, n_out))
+    elif out.shape != (m, n_out) or out.dtype != x.dtype or (m and n_out and out.stride(1) != 1):
+        raise ValueError(f"gemv: out must be [{m}, {n_out}] {x.dtype} with unit column stride")
+    if m == 0 or n_out == 0:
+        return out
+    if k == 0:
+        return out.copy_(gate_up_ref(x, w, bias) if gate_up else gemv_ref(x, w, bias))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    sms = sm_count(x.device)
+    cfg = gemv_config(m, n_out, k, gate_up, x.element_size(), sms)
+    if use_dot is not None and use_dot != cfg.use_dot:  # the other path's own defaults
+        cfg = heuristic_config(m, n_out, k, gate_up, x.element_size(), sms, use_dot)
+    cfg = dataclasses.replace(
+        cfg,
+        **{
+            name: v
+            for name, v in (
+                ("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps),
+                ("num_stages", num_stages), ("split_k", split_k), ("use_dot", use_dot),
+            )
+            if v is not None
+        },
+    )  # fmt: skip
+    bm = next_pow2(m)
+    if cfg.use_dot:
+        bm = max(DOT_M, bm)
+        if cfg.block_n < 16 or cfg.block_k < 16:
+            raise ValueError(f"gemv: the tensor-core path needs block_n and block_k >= 16, got {cfg}")
+    elif bm > FMA_MAX_M:
+        raise ValueError(f"gemv: the FMA path takes M <= {FMA_MAX_M}, got M={m} (use_dot=True)")
+    vec = 16 // x.element_size()
+    if cfg.block_k < vec or cfg.block_k & (cfg.block_k - 1) or cfg.block_n & (cfg.block_n - 1):
+        raise ValueError(f"gemv: block_n and block_k must be powers of two, block_k >= {vec}; got {cfg}")
+    # Each split covers a whole number of BLOCK_K steps; the realized split count can be lower.
+    k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(k, k_split)
+    interp = interpreting()
+    grid = (triton.cdiv(n_out, cfg.block_n), splits)
+    part = x.new_empty((splits, m, n_w), dtype=torch.float32) if splits > 1 else out
+    args = (
+        x, w, bias if bias is not None else w, out, part,
+        m, n_out, k, k_split, x.stride(0), w.stride(0), out.stride(0), n_out if gate_up else 0,
+    )  # fmt: skip
+    meta = dict(
+        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=splits, GATE_UP=gate_up,
+        HAS_BIAS=bias is not None, EVEN_K=k % k_split == 0, ROUND_IN_F32=interp,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if cfg.use_dot:
+        _gemv_dot_kernel[grid](*args, **meta)
+    else:
+        _gemv_fma_kernel[grid](*args, VEC=vec, **meta)
+    if splits > 1:
+        _splitk_reduce_kernel[(m, triton.cdiv(n_out, REDUCE_BLOCK))](
+            part, bias if bias is not None else part, out, m, n_out, out.stride(0),
+            n_out if gate_up else 0,
+            SPLIT_K=splits, BLOCK=REDUCE_BLOCK, GATE_UP=gate_up, HAS_BIAS=bias is not None,
+            ROUND_IN_F32=interp, num_warps=2,
+        )  # fmt: skip
+    return out
+
+
+def compile_for(
+    m: int, n_out: int, k: int, gate_up: bool, cfg: GemvConfig, dtype: torch.dtype = torch.bfloat16
+) -> str | None:
+    """Compile the kernels of one ``(M, N, K, gate_up, cfg)`` launch into Triton's cache by running
+    it once on the current CUDA device with stand-in tensors of the same specialization (16 or 17
+    weight rows instead of N: every N-derived argument keeps its divisibility class). Lets a sweep
+    compile its candidates in several processes at once. Returns None, or the error's text."""
+    n = 16 if n_out % 16 == 0 else 17
+    try:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        w = torch.randn(2 * n if gate_up else n, k, device="cuda", dtype=dtype)
+        gemv(x, w, gate_up=gate_up, **dataclasses.asdict(cfg))
+        torch.cuda.synchronize()
+    except Exception as err:  # reported to the caller: a config the GPU cannot run
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+# ---- custom ops -----------------------------------------------------------------------------------
+
+
+def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``linear``/``linear_silu_mul`` take the GEMV for this call (see the module docstring)."""
+    return (
+        gemv_enabled()
+        and x.dim() == 2
+        and w.dim() == 2
+        and 1 <= x.shape[0] <= gemv_max_m()
+        and x.dtype == w.dtype
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and w.stride(1) == 1
+        and use_triton(x)
+    )
+
+
+@torch.library.custom_op("kiln::linear", mutates_args=())
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [T, K] @ w [N, K]^T (+ bias)`` ``[T, N]``: the GEMV at small T, else ``F.linear``."""
+    if use_gemv(x, w):
+        return gemv(x, w, bias)
+    return torch.nn.functional.linear(x, w, bias)
+
+
+@linear.register_fake
+def _(x, w, bias):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@torch.library.custom_op("kiln::linear_silu_mul", mutates_args=())
+def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``silu_and_mul(x @ w^T (+ bias))`` ``[T, I]`` for ``w [2I, K]`` (gate rows, then up rows)."""
+    if w.shape[0] % 2:
+        raise ValueError(f"linear_silu_mul: w must have 2I rows, got {tuple(w.shape)}")
+    if use_gemv(x, w):
+        return gemv(x, w, bias, gate_up=True)
+    gu = torch.nn.functional.linear(x, w, bias)
+    if use_triton(gu) and gu.dim() == 2:
+        return torch.ops.kiln.silu_and_mul(gu)
+    from kiln.ops.activation import silu_and_mul_ref
+
+    return silu_and_mul_ref(gu.reshape(-1, gu.shape[-1])).reshape(*gu.shape[:-1], -1).contiguous()
+
+
+@linear_silu_mul.register_fake
+def _(x, w, bias):
+    return x.new_empty((*x.shape[:-1], w.shape[0] // 2))

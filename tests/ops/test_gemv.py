@@ -1,0 +1,307 @@
+"""Skinny GEMM / GEMV (ops/gemv.py): both kernels (CUDA-core FMA, tensor-core swap-AB) against the
+float32 reference through the interpreter, with bias, split-K, the fused gate_up epilogue and shapes
+that are not multiples of the blocks; the launch heuristic; the ``kiln::linear`` /
+``kiln::linear_silu_mul`` dispatch and switches; torch.export; and a tiny compiled model whose decode
+steps run the GEMV against Hugging Face."""
+
+import pytest
+import torch
+
+from kiln.ops import gemv as G
+from kiln.ops.activation import silu_and_mul_ref
+from kiln.ops.common import interpreting, next_pow2
+
+# Launch overrides per path. Blocks are small so the interpreter stays quick and every program
+# sees several K steps, a ragged last step and (split-K) uneven slices.
+PATHS = {
+    "default": {},
+    "fma": dict(use_dot=False, block_n=8, block_k=64, split_k=1),
+    "fma_splitk": dict(use_dot=False, block_n=4, block_k=32, split_k=3),
+    "dot": dict(use_dot=True, block_n=16, block_k=32, split_k=1, num_stages=2),
+    "dot_splitk": dict(use_dot=True, block_n=32, block_k=16, split_k=4),
+}
+
+
+@pytest.fixture
+def kernel_on_cpu(monkeypatch):
+    if not interpreting():
+        pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set by tests/conftest.py)")
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+    monkeypatch.delenv("KILN_GEMV", raising=False)
+    monkeypatch.delenv("KILN_GEMV_MAX_M", raising=False)
+
+
+def make(m, n, k, dtype, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+def check(out, ref):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:  # one rounding of a float32 sum: at most a flip of the last bit against the reference
+        torch.testing.assert_close(out, ref, rtol=2**-7, atol=1e-3)
+
+
+def skip_unsupported(m, path):
+    if PATHS[path].get("use_dot") is False and next_pow2(m) > G.FMA_MAX_M:
+        pytest.skip(f"the FMA kernel takes M <= {G.FMA_MAX_M}")
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_gemv_matches_reference(kernel_on_cpu, m, path, bias):
+    skip_unsupported(m, path)
+    x, w, b = make(m, 40, 200, torch.bfloat16, bias)  # N, K: not multiples of any block
+    check(G.gemv(x, w, b, **PATHS[path]), G.gemv_ref(x, w, b))
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("path", ["default", "fma_splitk", "dot", "dot_splitk"])
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_gate_up_matches_reference(kernel_on_cpu, m, path, bias):
+    skip_unsupported(m, path)
+    x, w, b = make(m, 2 * 24, 136, torch.bfloat16, bias)  # I = 24, K = 136
+    out = G.gemv(x, w, b, gate_up=True, **PATHS[path])
+    check(out, G.gate_up_ref(x, w, b))
+    # the unfused chain: linear (rounded) then silu_and_mul with its roundings
+    check(out, silu_and_mul_ref(G.gemv_ref(x, w, b)))
+
+
+@pytest.mark.parametrize("gate_up", [False, True])
+@pytest.mark.parametrize("path", ["fma", "dot_splitk"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_float32(kernel_on_cpu, m, path, gate_up):
+    skip_unsupported(m, path)
+    x, w, b = make(m, 48, 100, torch.float32, bias=True)
+    ref = G.gate_up_ref(x, w, b) if gate_up else G.gemv_ref(x, w, b)
+    check(G.gemv(x, w, b, gate_up=gate_up, **PATHS[path]), ref)
+
+
+def test_even_k_and_strided_x(kernel_on_cpu):
+    """K a multiple of every split (no K masks), x a column slice of a wider tensor, an ``out=``."""
+    x, w, b = make(2, 64, 256, torch.bfloat16, bias=True)
+    wide = torch.cat([x, torch.ones(2, 16, dtype=x.dtype)], dim=1)[:, :256]
+    out = torch.full((2, 64), float("nan"), dtype=torch.bfloat16)
+    for kw in (dict(use_dot=False, block_n=16, block_k=64, split_k=2), dict(use_dot=True, block_k=64)):
+        check(G.gemv(wide, w, b, out=out, **kw), G.gemv_ref(x, w, b))
+
+
+def test_heuristic_defaults_run(kernel_on_cpu, monkeypatch):
+    """The heuristic's own choices (split-K included), on a pretend 8-SM device."""
+    monkeypatch.setattr(G, "DEFAULT_SMS", 8)
+    for m in (1, 4):
+        x, w, _ = make(m, 16, 16384, torch.bfloat16)
+        cfg = G.gemv_config(m, 16, 16384, sms=8)
+        assert cfg.split_k > 1, cfg  # 16 rows leave the SMs short: the heuristic splits K
+        check(G.gemv(x, w), G.gemv_ref(x, w))
+
+
+LLAMA8B = [
+    (6144, 4096, False),
+    (4096, 4096, False),
+    (14336, 4096, True),
+    (4096, 14336, False),
+    (128256, 4096, False),
+]
+
+
+@pytest.mark.parametrize("n,k,gate_up", LLAMA8B)
+def test_heuristic_is_valid_and_depends_on_m_class_only(n, k, gate_up):
+    """Launchable choices, and the same one for every M of a power-of-two class (so the compile
+    warm-up of the decode buckets 1, 2, 4, 8 compiles every kernel a T <= 8 launch needs)."""
+    for m in range(1, 9):
+        cfg = G.heuristic_config(m, n, k, gate_up, 2, 132)
+        assert cfg == G.heuristic_config(next_pow2(m), n, k, gate_up, 2, 132)
+        assert cfg.use_dot == (next_pow2(m) > 2)
+        for v in (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.split_k):
+            assert v & (v - 1) == 0, cfg
+        assert cfg.block_k >= 8 and (not cfg.use_dot or cfg.block_n >= 16)
+        programs = -(-n // cfg.block_n) * cfg.split_k
+        assert programs >= 2 * 132, cfg  # the grid covers the GPU at least twice
+
+
+def test_gemv_rejects_bad_input():
+    x, w, _ = make(2, 8, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="share"):
+        G.gemv(x, w.float())
+    with pytest.raises(ValueError, match="gate_up"):
+        G.gemv(x, w[:7], gate_up=True)
+    with pytest.raises(ValueError, match="FMA"):
+        G.gemv(torch.randn(8, 16).bfloat16(), w, use_dot=False)
+    with pytest.raises(ValueError, match="bias"):
+        G.gemv(x, w, torch.zeros(3, dtype=x.dtype))
+
+
+# ---- the ops: dispatch, switches, export ---------------------------------------------------------
+
+
+@pytest.fixture
+def count_gemv(monkeypatch):
+    calls = []
+    real = G.gemv
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(G, "gemv", spy)
+    return calls
+
+
+def test_linear_dispatch(kernel_on_cpu, count_gemv, monkeypatch):
+    x, w, b = make(9, 40, 72, torch.bfloat16, bias=True)
+    for t in (1, 3, 8, 9):
+        out = torch.ops.kiln.linear(x[:t], w, b)
+        check(out, G.gemv_ref(x[:t], w, b))
+    assert count_gemv == [1, 3, 8]  # T = 9 > KILN_GEMV_MAX_M took F.linear
+    monkeypatch.setenv("KILN_GEMV_MAX_M", "2")
+    torch.ops.kiln.linear(x[:3], w, b)
+    monkeypatch.setenv("KILN_GEMV", "0")
+    torch.ops.kiln.linear(x[:1], w, b)
+    monkeypatch.delenv("KILN_GEMV_MAX_M")
+    gu = torch.ops.kiln.linear_silu_mul(x[:2], w, b)
+    check(gu, G.gate_up_ref(x[:2], w, b))
+    assert count_gemv == [1, 3, 8]  # switched off: nothing more reached the kernel
+    monkeypatch.delenv("KILN_GEMV")
+    check(torch.ops.kiln.linear_silu_mul(x[:2], w, b), G.gate_up_ref(x[:2], w, b))
+    check(torch.ops.kiln.linear_silu_mul(x, w, b), G.gate_up_ref(x, w, b))  # F.linear + silu_and_mul
+    assert count_gemv == [1, 3, 8, 2]
+
+
+def test_ops_without_triton_are_the_torch_ops(monkeypatch):
+    """On CPU without the interpreter switch the ops are exactly what Linear/MLP ran before."""
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "0")
+    x, w, b = make(3, 40, 72, torch.float32, bias=True)
+    lin = torch.nn.functional.linear(x, w, b)
+    assert torch.equal(torch.ops.kiln.linear(x, w, b), lin)
+    assert torch.equal(torch.ops.kiln.linear_silu_mul(x, w, b), silu_and_mul_ref(lin))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, w1, b1, w2):
+        super().__init__()
+        self.register_buffer("w1", w1)
+        self.register_buffer("b1", b1)
+        self.register_buffer("w2", w2)
+
+    def forward(self, x):
+        return torch.ops.kiln.linear(torch.ops.kiln.linear_silu_mul(x, self.w1, self.b1), self.w2, None)
+
+
+def test_export_dynamic_tokens(kernel_on_cpu, count_gemv):
+    """One exported graph (dynamic T) runs the GEMV at T <= 8 and F.linear beyond: the choice is
+    made in the op body, not at trace time."""
+    g = torch.Generator().manual_seed(3)
+    w1 = (torch.randn(48, 32, generator=g) / 6).bfloat16()
+    b1 = torch.randn(48, generator=g).bfloat16()
+    w2 = (torch.randn(16, 24, generator=g) / 5).bfloat16()
+    block = _Block(w1, b1, w2)
+    t = torch.export.Dim("T", min=1, max=64)
+    ep = torch.export.export(block, (torch.randn(4, 32).bfloat16(),), dynamic_shapes=({0: t},), strict=False)
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count("kiln.linear.default") == 1 and targets.count("kiln.linear_silu_mul.default") == 1
+    count_gemv.clear()
+    for tokens in (1, 5, 20):
+        x = torch.randn(tokens, 32, generator=g).bfloat16()
+        ref = G.gemv_ref(G.gate_up_ref(x, w1, b1), w2)
+        check(ep.module()(x), ref)
+    assert count_gemv == [1, 1, 5, 5]
+
+
+def test_compiled_model_decode_runs_gemv_and_matches_hf(tmp_path, monkeypatch):
+    """A tiny Llama compiled for the CPU; decode steps (T = 2 <= 8) with every op running its
+    Triton kernel through the interpreter, so qkv/o/gate_up/down are the GEMV (gate_up fused)."""
+    from tiny_models import check_against_hf, make_checkpoint
+
+    from kiln.compiler.build import CompileOptions, compile_model
+    from kiln.runtime.direct import DirectRunner
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
+    hf = make_checkpoint(tmp_path / "hf", "qwen2-bias")  # qkv bias: the GEMV's bias path too
+    opts = CompileOptions(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64, chunk_size=32)
+    compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
+    ep = torch.export.load(tmp_path / "art" / "graphs" / "model.pt2")
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    layers = hf.config.num_hidden_layers
+    assert targets.count("kiln.linear.default") == 3 * layers  # qkv, o, down
+    assert targets.count("kiln.linear_silu_mul.default") == layers
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+    calls = []
+    real = G.gemv
+    monkeypatch.setattr(G, "gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    runner = DirectRunner(str(tmp_path / "art"), device="cpu", num_slots=128)
+    check_against_hf(runner, hf, [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 24]], decode_steps=2)
+    assert calls and set(calls) == {2}  # decode only: the 14-token prefill took F.linear
+
+
+# ---- GPU: compiled kernels at model sizes -------------------------------------------------------------
+
+
+@pytest.fixture
+def compiled_gpu():
+    if interpreting():
+        pytest.fail("GPU kernel tests must run compiled: run them with TRITON_INTERPRET=0")
+
+
+GPU_SHAPES = [*LLAMA8B, (1000, 1000, False), (1000, 1000, True)]  # the last two: K, N not multiples of 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,gate_up", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_gpu_matches_reference(compiled_gpu, m, n, k, gate_up):
+    x, w, b = (
+        t.cuda() if t is not None else None for t in make(m, 2 * n if gate_up else n, k, torch.bfloat16)
+    )
+    ref = G.gate_up_ref(x, w, b) if gate_up else G.gemv_ref(x, w, b)
+    check(G.gemv(x, w, b, gate_up=gate_up), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_up", [False, True])
+@pytest.mark.parametrize(
+    "m, over",
+    [
+        (1, dict(use_dot=True)),
+        (4, dict(use_dot=False)),
+        (1, dict(use_dot=False, block_n=8, block_k=512, split_k=4)),
+        (8, dict(use_dot=True, block_n=64, block_k=128, split_k=8, num_stages=4)),
+    ],
+    ids=["m1-dot", "m4-fma", "m1-fma-split4", "m8-dot64-split8"],
+)
+def test_gpu_other_paths(compiled_gpu, m, over, gate_up):
+    x, w, b = (t.cuda() for t in make(m, 2 * 4096 if gate_up else 4096, 4096, torch.bfloat16, bias=True))
+    ref = G.gate_up_ref(x, w, b) if gate_up else G.gemv_ref(x, w, b)
+    check(G.gemv(x, w, b, gate_up=gate_up, **over), ref)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay(compiled_gpu, monkeypatch):
+    """The ops inside a captured graph, split-K workspace included (allocated in the graph's pool)."""
+    monkeypatch.delenv("KILN_GEMV", raising=False)
+    monkeypatch.delenv("KILN_GEMV_MAX_M", raising=False)
+    x0, w, b = (t.cuda() for t in make(2, 4096, 4096, torch.bfloat16, bias=True))
+    sx = x0.clone()
+
+    def run():
+        split = G.gemv(sx, w, b, gate_up=True, split_k=4)
+        return torch.ops.kiln.linear(sx, w, b), torch.ops.kiln.linear_silu_mul(sx, w, b), split
+
+    run()  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y, a, s = run()
+    for seed in (5, 6):
+        x = make(2, 4096, 4096, torch.bfloat16, seed=seed)[0].cuda()
+        sx.copy_(x)
+        g.replay()
+        check(y, G.gemv_ref(x, w, b))
+        check(a, G.gate_up_ref(x, w, b))
+        check(s, G.gate_up_ref(x, w, b))
