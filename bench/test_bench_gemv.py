@@ -14,7 +14,7 @@ comes from HBM as it does in a decode step (every layer's weights evict the prev
 * ``test_gemv_sweep[SHAPE-mM-CONFIG]`` (GPU only, ``-k sweep``): every candidate launch config of
   ``SWEEP`` for the 5 shapes (gate_up in its fused form, as the MLP calls it) at M = 1 and 8
   (``KILN_GEMV_SWEEP_M=1,2,4,8`` for more); the candidates are compiled first in parallel
-  processes. Each row is checked against cuBLAS and records ``ms``, ``frac_bw``, ``cublas_ms`` (the
+  processes (``KILN_GEMV_SWEEP_PRECOMPILE=0``: one by one inside the tests instead). Each row is checked against cuBLAS and records ``ms``, ``frac_bw``, ``cublas_ms`` (the
   speedup is ``cublas_ms / ms``; for gate_up cuBLAS + ``silu_and_mul``) and ``tuned_entry``, the line
   to paste into ``ops/gemv.py: TUNED`` for the winner of its (shape, M);
   ``python bench/test_bench_gemv.py RAW.json`` prints the best configs and the ``TUNED`` block.
@@ -189,6 +189,8 @@ def _precompiled(request):
             n, k, gate_up = SWEEP_SHAPES[p["name"]]
             jobs.append((p["m"], n, k, gate_up, _resolve(p["name"], p["m"], p["cfg"])))
     jobs = list(dict.fromkeys(jobs))
+    if not jobs or os.environ.get("KILN_GEMV_SWEEP_PRECOMPILE", "1") == "0":
+        return {}
     workers = max(1, min(16, (os.cpu_count() or 2) - 1, len(jobs)))
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
