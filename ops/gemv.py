@@ -20,8 +20,9 @@ row-major, ``bias [N]`` or None:
   matching gate and up rows and write the activation directly; otherwise ``F.linear`` then
   ``silu_and_mul``.
 
-Switches, read at call time (so at CUDA-graph capture for decode graphs): ``KILN_GEMV=0`` sends
-every call to cuBLAS (+ ``silu_and_mul``); ``KILN_GEMV_MAX_M`` (default 8) is the largest T that
+Switches, read at call time (so at CUDA-graph capture for decode graphs): ``KILN_GEMV=1`` turns the
+GEMV on (default off: cuBLAS (+ ``silu_and_mul``) measured faster on the H200 with the untuned
+launch heuristic); ``KILN_GEMV_MAX_M`` (default 8) is the largest T that
 takes the GEMV. On CPU the ops run cuBLAS's stand-in ``F.linear`` unless ``KILN_TRITON_ON_CPU=1``
 with ``TRITON_INTERPRET=1`` (ops/common.py), so CPU artifacts are unchanged.
 
@@ -55,7 +56,7 @@ can be overridden by keyword on :func:`gemv`. The choice depends on ``M`` only t
 1, 2, 4, 8) compiles every kernel a T <= 8 launch can need. (Exceptions: an artifact with
 ``--max-batch-size`` < 8 whose prefill chunks of 5..8 tokens would pick a kernel the warm-up never
 ran, only if ``TUNED`` gives M class 8 a different config than class 4; ``KILN_GEMV_MAX_M`` > 8;
-``KILN_GEMV=0`` at compile time. Triton then compiles at run time, once, into the artifact's cache.)
+``KILN_GEMV`` not 1 at compile time. Triton then compiles at run time, once, into the artifact's cache.)
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ REDUCE_BLOCK = 256
 
 
 def gemv_enabled() -> bool:
-    return os.environ.get("KILN_GEMV", "1") != "0"
+    # off by default: on the H200 (bench/results/2026-11-29_h200_gemv.json) cuBLAS's GEMV still wins
+    # at the big shapes (gate_up 78.5% of read bandwidth vs 52%, lm_head 98.9% vs 76%) until the
+    # launch sweep fills TUNED
+    return os.environ.get("KILN_GEMV", "0") == "1"
 
 
 def gemv_max_m() -> int:

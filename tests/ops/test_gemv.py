@@ -27,7 +27,7 @@ def kernel_on_cpu(monkeypatch):
     if not interpreting():
         pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set by tests/conftest.py)")
     monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
-    monkeypatch.delenv("KILN_GEMV", raising=False)
+    monkeypatch.setenv("KILN_GEMV", "1")
     monkeypatch.delenv("KILN_GEMV_MAX_M", raising=False)
 
 
@@ -168,7 +168,10 @@ def test_linear_dispatch(kernel_on_cpu, count_gemv, monkeypatch):
     gu = torch.ops.kiln.linear_silu_mul(x[:2], w, b)
     check(gu, G.gate_up_ref(x[:2], w, b))
     assert count_gemv == [1, 3, 8]  # switched off: nothing more reached the kernel
-    monkeypatch.delenv("KILN_GEMV")
+    monkeypatch.delenv("KILN_GEMV")  # the default: off
+    torch.ops.kiln.linear(x[:1], w, b)
+    assert count_gemv == [1, 3, 8]
+    monkeypatch.setenv("KILN_GEMV", "1")
     check(torch.ops.kiln.linear_silu_mul(x[:2], w, b), G.gate_up_ref(x[:2], w, b))
     check(torch.ops.kiln.linear_silu_mul(x, w, b), G.gate_up_ref(x, w, b))  # F.linear + silu_and_mul
     assert count_gemv == [1, 3, 8, 2]
@@ -224,6 +227,7 @@ def test_compiled_model_decode_runs_gemv_and_matches_hf(tmp_path, monkeypatch):
 
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
+    monkeypatch.setenv("KILN_GEMV", "1")
     hf = make_checkpoint(tmp_path / "hf", "qwen2-bias")  # qkv bias: the GEMV's bias path too
     opts = CompileOptions(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64, chunk_size=32)
     compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
@@ -285,7 +289,7 @@ def test_gpu_other_paths(compiled_gpu, m, over, gate_up):
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replay(compiled_gpu, monkeypatch):
     """The ops inside a captured graph, split-K workspace included (allocated in the graph's pool)."""
-    monkeypatch.delenv("KILN_GEMV", raising=False)
+    monkeypatch.setenv("KILN_GEMV", "1")
     monkeypatch.delenv("KILN_GEMV_MAX_M", raising=False)
     x0, w, b = (t.cuda() for t in make(2, 4096, 4096, torch.bfloat16, bias=True))
     sx = x0.clone()
