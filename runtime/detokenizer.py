@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 _byte_ids_cache: dict[int, tuple[Any, frozenset[int]]] = {}
+_one_len_cache: dict[tuple[int, bool], tuple[Any, dict[int, int]]] = {}
 
 
 def _byte_token_ids(tokenizer: Any) -> frozenset[int]:
@@ -39,6 +40,18 @@ def _byte_token_ids(tokenizer: Any) -> frozenset[int]:
     ids = frozenset(i for t, i in vocab.items() if len(t) == 6 and _BYTE_TOKEN.match(t))
     _byte_ids_cache[id(tokenizer)] = (tokenizer, ids)
     return ids
+
+
+def _one_token_lengths(backend: Any, skip_special_tokens: bool) -> dict[int, int]:
+    """``len(decode([t]))`` by token id for ``backend``, filled lazily and shared by every
+    request (decoding is a pure function of the ids; this saves a decode per emitted token)."""
+    key = (id(backend), skip_special_tokens)
+    hit = _one_len_cache.get(key)
+    if hit is not None and hit[0] is backend:
+        return hit[1]
+    lengths: dict[int, int] = {}
+    _one_len_cache[key] = (backend, lengths)
+    return lengths
 
 
 class IncrementalDetokenizer:
@@ -56,32 +69,52 @@ class IncrementalDetokenizer:
         self.prompt_ids = prompt_ids
         self.skip_special_tokens = skip_special_tokens
         backend = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
+        # _dec(ids, skip_special_tokens): the fast backend's own method, called positionally (a
+        # partial with keyword arguments costs about half a decode more per call).
         if isinstance(backend, Tokenizer):
-            self._decode_fn = lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+            self._dec = backend.decode
         else:  # a slow transformers tokenizer
-            self._decode_fn = lambda ids: backend.decode(
-                ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+            self._dec = lambda ids, skip: backend.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
             )
         self._byte_ids = _byte_token_ids(tokenizer)
+        self._one_len = _one_token_lengths(backend, skip_special_tokens)
         self.ids: list[int] = []
-        self.text = ""  # everything emitted so far
+        self._pieces: list[str] = []  # everything emitted so far (``text`` joins them)
         self._prefix = 0  # window start: a token whose text was already emitted (or 0)
         self._read = 0  # tokens before this are emitted
         self._prefix_chars = 0  # len(decode(ids[_prefix:_read]))
 
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
     def _decode(self, ids: list[int]) -> str:
-        return self._decode_fn(ids)
+        return self._dec(ids, self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append ``token_id``; return the text that became final (often "", never partial)."""
-        self.ids.append(int(token_id))
-        full = self._decode(self.ids[self._prefix :])
-        if len(full) <= self._prefix_chars or full.endswith("\ufffd") or self.ids[-1] in self._byte_ids:
+        ids = self.ids
+        ids.append(int(token_id))
+        full = self._dec(ids[self._prefix :], self.skip_special_tokens)
+        skip = self._prefix_chars
+        if len(full) <= skip or full.endswith("\ufffd") or ids[-1] in self._byte_ids:
             return ""
-        piece = full[self._prefix_chars :]
-        self._prefix, self._read = self._read, len(self.ids)
-        self._prefix_chars = len(self._decode(self.ids[self._prefix : self._read]))
-        self.text += piece
+        piece = full[skip:]
+        prefix, read = self._read, len(ids)
+        self._prefix, self._read = prefix, read
+        if read - prefix == 1:  # the usual window: one token, whose decoded length is cached
+            t = ids[prefix]
+            n = self._one_len.get(t)
+            if n is None:
+                n = self._one_len[t] = len(self._decode([t]))
+            self._prefix_chars = n
+        else:
+            self._prefix_chars = len(self._decode(ids[prefix:read]))
+        self._pieces.append(piece)
         return piece
 
     def flush(self) -> str:
@@ -90,7 +123,7 @@ class IncrementalDetokenizer:
         piece = full[self._prefix_chars :]
         self._prefix = self._read = len(self.ids)
         self._prefix_chars = 0
-        self.text += piece
+        self._pieces.append(piece)
         return piece
 
 

@@ -18,7 +18,7 @@ from kiln.runtime.kv_pool import BlockTable, KVPool, size_for_memory
 from kiln.runtime.loader import load_model
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.radix_cache import RadixCache
-from kiln.runtime.request import Req, RequestOutput
+from kiln.runtime.request import Req, RequestOutput, Status
 from kiln.runtime.sampler import Sampler, resolve_seed
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler, SchedulerConfig
@@ -121,7 +121,10 @@ class Engine:
         self._sampler_rows: dict[str, int] = {}
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0}
         self.last_step_mode = ""
-        # Cumulative seconds per part of a step (host work; "wait" is the sync on the device).
+        # Cumulative seconds per part of a step. Host work: "schedule" (the scheduler, step inputs,
+        # bookkeeping), "launch" (ModelRunner.forward), "sample", "outputs" (stop checks, text,
+        # RequestOutputs); "wait" is the sync on the device. All but "wait" add up to the step's
+        # host time (last_step_host_s).
         self.host_breakdown = dict.fromkeys(("schedule", "launch", "sample", "wait", "outputs"), 0.0)
         self.last_step_host_s = 0.0
         self.stepper = Stepper(self, overlap=opts.overlap)
@@ -209,17 +212,21 @@ class Engine:
         top_lp = h["top_logprobs"].tolist() if "top_logprobs" in h else None
         now = time.perf_counter()
         outputs = []
-        for j, req in enumerate(launched.reqs):
-            if req.finished:  # finished or aborted while this step was in flight: discard
+        generated = 0
+        finished = Status.FINISHED
+        check_stop = self._check_stop
+        for j, (req, tok, k) in enumerate(zip(launched.reqs, next_ids, launched.index)):
+            if req.status is finished:  # finished or aborted while this step was in flight: discard
                 continue
-            tok, k = next_ids[j], launched.index[j]
             req.output_ids[k] = tok
-            self.stats["generated_tokens"] += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
+            generated += 1
+            first = req.first_token_time
+            if first is None:
+                first = req.first_token_time = now
+            p = req.params
             new_lp: list[dict[str, Any]] = []
-            if req.params.logprobs is not None and lp is not None:
-                n = req.params.logprobs
+            if lp is not None and p.logprobs is not None:
+                n = p.logprobs
                 entry = {
                     "token_id": tok,
                     "logprob": lp[j],
@@ -227,8 +234,9 @@ class Engine:
                 }
                 req.logprobs.append(entry)
                 new_lp.append(entry)
-            new_text = self._check_stop(req, tok, k + 1)
-            if req.finish_reason is not None:
+            new_text = check_stop(req, p, tok, k + 1)
+            done = req.finish_reason is not None
+            if done:
                 del req.output_ids[k + 1 :]  # a token sampled by a step launched after this one
                 req.finish_time = now
                 self.scheduler.finish(req)
@@ -239,39 +247,43 @@ class Engine:
                     rid=req.rid,
                     new_text=new_text,
                     new_token_ids=[tok],
-                    token_ids=req.output_ids if req.finish_reason is not None else [],
+                    token_ids=req.output_ids if done else [],
                     text=req.text,
-                    finished=req.finished,
+                    finished=done,
                     finish_reason=req.finish_reason,
                     num_output_tokens=k + 1,
                     num_prompt_tokens=len(req.prompt_ids),
                     num_cached_tokens=req.prefix_hit,
                     new_logprobs=new_lp,
-                    ttft=req.first_token_time - req.arrival if req.first_token_time else None,
-                    latency=(req.finish_time - req.arrival) if req.finish_time else None,
+                    ttft=first - req.arrival,
+                    latency=(now - req.arrival) if done else None,
                 )
             )
+        self.stats["generated_tokens"] += generated
         t_end = time.perf_counter()
         self.host_breakdown["outputs"] += t_end - t_synced
         # Host time of this step() call: launching plus finishing, not waiting for the device.
         self.last_step_host_s = launch_host_s + (t_end - t_synced)
         return outputs
 
-    def _check_stop(self, req: Req, tok: int, n_out: int) -> str:
-        """Stop conditions for ``tok``, the ``n_out``-th output token; returns the text to emit now."""
-        p = req.params
+    def _check_stop(self, req: Req, p: SamplingParams, tok: int, n_out: int) -> str:
+        """Stop conditions for ``tok``, the ``n_out``-th output token of ``req`` (whose params are
+        ``p``); returns the text to emit now."""
+        detok = req.detok
         stop_tok = (tok in self.eos_ids and not p.ignore_eos) or tok in (p.stop_token_ids or ())
         if stop_tok and n_out > p.min_tokens - 1:
             req.finish_reason = "stop"
-            new_text = req.detok.flush() if req.detok else ""
+            new_text = detok.flush() if detok else ""
         else:
-            new_text, stopped = req.detok.add(tok) if req.detok else ("", False)
+            new_text, stopped = detok.add(tok) if detok else ("", False)
             if stopped:
                 req.finish_reason = "stop"
             elif n_out >= p.max_tokens or len(req.prompt_ids) + n_out >= self.max_seq_len:
                 req.finish_reason = "length"
-                new_text += req.detok.flush() if req.detok else ""
-        req.text += new_text
+                if detok:
+                    new_text += detok.flush()
+        if new_text:
+            req.text += new_text
         return new_text
 
     def run_until_done(self) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kiln.errors import KilnError
@@ -188,7 +189,8 @@ class BlockTable:
         self._pages: list[list[int]] = [[] for _ in range(self.num_rows)]
         self._free_rows: list[int] = list(range(self.num_rows - 1, 0, -1))
         self._in_use = bytearray(self.num_rows)
-        self._pending: dict[tuple[int, int], int] = {}  # (row, block) -> page, last write wins
+        # row * max_blocks + block (the flat index into ``table``) -> page; last write wins
+        self._pending: dict[int, int] = {}
         self.stager: Any = None  # a runtime.staging.HostStager, set by the engine
 
     # rows -------------------------------------------------------------------------------------
@@ -208,8 +210,9 @@ class BlockTable:
         """Free ``row`` and return the pages it held (the caller frees or caches them)."""
         self._check_row(row)
         pages = self._pages[row]
+        base = row * self.max_blocks
         for b in range(len(pages)):
-            self._pending[(row, b)] = 0
+            self._pending[base + b] = 0
         self._pages[row] = []
         self._in_use[row] = 0
         self._free_rows.append(row)
@@ -221,11 +224,12 @@ class BlockTable:
         self._check_row(row)
         self._check_fits(row, len(pages))
         old = self._pages[row]
+        base = row * self.max_blocks
         for b in range(len(pages), len(old)):
-            self._pending[(row, b)] = 0
+            self._pending[base + b] = 0
         for b, p in enumerate(pages):
             if b >= len(old) or old[b] != p:
-                self._pending[(row, b)] = p
+                self._pending[base + b] = p
         self._pages[row] = list(pages)
 
     def append(self, row: int, pages: Sequence[int]) -> None:
@@ -233,9 +237,28 @@ class BlockTable:
         self._check_row(row)
         cur = self._pages[row]
         self._check_fits(row, len(cur) + len(pages))
+        base = row * self.max_blocks
         for p in pages:
-            self._pending[(row, len(cur))] = p
+            self._pending[base + len(cur)] = p
             cur.append(p)
+
+    def append_each(self, rows: Sequence[int], pages: Sequence[int]) -> None:
+        """``append(rows[i], [pages[i]])`` for every ``i``: what a decode step does for the
+        requests whose next token starts a page."""
+        tables, pending, in_use, mb = self._pages, self._pending, self._in_use, self.max_blocks
+        for row, p in zip(rows, pages, strict=True):
+            if not 0 < row < self.num_rows or not in_use[row]:
+                self._check_row(row)
+            cur = tables[row]
+            if len(cur) >= mb:
+                self._check_fits(row, len(cur) + 1)
+            pending[row * mb + len(cur)] = p
+            cur.append(p)
+
+    @property
+    def row_pages(self) -> list[list[int]]:
+        """Every row's host page list, indexed by row (read-only; for per-step fast paths)."""
+        return self._pages
 
     def pages(self, row: int) -> list[int]:
         """The host copy of ``row``'s pages (do not mutate; use assign/append)."""
@@ -260,19 +283,22 @@ class BlockTable:
 
     def flush(self) -> None:
         """Write the queued changes to ``table``: one host->device copy and one ``index_put_``."""
-        if not self._pending:
+        pending = self._pending
+        if not pending:
             return
-        rows, blocks = zip(*self._pending.keys())
-        values = [list(rows), list(blocks), list(self._pending.values())]  # [3, n]
-        self._pending.clear()
+        n = len(pending)
+        packed = np.empty((2, n), dtype=np.int64)  # [flat index, page] x n
+        packed[0] = np.fromiter(pending.keys(), np.int64, n)
+        packed[1] = np.fromiter(pending.values(), np.int64, n)
+        pending.clear()
+        host = torch.from_numpy(packed)
         if self.stager is not None:  # persistent pinned buffers (no allocation, no sync)
-            dev = self.stager.to_device(values, torch.int64)
+            dev = self.stager.to_device(host, torch.int64)
+        elif self.device.type == "cuda":
+            dev = host.pin_memory().to(self.device, non_blocking=True)
         else:
-            packed = torch.tensor(values, dtype=torch.int64)
-            if self.device.type == "cuda":
-                packed = packed.pin_memory()
-            dev = packed.to(self.device, non_blocking=True)
-        self.table.index_put_((dev[0], dev[1]), dev[2].to(torch.int32))
+            dev = host
+        self.table.view(-1).index_put_((dev[0],), dev[1].to(torch.int32))
 
     def check(self) -> None:
         """Assert the device table equals the host lists (syncs; for tests and idle loops)."""

@@ -122,11 +122,8 @@ class SamplingBatch:
         B = len(params_list)
         if len(rows) != B:
             raise ValueError(f"SamplingBatch.build: {B} params but {len(rows)} rows")
-        if all(
-            p.is_greedy and not p.uses_penalties and p.logprobs is None and p.min_tokens == 0
-            for p in params_list
-        ):
-            return cls._greedy(list(rows), device, stager)
+        if cls.plain_greedy(params_list):
+            return cls.greedy_batch(list(rows), device, stager)
         seeded = seeds is not None or any(p.seed is not None for p in params_list)
         if steps is None and (seeded or any(p.min_tokens > 0 for p in params_list)):
             raise ValueError(
@@ -190,9 +187,19 @@ class SamplingBatch:
             num_logprobs=max(want) if want else None,
         )
 
+    @staticmethod
+    def plain_greedy(params_list: Sequence[SamplingParams]) -> bool:
+        """Whether every entry is greedy without penalties, logprobs or min_tokens (argmax only).
+        Requests usually share a few ``SamplingParams`` objects: each distinct one is checked once."""
+        return all(
+            p.is_greedy and not p.uses_penalties and p.logprobs is None and p.min_tokens == 0
+            for p in {id(p): p for p in params_list}.values()
+        )
+
     @classmethod
-    def _greedy(cls, rows: list[int], device: torch.device | str, stager: Any = None) -> SamplingBatch:
-        """The common all-greedy batch: argmax only, so nothing but the rows is built."""
+    def greedy_batch(cls, rows: list[int], device: torch.device | str, stager: Any = None) -> SamplingBatch:
+        """The common all-greedy batch (``plain_greedy``): argmax only, so nothing but the rows
+        is built. ``rows`` is kept as ``row_list``, not copied."""
         B = len(rows)
         r = _h2d(rows, torch.int64, device, stager)
         none = r[:0]

@@ -185,8 +185,26 @@ class Scheduler:
             budget -= n
         return ScheduledBatch("extend", reqs, lens) if reqs else None
 
-    def _schedule_decode(self) -> ScheduledBatch | None:
-        reqs = [r for r in self.running if not r.prefilling]
+    def _decode_ready(self) -> list[Req]:
+        """Running requests whose only token without K/V is the newest one (``not prefilling``)."""
+        return [r for r in self.running if len(r.prompt_ids) + len(r.output_ids) - r.kv_len <= 1]
+
+    def _schedule_decode(self, ready: list[Req] | None = None) -> ScheduledBatch | None:
+        reqs = self._decode_ready() if ready is None else ready
+        if not reqs:
+            return None
+        # Common case: the free pages cover every request's next token. One allocation for the
+        # whole batch hands out the same pages, in the same order, as one per request would.
+        P, tables = self.P, self.bt.row_pages
+        # Position kv_len needs a new page iff the request's pages end there (they always cover
+        # its kv_len computed tokens, so it is one page).
+        grow = [r.row for r in reqs if len(tables[r.row]) * P <= r.kv_len]
+        if len(grow) <= self.pool.num_free_pages:
+            if grow:
+                pages = self.pool.alloc_pages(len(grow))
+                assert pages is not None
+                self.bt.append_each(grow, pages)
+            return ScheduledBatch("decode", reqs, [1] * len(reqs))
         batch: list[Req] = []
         for req in reqs:
             if req.status is not Status.RUNNING:  # retracted while making room for an earlier one
@@ -212,10 +230,18 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         """The next step to run, or None when there is nothing runnable."""
-        decode_ready = any(not r.prefilling for r in self.running)
-        extend_first = not (decode_ready and self._last_mode == "extend")
-        order = (self._schedule_extend, self._schedule_decode)
-        for fn in order if extend_first else reversed(order):
+        ready = self._decode_ready()  # still valid after an extend attempt that found nothing
+
+        def decode() -> ScheduledBatch | None:
+            return self._schedule_decode(ready)
+
+        if ready and self._last_mode == "extend":
+            order: tuple = (decode, self._schedule_extend)
+        elif ready and len(ready) == len(self.running) and not self.waiting:
+            order = (decode,)  # steady decoding: no prefill to continue, nobody to admit
+        else:
+            order = (self._schedule_extend, decode)
+        for fn in order:
             batch = fn()
             if batch is not None:
                 self._last_mode = batch.mode
@@ -230,33 +256,56 @@ class Scheduler:
         return None
 
     def step_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        reqs = batch.reqs
+        rows = [r.row for r in reqs]
+        if batch.mode == "decode":
+            # One token per request: its newest (position kv_len == seq_len - 1).
+            P, tables = self.P, self.bt.row_pages
+            kv = [r.kv_len for r in reqs]
+            if P == 1:
+                slots = [tables[row][k] for row, k in zip(rows, kv)]
+            else:
+                slots = [tables[row][k // P] * P + k % P for row, k in zip(rows, kv)]
+            return StepInputs(
+                mode="decode",
+                input_ids=[r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs],
+                positions=kv,
+                out_slots=slots,
+                req_rows=rows,
+                seq_lens=[k + 1 for k in kv],
+            )
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
-        for req, n in zip(batch.reqs, batch.extend_lens):
+        slots = []
+        for req, n in zip(reqs, batch.extend_lens):
             ids += req.tokens(req.kv_len, req.kv_len + n)
             pos += range(req.kv_len, req.kv_len + n)
             slots += self.bt.slots(req.row, req.kv_len, req.kv_len + n)
         return StepInputs(
-            mode="decode" if batch.mode == "decode" else "extend",
+            mode="extend",
             input_ids=ids,
             positions=pos,
             out_slots=slots,
-            req_rows=[r.row for r in batch.reqs],
-            seq_lens=[r.kv_len + n for r, n in zip(batch.reqs, batch.extend_lens)],
-            extend_lens=list(batch.extend_lens) if batch.mode == "extend" else None,
+            req_rows=rows,
+            seq_lens=[r.kv_len + n for r, n in zip(reqs, batch.extend_lens)],
+            extend_lens=list(batch.extend_lens),
         )
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Advance KV lengths; extended requests put their new whole pages in the cache."""
+        if batch.mode == "decode":
+            for req in batch.reqs:
+                req.kv_len += 1
+            return
         for req, n in zip(batch.reqs, batch.extend_lens):
             req.kv_len += n
-            if batch.mode == "extend":
-                self._cache_prefix(req)
+            self._cache_prefix(req)
 
     def check_integrity(self) -> None:
         """Pool, block table and radix cache agree (tests and idle loops call this)."""
         self.radix.check_integrity()
+        for r in self.running:  # a request's pages cover the tokens whose K/V it computed
+            assert len(self.bt.pages(r.row)) * self.P >= r.kv_len, f"{r.rid}: KV without slots"
         held = sum(len(self.bt.pages(r.row)) - r.cached_len // self.P for r in self.running)
         cached_pages = self.radix.total_size // self.P
         free = self.pool.num_free_pages

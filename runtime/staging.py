@@ -55,10 +55,13 @@ class HostStager:
             self._down = _Ring(slots, self.cuda)
 
     def to_device(
-        self, values: Sequence[int] | Sequence[Sequence[int]] | Sequence[float], dtype: torch.dtype
+        self,
+        values: Sequence[int] | Sequence[Sequence[int]] | Sequence[float] | torch.Tensor,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
-        """``torch.tensor(values, dtype)`` on the device, copied asynchronously."""
-        host = torch.tensor(values, dtype=dtype)
+        """``torch.tensor(values, dtype)`` on the device, copied asynchronously. ``values`` may be
+        a host tensor of ``dtype`` already (not pinned; it is not modified)."""
+        host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
         if not self.ring:
             return host.pin_memory().to(self.device, non_blocking=True) if self.cuda else host
         nbytes = host.numel() * host.element_size()

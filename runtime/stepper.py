@@ -53,12 +53,18 @@ class Stepper:
         self.overlapped = 0  # decode steps launched while the previous one was in flight
 
     # ------------------------------------------------------------------ launching
-    def launch(self, batch: ScheduledBatch, prev: Launched | None = None) -> Launched | None:
+    def launch(
+        self, batch: ScheduledBatch, prev: Launched | None = None, sched_s: float = 0.0
+    ) -> Launched | None:
+        """Launch ``batch``; ``sched_s``: host seconds the scheduler spent forming it (counted
+        in the step's host time and its "schedule" part)."""
         e = self.e
         t0 = time.perf_counter()
         e.stats["steps"] += 1
         e.last_step_mode = batch.mode
-        for req in batch.reqs:  # newly admitted (or resumed): fresh sampler row
+        # Newly admitted (or resumed) requests get a fresh sampler row. Admission happens only in
+        # extend steps, so a decode step's requests all went through here already.
+        for req in batch.reqs if batch.mode != "decode" else ():
             if e._sampler_rows.get(req.rid) != req.row:
                 e.sampler.reset_row(req.row, req.prompt_ids, req.output_ids)
                 e._sampler_rows[req.rid] = req.row
@@ -75,30 +81,43 @@ class Stepper:
                 subst = (idx[0], prev.ids.index_select(0, idx[1]))
         t1 = time.perf_counter()
         logits = e.runner.forward(step, subst)  # [B, V]
-        e.host_breakdown["schedule"] += t1 - t0
-        e.host_breakdown["launch"] += time.perf_counter() - t1
-        done = [i for i in range(len(batch.reqs)) if batch.completes(i)]
-        e.scheduler.after_step(batch)
-        if not done:
-            e.last_step_host_s = time.perf_counter() - t0
-            return None
         t2 = time.perf_counter()
-        reqs = [batch.reqs[i] for i in done]
-        if len(done) < len(batch.reqs):
+        e.host_breakdown["launch"] += t2 - t1
+        # A decode step completes every request; an extend step those whose chunk reaches the end.
+        done = None if batch.mode == "decode" else [i for i in range(len(batch.reqs)) if batch.completes(i)]
+        e.scheduler.after_step(batch)
+        t3 = time.perf_counter()
+        e.host_breakdown["schedule"] += sched_s + (t1 - t0) + (t3 - t2)
+        if done is not None and not done:
+            e.last_step_host_s = sched_s + t3 - t0
+            return None
+        t2 = t3
+        if done is None or len(done) == len(batch.reqs):
+            reqs, rows = batch.reqs, step.req_rows
+        else:
+            reqs = [batch.reqs[i] for i in done]
+            rows = [r.row for r in reqs]
             logits = logits[e.stager.to_device(done, torch.int64)]
-        sb = SamplingBatch.build(
-            [r.params for r in reqs],
-            [r.row for r in reqs],
-            e.device,
-            seeds=[r.seed for r in reqs],
-            steps=[len(r.output_ids) for r in reqs],
-            eos_token_ids=sorted(e.eos_ids),
-        )
+        params = [r.params for r in reqs]
+        if SamplingBatch.plain_greedy(params):  # argmax only: nothing per request to build
+            sb = SamplingBatch.greedy_batch(rows, e.device)
+        else:
+            sb = SamplingBatch.build(
+                params,
+                rows,
+                e.device,
+                seeds=[r.seed for r in reqs],
+                steps=[len(r.output_ids) for r in reqs],
+                eos_token_ids=sorted(e.eos_ids),
+            )
         out = e.sampler.sample(logits, sb)
         e.sampler.observe(sb.rows, out.next_ids)
-        launched = Launched(batch, reqs, [len(r.output_ids) for r in reqs], out.next_ids)
+        index = []  # each request's new token goes where its placeholder is appended now
         for r in reqs:
-            r.output_ids.append(PLACEHOLDER)
+            ids = r.output_ids
+            index.append(len(ids))
+            ids.append(PLACEHOLDER)
+        launched = Launched(batch, reqs, index, out.next_ids)
         launched.host["ids"] = e.stager.to_host(out.next_ids)
         if out.logprobs is not None:
             for k in ("logprobs", "top_ids", "top_logprobs"):
@@ -106,16 +125,19 @@ class Stepper:
         if out.next_ids.device.type == "cuda":
             launched.event = torch.cuda.Event()
             launched.event.record()
-        e.host_breakdown["sample"] += time.perf_counter() - t2
-        launched.host_s = time.perf_counter() - t0
+        t4 = time.perf_counter()
+        e.host_breakdown["sample"] += t4 - t2
+        launched.host_s = sched_s + t4 - t0
         return launched
 
     # ------------------------------------------------------------------ the loop
     def can_overlap(self) -> bool:
         s = self.e.scheduler
-        if not self.overlap or s.waiting or not s.running or any(r.prefilling for r in s.running):
+        if not self.overlap or s.waiting or not s.running or len(s._decode_ready()) < len(s.running):
             return False
-        need = sum(s._pages_needed(r, r.kv_len + 1) > 0 for r in s.running)
+        # Requests whose next token starts a page (``_pages_needed(r, r.kv_len + 1) > 0``).
+        P, tables = s.P, s.bt.row_pages
+        need = sum(1 for r in s.running if len(tables[r.row]) * P <= r.kv_len)
         return need <= self.e.pool.num_free_pages
 
     def step(self) -> list[Any]:
@@ -123,17 +145,19 @@ class Stepper:
         if self.inflight is not None:
             prev, self.inflight = self.inflight, None
             nxt = None
+            t0 = time.perf_counter()
             if self.can_overlap():
                 batch = e.scheduler.schedule_decode()
-                nxt = self.launch(batch, prev) if batch is not None else None
+                nxt = self.launch(batch, prev, time.perf_counter() - t0) if batch is not None else None
                 self.overlapped += nxt is not None
             outs = e._finish(prev, launch_host_s=nxt.host_s if nxt else 0.0)
             self.inflight = nxt
             return outs
+        t0 = time.perf_counter()
         batch = e.scheduler.schedule()
         if batch is None:
             return []
-        launched = self.launch(batch)
+        launched = self.launch(batch, sched_s=time.perf_counter() - t0)
         if launched is None:
             return []
         if self.overlap and batch.mode == "decode":

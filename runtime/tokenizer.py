@@ -123,7 +123,10 @@ class RequestText:
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Text safe to emit after ``token_id``, and whether a stop string completed."""
-        return self.stops.feed(self.detok.add(token_id))
+        piece = self.detok.add(token_id)
+        if not self.stops.stops:  # nothing to match: the piece is final as it is
+            return piece, False
+        return self.stops.feed(piece)
 
     def flush(self) -> str:
         """Everything still held back, when the request ends for another reason."""

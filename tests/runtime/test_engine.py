@@ -42,6 +42,24 @@ def test_greedy_matches_hf(setup, radix, chunk):
     llm.engine.check_integrity()
 
 
+def test_page_size_16_matches_hf(setup):
+    """Pages of 16 slots: a decode step crosses a page boundary for some requests only (the
+    batched page allocation and the slot arithmetic of the decode fast path)."""
+    _, art, prompts, expect = setup
+    art16 = art.parent / "art16"
+    if not (art16 / "manifest.json").exists():
+        opts = CompileOptions(
+            device="cpu", dtype="float32", max_batch_size=4, max_seq_len=128, chunk_size=64, page_size=16
+        )
+        compile_model(art.parent / "hf", art16, opts, verbose=False)
+    for overlap in (False, True):
+        llm = LLM(str(art16), device="cpu", overlap=overlap)
+        assert llm.engine.pool.page_size == 16
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == expect
+        llm.engine.check_integrity()
+
+
 def test_overlap_stops_and_seeds_like_sequential(setup):
     """Requests that stop at different steps (max_tokens, stop ids) and seeded sampling give the
     same tokens with and without overlapped decoding."""

@@ -118,6 +118,32 @@ def test_block_table_flush_matches_host_model():
             assert bt.pages(r) == pages
 
 
+def test_block_table_append_each_equals_append():
+    rng = random.Random(2)
+    a = BlockTable(max_requests=6, max_blocks=5, device="cpu", page_size=4)
+    b = BlockTable(max_requests=6, max_blocks=5, device="cpu", page_size=4)
+    rows = [a.alloc_row() for _ in range(6)]
+    assert rows == [b.alloc_row() for _ in range(6)]
+    for step in range(12):
+        grow = [r for r in rows if a.num_blocks(r) < 5 and rng.random() < 0.7]
+        pages = [rng.randint(1, 99) for _ in grow]
+        a.append_each(grow, pages)
+        for r, p in zip(grow, pages):
+            b.append(r, [p])
+        if step % 3 == 2:
+            a.flush()
+            b.flush()
+            a.check()
+            assert torch.equal(a.table, b.table)
+        assert [a.pages(r) for r in rows] == [b.pages(r) for r in rows]
+    full = next(r for r in rows if a.num_blocks(r) == 5)
+    with pytest.raises(KVPoolError, match="max context 20 tokens"):
+        a.append_each([full], [1])
+    a.release(rows[0])
+    with pytest.raises(KVPoolError, match="not an allocated row"):
+        a.append_each([rows[0]], [1])
+
+
 def test_block_table_one_write_per_flush(monkeypatch):
     bt = BlockTable(max_requests=2, max_blocks=4, device="cpu", page_size=1)
     row = bt.alloc_row()
