@@ -87,10 +87,25 @@ class LatencyResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def weight_bytes_per_step(llm: LLM) -> int:
-    """Bytes of weights a decode step reads: every tensor but the embedding table (only B rows)."""
+def weight_bytes_per_step(llm: LLM, batch: int = 1) -> int:
+    """Bytes of weights a decode step of ``batch`` tokens reads: every tensor but the embedding
+    table (only B rows), and of the routed experts (``*.moe.w13``/``w2`` and their scales) only
+    the expected share the batch hits, ``1 - (1 - k/E)^B`` with uniform routing (the experts past
+    E, shared experts fused as extra experts, always run)."""
     w = llm.engine.model.weights
-    return sum(t.nbytes for n, t in w.items() if n != "embed.weight" or "lm_head.weight" not in w)
+    moe = llm.engine.artifact.manifest.get("model", {}).get("moe")
+    hit = 1.0 - (1.0 - moe["top_k"] / moe["num_experts"]) ** batch if moe else 1.0
+    total = 0.0
+    for n, t in w.items():
+        if n == "embed.weight" and "lm_head.weight" in w:
+            continue
+        if moe and ".moe.w" in n and t.dim() >= 1:
+            e_local = t.shape[0]
+            routed = min(e_local, moe["num_experts"])
+            total += t.nbytes / e_local * (routed * hit + (e_local - routed))
+        else:
+            total += t.nbytes
+    return int(total)
 
 
 def kiln_latency(
@@ -131,7 +146,7 @@ def kiln_latency(
     decode_s = t_end - first_done
     kv_per_tok = eng.artifact.kv["bytes_per_token"]
     mean_ctx = input_len + output_len / 2
-    nbytes = weight_bytes_per_step(llm) + batch * mean_ctx * kv_per_tok
+    nbytes = weight_bytes_per_step(llm, batch) + batch * mean_ctx * kv_per_tok
     roof = batch / (nbytes / (read_gbps * 1e9)) if read_gbps == read_gbps else float("nan")
     tok_s = batch * (output_len - 1) / decode_s
     return LatencyResult(

@@ -59,3 +59,31 @@ def test_bench_commands(demo_artifact, tmp_path):
         "throughput",
         "startup",
     }
+
+
+def test_roofline_counts_only_the_experts_a_batch_hits():
+    from types import SimpleNamespace
+
+    import torch
+
+    from kiln.runtime.benchmark import weight_bytes_per_step
+
+    E, k = 8, 2
+    w = {
+        "embed.weight": torch.zeros(10, 4),  # tied: read as the LM head
+        "layers.0.attn.qkv.weight": torch.zeros(12, 4),
+        "layers.0.moe.w13": torch.zeros(E + 1, 6, 4),  # one shared expert fused as expert E
+        "layers.0.moe.w2": torch.zeros(E + 1, 4, 3),
+    }
+    manifest = {"model": {"moe": {"num_experts": E, "top_k": k}}}
+    llm = SimpleNamespace(
+        engine=SimpleNamespace(model=SimpleNamespace(weights=w), artifact=SimpleNamespace(manifest=manifest))
+    )
+    per_expert = (6 * 4 + 4 * 3) * 4
+    dense = (10 * 4 + 12 * 4) * 4
+    for b in (1, 3, 64):
+        hit = 1 - (1 - k / E) ** b
+        assert weight_bytes_per_step(llm, b) == int(dense + per_expert * (E * hit + 1))
+    assert weight_bytes_per_step(llm, 1) == dense + per_expert * (k + 1)
+    manifest["model"]["moe"] = None  # dense model: every weight
+    assert weight_bytes_per_step(llm, 5) == dense + per_expert * (E + 1)
