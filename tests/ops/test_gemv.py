@@ -47,6 +47,18 @@ def check(out, ref):
         torch.testing.assert_close(out, ref, rtol=2**-7, atol=1e-3)
 
 
+def check_gate_up(out, ref):
+    """silu(gate) * up with gate and up each rounded to bf16 first: a last-bit flip of the gate
+    (another summation order) is amplified by silu's slope and adds to the product's rounding, so a
+    few ulps. Measured on CPU: a float64-summed reference of the 14336 x 4096 shape breaks the
+    one-ulp bound of ``check`` but stays within this one (rtol 2^-6, atol 4e-3)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out, ref, rtol=2**-6, atol=4e-3)
+
+
 def skip_unsupported(m, path):
     if PATHS[path].get("use_dot") is False and next_pow2(m) > G.FMA_MAX_M:
         pytest.skip(f"the FMA kernel takes M <= {G.FMA_MAX_M}")
@@ -265,7 +277,7 @@ def test_gpu_matches_reference(compiled_gpu, m, n, k, gate_up):
         t.cuda() if t is not None else None for t in make(m, 2 * n if gate_up else n, k, torch.bfloat16)
     )
     ref = G.gate_up_ref(x, w, b) if gate_up else G.gemv_ref(x, w, b)
-    check(G.gemv(x, w, b, gate_up=gate_up), ref)
+    (check_gate_up if gate_up else check)(G.gemv(x, w, b, gate_up=gate_up), ref)
 
 
 @pytest.mark.gpu
@@ -283,7 +295,7 @@ def test_gpu_matches_reference(compiled_gpu, m, n, k, gate_up):
 def test_gpu_other_paths(compiled_gpu, m, over, gate_up):
     x, w, b = (t.cuda() for t in make(m, 2 * 4096 if gate_up else 4096, 4096, torch.bfloat16, bias=True))
     ref = G.gate_up_ref(x, w, b) if gate_up else G.gemv_ref(x, w, b)
-    check(G.gemv(x, w, b, gate_up=gate_up, **over), ref)
+    (check_gate_up if gate_up else check)(G.gemv(x, w, b, gate_up=gate_up, **over), ref)
 
 
 @pytest.mark.gpu
