@@ -72,6 +72,25 @@ def test_triton_kernels_in_the_graph_match_hf(compiled, monkeypatch):
             assert err <= 1e-4, f"seq {i}: max rel err {err:.2e}"
 
 
+def test_triton_decode_gemv_matches_hf(compiled, monkeypatch):
+    """One request decoding with every op's Triton kernel (interpreter): T = 1 token takes the
+    MoE decode GEMV (no alignment) on these configs, the path a batch-1 decode runs on the GPU."""
+    from kiln.ops import moe_gemm
+    from kiln.ops.common import interpreting
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+    hf, root = compiled
+    c = hf.config
+    inter = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+    experts = getattr(c, "num_experts", None) or c.num_local_experts
+    w13, w2 = moe_gemm.pick_configs("", experts, inter, c.hidden_size, 1, c.num_experts_per_tok)
+    assert w13["BLOCK_M"] == 1 and w2["BLOCK_M"] == 1  # the decode GEMV
+    runner = DirectRunner(str(root / "art"), device="cpu", num_slots=128)
+    check_against_hf(runner, hf, [[7, 3, 11, 5, 2, 9]], decode_steps=3)
+
+
 def _blocks():
     """(architecture, HF config, HF MoE block, state dict mapping our names to its tensors)."""
     import transformers
