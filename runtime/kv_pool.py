@@ -276,6 +276,14 @@ class BlockTable:
             return pages[start:end]
         return [pages[p // P] * P + p % P for p in range(start, end)]
 
+    def slot_each(self, rows: Sequence[int], positions: Sequence[int]) -> list[int]:
+        """The slot of position ``positions[i]`` of row ``rows[i]`` for every ``i`` (a decode
+        step's ``out_slots``; the rows' pages must cover the positions)."""
+        P, tables = self.page_size, self._pages
+        if P == 1:
+            return [tables[row][k] for row, k in zip(rows, positions)]
+        return [tables[row][k // P] * P + k % P for row, k in zip(rows, positions)]
+
     # device -----------------------------------------------------------------------------------
     @property
     def has_pending(self) -> bool:

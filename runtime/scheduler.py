@@ -185,20 +185,31 @@ class Scheduler:
             budget -= n
         return ScheduledBatch("extend", reqs, lens) if reqs else None
 
-    def _decode_ready(self) -> list[Req]:
-        """Running requests whose only token without K/V is the newest one (``not prefilling``)."""
-        return [r for r in self.running if len(r.prompt_ids) + len(r.output_ids) - r.kv_len <= 1]
+    def decode_ready(self) -> list[Req]:
+        """Running requests whose only token without K/V is the newest one."""
+        return [r for r in self.running if not r.prefilling]
+
+    def _rows_starting_a_page(self, reqs: list[Req]) -> list[int]:
+        """Rows of ``reqs`` whose next token (position ``kv_len``) needs a new page: their pages
+        always cover the ``kv_len`` computed tokens, so it is one page, iff they end there."""
+        P, tables = self.P, self.bt.row_pages
+        return [r.row for r in reqs if len(tables[r.row]) * P <= r.kv_len]
+
+    def can_decode_all(self) -> bool:
+        """Every running request decodes next, nobody waits, and the free pages cover the step
+        (what overlapped decoding needs to launch a step before the previous one is read)."""
+        ready = self.decode_ready()
+        if self.waiting or not ready or len(ready) < len(self.running):
+            return False
+        return len(self._rows_starting_a_page(ready)) <= self.pool.num_free_pages
 
     def _schedule_decode(self, ready: list[Req] | None = None) -> ScheduledBatch | None:
-        reqs = self._decode_ready() if ready is None else ready
+        reqs = self.decode_ready() if ready is None else ready
         if not reqs:
             return None
         # Common case: the free pages cover every request's next token. One allocation for the
         # whole batch hands out the same pages, in the same order, as one per request would.
-        P, tables = self.P, self.bt.row_pages
-        # Position kv_len needs a new page iff the request's pages end there (they always cover
-        # its kv_len computed tokens, so it is one page).
-        grow = [r.row for r in reqs if len(tables[r.row]) * P <= r.kv_len]
+        grow = self._rows_starting_a_page(reqs)
         if len(grow) <= self.pool.num_free_pages:
             if grow:
                 pages = self.pool.alloc_pages(len(grow))
@@ -230,7 +241,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         """The next step to run, or None when there is nothing runnable."""
-        ready = self._decode_ready()  # still valid after an extend attempt that found nothing
+        ready = self.decode_ready()  # still valid after an extend attempt that found nothing
 
         def decode() -> ScheduledBatch | None:
             return self._schedule_decode(ready)
@@ -260,12 +271,8 @@ class Scheduler:
         rows = [r.row for r in reqs]
         if batch.mode == "decode":
             # One token per request: its newest (position kv_len == seq_len - 1).
-            P, tables = self.P, self.bt.row_pages
             kv = [r.kv_len for r in reqs]
-            if P == 1:
-                slots = [tables[row][k] for row, k in zip(rows, kv)]
-            else:
-                slots = [tables[row][k // P] * P + k % P for row, k in zip(rows, kv)]
+            slots = self.bt.slot_each(rows, kv)
             return StepInputs(
                 mode="decode",
                 input_ids=[r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs],

@@ -132,13 +132,7 @@ class Stepper:
 
     # ------------------------------------------------------------------ the loop
     def can_overlap(self) -> bool:
-        s = self.e.scheduler
-        if not self.overlap or s.waiting or not s.running or len(s._decode_ready()) < len(s.running):
-            return False
-        # Requests whose next token starts a page (``_pages_needed(r, r.kv_len + 1) > 0``).
-        P, tables = s.P, s.bt.row_pages
-        need = sum(1 for r in s.running if len(tables[r.row]) * P <= r.kv_len)
-        return need <= self.e.pool.num_free_pages
+        return self.overlap and self.e.scheduler.can_decode_all()
 
     def step(self) -> list[Any]:
         e = self.e

@@ -136,6 +136,9 @@ def test_block_table_append_each_equals_append():
             a.check()
             assert torch.equal(a.table, b.table)
         assert [a.pages(r) for r in rows] == [b.pages(r) for r in rows]
+        held = [(r, rng.randrange(a.num_blocks(r) * 4)) for r in rows if a.num_blocks(r)]
+        got = a.slot_each([r for r, _ in held], [k for _, k in held])
+        assert got == [a.slots(r, k, k + 1)[0] for r, k in held]
     full = next(r for r in rows if a.num_blocks(r) == 5)
     with pytest.raises(KVPoolError, match="max context 20 tokens"):
         a.append_each([full], [1])
