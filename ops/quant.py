@@ -133,18 +133,15 @@ def tl_round(v, dtype: tl.constexpr, ROUND_IN_F32: tl.constexpr):
 
 @triton.jit
 def tl_quantize_fp8(y, s, ROUND_IN_F32: tl.constexpr):
-    """float32 block ``y`` divided by the float32 scalar scale ``s`` (IEEE division, as torch does),
-    saturated to +-448 and cast to float8e4nv (round to nearest even)."""
-    v = tl.math.div_rn(y, s + tl.zeros_like(y))
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    if ROUND_IN_F32:
-        v = _round_e4m3_in_f32(v)
-    return v.to(tl.float8e4nv)
+    """float32 block ``y`` divided by the float32 scale ``s`` (the IEEE quotient, as torch's
+    ``y / s``), saturated to +-448 and cast to float8e4nv (round to nearest even). One reciprocal
+    per call, then :func:`tl_quantize_fp8_rcp` (bit for bit the division)."""
+    return tl_quantize_fp8_rcp(y, s, tl.math.div_rn(1.0, s), ROUND_IN_F32)
 
 
 @triton.jit
 def tl_quantize_fp8_rcp(y, s, inv_s, ROUND_IN_F32: tl.constexpr):
-    """``tl_quantize_fp8(y, s)``, bit for bit, without a division per element.
+    """``y / s`` quantized as :func:`tl_quantize_fp8` describes, without a division per element.
 
     ``inv_s`` is ``1 / s`` rounded to nearest (``tl.math.div_rn``, once per scale); ``s`` and
     ``inv_s`` are scalars or broadcast against ``y``. ``q = y * inv_s`` is within an ulp of
