@@ -18,6 +18,7 @@ from torch import nn
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
 from kiln.compiler.context import ForwardContext
+from kiln.ops.gemv import gemv_enabled
 
 FP8 = torch.float8_e4m3fn
 
@@ -66,9 +67,10 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with W ``[out, in]``; FP8 weights carry ``weight_scale [out]``.
 
-    Non-FP8 weights go through ``kiln::linear``: at decode-sized T (<= ``KILN_GEMV_MAX_M``, 8) the
-    bandwidth-bound GEMV kernel of ops/gemv.py, otherwise cuBLAS; decided inside the op at run time
-    (T is dynamic in the exported graph). ``KILN_GEMV=0`` in the runtime's environment keeps cuBLAS.
+    Non-FP8 weights: ``F.linear`` (cuBLAS). Traced with ``KILN_GEMV=1`` they go through
+    ``kiln::linear`` instead: at decode-sized T (<= ``KILN_GEMV_MAX_M``, 8) the GEMV kernel of
+    ops/gemv.py, otherwise cuBLAS, decided inside the op at run time (T is dynamic in the exported
+    graph; ``KILN_GEMV=0`` at run time sends it to cuBLAS).
     """
 
     def __init__(
@@ -90,7 +92,9 @@ class Linear(nn.Module):
     def forward(self, x: Act) -> torch.Tensor:
         if self.quant != "fp8":
             assert isinstance(x, torch.Tensor)
-            return torch.ops.kiln.linear(x, self.weight, self.bias)
+            if gemv_enabled():
+                return torch.ops.kiln.linear(x, self.weight, self.bias)
+            return nn.functional.linear(x, self.weight, self.bias)
         q = x if isinstance(x, QuantAct) else quantize_per_token(x)
         return torch.ops.kiln.fp8_linear(
             q.data, q.scale, self.weight, self.weight_scale, self.bias, self.out_dtype
@@ -176,8 +180,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Fused gate_up -> silu_and_mul (+ FP8 quant) -> down.
 
-    Non-FP8: ``kiln::linear_silu_mul`` (at decode-sized T one GEMV that writes ``silu(gate) * up``
-    directly, else cuBLAS then ``silu_and_mul``), then ``down`` as a :class:`Linear`.
+    Traced with ``KILN_GEMV=1``, non-FP8 gate_up + SiLU-and-mul is ``kiln::linear_silu_mul`` (at
+    decode-sized T one GEMV that writes ``silu(gate) * up`` directly, else cuBLAS then
+    ``silu_and_mul``).
     """
 
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, quant: str | None = None):
@@ -190,8 +195,11 @@ class MLP(nn.Module):
         if self.quant == "fp8":
             gu = self.gate_up(x)  # [T, 2I]
             return self.down(QuantAct(*torch.ops.kiln.silu_and_mul_quant(gu, None)))
-        assert isinstance(x, torch.Tensor)
-        act = torch.ops.kiln.linear_silu_mul(x, self.gate_up.weight, self.gate_up.bias)  # [T, I]
+        if gemv_enabled():
+            assert isinstance(x, torch.Tensor)
+            act = torch.ops.kiln.linear_silu_mul(x, self.gate_up.weight, self.gate_up.bias)  # [T, I]
+        else:
+            act = torch.ops.kiln.silu_and_mul(self.gate_up(x))  # [T, I]
         return self.down(act)  # [T, H]
 
 

@@ -20,10 +20,11 @@ row-major, ``bias [N]`` or None:
   matching gate and up rows and write the activation directly; otherwise ``F.linear`` then
   ``silu_and_mul``.
 
-Switches, read at call time (so at CUDA-graph capture for decode graphs): ``KILN_GEMV=1`` turns the
-GEMV on (default off: cuBLAS (+ ``silu_and_mul``) measured faster on the H200 with the untuned
-launch heuristic); ``KILN_GEMV_MAX_M`` (default 8) is the largest T that
-takes the GEMV. On CPU the ops run cuBLAS's stand-in ``F.linear`` unless ``KILN_TRITON_ON_CPU=1``
+Switches: ``KILN_GEMV=1`` when compiling makes the model's bf16 linears trace these ops (default
+off: cuBLAS (+ ``silu_and_mul``) measured faster on the H200 with the untuned launch heuristic, and
+the graph then holds plain ``aten.linear``); in the ops, read at call time (so at CUDA-graph capture
+for decode graphs), ``KILN_GEMV`` not 1 sends every call to cuBLAS and ``KILN_GEMV_MAX_M`` (default
+8) is the largest T that takes the GEMV. On CPU the ops run cuBLAS's stand-in ``F.linear`` unless ``KILN_TRITON_ON_CPU=1``
 with ``TRITON_INTERPRET=1`` (ops/common.py), so CPU artifacts are unchanged.
 
 Kernels, picked by ``use_dot``:
@@ -56,7 +57,7 @@ can be overridden by keyword on :func:`gemv`. The choice depends on ``M`` only t
 1, 2, 4, 8) compiles every kernel a T <= 8 launch can need. (Exceptions: an artifact with
 ``--max-batch-size`` < 8 whose prefill chunks of 5..8 tokens would pick a kernel the warm-up never
 ran, only if ``TUNED`` gives M class 8 a different config than class 4; ``KILN_GEMV_MAX_M`` > 8;
-``KILN_GEMV`` not 1 at compile time. Triton then compiles at run time, once, into the artifact's cache.)
+``KILN_GEMV=1`` at run time only. Triton then compiles at run time, once, into the artifact's cache.)
 """
 
 from __future__ import annotations
