@@ -214,13 +214,18 @@ def compile_model(
         kernels_dir = out / "kernels"
         kernels_dir.mkdir()
         with _triton_cache(kernels_dir):
-            _warm_up(programs, graphs, weights, cache, cfg, device, buckets, max_blocks, opts.chunk_size)
+            # runnable, unlifted; without the stored example inputs (the module would also carry
+            # an input-guard submodule the graph's Python source cannot hold)
+            modules = {name: strip_example_inputs(ep).module() for name, ep in programs.items()}
+            _warm_up(modules, graphs, weights, cache, cfg, device, buckets, max_blocks, opts.chunk_size)
             _warm_up_sampler(cfg.vocab_size, device)
         for name, ep in programs.items():
-            torch.export.save(strip_example_inputs(ep), out / "graphs" / f"{name}.pt2")
+            torch.export.save(ep, out / "graphs" / f"{name}.pt2")
             graphs[name]["file"] = f"graphs/{name}.pt2"
             graphs[name]["inputs"] = list(GRAPH_INPUTS)
-            layout = emit_graph_code(ep, out / "graphs" / f"{name}.py", list(weights), len(GRAPH_INPUTS))
+            layout = emit_graph_code(
+                modules[name], out / "graphs" / f"{name}.py", list(weights), len(GRAPH_INPUTS)
+            )
             if layout is not None:
                 graphs[name]["python"] = {"file": f"graphs/{name}.py", **layout}
     with timer.phase("tokenizer"):
@@ -316,7 +321,7 @@ EXTEND_WARMUP = (
 
 
 def _warm_up(
-    programs: dict[str, Any],
+    modules: dict[str, Any],
     graphs: dict[str, dict[str, Any]],
     weights: dict[str, torch.Tensor],
     cache: CacheSpec,
@@ -339,7 +344,6 @@ def _warm_up(
         runs += [("model", 1, t) for t in sizes if t > 1]
     if device.type == "cpu":  # no Triton kernels to compile: a finiteness check per graph suffices
         runs = [r for r in runs if r[1] <= 2]
-    modules = {name: ep.module() for name, ep in programs.items()}
     for name, b, t in runs:
         ex = example_inputs(
             b,

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.export import ExportedProgram
 
 # Names the generated source may use; the runtime supplies exactly these (runtime/graph_code.py).
 ALLOWED_GLOBALS = frozenset({"torch", "device", "inf", "nan", "NoneType", "fx_pytree", "pytree"})
@@ -42,10 +41,12 @@ def _call_layout(module: torch.nn.Module, weight_keys: list[str], num_inputs: in
     return {"weight_keys": order, "num_inputs": num_inputs, "output": "tensor"}
 
 
-def emit_graph_code(ep: ExportedProgram, path: Path, weight_keys: list[str], num_inputs: int) -> dict | None:
-    """Write ``ep`` as Python source to ``path``; returns the call layout for the manifest, or
-    None (nothing written) when the graph uses something the runtime's loader does not supply."""
-    module = ep.module()
+def emit_graph_code(
+    module: torch.fx.GraphModule, path: Path, weight_keys: list[str], num_inputs: int
+) -> dict | None:
+    """Write ``module`` (``ExportedProgram.module()``) as Python source to ``path``; returns the
+    call layout for the manifest, or None (nothing written) when the graph uses something the
+    runtime's loader does not supply."""
     layout = _call_layout(module, weight_keys, num_inputs)
     if layout is None:
         return None
