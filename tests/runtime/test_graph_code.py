@@ -45,3 +45,11 @@ def test_format_switch(monkeypatch, demo_artifact):
     assert isinstance(graphs["model"], CodeGraph)
     with pytest.raises(TypeError, match="inputs"):
         graphs["model"]({}, torch.zeros(1))
+
+
+def test_loader_supplies_exactly_the_names_the_compiler_allows():
+    # the two sides of the boundary (runtime never imports compiler) keep one list each
+    from kiln.compiler.graph_code import ALLOWED_GLOBALS
+    from kiln.runtime.graph_code import GLOBALS
+
+    assert set(GLOBALS) == ALLOWED_GLOBALS
