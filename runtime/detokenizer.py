@@ -1,8 +1,18 @@
 """Incremental detokenization and stop-string matching, per request.
 
 ``IncrementalDetokenizer.add(token_id)`` returns the text that became final with that token.
-It decodes a short sliding window of the generated ids (Hugging Face's decode, via the fast
-tokenizer's Rust backend) and emits only what cannot change any more:
+
+For byte-level BPE and SentencePiece-style byte-fallback tokenizers it takes each token's bytes
+or text from a table built once per tokenizer (:mod:`kiln.runtime.byte_table`), a few hundred
+nanoseconds a token instead of a Rust ``decode`` call (~10 us): byte-level bytes go through an
+incremental UTF-8 decoder (an incomplete character is held until complete, invalid bytes give
+U+FFFD as ``decode`` does); ``<0xNN>`` tokens are gathered until a non-byte token closes the
+group. Each token id is checked against ``decode([id])`` the first time it is met; a request
+that meets an id the table gets wrong goes on with the window path below, emitting the same
+text. ``KILN_FAST_DETOK=0`` (or ``fast=False``) turns the table path off.
+
+Otherwise it decodes a short sliding window of the generated ids (Hugging Face's decode, via the
+fast tokenizer's Rust backend) and emits only what cannot change any more:
 
 * a window whose text ends in U+FFFD is held (an incomplete UTF-8 character: byte-level BPE
   tokens and ``<0xNN>`` byte-fallback tokens split characters across tokens);
@@ -20,26 +30,40 @@ boundaries. On a match the text stops just before the stop string (OpenAI semant
 
 from __future__ import annotations
 
+import os
 import re
+from codecs import utf_8_decode as _utf8
 from collections.abc import Sequence
 from typing import Any
 
 from tokenizers import Tokenizer
 
+from kiln.runtime.byte_table import BYTE_LEVEL, SAFE, decode_table, utf8_group
+
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
-_byte_ids_cache: dict[int, tuple[Any, frozenset[int]]] = {}
+_byte_ids_cache: dict[int, tuple[Any, frozenset[int], frozenset[int]]] = {}
 _one_len_cache: dict[tuple[int, bool], tuple[Any, dict[int, int]]] = {}
 
 
-def _byte_token_ids(tokenizer: Any) -> frozenset[int]:
-    """Ids of ``<0xNN>`` byte-fallback tokens (empty for byte-level tokenizers); cached."""
+def _byte_token_ids(tokenizer: Any) -> tuple[frozenset[int], frozenset[int]]:
+    """Ids of ``<0xNN>`` byte-fallback tokens (empty for byte-level tokenizers), and, when there
+    are any, of the special tokens (``skip_special_tokens`` drops them before the decoder, so
+    they do not close a byte group); cached."""
     hit = _byte_ids_cache.get(id(tokenizer))
     if hit is not None and hit[0] is tokenizer:
-        return hit[1]
+        return hit[1], hit[2]
     vocab = tokenizer.get_vocab()
     ids = frozenset(i for t, i in vocab.items() if len(t) == 6 and _BYTE_TOKEN.match(t))
-    _byte_ids_cache[id(tokenizer)] = (tokenizer, ids)
-    return ids
+    specials: frozenset[int] = frozenset()
+    if ids:
+        backend = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
+        if isinstance(backend, Tokenizer):
+            added = backend.get_added_tokens_decoder().items()
+            specials = frozenset(i for i, t in added if t.special)
+        else:
+            specials = frozenset(getattr(tokenizer, "all_special_ids", ()))
+    _byte_ids_cache[id(tokenizer)] = (tokenizer, ids, specials)
+    return ids, specials
 
 
 def _one_token_lengths(backend: Any, skip_special_tokens: bool) -> dict[int, int]:
@@ -63,9 +87,17 @@ class IncrementalDetokenizer:
         prompt_ids: the request's prompt. The text is that of the generated ids alone, as
             ``decode(output_ids)`` gives; the prompt is kept for callers (``echo``), not decoded.
         skip_special_tokens: leave special tokens out of the text.
+        fast: use the token table when the tokenizer has one (default: unless the environment
+            sets ``KILN_FAST_DETOK=0``); False always decodes windows.
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        fast: bool | None = None,
+    ) -> None:
         self.prompt_ids = prompt_ids
         self.skip_special_tokens = skip_special_tokens
         backend = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
@@ -77,13 +109,36 @@ class IncrementalDetokenizer:
             self._dec = lambda ids, skip: backend.decode(
                 ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
             )
-        self._byte_ids = _byte_token_ids(tokenizer)
+        self._byte_ids, specials = _byte_token_ids(tokenizer)
+        self._skipped = specials if skip_special_tokens else frozenset()
+        self._last = -1  # the last id the decoder sees (skipped special tokens are not)
         self._one_len = _one_token_lengths(backend, skip_special_tokens)
         self.ids: list[int] = []
         self._pieces: list[str] = []  # everything emitted so far (``text`` joins them)
         self._prefix = 0  # window start: a token whose text was already emitted (or 0)
         self._read = 0  # tokens before this are emitted
         self._prefix_chars = 0  # len(decode(ids[_prefix:_read]))
+        self._strip = False  # the next non-empty piece loses a leading space (Strip decoder)
+        self._stripped = 0  # 1 once that space was removed
+        self._add, self._flush = self._add_window, self._flush_window
+        if fast is None:
+            fast = os.environ.get("KILN_FAST_DETOK", "1") != "0"
+        self._table = table = decode_table(tokenizer) if fast else None
+        if table is not None:
+            skip = bool(skip_special_tokens)
+            self._n, self._state, self._text = table.n, table.state[skip], table.text[skip]
+            if table.kind == BYTE_LEVEL:
+                self._raw, self._pending = table.raw[skip], b""
+                self._add, self._flush = self._add_bytes, self._flush_bytes
+            else:
+                self._byte, self._group = table.byte[skip], []
+                self._strip = table.strip
+                self._add, self._flush = self._add_tokens, self._flush_tokens
+
+    @property
+    def fast(self) -> bool:
+        """Whether tokens are decoded from the table now (False: decoding windows)."""
+        return self._add != self._add_window
 
     @property
     def text(self) -> str:
@@ -97,11 +152,98 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append ``token_id``; return the text that became final (often "", never partial)."""
+        return self._add(int(token_id))
+
+    def flush(self) -> str:
+        """At the end of the request: whatever is still held (may contain U+FFFD)."""
+        return self._flush()
+
+    def _strip_first(self, piece: str) -> str:
+        self._strip = False
+        if piece[0] == " ":
+            self._stripped = 1
+            return piece[1:]
+        return piece
+
+    # -- table path, byte-level: bytes through an incremental UTF-8 decoder ------------------
+    def _add_bytes(self, t: int) -> str:
+        if (t >= self._n or self._state[t] != SAFE) and not self._table.verify(t, self.skip_special_tokens):
+            return self._fall_back(t)
+        self.ids.append(t)
+        if self._pending:  # an incomplete character is held
+            data = self._pending + self._raw[t]
+            piece, used = _utf8(data, "replace", False)
+            self._pending = data[used:]
+        else:
+            piece = self._text[t]
+            if piece is None:  # not valid UTF-8 alone
+                data = self._raw[t]
+                piece, used = _utf8(data, "replace", False)
+                self._pending = data[used:]
+        if piece:
+            self._pieces.append(piece)
+        return piece
+
+    def _flush_bytes(self) -> str:
+        piece = _utf8(self._pending, "replace", True)[0] if self._pending else ""
+        self._pending = b""
+        if piece:
+            self._pieces.append(piece)
+        return piece
+
+    # -- table path, byte fallback: token texts, <0xNN> runs held until a token closes them --
+    def _add_tokens(self, t: int) -> str:
+        if (t >= self._n or self._state[t] != SAFE) and not self._table.verify(t, self.skip_special_tokens):
+            return self._fall_back(t)
+        self.ids.append(t)
+        b = self._byte[t]
+        if b >= 0:
+            self._group.append(b)
+            return ""
+        piece = self._text[t]
+        if piece is None:  # a skipped special token: nothing, and the byte group stays open
+            return ""
+        if self._group:
+            piece = utf8_group(self._group) + piece
+            self._group.clear()
+        if self._strip and piece:
+            piece = self._strip_first(piece)
+        if piece:
+            self._pieces.append(piece)
+        return piece
+
+    def _flush_tokens(self) -> str:
+        piece = utf8_group(self._group) if self._group else ""
+        self._group.clear()
+        if self._strip and piece:
+            piece = self._strip_first(piece)
+        if piece:
+            self._pieces.append(piece)
+        return piece
+
+    def _fall_back(self, t: int) -> str:
+        """``t`` is not safe to take from the table: decode windows for the rest of the request,
+        the first one from the request's start (the text emitted so far is its prefix)."""
+        table = self._table
+        if table.strip:  # windows decoded without the Strip step; _strip_first does it once
+            nostrip = table.nostrip_backend()
+            self._dec = nostrip.decode
+            self._one_len = _one_token_lengths(nostrip, self.skip_special_tokens)
+        self._prefix = self._read = 0
+        self._prefix_chars = len(self.text) + self._stripped
+        self._last = next((i for i in reversed(self.ids) if i not in self._skipped), -1)
+        self._add, self._flush = self._add_window, self._flush_window
+        return self._add_window(t)
+
+    # -- window path: the Rust decode of a short window of ids ------------------------------
+    def _add_window(self, t: int) -> str:
         ids = self.ids
-        ids.append(int(token_id))
+        ids.append(t)
         full = self._dec(ids[self._prefix :], self.skip_special_tokens)
         skip = self._prefix_chars
-        if len(full) <= skip or full.endswith("\ufffd") or ids[-1] in self._byte_ids:
+        if t not in self._skipped:
+            self._last = t
+        if len(full) <= skip or full.endswith("\ufffd") or self._last in self._byte_ids:
             return ""
         piece = full[skip:]
         prefix, read = self._read, len(ids)
@@ -114,15 +256,19 @@ class IncrementalDetokenizer:
             self._prefix_chars = n
         else:
             self._prefix_chars = len(self._decode(ids[prefix:read]))
-        self._pieces.append(piece)
+        if self._strip:
+            piece = self._strip_first(piece)
+        if piece:
+            self._pieces.append(piece)
         return piece
 
-    def flush(self) -> str:
-        """At the end of the request: whatever is still held (may contain U+FFFD)."""
+    def _flush_window(self) -> str:
         full = self._decode(self.ids[self._prefix :])
         piece = full[self._prefix_chars :]
         self._prefix = self._read = len(self.ids)
         self._prefix_chars = 0
+        if self._strip and piece:
+            piece = self._strip_first(piece)
         self._pieces.append(piece)
         return piece
 
