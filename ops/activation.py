@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import FP8_DTYPE, FP8_MIN_SCALE, interpreting, next_pow2, use_triton
+from kiln.ops.common import FP8_DTYPE, FP8_MIN_SCALE, interpreting, kiln_op, next_pow2, use_triton
 from kiln.ops.quant import (
     quantize_fp8_per_token,
     quantize_fp8_static,
@@ -188,7 +188,7 @@ def _run(x: torch.Tensor, scale: torch.Tensor | None, quant: int):
     return (y, s) if fp8 else y
 
 
-@torch.library.custom_op("kiln::silu_and_mul", mutates_args=())
+@kiln_op("silu_and_mul")
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``x [T, 2I] -> silu(x[:, :I]) * x[:, I:]`` ``[T, I]``."""
     _check(x, None)
@@ -202,7 +202,7 @@ def _(x):
     return x.new_empty((x.shape[0], x.shape[1] // 2))
 
 
-@torch.library.custom_op("kiln::silu_and_mul_quant", mutates_args=())
+@kiln_op("silu_and_mul_quant")
 def silu_and_mul_quant(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``silu_and_mul`` then FP8: ``(y fp8 [T, I], s)``; ``s`` is ``[T, 1]`` (dynamic) or ``[1]`` (static)."""
     _check(x, scale)

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from kiln.ops.common import kiln_op
 from kiln.ops.decode_attention import decode_attention_any
 from kiln.ops.extend_attention import extend_attention_any
 
 
-@torch.library.custom_op("kiln::paged_attention", mutates_args=())
+@kiln_op("paged_attention")
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -11,11 +11,18 @@ implementation at call time:
 
 Rules every kernel follows so that it can sit inside a CUDA graph: no host synchronisation, no
 ``.item()``, per-batch metadata read from device tensors, grids computed from tensor shapes only.
+
+``kiln_op`` registers an op and also records its Python body in ``DIRECT``: the runtime calls the
+bodies straight from the graphs it loads (``runtime/graph_code.py``), skipping the dispatcher,
+whose first custom-op call imports ``torch._dynamo`` (seconds on a slow host) and whose every call
+costs tens of microseconds of Python in eager steps.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -37,3 +44,17 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+DIRECT: dict[str, Callable[..., Any]] = {}  # op name (no namespace) -> its Python body
+
+
+def kiln_op(name: str, mutates_args: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Any]:
+    """``torch.library.custom_op(f"kiln::{name}", mutates_args)`` that also records the body in
+    ``DIRECT`` (the same function the dispatcher ends up calling for every device)."""
+
+    def register(fn: Callable[..., Any]) -> Any:
+        DIRECT[name] = fn
+        return torch.library.custom_op(f"kiln::{name}", mutates_args=tuple(mutates_args))(fn)
+
+    return register

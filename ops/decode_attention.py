@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.attention_ref import decode_attention_ref
-from kiln.ops.common import interpreting, next_pow2, use_triton
+from kiln.ops.common import interpreting, kiln_op, next_pow2, use_triton
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
 MAX_SPLITS = 128
@@ -312,7 +312,7 @@ def decode_attention_any(
     )
 
 
-@torch.library.custom_op("kiln::decode_attention", mutates_args=())
+@kiln_op("decode_attention")
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

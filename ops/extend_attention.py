@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.attention_ref import extend_attention_ref
-from kiln.ops.common import interpreting, next_pow2, use_triton
+from kiln.ops.common import interpreting, kiln_op, next_pow2, use_triton
 from kiln.ops.decode_attention import _check, _dot, _softcap
 
 
@@ -303,7 +303,7 @@ def extend_attention_any(
     return extend_attention_ref(*args)
 
 
-@torch.library.custom_op("kiln::extend_attention", mutates_args=())
+@kiln_op("extend_attention")
 def extend_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from kiln.ops.common import FP8_DTYPE, use_triton
+from kiln.ops.common import FP8_DTYPE, kiln_op, use_triton
 from kiln.ops.fp8_gemm import fp8_gemm
 
 FAST_ACCUM = os.environ.get("KILN_FP8_FAST_ACCUM", "0") == "1"  # faster, less accurate accumulation
@@ -177,7 +177,7 @@ def fp8_linear_forward(
     return fp8_linear_ref(x, x_scale, w, w_scale, bias, out_dtype)
 
 
-@torch.library.custom_op("kiln::fp8_linear", mutates_args=())
+@kiln_op("fp8_linear")
 def fp8_linear(
     x: torch.Tensor,
     x_scale: torch.Tensor,

@@ -70,7 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import interpreting, next_pow2, use_triton
+from kiln.ops.common import DIRECT, interpreting, kiln_op, next_pow2, use_triton
 from kiln.ops.quant import tl_round
 
 DEFAULT_MAX_M = 8
@@ -628,7 +628,7 @@ def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-@torch.library.custom_op("kiln::linear", mutates_args=())
+@kiln_op("linear")
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [T, K] @ w [N, K]^T (+ bias)`` ``[T, N]``: the GEMV at small T, else ``F.linear``."""
     if use_gemv(x, w):
@@ -641,7 +641,7 @@ def _(x, w, bias):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
-@torch.library.custom_op("kiln::linear_silu_mul", mutates_args=())
+@kiln_op("linear_silu_mul")
 def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``silu_and_mul(x @ w^T (+ bias))`` ``[T, I]`` for ``w [2I, K]`` (gate rows, then up rows)."""
     if w.shape[0] % 2:
@@ -650,7 +650,7 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None)
         return gemv(x, w, bias, gate_up=True)
     gu = torch.nn.functional.linear(x, w, bias)
     if use_triton(gu) and gu.dim() == 2:
-        return torch.ops.kiln.silu_and_mul(gu)
+        return DIRECT["silu_and_mul"](gu)
     from kiln.ops.activation import silu_and_mul_ref
 
     return silu_and_mul_ref(gu.reshape(-1, gu.shape[-1])).reshape(*gu.shape[:-1], -1).contiguous()

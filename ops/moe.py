@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops import activation
-from kiln.ops.common import FP8_DTYPE, FP8_MIN_SCALE, interpreting, next_pow2, use_triton
+from kiln.ops.common import FP8_DTYPE, FP8_MIN_SCALE, interpreting, kiln_op, next_pow2, use_triton
 from kiln.ops.moe_align import moe_align_run
 from kiln.ops.moe_gemm import check_config, moe_gemm_launch, moe_gemv_launch, pick_configs
 from kiln.ops.quant import (
@@ -266,7 +266,7 @@ def _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> None:
         )
 
 
-@torch.library.custom_op("kiln::fused_moe", mutates_args=())
+@kiln_op("fused_moe")
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,

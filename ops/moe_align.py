@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import next_pow2, use_triton
+from kiln.ops.common import kiln_op, next_pow2, use_triton
 
 CHUNK = 128  # pairs per program in the count and scatter kernels
 FILL = 1024  # entries per step of the sentinel fill
@@ -282,7 +282,7 @@ def moe_align_run(
     return moe_align_ref(topk_ids, expert_map, num_experts, block_m)
 
 
-@torch.library.custom_op("kiln::moe_align", mutates_args=())
+@kiln_op("moe_align")
 def moe_align(
     topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

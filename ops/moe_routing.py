@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import next_pow2, use_triton
+from kiln.ops.common import kiln_op, next_pow2, use_triton
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -212,7 +212,7 @@ def _check(logits, bias, top_k, scoring, num_groups, topk_groups) -> None:
         )
 
 
-@torch.library.custom_op("kiln::moe_topk", mutates_args=())
+@kiln_op("moe_topk")
 def moe_topk(
     logits: torch.Tensor,
     bias: torch.Tensor | None,

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import FP8_DTYPE, FP8_MIN_SCALE, interpreting, next_pow2, use_triton
+from kiln.ops.common import FP8_DTYPE, FP8_MIN_SCALE, interpreting, kiln_op, next_pow2, use_triton
 from kiln.ops.quant import (
     quantize_fp8_per_token,
     quantize_fp8_static,
@@ -334,7 +334,7 @@ def _quant_fake(x, scale):
     return y, s
 
 
-@torch.library.custom_op("kiln::rmsnorm", mutates_args=())
+@kiln_op("rmsnorm")
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """``x [T, H] -> [T, H]`` RMSNorm (see the module docstring)."""
     return _forward(x, None, w, eps, None, QUANT_NONE)
@@ -345,7 +345,7 @@ def _(x, w, eps):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("kiln::fused_add_rmsnorm", mutates_args=("residual",))
+@kiln_op("fused_add_rmsnorm", mutates_args=("residual",))
 def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """``residual += x`` in place; returns ``rmsnorm(residual)`` ``[T, H]``."""
     return _forward(x, residual, w, eps, None, QUANT_NONE)
@@ -356,7 +356,7 @@ def _(x, residual, w, eps):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("kiln::rmsnorm_quant", mutates_args=())
+@kiln_op("rmsnorm_quant")
 def rmsnorm_quant(
     x: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,7 +369,7 @@ def _(x, w, eps, scale):
     return _quant_fake(x, scale)
 
 
-@torch.library.custom_op("kiln::fused_add_rmsnorm_quant", mutates_args=("residual",))
+@kiln_op("fused_add_rmsnorm_quant", mutates_args=("residual",))
 def fused_add_rmsnorm_quant(
     x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:

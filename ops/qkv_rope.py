@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import interpreting, next_pow2, use_triton
+from kiln.ops.common import interpreting, kiln_op, next_pow2, use_triton
 from kiln.ops.rope import apply_rope_ref
 
 
@@ -341,7 +341,7 @@ def qkv_rope_kvwrite_triton(
 
 
 # --------------------------------------------------------------------------- op
-@torch.library.custom_op("kiln::qkv_rope_kvwrite", mutates_args=("k_cache", "v_cache"))
+@kiln_op("qkv_rope_kvwrite", mutates_args=("k_cache", "v_cache"))
 def qkv_rope_kvwrite(
     qkv: torch.Tensor,
     positions: torch.Tensor,

@@ -30,10 +30,11 @@ def engine_options(f):  # shared by generate, serve and bench
         ),
         click.option("--no-radix-cache", is_flag=True, help="Disable prefix caching."),
         click.option(
-            "--overlap",
-            is_flag=True,
-            help="Launch each decode step before the previous one is finished on the host (hides host "
-            "work behind the GPU; experimental, off by default).",
+            "--overlap/--no-overlap",
+            default=True,
+            show_default=True,
+            help="Launch each decode step before the previous one is finished on the host (hides the "
+            "host work of a step behind the GPU).",
         ),
         click.option("--max-running", type=int, default=None, help="Cap on concurrently running requests."),
         click.option(

@@ -4,12 +4,18 @@ The source is the exported graph printed by ``torch.fx`` (calls of ``torch.ops.*
 checked against the sha256 the manifest records before it is executed, and it runs with exactly
 the names the compiler allowed. Loading takes milliseconds where ``torch.export.load`` takes
 seconds.
+
+By default the graph's ``torch.ops.kiln.*`` calls go straight to the ops' Python bodies
+(``kiln.ops.common.DIRECT``), not through the dispatcher: the dispatcher's first custom-op call
+imports ``torch._dynamo`` (6 s of start-up on the H200 host) and each call costs Python overhead in
+the eager (prefill) steps. ``KILN_OP_DISPATCH=torch`` keeps the dispatcher.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +23,8 @@ from typing import Any
 import torch
 import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
+
+from kiln.ops.common import DIRECT
 
 GLOBALS: dict[str, Any] = {
     "torch": torch,
@@ -27,6 +35,52 @@ GLOBALS: dict[str, Any] = {
     "fx_pytree": fx_pytree,
     "pytree": pytree,
 }
+
+
+class _DirectOp:
+    """``torch.ops.kiln.NAME`` for generated code: ``.default`` is the op's Python body."""
+
+    __slots__ = ("default",)
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.default = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.default(*args, **kwargs)
+
+
+class _KilnOps:
+    def __getattr__(self, name: str) -> Any:
+        fn = DIRECT.get(name)
+        op = _DirectOp(fn) if fn is not None else getattr(torch.ops.kiln, name)
+        setattr(self, name, op)
+        return op
+
+
+class _Ops:
+    def __init__(self) -> None:
+        self.kiln = _KilnOps()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.ops, name)
+
+
+class _DirectTorch:
+    """``torch`` as generated code sees it: everything is torch's, except ``ops.kiln``."""
+
+    def __init__(self) -> None:
+        self.ops = _Ops()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def direct_dispatch() -> bool:
+    """Whether loaded graphs call the ops' bodies directly (default) or via the dispatcher."""
+    mode = os.environ.get("KILN_OP_DISPATCH", "direct")
+    if mode not in ("direct", "torch"):
+        raise ValueError(f"KILN_OP_DISPATCH must be 'direct' or 'torch', got {mode!r}")
+    return mode == "direct"
 
 
 class GraphCodeError(RuntimeError):
@@ -47,7 +101,9 @@ class CodeGraph:
         return self.forward(None, *[weights[k] for k in self.weight_keys], *inputs)[0]
 
 
-def load_graph_code(path: Path, layout: Mapping[str, Any], sha256: str | None) -> CodeGraph:
+def load_graph_code(
+    path: Path, layout: Mapping[str, Any], sha256: str | None, direct: bool | None = None
+) -> CodeGraph:
     src = path.read_bytes()
     if sha256 is not None and hashlib.sha256(src).hexdigest() != sha256:
         raise GraphCodeError(
@@ -56,5 +112,7 @@ def load_graph_code(path: Path, layout: Mapping[str, Any], sha256: str | None) -
     if layout.get("output") != "tensor":
         raise GraphCodeError(f"{path}: unsupported graph output {layout.get('output')!r}")
     namespace = dict(GLOBALS)
+    if direct_dispatch() if direct is None else direct:
+        namespace["torch"] = _DirectTorch()
     exec(compile(src, str(path), "exec"), namespace)  # the compiler's own output, hash-checked above
     return CodeGraph(namespace["forward"], list(layout["weight_keys"]), int(layout["num_inputs"]))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -53,3 +55,33 @@ def test_loader_supplies_exactly_the_names_the_compiler_allows():
     from kiln.runtime.graph_code import GLOBALS
 
     assert set(GLOBALS) == ALLOWED_GLOBALS
+
+
+def test_direct_dispatch_matches_the_dispatcher(monkeypatch, demo_artifact):
+    from kiln import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    runs = []
+    for mode in ("direct", "torch"):
+        monkeypatch.setenv("KILN_OP_DISPATCH", mode)
+        llm = LLM(str(demo_artifact), cuda_graph=False)
+        assert isinstance(llm.engine.model.graphs["model"], CodeGraph)
+        out = llm.generate([[5, 9, 200, 31], "a longer prompt than that"], params)
+        runs.append([(o.token_ids, o.logprobs) for o in out])
+    assert runs[0] == runs[1]
+    monkeypatch.setenv("KILN_OP_DISPATCH", "jit")
+    with pytest.raises(ValueError, match="KILN_OP_DISPATCH"):
+        load_graphs(open_artifact(demo_artifact, "cpu"))
+
+
+def test_direct_dispatch_never_imports_dynamo(demo_artifact):
+    # the dispatcher's first custom-op call imports torch._dynamo: ~6 s of start-up on the H200 host
+    child = (
+        "import sys; from kiln import LLM, SamplingParams; "
+        f"llm = LLM({str(demo_artifact)!r}); "
+        "out = llm.generate(['hi'], SamplingParams(max_tokens=3, temperature=0.0)); "
+        "print('DYNAMO', 'torch._dynamo' in sys.modules, len(out[0].token_ids))"
+    )
+    p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "DYNAMO False 3" in p.stdout, p.stdout
