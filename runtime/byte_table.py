@@ -183,6 +183,19 @@ class DecodeTable:
             state[token_id] = SAFE if ok else UNSAFE
         return state[token_id] == SAFE
 
+    def verify_all(self, skip: bool) -> int:
+        """Check every id at once (one ``decode_batch``, parallel in Rust) so that no request pays
+        a ``decode([id])`` on an id's first use; returns how many ids are unsafe."""
+        ids = range(self.n)
+        got = self.backend.decode_batch([[i] for i in ids], skip)
+        if self.kind == BYTE_LEVEL:
+            text, raw = self.text[skip], self.raw[skip]
+            want = [t if t is not None else r.decode("utf-8", "replace") for t, r in zip(text, raw)]
+        else:
+            want = [self.decode([i], skip) for i in ids]
+        self.state[skip] = bytearray(SAFE if a == b else UNSAFE for a, b in zip(want, got))
+        return self.state[skip].count(UNSAFE)
+
     def nostrip_backend(self) -> Tokenizer:
         """A copy of the backend without the final ``Strip`` (its decode concatenates across
         windows); the caller strips the one leading space itself."""

@@ -117,7 +117,9 @@ class Engine:
         )
         self.tokenizer = load_tokenizer(art.tokenizer_dir) if has_tok else None
         if self.tokenizer is not None:
-            decode_table(self.tokenizer)  # built once here, not on the first request
+            table = decode_table(self.tokenizer)  # built and checked here, not on first use
+            if table is not None:
+                table.verify_all(skip=True)  # the default of skip_special_tokens
         self.model.phases["tokenizer"] = time.perf_counter() - t
         self.eos_ids = set(art.eos_token_ids)
         self.requests: dict[str, Req] = {}

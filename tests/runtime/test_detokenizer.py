@@ -18,7 +18,15 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from kiln.compiler.synth_tokenizer import build_tokenizer
-from kiln.runtime.byte_table import BYTE_FALLBACK, BYTE_LEVEL, CHAR_BYTES, SAFE, UNSAFE, decode_table
+from kiln.runtime.byte_table import (
+    BYTE_FALLBACK,
+    BYTE_LEVEL,
+    CHAR_BYTES,
+    SAFE,
+    UNCHECKED,
+    UNSAFE,
+    decode_table,
+)
 from kiln.runtime.detokenizer import IncrementalDetokenizer, StopMatcher
 
 TEXTS = [
@@ -425,3 +433,19 @@ def test_unsafe_id_falls_back_with_the_same_text(flavour_tok):
     assert detok.add(text_ids[0]) == backend.decode(text_ids[:1], True) and detok.fast
     detok.add(len(tok) + 5)
     assert not detok.fast
+
+
+def test_verify_all_checks_every_id_at_once(flavour_tok):
+    flavour, tok = flavour_tok
+    backend = _fresh(tok)
+    table = decode_table(backend)
+    assert all(s == UNCHECKED for s in table.state[True])
+    assert table.verify_all(True) == 0 and all(s == SAFE for s in table.state[True])
+    text_ids = backend.encode(" " + TEXTS[2], add_special_tokens=False).ids
+    bad = next(t for t in text_ids[2:] if not backend.id_to_token(t).startswith("<0x"))
+    if flavour == "byte_level":
+        table.raw[True][bad], table.text[True][bad] = b"XX", "XX"
+    else:
+        table.text[True][bad] = "XX"
+    assert table.verify_all(True) == 1 and table.state[True][bad] == UNSAFE
+    assert all(s == UNCHECKED for s in table.state[False])  # skip=False is still checked lazily
