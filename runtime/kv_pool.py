@@ -185,6 +185,11 @@ class BlockTable:
         self.page_size = page_size
         self.device = torch.device(device)
         # table: [R, max_blocks] int32
+        if self.num_rows * max_blocks >= 2**31:  # flush() sends flat indices as int32
+            raise KVPoolError(
+                f"BlockTable: {self.num_rows} rows x {max_blocks} blocks exceeds 2^31 entries; "
+                "use a larger page size or fewer concurrent requests"
+            )
         self.table = torch.zeros(self.num_rows, max_blocks, dtype=torch.int32, device=self.device)
         self._pages: list[list[int]] = [[] for _ in range(self.num_rows)]
         self._free_rows: list[int] = list(range(self.num_rows - 1, 0, -1))
@@ -295,18 +300,18 @@ class BlockTable:
         if not pending:
             return
         n = len(pending)
-        packed = np.empty((2, n), dtype=np.int64)  # [flat index, page] x n
-        packed[0] = np.fromiter(pending.keys(), np.int64, n)
-        packed[1] = np.fromiter(pending.values(), np.int64, n)
+        packed = np.empty((2, n), dtype=np.int32)  # [flat index, page] x n (the table is int32)
+        packed[0] = np.fromiter(pending.keys(), np.int32, n)
+        packed[1] = np.fromiter(pending.values(), np.int32, n)
         pending.clear()
         host = torch.from_numpy(packed)
         if self.stager is not None:  # persistent pinned buffers (no allocation, no sync)
-            dev = self.stager.to_device(host, torch.int64)
+            dev = self.stager.to_device(host, torch.int32)
         elif self.device.type == "cuda":
             dev = host.pin_memory().to(self.device, non_blocking=True)
         else:
             dev = host
-        self.table.view(-1).index_put_((dev[0],), dev[1].to(torch.int32))
+        self.table.view(-1).index_put_((dev[0],), dev[1])
 
     def check(self) -> None:
         """Assert the device table equals the host lists (syncs; for tests and idle loops)."""

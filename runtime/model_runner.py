@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from kiln.runtime.kv_pool import BlockTable, KVPool
@@ -50,20 +51,24 @@ class ModelRunner:
         bmax = self.buckets[-1]
         # Static decode inputs, sliced per bucket: ids/positions/slots int64, rows/lens int32, and
         # the constant request layout of a decode step (one token each): qo_indptr and logits rows.
-        self._i64 = torch.zeros(3, bmax, dtype=torch.int64, device=self.device)
-        self._i32 = torch.zeros(2, bmax, dtype=torch.int32, device=self.device)
+        # Both live in one device buffer so that a step's inputs go up in one copy (bmax is even:
+        # every row starts 16-byte aligned, as the kernels were specialized for).
+        bmax += bmax % 2
+        self._n64 = 3 * bmax * 8  # bytes of the int64 rows
+        self._dbuf = torch.zeros(self._n64 + 2 * bmax * 4, dtype=torch.uint8, device=self.device)
+        self._i64 = self._dbuf[: self._n64].view(torch.int64).view(3, bmax)
+        self._i32 = self._dbuf[self._n64 :].view(torch.int32).view(2, bmax)
         self._indptr = torch.arange(bmax + 1, dtype=torch.int32, device=self.device)
         self._rows_out = torch.arange(bmax, dtype=torch.int64, device=self.device)
         self._out: dict[int, torch.Tensor] = {}
         pin = self.device.type == "cuda"
         # Pinned staging for the decode inputs, double-buffered: with overlapped decoding the next
         # step's inputs are written while the previous step's copy may still be queued.
-        self._h64 = [torch.zeros(3, bmax, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._h32 = [torch.zeros(2, bmax, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._hbuf = [torch.zeros(self._dbuf.numel(), dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         # numpy views of the same memory: filling them from Python lists is several times faster
         # than torch.tensor(list) plus a copy (the per-step host cost that grows with the batch).
-        self._h64np = [h.numpy() for h in self._h64]
-        self._h32np = [h.numpy() for h in self._h32]
+        self._h64np = [h[: self._n64].numpy().view(np.int64).reshape(3, bmax) for h in self._hbuf]
+        self._h32np = [h[self._n64 :].numpy().view(np.int32).reshape(2, bmax) for h in self._hbuf]
         self._flip = 0
         self.capture_seconds = 0.0
         if self.use_cuda_graph:
@@ -126,7 +131,6 @@ class ModelRunner:
         n = step.batch
         b = self.bucket_for(n)
         self._flip ^= 1
-        h64, h32 = self._h64[self._flip], self._h32[self._flip]
         n64, n32 = self._h64np[self._flip], self._h32np[self._flip]
         if n < b:  # padding rows: token 0 at position 0 into the sink slot, block-table row 0, length 1
             n64[:, n:b] = 0
@@ -137,10 +141,12 @@ class ModelRunner:
         n64[2, :n] = step.out_slots
         n32[0, :n] = step.req_rows
         n32[1, :n] = step.seq_lens
-        self._i64[:, :b].copy_(h64[:, :b], non_blocking=True)
-        self._i32[:, :b].copy_(h32[:, :b], non_blocking=True)
+        self._dbuf.copy_(self._hbuf[self._flip], non_blocking=True)  # one copy (a few KiB)
         if subst is not None:
-            self._i64[0].index_copy_(0, subst[0], subst[1])
+            if subst[0] is None:  # every row's id: the previous step's ids in order
+                self._i64[0, :n].copy_(subst[1])
+            else:
+                self._i64[0].index_copy_(0, subst[0], subst[1])
         self.bt.flush()
         if self.use_cuda_graph:
             self.graphs[b].replay()

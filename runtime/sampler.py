@@ -47,6 +47,16 @@ def _h2d(data: list, dtype: torch.dtype, device: torch.device | str, stager: Any
     return t.to(device, non_blocking=True)
 
 
+_EMPTY: dict[str, torch.Tensor] = {}
+
+
+def _empty_i64(device: torch.device | str) -> torch.Tensor:
+    key = str(device)
+    if key not in _EMPTY:
+        _EMPTY[key] = torch.empty(0, dtype=torch.int64, device=device)
+    return _EMPTY[key]
+
+
 def resolve_seed(params: SamplingParams, index: int = 0) -> int:
     """The seed a request samples with: ``params.seed`` (completion ``index`` of ``n`` derives its
     own), or a fresh random 63-bit seed when unseeded. Call once at admission; keep it."""
@@ -197,11 +207,14 @@ class SamplingBatch:
         )
 
     @classmethod
-    def greedy_batch(cls, rows: list[int], device: torch.device | str, stager: Any = None) -> SamplingBatch:
+    def greedy_batch(
+        cls, rows: list[int], device: torch.device | str, stager: Any = None, need_rows: bool = True
+    ) -> SamplingBatch:
         """The common all-greedy batch (``plain_greedy``): argmax only, so nothing but the rows
-        is built. ``rows`` is kept as ``row_list``, not copied."""
+        is built, and not even those with ``need_rows=False`` (``observe`` has no counts to
+        update: no request has used penalties yet). ``rows`` is kept as ``row_list``, not copied."""
         B = len(rows)
-        r = _h2d(rows, torch.int64, device, stager)
+        r = _h2d(rows, torch.int64, device, stager) if need_rows else _empty_i64(device)
         none = r[:0]
         return cls(
             size=B,
@@ -259,6 +272,8 @@ class Sampler:
         scatter on the device, nothing when no request has used penalties yet."""
         if self.counts is None:
             return
+        if rows.numel() != token_ids.numel():
+            raise ValueError("Sampler.observe: the batch was built without its rows (need_rows=False)")
         ones = torch.ones(token_ids.shape, dtype=torch.int32, device=self.device)
         self.counts.index_put_((rows, token_ids), ones, accumulate=True)
 

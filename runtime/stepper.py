@@ -72,7 +72,15 @@ class Stepper:
                     e.stats["cached_tokens"] += req.cached_len
         step = e.scheduler.step_inputs(batch)
         subst = None
-        if prev is not None:  # input ids still on the device: take them from the previous step
+        reqs = batch.reqs
+        if (  # the steady state: the same requests in the same order, all waiting for their ids
+            prev is not None
+            and len(reqs) == len(prev.reqs)
+            and all(a is b for a, b in zip(reqs, prev.reqs))
+            and all(r.output_ids[-1] == PLACEHOLDER for r in reqs)
+        ):
+            subst = (None, prev.ids)  # one device copy, no index lists
+        elif prev is not None:  # input ids still on the device: take them from the previous step
             pos = prev.position()
             dst = [i for i, r in enumerate(batch.reqs) if r.output_ids and r.output_ids[-1] == PLACEHOLDER]
             src = [pos[batch.reqs[i].rid] for i in dst]
@@ -100,7 +108,7 @@ class Stepper:
             logits = logits[e.stager.to_device(done, torch.int64)]
         params = [r.params for r in reqs]
         if SamplingBatch.plain_greedy(params):  # argmax only: nothing per request to build
-            sb = SamplingBatch.greedy_batch(rows, e.device)
+            sb = SamplingBatch.greedy_batch(rows, e.device, e.stager, need_rows=e.sampler.counts is not None)
         else:
             sb = SamplingBatch.build(
                 params,
