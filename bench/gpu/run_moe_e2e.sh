@@ -44,7 +44,7 @@ if [ -n "$SWEEP" ]; then
   moe_bench "moe_sweep_$tag" "sweep and ($expr)" ${SWEEP_TIMEOUT:-560}; best "moe_sweep_$tag"
 fi
 if [ -n "$KERNELS" ]; then
-  moe_bench moe_kernels "test_fused_moe and not sweep" 300
+  moe_bench moe_kernels "test_fused_moe and not sweep" ${KTIMEOUT:-300}
   grep -E "ceilings|triton\]|align\]" "$OUT/moe_kernels.txt"
 fi
 [ "${E2E:-1}" = 0 ] && exit 0
