@@ -88,11 +88,12 @@ class Linear(nn.Module):
         if quant == "fp8":
             self.weight_scale = _param(out_features, dtype=torch.float32)
         self.bias = _param(out_features, dtype=dtype) if bias else None
+        self.role: str | None = None  # "attn" / "mlp": which KILN_GEMV roles trace kiln::linear
 
     def forward(self, x: Act) -> torch.Tensor:
         if self.quant != "fp8":
             assert isinstance(x, torch.Tensor)
-            if gemv_enabled():
+            if gemv_enabled(self.role or ""):
                 return torch.ops.kiln.linear(x, self.weight, self.bias)
             return nn.functional.linear(x, self.weight, self.bias)
         q = x if isinstance(x, QuantAct) else quantize_per_token(x)
@@ -138,6 +139,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window or -1
         self.qkv = Linear((num_heads + 2 * num_kv_heads) * head_dim, hidden, dtype, qkv_bias, quant)
         self.o = Linear(hidden, num_heads * head_dim, dtype, False, quant)
+        self.qkv.role = self.o.role = "attn"
         self.q_norm = RMSNorm(head_dim, eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, dtype) if qk_norm else None
 
@@ -190,12 +192,13 @@ class MLP(nn.Module):
         self.quant = quant
         self.gate_up = Linear(2 * intermediate, hidden, dtype, False, quant)
         self.down = Linear(hidden, intermediate, dtype, False, quant)
+        self.gate_up.role = self.down.role = "mlp"
 
     def forward(self, x: Act) -> torch.Tensor:
         if self.quant == "fp8":
             gu = self.gate_up(x)  # [T, 2I]
             return self.down(QuantAct(*torch.ops.kiln.silu_and_mul_quant(gu, None)))
-        if gemv_enabled():
+        if gemv_enabled("mlp"):
             assert isinstance(x, torch.Tensor)
             act = torch.ops.kiln.linear_silu_mul(x, self.gate_up.weight, self.gate_up.bias)  # [T, I]
         else:

@@ -20,10 +20,11 @@ row-major, ``bias [N]`` or None:
   matching gate and up rows and write the activation directly; otherwise ``F.linear`` then
   ``silu_and_mul``.
 
-Switches: ``KILN_GEMV=1`` when compiling makes the model's bf16 linears trace these ops (default
+Switches: ``KILN_GEMV=1`` (or a list of roles, ``attn``, ``mlp``: see ``gemv_enabled``) when
+compiling makes the model's bf16 linears trace these ops (default
 off: cuBLAS (+ ``silu_and_mul``) measured faster on the H200 with the untuned launch heuristic, and
 the graph then holds plain ``aten.linear``); in the ops, read at call time (so at CUDA-graph capture
-for decode graphs), ``KILN_GEMV`` not 1 sends every call to cuBLAS and ``KILN_GEMV_MAX_M`` (default
+for decode graphs), ``KILN_GEMV`` 0 or unset sends every call to cuBLAS and ``KILN_GEMV_MAX_M`` (default
 8) is the largest T that takes the GEMV. On CPU the ops run cuBLAS's stand-in ``F.linear`` unless ``KILN_TRITON_ON_CPU=1``
 with ``TRITON_INTERPRET=1`` (ops/common.py), so CPU artifacts are unchanged.
 
@@ -80,11 +81,17 @@ FMA_MAX_M = 4  # the CUDA-core kernel keeps one accumulator per x row, up to 4
 REDUCE_BLOCK = 256
 
 
-def gemv_enabled() -> bool:
+def gemv_enabled(role: str | None = None) -> bool:
+    """``KILN_GEMV``: ``0`` (default) off; ``1`` or ``all`` on; or a comma list of the linears'
+    roles that trace the GEMV when compiling (``attn``: qkv and o; ``mlp``: gate_up and down).
+    ``role`` None (the ops at run time): on for any value but ``0``."""
     # off by default: on the H200 (bench/results/2026-11-29_h200_gemv.json) cuBLAS's GEMV still wins
     # at the big shapes (gate_up 78.5% of read bandwidth vs 52%, lm_head 98.9% vs 76%) until the
-    # launch sweep fills TUNED
-    return os.environ.get("KILN_GEMV", "0") == "1"
+    # launch sweep fills TUNED; the attention projections are where cuBLAS is weakest at T = 1
+    v = os.environ.get("KILN_GEMV", "0")
+    if v == "0":
+        return False
+    return v in ("1", "all") or role is None or role in v.split(",")
 
 
 def gemv_max_m() -> int:

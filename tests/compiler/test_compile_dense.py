@@ -81,3 +81,21 @@ def test_python_graphs_match_pt2(compiled, monkeypatch):
     prompts = [[5, 6, 7, 8, 9], [9, 10]]
     torch.testing.assert_close(a.prefill(prompts), b.prefill(prompts), rtol=0, atol=0)
     torch.testing.assert_close(a.decode([11, 12]), b.decode([11, 12]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("roles", ["attn", "1"])
+def test_gemv_roles_pick_the_traced_linears(compiled, tmp_path, monkeypatch, roles):
+    # KILN_GEMV=attn: only qkv and o trace kiln::linear (cuBLAS is weakest there at T = 1)
+    hf, root = compiled
+    monkeypatch.setenv("KILN_GEMV", roles)
+    opts = CompileOptions(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=128, chunk_size=64)
+    compile_model(root / "hf", tmp_path / "g", opts, verbose=False)
+    src = (tmp_path / "g" / "graphs" / "model.py").read_text()
+    layers = hf.config.num_hidden_layers
+    linears, fused = (
+        src.count("torch.ops.kiln.linear.default("),
+        src.count("torch.ops.kiln.linear_silu_mul.default("),
+    )
+    assert (linears, fused) == ((2 * layers, 0) if roles == "attn" else (3 * layers, layers))
+    runner = DirectRunner(str(tmp_path / "g"), device="cpu", num_slots=512)
+    check_against_hf(runner, hf, [list(range(3, 20))], decode_steps=3)
