@@ -11,8 +11,9 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -374,11 +375,31 @@ def _warm_up_sampler(vocab: int, device: torch.device) -> None:
         gumbel_argmax(x, keys)
 
 
+def forget_loaded_kernels(modules: Iterable[Any] | None = None) -> int:
+    """Drop the in-process caches of every Triton kernel of ``kiln.ops`` (returns how many were
+    cleared). A kernel this process already launched is served from memory and never looked up
+    on disk, so without this a second compile in one process (tests, notebooks) would leave those
+    kernels out of its artifact and the runtime would compile them at load."""
+    cleared = 0
+    if modules is None:
+        modules = [m for n, m in list(sys.modules.items()) if n.startswith("kiln.ops") and m is not None]
+    for mod in modules:
+        for obj in list(vars(mod).values()):
+            caches = getattr(obj, "device_caches", None)
+            if caches is None:  # autotuner / heuristics wrappers hold the JITFunction as .fn
+                caches = getattr(getattr(obj, "fn", None), "device_caches", None)
+            if isinstance(caches, dict) and caches:
+                caches.clear()
+                cleared += 1
+    return cleared
+
+
 @contextlib.contextmanager
 def _triton_cache(path: Path) -> Iterator[None]:
     """Point Triton's on-disk cache at ``path`` so every kernel compiled here lands in the artifact."""
     old = os.environ.get("TRITON_CACHE_DIR")
     os.environ["TRITON_CACHE_DIR"] = str(path.resolve())
+    forget_loaded_kernels()
     try:
         yield
     finally:

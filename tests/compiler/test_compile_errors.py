@@ -62,3 +62,25 @@ def test_config_contradicting_weights_names_the_tensor(ckpt, tmp_path):
 def test_missing_device(ckpt, tmp_path):
     p = compile_cli(ckpt, "-o", tmp_path / "art", "--device", "cuda")
     assert p.returncode == 2 and "no CUDA device is visible; use --device cpu" in p.stderr
+
+
+def test_compile_forgets_kernels_the_process_already_loaded():
+    # a kernel launched before is served from memory, never from the new artifact's cache dir:
+    # the compiler clears those caches so that its warm-up writes every kernel into the artifact
+    import types
+
+    from triton.runtime.jit import JITFunction
+
+    from kiln.compiler.build import forget_loaded_kernels
+
+    def _probe(x_ptr):  # never launched: only its cache dict is used
+        pass
+
+    fn = JITFunction(_probe)
+    fn.device_caches["probe"] = None  # what a launch leaves behind
+    mod = types.SimpleNamespace(kernel=fn, wrapped=types.SimpleNamespace(fn=JITFunction(_probe)))
+    mod.wrapped.fn.device_caches["probe"] = None
+    assert forget_loaded_kernels([mod]) == 2
+    assert not fn.device_caches and not mod.wrapped.fn.device_caches
+    assert forget_loaded_kernels([mod]) == 0
+    forget_loaded_kernels()  # the default (every kiln.ops module) runs under any Triton mode
