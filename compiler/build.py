@@ -11,8 +11,10 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -220,6 +222,8 @@ def compile_model(
             modules = {name: strip_example_inputs(ep).module() for name, ep in programs.items()}
             _warm_up(modules, graphs, weights, cache, cfg, device, buckets, max_blocks, opts.chunk_size)
             _warm_up_sampler(cfg.vocab_size, device)
+        if device.type == "cuda":
+            _build_driver_utils(kernels_dir)
         for name, ep in programs.items():
             torch.export.save(ep, out / "graphs" / f"{name}.pt2")
             graphs[name]["file"] = f"graphs/{name}.pt2"
@@ -392,6 +396,24 @@ def forget_loaded_kernels(modules: Iterable[Any] | None = None) -> int:
                 caches.clear()
                 cleared += 1
     return cleared
+
+
+def _build_driver_utils(kernels_dir: Path) -> None:
+    """Put Triton's driver helper module (``cuda_utils``, C built with the host compiler) in the
+    artifact's cache too. This process built it before the cache pointed at the artifact, so a
+    fresh process does it here, where the runtime would otherwise do it at load (seen on the H200:
+    the only entry the runtime added to the artifact's cache)."""
+    env = dict(os.environ, TRITON_CACHE_DIR=str(kernels_dir.resolve()))
+    code = "import triton; triton.runtime.driver.active.utils"
+    try:
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        err = p.stderr.strip()[-500:] if p.returncode else ""
+    except (OSError, subprocess.TimeoutExpired) as e:
+        err = str(e)
+    if err:
+        warnings.warn(
+            f"kiln compile: Triton's driver helper was not built into the artifact ({err})", stacklevel=2
+        )
 
 
 @contextlib.contextmanager
