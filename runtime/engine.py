@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kiln.errors import KilnError
-from kiln.runtime.byte_table import decode_table
+from kiln.runtime.detokenizer import prepare as prepare_detokenizer
 from kiln.runtime.kv_pool import BlockTable, KVPool, size_for_memory
 from kiln.runtime.loader import load_model
 from kiln.runtime.model_runner import ModelRunner
@@ -117,9 +117,7 @@ class Engine:
         )
         self.tokenizer = load_tokenizer(art.tokenizer_dir) if has_tok else None
         if self.tokenizer is not None:
-            table = decode_table(self.tokenizer)  # built and checked here, not on first use
-            if table is not None:
-                table.verify_all(skip=True)  # the default of skip_special_tokens
+            prepare_detokenizer(self.tokenizer)  # shared tables built here, not on first use
         self.model.phases["tokenizer"] = time.perf_counter() - t
         self.eos_ids = set(art.eos_token_ids)
         self.requests: dict[str, Req] = {}

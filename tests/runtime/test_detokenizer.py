@@ -449,3 +449,13 @@ def test_verify_all_checks_every_id_at_once(flavour_tok):
         table.text[True][bad] = "XX"
     assert table.verify_all(True) == 1 and table.state[True][bad] == UNSAFE
     assert all(s == UNCHECKED for s in table.state[False])  # skip=False is still checked lazily
+
+
+def test_prepare_builds_the_shared_tables_once(flavour_tok):
+    from kiln.runtime.detokenizer import _byte_ids_cache, prepare
+
+    _, tok = flavour_tok
+    backend = _fresh(tok)
+    prepare(backend)
+    assert _byte_ids_cache[id(backend)][0] is backend
+    assert all(s == SAFE for s in decode_table(backend).state[True])
