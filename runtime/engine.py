@@ -73,7 +73,18 @@ class Engine:
         self.opts = opts
         t0 = time.perf_counter()
         dev = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = load_model(artifact, dev, verify=opts.verify, log=opts.log)
+        tokenizer: list[Any] = [None]
+
+        def load_text(art: Any) -> None:  # runs while the weights stream in
+            has_tok = {"tokenizer.json", "tokenizer.model", "vocab.json"} & set(
+                art.manifest.get("tokenizer_files", [])
+            )
+            if has_tok:
+                tokenizer[0] = load_tokenizer(art.tokenizer_dir)
+                prepare_detokenizer(tokenizer[0])  # shared tables built here, not on first use
+
+        self.model = load_model(artifact, dev, verify=opts.verify, log=opts.log, while_weights_load=load_text)
+        self.tokenizer = tokenizer[0]
         art = self.model.artifact
         self.artifact = art
         self.device = self.model.device
@@ -111,14 +122,6 @@ class Engine:
             self.radix,
         )
         self.sampler = Sampler(art.vocab_size, self.bt.num_rows, self.device)
-        t = time.perf_counter()
-        has_tok = {"tokenizer.json", "tokenizer.model", "vocab.json"} & set(
-            art.manifest.get("tokenizer_files", [])
-        )
-        self.tokenizer = load_tokenizer(art.tokenizer_dir) if has_tok else None
-        if self.tokenizer is not None:
-            prepare_detokenizer(self.tokenizer)  # shared tables built here, not on first use
-        self.model.phases["tokenizer"] = time.perf_counter() - t
         self.eos_ids = set(art.eos_token_ids)
         self.requests: dict[str, Req] = {}
         self._ids = itertools.count()

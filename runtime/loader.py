@@ -13,7 +13,7 @@ import threading
 import time
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,8 +103,15 @@ def load_graphs(art: Artifact, fmt: str | None = None) -> dict[str, Any]:
 
 
 def load_model(
-    path: str, device: str | torch.device = "cpu", rank: int = 0, verify: bool = False, log: bool = False
+    path: str,
+    device: str | torch.device = "cpu",
+    rank: int = 0,
+    verify: bool = False,
+    log: bool = False,
+    while_weights_load: Callable[[Artifact], None] | None = None,
 ) -> LoadedModel:
+    """``while_weights_load(artifact)``: host work to run on this thread while the weights stream
+    in (the engine loads its tokenizer there); timed as the ``tokenizer`` phase."""
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -144,6 +151,9 @@ def load_model(
     worker.start()
     graphs = load_graphs(art)
     mark("graphs")
+    if while_weights_load is not None:
+        while_weights_load(art)
+        mark("tokenizer")
     worker.join()
     if "error" in loaded:
         raise loaded["error"]
