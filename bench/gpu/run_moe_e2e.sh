@@ -3,9 +3,9 @@
 # so that checkpoint and artifact fit a 64 GB disk (~21 GB each; every other shape is the real
 # model's: E=128, top-8, H=2048, I=768, 32/4 heads, vocab 151936): the MoE GPU tests, make the
 # checkpoint, kiln compile, decode latency at batch 1/8/64 beside Hugging Face transformers,
-# offline throughput, then a table whose roofline counts only the weights a decode step reads
-# (attention, routers, the experts the batch hits, final norm, lm_head) beside the runtime's own
-# figure (which counts all 128 experts of every layer, see runtime/benchmark.py).
+# offline throughput, then a table of the runtime's roofline (which counts only the weights a
+# decode step reads: attention, routers, the experts the batch hits, final norm, lm_head; see
+# runtime/benchmark.py weight_bytes_per_step) beside one that counts all 128 experts of every layer.
 #
 # Usage on the GPU machine, from the repo root: bash bench/gpu/run_moe_e2e.sh OUTDIR
 # Every stage is skipped when its output exists (a second call resumes; FORCE=1 redoes them).
@@ -113,17 +113,17 @@ if lat:
           f"{'roof(all)':>9} {'roof(active)':>12} {'GB/step':>8}")
     for r in lat["kiln"]:
         b = r["batch"]
-        kv = r["bytes_per_step"] - sum(counted.values())  # B * mean context * KV bytes per token
-        nbytes = active(b) + kv
-        roof = b / (nbytes / bw)
+        nbytes = r["bytes_per_step"]  # the runtime's count: active weights + KV read
+        kv = nbytes - active(b)  # B * mean context * KV bytes per token
+        roof_all = b / ((sum(counted.values()) + kv) / bw)
         hf = (lat.get("hf") or {}).get(str(b), {}).get("decode_tok_s")
         row = dict(batch=b, decode_tok_s=r["decode_tok_s"], hf_tok_s=hf, itl_ms=r["itl_ms"], ttft_s=r["ttft_s"],
-                   frac_roofline_all_experts=r["frac_roofline"], active_bytes_per_step=nbytes,
-                   roofline_active_tok_s=roof, frac_roofline_active=r["decode_tok_s"] / roof)
+                   frac_roofline_all_experts=r["decode_tok_s"] / roof_all, active_bytes_per_step=nbytes,
+                   roofline_active_tok_s=r["roofline_tok_s"], frac_roofline_active=r["frac_roofline"])
         rows.append(row)
         print(f"{b:>5} {r['decode_tok_s']:>9.1f} {hf or float('nan'):>9.1f} "
               f"{r['decode_tok_s'] / hf if hf else float('nan'):>7.2f} {r['itl_ms']:>7.2f} {r['ttft_s']:>7.3f} "
-              f"{r['frac_roofline']:>9.1%} {row['frac_roofline_active']:>12.1%} {nbytes / 1e9:>8.2f}")
+              f"{row['frac_roofline_all_experts']:>9.1%} {row['frac_roofline_active']:>12.1%} {nbytes / 1e9:>8.2f}")
 tp = out / "throughput.json"
 if tp.exists():
     t = json.loads(tp.read_text())["kiln"]
