@@ -61,6 +61,8 @@ class FusedMoE(nn.Module):
         self.num_groups, self.topk_groups = m.num_groups, m.topk_groups
         self.scale = m.routed_scaling_factor
         self.round_weights, self.tuning, self.dtype = round_weights, tuning, dtype
+        low = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "")  # f32: no-op
+        self.round_to = low if round_weights else ""
         self.router = Router(e, h, dtype, bias=m.has_correction_bias)
         wdtype = FP8 if quant == "fp8" else dtype
         self.w13 = _param(e, 2 * inter, h, dtype=wdtype)
@@ -86,9 +88,8 @@ class FusedMoE(nn.Module):
             self.num_groups,
             self.topk_groups,
             self.scale,
+            self.round_to,  # HF's cast of the weights to the activation dtype, fused
         )  # [T, k] f32, [T, k] int32
-        if self.round_weights:
-            w = w.to(self.dtype).float()
         y = torch.ops.kiln.fused_moe(
             x, self.w13, self.w2, w, ids, None, self.w13_scale, self.w2_scale, self.tuning
         )  # [T, H]

@@ -1,7 +1,8 @@
 """MoE routing: router logits -> the top-k experts of every token and their weights.
 
 Op ``torch.ops.kiln.moe_topk(logits, bias, top_k, renormalize, scoring, num_groups, topk_groups,
-scale) -> (weights [T, k] float32, ids [T, k] int32)``, ``logits: [T, E]`` bf16/fp16/fp32:
+scale, round_to="") -> (weights [T, k] float32, ids [T, k] int32)``, ``logits: [T, E]``
+bf16/fp16/fp32:
 
 * ``scoring="softmax"`` (Qwen3-MoE, Mixtral): ``p = softmax(logits.f32)``; the ``k`` largest ``p``;
   with ``renormalize`` the chosen weights are divided by their sum (Mixtral always, Qwen3-MoE when
@@ -13,7 +14,9 @@ scale) -> (weights [T, k] float32, ids [T, k] int32)``, ``logits: [T, E]`` bf16/
   weights are the chosen ``s`` (without the bias); with ``renormalize`` divided by ``sum + 1e-20``.
 
 Both modes finally multiply the weights by ``scale`` (``routed_scaling_factor``; 1.0 for Qwen3-MoE
-and Mixtral). ``ids`` of a row are always distinct, in descending order of the choice score; ties
+and Mixtral) and, with ``round_to`` ``"bfloat16"`` or ``"float16"``, round them to that dtype (still
+stored as float32: Hugging Face's Qwen3-MoE casts its routing weights to the activation dtype;
+here that is no extra kernel). ``ids`` of a row are always distinct, in descending order of the choice score; ties
 go to the lower expert index and NaN scores count as -inf.
 
 Kernel: one program per token, the ``E`` scores in registers; top-k by ``k`` rounds of
@@ -29,6 +32,8 @@ import triton.language as tl
 from kiln.ops.common import kiln_op, next_pow2, use_triton
 
 SCORINGS = ("softmax", "sigmoid")
+ROUND_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_ROUND_CODE = {"": 0, "bfloat16": 1, "float16": 2}
 
 # ---- torch reference ------------------------------------------------------------------------------
 
@@ -42,6 +47,7 @@ def moe_topk_ref(
     num_groups: int = 1,
     topk_groups: int = 1,
     scale: float = 1.0,
+    round_to: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch, following Hugging Face's Qwen3-MoE / Mixtral routers and DeepSeek-V3's
     published gate (sigmoid, correction bias, group-limited top-k). Returns ``(w f32, ids int32)``."""
@@ -66,7 +72,10 @@ def moe_topk_ref(
         w = s.gather(1, ids)
         if renormalize:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return (w * scale).float(), ids.to(torch.int32)
+    w = (w * scale).float()
+    if round_to:
+        w = w.to(ROUND_DTYPES[round_to]).float()
+    return w, ids.to(torch.int32)
 
 
 # ---- Triton kernel --------------------------------------------------------------------------------
@@ -99,6 +108,7 @@ def _moe_topk_kernel(
     G: tl.constexpr,  # expert groups (sigmoid mode)
     G_PAD: tl.constexpr,
     TOPK_G: tl.constexpr,
+    ROUND: tl.constexpr = 0,  # 0: none, 1: to bf16, 2: to fp16 (values stay float32)
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
@@ -153,7 +163,14 @@ def _moe_topk_kernel(
             total = total + 1e-20
         w = w / total
     kmask = koffs < K
-    tl.store(W_OUT + row * K + koffs, w * scale, mask=kmask)
+    w = w * scale
+    if ROUND == 1:  # to bf16, nearest-even, as torch does (bit arithmetic: the same everywhere)
+        b = w.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        w = b.to(tl.float32, bitcast=True)
+    elif ROUND == 2:
+        w = w.to(tl.float16).to(tl.float32)
+    tl.store(W_OUT + row * K + koffs, w, mask=kmask)
     tl.store(ID_OUT + row * K + koffs, ids, mask=kmask)
 
 
@@ -168,6 +185,7 @@ def moe_topk_launch(
     scale: float,
     w_out: torch.Tensor,
     ids_out: torch.Tensor,
+    round_to: str = "",
 ) -> None:
     """Run the kernel into preallocated ``w_out [T, k] f32`` and ``ids_out [T, k] int32``."""
     t, e = logits.shape
@@ -179,7 +197,7 @@ def moe_topk_launch(
         e, logits.stride(0), float(scale),
         K=top_k, K_PAD=next_pow2(top_k), E_PAD=e_pad, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=bias is not None, RENORM=renormalize,
-        G=num_groups, G_PAD=next_pow2(num_groups), TOPK_G=topk_groups,
+        G=num_groups, G_PAD=next_pow2(num_groups), TOPK_G=topk_groups, ROUND=_ROUND_CODE[round_to],
         num_warps=1 if e_pad <= 256 else 4,
     )  # fmt: skip
 
@@ -187,7 +205,9 @@ def moe_topk_launch(
 # ---- custom op ------------------------------------------------------------------------------------
 
 
-def _check(logits, bias, top_k, scoring, num_groups, topk_groups) -> None:
+def _check(logits, bias, top_k, scoring, num_groups, topk_groups, round_to="") -> None:
+    if round_to not in _ROUND_CODE:
+        raise ValueError(f"moe_topk: round_to must be one of {sorted(_ROUND_CODE)}, got {round_to!r}")
     if logits.dim() != 2 or logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(
             f"moe_topk: logits must be [T, E] bf16/fp16/fp32, got {tuple(logits.shape)} {logits.dtype}"
@@ -222,21 +242,23 @@ def moe_topk(
     num_groups: int,
     topk_groups: int,
     scale: float,
+    round_to: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits ``[T, E]`` -> ``(weights [T, k] f32, ids [T, k] int32)`` (see the module docstring)."""
-    _check(logits, bias, top_k, scoring, num_groups, topk_groups)
+    _check(logits, bias, top_k, scoring, num_groups, topk_groups, round_to)
     if use_triton(logits):
         t = logits.shape[0]
         w = logits.new_empty((t, top_k), dtype=torch.float32)
         ids = logits.new_empty((t, top_k), dtype=torch.int32)
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
-        moe_topk_launch(logits, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, w, ids)
+        launch_args = (top_k, renormalize, scoring, num_groups, topk_groups, scale)
+        moe_topk_launch(logits, bias, *launch_args, w, ids, round_to)
         return w, ids
-    return moe_topk_ref(logits, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale)
+    return moe_topk_ref(logits, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, round_to)
 
 
 @moe_topk.register_fake
-def _(logits, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale):
+def _(logits, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, round_to=""):
     t = logits.shape[0]
     return logits.new_empty((t, top_k), dtype=torch.float32), logits.new_empty((t, top_k), dtype=torch.int32)

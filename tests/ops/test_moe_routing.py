@@ -199,3 +199,17 @@ def test_gpu_matches_reference(compiled_gpu, t, case):
     same = (by_id(w, ids)[1] == by_id(rw, rids)[1]).all(dim=1)
     assert same.float().mean() > 0.99
     torch.testing.assert_close(by_id(w, ids)[0][same], by_id(rw, rids)[0][same], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("round_to", ["bfloat16", "float16"])
+def test_rounded_weights_equal_the_cast_of_the_reference(kernel_on_cpu, round_to):
+    # HF's Qwen3-MoE casts the routing weights to the activation dtype: fused into the kernel
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(9, 64, generator=g)
+    w, ids = torch.ops.kiln.moe_topk(logits, None, 8, True, "softmax", 1, 1, 1.0, round_to)
+    rw, rids = mr.moe_topk_ref(logits, None, 8, True, "softmax")
+    assert torch.equal(ids, rids)
+    assert torch.equal(w, rw.to(getattr(torch, round_to)).float())
+    assert not torch.equal(w, rw)  # the rounding did something
+    with pytest.raises(ValueError, match="round_to"):
+        torch.ops.kiln.moe_topk(logits, None, 8, True, "softmax", 1, 1, 1.0, "float8")
