@@ -213,3 +213,14 @@ def test_rounded_weights_equal_the_cast_of_the_reference(kernel_on_cpu, round_to
     assert not torch.equal(w, rw)  # the rounding did something
     with pytest.raises(ValueError, match="round_to"):
         torch.ops.kiln.moe_topk(logits, None, 8, True, "softmax", 1, 1, 1.0, "float8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("round_to", ["bfloat16", "float16"])
+def test_gpu_rounded_weights_equal_the_cast_of_the_unrounded(compiled_gpu, round_to):
+    g = torch.Generator("cuda").manual_seed(11)
+    logits = torch.randn(300, 128, generator=g, device="cuda").to(torch.bfloat16)
+    w, ids = torch.ops.kiln.moe_topk(logits, None, 8, True, "softmax", 1, 1, 1.0, "")
+    rw, rids = torch.ops.kiln.moe_topk(logits, None, 8, True, "softmax", 1, 1, 1.0, round_to)
+    assert torch.equal(ids, rids)
+    assert torch.equal(rw, w.to(getattr(torch, round_to)).float())
