@@ -1,21 +1,29 @@
 #!/bin/bash
-# Next GPU call (open questions of 2026-11-29): (1) which Triton kernel the runtime compiles at
-# load (test_loading_compiles_no_triton_kernel failed, cause not seen); (2) whether the CUDA-graph
-# capture phase of start-up (1.4 s -> 5.6-8.4 s) depends on the graph format; (3) the norm launch
-# sweep whose output was lost. Few files come back (8 at most): everything goes into 4 logs.
-# Usage on the GPU machine, from the repo root: bash bench/gpu/run_next.sh OUTDIR
+# First GPU call of the next session: what the third 2026-11-29 session changed but could not run
+# on the GPU (its device time ran out). Needs the server wheels: prefix the command with
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
+# (1) runtime/server/routing GPU tests in one process: the load-time JIT test after the driver
+#     helper fix, moe_topk round_to on the GPU;
+# (2) Qwen3-30B-A3B-shaped (16 layers) decode at batch 1/8 with the fused routing-weight cast,
+#     default and compiled with KILN_GEMV=attn (qkv/o through the Triton GEMV; cuBLAS reached 43%
+#     of read bandwidth there at batch 1), with a per-kernel profile at batch 1.
+# Usage: bash bench/gpu/run_next.sh OUTDIR   (5 files)
 set -o pipefail
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 source bench/gpu/env.sh
-timeout 200 python -m pytest -x -v -m gpu tests/runtime/test_gpu_e2e.py tests/ops/test_gemv.py -k \
-  "loading_compiles or 14336" -p no:cacheprovider -rf 2>&1 | tee "$OUT/tests.log" | grep -E "PASS|FAIL|Error|new Triton" | head -20
-timeout 90 python -m pytest -q bench/test_bench_norm.py -k "fused_add_rmsnorm_sweep and 4096" -p no:cacheprovider \
-  --benchmark-json="$OUT/norm_sweep_raw.json" > /dev/null 2>&1
-python bench/report.py "$OUT/norm_sweep_raw.json" "$OUT/norm_sweep.json" --command "pytest bench/test_bench_norm.py -k 'fused_add_rmsnorm_sweep and 4096'" \
-  | sort -k4 -r | head -12; rm -f "$OUT/norm_sweep_raw.json"
-CK=/tmp/ckpt-llama8b; ART=/tmp/art-llama8b
-python bench/make_checkpoint.py --preset llama-3.1-8b -o $CK > /dev/null 2>&1
-timeout 100 python -m kiln compile $CK -o $ART --force 2>&1 | tail -1
-for fmt in python pt2; do
-  KILN_GRAPH_FORMAT=$fmt timeout 60 python -m kiln bench startup $ART --runs 1 --json "$OUT/startup_$fmt.json" 2>&1 | tail -2
-done
+CK=/tmp/ckpt-qwen3moe-L16; ART=/tmp/art-qwen3moe-L16
+python bench/make_checkpoint.py --preset qwen3-30b-a3b --num-layers 16 -o $CK > /dev/null 2>&1 &
+CKPID=$!
+timeout 200 python -m pytest -q -m gpu tests/server/test_gpu_serve.py tests/runtime/test_staging.py \
+  tests/runtime/test_gpu_e2e.py tests/ops/test_moe_routing.py -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
+wait $CKPID
+timeout 200 python -m kiln compile $CK -o $ART --force 2>&1 | tail -1
+timeout 120 python -m kiln bench latency $ART --batch-sizes 1,8 --input-len 512 --output-len 64 \
+  --kv-memory 40 --json "$OUT/moe_latency.json" 2>&1 | grep -v "it/s\]" | tail -3
+timeout 100 python bench/gpu/profile_decode.py $ART --batch-sizes 1 --json "$OUT/moe_profile.json" 2>&1 | tail -16
+rm -rf $ART
+KILN_GEMV=attn timeout 200 python -m kiln compile $CK -o $ART-gemv --force 2>&1 | tail -1
+KILN_GEMV=attn timeout 120 python -m kiln bench latency $ART-gemv --batch-sizes 1,8 --input-len 512 --output-len 64 \
+  --kv-memory 40 --json "$OUT/moe_latency_gemv_attn.json" 2>&1 | grep -v "it/s\]" | tail -3
+grep -E "passed|failed|FAILED" "$OUT/gpu_tests.log" | tail -6
