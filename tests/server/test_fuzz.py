@@ -123,9 +123,33 @@ def cases(server) -> st.SearchStrategy:
         ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         valid = _from_schema(ref, defs, server.model).map(lambda b: json.dumps(_bounded(b)).encode())
         junk = JUNK.map(lambda j: json.dumps(j).encode()) | st.binary(max_size=40)
-        body = st.integers(0, 9).flatmap(lambda k, v=valid, j=junk: j if k == 0 else v)
+        plain = _plain(path, server.model).map(lambda b: json.dumps(b).encode())
+        # 10% junk, 20% plain requests (so that a fixed share reaches generation whatever
+        # hypothesis draws: its text generation varies with the modules a session imported),
+        # 70% schema-driven bodies
+        body = st.integers(0, 9).flatmap(
+            lambda k, v=valid, j=junk, p=plain: j if k == 0 else p if k <= 2 else v
+        )
         per_path.append(st.tuples(st.just(path), body))
     return st.one_of(per_path)
+
+
+def _plain(path: str, model: str) -> st.SearchStrategy:
+    """Valid requests with a few common fields: what a client usually sends."""
+    text = st.text(st.characters(codec="utf-8", categories=("L", "N", "P", "Zs")), min_size=1, max_size=20)
+    common = {
+        "temperature": st.sampled_from([0.0, 0.7, 1.0]),
+        "top_p": st.sampled_from([0.5, 1.0]),
+        "stream": st.booleans(),
+        "seed": st.integers(0, 1000),
+    }
+    if path == "/v1/completions":
+        req = {"model": st.just(model), "prompt": text, "max_tokens": st.integers(1, 4)}
+    else:
+        msg = st.fixed_dictionaries({"role": st.just("user"), "content": text})
+        req = {"model": st.just(model), "messages": st.lists(msg, min_size=1, max_size=2)}
+        req["max_completion_tokens"] = st.integers(1, 4)
+    return st.fixed_dictionaries(req, optional=common)
 
 
 def _check(server, path: str, data: bytes) -> int:
