@@ -26,6 +26,8 @@ from kiln.compiler.config import ModelConfig, load_config
 from kiln.compiler.context import GRAPH_INPUTS
 from kiln.compiler.graph_code import emit_graph_code
 from kiln.compiler.manifest import gpu_arch, versions, write_manifest
+from kiln.compiler.moe_layer import FusedMoE
+from kiln.compiler.moe_tune import MoEShape, moe_tuning
 from kiln.compiler.parallel import ParallelConfig, validate_parallel
 from kiln.compiler.registry import model_class
 from kiln.compiler.trace import CacheSpec, example_inputs, export_graph, strip_example_inputs
@@ -62,6 +64,7 @@ class CompileOptions:
     chunk_size: int = 4096  # largest extend (prefill chunk) in tokens
     page_size: int = 1
     decode_graphs: str = "shared"  # "shared": the dynamic graph serves decode too; "per-bucket": static ones
+    moe_tune: bool = False  # on a GPU: time fused-MoE launch configs per token rung (compiler/moe_tune.py)
     force: bool = False
 
     def buckets(self) -> list[int]:
@@ -187,8 +190,16 @@ def compile_model(
             skip=skip_patterns(cfg),
         )
     device = torch.device(opts.device)
+    moe_choice = None
+    if cfg.moe is not None:
+        with timer.phase("moe_tune" if opts.moe_tune else "moe_table"):
+            moe_choice = _moe_choice(cfg, opts, device)
     with timer.phase("trace"):
         model = _model(cfg, opts)
+        if moe_choice is not None:  # the graphs pass the recorded table to kiln::fused_moe
+            for mod in model.modules():
+                if isinstance(mod, FusedMoE):
+                    mod.tuning = moe_choice["table"]
         weights = load_pack(out / "weights", 0, device)
         _check_pack_matches(model, weights)
         cache = _cache_spec(cfg, opts)
@@ -220,7 +231,10 @@ def compile_model(
             # runnable, unlifted; without the stored example inputs (the module would also carry
             # an input-guard submodule the graph's Python source cannot hold)
             modules = {name: strip_example_inputs(ep).module() for name, ep in programs.items()}
-            _warm_up(modules, graphs, weights, cache, cfg, device, buckets, max_blocks, opts.chunk_size)
+            moe_table = moe_choice["table"] if moe_choice else ""
+            _warm_up(
+                modules, graphs, weights, cache, cfg, device, buckets, max_blocks, opts.chunk_size, moe_table
+            )
             _warm_up_sampler(cfg.vocab_size, device)
         if device.type == "cuda":
             _build_driver_utils(kernels_dir)
@@ -291,7 +305,8 @@ def compile_model(
                     "page_size": opts.page_size,
                     "decode_graphs": opts.decode_graphs,
                     "decode_num_splits": {str(b): _decode_splits(cfg, b, max_seq, opts.tp) for b in buckets},
-                },
+                }
+                | ({"moe": moe_choice | {"table": json.loads(moe_choice["table"])}} if moe_choice else {}),
                 "compile_seconds": timer.times,
             },
         )
@@ -335,6 +350,7 @@ def _warm_up(
     buckets: list[int],
     max_blocks: int,
     chunk: int,
+    moe_table: str = "",
 ) -> None:
     """Run every graph at every shape class the runtime will use (compiling each Triton kernel
     specialization into the cache) and check the logits are finite."""
@@ -345,7 +361,9 @@ def _warm_up(
         from kiln.ops.moe_gemm import moe_warmup_tokens
 
         m = cfg.moe
-        sizes = moe_warmup_tokens(m.num_experts, m.intermediate_size, cfg.hidden_size, m.top_k, chunk)
+        sizes = moe_warmup_tokens(
+            m.num_experts, m.intermediate_size, cfg.hidden_size, m.top_k, chunk, moe_table
+        )
         runs += [("model", 1, t) for t in sizes if t > 1]
     if device.type == "cpu":  # no Triton kernels to compile: a finiteness check per graph suffices
         runs = [r for r in runs if r[1] <= 2]
@@ -365,6 +383,16 @@ def _warm_up(
             raise CompileError(
                 f"graph {name} produced non-finite logits during warm-up (batch {b}, tokens {t})"
             )
+
+
+def _moe_choice(cfg: ModelConfig, opts: CompileOptions, device: torch.device) -> dict[str, Any]:
+    """The fused-MoE launch table for this artifact (compiler/moe_tune.py)."""
+    m = cfg.moe
+    assert m is not None
+    shape = MoEShape(m.num_experts, -(-m.intermediate_size // opts.tp), cfg.hidden_size, m.top_k)
+    max_tokens = max(opts.chunk_size, opts.buckets()[-1])
+    measure = opts.moe_tune and opts.quant is None
+    return moe_tuning(shape, max_tokens, measure, DTYPES[opts.dtype], device)
 
 
 def _warm_up_sampler(vocab: int, device: torch.device) -> None:

@@ -68,6 +68,12 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
     help="shared: the one dynamic-shape graph also serves decode (one graph to load; CUDA graphs "
     "are still captured per bucket); per-bucket: an extra static graph per decode bucket.",
 )
+@click.option(
+    "--moe-tune",
+    is_flag=True,
+    help="MoE models on a GPU: time fused-MoE launch configs at a ladder of token counts and record "
+    "the fastest per rung in the artifact (default: the op's default table, recorded as well).",
+)
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 def compile_cmd(
     model_dir: str,
@@ -81,6 +87,7 @@ def compile_cmd(
     chunk_size: int,
     page_size: str,
     decode_graphs: str,
+    moe_tune: bool,
     force: bool,
 ) -> None:
     """Compile the Hugging Face checkpoint in MODEL_DIR into an artifact directory: weight packs
@@ -105,6 +112,7 @@ def compile_cmd(
         chunk_size=chunk_size,
         page_size=int(page_size),
         decode_graphs=decode_graphs,
+        moe_tune=moe_tune,
         force=force,
     )
     compile_model(model_dir, out, opts)

@@ -7,8 +7,9 @@
 #     helper fix, moe_topk round_to on the GPU;
 # (2) Qwen3-30B-A3B-shaped (16 layers) decode at batch 1/8 with the fused routing-weight cast,
 #     default and compiled with KILN_GEMV=attn (qkv/o through the Triton GEMV; cuBLAS reached 43%
-#     of read bandwidth there at batch 1), with a per-kernel profile at batch 1.
-# Usage: bash bench/gpu/run_next.sh OUTDIR   (5 files)
+#     of read bandwidth there at batch 1), with a per-kernel profile at batch 1;
+# (3) the same compiled with --moe-tune (measured fused-MoE launch table; first run on a GPU).
+# Usage: bash bench/gpu/run_next.sh OUTDIR   (6 files; may need two calls: stages are independent)
 set -o pipefail
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 source bench/gpu/env.sh
@@ -26,4 +27,10 @@ rm -rf $ART
 KILN_GEMV=attn timeout 200 python -m kiln compile $CK -o $ART-gemv --force 2>&1 | tail -1
 KILN_GEMV=attn timeout 120 python -m kiln bench latency $ART-gemv --batch-sizes 1,8 --input-len 512 --output-len 64 \
   --kv-memory 40 --json "$OUT/moe_latency_gemv_attn.json" 2>&1 | grep -v "it/s\]" | tail -3
+rm -rf $ART-gemv
+# (3) compile-time MoE tuning (kiln compile --moe-tune): the per-rung report is in the manifest
+timeout 400 python -m kiln compile $CK -o $ART-tuned --force --moe-tune 2>&1 | tail -1
+python -c "import json,sys; m=json.load(open('$ART-tuned/manifest.json'))['kernel_choices']['moe']; [print(r) for r in m.get('report', [])]" 2>&1 | tail -16
+timeout 120 python -m kiln bench latency $ART-tuned --batch-sizes 1,8 --input-len 512 --output-len 64 \
+  --kv-memory 40 --json "$OUT/moe_latency_tuned.json" 2>&1 | grep -v "it/s\]" | tail -3
 grep -E "passed|failed|FAILED" "$OUT/gpu_tests.log" | tail -6

@@ -179,3 +179,59 @@ def test_fp8_artifact_kernels_match_reference_path(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
     kernels = DirectRunner(str(tmp_path / "art"), device="cpu", num_slots=128).prefill(prompts)
     assert rel_err(kernels, ref_path) < 2e-2
+
+
+def test_artifact_records_the_moe_table_its_graphs_use(compiled):
+    import ast
+    import json
+
+    from kiln.ops import moe_gemm as mg
+
+    hf, root = compiled
+    manifest = json.loads((root / "art" / "manifest.json").read_text())
+    moe = manifest["kernel_choices"]["moe"]
+    assert moe["backend"] == "triton" and moe["method"] == "default"  # CPU: nothing to time
+    cfg = hf.config
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    table = json.dumps(moe["table"])
+    assert moe["table"] == json.loads(
+        mg.moe_tuning_table(experts, inter, cfg.hidden_size, cfg.num_experts_per_tok, OPTS["chunk_size"])
+    )
+    for t in (1, 5, 64):  # the recorded table gives the op's own choice at every size
+        assert mg.pick_configs(table, experts, inter, cfg.hidden_size, t, cfg.num_experts_per_tok) == (
+            mg.pick_configs("", experts, inter, cfg.hidden_size, t, cfg.num_experts_per_tok)
+        )
+    src = (root / "art" / "graphs" / "model.py").read_text()
+    calls = [ln for ln in src.splitlines() if "torch.ops.kiln.fused_moe.default(" in ln]
+    assert calls
+    for ln in calls:  # the recorded table, as the call's constant tuning argument
+        call = ast.parse(ln.strip().split(";")[0]).body[0].value
+        assert json.loads(call.args[8].value) == moe["table"]
+
+
+def test_tuner_records_the_fastest_candidate_per_rung():
+    from kiln.compiler.moe_tune import MoEShape, candidates, tune
+    from kiln.ops import moe_gemm as mg
+
+    s = MoEShape(num_experts=16, inter=64, hidden=128, top_k=2)
+    picked = {}
+
+    def fake_time(tokens, pair):  # the last candidate is fastest; one candidate cannot run
+        cands = candidates(s, tokens)
+        i = cands.index(pair)
+        if i == 1:
+            raise RuntimeError("out of shared memory")
+        picked[tokens] = cands[-1]
+        return 1.0 - 0.01 * i
+
+    table, report = tune(s, 40, fake_time, ladder=(1, 4, 16, 64))
+    parsed = mg.parse_tuning(table)
+    assert [m for m, _ in parsed] == [1, 4, 16, 40]  # rungs below max_tokens, then max_tokens
+    for m, entry in parsed:
+        assert (entry["w13"], entry["w2"]) == picked[m]
+        c1, c2 = mg.pick_configs(table, 16, 64, 128, m, 2)
+        assert c1["BLOCK_M"] == c2["BLOCK_M"] == candidates(s, m)[0][0]["BLOCK_M"]
+    assert any("skipped" in r for r in report) and all(len(candidates(s, t)) > 2 for t in (1, 40))
+    with pytest.raises(RuntimeError, match="no candidate"):
+        tune(s, 4, lambda t, p: (_ for _ in ()).throw(RuntimeError("x")), ladder=(1,))
