@@ -149,12 +149,14 @@ def load_model(
     t_w = time.perf_counter()
     worker = threading.Thread(target=load_weights, name="kiln-load-weights")
     worker.start()
-    graphs = load_graphs(art)
-    mark("graphs")
-    if while_weights_load is not None:
-        while_weights_load(art)
-        mark("tokenizer")
-    worker.join()
+    try:
+        graphs = load_graphs(art)
+        mark("graphs")
+        if while_weights_load is not None:
+            while_weights_load(art)
+            mark("tokenizer")
+    finally:
+        worker.join()  # an error above re-raises once the reader thread is done
     if "error" in loaded:
         raise loaded["error"]
     weights = loaded["weights"]
