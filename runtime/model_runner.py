@@ -51,9 +51,9 @@ class ModelRunner:
         bmax = self.buckets[-1]
         # Static decode inputs, sliced per bucket: ids/positions/slots int64, rows/lens int32, and
         # the constant request layout of a decode step (one token each): qo_indptr and logits rows.
-        # Both live in one device buffer so that a step's inputs go up in one copy (bmax is even:
-        # every row starts 16-byte aligned, as the kernels were specialized for).
-        bmax += bmax % 2
+        # Both live in one device buffer so that a step's inputs go up in one copy (bmax a multiple
+        # of 4: every row starts 16-byte aligned, as the kernels were specialized for).
+        bmax += -bmax % 4
         self._n64 = 3 * bmax * 8  # bytes of the int64 rows
         self._dbuf = torch.zeros(self._n64 + 2 * bmax * 4, dtype=torch.uint8, device=self.device)
         self._i64 = self._dbuf[: self._n64].view(torch.int64).view(3, bmax)
