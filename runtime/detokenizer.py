@@ -81,10 +81,12 @@ def _one_token_lengths(backend: Any, skip_special_tokens: bool) -> dict[int, int
 def prepare(tokenizer: Any) -> None:
     """Build at start-up what every request's detokenizer shares, so that the first request does
     not pay for it (on a 128k vocabulary: ~0.1 s here, several times that on a slow host): the
-    byte-token ids and the token table, checked for the default ``skip_special_tokens``."""
-    _byte_token_ids(tokenizer)
+    token table, checked for the default ``skip_special_tokens``, or, for a tokenizer without
+    one, the byte-token ids the window path needs."""
     table = decode_table(tokenizer)
-    if table is not None:
+    if table is None:
+        _byte_token_ids(tokenizer)
+    else:
         table.verify_all(True)
 
 
@@ -119,8 +121,9 @@ class IncrementalDetokenizer:
             self._dec = lambda ids, skip: backend.decode(
                 ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
             )
-        self._byte_ids, specials = _byte_token_ids(tokenizer)
-        self._skipped = specials if skip_special_tokens else frozenset()
+        self._tokenizer = tokenizer
+        self._byte_ids: frozenset[int] = frozenset()  # window path only (_use_windows)
+        self._skipped: frozenset[int] = frozenset()
         self._last = -1  # the last id the decoder sees (skipped special tokens are not)
         self._one_len = _one_token_lengths(backend, skip_special_tokens)
         self.ids: list[int] = []
@@ -130,7 +133,6 @@ class IncrementalDetokenizer:
         self._prefix_chars = 0  # len(decode(ids[_prefix:_read]))
         self._strip = False  # the next non-empty piece loses a leading space (Strip decoder)
         self._stripped = 0  # 1 once that space was removed
-        self._add, self._flush = self._add_window, self._flush_window
         if fast is None:
             fast = os.environ.get("KILN_FAST_DETOK", "1") != "0"
         self._table = table = decode_table(tokenizer) if fast else None
@@ -144,6 +146,14 @@ class IncrementalDetokenizer:
                 self._byte, self._group = table.byte[skip], []
                 self._strip = table.strip
                 self._add, self._flush = self._add_tokens, self._flush_tokens
+        else:
+            self._use_windows()
+
+    def _use_windows(self) -> None:
+        """Decode windows from now on (with the byte-token and special ids that path needs)."""
+        self._byte_ids, specials = _byte_token_ids(self._tokenizer)
+        self._skipped = specials if self.skip_special_tokens else frozenset()
+        self._add, self._flush = self._add_window, self._flush_window
 
     @property
     def fast(self) -> bool:
@@ -168,6 +178,14 @@ class IncrementalDetokenizer:
         """At the end of the request: whatever is still held (may contain U+FFFD)."""
         return self._flush()
 
+    def _emit(self, piece: str) -> str:
+        """``piece`` as emitted: without the Strip decoder's leading space once, kept in ``text``."""
+        if self._strip and piece:
+            piece = self._strip_first(piece)
+        if piece:
+            self._pieces.append(piece)
+        return piece
+
     def _strip_first(self, piece: str) -> str:
         self._strip = False
         if piece[0] == " ":
@@ -190,16 +208,12 @@ class IncrementalDetokenizer:
                 data = self._raw[t]
                 piece, used = _utf8(data, "replace", False)
                 self._pending = data[used:]
-        if piece:
-            self._pieces.append(piece)
-        return piece
+        return self._emit(piece)
 
     def _flush_bytes(self) -> str:
         piece = _utf8(self._pending, "replace", True)[0] if self._pending else ""
         self._pending = b""
-        if piece:
-            self._pieces.append(piece)
-        return piece
+        return self._emit(piece)
 
     # -- table path, byte fallback: token texts, <0xNN> runs held until a token closes them --
     def _add_tokens(self, t: int) -> str:
@@ -216,20 +230,12 @@ class IncrementalDetokenizer:
         if self._group:
             piece = utf8_group(self._group) + piece
             self._group.clear()
-        if self._strip and piece:
-            piece = self._strip_first(piece)
-        if piece:
-            self._pieces.append(piece)
-        return piece
+        return self._emit(piece)
 
     def _flush_tokens(self) -> str:
         piece = utf8_group(self._group) if self._group else ""
         self._group.clear()
-        if self._strip and piece:
-            piece = self._strip_first(piece)
-        if piece:
-            self._pieces.append(piece)
-        return piece
+        return self._emit(piece)
 
     def _fall_back(self, t: int) -> str:
         """``t`` is not safe to take from the table: decode windows for the rest of the request,
@@ -241,8 +247,8 @@ class IncrementalDetokenizer:
             self._one_len = _one_token_lengths(nostrip, self.skip_special_tokens)
         self._prefix = self._read = 0
         self._prefix_chars = len(self.text) + self._stripped
+        self._use_windows()
         self._last = next((i for i in reversed(self.ids) if i not in self._skipped), -1)
-        self._add, self._flush = self._add_window, self._flush_window
         return self._add_window(t)
 
     # -- window path: the Rust decode of a short window of ids ------------------------------
@@ -266,21 +272,14 @@ class IncrementalDetokenizer:
             self._prefix_chars = n
         else:
             self._prefix_chars = len(self._decode(ids[prefix:read]))
-        if self._strip:
-            piece = self._strip_first(piece)
-        if piece:
-            self._pieces.append(piece)
-        return piece
+        return self._emit(piece)
 
     def _flush_window(self) -> str:
         full = self._decode(self.ids[self._prefix :])
         piece = full[self._prefix_chars :]
         self._prefix = self._read = len(self.ids)
         self._prefix_chars = 0
-        if self._strip and piece:
-            piece = self._strip_first(piece)
-        self._pieces.append(piece)
-        return piece
+        return self._emit(piece)
 
 
 class StopMatcher:

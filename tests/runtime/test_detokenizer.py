@@ -457,5 +457,9 @@ def test_prepare_builds_the_shared_tables_once(flavour_tok):
     _, tok = flavour_tok
     backend = _fresh(tok)
     prepare(backend)
-    assert _byte_ids_cache[id(backend)][0] is backend
     assert all(s == SAFE for s in decode_table(backend).state[True])
+    # the byte-token ids (a pass over the vocabulary) only serve the window path: not built for
+    # a tokenizer with a table until a request falls back to windows
+    assert id(backend) not in _byte_ids_cache
+    IncrementalDetokenizer(backend, [], True, fast=False)
+    assert _byte_ids_cache[id(backend)][0] is backend
