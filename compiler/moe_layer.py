@@ -60,9 +60,9 @@ class FusedMoE(nn.Module):
         self.top_k, self.renormalize, self.scoring = m.top_k, m.norm_topk_prob, m.scoring_func
         self.num_groups, self.topk_groups = m.num_groups, m.topk_groups
         self.scale = m.routed_scaling_factor
-        self.round_weights, self.tuning, self.dtype = round_weights, tuning, dtype
+        self.tuning = tuning
         low = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "")  # f32: no-op
-        self.round_to = low if round_weights else ""
+        self.round_to = low if round_weights else ""  # moe_topk's argument
         self.router = Router(e, h, dtype, bias=m.has_correction_bias)
         wdtype = FP8 if quant == "fp8" else dtype
         self.w13 = _param(e, 2 * inter, h, dtype=wdtype)

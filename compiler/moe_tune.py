@@ -87,7 +87,8 @@ def tune(
     report = []
     for t in rungs:
         timed = []
-        for pair in candidates(s, t):
+        cands = candidates(s, t)
+        for pair in cands:
             try:
                 timed.append((time_pair(t, pair), pair))
             except Exception as e:  # a config the device cannot hold (shared memory, registers)
@@ -95,7 +96,7 @@ def tune(
         if not timed:
             raise RuntimeError(f"moe tuning: no candidate ran at {t} tokens")
         best_s, best = min(timed, key=lambda x: x[0])
-        default_s = timed[0][0] if timed[0][1] == candidates(s, t)[0] else float("nan")
+        default_s = timed[0][0] if timed[0][1] == cands[0] else float("nan")
         table[str(t)] = {"w13": best[0], "w2": best[1]}
         report.append(
             {"tokens": t, "best_us": best_s * 1e6, "default_us": default_s * 1e6, "tried": len(timed)}
