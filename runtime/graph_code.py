@@ -57,22 +57,23 @@ class _KilnOps:
         return op
 
 
-class _Ops:
-    def __init__(self) -> None:
-        self.kiln = _KilnOps()
+class _Through:
+    """``target``'s attributes, each looked up once (then an instance attribute: no
+    ``__getattr__`` call per op call in eager steps), except those set at construction."""
+
+    def __init__(self, target: Any, **own: Any) -> None:
+        self._target = target
+        self.__dict__.update(own)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(torch.ops, name)
+        value = getattr(self._target, name)
+        setattr(self, name, value)
+        return value
 
 
-class _DirectTorch:
+def _direct_torch() -> _Through:
     """``torch`` as generated code sees it: everything is torch's, except ``ops.kiln``."""
-
-    def __init__(self) -> None:
-        self.ops = _Ops()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
+    return _Through(torch, ops=_Through(torch.ops, kiln=_KilnOps()))
 
 
 def direct_dispatch() -> bool:
@@ -113,6 +114,6 @@ def load_graph_code(
         raise GraphCodeError(f"{path}: unsupported graph output {layout.get('output')!r}")
     namespace = dict(GLOBALS)
     if direct_dispatch() if direct is None else direct:
-        namespace["torch"] = _DirectTorch()
+        namespace["torch"] = _direct_torch()
     exec(compile(src, str(path), "exec"), namespace)  # the compiler's own output, hash-checked above
     return CodeGraph(namespace["forward"], list(layout["weight_keys"]), int(layout["num_inputs"]))
