@@ -10,7 +10,7 @@ import torch
 
 from kiln.ops import fp8_gemm as fg
 from kiln.ops import fp8_linear as fl
-from kiln.ops.common import FP8_DTYPE, interpreting
+from kiln.ops.common import FP8_DTYPE
 from kiln.ops.quant import quantize_fp8_per_channel, quantize_fp8_per_token
 
 # Interpreter: e4m3 products are exact in float32, so only the summation order differs from torch.
@@ -21,19 +21,6 @@ SMALL = dict(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_sta
 def rel_err(out, ref) -> float:
     out, ref = out.float(), ref.float()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-@pytest.fixture
-def kernel_on_cpu(monkeypatch):
-    if not interpreting():
-        pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set by tests/conftest.py)")
-    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
-
-
-@pytest.fixture
-def compiled_gpu():
-    if interpreting():
-        pytest.fail("GPU kernel tests must run compiled: run them with TRITON_INTERPRET=0")
 
 
 def make_case(m, n, k, device="cpu", seed=0, per_tensor=False, bias_dtype=torch.bfloat16):

@@ -260,12 +260,6 @@ def test_compiled_model_decode_runs_gemv_and_matches_hf(tmp_path, monkeypatch):
 # ---- GPU: compiled kernels at model sizes -------------------------------------------------------------
 
 
-@pytest.fixture
-def compiled_gpu():
-    if interpreting():
-        pytest.fail("GPU kernel tests must run compiled: run them with TRITON_INTERPRET=0")
-
-
 GPU_SHAPES = [*LLAMA8B, (1000, 1000, False), (1000, 1000, True)]  # the last two: K, N not multiples of 16
 
 

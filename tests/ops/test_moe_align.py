@@ -9,19 +9,6 @@ from kiln.ops import moe_align as ma
 from kiln.ops.common import interpreting
 
 
-@pytest.fixture
-def kernel_on_cpu(monkeypatch):
-    if not interpreting():
-        pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set by tests/conftest.py)")
-    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
-
-
-@pytest.fixture
-def compiled_gpu():
-    if interpreting():
-        pytest.fail("GPU kernel tests must run compiled: run them with TRITON_INTERPRET=0")
-
-
 def routed(t, k, e, seed, device="cpu", hot=None):
     """Distinct experts per token (as top-k gives); ``hot``: every token's first choice is ``hot``."""
     g = torch.Generator().manual_seed(seed)

@@ -28,19 +28,6 @@ def assert_rel(out, ref, tol, what="output"):
     assert err < tol, f"{what}: relative error {err:.3e} (limit {tol:.0e})"
 
 
-@pytest.fixture
-def kernel_on_cpu(monkeypatch):
-    if not interpreting():
-        pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set by tests/conftest.py)")
-    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
-
-
-@pytest.fixture
-def compiled_gpu():
-    if interpreting():
-        pytest.fail("GPU kernel tests must run compiled: run them with TRITON_INTERPRET=0")
-
-
 def make_moe(t, h, i, e, k, dtype, fp8=False, device="cpu", seed=0, hot=None):
     """Random activations, experts and routing (distinct experts per token; ``hot``: every token's
     first choice is that expert). Returns the fused_moe arguments after ``x``."""

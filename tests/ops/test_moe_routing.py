@@ -10,19 +10,6 @@ from kiln.ops import moe_routing as mr
 from kiln.ops.common import interpreting
 
 
-@pytest.fixture
-def kernel_on_cpu(monkeypatch):
-    if not interpreting():
-        pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set by tests/conftest.py)")
-    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
-
-
-@pytest.fixture
-def compiled_gpu():
-    if interpreting():
-        pytest.fail("GPU kernel tests must run compiled: run them with TRITON_INTERPRET=0")
-
-
 def by_id(w, ids):
     """Rows sorted by expert id, so two routings that pick the same set in another order compare equal."""
     order = ids.long().argsort(dim=-1)
