@@ -32,6 +32,7 @@ from kiln.compiler.parallel import ParallelConfig, validate_parallel
 from kiln.compiler.registry import model_class
 from kiln.compiler.trace import CacheSpec, example_inputs, export_graph, strip_example_inputs
 from kiln.errors import KilnError
+from kiln.ops.gemv import gemv_plan
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKENIZER_FILES = (
@@ -169,6 +170,10 @@ def compile_model(
     _check_device(opts.device)
     if opts.dtype not in DTYPES:
         raise CompileError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}.")
+    try:
+        gemv_plan()  # a bad KILN_GEMV fails here, before any work
+    except ValueError as err:
+        raise CompileError(str(err)) from None
     timer = PhaseTimer(verbose=verbose)
     with timer.phase("config"):
         cfg = load_config(model_dir)
@@ -305,6 +310,7 @@ def compile_model(
                     "page_size": opts.page_size,
                     "decode_graphs": opts.decode_graphs,
                     "decode_num_splits": {str(b): _decode_splits(cfg, b, max_seq, opts.tp) for b in buckets},
+                    "gemv": gemv_plan(),  # role -> largest T on the GEMV kernel (ops/gemv.py)
                 }
                 | ({"moe": moe_choice | {"table": json.loads(moe_choice["table"])}} if moe_choice else {}),
                 "compile_seconds": timer.times,

@@ -18,7 +18,7 @@ from torch import nn
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
 from kiln.compiler.context import ForwardContext
-from kiln.ops.gemv import gemv_enabled
+from kiln.ops.gemv import gemv_plan
 
 FP8 = torch.float8_e4m3fn
 
@@ -67,10 +67,11 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with W ``[out, in]``; FP8 weights carry ``weight_scale [out]``.
 
-    Non-FP8 weights: ``F.linear`` (cuBLAS). Traced with ``KILN_GEMV=1`` they go through
-    ``kiln::linear`` instead: at decode-sized T (<= ``KILN_GEMV_MAX_M``, 8) the GEMV kernel of
-    ops/gemv.py, otherwise cuBLAS, decided inside the op at run time (T is dynamic in the exported
-    graph; ``KILN_GEMV=0`` at run time sends it to cuBLAS).
+    Non-FP8 weights: ``F.linear`` (cuBLAS). When the GEMV plan (ops/gemv.py ``gemv_plan``, from
+    ``KILN_GEMV`` at compile time) has this linear's ``role``, it traces ``kiln::linear`` instead:
+    at decode-sized T (<= the plan's max T for the role) the GEMV kernel of ops/gemv.py, otherwise
+    cuBLAS, decided inside the op at run time (T is dynamic in the exported graph;
+    ``KILN_GEMV=0`` at run time sends it to cuBLAS).
     """
 
     def __init__(
@@ -88,13 +89,14 @@ class Linear(nn.Module):
         if quant == "fp8":
             self.weight_scale = _param(out_features, dtype=torch.float32)
         self.bias = _param(out_features, dtype=dtype) if bias else None
-        self.role: str | None = None  # "attn" / "mlp": which KILN_GEMV roles trace kiln::linear
+        self.role: str | None = None  # "attn" / "mlp": the GEMV plan's role of this linear
 
     def forward(self, x: Act) -> torch.Tensor:
         if self.quant != "fp8":
             assert isinstance(x, torch.Tensor)
-            if gemv_enabled(self.role or ""):
-                return torch.ops.kiln.linear(x, self.weight, self.bias)
+            max_m = gemv_plan().get(self.role or "", 0)
+            if max_m:
+                return torch.ops.kiln.linear(x, self.weight, self.bias, max_m)
             return nn.functional.linear(x, self.weight, self.bias)
         q = x if isinstance(x, QuantAct) else quantize_per_token(x)
         return torch.ops.kiln.fp8_linear(
@@ -182,7 +184,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Fused gate_up -> silu_and_mul (+ FP8 quant) -> down.
 
-    Traced with ``KILN_GEMV=1``, non-FP8 gate_up + SiLU-and-mul is ``kiln::linear_silu_mul`` (at
+    With ``mlp`` in the GEMV plan, non-FP8 gate_up + SiLU-and-mul is ``kiln::linear_silu_mul`` (at
     decode-sized T one GEMV that writes ``silu(gate) * up`` directly, else cuBLAS then
     ``silu_and_mul``).
     """
@@ -198,9 +200,10 @@ class MLP(nn.Module):
         if self.quant == "fp8":
             gu = self.gate_up(x)  # [T, 2I]
             return self.down(QuantAct(*torch.ops.kiln.silu_and_mul_quant(gu, None)))
-        if gemv_enabled("mlp"):
+        max_m = gemv_plan().get("mlp", 0)
+        if max_m:
             assert isinstance(x, torch.Tensor)
-            act = torch.ops.kiln.linear_silu_mul(x, self.gate_up.weight, self.gate_up.bias)  # [T, I]
+            act = torch.ops.kiln.linear_silu_mul(x, self.gate_up.weight, self.gate_up.bias, max_m)  # [T, I]
         else:
             act = torch.ops.kiln.silu_and_mul(self.gate_up(x))  # [T, I]
         return self.down(act)  # [T, H]

@@ -9,24 +9,26 @@ rounded once to the activation dtype (as cuBLAS does).
 Ops (``torch.ops.kiln.*``); ``x [T, K]`` and ``w [N, K]`` of one dtype (bf16, fp16 or fp32), ``w``
 row-major, ``bias [N]`` or None:
 
-* ``linear(x, w, bias) -> [T, N]``: what ``compiler/layers.py: Linear`` calls for non-FP8
-  weights. The GEMV kernel when ``1 <= T <= KILN_GEMV_MAX_M`` on a device that runs Triton,
-  ``torch.nn.functional.linear`` (cuBLAS) otherwise. The choice is made in the op body at call
-  time, so one exported graph with a dynamic T serves prefill (cuBLAS) and decode (GEMV).
-* ``linear_silu_mul(x, w, bias) -> [T, I]``: ``w`` is ``[2I, K]`` with the gate rows ``[0, I)``
+* ``linear(x, w, bias, max_m) -> [T, N]``: what ``compiler/layers.py: Linear`` calls for non-FP8
+  weights whose role is in the GEMV plan. The GEMV kernel when ``1 <= T <= max_m`` on a device
+  that runs Triton, ``torch.nn.functional.linear`` (cuBLAS) otherwise. The choice is made in the op
+  body at call time, so one exported graph with a dynamic T serves prefill (cuBLAS) and decode
+  (GEMV); ``max_m`` is a constant of the call site in the graph.
+* ``linear_silu_mul(x, w, bias, max_m) -> [T, I]``: ``w`` is ``[2I, K]`` with the gate rows ``[0, I)``
   and the up rows ``[I, 2I)`` (the packed ``mlp.gate_up.weight``). ``silu(gate) * up`` with the
   roundings of ``linear`` followed by ``silu_and_mul`` (gate and up rounded to the activation
   dtype, silu in float32 rounded, product rounded). Small T: one GEMV whose programs load the
   matching gate and up rows and write the activation directly; otherwise ``F.linear`` then
   ``silu_and_mul``.
 
-Switches: ``KILN_GEMV=1`` (or a list of roles, ``attn``, ``mlp``: see ``gemv_enabled``) when
-compiling makes the model's bf16 linears trace these ops (default
-off: cuBLAS (+ ``silu_and_mul``) measured faster on the H200 with the untuned launch heuristic, and
-the graph then holds plain ``aten.linear``); in the ops, read at call time (so at CUDA-graph capture
-for decode graphs), ``KILN_GEMV`` 0 or unset sends every call to cuBLAS and ``KILN_GEMV_MAX_M`` (default
-8) is the largest T that takes the GEMV. On CPU the ops run cuBLAS's stand-in ``F.linear`` unless ``KILN_TRITON_ON_CPU=1``
-with ``TRITON_INTERPRET=1`` (ops/common.py), so CPU artifacts are unchanged.
+Switches: the GEMV plan (``gemv_plan``) says, per linear role (``attn``: qkv and o; ``mlp``:
+gate_up and down), up to which T a decode call takes the GEMV. When compiling, ``KILN_GEMV``
+(``0``, ``1``/``all``, or ``attn:1,mlp:2``-style lists; unset: ``DEFAULT_PLAN``) sets it; the
+roles left out trace plain ``aten.linear`` (cuBLAS), the others ``kiln::linear`` with their
+``max_m``, and the manifest records the plan (``kernel_choices.gemv``). At run time (read at call
+time, so at CUDA-graph capture for decode graphs) ``KILN_GEMV=0`` sends every call to cuBLAS. On
+CPU the ops run cuBLAS's stand-in ``F.linear`` unless ``KILN_TRITON_ON_CPU=1`` with
+``TRITON_INTERPRET=1`` (ops/common.py), so CPU artifacts are unchanged.
 
 Kernels, picked by ``use_dot``:
 
@@ -57,8 +59,8 @@ can be overridden by keyword on :func:`gemv`. The choice depends on ``M`` only t
 ``next_pow2(M)`` and ``M`` is not specialized by Triton, so the compile warm-up (decode buckets
 1, 2, 4, 8) compiles every kernel a T <= 8 launch can need. (Exceptions: an artifact with
 ``--max-batch-size`` < 8 whose prefill chunks of 5..8 tokens would pick a kernel the warm-up never
-ran, only if ``TUNED`` gives M class 8 a different config than class 4; ``KILN_GEMV_MAX_M`` > 8;
-``KILN_GEMV=1`` at run time only. Triton then compiles at run time, once, into the artifact's cache.)
+ran, only if ``TUNED`` gives M class 8 a different config than class 4; a plan's ``max_m`` > 8.
+Triton then compiles at run time, once, into the artifact's cache.)
 """
 
 from __future__ import annotations
@@ -81,21 +83,44 @@ FMA_MAX_M = 4  # the CUDA-core kernel keeps one accumulator per x row, up to 4
 REDUCE_BLOCK = 256
 
 
-def gemv_enabled(role: str | None = None) -> bool:
-    """``KILN_GEMV``: ``0`` (default) off; ``1`` or ``all`` on; or a comma list of the linears'
-    roles that trace the GEMV when compiling (``attn``: qkv and o; ``mlp``: gate_up and down).
-    ``role`` None (the ops at run time): on for any value but ``0``."""
-    # off by default: on the H200 (bench/results/2026-11-29_h200_gemv.json) cuBLAS's GEMV still wins
-    # at the big shapes (gate_up 78.5% of read bandwidth vs 52%, lm_head 98.9% vs 76%) until the
-    # launch sweep fills TUNED; the attention projections are where cuBLAS is weakest at T = 1
-    v = os.environ.get("KILN_GEMV", "0")
-    if v == "0":
-        return False
-    return v in ("1", "all") or role is None or role in v.split(",")
+ROLES = ("attn", "mlp")  # compiler/layers.py: qkv and o; gate_up and down
+# The plan a compile uses when KILN_GEMV is unset. Measured on the H200 (bench/results/README.md):
+# cuBLAS keeps the MLP (97% of read bandwidth at T = 1) and every role from T = 2; the attention
+# projections are where cuBLAS is weakest at T = 1.
+DEFAULT_PLAN = ""
 
 
-def gemv_max_m() -> int:
-    return int(os.environ.get("KILN_GEMV_MAX_M", DEFAULT_MAX_M))
+def gemv_plan(spec: str | None = None) -> dict[str, int]:
+    """The compile-time plan: role -> the largest T whose call takes the GEMV (roles left out: the
+    graph traces plain ``aten.linear``, cuBLAS at every T).
+
+    ``spec`` (default: ``KILN_GEMV``, else ``DEFAULT_PLAN``): ``0`` or empty, no role; ``1`` or
+    ``all``, every role up to ``DEFAULT_MAX_M``; or a comma list of ``ROLE`` (up to
+    ``DEFAULT_MAX_M``) or ``ROLE:M``, e.g. ``attn:1``."""
+    if spec is None:
+        spec = os.environ.get("KILN_GEMV", DEFAULT_PLAN)
+    spec = spec.strip()
+    if spec in ("", "0"):
+        return {}
+    if spec in ("1", "all"):
+        return dict.fromkeys(ROLES, DEFAULT_MAX_M)
+    plan: dict[str, int] = {}
+    for part in spec.split(","):
+        role, _, m = part.strip().partition(":")
+        if role not in ROLES or (m and not m.isdigit()):
+            raise ValueError(
+                f"KILN_GEMV: bad entry {part!r} in {spec!r}; use 0, 1/all, or a comma list of "
+                f"ROLE or ROLE:MAX_T with ROLE one of {', '.join(ROLES)} (e.g. attn:1,mlp:1)."
+            )
+        if int(m or DEFAULT_MAX_M) > 0:
+            plan[role] = int(m or DEFAULT_MAX_M)
+    return plan
+
+
+def gemv_enabled() -> bool:
+    """Run-time switch: ``KILN_GEMV=0`` sends every ``kiln::linear`` call to cuBLAS whatever the
+    graph's ``max_m``; any other value (or none) follows the graph."""
+    return os.environ.get("KILN_GEMV", "") != "0"
 
 
 # ---- torch references -----------------------------------------------------------------------------
@@ -621,13 +646,13 @@ def compile_for(
 # ---- custom ops -----------------------------------------------------------------------------------
 
 
-def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
+def use_gemv(x: torch.Tensor, w: torch.Tensor, max_m: int) -> bool:
     """Whether ``linear``/``linear_silu_mul`` take the GEMV for this call (see the module docstring)."""
     return (
-        gemv_enabled()
+        1 <= x.shape[0] <= max_m
+        and gemv_enabled()
         and x.dim() == 2
         and w.dim() == 2
-        and 1 <= x.shape[0] <= gemv_max_m()
         and x.dtype == w.dtype
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and w.stride(1) == 1
@@ -636,24 +661,24 @@ def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 @kiln_op("linear")
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [T, K] @ w [N, K]^T (+ bias)`` ``[T, N]``: the GEMV at small T, else ``F.linear``."""
-    if use_gemv(x, w):
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, max_m: int) -> torch.Tensor:
+    """``x [T, K] @ w [N, K]^T (+ bias)`` ``[T, N]``: the GEMV for ``1 <= T <= max_m``, else ``F.linear``."""
+    if use_gemv(x, w, max_m):
         return gemv(x, w, bias)
     return torch.nn.functional.linear(x, w, bias)
 
 
 @linear.register_fake
-def _(x, w, bias):
+def _(x, w, bias, max_m):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 @kiln_op("linear_silu_mul")
-def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, max_m: int) -> torch.Tensor:
     """``silu_and_mul(x @ w^T (+ bias))`` ``[T, I]`` for ``w [2I, K]`` (gate rows, then up rows)."""
     if w.shape[0] % 2:
         raise ValueError(f"linear_silu_mul: w must have 2I rows, got {tuple(w.shape)}")
-    if use_gemv(x, w):
+    if use_gemv(x, w, max_m):
         return gemv(x, w, bias, gate_up=True)
     gu = torch.nn.functional.linear(x, w, bias)
     if use_triton(gu) and gu.dim() == 2:
@@ -664,5 +689,5 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None)
 
 
 @linear_silu_mul.register_fake
-def _(x, w, bias):
+def _(x, w, bias, max_m):
     return x.new_empty((*x.shape[:-1], w.shape[0] // 2))

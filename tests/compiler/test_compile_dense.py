@@ -6,6 +6,8 @@ max relative error (max |kiln - hf| / max |hf|) <= 1e-4 at every step.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from tiny_models import CONFIGS, check_against_hf, make_checkpoint
@@ -83,9 +85,9 @@ def test_python_graphs_match_pt2(compiled, monkeypatch):
     torch.testing.assert_close(a.decode([11, 12]), b.decode([11, 12]), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("roles", ["attn", "1"])
+@pytest.mark.parametrize("roles", ["attn:1", "1"])
 def test_gemv_roles_pick_the_traced_linears(compiled, tmp_path, monkeypatch, roles):
-    # KILN_GEMV=attn: only qkv and o trace kiln::linear (cuBLAS is weakest there at T = 1)
+    # KILN_GEMV=attn:1: only qkv and o trace kiln::linear, for T = 1 (cuBLAS is weakest there)
     hf, root = compiled
     monkeypatch.setenv("KILN_GEMV", roles)
     opts = CompileOptions(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=128, chunk_size=64)
@@ -96,6 +98,8 @@ def test_gemv_roles_pick_the_traced_linears(compiled, tmp_path, monkeypatch, rol
         src.count("torch.ops.kiln.linear.default("),
         src.count("torch.ops.kiln.linear_silu_mul.default("),
     )
-    assert (linears, fused) == ((2 * layers, 0) if roles == "attn" else (3 * layers, layers))
+    assert (linears, fused) == ((2 * layers, 0) if roles == "attn:1" else (3 * layers, layers))
+    plan = json.loads((tmp_path / "g" / "manifest.json").read_text())["kernel_choices"]["gemv"]
+    assert plan == ({"attn": 1} if roles == "attn:1" else {"attn": 8, "mlp": 8})
     runner = DirectRunner(str(tmp_path / "g"), device="cpu", num_slots=512)
     check_against_hf(runner, hf, [list(range(3, 20))], decode_steps=3)

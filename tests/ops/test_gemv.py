@@ -28,7 +28,6 @@ def kernel_on_cpu(monkeypatch):
         pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set by tests/conftest.py)")
     monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
     monkeypatch.setenv("KILN_GEMV", "1")
-    monkeypatch.delenv("KILN_GEMV_MAX_M", raising=False)
 
 
 def make(m, n, k, dtype, bias=False, seed=0):
@@ -169,24 +168,45 @@ def count_gemv(monkeypatch):
 def test_linear_dispatch(kernel_on_cpu, count_gemv, monkeypatch):
     x, w, b = make(9, 40, 72, torch.bfloat16, bias=True)
     for t in (1, 3, 8, 9):
-        out = torch.ops.kiln.linear(x[:t], w, b)
+        out = torch.ops.kiln.linear(x[:t], w, b, 8)
         check(out, G.gemv_ref(x[:t], w, b))
-    assert count_gemv == [1, 3, 8]  # T = 9 > KILN_GEMV_MAX_M took F.linear
-    monkeypatch.setenv("KILN_GEMV_MAX_M", "2")
-    torch.ops.kiln.linear(x[:3], w, b)
-    monkeypatch.setenv("KILN_GEMV", "0")
-    torch.ops.kiln.linear(x[:1], w, b)
-    monkeypatch.delenv("KILN_GEMV_MAX_M")
-    gu = torch.ops.kiln.linear_silu_mul(x[:2], w, b)
+    assert count_gemv == [1, 3, 8]  # T = 9 > max_m took F.linear
+    torch.ops.kiln.linear(x[:3], w, b, 2)  # the call site's max_m: F.linear
+    torch.ops.kiln.linear(x[:1], w, b, 0)
+    monkeypatch.setenv("KILN_GEMV", "0")  # the run-time kill switch
+    torch.ops.kiln.linear(x[:1], w, b, 8)
+    gu = torch.ops.kiln.linear_silu_mul(x[:2], w, b, 8)
     check(gu, G.gate_up_ref(x[:2], w, b))
-    assert count_gemv == [1, 3, 8]  # switched off: nothing more reached the kernel
-    monkeypatch.delenv("KILN_GEMV")  # the default: off
-    torch.ops.kiln.linear(x[:1], w, b)
-    assert count_gemv == [1, 3, 8]
-    monkeypatch.setenv("KILN_GEMV", "1")
-    check(torch.ops.kiln.linear_silu_mul(x[:2], w, b), G.gate_up_ref(x[:2], w, b))
-    check(torch.ops.kiln.linear_silu_mul(x, w, b), G.gate_up_ref(x, w, b))  # F.linear + silu_and_mul
-    assert count_gemv == [1, 3, 8, 2]
+    assert count_gemv == [1, 3, 8]  # nothing more reached the kernel
+    monkeypatch.delenv("KILN_GEMV")  # unset at run time: the graph's max_m decides
+    torch.ops.kiln.linear(x[:1], w, b, 1)
+    assert count_gemv == [1, 3, 8, 1]
+    check(torch.ops.kiln.linear_silu_mul(x[:2], w, b, 2), G.gate_up_ref(x[:2], w, b))
+    check(torch.ops.kiln.linear_silu_mul(x, w, b, 8), G.gate_up_ref(x, w, b))  # F.linear + silu_and_mul
+    assert count_gemv == [1, 3, 8, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "spec, plan",
+    [
+        ("", {}),
+        ("0", {}),
+        ("1", {"attn": 8, "mlp": 8}),
+        ("all", {"attn": 8, "mlp": 8}),
+        ("attn", {"attn": 8}),
+        ("attn:1", {"attn": 1}),
+        ("attn:1, mlp:4", {"attn": 1, "mlp": 4}),
+        ("attn:1,mlp:0", {"attn": 1}),
+    ],
+)
+def test_gemv_plan(spec, plan):
+    assert G.gemv_plan(spec) == plan
+
+
+@pytest.mark.parametrize("spec", ["qkv", "attn:x", "attn:-1", "attn;mlp"])
+def test_gemv_plan_rejects_bad_specs(spec):
+    with pytest.raises(ValueError, match="KILN_GEMV: bad entry"):
+        G.gemv_plan(spec)
 
 
 def test_ops_without_triton_are_the_torch_ops(monkeypatch):
@@ -194,8 +214,8 @@ def test_ops_without_triton_are_the_torch_ops(monkeypatch):
     monkeypatch.setenv("KILN_TRITON_ON_CPU", "0")
     x, w, b = make(3, 40, 72, torch.float32, bias=True)
     lin = torch.nn.functional.linear(x, w, b)
-    assert torch.equal(torch.ops.kiln.linear(x, w, b), lin)
-    assert torch.equal(torch.ops.kiln.linear_silu_mul(x, w, b), silu_and_mul_ref(lin))
+    assert torch.equal(torch.ops.kiln.linear(x, w, b, 8), lin)
+    assert torch.equal(torch.ops.kiln.linear_silu_mul(x, w, b, 8), silu_and_mul_ref(lin))
 
 
 class _Block(torch.nn.Module):
@@ -206,7 +226,7 @@ class _Block(torch.nn.Module):
         self.register_buffer("w2", w2)
 
     def forward(self, x):
-        return torch.ops.kiln.linear(torch.ops.kiln.linear_silu_mul(x, self.w1, self.b1), self.w2, None)
+        return torch.ops.kiln.linear(torch.ops.kiln.linear_silu_mul(x, self.w1, self.b1, 8), self.w2, None, 8)
 
 
 def test_export_dynamic_tokens(kernel_on_cpu, count_gemv):
@@ -295,14 +315,13 @@ def test_gpu_other_paths(compiled_gpu, m, over, gate_up):
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replay(compiled_gpu, monkeypatch):
     """The ops inside a captured graph, split-K workspace included (allocated in the graph's pool)."""
-    monkeypatch.setenv("KILN_GEMV", "1")
-    monkeypatch.delenv("KILN_GEMV_MAX_M", raising=False)
+    monkeypatch.delenv("KILN_GEMV", raising=False)
     x0, w, b = (t.cuda() for t in make(2, 4096, 4096, torch.bfloat16, bias=True))
     sx = x0.clone()
 
     def run():
         split = G.gemv(sx, w, b, gate_up=True, split_k=4)
-        return torch.ops.kiln.linear(sx, w, b), torch.ops.kiln.linear_silu_mul(sx, w, b), split
+        return torch.ops.kiln.linear(sx, w, b, 8), torch.ops.kiln.linear_silu_mul(sx, w, b, 8), split
 
     run()  # compile outside the capture
     g = torch.cuda.CUDAGraph()
