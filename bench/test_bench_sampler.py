@@ -3,7 +3,8 @@ the step's ``SamplingBatch``.
 
 ``gumbel`` is the fused seeded Gumbel-max kernel alone (reads the logits once: ``frac_bw`` says
 how close it is to the read bandwidth); ``gumbel_torch`` is its plain-torch reference for
-comparison. The ``sample_*`` cases are a whole ``Sampler.sample`` call: all greedy, all
+comparison. ``argmax`` is the greedy pick, the Triton kernels (``argmax_rows``) against
+``torch.argmax``, each in a CUDA graph as a decode step runs it. The ``sample_*`` cases are a whole ``Sampler.sample`` call: all greedy, all
 temperature-only, a mix with top-k/top-p, and penalties on top. ``build`` is host-only.
 """
 
@@ -11,9 +12,9 @@ import time
 
 import pytest
 import torch
-from conftest import SMOKE, pick
+from conftest import SMOKE, graphed, pick
 
-from kiln.ops.sampling import gumbel_argmax, gumbel_argmax_ref, row_keys
+from kiln.ops.sampling import argmax_rows, gumbel_argmax, gumbel_argmax_ref, row_keys
 from kiln.runtime.sampler import Sampler, SamplingBatch
 from kiln.runtime.sampling_params import SamplingParams as SP
 
@@ -37,6 +38,15 @@ def test_gumbel_argmax(measure, batch, impl):
     keys = torch.tensor([row_keys(i, 3) for i in range(batch)], dtype=torch.int64, device=DEV)
     fn = gumbel_argmax if impl == "gumbel" else gumbel_argmax_ref
     measure(lambda: fn(x, keys), bytes=x.numel() * 4, batch=batch, vocab=V)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("batch", BATCH)
+def test_argmax(measure, batch, impl):
+    x = torch.randn(batch, V, device=DEV)
+    fn = (lambda: argmax_rows(x)) if impl == "triton" else (lambda: x.argmax(dim=-1))
+    assert torch.equal(fn(), x.argmax(dim=-1))
+    measure(graphed(fn), bytes=x.numel() * 4, batch=batch, vocab=V, impl=impl)
 
 
 @pytest.mark.parametrize("mix", list(MIXES))

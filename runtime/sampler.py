@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kiln.ops.sampling import derive_seed, gumbel_argmax, row_keys
+from kiln.ops.sampling import argmax_rows, derive_seed, gumbel_argmax, row_keys
 from kiln.runtime.sampling_params import SamplingParams
 
 _rng = random.SystemRandom()
@@ -323,10 +323,10 @@ class Sampler:
         if batch.ban is not None:
             x = x.index_put(batch.ban, x.new_full((1,), float("-inf")))
         if batch.all_greedy:
-            next_ids = x.argmax(dim=-1)
+            next_ids = argmax_rows(x)
         else:
             sampled = gumbel_argmax(self.filter_logits(x, batch), batch.keys)
-            next_ids = torch.where(batch.greedy, x.argmax(dim=-1), sampled) if batch.any_greedy else sampled
+            next_ids = torch.where(batch.greedy, argmax_rows(x), sampled) if batch.any_greedy else sampled
         out.next_ids = next_ids
         if batch.num_logprobs is not None:
             out.logprobs = lp.gather(1, next_ids[:, None]).squeeze(1)

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from kiln.ops.sampling import gumbel_argmax, gumbel_argmax_ref, row_keys
+from kiln.ops.sampling import argmax_rows, gumbel_argmax, gumbel_argmax_ref, row_keys
 from kiln.runtime.sampler import Sampler, SamplingBatch, resolve_seed
 from kiln.runtime.sampling_params import SamplingParams as SP
 
@@ -241,6 +241,33 @@ def test_gumbel_kernel_matches_reference(monkeypatch):
     x[2, ::2] = float("-inf")
     keys = torch.tensor([row_keys(s, t) for s, t in ((1, 0), (1, 1), (9, 4), (2**62, 7))], dtype=torch.int64)
     assert torch.equal(gumbel_argmax(x, keys), gumbel_argmax_ref(x, keys))
+
+
+def _argmax_cases(g: torch.Generator) -> torch.Tensor:
+    x = torch.randn(6, 4500, generator=g)  # 3 chunks, the last partial
+    x[1] = float("-inf")  # all -inf: index 0, as torch
+    x[2, ::2] = float("-inf")
+    x[3, 100] = x[3, 4400] = x[3, 2100] = 50.0  # ties across chunks: the lowest index
+    x[4, 2047] = x[4, 2048] = 60.0  # ties on a chunk boundary
+    x[5, 7] = x[5, 9] = 70.0  # ties inside one chunk
+    return x
+
+
+def test_argmax_kernel_matches_torch(monkeypatch):
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+    x = _argmax_cases(torch.Generator().manual_seed(8))
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    wide = torch.randn(3, 5000)
+    assert torch.equal(argmax_rows(wide[:, :4500]), wide[:, :4500].argmax(dim=-1))  # row stride > V
+    assert argmax_rows(x[:0]).shape == (0,)
+
+
+@pytest.mark.gpu
+def test_gpu_argmax_matches_torch():
+    x = _argmax_cases(torch.Generator().manual_seed(8)).cuda()
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    big = torch.randn(64, 128256, device="cuda")
+    assert torch.equal(argmax_rows(big), big.argmax(dim=-1))
 
 
 @pytest.mark.gpu
