@@ -6,8 +6,13 @@ tokens). Each kernel sits beside the torch reference run eagerly and through tor
 GPU every variant is captured in a CUDA graph and replayed, as the runtime serves it, so small
 token counts measure the kernel rather than Python and launch overhead.
 
-``test_fused_add_rmsnorm_sweep`` (GPU only) times the kernel's launch shapes (rows per program x
-num_warps) for every variant at 4096 and 256 tokens: the data for ``norm.LAUNCH_DEFAULTS``.
+``test_fused_add_rmsnorm_sweep`` (GPU only) times the kernel's launch shapes for every variant: the
+data for ``norm.LAUNCH_DEFAULTS``. At 4096 tokens, one row per program at 4, 8 and 16 warps (ids
+``4096-{variant}-1-{warps}``; 2 and 4 rows per program lost everywhere in
+bench/results/2026-11-29_h200_norm_sweep.json) beside the persistent launches of
+``norm.PERSISTENT_SWEEP`` (ids ``4096-{variant}-persistent-p{programs per SM}-{s{stages}|prefetch}-
+{warps}``): 57 cases, ``-k 'sweep and 4096'``. At 256 tokens, rows per program 1/2/4 x warps 4/8/16
+(``256-{variant}-{rows}-{warps}``). Each case records its launch fields and ``grid`` (programs).
 """
 
 import pytest
@@ -70,12 +75,24 @@ def _moved(tokens: int, quant) -> int:
     return 3 * tokens * H * es + H * es + out_bytes
 
 
+def _sweep_cases() -> list:
+    cases = []
+    for tokens in (4096, 256):
+        for variant in VARIANTS:
+            rows_options = (1,) if tokens == 4096 else (1, 2, 4)
+            launches = [norm.Launch(rows=rows, num_warps=w) for rows in rows_options for w in (4, 8, 16)]
+            if tokens == 4096:
+                launches += norm.PERSISTENT_SWEEP
+            cases += [
+                pytest.param(tokens, variant, launch, id=f"{tokens}-{variant}-{launch.label}")
+                for launch in launches
+            ]
+    return cases
+
+
 @pytest.mark.skipif(SMOKE, reason="launch sweep: GPU only")
-@pytest.mark.parametrize("num_warps", [4, 8, 16])
-@pytest.mark.parametrize("rows", [1, 2, 4])
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("tokens", [4096, 256])
-def test_fused_add_rmsnorm_sweep(measure, tokens, variant, rows, num_warps):
+@pytest.mark.parametrize("tokens,variant,launch", _sweep_cases())
+def test_fused_add_rmsnorm_sweep(measure, tokens, variant, launch):
     x = torch.randn(tokens, H, device=DEV, dtype=DTYPE)
     residual = torch.randn(tokens, H, device=DEV, dtype=DTYPE)
     w = torch.randn(H, device=DEV, dtype=DTYPE)
@@ -84,6 +101,9 @@ def test_fused_add_rmsnorm_sweep(measure, tokens, variant, rows, num_warps):
     scale = torch.tensor([0.05], device=DEV) if quant == "static" else None
     y = torch.empty(tokens, H, device=DEV, dtype=DTYPE if quant == "bf16" else FP8_DTYPE)
     s = None if quant == "bf16" else torch.empty((tokens, 1) if quant is None else (1,), device=DEV)
-    launch = dict(rows_per_program=rows, num_warps=num_warps)
-    fn = lambda: norm.rmsnorm_launch(x, residual, w, EPS, scale, mode, y, s, **launch)
-    measure(graphed(fn), bytes=_moved(tokens, quant), tokens=tokens, hidden=H, variant=variant, **launch)
+    kw = launch.overrides()
+    grid = norm.launch_grid(tokens, norm.launch_config(H, quant=mode, **kw), x.device)
+    fn = lambda: norm.rmsnorm_launch(x, residual, w, EPS, scale, mode, y, s, **kw)
+    measure(
+        graphed(fn), bytes=_moved(tokens, quant), tokens=tokens, hidden=H, variant=variant, grid=grid, **kw
+    )

@@ -34,7 +34,7 @@ def make_inputs(t, h, dtype, device="cpu", seed=0):
 
 def run_kernel(x, residual, w, scale, quant, max_block=norm.MAX_BLOCK, **launch):
     """The launcher into NaN-poisoned outputs, so unwritten elements show. ``launch``:
-    ``rows_per_program`` / ``num_warps`` overrides."""
+    ``launch_config``'s overrides (rows_per_program, num_warps, persistent, programs_per_sm, ...)."""
     t, h = x.shape
     y = torch.full((t, h), float("nan"), dtype=FP8_DTYPE if quant else x.dtype, device=x.device)
     s = None
@@ -45,6 +45,7 @@ def run_kernel(x, residual, w, scale, quant, max_block=norm.MAX_BLOCK, **launch)
 
 
 def check_case(t, h, dtype, mode, with_residual, device="cpu", max_block=norm.MAX_BLOCK, seed=0, **launch):
+    """The kernel against the torch reference; returns its outputs ``(y, s, residual)``."""
     quant = MODES[mode]
     x, r, w = make_inputs(t, h, dtype, device, seed)
     scale = torch.tensor([0.02], device=device) if mode == "static" else None
@@ -58,11 +59,12 @@ def check_case(t, h, dtype, mode, with_residual, device="cpu", max_block=norm.MA
     if quant == norm.QUANT_NONE:
         assert y.dtype == dtype
         assert_rel(y, ref, TOL[dtype])
-        return
-    ref_y, ref_s = norm._quant_ref(ref, scale)
-    assert y.dtype == FP8_DTYPE and s.shape == ref_s.shape
-    assert_rel(s, ref_s, TOL[dtype], "scale")
-    assert_rel(dequantize_fp8(y, s), dequantize_fp8(ref_y, ref_s), FP8_TOL, "dequantized fp8")
+    else:
+        ref_y, ref_s = norm._quant_ref(ref, scale)
+        assert y.dtype == FP8_DTYPE and s.shape == ref_s.shape
+        assert_rel(s, ref_s, TOL[dtype], "scale")
+        assert_rel(dequantize_fp8(y, s), dequantize_fp8(ref_y, ref_s), FP8_TOL, "dequantized fp8")
+    return y, s, r_kernel
 
 
 # ---- CPU: reference vs Hugging Face, kernel (interpreter) vs reference ---------------------------------
@@ -108,7 +110,12 @@ def test_rows_per_program_match_reference(kernel_on_cpu, t, h, max_block, rows, 
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_partial_last_program_writes_nothing_past_the_last_row(kernel_on_cpu, mode):
+@pytest.mark.parametrize(
+    "launch",
+    [dict(rows_per_program=8), dict(persistent=True, programs_per_sm=1, rows_per_program=2, prefetch=True)],
+    ids=["rows8", "persistent-rows2-prefetch"],
+)
+def test_partial_last_program_writes_nothing_past_the_last_row(kernel_on_cpu, launch, mode):
     # the outputs are views of longer, poisoned buffers: rows past T must stay untouched
     quant = MODES[mode]
     t, h = 3, 64
@@ -117,7 +124,7 @@ def test_partial_last_program_writes_nothing_past_the_last_row(kernel_on_cpu, mo
     s_buf = torch.full((t + 5, 1), float("nan"))
     scale = torch.tensor([0.02]) if mode == "static" else None
     s = s_buf[:t] if quant == norm.QUANT_DYNAMIC else (torch.empty(1) if quant else None)
-    norm.rmsnorm_launch(x[:t], r_buf[:t], w, EPS, scale, quant, y_buf[:t], s, rows_per_program=8)
+    norm.rmsnorm_launch(x[:t], r_buf[:t], w, EPS, scale, quant, y_buf[:t], s, **launch)
     assert torch.equal(r_buf[t:], r[t:])
     assert y_buf[t:].float().isnan().all() and s_buf[t:].isnan().all()
     assert not y_buf[:t].float().isnan().any()
@@ -131,13 +138,94 @@ def test_partial_last_program_writes_nothing_past_the_last_row(kernel_on_cpu, mo
 
 
 def test_launch_config_defaults_and_overrides():
-    assert norm.launch_config(4096) == (4096, 1, 8, 1)  # ~16 elements per thread, one row per program
+    # (block, chunks, warps, rows per program); ~16 elements per thread, one row per program
+    assert norm.launch_config(4096) == (4096, 1, 8, 1, False, 0, 1, False)
     for quant in MODES.values():
-        assert norm.launch_config(4096, quant=quant) == (4096, 1, 8, 1)  # the quant variants alike
-    assert norm.launch_config(4096, rows_per_program=4, num_warps=16) == (4096, 1, 16, 4)
-    assert norm.launch_config(20000) == (4096, 5, 8, 1)  # chunked
+        assert norm.launch_config(4096, quant=quant)[:4] == (4096, 1, 8, 1)  # the quant variants alike
+        assert not norm.launch_config(4096, quant=quant).persistent  # until a GPU sweep says otherwise
+    assert norm.launch_config(4096, rows_per_program=4, num_warps=16)[:4] == (4096, 1, 16, 4)
+    assert norm.launch_config(20000)[:4] == (4096, 5, 8, 1)  # chunked
     with pytest.raises(ValueError, match="power of two"):
         norm.launch_config(4096, rows_per_program=3)
+
+
+def test_launch_config_persistent():
+    cfg = norm.launch_config(4096, persistent=True, programs_per_sm=2, stages=3, num_warps=4)
+    assert cfg == (4096, 1, 4, 1, True, 2, 3, False)
+    assert norm.launch_config(4096, persistent=True)[4:] == (True, 4, 3, False)  # unmeasured placeholders
+    cfg = norm.launch_config(4096, persistent=True, prefetch=True)  # prefetch: stages default to 1
+    assert cfg.persistent and cfg.prefetch and cfg.stages == 1
+    # chunked rows loop plainly; a launch that is not persistent drops the persistent fields
+    assert norm.launch_config(20000, persistent=True, stages=3, prefetch=False)[4:] == (True, 4, 1, False)
+    assert norm.launch_config(4096, stages=3, prefetch=True, programs_per_sm=8)[4:] == (False, 0, 1, False)
+    with pytest.raises(ValueError, match="exclude each other"):
+        norm.launch_config(4096, persistent=True, stages=2, prefetch=True)
+    with pytest.raises(ValueError, match=">= 1"):
+        norm.launch_config(4096, persistent=True, programs_per_sm=0)
+    # grid: min(blocks, programs_per_sm * SMs); INTERPRETER_SMS off the GPU
+    cpu = torch.device("cpu")
+    cfg = norm.launch_config(4096, persistent=True, programs_per_sm=2, rows_per_program=2)
+    assert norm.launch_grid(5, cfg, cpu) == 3 and norm.launch_grid(100, cfg, cpu) == 2 * norm.INTERPRETER_SMS
+    assert norm.launch_grid(100, norm.launch_config(4096, rows_per_program=2), cpu) == 50
+    assert len({launch.label for launch in norm.PERSISTENT_SWEEP}) == len(norm.PERSISTENT_SWEEP)
+
+
+def _bits(t):
+    """``t``'s bits as integers, so NaN-poisoned (unwritten) elements compare too."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def check_persistent_bitwise(
+    t, h, mode, with_residual, launch, device="cpu", max_block=norm.MAX_BLOCK, seed=0
+):
+    """The persistent launch ``launch`` against the torch reference (check_case) and, bit for bit
+    (output, scales, residual), against one row per program, each into NaN-poisoned outputs."""
+    got = check_case(t, h, torch.bfloat16, mode, with_residual, device, max_block, seed, **launch)
+    x, r, w = make_inputs(t, h, torch.bfloat16, device, seed)
+    scale = torch.tensor([0.02], device=device) if mode == "static" else None
+    res = r.clone() if with_residual else None
+    want = (*run_kernel(x, res, w, scale, MODES[mode], max_block), res)
+    for a, b, what in zip(got, want, ("output", "scale", "residual")):
+        if b is not None:
+            assert torch.equal(_bits(a), _bits(b)), f"{what} differs from one row per program"
+
+
+def _persistent(pps, stages=1, prefetch=False, rows=1, warps=None):
+    return dict(
+        persistent=True,
+        programs_per_sm=pps,
+        stages=stages,
+        prefetch=prefetch,
+        rows_per_program=rows,
+        num_warps=warps,
+    )
+
+
+# (T, H, max_block, launch); grid = min(blocks, programs_per_sm * INTERPRETER_SMS (3))
+PERSISTENT_CASES = {
+    "T1": (1, 128, norm.MAX_BLOCK, _persistent(1)),  # one program, one row, unmasked
+    "T<grid-masked": (4, 96, norm.MAX_BLOCK, _persistent(2, stages=2)),  # grid 4 < 6, one row each
+    "grid3-stages3": (4, 128, norm.MAX_BLOCK, _persistent(1, stages=3)),  # grid 3: 2, 1, 1 rows
+    "grid3-prefetch-masked": (4, 96, norm.MAX_BLOCK, _persistent(1, prefetch=True)),
+    "grid6-prefetch": (7, 128, norm.MAX_BLOCK, _persistent(2, prefetch=True)),  # 2, 1, 1, 1, 1, 1 rows
+    "rows2-partial-masked": (7, 96, norm.MAX_BLOCK, _persistent(1, stages=2, rows=2)),  # 4 blocks, grid 3
+    "rows4-prefetch-partial": (6, 128, norm.MAX_BLOCK, _persistent(1, prefetch=True, rows=4)),  # 2 blocks
+    "chunked": (4, 100, 64, _persistent(1, stages=2)),  # 2 chunks (the second partial), grid 3
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("case", list(PERSISTENT_CASES))
+def test_persistent_matches_one_row_per_program(kernel_on_cpu, case, mode):
+    t, h, max_block, launch = PERSISTENT_CASES[case]
+    check_persistent_bitwise(t, h, mode, True, launch, max_block=max_block)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("case", ["grid3-prefetch-masked"])
+def test_persistent_without_residual(kernel_on_cpu, case, mode):
+    t, h, max_block, launch = PERSISTENT_CASES[case]
+    check_persistent_bitwise(t, h, mode, False, launch, max_block=max_block)
 
 
 @pytest.mark.parametrize("triton_on_cpu", [True, False], ids=["kernel", "reference"])
@@ -264,6 +352,33 @@ def test_gpu_large_batch_and_chunked_rows(compiled_gpu, mode):
 def test_gpu_launch_overrides(compiled_gpu, warps, rows, mode):
     # every launch shape bench/test_bench_norm.py's sweep times compiles and is correct
     check_case(333, 4096, torch.bfloat16, mode, True, device="cuda", rows_per_program=rows, num_warps=warps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("launch", norm.PERSISTENT_SWEEP, ids=lambda launch: launch.label)
+def test_gpu_persistent_matches_one_row_per_program(compiled_gpu, launch, mode):
+    # every persistent launch the sweep times, compiled (pipelined loads included), bit for bit:
+    # T just past a multiple of the grid, T below the grid, T = 1; one kernel for all of them
+    for t in (4096 + 5, 100, 1):
+        check_persistent_bitwise(t, 4096, mode, True, launch.overrides(), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(
+    "launch",
+    [
+        _persistent(2, stages=4, warps=8),
+        _persistent(2, stages=3, rows=2, warps=8),
+        _persistent(2, prefetch=True),
+    ],
+    ids=["s4", "s3-rows2", "prefetch"],
+)
+def test_gpu_persistent_masked_and_chunked_rows(compiled_gpu, launch, mode):
+    for with_residual in (True, False):
+        check_persistent_bitwise(1000, 5120, mode, with_residual, launch, device="cuda")  # masked columns
+    check_persistent_bitwise(300, 20000, mode, True, launch, device="cuda")  # > MAX_BLOCK: chunked
 
 
 @pytest.mark.gpu
