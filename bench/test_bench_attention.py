@@ -2,7 +2,10 @@
 
 * decode at batch 1/8/32/64 and contexts 1k/8k/32k: ``bytes`` = K and V of every token read once
   + q + out, reported as a fraction of the measured read bandwidth (targets on H200: >= 75% at
-  batch 32 / 8k, >= 50% at batch 1 / 32k);
+  batch 32 / 8k, >= 50% at batch 1 / 32k); plus batch 1 at 512 and 8k tokens with ``num_splits``
+  sized for a 32k bucket (``cap``), as the runtime's batch-1 graph runs them, where the kernels are
+  latency bound. ``triton`` is the fused split-merge (one launch), ``triton_separate`` the
+  two-kernel path (``KILN_ATTN_MERGE``);
 * extend of 4096 new tokens over a 0 and a 4k prefix: ``flops`` = 4 * Hq * D * (visible keys
   summed over queries), as a fraction of the measured bf16 matmul rate (target >= 50% over 4k).
 
@@ -113,22 +116,37 @@ def _decode_case(batch: int, ctx: int):
     return q, k_cache, v_cache, bt, rows, lens, slots, nbytes
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("ctx", pick([1024, 8192, 32768], [40]))
-@pytest.mark.parametrize("batch", pick([1, 8, 32, 64], [1, 3]))
-def test_decode(measure, batch, ctx, impl):
+DECODE_IMPLS = ["triton", "triton_separate", "sdpa", "compiled"]
+_DECODE_MERGE = {"triton": "fused", "triton_separate": "separate"}
+# (batch, ctx, cap): num_splits is chosen for a bucket of ``cap`` tokens, as the runtime sizes it
+# for the block table's capacity; ``cap > ctx`` leaves most splits without keys
+DECODE_CASES = pick(
+    [(b, c, c) for b in (1, 8, 32, 64) for c in (1024, 8192, 32768)]
+    + [(1, 512, 512), (1, 512, 32768), (1, 8192, 32768)],
+    [(1, 40, 40), (3, 40, 40), (1, 40, 2048)],
+)
+
+
+@pytest.mark.parametrize("impl", DECODE_IMPLS)
+@pytest.mark.parametrize("batch, ctx, cap", DECODE_CASES)
+def test_decode(measure, batch, ctx, cap, impl):
     _skip_impl(impl)
+    if cap != ctx and impl not in _DECODE_MERGE:
+        pytest.skip("the baselines do not split: same as the cap == ctx case")
     q, k_cache, v_cache, bt, rows, lens, slots, nbytes = _decode_case(batch, ctx)
     scale = D**-0.5
-    splits = choose_num_splits(batch, ctx, HKV)
-    if impl == "triton":
-        fn = lambda: decode_attention_triton(q, k_cache, v_cache, bt, rows, lens, scale, PAGE, splits)
+    splits = choose_num_splits(batch, cap, HKV)
+    merge = _DECODE_MERGE.get(impl)
+    if merge:
+        fn = lambda: decode_attention_triton(
+            q, k_cache, v_cache, bt, rows, lens, scale, PAGE, splits, merge=merge
+        )
     else:
         base = _sdpa if impl == "sdpa" else _compiled
         fn = lambda: base(q[:, None], k_cache, v_cache, slots, scale, ctx - 1)
     out = fn()
     assert out.shape[-1] == D and not out.isnan().any()
-    measure(_graphed(fn), bytes=nbytes, impl=impl, batch=batch, ctx=ctx, num_splits=splits)
+    measure(_graphed(fn), bytes=nbytes, impl=impl, batch=batch, ctx=ctx, num_splits=splits, merge=merge)
 
 
 @pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")

@@ -9,18 +9,35 @@ page_size, num_splits, sliding_window, logit_cap) -> out``
   sees keys ``0..seq_lens[b]-1`` (the last ``sliding_window`` of them if ``sliding_window > 0``);
   ``logit_cap > 0`` soft-caps the scaled scores. A request with ``seq_lens[b] == 0`` gets zeros.
 
-Kernel: grid ``(B, Hkv, num_splits)``. Each program takes all ``Hq / Hkv`` query heads of one KV
-head (padded to 16 rows for ``tl.dot``), so every K/V row is read once per group, and walks its
+Split kernel: grid ``(B, Hkv, num_splits)``. Each program takes all ``Hq / Hkv`` query heads of one
+KV head (padded to 16 rows for ``tl.dot``), so every K/V row is read once per group, and walks its
 share of the keys: ``ceil(span / num_splits)`` rounded up to the key block, computed in the kernel
-from ``seq_lens`` so that one launch serves every length (CUDA-graph safe). It writes a partial
-output and its log-sum-exp (base 2); a second kernel merges the splits. Splits that get no keys
-write ``lse = -inf`` and zeros, which the merge weighs by zero. ``num_splits == 1`` writes the
-output directly. Accumulation is float32.
+from ``seq_lens`` (``_split_plan``) so that one launch serves every length (CUDA-graph safe). A
+bucket's ``num_splits`` is sized for the block table's capacity, so a short request has far fewer
+*active* splits (those that get keys: ``ceil(span / chunk)``, e.g. 10 of 128 at 600 tokens); the
+others exit at once and write nothing. A request with at most one active split (and every request
+when ``num_splits == 1``) is written straight to ``out`` by its split 0, zeros for
+``seq_lens[b] == 0``. Otherwise each active split writes a partial output ``[B, Hq, num_splits, Dv]``
+and its log-sum-exp (base 2, ``[B, Hq, num_splits]``, float32), merged by one of two paths:
+
+* ``fused`` (default): one launch. Each ``(b, kv_head)`` owns an int32 arrival counter; a split
+  bumps it after writing its partial, and the last to arrive merges the active partials of its
+  group and writes the output rows, then resets the counter to 0. The counters are one zeroed
+  buffer per device, allocated on first use and reused (always left at zero), so a call adds no
+  allocation or memset and is CUDA-graph capturable. Calls that share a device must not run
+  concurrently (two streams, or two graphs replayed side by side), as they share the counters.
+* ``separate``: a second kernel, grid ``(B, Hq, cdiv(Dv, 64))``, merges each head's active
+  partials (it recomputes the active count from ``seq_lens`` with the same ``_split_plan``).
+
+``KILN_ATTN_MERGE=fused|separate`` picks the path at call time; ``decode_attention_triton(...,
+merge=...)`` overrides it (benchmarks compare both). Accumulation is float32 throughout.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -87,28 +104,79 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _split_plan(seq_len, num_splits, sliding_window, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """How one request's keys are dealt to the splits; shared by the split kernel and both merges
+    so that they agree on which splits wrote a partial.
+
+    Keys ``[lo, seq_len)`` are visible. Split ``s`` takes ``[base + s * chunk, min(base + (s + 1) *
+    chunk, seq_len))``, ``base`` being ``lo`` rounded down to the key block and ``chunk`` a whole
+    number of key blocks. Splits ``0..active-1`` get keys (split 0 at least one visible key, the
+    others only visible keys); ``active`` is 0 for ``seq_len == 0`` and at most ``num_splits``.
+    """
+    lo = seq_len * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - sliding_window, 0)
+    base = (lo // BLOCK_N) * BLOCK_N
+    span = seq_len - base  # >= 0
+    # ceil divisions spelled out (tl.cdiv is a nested jit call, slow in the interpreter)
+    chunk = ((span + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    safe = tl.maximum(chunk, 1)
+    active = (span + safe - 1) // safe
+    return lo, base, chunk, active
+
+
+@triton.jit
+def _merge_splits(
+    mid_o_ptr, mid_lse_ptr, rows, hmask, dv, active,
+    H: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    """Merges the partials of splits ``0..active-1`` of ``H`` heads, columns ``dv``: ``rows [H]``
+    (int64) is each head's first partial row (``(b * Hq + h) * num_splits``), ``hmask [H]`` its
+    validity. Returns ``[H, BLOCK_DV]`` float32, zeros where no split had keys. Partials are read
+    with ``.cg`` (from L2, not L1): in the fused path other CTAs wrote them during this launch."""
+    m = tl.full([H], -1.0e30, tl.float32)  # finite sentinel: -inf lse (masked) weighs 0
+    l = tl.zeros([H], tl.float32)
+    acc = tl.zeros([H, BLOCK_DV], tl.float32)
+    for s0 in range(0, active, TILE):
+        s = s0 + tl.arange(0, TILE)
+        smask = (s < active)[:, None] & hmask[None, :]  # [TILE, H]
+        idx = rows[None, :] + s[:, None]  # [TILE, H]
+        lse = tl.load(mid_lse_ptr + idx, mask=smask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(
+            mid_o_ptr + idx[:, :, None] * DV + dv[None, None, :],
+            mask=smask[:, :, None] & (dv[None, None, :] < DV),
+            other=0.0,
+            cache_modifier=".cg",
+        )  # o: [TILE, H, BLOCK_DV]
+        m_new = tl.maximum(m, tl.max(lse, 0))  # [H]
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new[None, :])  # [TILE, H]
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
+        l = l * alpha + tl.sum(w, 0)
+        m = m_new
+    return acc / tl.where(l > 0.0, l, 1.0)[:, None]
+
+
+@triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, cnt_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
     stride_ob, stride_oh, num_q_heads, num_splits, sm_scale, logit_cap, sliding_window,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_M: tl.constexpr, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MERGE_TILE: tl.constexpr, HAS_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
+    lo, base, chunk, active = _split_plan(seq_len, num_splits, sliding_window, BLOCK_N, HAS_WINDOW)
+    if split >= tl.maximum(active, 1):
+        return  # no keys here: write nothing (split 0 stays to write an empty request's zeros)
     row = tl.load(rows_ptr + b).to(tl.int64)
-
-    # keys [lo, seq_len) are visible; this program takes [start, end) of them
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(seq_len - sliding_window, 0)
-    base = (lo // BLOCK_N) * BLOCK_N
-    chunk = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
-    start = base + split * chunk
+    start = base + split * chunk  # this program takes keys [start, end)
     end = tl.minimum(start + chunk, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
@@ -159,49 +227,71 @@ def _decode_split_kernel(
         m_i = m_new
 
     has = l_i > 0.0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]  # [GROUP_PAD, BLOCK_DV]
+    o = acc / tl.where(has, l_i, 1.0)[:, None]  # [GROUP_PAD, BLOCK_DV]; zeros without keys
     omask = hmask[:, None] & (dv[None, :] < DV)
-    if DIRECT:
-        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dv[None, :]
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dv[None, :]
+    if active <= 1:  # the only split of this request (or an empty one; always when DIRECT)
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=omask)
-    else:
+    elif not DIRECT:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))  # [GROUP_PAD]
-        mid = (b.to(tl.int64) * num_q_heads + heads) * num_splits + split  # [GROUP_PAD]
-        tl.store(mid_lse_ptr + mid, lse, mask=hmask)
-        tl.store(mid_o_ptr + mid[:, None] * DV + dv[None, :], o, mask=omask)
+        first = (b.to(tl.int64) * num_q_heads + heads) * num_splits  # [GROUP_PAD]
+        tl.store(mid_lse_ptr + first + split, lse, mask=hmask)
+        tl.store(mid_o_ptr + (first + split)[:, None] * DV + dv[None, :], o, mask=omask)
+        if FUSED:
+            # Last-arrival merge. Memory ordering (PTX memory model, sm_70+):
+            # * release: every thread's partial stores above precede the barrier in program
+            #   order; bar.sync orders them before the thread that performs the (scalar) atomic,
+            #   and that atomic's acq_rel release at gpu scope is cumulative, so it publishes
+            #   the whole CTA's stores, not just its own thread's.
+            # * acquire: the program that reads old == active - 1 comes after all active splits'
+            #   releases in the counter's modification order, so its acquire makes their
+            #   partials visible to the atomic's thread; Triton broadcasts a scalar atomic's
+            #   result to the CTA through shared memory behind a bar.sync, which carries that
+            #   ordering to every thread, and the merge loads use .cg so that no stale L1 line
+            #   is read (L1 is not coherent across SMs).
+            # * no program waits for another (the last one merges, the others exit), so the
+            #   pattern needs no co-residency and cannot deadlock however CTAs are scheduled.
+            # * reset: all ``active`` arrivals of this launch have happened when the last reads
+            #   old == active - 1, so nothing touches the counter after its reset to 0; the next
+            #   launch on the stream (or graph replay) starts after this one ends and sees 0.
+            tl.debug_barrier()
+            cnt = cnt_ptr + b * tl.num_programs(1) + kvh
+            old = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if old == active - 1:
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+                gm = tl.arange(0, GROUP_M)
+                mheads = kvh * GROUP + gm
+                merged = _merge_splits(
+                    mid_o_ptr, mid_lse_ptr, (b.to(tl.int64) * num_q_heads + mheads) * num_splits,
+                    gm < GROUP, dv, active, GROUP_M, DV, BLOCK_DV, MERGE_TILE,
+                )  # fmt: skip
+                m_ptrs = out_ptr + b.to(tl.int64) * stride_ob + mheads[:, None] * stride_oh + dv[None, :]
+                tl.store(
+                    m_ptrs,
+                    merged.to(out_ptr.dtype.element_ty),
+                    mask=(gm < GROUP)[:, None] & (dv[None, :] < DV),
+                )
 
 
 @triton.jit
 def _decode_merge_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, num_q_heads, num_splits,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, TILE: tl.constexpr,
+    mid_o_ptr, mid_lse_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, num_q_heads, num_splits,
+    sliding_window, DV: tl.constexpr, BLOCK_DV: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
-    # grid (B, Hq, cdiv(Dv, BLOCK_DV)): merges the splits of one head for BLOCK_DV columns
+    # grid (B, Hq, cdiv(Dv, BLOCK_DV)): merges the active splits of one head for BLOCK_DV columns
     b = tl.program_id(0)
     h = tl.program_id(1)
+    seq_len = tl.load(lens_ptr + b)
+    _lo, _base, _chunk, active = _split_plan(seq_len, num_splits, sliding_window, BLOCK_N, HAS_WINDOW)
+    if active <= 1:
+        return  # the split kernel wrote this request's output directly
     dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    row0 = (b.to(tl.int64) * num_q_heads + h) * num_splits
-    m = tl.full([1], -1.0e30, tl.float32)  # finite sentinel: empty splits (-inf) weigh 0
-    l = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BLOCK_DV], tl.float32)
-    for s0 in range(0, num_splits, TILE):
-        s = s0 + tl.arange(0, TILE)
-        smask = s < num_splits
-        lse = tl.load(mid_lse_ptr + row0 + s, mask=smask, other=float("-inf"))  # [TILE]
-        o = tl.load(
-            mid_o_ptr + (row0 + s)[:, None] * DV + dv[None, :],
-            mask=smask[:, None] & (dv[None, :] < DV),
-            other=0.0,
-        )  # o: [TILE, BLOCK_DV]
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)  # [TILE]
-        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-        l = l * alpha + tl.sum(w, 0)
-        m = m_new
-    out = acc / tl.where(l > 0.0, l, 1.0)
-    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + dv
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
+    rows = tl.zeros([1], tl.int64) + (b.to(tl.int64) * num_q_heads + h) * num_splits  # [1]
+    hmask = rows >= 0  # [1], true: the one head is always valid
+    out = _merge_splits(mid_o_ptr, mid_lse_ptr, rows, hmask, dv, active, 1, DV, BLOCK_DV, TILE)
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + dv[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dv[None, :] < DV)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int) -> None:
@@ -223,6 +313,42 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_s
         raise ValueError(f"attention: page_size must be >= 1, got {page_size}.")
 
 
+MERGE_MODES = ("fused", "separate")
+MERGE_TILE_ELEMS = 4096  # partial elements the fused merge loads per step ([splits, heads, Dv])
+MIN_COUNTERS = 1 << 14  # first counter buffer: 64 KiB, enough for B * Hkv of any decode bucket
+
+_counters: dict[torch.device, torch.Tensor] = {}  # device -> int32 arrival counters, all zero
+_retired_counters: list[torch.Tensor] = []  # outgrown buffers: a captured CUDA graph may use them
+
+
+def merge_mode(merge: str | None = None) -> str:
+    """The split-merge path: ``merge`` if given, else ``KILN_ATTN_MERGE`` (read at call time),
+    else ``"fused"``."""
+    mode = merge if merge is not None else (os.environ.get("KILN_ATTN_MERGE") or "fused")
+    if mode not in MERGE_MODES:
+        raise ValueError(f"decode_attention: merge must be one of {MERGE_MODES}, got {mode!r}.")
+    return mode
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """The device's zeroed int32 counter buffer, at least ``n`` long: allocated once, grown (to a
+    power of two) when a bigger ``B * Hkv`` comes. Kernels leave it at zero, so calls add no
+    memset. Returns None when it would have to be allocated during a CUDA-graph capture (the
+    zeroing would only run at replay): the caller then takes the separate merge."""
+    buf = _counters.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            if torch.cuda.is_current_stream_capturing():
+                return None
+    new = torch.zeros(max(MIN_COUNTERS, next_pow2(n)), dtype=torch.int32, device=device)
+    if buf is not None:
+        _retired_counters.append(buf)  # never freed: graphs captured with it stay valid
+    _counters[device] = new
+    return new
+
+
 def decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -236,12 +362,15 @@ def decode_attention_triton(
     sliding_window: int = -1,
     logit_cap: float = 0.0,
     config: DecodeConfig | None = None,
+    merge: str | None = None,
 ) -> torch.Tensor:
     """Launch the Triton kernels (shapes as in the module docstring); ``config`` overrides the
-    block size and launch parameters (benchmarks sweep it)."""
+    block size and launch parameters (benchmarks sweep it); ``merge`` (``"fused"`` /
+    ``"separate"``) overrides ``KILN_ATTN_MERGE``."""
     _check(q, k_cache, v_cache, page_size)
     if num_splits < 0:
         raise ValueError(f"decode_attention: num_splits must be >= 0 (0 = auto), got {num_splits}.")
+    mode = merge_mode(merge)
     bsz, hq, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     if num_splits == 0:  # auto: from the batch and the block table's context capacity
@@ -252,28 +381,45 @@ def decode_attention_triton(
     if bsz == 0:
         return out
     direct = num_splits == 1
+    counters = None
     if direct:
         mid_o = mid_lse = out  # unused
     else:
         mid_o = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
+        if mode == "fused":
+            counters = arrival_counters(q.device, bsz * hkv)
+            if counters is None:
+                warnings.warn(
+                    "decode_attention: first fused-merge call at this size is inside a CUDA-graph "
+                    "capture; this capture uses the separate merge (run the call once before "
+                    "capturing).",
+                    stacklevel=2,
+                )
+    fused = counters is not None
     block_table = block_table.to(torch.int32)
+    block_dv = max(16, next_pow2(dv))
+    group_m = next_pow2(group)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, block_table, req_rows, seq_lens, out, mid_o, mid_lse,
+        counters if fused else seq_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), hq, num_splits,
         float(sm_scale), float(logit_cap), int(sliding_window),
-        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), D=d, BLOCK_D=max(16, next_pow2(d)),
-        DV=dv, BLOCK_DV=max(16, next_pow2(dv)), PAGE=page_size, BLOCK_N=cfg.block_n,
-        HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, DIRECT=direct,
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), GROUP_M=group_m, D=d,
+        BLOCK_D=max(16, next_pow2(d)), DV=dv, BLOCK_DV=block_dv, PAGE=page_size,
+        BLOCK_N=cfg.block_n,
+        MERGE_TILE=max(1, min(next_pow2(num_splits), MERGE_TILE_ELEMS // (group_m * block_dv))),
+        HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, DIRECT=direct, FUSED=fused,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if not direct:
-        block_dv = min(64, max(16, next_pow2(dv)))
+    if not direct and not fused:
+        block_dv = min(64, block_dv)
         _decode_merge_kernel[(bsz, hq, triton.cdiv(dv, block_dv))](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1), hq, num_splits,
-            DV=dv, BLOCK_DV=block_dv, TILE=min(64, next_pow2(num_splits)), num_warps=4,
+            mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1), hq, num_splits,
+            int(sliding_window), DV=dv, BLOCK_DV=block_dv, TILE=min(64, next_pow2(num_splits)),
+            BLOCK_N=cfg.block_n, HAS_WINDOW=sliding_window > 0, num_warps=4,
         )  # fmt: skip
     return out
 
