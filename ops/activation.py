@@ -22,7 +22,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import FP8_DTYPE, FP8_MIN_SCALE, interpreting, kiln_op, next_pow2, use_triton
+from kiln.ops.common import (
+    FP8_DTYPE,
+    FP8_MIN_SCALE,
+    interpreting,
+    kiln_op,
+    next_pow2,
+    pdl_enabled,
+    pdl_launch,
+    pdl_trigger,
+    pdl_wait,
+    use_triton,
+)
 from kiln.ops.quant import (
     quantize_fp8_per_token,
     quantize_fp8_static,
@@ -79,7 +90,10 @@ def _silu_mul_kernel(
     NUM_CHUNKS: tl.constexpr,  # dynamic only: chunks per row
     ROUND_IN_F32: tl.constexpr,
     MIN_SCALE: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (ops/common.py)
 ):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     y_row = Y + row * stride_y
@@ -148,13 +162,15 @@ def silu_and_mul_launch(
     if t == 0:
         return
     grid, block, chunks, warps = launch_config(t, two_i // 2, quant, max_block)
+    pdl = pdl_enabled(x)
     _silu_mul_kernel[grid](
         x, y,
         s if s is not None else y,
         scale if scale is not None else x,
         two_i // 2, x.stride(0), y.stride(0),
         QUANT=quant, BLOCK=block, NUM_CHUNKS=chunks,
-        ROUND_IN_F32=interpreting(), MIN_SCALE=FP8_MIN_SCALE, num_warps=warps,
+        ROUND_IN_F32=interpreting(), MIN_SCALE=FP8_MIN_SCALE, PDL=pdl, num_warps=warps,
+        **pdl_launch(pdl),
     )  # fmt: skip
 
 

@@ -45,7 +45,16 @@ import triton
 import triton.language as tl
 
 from kiln.ops.attention_ref import decode_attention_ref
-from kiln.ops.common import interpreting, kiln_op, next_pow2, use_triton
+from kiln.ops.common import (
+    interpreting,
+    kiln_op,
+    next_pow2,
+    pdl_enabled,
+    pdl_launch,
+    pdl_trigger,
+    pdl_wait,
+    use_triton,
+)
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
 MAX_SPLITS = 128
@@ -166,8 +175,10 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, MERGE_TILE: tl.constexpr, HAS_CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_trigger(PDL)  # programmatic dependent launch (ops/common.py): wait before any access
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -277,9 +288,11 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     mid_o_ptr, mid_lse_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, num_q_heads, num_splits,
     sliding_window, DV: tl.constexpr, BLOCK_DV: tl.constexpr, TILE: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # grid (B, Hq, cdiv(Dv, BLOCK_DV)): merges the active splits of one head for BLOCK_DV columns
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b)
@@ -400,6 +413,7 @@ def decode_attention_triton(
     block_table = block_table.to(torch.int32)
     block_dv = max(16, next_pow2(dv))
     group_m = next_pow2(group)
+    pdl = pdl_enabled(q)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, block_table, req_rows, seq_lens, out, mid_o, mid_lse,
         counters if fused else seq_lens,
@@ -411,15 +425,16 @@ def decode_attention_triton(
         BLOCK_N=cfg.block_n,
         MERGE_TILE=max(1, min(next_pow2(num_splits), MERGE_TILE_ELEMS // (group_m * block_dv))),
         HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, DIRECT=direct, FUSED=fused,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     if not direct and not fused:
         block_dv = min(64, block_dv)
         _decode_merge_kernel[(bsz, hq, triton.cdiv(dv, block_dv))](
             mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1), hq, num_splits,
             int(sliding_window), DV=dv, BLOCK_DV=block_dv, TILE=min(64, next_pow2(num_splits)),
-            BLOCK_N=cfg.block_n, HAS_WINDOW=sliding_window > 0, num_warps=4,
+            BLOCK_N=cfg.block_n, HAS_WINDOW=sliding_window > 0, PDL=pdl, num_warps=4,
+            **pdl_launch(pdl),
         )  # fmt: skip
     return out
 

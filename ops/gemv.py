@@ -73,7 +73,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import DIRECT, interpreting, kiln_op, next_pow2, use_triton
+from kiln.ops.common import (
+    DIRECT,
+    interpreting,
+    kiln_op,
+    next_pow2,
+    pdl_enabled,
+    pdl_launch,
+    pdl_trigger,
+    pdl_wait,
+    use_triton,
+)
 from kiln.ops.quant import tl_round
 
 DEFAULT_MAX_M = 8
@@ -225,10 +235,13 @@ def _gemv_fma_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # every split is a whole number of BLOCK_K steps inside K: no K masks
     ROUND_IN_F32: tl.constexpr,  # the interpreter: round bf16 by hand
+    PDL: tl.constexpr,  # programmatic dependent launch (ops/common.py)
 ):
     """CUDA cores. The W tile is loaded as ``[BLOCK_N, BLOCK_K / VEC, VEC]`` so each thread owns whole
     16-byte pieces; x is loaded through pointers of the same shape (broadcast over rows) so it lands
     in the same layout with no shuffle through shared memory (repeated loads hit L1)."""
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     KB: tl.constexpr = BLOCK_K // VEC
@@ -364,9 +377,12 @@ def _gemv_dot_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     ROUND_IN_F32: tl.constexpr,  # the interpreter: round bf16 by hand, float32 dots
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Tensor cores, swap-AB: ``acc [BLOCK_N, BLOCK_M] += W_tile [BLOCK_N, BLOCK_K] @ x_tile^T``. The
     W tiles go through the software pipeline (``num_stages``) like any Triton matmul operand."""
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     DT: tl.constexpr = Y.dtype.element_ty
@@ -431,7 +447,10 @@ def _splitk_reduce_kernel(
     GATE_UP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ROUND_IN_F32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n_mask = offs_n < N_OUT
@@ -466,9 +485,19 @@ class GemvConfig:
 
 
 # Measured winners (bench/test_bench_gemv.py::test_gemv_sweep prints entries in this form), keyed by
-# (next_pow2(M), N_out, K, gate_up, element bytes). Empty until the first GPU sweep; the heuristic
-# below serves every shape meanwhile.
-TUNED: dict[tuple[int, int, int, bool, int], GemvConfig] = {}
+# (next_pow2(M), N_out, K, gate_up, element bytes); the heuristic below serves every other shape.
+# M = 1, H200, chain mode (bench/results/2026-11-29_h200_gemv_sweep_chain.json: each launch over
+# distinct weights, back to back in one CUDA graph, as a decode step runs them), per launch against
+# cuBLAS in the same chain: Llama-3.1-8B qkv 15.5 vs 17.7 us, o 10.8 vs 14.1, gate_up + SiLU 60.9 vs
+# 65.3 (cuBLAS + silu_and_mul), down 31.8 vs 34.5; Qwen3-30B-A3B qkv 7.7 vs 8.5, o 6.8 vs 9.7.
+TUNED: dict[tuple[int, int, int, bool, int], GemvConfig] = {
+    (1, 6144, 4096, False, 2): GemvConfig(2, 1024, 4, 1, 1, False),
+    (1, 4096, 4096, False, 2): GemvConfig(2, 1024, 4, 1, 1, False),
+    (1, 14336, 4096, True, 2): GemvConfig(2, 2048, 4, 1, 1, False),
+    (1, 4096, 14336, False, 2): GemvConfig(4, 1024, 8, 1, 1, False),
+    (1, 5120, 2048, False, 2): GemvConfig(2, 512, 2, 1, 1, False),
+    (1, 2048, 4096, False, 2): GemvConfig(2, 2048, 4, 1, 1, False),
+}
 
 
 @functools.cache
@@ -606,10 +635,11 @@ def gemv(
         x, w, bias if bias is not None else w, out, part,
         m, n_out, k, k_split, x.stride(0), w.stride(0), out.stride(0), n_out if gate_up else 0,
     )  # fmt: skip
+    pdl = pdl_enabled(x)
     meta = dict(
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=splits, GATE_UP=gate_up,
-        HAS_BIAS=bias is not None, EVEN_K=k % k_split == 0, ROUND_IN_F32=interp,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_BIAS=bias is not None, EVEN_K=k % k_split == 0, ROUND_IN_F32=interp, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     if cfg.use_dot:
         _gemv_dot_kernel[grid](*args, **meta)
@@ -620,7 +650,7 @@ def gemv(
             part, bias if bias is not None else part, out, m, n_out, out.stride(0),
             n_out if gate_up else 0,
             SPLIT_K=splits, BLOCK=REDUCE_BLOCK, GATE_UP=gate_up, HAS_BIAS=bias is not None,
-            ROUND_IN_F32=interp, num_warps=2,
+            ROUND_IN_F32=interp, PDL=pdl, num_warps=2, **pdl_launch(pdl),
         )  # fmt: skip
     return out
 

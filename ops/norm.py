@@ -49,7 +49,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import FP8_DTYPE, FP8_MIN_SCALE, interpreting, kiln_op, next_pow2, use_triton
+from kiln.ops.common import (
+    FP8_DTYPE,
+    FP8_MIN_SCALE,
+    interpreting,
+    kiln_op,
+    next_pow2,
+    pdl_enabled,
+    pdl_launch,
+    pdl_trigger,
+    pdl_wait,
+    use_triton,
+)
 from kiln.ops.quant import (
     quantize_fp8_per_token,
     quantize_fp8_static,
@@ -349,7 +360,10 @@ def _rmsnorm_kernel(
     PREFETCH: tl.constexpr,  # persistent, NUM_CHUNKS == 1, STAGES == 1: next block's x/r in registers
     ROUND_IN_F32: tl.constexpr,
     MIN_SCALE: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (ops/common.py)
 ):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     act = X.dtype.element_ty
     cols0 = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
@@ -575,6 +589,7 @@ def rmsnorm_launch(
     cfg = launch_config(h, max_block, quant, **launch)
     r = residual if residual is not None else x
     mask_cols = h != cfg.block * cfg.chunks
+    pdl = pdl_enabled(x)
     _rmsnorm_kernel[(launch_grid(t, cfg, x.device),)](
         x, r, w, y,
         s if s is not None else y,
@@ -583,7 +598,8 @@ def rmsnorm_launch(
         HAS_RES=residual is not None, QUANT=quant, BLOCK=cfg.block, NUM_CHUNKS=cfg.chunks, ROWS=cfg.rows,
         MASK_COLS=mask_cols, MASKED=mask_cols or cfg.rows > 1,
         PERSISTENT=cfg.persistent, STAGES=cfg.stages, PREFETCH=cfg.prefetch,
-        ROUND_IN_F32=interpreting(), MIN_SCALE=FP8_MIN_SCALE, num_warps=cfg.num_warps,
+        ROUND_IN_F32=interpreting(), MIN_SCALE=FP8_MIN_SCALE, PDL=pdl, num_warps=cfg.num_warps,
+        **pdl_launch(pdl),
     )  # fmt: skip
 
 

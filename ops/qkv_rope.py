@@ -29,7 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import interpreting, kiln_op, next_pow2, use_triton
+from kiln.ops.common import (
+    interpreting,
+    kiln_op,
+    next_pow2,
+    pdl_enabled,
+    pdl_launch,
+    pdl_trigger,
+    pdl_wait,
+    use_triton,
+)
 from kiln.ops.rope import apply_rope_ref
 
 
@@ -161,10 +170,13 @@ def _qkv_rope_kvwrite_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (ops/common.py)
 ):
     # One program: token t, heads h of the concatenated q | k | v head list. Each head row of D
     # values is three tiles: the first and second members of the rotation pairs (a, b) and the
     # pass-through dims past ROT (p).
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     is_q = h < HQ
@@ -303,6 +315,7 @@ def qkv_rope_kvwrite_triton(
     bh = block_h or _pick_block_h(t, total, head_dim)
     grid = (t, triton.cdiv(total, bh))
     rne = interpreting() and not qkv.is_cuda
+    pdl = pdl_enabled(qkv)
     _qkv_rope_kvwrite_kernel[grid](
         qkv,
         positions,
@@ -335,7 +348,9 @@ def qkv_rope_kvwrite_triton(
         BLOCK_H=bh,
         BLOCK_HALF=next_pow2(rotary_dim // 2),
         BLOCK_PASS=next_pow2(max(1, head_dim - rotary_dim)),
+        PDL=pdl,
         num_warps=num_warps,
+        **pdl_launch(pdl),
     )
     return q
 
