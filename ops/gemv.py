@@ -94,10 +94,11 @@ REDUCE_BLOCK = 256
 
 
 ROLES = ("attn", "mlp")  # compiler/layers.py: qkv and o; gate_up and down
-# The plan a compile uses when KILN_GEMV is unset. Measured on the H200 (bench/results/README.md):
-# cuBLAS keeps the MLP (97% of read bandwidth at T = 1) and every role from T = 2; the attention
-# projections are where cuBLAS is weakest at T = 1.
-DEFAULT_PLAN = ""
+# The plan a compile uses when KILN_GEMV is unset: every role at T = 1, cuBLAS from T = 2. On the
+# H200 the tuned GEMV beats cuBLAS on each Llama-3.1-8B and Qwen3-30B-A3B projection at T = 1 when
+# launched back to back as in a decode step (``TUNED`` below; 8-19% per launch, 30-42% for the o
+# projections); from T = 2 the tensor-core path is untuned and lost at T = 8.
+DEFAULT_PLAN = "attn:1,mlp:1"
 
 
 def gemv_plan(spec: str | None = None) -> dict[str, int]:
