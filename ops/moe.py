@@ -23,7 +23,8 @@ graph, so each decode bucket captured and each prefill chunk gets the table's en
 A config with ``BLOCK_M`` 1 (decode-sized ``T``, see ops/moe_gemm.py) runs the decode GEMV instead:
 no alignment; with a w2 ``GROUP_M`` above 1 the w2 GEMV also writes the top-k sum itself (no
 combine kernel). Intermediates: ``[T * k, I]`` (``[T * k, 2I]`` for FP8) and ``[T * k, H]`` (but
-for the fused top-k sum) in the activation dtype.
+for the fused top-k sum) in the activation dtype. The kernels here and in ops/moe_align.py and
+ops/moe_gemm.py are launched with PDL (ops/common.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,18 @@ import triton
 import triton.language as tl
 
 from kiln.ops import activation
-from kiln.ops.common import FP8_DTYPE, FP8_MIN_SCALE, interpreting, kiln_op, next_pow2, use_triton
+from kiln.ops.common import (
+    FP8_DTYPE,
+    FP8_MIN_SCALE,
+    interpreting,
+    kiln_op,
+    next_pow2,
+    pdl_enabled,
+    pdl_launch,
+    pdl_trigger,
+    pdl_wait,
+    use_triton,
+)
 from kiln.ops.moe_align import moe_align_run
 from kiln.ops.moe_gemm import check_config, moe_gemm_launch, moe_gemv_launch, pick_configs
 from kiln.ops.quant import (
@@ -81,7 +93,11 @@ def fused_moe_ref(
 
 
 @triton.jit
-def _quant_rows_kernel(X, Q, S, H, stride_x, BLOCK: tl.constexpr, MIN_SCALE: tl.constexpr, RF: tl.constexpr):
+def _quant_rows_kernel(
+    X, Q, S, H, stride_x, BLOCK: tl.constexpr, MIN_SCALE: tl.constexpr, RF: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -109,7 +125,10 @@ def _combine_kernel(
     HAS_MAP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     RF: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # Y2: [T * K, H] weighted expert outputs; OUT: [T, H]
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs < H
@@ -132,9 +151,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = x.new_empty((t, 1), dtype=torch.float32)
     if t:
         block = min(next_pow2(h), 4096)
+        pdl = pdl_enabled(x)
         _quant_rows_kernel[(t,)](
-            x, q, s, h, x.stride(0), BLOCK=block, MIN_SCALE=FP8_MIN_SCALE, RF=interpreting(),
-            num_warps=max(1, min(8, block // 512)),
+            x, q, s, h, x.stride(0), BLOCK=block, MIN_SCALE=FP8_MIN_SCALE, RF=interpreting(), PDL=pdl,
+            num_warps=max(1, min(8, block // 512)), **pdl_launch(pdl),
         )  # fmt: skip
     return q, s
 
@@ -148,10 +168,11 @@ def moe_combine(
     out = y2.new_empty((t, h)) if out is None else out
     if t:
         block = min(next_pow2(h), 1024)
+        pdl = pdl_enabled(y2)
         _combine_kernel[(t, triton.cdiv(h, block))](
             y2, topk_ids, expert_map if expert_map is not None else topk_ids, out,
             h, k, y2.stride(0), out.stride(0), HAS_MAP=expert_map is not None, BLOCK_H=block, RF=interpreting(),
-            num_warps=max(1, min(4, block // 256)),
+            PDL=pdl, num_warps=max(1, min(4, block // 256)), **pdl_launch(pdl),
         )  # fmt: skip
     return out
 

@@ -24,7 +24,8 @@ Kernels (no host sync): (1) per chunk of pairs, a per-expert count (one-hot [CHU
 padded expert starts, ``num_padded``, ``block_expert`` and the sentinel fill; (3) per chunk, each
 pair's rank inside its expert (a cumulative sum of the one-hot) placed at ``start[e] + chunk offset
 + rank``. When every pair fits one chunk (decode: ``T * k <= 128``) a single program does all three
-(one launch instead of three).
+(one launch instead of three). Every kernel is launched with PDL (ops/common.py) and waits at its
+top: all it reads comes from the previous kernels.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import kiln_op, next_pow2, use_triton
+from kiln.ops.common import kiln_op, next_pow2, pdl_enabled, pdl_launch, pdl_trigger, pdl_wait, use_triton
 
 CHUNK = 128  # pairs per program in the count and scatter kernels
 FILL = 1024  # entries per step of the sentinel fill
@@ -137,9 +138,11 @@ def _rank(onehot):
 def _align_one_program_kernel(
     IDS, MAP, SORTED, BLOCK_EXPERT, NUM_PADDED, num_pairs, E, M,
     HAS_MAP: tl.constexpr, CHUNK_: tl.constexpr, E_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, FILL_: tl.constexpr, BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, FILL_: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Everything in one program when all pairs fit one chunk (decode-sized batches: one launch)."""
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     pair, e, ok = _local_ids(IDS, MAP, 0, num_pairs, E, HAS_MAP, CHUNK_)
     onehot = _onehot(e, ok, E_PAD)
     starts = _layout(
@@ -162,8 +165,11 @@ def _align_one_program_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _count_kernel(
-    IDS, MAP, COUNTS, num_pairs, E, HAS_MAP: tl.constexpr, CHUNK_: tl.constexpr, E_PAD: tl.constexpr
-):
+    IDS, MAP, COUNTS, num_pairs, E,
+    HAS_MAP: tl.constexpr, CHUNK_: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     chunk = tl.program_id(0)
     _, e, ok = _local_ids(IDS, MAP, chunk, num_pairs, E, HAS_MAP, CHUNK_)
     experts = tl.arange(0, E_PAD)
@@ -177,8 +183,10 @@ def _offsets_kernel(
     SORTED, BLOCK_EXPERT, NUM_PADDED,
     num_chunks, num_pairs, E, M,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, FILL_: tl.constexpr, BLOCKS: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     experts = tl.arange(0, E_PAD)
     emask = experts < E
     run = tl.zeros([E_PAD], dtype=tl.int32)
@@ -196,8 +204,10 @@ def _offsets_kernel(
 @triton.jit(do_not_specialize=["num_pairs"])
 def _scatter_kernel(
     IDS, MAP, COUNTS, STARTS, SORTED, num_pairs, E,
-    HAS_MAP: tl.constexpr, CHUNK_: tl.constexpr, E_PAD: tl.constexpr,
+    HAS_MAP: tl.constexpr, CHUNK_: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     chunk = tl.program_id(0)
     pair, e, ok = _local_ids(IDS, MAP, chunk, num_pairs, E, HAS_MAP, CHUNK_)
     es = tl.where(ok, e, 0)
@@ -225,22 +235,28 @@ def moe_align_launch(
     m = sorted_ids.numel()
     warps = 8 if e_pad >= 128 else 4  # the [CHUNK, E_PAD] one-hot lives in registers
     layout = dict(BLOCK_M=block_m, E_PAD=e_pad, FILL_=FILL, BLOCKS=max(16, min(256, 8192 // e_pad)))
+    pdl = pdl_enabled(topk_ids)
     if chunks <= 1:
         _align_one_program_kernel[(1,)](
             ids, emap, sorted_ids, block_expert, num_padded, p, num_experts, m,
-            HAS_MAP=has_map, CHUNK_=CHUNK, **layout, num_warps=warps,
+            HAS_MAP=has_map, CHUNK_=CHUNK, **layout, PDL=pdl, num_warps=warps, **pdl_launch(pdl),
         )  # fmt: skip
         return
     counts = topk_ids.new_empty((chunks, num_experts), dtype=torch.int32)
     starts = topk_ids.new_empty((num_experts,), dtype=torch.int32)
-    _count_kernel[(chunks,)](ids, emap, counts, p, num_experts, HAS_MAP=has_map, CHUNK_=CHUNK, E_PAD=e_pad)
+    _count_kernel[(chunks,)](
+        ids, emap, counts, p, num_experts,
+        HAS_MAP=has_map, CHUNK_=CHUNK, E_PAD=e_pad, PDL=pdl, **pdl_launch(pdl),
+    )  # fmt: skip
     _offsets_kernel[(1,)](
         counts, starts, sorted_ids, block_expert, num_padded, chunks, p, num_experts, m, **layout,
         ROWS=min(SCAN_ROWS, max(1, 4096 // e_pad)),  # not from `chunks`: no specialization per T
+        PDL=pdl, **pdl_launch(pdl),
     )  # fmt: skip
     _scatter_kernel[(chunks,)](
-        ids, emap, counts, starts, sorted_ids, p, num_experts, HAS_MAP=has_map, CHUNK_=CHUNK, E_PAD=e_pad
-    )
+        ids, emap, counts, starts, sorted_ids, p, num_experts,
+        HAS_MAP=has_map, CHUNK_=CHUNK, E_PAD=e_pad, PDL=pdl, **pdl_launch(pdl),
+    )  # fmt: skip
 
 
 # ---- custom op ------------------------------------------------------------------------------------

@@ -38,6 +38,10 @@ receives (``tokens * top_k / E``), the ``BLOCK_M`` of both GEMMs and one tile pe
 writes the resolved table for one model as the JSON a compiler can record (and ``fused_moe``'s
 ``tuning`` argument reads back, ``parse_tuning``): ``{"<max tokens>": {"w13": cfg, "w2": cfg}}``,
 ``cfg`` the keys ``CONFIG_KEYS``.
+
+Both kernels are launched with PDL (ops/common.py) and wait at their top: which expert's weights a
+program reads comes from the routing (``topk_ids``, or the alignment), so no weight tile can be
+streamed before the wait.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import FP8_DTYPE, interpreting, next_pow2
+from kiln.ops.common import FP8_DTYPE, interpreting, next_pow2, pdl_enabled, pdl_launch, pdl_trigger, pdl_wait
 from kiln.ops.quant import tl_round
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
@@ -244,8 +248,11 @@ def _moe_gemm_kernel(
     A_DIV: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, ROUND_IN_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # N: output columns (I when FUSE_SILU: the up rows of W start at row N)
+    pdl_trigger(PDL)
+    pdl_wait(PDL)  # the expert of a row block comes from the alignment: no weight is known before
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -298,8 +305,10 @@ def _moe_gemv_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_cm,
     A_DIV: tl.constexpr, GROUP: tl.constexpr, P_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
     FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, ROUND_IN_F32: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_trigger(PDL)
+    pdl_wait(PDL)  # the expert comes from topk_ids (the router's output): no weight is known before
     # Program (g, n): pairs g * GROUP .. + GROUP (GROUP 1: one pair; GROUP k: a token's k pairs,
     # summed into C[g]) x BLOCK_N output columns (N: I when FUSE_SILU, the up rows start at row N).
     # Its tile rows r = j * BLOCK_N + c: pair slot j, column c (2-D tiles only).
@@ -398,6 +407,7 @@ def moe_gemm_launch(
     num_m = sorted_ids.numel() // bm
     fp8 = w.dtype == FP8_DTYPE
     grid = (num_m * triton.cdiv(n_out, bn),)
+    pdl = pdl_enabled(a)
     _moe_gemm_kernel[grid](
         a, a_scale if fp8 else a, w, w_scale if fp8 else w, c,
         topk_weights if topk_weights is not None else c,
@@ -407,8 +417,8 @@ def moe_gemm_launch(
         A_DIV=a_div, FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None, FP8=fp8,
         UPCAST=interpreting(), PREC="ieee" if a.dtype == torch.float32 else "tf32",
         ROUND_IN_F32=interpreting(),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
     )  # fmt: skip
 
 
@@ -445,6 +455,7 @@ def moe_gemv_launch(
     fp8 = w.dtype == FP8_DTYPE
     group = k if combine else 1
     grid = (t if combine else t * k, triton.cdiv(n_out, bn))
+    pdl = pdl_enabled(a)
     _moe_gemv_kernel[grid](
         a, a_scale if fp8 else a, w, w_scale if fp8 else w, c,
         topk_weights if topk_weights is not None else c,
@@ -453,8 +464,8 @@ def moe_gemv_launch(
         a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0) if fp8 else 0, c.stride(0),
         A_DIV=a_div, GROUP=group, P_PAD=next_pow2(group), HAS_MAP=expert_map is not None,
         FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None, FP8=fp8, ROUND_IN_F32=interpreting(),
-        BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["num_stages"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["num_stages"], PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
     )  # fmt: skip
 
 

@@ -21,6 +21,8 @@ go to the lower expert index and NaN scores count as -inf.
 
 Kernel: one program per token, the ``E`` scores in registers; top-k by ``k`` rounds of
 (max, lowest index achieving it, exclude), group selection likewise over the group scores.
+Launched with PDL (ops/common.py): the correction bias (a weight) loads before the wait, the logits
+after it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import kiln_op, next_pow2, use_triton
+from kiln.ops.common import kiln_op, next_pow2, pdl_enabled, pdl_launch, pdl_trigger, pdl_wait, use_triton
 
 SCORINGS = ("softmax", "sigmoid")
 ROUND_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,18 +110,23 @@ def _moe_topk_kernel(
     G: tl.constexpr,  # expert groups (sigmoid mode)
     G_PAD: tl.constexpr,
     TOPK_G: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (ops/common.py)
     ROUND: tl.constexpr = 0,  # 0: none, 1: to bf16, 2: to fp16 (values stay float32)
 ):
+    pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     valid = offs < E
+    if HAS_BIAS:  # a weight (no kernel of the step writes it): loaded before the wait
+        bias = tl.load(BIAS + offs, mask=valid, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     x = tl.load(L + row * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
     x = tl.where(x == x, x, float("-inf"))  # NaN -> -inf: never preferred, ids stay distinct
     if SIGMOID:
         p = 1.0 / (1.0 + tl.exp(-x))  # weights: [E_PAD]
         choice = p
         if HAS_BIAS:
-            choice = p + tl.load(BIAS + offs, mask=valid, other=0.0).to(tl.float32)
+            choice = p + bias
         avail = valid
         if G > 1:
             gs = E // G
@@ -192,13 +199,14 @@ def moe_topk_launch(
     if t == 0:
         return
     e_pad = next_pow2(e)
+    pdl = pdl_enabled(logits)
     _moe_topk_kernel[(t,)](
         logits, bias if bias is not None else logits, w_out, ids_out,
         e, logits.stride(0), float(scale),
         K=top_k, K_PAD=next_pow2(top_k), E_PAD=e_pad, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=bias is not None, RENORM=renormalize,
-        G=num_groups, G_PAD=next_pow2(num_groups), TOPK_G=topk_groups, ROUND=_ROUND_CODE[round_to],
-        num_warps=1 if e_pad <= 256 else 4,
+        G=num_groups, G_PAD=next_pow2(num_groups), TOPK_G=topk_groups, PDL=pdl, ROUND=_ROUND_CODE[round_to],
+        num_warps=1 if e_pad <= 256 else 4, **pdl_launch(pdl),
     )  # fmt: skip
 
 

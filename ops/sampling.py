@@ -16,7 +16,8 @@ plain-torch reference on CPU (the kernels under the interpreter when ``KILN_TRIT
 ``argmax_rows(x[B, V]) -> [B] i64`` is the same two kernels without the noise: greedy decoding.
 (``torch.argmax`` over a 128k vocabulary runs one block per row: 27 us at batch 1 on the H200,
 against two short launches here.) Both return the lowest index among equal maxima, as
-``torch.argmax`` does. No host sync, fixed grid per shape: fits in a CUDA graph.
+``torch.argmax`` does. No host sync, fixed grid per shape: fits in a CUDA graph. Both kernels are
+launched with PDL (ops/common.py) and wait at their top (logits and keys come from earlier work).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import next_pow2, use_triton
+from kiln.ops.common import next_pow2, pdl_enabled, pdl_launch, pdl_trigger, pdl_wait, use_triton
 
 M32 = 0xFFFFFFFF
 M64 = 0xFFFFFFFFFFFFFFFF
@@ -105,9 +106,11 @@ def _tl_lowbias32(x):
 @triton.jit
 def _gumbel_argmax_kernel(
     x_ptr, stride_x, keys_ptr, best_val_ptr, best_idx_ptr, V, num_chunks,
-    CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr, NOISE: tl.constexpr,
+    CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr, NOISE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # grid (B, num_chunks): the best (value, lowest index) of one chunk of one row
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     if NOISE:
@@ -136,9 +139,13 @@ def _gumbel_argmax_kernel(
 
 
 @triton.jit
-def _argmax_finish_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_chunks, BLOCK: tl.constexpr):
+def _argmax_finish_kernel(
+    best_val_ptr, best_idx_ptr, out_ptr, num_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     # grid (B,): the chunk winners of one row -> its index (int64); chunks hold ascending indices,
     # so the lowest index among equal maxima is the lowest chunk's
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     m = c < num_chunks
@@ -161,11 +168,14 @@ def _argmax_launch(x: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
     out = torch.empty(B, dtype=torch.int64, device=x.device)
     if B == 0:
         return out
+    pdl = pdl_enabled(x)
     _gumbel_argmax_kernel[(B, num_chunks)](
         x, x.stride(0), keys.contiguous() if keys is not None else x, best_val, best_idx, V, num_chunks,
-        CHUNK_SIZE=chunk, BLOCK=block, NOISE=keys is not None,
+        CHUNK_SIZE=chunk, BLOCK=block, NOISE=keys is not None, PDL=pdl, **pdl_launch(pdl),
     )  # fmt: skip
-    _argmax_finish_kernel[(B,)](best_val, best_idx, out, num_chunks, BLOCK=max(16, next_pow2(num_chunks)))
+    _argmax_finish_kernel[(B,)](
+        best_val, best_idx, out, num_chunks, BLOCK=max(16, next_pow2(num_chunks)), PDL=pdl, **pdl_launch(pdl)
+    )
     return out
 
 
