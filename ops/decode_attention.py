@@ -20,14 +20,18 @@ when ``num_splits == 1``) is written straight to ``out`` by its split 0, zeros f
 ``seq_lens[b] == 0``. Otherwise each active split writes a partial output ``[B, Hq, num_splits, Dv]``
 and its log-sum-exp (base 2, ``[B, Hq, num_splits]``, float32), merged by one of two paths:
 
-* ``fused`` (default): one launch. Each ``(b, kv_head)`` owns an int32 arrival counter; a split
+* ``separate`` (default): a second kernel, grid ``(B, Hq, cdiv(Dv, 64))``, merges each head's
+  active partials (it recomputes the active count from ``seq_lens`` with the same ``_split_plan``).
+* ``fused``: one launch. Each ``(b, kv_head)`` owns an int32 arrival counter; a split
   bumps it after writing its partial, and the last to arrive merges the active partials of its
   group and writes the output rows, then resets the counter to 0. The counters are one zeroed
   buffer per device, allocated on first use and reused (always left at zero), so a call adds no
   allocation or memset and is CUDA-graph capturable. Calls that share a device must not run
   concurrently (two streams, or two graphs replayed side by side), as they share the counters.
-* ``separate``: a second kernel, grid ``(B, Hq, cdiv(Dv, 64))``, merges each head's active
-  partials (it recomputes the active count from ``seq_lens`` with the same ``_split_plan``).
+  Measured slower than ``separate`` on the H200 at every batch and context of the benchmark
+  (bench/results/2026-11-29_h200_decode_attention_merge.json: 12.5 vs 11.4 us at batch 1 and 512
+  tokens, 71.9 vs 25.5 us at 8k tokens, where one program merges 128 splits serially) and -4.5%
+  tokens/s in batch-1 Llama-3.1-8B decode, so it is opt-in.
 
 ``KILN_ATTN_MERGE=fused|separate`` picks the path at call time; ``decode_attention_triton(...,
 merge=...)`` overrides it (benchmarks compare both). Accumulation is float32 throughout.
@@ -336,8 +340,8 @@ _retired_counters: list[torch.Tensor] = []  # outgrown buffers: a captured CUDA 
 
 def merge_mode(merge: str | None = None) -> str:
     """The split-merge path: ``merge`` if given, else ``KILN_ATTN_MERGE`` (read at call time),
-    else ``"fused"``."""
-    mode = merge if merge is not None else (os.environ.get("KILN_ATTN_MERGE") or "fused")
+    else ``"separate"``."""
+    mode = merge if merge is not None else (os.environ.get("KILN_ATTN_MERGE") or "separate")
     if mode not in MERGE_MODES:
         raise ValueError(f"decode_attention: merge must be one of {MERGE_MODES}, got {mode!r}.")
     return mode

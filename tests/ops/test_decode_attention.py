@@ -198,6 +198,7 @@ def test_decode_twice_gives_identical_results(triton_on_cpu, seed, monkeypatch):
 
 def test_decode_counters_grow(triton_on_cpu, seed, monkeypatch):
     # a bigger B * Hkv gets a bigger buffer; the outgrown one is kept (a CUDA graph may use it)
+    monkeypatch.setenv("KILN_ATTN_MERGE", "fused")
     monkeypatch.setattr(dec, "MIN_COUNTERS", 2)
     monkeypatch.setattr(dec, "_counters", {})
     monkeypatch.setattr(dec, "_retired_counters", [])
@@ -213,10 +214,10 @@ def test_decode_counters_grow(triton_on_cpu, seed, monkeypatch):
 
 def test_merge_mode_switch(monkeypatch):
     monkeypatch.delenv("KILN_ATTN_MERGE", raising=False)
-    assert dec.merge_mode() == "fused"
-    monkeypatch.setenv("KILN_ATTN_MERGE", "separate")
     assert dec.merge_mode() == "separate"
-    assert dec.merge_mode("fused") == "fused"  # the keyword wins over the environment
+    monkeypatch.setenv("KILN_ATTN_MERGE", "fused")
+    assert dec.merge_mode() == "fused"
+    assert dec.merge_mode("separate") == "separate"  # the keyword wins over the environment
     monkeypatch.setenv("KILN_ATTN_MERGE", "both")
     with pytest.raises(ValueError, match="merge must be one of"):
         dec.merge_mode()
