@@ -22,7 +22,7 @@ row-major, ``bias [N]`` or None:
   ``silu_and_mul``.
 
 Switches: the GEMV plan (``gemv_plan``) says, per linear role (``attn``: qkv and o; ``mlp``:
-gate_up and down), up to which T a decode call takes the GEMV. When compiling, ``KILN_GEMV``
+gate_up and down; ``router``: the MoE router, compiler/moe_layer.py), up to which T a decode call takes the GEMV. When compiling, ``KILN_GEMV``
 (``0``, ``1``/``all``, or ``attn:1,mlp:2``-style lists; unset: ``DEFAULT_PLAN``) sets it; the
 roles left out trace plain ``aten.linear`` (cuBLAS), the others ``kiln::linear`` with their
 ``max_m``, and the manifest records the plan (``kernel_choices.gemv``). At run time (read at call
@@ -93,12 +93,13 @@ FMA_MAX_M = 4  # the CUDA-core kernel keeps one accumulator per x row, up to 4
 REDUCE_BLOCK = 256
 
 
-ROLES = ("attn", "mlp")  # compiler/layers.py: qkv and o; gate_up and down
+ROLES = ("attn", "mlp", "router")  # qkv and o; gate_up and down (compiler/layers.py); MoE router
 # The plan a compile uses when KILN_GEMV is unset: every role at T = 1, cuBLAS from T = 2. On the
 # H200 the tuned GEMV beats cuBLAS on each Llama-3.1-8B and Qwen3-30B-A3B projection at T = 1 when
 # launched back to back as in a decode step (``TUNED`` below; 8-19% per launch, 30-42% for the o
-# projections); from T = 2 the tensor-core path is untuned and lost at T = 8.
-DEFAULT_PLAN = "attn:1,mlp:1"
+# projections); from T = 2 the tensor-core path is untuned and lost at T = 8. The MoE router
+# ([E, H], 128 x 2048 for Qwen3-30B-A3B) took 4.9 us per cuBLAS launch in the batch-1 profile.
+DEFAULT_PLAN = "attn:1,mlp:1,router:1"
 
 
 def gemv_plan(spec: str | None = None) -> dict[str, int]:

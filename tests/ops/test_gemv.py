@@ -191,8 +191,8 @@ def test_linear_dispatch(kernel_on_cpu, count_gemv, monkeypatch):
     [
         ("", {}),
         ("0", {}),
-        ("1", {"attn": 8, "mlp": 8}),
-        ("all", {"attn": 8, "mlp": 8}),
+        ("1", {"attn": 8, "mlp": 8, "router": 8}),
+        ("all", {"attn": 8, "mlp": 8, "router": 8}),
         ("attn", {"attn": 8}),
         ("attn:1", {"attn": 1}),
         ("attn:1, mlp:4", {"attn": 1, "mlp": 4}),
