@@ -219,6 +219,7 @@ class Engine:
         top_lp = h["top_logprobs"].tolist() if "top_logprobs" in h else None
         now = time.perf_counter()
         outputs = []
+        append = outputs.append
         generated = 0
         finished = Status.FINISHED
         check_stop = self._check_stop
@@ -242,28 +243,49 @@ class Engine:
                 req.logprobs.append(entry)
                 new_lp.append(entry)
             new_text = check_stop(req, p, tok, k + 1)
-            done = req.finish_reason is not None
-            if done:
-                del req.output_ids[k + 1 :]  # a token sampled by a step launched after this one
-                req.finish_time = now
-                self.scheduler.finish(req)
-                self.requests.pop(req.rid, None)
-                self._sampler_rows.pop(req.rid, None)
-            outputs.append(
+            reason = req.finish_reason
+            # RequestOutput's fields in order (positional: a third of the keyword call's cost):
+            # rid, new_text, new_token_ids, token_ids, text, finished, finish_reason,
+            # num_output_tokens, num_prompt_tokens, num_cached_tokens, new_logprobs, ttft, latency.
+            if reason is None:
+                append(
+                    RequestOutput(
+                        req.rid,
+                        new_text,
+                        [tok],
+                        [],
+                        req.text,
+                        False,
+                        None,
+                        k + 1,
+                        len(req.prompt_ids),
+                        req.prefix_hit,
+                        new_lp,
+                        first - req.arrival,
+                        None,
+                    )
+                )
+                continue
+            del req.output_ids[k + 1 :]  # a token sampled by a step launched after this one
+            req.finish_time = now
+            self.scheduler.finish(req)
+            self.requests.pop(req.rid, None)
+            self._sampler_rows.pop(req.rid, None)
+            append(
                 RequestOutput(
-                    rid=req.rid,
-                    new_text=new_text,
-                    new_token_ids=[tok],
-                    token_ids=req.output_ids if done else [],
-                    text=req.text,
-                    finished=done,
-                    finish_reason=req.finish_reason,
-                    num_output_tokens=k + 1,
-                    num_prompt_tokens=len(req.prompt_ids),
-                    num_cached_tokens=req.prefix_hit,
-                    new_logprobs=new_lp,
-                    ttft=first - req.arrival,
-                    latency=(now - req.arrival) if done else None,
+                    req.rid,
+                    new_text,
+                    [tok],
+                    req.output_ids,
+                    req.text,
+                    True,
+                    reason,
+                    k + 1,
+                    len(req.prompt_ids),
+                    req.prefix_hit,
+                    new_lp,
+                    first - req.arrival,
+                    now - req.arrival,
                 )
             )
         self.stats["generated_tokens"] += generated

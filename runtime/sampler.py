@@ -324,11 +324,13 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         """logits: [>= B, >= V] (float32, or cast to it); rows past B and columns past V are ignored."""
         B, V = batch.size, self.vocab_size
-        raw = logits[:B, :V].float()  # raw: [B, V]
-        out = SampleOutput(next_ids=raw.new_empty(0, dtype=torch.int64))
+        raw = logits if logits.shape == (B, V) else logits[:B, :V]  # raw: [B, V]
+        if raw.dtype != torch.float32:
+            raw = raw.float()
+        top = None
         if batch.num_logprobs is not None:
             lp = torch.log_softmax(raw, dim=-1)  # [B, V]
-            out.top_logprobs, out.top_ids = lp.topk(min(batch.num_logprobs, V), dim=-1)  # [B, N]
+            top = lp.topk(min(batch.num_logprobs, V), dim=-1)  # [B, N]
         x = raw
         if batch.use_penalties:
             x = self.penalize(x, batch)
@@ -339,8 +341,9 @@ class Sampler:
         else:
             sampled = gumbel_argmax(self.filter_logits(x, batch), batch.keys)
             next_ids = torch.where(batch.greedy, _greedy(x), sampled) if batch.any_greedy else sampled
-        out.next_ids = next_ids
-        if batch.num_logprobs is not None:
+        out = SampleOutput(next_ids=next_ids)
+        if top is not None:
+            out.top_logprobs, out.top_ids = top
             out.logprobs = lp.gather(1, next_ids[:, None]).squeeze(1)
         return out
 

@@ -14,6 +14,7 @@ being finished was already included in the next launched step: that extra token 
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ class Launched:
     host: dict[str, torch.Tensor] = field(default_factory=dict)  # host copies (pinned on CUDA)
     event: Any = None  # CUDA event after the host copies, None on CPU
     host_s: float = 0.0  # host seconds spent launching
+    greedy: tuple[bool, SamplingBatch] | None = None  # (need_rows, batch) when plain greedy
 
     def position(self) -> dict[str, int]:
         return {r.rid: j for j, r in enumerate(self.reqs)}
@@ -76,7 +78,7 @@ class Stepper:
         if (  # the steady state: the same requests in the same order, all waiting for their ids
             prev is not None
             and len(reqs) == len(prev.reqs)
-            and all(a is b for a, b in zip(reqs, prev.reqs))
+            and all(map(operator.is_, reqs, prev.reqs))
             and all(r.output_ids[-1] == PLACEHOLDER for r in reqs)
         ):
             subst = (None, prev.ids)  # one device copy, no index lists
@@ -106,10 +108,17 @@ class Stepper:
             reqs = [batch.reqs[i] for i in done]
             rows = [r.row for r in reqs]
             logits = logits[e.stager.to_device(done, torch.int64)]
-        params = [r.params for r in reqs]
-        if SamplingBatch.plain_greedy(params):  # argmax only: nothing per request to build
-            sb = SamplingBatch.greedy_batch(rows, e.device, e.stager, need_rows=e.sampler.counts is not None)
+        need_rows = e.sampler.counts is not None
+        greedy = prev.greedy if subst is not None and subst[0] is None else None
+        if greedy is not None and greedy[0] == need_rows and greedy[1].row_list == rows:
+            # The steady state: the previous step's requests (so params) and rows, all plain
+            # greedy: its argmax-only batch again (nothing in it depends on the step).
+            sb = greedy[1]
+        elif SamplingBatch.plain_greedy(params := [r.params for r in reqs]):  # argmax only
+            sb = SamplingBatch.greedy_batch(rows, e.device, e.stager, need_rows=need_rows)
+            greedy = (need_rows, sb)
         else:
+            greedy = None
             sb = SamplingBatch.build(
                 params,
                 rows,
@@ -126,6 +135,7 @@ class Stepper:
             index.append(len(ids))
             ids.append(PLACEHOLDER)
         launched = Launched(batch, reqs, index, out.next_ids)
+        launched.greedy = greedy  # a plain greedy batch: the next step may reuse it
         launched.host["ids"] = e.stager.to_host(out.next_ids)
         if out.logprobs is not None:
             for k in ("logprobs", "top_ids", "top_logprobs"):
@@ -148,8 +158,8 @@ class Stepper:
             prev, self.inflight = self.inflight, None
             nxt = None
             t0 = time.perf_counter()
-            if self.can_overlap():
-                batch = e.scheduler.schedule_decode()
+            if self.overlap:  # can_overlap() and schedule_decode() in one pass
+                batch = e.scheduler.schedule_decode_all()
                 nxt = self.launch(batch, prev, time.perf_counter() - t0) if batch is not None else None
                 self.overlapped += nxt is not None
             outs = e._finish(prev, launch_host_s=nxt.host_s if nxt else 0.0)

@@ -123,7 +123,7 @@ class RequestText:
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Text safe to emit after ``token_id``, and whether a stop string completed."""
-        piece = self.detok.add(token_id)
+        piece = self.detok._add(int(token_id))  # IncrementalDetokenizer.add, one call less
         if not self.stops.stops:  # nothing to match: the piece is final as it is
             return piece, False
         return self.stops.feed(piece)
