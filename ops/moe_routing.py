@@ -117,9 +117,9 @@ def _moe_topk_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     valid = offs < E
-    if HAS_BIAS:  # a weight (no kernel of the step writes it): loaded before the wait
+    pdl_wait(PDL)  # before the bias too: the graph casts it to float32 each step (moe_layer.py)
+    if HAS_BIAS:
         bias = tl.load(BIAS + offs, mask=valid, other=0.0).to(tl.float32)
-    pdl_wait(PDL)
     x = tl.load(L + row * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
     x = tl.where(x == x, x, float("-inf"))  # NaN -> -inf: never preferred, ids stay distinct
     if SIGMOID:

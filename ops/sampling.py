@@ -129,13 +129,24 @@ def _gumbel_argmax_kernel(
             u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             s = s - tl.log(-tl.log(u))
         s = tl.where(mask, s, float("-inf"))
-        take = s > best
+        take = (s > best) | ((s != s) & (best == best))  # NaN is the maximum, as in torch.argmax
         best = tl.where(take, s, best)
         best_i = tl.where(take, offs, best_i)
-    top = tl.max(best, axis=0)
-    top_i = tl.min(tl.where(best == top, best_i, 2147483647), axis=0)  # lowest index on ties
+    top, top_i = _best(best, best_i, best_i == best_i)
     tl.store(best_val_ptr + row * num_chunks + chunk, top)
     tl.store(best_idx_ptr + row * num_chunks + chunk, top_i)
+
+
+@triton.jit
+def _best(v, i, valid):
+    """(max, lowest index of it) over the ``valid`` lanes, NaN counting as the maximum (as in
+    ``torch.argmax``); NaN never enters ``tl.max``."""
+    nan = (v != v) & valid
+    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+    top = tl.max(tl.where(nan | ~valid, float("-inf"), v), axis=0)
+    pick = tl.where(any_nan, nan, (v == top) & valid)
+    idx = tl.min(tl.where(pick, i, 2147483647), axis=0)
+    return tl.where(any_nan, float("nan"), top), idx
 
 
 @triton.jit
@@ -151,9 +162,9 @@ def _argmax_finish_kernel(
     m = c < num_chunks
     v = tl.load(best_val_ptr + row * num_chunks + c, mask=m, other=float("-inf"))
     i = tl.load(best_idx_ptr + row * num_chunks + c, mask=m, other=2147483647)
-    top = tl.max(v, axis=0)
-    # an all -inf row: every chunk reports -inf at its first index; index 0 then wins, as in torch
-    pick = tl.min(tl.where((v == top) & m, i, 2147483647), axis=0)
+    # an all -inf row: every chunk reports -inf at index 0 (its best index never moved); index 0
+    # then wins, as in torch
+    _top, pick = _best(v, i, m)
     tl.store(out_ptr + row, pick.to(tl.int64))
 
 

@@ -244,12 +244,15 @@ def test_gumbel_kernel_matches_reference(monkeypatch):
 
 
 def _argmax_cases(g: torch.Generator) -> torch.Tensor:
-    x = torch.randn(6, 4500, generator=g)  # 3 chunks, the last partial
+    x = torch.randn(8, 4500, generator=g)  # 3 chunks, the last partial
     x[1] = float("-inf")  # all -inf: index 0, as torch
     x[2, ::2] = float("-inf")
     x[3, 100] = x[3, 4400] = x[3, 2100] = 50.0  # ties across chunks: the lowest index
     x[4, 2047] = x[4, 2048] = 60.0  # ties on a chunk boundary
     x[5, 7] = x[5, 9] = 70.0  # ties inside one chunk
+    x[6, 3000] = x[6, 100] = float("nan")  # NaN is the maximum, the first one wins (as torch)
+    x[7] = float("nan")
+    x[7, 2500] = 5.0
     return x
 
 
