@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import triton
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: kiln::linear takes max_m; kernels carry PDL (older artifacts: rebuild)
 
 
 def sha256_file(path: Path, chunk: int = 16 << 20) -> str:

@@ -17,7 +17,7 @@ import torch
 
 from kiln.errors import KilnError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: kiln::linear takes max_m; kernels carry PDL (older artifacts: rebuild)
 REBUILD = "rebuild it on this machine with `kiln compile MODEL_DIR -o ART --force`"
 
 
