@@ -28,8 +28,7 @@ from kiln.ops.common import (
     interpreting,
     kiln_op,
     next_pow2,
-    pdl_enabled,
-    pdl_launch,
+    pdl_args,
     pdl_trigger,
     pdl_wait,
     use_triton,
@@ -162,15 +161,15 @@ def silu_and_mul_launch(
     if t == 0:
         return
     grid, block, chunks, warps = launch_config(t, two_i // 2, quant, max_block)
-    pdl = pdl_enabled(x)
+    pdl = pdl_args(x)
     _silu_mul_kernel[grid](
         x, y,
         s if s is not None else y,
         scale if scale is not None else x,
         two_i // 2, x.stride(0), y.stride(0),
         QUANT=quant, BLOCK=block, NUM_CHUNKS=chunks,
-        ROUND_IN_F32=interpreting(), MIN_SCALE=FP8_MIN_SCALE, PDL=pdl, num_warps=warps,
-        **pdl_launch(pdl),
+        ROUND_IN_F32=interpreting(), MIN_SCALE=FP8_MIN_SCALE, num_warps=warps,
+        **pdl,
     )  # fmt: skip
 
 

@@ -13,7 +13,7 @@ Rules every kernel follows so that it can sit inside a CUDA graph: no host synch
 ``.item()``, per-batch metadata read from device tensors, grids computed from tensor shapes only.
 
 Programmatic dependent launch (PDL, sm_90+): the decode-path kernels are launched with
-``launch_pdl`` (``pdl_launch``) and start with ``pdl_trigger`` (the next kernel may be scheduled
+``launch_pdl`` (``pdl_args``) and start with ``pdl_trigger`` (the next kernel may be scheduled
 now) then, after loading only what no earlier kernel writes (weights), ``pdl_wait`` (the previous
 kernel has finished and its writes are visible). Two rules keep it safe: a PDL kernel waits before
 it reads anything an earlier kernel wrote and before it writes anything (an earlier kernel may
@@ -58,21 +58,30 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _cc_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+def _props(index: int) -> Any:
+    return torch.cuda.get_device_properties(index)
+
+
+def _cuda_props(device: torch.device) -> Any:
+    return _props(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def sm_count(device: torch.device, off_gpu: int) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (cached); ``off_gpu`` for any other device."""
+    return _cuda_props(device).multi_processor_count if device.type == "cuda" else off_gpu
 
 
 def pdl_enabled(t: torch.Tensor) -> bool:
     """Whether kernels launched for ``t`` use programmatic dependent launch (module docstring)."""
     if not t.is_cuda or interpreting() or os.environ.get("KILN_PDL", "1") == "0":
         return False
-    return _cc_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
+    return _cuda_props(t.device).major >= 9
 
 
-def pdl_launch(on: bool) -> dict[str, bool]:
-    """Launch keyword arguments for a kernel with ``PDL=on`` (none at all when off: the interpreter
-    takes no ``launch_pdl``)."""
-    return {"launch_pdl": True} if on else {}
+def pdl_args(t: torch.Tensor) -> dict[str, bool]:
+    """A launch's PDL keyword arguments for kernels of inputs like ``t``: the kernel's ``PDL``
+    constexpr and, when on, ``launch_pdl`` (the interpreter takes no ``launch_pdl`` at all)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(t) else {"PDL": False}
 
 
 @triton.jit

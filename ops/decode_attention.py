@@ -53,8 +53,7 @@ from kiln.ops.common import (
     interpreting,
     kiln_op,
     next_pow2,
-    pdl_enabled,
-    pdl_launch,
+    pdl_args,
     pdl_trigger,
     pdl_wait,
     use_triton,
@@ -417,7 +416,7 @@ def decode_attention_triton(
     block_table = block_table.to(torch.int32)
     block_dv = max(16, next_pow2(dv))
     group_m = next_pow2(group)
-    pdl = pdl_enabled(q)
+    pdl = pdl_args(q)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, block_table, req_rows, seq_lens, out, mid_o, mid_lse,
         counters if fused else seq_lens,
@@ -429,16 +428,15 @@ def decode_attention_triton(
         BLOCK_N=cfg.block_n,
         MERGE_TILE=max(1, min(next_pow2(num_splits), MERGE_TILE_ELEMS // (group_m * block_dv))),
         HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, DIRECT=direct, FUSED=fused,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     if not direct and not fused:
         block_dv = min(64, block_dv)
         _decode_merge_kernel[(bsz, hq, triton.cdiv(dv, block_dv))](
             mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1), hq, num_splits,
             int(sliding_window), DV=dv, BLOCK_DV=block_dv, TILE=min(64, next_pow2(num_splits)),
-            BLOCK_N=cfg.block_n, HAS_WINDOW=sliding_window > 0, PDL=pdl, num_warps=4,
-            **pdl_launch(pdl),
+            BLOCK_N=cfg.block_n, HAS_WINDOW=sliding_window > 0, num_warps=4,
+            **pdl,
         )  # fmt: skip
     return out
 

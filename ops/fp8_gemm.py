@@ -34,7 +34,6 @@ times candidate configurations on the GPU.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 
@@ -42,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import FP8_DTYPE, interpreting
+from kiln.ops.common import FP8_DTYPE, interpreting, sm_count
 from kiln.ops.quant import tl_round
 
 DEFAULT_SMS = 132  # H100/H200; used where no device can be asked (the interpreter)
@@ -125,15 +124,8 @@ def m_bucket(m: int) -> float:
     return next(b for b in M_BUCKETS if m <= b)
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_SMS
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device, DEFAULT_SMS)
 
 
 def auto_split_k(m: int, n: int, k: int, cfg: Fp8GemmConfig, sms: int = DEFAULT_SMS) -> int:

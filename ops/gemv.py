@@ -66,20 +66,19 @@ Triton then compiles at run time, once, into the artifact's cache.)
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kiln.ops import common
 from kiln.ops.common import (
     DIRECT,
     interpreting,
     kiln_op,
     next_pow2,
-    pdl_enabled,
-    pdl_launch,
+    pdl_args,
     pdl_trigger,
     pdl_wait,
     use_triton,
@@ -502,15 +501,8 @@ TUNED: dict[tuple[int, int, int, bool, int], GemvConfig] = {
 }
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return common.sm_count(device, DEFAULT_SMS)
 
 
 def heuristic_config(
@@ -637,11 +629,11 @@ def gemv(
         x, w, bias if bias is not None else w, out, part,
         m, n_out, k, k_split, x.stride(0), w.stride(0), out.stride(0), n_out if gate_up else 0,
     )  # fmt: skip
-    pdl = pdl_enabled(x)
+    pdl = pdl_args(x)
     meta = dict(
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=splits, GATE_UP=gate_up,
-        HAS_BIAS=bias is not None, EVEN_K=k % k_split == 0, ROUND_IN_F32=interp, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+        HAS_BIAS=bias is not None, EVEN_K=k % k_split == 0, ROUND_IN_F32=interp,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     if cfg.use_dot:
         _gemv_dot_kernel[grid](*args, **meta)
@@ -652,7 +644,7 @@ def gemv(
             part, bias if bias is not None else part, out, m, n_out, out.stride(0),
             n_out if gate_up else 0,
             SPLIT_K=splits, BLOCK=REDUCE_BLOCK, GATE_UP=gate_up, HAS_BIAS=bias is not None,
-            ROUND_IN_F32=interp, PDL=pdl, num_warps=2, **pdl_launch(pdl),
+            ROUND_IN_F32=interp, num_warps=2, **pdl,
         )  # fmt: skip
     return out
 

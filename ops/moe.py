@@ -40,8 +40,7 @@ from kiln.ops.common import (
     interpreting,
     kiln_op,
     next_pow2,
-    pdl_enabled,
-    pdl_launch,
+    pdl_args,
     pdl_trigger,
     pdl_wait,
     use_triton,
@@ -151,10 +150,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = x.new_empty((t, 1), dtype=torch.float32)
     if t:
         block = min(next_pow2(h), 4096)
-        pdl = pdl_enabled(x)
+        pdl = pdl_args(x)
         _quant_rows_kernel[(t,)](
-            x, q, s, h, x.stride(0), BLOCK=block, MIN_SCALE=FP8_MIN_SCALE, RF=interpreting(), PDL=pdl,
-            num_warps=max(1, min(8, block // 512)), **pdl_launch(pdl),
+            x, q, s, h, x.stride(0), BLOCK=block, MIN_SCALE=FP8_MIN_SCALE, RF=interpreting(), num_warps=max(1, min(8, block // 512)), **pdl,
         )  # fmt: skip
     return q, s
 
@@ -168,11 +166,11 @@ def moe_combine(
     out = y2.new_empty((t, h)) if out is None else out
     if t:
         block = min(next_pow2(h), 1024)
-        pdl = pdl_enabled(y2)
+        pdl = pdl_args(y2)
         _combine_kernel[(t, triton.cdiv(h, block))](
             y2, topk_ids, expert_map if expert_map is not None else topk_ids, out,
             h, k, y2.stride(0), out.stride(0), HAS_MAP=expert_map is not None, BLOCK_H=block, RF=interpreting(),
-            PDL=pdl, num_warps=max(1, min(4, block // 256)), **pdl_launch(pdl),
+            num_warps=max(1, min(4, block // 256)), **pdl,
         )  # fmt: skip
     return out
 

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import kiln_op, next_pow2, pdl_enabled, pdl_launch, pdl_trigger, pdl_wait, use_triton
+from kiln.ops.common import kiln_op, next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
 
 CHUNK = 128  # pairs per program in the count and scatter kernels
 FILL = 1024  # entries per step of the sentinel fill
@@ -235,27 +235,27 @@ def moe_align_launch(
     m = sorted_ids.numel()
     warps = 8 if e_pad >= 128 else 4  # the [CHUNK, E_PAD] one-hot lives in registers
     layout = dict(BLOCK_M=block_m, E_PAD=e_pad, FILL_=FILL, BLOCKS=max(16, min(256, 8192 // e_pad)))
-    pdl = pdl_enabled(topk_ids)
+    pdl = pdl_args(topk_ids)
     if chunks <= 1:
         _align_one_program_kernel[(1,)](
             ids, emap, sorted_ids, block_expert, num_padded, p, num_experts, m,
-            HAS_MAP=has_map, CHUNK_=CHUNK, **layout, PDL=pdl, num_warps=warps, **pdl_launch(pdl),
+            HAS_MAP=has_map, CHUNK_=CHUNK, **layout, num_warps=warps, **pdl,
         )  # fmt: skip
         return
     counts = topk_ids.new_empty((chunks, num_experts), dtype=torch.int32)
     starts = topk_ids.new_empty((num_experts,), dtype=torch.int32)
     _count_kernel[(chunks,)](
         ids, emap, counts, p, num_experts,
-        HAS_MAP=has_map, CHUNK_=CHUNK, E_PAD=e_pad, PDL=pdl, **pdl_launch(pdl),
+        HAS_MAP=has_map, CHUNK_=CHUNK, E_PAD=e_pad, **pdl,
     )  # fmt: skip
     _offsets_kernel[(1,)](
         counts, starts, sorted_ids, block_expert, num_padded, chunks, p, num_experts, m, **layout,
         ROWS=min(SCAN_ROWS, max(1, 4096 // e_pad)),  # not from `chunks`: no specialization per T
-        PDL=pdl, **pdl_launch(pdl),
+        **pdl,
     )  # fmt: skip
     _scatter_kernel[(chunks,)](
         ids, emap, counts, starts, sorted_ids, p, num_experts,
-        HAS_MAP=has_map, CHUNK_=CHUNK, E_PAD=e_pad, PDL=pdl, **pdl_launch(pdl),
+        HAS_MAP=has_map, CHUNK_=CHUNK, E_PAD=e_pad, **pdl,
     )  # fmt: skip
 
 

@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import FP8_DTYPE, interpreting, next_pow2, pdl_enabled, pdl_launch, pdl_trigger, pdl_wait
+from kiln.ops.common import FP8_DTYPE, interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
 from kiln.ops.quant import tl_round
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
@@ -407,7 +407,7 @@ def moe_gemm_launch(
     num_m = sorted_ids.numel() // bm
     fp8 = w.dtype == FP8_DTYPE
     grid = (num_m * triton.cdiv(n_out, bn),)
-    pdl = pdl_enabled(a)
+    pdl = pdl_args(a)
     _moe_gemm_kernel[grid](
         a, a_scale if fp8 else a, w, w_scale if fp8 else w, c,
         topk_weights if topk_weights is not None else c,
@@ -417,8 +417,7 @@ def moe_gemm_launch(
         A_DIV=a_div, FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None, FP8=fp8,
         UPCAST=interpreting(), PREC="ieee" if a.dtype == torch.float32 else "tf32",
         ROUND_IN_F32=interpreting(),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )  # fmt: skip
 
 
@@ -455,7 +454,7 @@ def moe_gemv_launch(
     fp8 = w.dtype == FP8_DTYPE
     group = k if combine else 1
     grid = (t if combine else t * k, triton.cdiv(n_out, bn))
-    pdl = pdl_enabled(a)
+    pdl = pdl_args(a)
     _moe_gemv_kernel[grid](
         a, a_scale if fp8 else a, w, w_scale if fp8 else w, c,
         topk_weights if topk_weights is not None else c,
@@ -464,8 +463,7 @@ def moe_gemv_launch(
         a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0) if fp8 else 0, c.stride(0),
         A_DIV=a_div, GROUP=group, P_PAD=next_pow2(group), HAS_MAP=expert_map is not None,
         FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None, FP8=fp8, ROUND_IN_F32=interpreting(),
-        BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["num_stages"], PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
+        BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )  # fmt: skip
 
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import kiln_op, next_pow2, pdl_enabled, pdl_launch, pdl_trigger, pdl_wait, use_triton
+from kiln.ops.common import kiln_op, next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
 
 SCORINGS = ("softmax", "sigmoid")
 ROUND_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -199,14 +199,14 @@ def moe_topk_launch(
     if t == 0:
         return
     e_pad = next_pow2(e)
-    pdl = pdl_enabled(logits)
+    pdl = pdl_args(logits)
     _moe_topk_kernel[(t,)](
         logits, bias if bias is not None else logits, w_out, ids_out,
         e, logits.stride(0), float(scale),
         K=top_k, K_PAD=next_pow2(top_k), E_PAD=e_pad, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=bias is not None, RENORM=renormalize,
-        G=num_groups, G_PAD=next_pow2(num_groups), TOPK_G=topk_groups, PDL=pdl, ROUND=_ROUND_CODE[round_to],
-        num_warps=1 if e_pad <= 256 else 4, **pdl_launch(pdl),
+        G=num_groups, G_PAD=next_pow2(num_groups), TOPK_G=topk_groups, ROUND=_ROUND_CODE[round_to],
+        num_warps=1 if e_pad <= 256 else 4, **pdl,
     )  # fmt: skip
 
 

@@ -42,7 +42,6 @@ persistent loop bounds and the grid come from T at launch; CUDA-graph buckets ca
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -56,10 +55,10 @@ from kiln.ops.common import (
     interpreting,
     kiln_op,
     next_pow2,
-    pdl_enabled,
-    pdl_launch,
+    pdl_args,
     pdl_trigger,
     pdl_wait,
+    sm_count,
     use_triton,
 )
 from kiln.ops.quant import (
@@ -553,16 +552,9 @@ def launch_config(
     return LaunchConfig(block, chunks, warps, rows, True, pps, stages, bool(prefetch))
 
 
-@functools.cache
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device``; INTERPRETER_SMS off the GPU."""
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device, INTERPRETER_SMS)
 
 
 def launch_grid(t: int, cfg: LaunchConfig, device: torch.device) -> int:
@@ -597,7 +589,7 @@ def rmsnorm_launch(
     cfg = launch_config(h, max_block, quant, **launch)
     r = residual if residual is not None else x
     mask_cols = h != cfg.block * cfg.chunks
-    pdl = pdl_enabled(x)
+    pdl = pdl_args(x)
     _rmsnorm_kernel[(launch_grid(t, cfg, x.device),)](
         x, r, w, y,
         s if s is not None else y,
@@ -606,8 +598,8 @@ def rmsnorm_launch(
         HAS_RES=residual is not None, QUANT=quant, BLOCK=cfg.block, NUM_CHUNKS=cfg.chunks, ROWS=cfg.rows,
         MASK_COLS=mask_cols, MASKED=mask_cols or cfg.rows > 1,
         PERSISTENT=cfg.persistent, STAGES=cfg.stages, PREFETCH=cfg.prefetch,
-        ROUND_IN_F32=interpreting(), MIN_SCALE=FP8_MIN_SCALE, PDL=pdl, num_warps=cfg.num_warps,
-        **pdl_launch(pdl),
+        ROUND_IN_F32=interpreting(), MIN_SCALE=FP8_MIN_SCALE, num_warps=cfg.num_warps,
+        **pdl,
     )  # fmt: skip
 
 

@@ -33,8 +33,7 @@ from kiln.ops.common import (
     interpreting,
     kiln_op,
     next_pow2,
-    pdl_enabled,
-    pdl_launch,
+    pdl_args,
     pdl_trigger,
     pdl_wait,
     use_triton,
@@ -315,7 +314,7 @@ def qkv_rope_kvwrite_triton(
     bh = block_h or _pick_block_h(t, total, head_dim)
     grid = (t, triton.cdiv(total, bh))
     rne = interpreting() and not qkv.is_cuda
-    pdl = pdl_enabled(qkv)
+    pdl = pdl_args(qkv)
     _qkv_rope_kvwrite_kernel[grid](
         qkv,
         positions,
@@ -348,9 +347,8 @@ def qkv_rope_kvwrite_triton(
         BLOCK_H=bh,
         BLOCK_HALF=next_pow2(rotary_dim // 2),
         BLOCK_PASS=next_pow2(max(1, head_dim - rotary_dim)),
-        PDL=pdl,
         num_warps=num_warps,
-        **pdl_launch(pdl),
+        **pdl,
     )
     return q
 

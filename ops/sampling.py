@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import next_pow2, pdl_enabled, pdl_launch, pdl_trigger, pdl_wait, use_triton
+from kiln.ops.common import next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
 
 M32 = 0xFFFFFFFF
 M64 = 0xFFFFFFFFFFFFFFFF
@@ -179,13 +179,13 @@ def _argmax_launch(x: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
     out = torch.empty(B, dtype=torch.int64, device=x.device)
     if B == 0:
         return out
-    pdl = pdl_enabled(x)
+    pdl = pdl_args(x)
     _gumbel_argmax_kernel[(B, num_chunks)](
         x, x.stride(0), keys.contiguous() if keys is not None else x, best_val, best_idx, V, num_chunks,
-        CHUNK_SIZE=chunk, BLOCK=block, NOISE=keys is not None, PDL=pdl, **pdl_launch(pdl),
+        CHUNK_SIZE=chunk, BLOCK=block, NOISE=keys is not None, **pdl,
     )  # fmt: skip
     _argmax_finish_kernel[(B,)](
-        best_val, best_idx, out, num_chunks, BLOCK=max(16, next_pow2(num_chunks)), PDL=pdl, **pdl_launch(pdl)
+        best_val, best_idx, out, num_chunks, BLOCK=max(16, next_pow2(num_chunks)), **pdl
     )
     return out
 

@@ -340,11 +340,11 @@ def test_gpu_cuda_graph_replay(compiled_gpu, monkeypatch):
 
 
 def test_pdl_is_off_without_a_gpu(monkeypatch):
-    from kiln.ops.common import pdl_enabled, pdl_launch
+    from kiln.ops.common import pdl_args, pdl_enabled
 
     monkeypatch.delenv("KILN_PDL", raising=False)
     assert not pdl_enabled(torch.zeros(1))
-    assert pdl_launch(False) == {} and pdl_launch(True) == {"launch_pdl": True}
+    assert pdl_args(torch.zeros(1)) == {"PDL": False}  # no launch_pdl: the interpreter takes none
 
 
 @pytest.mark.gpu
