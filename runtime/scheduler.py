@@ -186,23 +186,14 @@ class Scheduler:
         return ScheduledBatch("extend", reqs, lens) if reqs else None
 
     def decode_ready(self) -> list[Req]:
-        """Running requests whose only token without K/V is the newest one (``not r.prefilling``,
-        inlined: this runs every step over the whole batch)."""
-        return [r for r in self.running if len(r.prompt_ids) + len(r.output_ids) - r.kv_len <= 1]
+        """Running requests whose only token without K/V is the newest one."""
+        return [r for r in self.running if not r.prefilling]
 
     def _rows_starting_a_page(self, reqs: list[Req]) -> list[int]:
         """Rows of ``reqs`` whose next token (position ``kv_len``) needs a new page: their pages
         always cover the ``kv_len`` computed tokens, so it is one page, iff they end there."""
         P, tables = self.P, self.bt.row_pages
         return [r.row for r in reqs if len(tables[r.row]) * P <= r.kv_len]
-
-    def can_decode_all(self) -> bool:
-        """Every running request decodes next, nobody waits, and the free pages cover the step
-        (what overlapped decoding needs to launch a step before the previous one is read)."""
-        ready = self.decode_ready()
-        if self.waiting or not ready or len(ready) < len(self.running):
-            return False
-        return len(self._rows_starting_a_page(ready)) <= self.pool.num_free_pages
 
     def _schedule_decode(self, ready: list[Req] | None = None) -> ScheduledBatch | None:
         reqs = self.decode_ready() if ready is None else ready
@@ -212,11 +203,7 @@ class Scheduler:
         # whole batch hands out the same pages, in the same order, as one per request would.
         grow = self._rows_starting_a_page(reqs)
         if len(grow) <= self.pool.num_free_pages:
-            if grow:
-                pages = self.pool.alloc_pages(len(grow))
-                assert pages is not None
-                self.bt.append_each(grow, pages)
-            return ScheduledBatch("decode", reqs, [1] * len(reqs))
+            return self._decode_every(reqs, grow)
         batch: list[Req] = []
         for req in reqs:
             if req.status is not Status.RUNNING:  # retracted while making room for an earlier one
@@ -233,9 +220,20 @@ class Scheduler:
             batch.append(req)
         return ScheduledBatch("decode", batch, [1] * len(batch)) if batch else None
 
+    def _decode_every(self, reqs: list[Req], grow: list[int]) -> ScheduledBatch:
+        """A decode step of all ``reqs`` when the free pages cover ``grow`` (the rows starting a
+        page): one allocation for the batch hands out the same pages, in the same order, as one
+        per request would."""
+        if grow:
+            pages = self.pool.alloc_pages(len(grow))
+            assert pages is not None
+            self.bt.append_each(grow, pages)
+        return ScheduledBatch("decode", reqs, [1] * len(reqs))
+
     def schedule_decode_all(self) -> ScheduledBatch | None:
-        """``schedule_decode()`` when ``can_decode_all()``, else None (and nothing changes): the
-        overlapped decode step, with one pass over the running requests instead of two."""
+        """The overlapped decode step: every running request decodes next, nobody waits, and the
+        free pages cover the step (what launching before the previous step is read needs); else
+        None and nothing changes."""
         if self.waiting:
             return None
         ready = self.decode_ready()
@@ -244,19 +242,8 @@ class Scheduler:
         grow = self._rows_starting_a_page(ready)
         if len(grow) > self.pool.num_free_pages:
             return None
-        if grow:
-            pages = self.pool.alloc_pages(len(grow))
-            assert pages is not None
-            self.bt.append_each(grow, pages)
         self._last_mode = "decode"
-        return ScheduledBatch("decode", ready, [1] * len(ready))
-
-    def schedule_decode(self) -> ScheduledBatch | None:
-        """A decode step of every decode-ready request (for overlapped decoding)."""
-        batch = self._schedule_decode()
-        if batch is not None:
-            self._last_mode = "decode"
-        return batch
+        return self._decode_every(ready, grow)
 
     def schedule(self) -> ScheduledBatch | None:
         """The next step to run, or None when there is nothing runnable."""

@@ -39,7 +39,7 @@ class Launched:
     host: dict[str, torch.Tensor] = field(default_factory=dict)  # host copies (pinned on CUDA)
     event: Any = None  # CUDA event after the host copies, None on CPU
     host_s: float = 0.0  # host seconds spent launching
-    greedy: tuple[bool, SamplingBatch] | None = None  # (need_rows, batch) when plain greedy
+    greedy: SamplingBatch | None = None  # the step's batch when plain greedy (argmax only)
 
     def position(self) -> dict[str, int]:
         return {r.rid: j for j, r in enumerate(self.reqs)}
@@ -110,13 +110,12 @@ class Stepper:
             logits = logits[e.stager.to_device(done, torch.int64)]
         need_rows = e.sampler.counts is not None
         greedy = prev.greedy if subst is not None and subst[0] is None else None
-        if greedy is not None and greedy[0] == need_rows and greedy[1].row_list == rows:
+        if greedy is not None and greedy.row_list == rows and (greedy.rows.numel() > 0) == need_rows:
             # The steady state: the previous step's requests (so params) and rows, all plain
             # greedy: its argmax-only batch again (nothing in it depends on the step).
-            sb = greedy[1]
+            sb = greedy
         elif SamplingBatch.plain_greedy(params := [r.params for r in reqs]):  # argmax only
-            sb = SamplingBatch.greedy_batch(rows, e.device, e.stager, need_rows=need_rows)
-            greedy = (need_rows, sb)
+            sb = greedy = SamplingBatch.greedy_batch(rows, e.device, e.stager, need_rows=need_rows)
         else:
             greedy = None
             sb = SamplingBatch.build(
@@ -149,16 +148,13 @@ class Stepper:
         return launched
 
     # ------------------------------------------------------------------ the loop
-    def can_overlap(self) -> bool:
-        return self.overlap and self.e.scheduler.can_decode_all()
-
     def step(self) -> list[Any]:
         e = self.e
         if self.inflight is not None:
             prev, self.inflight = self.inflight, None
             nxt = None
             t0 = time.perf_counter()
-            if self.overlap:  # can_overlap() and schedule_decode() in one pass
+            if self.overlap:
                 batch = e.scheduler.schedule_decode_all()
                 nxt = self.launch(batch, prev, time.perf_counter() - t0) if batch is not None else None
                 self.overlapped += nxt is not None

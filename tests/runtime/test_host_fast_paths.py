@@ -63,7 +63,7 @@ def test_greedy_batch_reused_and_tokens_match(setup):
             if o.finished:
                 assert o.token_ids == outs[o.rid] and o.num_output_tokens == NEW
         if eng.stepper.inflight is not None and eng.stepper.inflight.greedy is not None:
-            batches.append(eng.stepper.inflight.greedy[1])
+            batches.append(eng.stepper.inflight.greedy)
     assert [outs[f"req-{i}"] for i in range(len(prompts))] == expect
     assert eng.stepper.overlapped > 0
     assert len({id(b) for b in batches}) < len(batches)  # the steady state reused the batch
