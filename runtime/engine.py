@@ -244,48 +244,31 @@ class Engine:
                 new_lp.append(entry)
             new_text = check_stop(req, p, tok, k + 1)
             reason = req.finish_reason
+            done = reason is not None
+            if done:
+                del req.output_ids[k + 1 :]  # a token sampled by a step launched after this one
+                req.finish_time = now
+                self.scheduler.finish(req)
+                self.requests.pop(req.rid, None)
+                self._sampler_rows.pop(req.rid, None)
             # RequestOutput's fields in order (positional: a third of the keyword call's cost):
             # rid, new_text, new_token_ids, token_ids, text, finished, finish_reason,
             # num_output_tokens, num_prompt_tokens, num_cached_tokens, new_logprobs, ttft, latency.
-            if reason is None:
-                append(
-                    RequestOutput(
-                        req.rid,
-                        new_text,
-                        [tok],
-                        [],
-                        req.text,
-                        False,
-                        None,
-                        k + 1,
-                        len(req.prompt_ids),
-                        req.prefix_hit,
-                        new_lp,
-                        first - req.arrival,
-                        None,
-                    )
-                )
-                continue
-            del req.output_ids[k + 1 :]  # a token sampled by a step launched after this one
-            req.finish_time = now
-            self.scheduler.finish(req)
-            self.requests.pop(req.rid, None)
-            self._sampler_rows.pop(req.rid, None)
             append(
                 RequestOutput(
                     req.rid,
                     new_text,
                     [tok],
-                    req.output_ids,
+                    req.output_ids if done else [],
                     req.text,
-                    True,
+                    done,
                     reason,
                     k + 1,
                     len(req.prompt_ids),
                     req.prefix_hit,
                     new_lp,
                     first - req.arrival,
-                    now - req.arrival,
+                    now - req.arrival if done else None,
                 )
             )
         self.stats["generated_tokens"] += generated
