@@ -171,7 +171,7 @@ def compile_model(
     if opts.dtype not in DTYPES:
         raise CompileError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}.")
     try:
-        gemv_plan()  # a bad KILN_GEMV fails here, before any work
+        plan = gemv_plan()  # a bad KILN_GEMV fails here, before any work
     except ValueError as err:
         raise CompileError(str(err)) from None
     timer = PhaseTimer(verbose=verbose)
@@ -310,7 +310,7 @@ def compile_model(
                     "page_size": opts.page_size,
                     "decode_graphs": opts.decode_graphs,
                     "decode_num_splits": {str(b): _decode_splits(cfg, b, max_seq, opts.tp) for b in buckets},
-                    "gemv": gemv_plan(),  # role -> largest T on the GEMV kernel (ops/gemv.py)
+                    "gemv": plan,  # role -> largest T on the GEMV kernel (ops/gemv.py)
                 }
                 | ({"moe": moe_choice | {"table": json.loads(moe_choice["table"])}} if moe_choice else {}),
                 "compile_seconds": timer.times,

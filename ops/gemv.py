@@ -123,8 +123,8 @@ def gemv_plan(spec: str | None = None) -> dict[str, int]:
                 f"KILN_GEMV: bad entry {part!r} in {spec!r}; use 0, 1/all, or a comma list of "
                 f"ROLE or ROLE:MAX_T with ROLE one of {', '.join(ROLES)} (e.g. attn:1,mlp:1)."
             )
-        if int(m or DEFAULT_MAX_M) > 0:
-            plan[role] = int(m or DEFAULT_MAX_M)
+        if max_t := int(m or DEFAULT_MAX_M):
+            plan[role] = max_t
     return plan
 
 
