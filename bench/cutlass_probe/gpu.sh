@@ -3,6 +3,7 @@
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   bench/cutlass_probe/whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
+source bench/gpu/env.sh  # kiln from this tree, for the Triton rows
 nvidia-smi -L; python3 -m pip show cuda-bindings 2>/dev/null | head -2; nvcc --version | tail -1
 P=bench/cutlass_probe; REUSE=--reuse
 # binaries built on the CPU image may not load here (other system libraries): then build here (~80 s)

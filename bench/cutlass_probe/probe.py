@@ -377,9 +377,28 @@ def gpu_run(which: str, cppgen, sm90) -> dict:
     res = {"runs": [], "graph_replay_rel_err": {}}
 
     def route(t):  # t tokens, top-8 of E uniformly at random
-        return torch.bincount(
-            torch.rand(t, E, device="cuda").topk(TOPK, dim=1).indices.flatten(), minlength=E
-        ).int()
+        return torch.bincount(route_ids(t).flatten(), minlength=E).int()
+
+    def route_ids(t):
+        return torch.rand(t, E, device="cuda").topk(TOPK, dim=1).indices.int()
+
+    def kiln_triton(t):
+        """kiln's Triton grouped GEMM (or decode GEMV) for the same product, no epilogue; its A is
+        the token rows for w13 (a_div = top-k), the pair rows for w2, as fused_moe runs them."""
+        from kiln.ops.moe_align import moe_align_run
+        from kiln.ops.moe_gemm import moe_gemm_launch, moe_gemv_launch, pick_configs
+
+        ids = route_ids(t)
+        inter, hid = (n // 2, k) if which == "w13" else (k, n)
+        c1, c2 = pick_configs("", E, inter, hid, t, TOPK)
+        cfg = c1 if which == "w13" else c2
+        a_in = a[:t] if which == "w13" else a[: t * TOPK]
+        a_div = TOPK if which == "w13" else 1
+        c = torch.empty(t * TOPK, n, device="cuda", dtype=torch.bfloat16)
+        if cfg["BLOCK_M"] == 1:
+            return cfg, lambda: moe_gemv_launch(a_in, None, w, None, c, None, ids, None, cfg, a_div)
+        align = moe_align_run(ids, None, E, cfg["BLOCK_M"])
+        return cfg, lambda: moe_gemm_launch(a_in, None, w, None, c, None, *align, cfg, a_div)
 
     def rel_err(counts):
         rows, offs = int(counts.sum()), (counts.cumsum(0) - counts).tolist()
@@ -417,6 +436,13 @@ def gpu_run(which: str, cppgen, sm90) -> dict:
             row[name + "_rel_err"] = round(rel_err(counts), 5)
             us = graph_us(impl.launch)
             row[name + "_us"], row[name + "_tflops"] = us, round(2 * rows * n * k / us / 1e6, 1)
+        try:
+            cfg, fn = kiln_triton(t)
+            row["kiln_triton_us"] = graph_us(fn)
+            row["kiln_triton_tflops"] = round(2 * t * TOPK * n * k / row["kiln_triton_us"] / 1e6, 1)
+            row["kiln_triton_cfg"] = cfg
+        except Exception as ex:
+            row["kiln_triton_us"] = repr(ex)[:160]
         if hasattr(torch, "_grouped_mm"):
             offs32 = counts.cumsum(0).int()
             try:
