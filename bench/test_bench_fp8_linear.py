@@ -10,7 +10,8 @@ variant is captured in a CUDA graph and replayed.
 
 ``test_fp8_gemm_sweep`` (GPU only) times the Triton kernel at M = 256 and 512 over
 ``fp8_gemm.SWEEP_CONFIGS``, with precise and fast accumulation, each row carrying ``config``,
-``bf16_ms``, ``cublas_ms`` and the speedups over both: the data for ``fp8_gemm.TABLE``.
+``bf16_ms``, ``cublas_ms`` and the speedups over both: the data for ``fp8_gemm.TABLE``; with
+``KILN_FP8_SWEEP_CHAIN`` also the same per launch in a chain of distinct weights (see below).
 """
 
 import os
@@ -69,13 +70,23 @@ def test_fp8_linear(measure, monkeypatch, m, n, k, impl):
     measure(fn, flops=2.0 * m * n * k, bytes=moved, m=m, n=n, k=k, impl=impl, **info)
 
 
-_BASELINES: dict[tuple[int, int, int], tuple[float, float]] = {}
+# KILN_FP8_SWEEP_CHAIN=MB: also time each candidate over distinct weight copies of at least MB
+# megabytes of FP8 weights, back to back in one graph (as a prefill step runs its linears: cold
+# weights, no launch gap between kernels); ``chain_*`` fields are per launch.
+CHAIN_MB = int(os.environ.get("KILN_FP8_SWEEP_CHAIN", "0"))
+_BASELINES: dict[tuple[int, int, int], dict[str, float]] = {}
 
 
-def _case(m, n, k):
+def _case(m, n, k, copies=1):
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5
-    return (x, w, *quantize_fp8_per_token(x), *quantize_fp8_per_channel(w))
+    xq, xs = quantize_fp8_per_token(x)
+    ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+    return x, xq, xs, ws, [quantize_fp8_per_channel(w) for w in ws]
+
+
+def _per_launch_ms(fns) -> float:
+    """One graph replaying ``fns`` back to back; median ms per launch."""
+    return _median_ms(graphed(lambda: [f() for f in fns])) / len(fns)
 
 
 @pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")
@@ -84,27 +95,38 @@ def _case(m, n, k):
 @pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)], ids=str)
 @pytest.mark.parametrize("m", [int(x) for x in os.environ.get("KILN_SWEEP_M", "256,512").split(",")])
 def test_fp8_gemm_sweep(measure, m, n, k, cfg, accum):
-    x, w, xq, xs, wq, ws = _case(m, n, k)
+    copies = max(1, -(-CHAIN_MB * 10**6 // (n * k))) if CHAIN_MB else 1
+    x, xq, xs, ws, qs = _case(m, n, k, copies)
     out = torch.bfloat16
-    if (m, n, k) not in _BASELINES:  # bf16 F.linear and cuBLAS FP8 once per shape
-        bf16 = _median_ms(graphed(lambda: F.linear(x, w)))
-        cublas = _median_ms(graphed(lambda: fl.scaled_mm_rowwise(xq, xs, wq, ws, None, out)))
-        _BASELINES[(m, n, k)] = (bf16, cublas)
-    bf16_ms, cublas_ms = _BASELINES[(m, n, k)]
+    base = _BASELINES.get((m, n, k))
+    if base is None:  # bf16 F.linear and cuBLAS FP8 once per shape
+        bf16 = [lambda w=w: F.linear(x, w) for w in ws]
+        cublas = [lambda q=q: fl.scaled_mm_rowwise(xq, xs, q[0], q[1], None, out) for q in qs]
+        base = {"bf16_ms": _median_ms(graphed(bf16[0])), "cublas_ms": _median_ms(graphed(cublas[0]))}
+        if CHAIN_MB:
+            base.update(chain_bf16_ms=_per_launch_ms(bf16), chain_cublas_ms=_per_launch_ms(cublas))
+        _BASELINES[(m, n, k)] = base
     config = fg.Fp8GemmConfig.parse(cfg)
-    run = lambda: fg.fp8_gemm(xq, xs, wq, ws, None, out, fast_accum=accum == "fast", config=config)
+    runs = [
+        lambda q=q: fg.fp8_gemm(xq, xs, q[0], q[1], None, out, fast_accum=accum == "fast", config=config)
+        for q in qs
+    ]
     try:
-        y = run()  # compiles
+        y = runs[0]()  # compiles
     except OutOfResources as e:
         pytest.skip(f"{cfg} does not fit on this GPU: {e}")
-    ref = fl.scaled_mm_rowwise(xq, xs, wq, ws, None, torch.float32)
+    ref = fg.fp8_gemm_ref(xq, xs, qs[0][0], qs[0][1], None, torch.float32)  # exact products, f32 sums
     err = ((y.float() - ref).norm() / ref.norm()).item()
-    assert err < 1e-2, f"{cfg} ({accum}): relative error {err:.2e} against cuBLAS"
-    fn = graphed(run)
+    assert err < 1e-2, f"{cfg} ({accum}): relative error {err:.2e} against the float32 reference"
+    fn = graphed(runs[0])
     ms = _median_ms(fn)
-    info = dict(
-        bf16_ms=bf16_ms, cublas_ms=cublas_ms, speedup_vs_bf16=bf16_ms / ms, speedup_vs_cublas=cublas_ms / ms
-    )
+    info = dict(base, speedup_vs_bf16=base["bf16_ms"] / ms, speedup_vs_cublas=base["cublas_ms"] / ms)
+    if CHAIN_MB:
+        chain = _per_launch_ms(runs)
+        info.update(
+            chain_copies=copies, chain_ms=chain, chain_speedup_vs_bf16=base["chain_bf16_ms"] / chain,
+            chain_speedup_vs_cublas=base["chain_cublas_ms"] / chain,
+        )  # fmt: skip
     moved = n * k + m * k + m * n * 2
     measure(
         fn, flops=2.0 * m * n * k, bytes=moved, m=m, n=n, k=k, config=cfg, accum=accum, rel_err=err, **info

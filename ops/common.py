@@ -102,6 +102,35 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+class ArrivalCounters:
+    """Zeroed int32 arrival counters for last-arrival reductions (the program that bumps a counter
+    to its last value does the reduction and resets it to 0, so the buffer stays zero between
+    calls and calls add no memset). One instance per kernel family: two families on one stream
+    are ordered anyway, but separate buffers keep one family's bug out of the other."""
+
+    def __init__(self, min_size: int) -> None:
+        self.min_size = min_size
+        self.buffers: dict[torch.device, torch.Tensor] = {}
+        self.retired: list[torch.Tensor] = []  # outgrown buffers: a captured CUDA graph may use them
+
+    def get(self, device: torch.device, n: int) -> torch.Tensor | None:
+        """The device's buffer, at least ``n`` long: allocated once, grown (to a power of two) when
+        a bigger ``n`` comes. None when it would have to be allocated during a CUDA-graph capture
+        (the zeroing would only run at replay): the caller then takes its two-kernel path."""
+        buf = self.buffers.get(device)
+        if buf is not None and buf.numel() >= n:
+            return buf
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                if torch.cuda.is_current_stream_capturing():
+                    return None
+        new = torch.zeros(max(self.min_size, next_pow2(n)), dtype=torch.int32, device=device)
+        if buf is not None:
+            self.retired.append(buf)  # never freed: graphs captured with it stay valid
+        self.buffers[device] = new
+        return new
+
+
 DIRECT: dict[str, Callable[..., Any]] = {}  # op name (no namespace) -> its Python body
 
 

@@ -50,6 +50,7 @@ import triton.language as tl
 
 from kiln.ops.attention_ref import decode_attention_ref
 from kiln.ops.common import (
+    ArrivalCounters,
     interpreting,
     kiln_op,
     next_pow2,
@@ -331,10 +332,7 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_s
 
 MERGE_MODES = ("fused", "separate")
 MERGE_TILE_ELEMS = 4096  # partial elements the fused merge loads per step ([splits, heads, Dv])
-MIN_COUNTERS = 1 << 14  # first counter buffer: 64 KiB, enough for B * Hkv of any decode bucket
-
-_counters: dict[torch.device, torch.Tensor] = {}  # device -> int32 arrival counters, all zero
-_retired_counters: list[torch.Tensor] = []  # outgrown buffers: a captured CUDA graph may use them
+COUNTERS = ArrivalCounters(1 << 14)  # 64 KiB first: enough for B * Hkv of any decode bucket
 
 
 def merge_mode(merge: str | None = None) -> str:
@@ -344,25 +342,6 @@ def merge_mode(merge: str | None = None) -> str:
     if mode not in MERGE_MODES:
         raise ValueError(f"decode_attention: merge must be one of {MERGE_MODES}, got {mode!r}.")
     return mode
-
-
-def arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """The device's zeroed int32 counter buffer, at least ``n`` long: allocated once, grown (to a
-    power of two) when a bigger ``B * Hkv`` comes. Kernels leave it at zero, so calls add no
-    memset. Returns None when it would have to be allocated during a CUDA-graph capture (the
-    zeroing would only run at replay): the caller then takes the separate merge."""
-    buf = _counters.get(device)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            if torch.cuda.is_current_stream_capturing():
-                return None
-    new = torch.zeros(max(MIN_COUNTERS, next_pow2(n)), dtype=torch.int32, device=device)
-    if buf is not None:
-        _retired_counters.append(buf)  # never freed: graphs captured with it stay valid
-    _counters[device] = new
-    return new
 
 
 def decode_attention_triton(
@@ -404,7 +383,7 @@ def decode_attention_triton(
         mid_o = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
         if mode == "fused":
-            counters = arrival_counters(q.device, bsz * hkv)
+            counters = COUNTERS.get(q.device, bsz * hkv)
             if counters is None:
                 warnings.warn(
                     "decode_attention: first fused-merge call at this size is inside a CUDA-graph "

@@ -40,12 +40,14 @@ import re
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kiln.ops.common import FP8_DTYPE, interpreting, sm_count
+from kiln.ops.common import FP8_DTYPE, ArrivalCounters, interpreting, sm_count
 from kiln.ops.quant import tl_round
 
 DEFAULT_SMS = 132  # H100/H200; used where no device can be asked (the interpreter)
 REDUCE_BLOCK_M, REDUCE_BLOCK_N = 16, 256
+COUNTERS = ArrivalCounters(1 << 12)  # one per output tile of a fused split-K launch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,20 +61,25 @@ class Fp8GemmConfig:
     num_warps: int = 8
     num_stages: int = 4
     split_k: int = 1
+    tma: bool = False  # operand tiles through TMA descriptors (else pointer loads)
+    fused: bool = False  # split-K: the last-arriving slice sums the partials (else a second kernel)
 
     def __str__(self) -> str:
         return (
             f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}"
             f"w{self.num_warps}s{self.num_stages}k{self.split_k}"
+            f"{'t' if self.tma else ''}{'f' if self.fused else ''}"
         )
 
     @classmethod
     def parse(cls, text: str) -> Fp8GemmConfig:
-        """The inverse of ``str``: ``"m64n128k128g8w4s4k2"`` (what the sweep records)."""
-        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)g(\d+)w(\d+)s(\d+)k(\d+)", text.strip())
+        """The inverse of ``str``: ``"m64n128k128g8w4s4k2"`` (what the sweep records), with ``t``
+        (TMA) and ``f`` (fused split-K reduction) appended when set: ``"m128n128k128g8w8s4k2tf"``."""
+        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)g(\d+)w(\d+)s(\d+)k(\d+)(t?)(f?)", text.strip())
         if m is None:
-            raise ValueError(f"fp8_gemm: bad config string {text!r} (want e.g. 'm64n128k128g8w4s4k2')")
-        return cls(*(int(v) for v in m.groups()))
+            raise ValueError(f"fp8_gemm: bad config string {text!r} (want e.g. 'm64n128k128g8w4s4k2tf')")
+        *ints, tma, fused = m.groups()
+        return cls(*(int(v) for v in ints), tma=bool(tma), fused=bool(fused))
 
     def check(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -107,21 +114,27 @@ TABLE: dict[tuple[float, int, int], str] = {}
 
 
 # Candidates bench/test_bench_fp8_linear.py::test_fp8_gemm_sweep times (and checks against cuBLAS) at
-# M = 256 and 512 and Llama-3.1-8B's N, K, for filling TABLE.
+# M = 256 and 512 and Llama-3.1-8B's N, K, for filling TABLE. The 2026-11-29 pointer-load sweep
+# (bench/results/2026-11-29_h200_fp8_gemm.json) kept its best four; the rest cover the whole GPU at
+# M = 256 (128-ish programs: 64 x 128 or 128 x 64 tiles, or 128 x 128 tiles split in two along K)
+# with TMA loads and the fused split-K reduction.
 SWEEP_CONFIGS = (
-    "m64n64k128g8w4s4k1", "m64n64k128g8w4s5k2", "m64n64k128g8w4s4k4",
-    "m64n128k128g8w4s3k1", "m64n128k128g8w4s4k1", "m64n128k128g8w4s5k1", "m64n128k128g8w4s4k2",
-    "m64n128k128g8w8s4k1", "m64n128k128g8w4s5k4",
-    "m64n256k128g8w8s3k1", "m64n256k128g8w8s4k2",
-    "m128n64k128g8w4s4k1",
-    "m128n128k128g8w8s3k1", "m128n128k128g8w8s4k1", "m128n128k128g8w8s5k1", "m128n128k128g8w8s4k2",
-    "m128n128k128g8w8s4k4", "m128n128k128g8w4s4k2",
-    "m128n256k128g8w8s3k1", "m128n256k128g8w8s4k2",
+    "m64n128k128g8w4s5k1", "m64n128k128g8w4s4k1", "m64n128k128g8w4s4k2", "m128n128k128g8w8s4k2",
+    "m64n128k128g8w4s4k1t", "m64n128k128g8w4s5k1t", "m64n128k128g8w4s3k1t", "m64n128k128g8w8s4k1t",
+    "m128n64k128g8w4s4k1t", "m128n64k128g8w4s5k1t", "m64n64k128g8w4s5k1t", "m64n256k128g8w8s3k1t",
+    "m128n128k128g8w8s4k1t", "m128n128k128g8w8s4k2tf", "m128n128k128g8w8s4k2f", "m128n128k128g8w8s4k4tf",
+    "m64n128k128g8w4s4k2tf", "m128n64k128g8w4s4k2tf", "m128n256k128g8w8s3k1t", "m128n128k64g8w8s6k2tf",
 )  # fmt: skip
 
 
 def m_bucket(m: int) -> float:
     return next(b for b in M_BUCKETS if m <= b)
+
+
+def tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether TMA descriptors can describe both operands: 16-byte aligned bases and row strides
+    (K a multiple of 16 for FP8). Configs with ``tma`` fall back to pointer loads otherwise."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in (x, w))
 
 
 def num_sms(device: torch.device) -> int:
@@ -175,15 +188,29 @@ def _epilogue(acc, offs_m, offs_n, M, N, C, A_SCALE, B_SCALE, BIAS, stride_cm, s
     tl.store(c_ptrs, tl_round(y, out_ty, RF).to(out_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _mma(a, b, acc, FAST_ACCUM: tl.constexpr, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc += a [BM, BK] @ b [BK, BN]`` (FP8; float32 in the interpreter)."""
+    if UPCAST:
+        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif FAST_ACCUM:
+        return tl.dot(a, b, acc)
+    else:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
     A,  # [M, K] fp8, unit last stride
     B,  # [N, K] fp8, unit last stride
-    C,  # [M, N] out (SPLIT_K == 1)
+    A_DESC,  # TMA descriptor of A, block [BLOCK_M, BLOCK_K] (TMA), else None
+    B_DESC,  # TMA descriptor of B, block [BLOCK_N, BLOCK_K] (TMA), else None
+    C,  # [M, N] out
     A_SCALE,  # [M] f32 (stride_as 1) or [1] (stride_as 0)
     B_SCALE,  # [N] f32
     BIAS,  # [N] or a dummy
     P,  # [SPLIT_K, M, N] f32 partials (SPLIT_K > 1) or a dummy
+    CNT,  # [>= tiles] int32 arrival counters, all zero (FUSED) or a dummy
     M,
     N,
     K,
@@ -193,7 +220,9 @@ def _fp8_gemm_kernel(
     stride_as,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
+    FUSED: tl.constexpr,  # SPLIT_K > 1: the last slice to arrive sums the partials and stores C
+    TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks (pointer loads)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -213,36 +242,52 @@ def _fp8_gemm_kernel(
     pid_n = (pid % per_group) // group_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_a = (offs_m % M).to(tl.int64)  # rows past M re-read valid ones (results not stored)
-    rows_b = (offs_n % N).to(tl.int64)
     steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # BLOCK_K steps per slice
     k_lo = pid_k * steps * BLOCK_K
     k_hi = tl.minimum(k_lo + steps * BLOCK_K, K)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = A + rows_a[:, None] * stride_am + (k_lo + offs_k)[None, :]  # [BM, BK]
-    b_ptrs = B + rows_b[None, :] * stride_bn + (k_lo + offs_k)[:, None]  # [BK, BN], K-major
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=(k + offs_k)[None, :] < K, other=0.0)
-            b = tl.load(b_ptrs, mask=(k + offs_k)[:, None] < K, other=0.0)
-        if UPCAST:
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif FAST_ACCUM:
-            acc = tl.dot(a, b, acc)
-        else:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    if TMA:  # out-of-bounds rows and K columns of a tile load as zeros
+        for k in range(k_lo, k_hi, BLOCK_K):
+            a = A_DESC.load([pid_m * BLOCK_M, k])  # [BM, BK]
+            b = B_DESC.load([pid_n * BLOCK_N, k])  # [BN, BK]
+            acc = _mma(a, b.T, acc, FAST_ACCUM, UPCAST, BLOCK_K)
+    else:
+        rows_a = (offs_m % M).to(tl.int64)  # rows past M re-read valid ones (results not stored)
+        rows_b = (offs_n % N).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = A + rows_a[:, None] * stride_am + (k_lo + offs_k)[None, :]  # [BM, BK]
+        b_ptrs = B + rows_b[None, :] * stride_bn + (k_lo + offs_k)[:, None]  # [BK, BN], K-major
+        for k in range(k_lo, k_hi, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(k + offs_k)[None, :] < K, other=0.0)
+                b = tl.load(b_ptrs, mask=(k + offs_k)[:, None] < K, other=0.0)
+            acc = _mma(a, b, acc, FAST_ACCUM, UPCAST, BLOCK_K)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
     if SPLIT_K == 1:
         _epilogue(acc, offs_m, offs_n, M, N, C, A_SCALE, B_SCALE, BIAS, stride_cm, stride_as, HAS_BIAS, ROUND_IN_F32)  # fmt: skip
     else:
         mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        base = P + pid_k.to(tl.int64) * M * N
-        tl.store(base + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=mask)
+        part = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]  # [BM, BN] within a slice
+        slice_size = M.to(tl.int64) * N
+        tl.store(P + pid_k * slice_size + part, acc, mask=mask)
+        if FUSED:
+            # Last-arrival reduction, the ordering argument of ops/decode_attention.py's fused
+            # merge: bar.sync + the atomic's gpu-scope release publish this CTA's partial; the
+            # slice that reads old == SPLIT_K - 1 acquires all of them, loads them with .cg (L1 is
+            # not coherent across SMs), resets the counter and sums the slices in order 0..S-1,
+            # the separate reduce kernel's order, so both paths give the same bits.
+            tl.debug_barrier()
+            old = tl.atomic_add(CNT + pid, 1, sem="acq_rel", scope="gpu")
+            if old == SPLIT_K - 1:
+                tl.atomic_xchg(CNT + pid, 0, sem="relaxed", scope="gpu")
+                tot = tl.load(P + part, mask=mask, other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT_K):
+                    tot += tl.load(P + s * slice_size + part, mask=mask, other=0.0, cache_modifier=".cg")
+                _epilogue(tot, offs_m, offs_n, M, N, C, A_SCALE, B_SCALE, BIAS, stride_cm, stride_as, HAS_BIAS, ROUND_IN_F32)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -303,16 +348,22 @@ def fp8_gemm(
     interp = interpreting()
     split = cfg.split_k
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
-    _fp8_gemm_kernel[grid](
-        x, w, y, xs, ws, b, part,
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    counters = COUNTERS.get(x.device, tiles) if split > 1 and cfg.fused else None
+    a_desc = b_desc = None
+    if cfg.tma and tma_ok(x, w):
+        a_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [cfg.block_m, cfg.block_k])
+        b_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.block_n, cfg.block_k])
+    _fp8_gemm_kernel[(tiles, split)](
+        x, w, a_desc, b_desc, y, xs, ws, b, part, counters if counters is not None else xs,
         m, n, k, x.stride(0), w.stride(0), y.stride(0), stride_as,
-        HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=k % cfg.block_k == 0,
+        HAS_BIAS=bias is not None, SPLIT_K=split, FUSED=counters is not None, TMA=a_desc is not None,
+        EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         FAST_ACCUM=fast_accum, UPCAST=interp, ROUND_IN_F32=interp,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if split > 1:
+    if split > 1 and counters is None:
         _splitk_reduce_kernel[(triton.cdiv(m, REDUCE_BLOCK_M), triton.cdiv(n, REDUCE_BLOCK_N))](
             part, y, xs, ws, b, m, n, y.stride(0), stride_as,
             HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N,

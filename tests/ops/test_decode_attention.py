@@ -19,6 +19,7 @@ import torch
 
 from kiln.ops import decode_attention as dec
 from kiln.ops.attention_ref import decode_attention_ref, random_block_table
+from kiln.ops.common import ArrivalCounters
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -53,7 +54,7 @@ def merge(request, monkeypatch):
 
 
 def counters_are_zero(device="cpu") -> bool:
-    buf = dec._counters.get(torch.device(device))
+    buf = dec.COUNTERS.buffers.get(torch.device(device))
     return buf is None or not buf.any().item()
 
 
@@ -179,7 +180,7 @@ def test_decode_counters_left_at_zero(triton_on_cpu, seed, monkeypatch):
         out = dec.decode_attention_triton(q, k, v, bt, rows, lens, 0.125, 16, 4, merge=mode)
         assert spy.launches == merge_launches, mode
         assert rel_err(out, ref) < 1e-5, f"seed {seed}, {mode}"
-        counters = dec._counters[torch.device("cpu")]
+        counters = dec.COUNTERS.buffers[torch.device("cpu")]
         assert counters.dtype == torch.int32 and counters.numel() >= 4 * 2
         assert not counters.any(), f"seed {seed}, {mode}: counters {counters.nonzero().flatten()}"
 
@@ -199,17 +200,15 @@ def test_decode_twice_gives_identical_results(triton_on_cpu, seed, monkeypatch):
 def test_decode_counters_grow(triton_on_cpu, seed, monkeypatch):
     # a bigger B * Hkv gets a bigger buffer; the outgrown one is kept (a CUDA graph may use it)
     monkeypatch.setenv("KILN_ATTN_MERGE", "fused")
-    monkeypatch.setattr(dec, "MIN_COUNTERS", 2)
-    monkeypatch.setattr(dec, "_counters", {})
-    monkeypatch.setattr(dec, "_retired_counters", [])
+    monkeypatch.setattr(dec, "COUNTERS", ArrivalCounters(2))
     small = check(seed, [20], 4, 2, 64, 64, 16, 2, torch.float32)
-    first = dec._counters[torch.device("cpu")]
+    first = dec.COUNTERS.buffers[torch.device("cpu")]
     assert first.numel() == 2 and small is not None
     check(seed, [20, 9, 33], 4, 2, 64, 64, 16, 2, torch.float32)  # B * Hkv = 6
-    grown = dec._counters[torch.device("cpu")]
-    assert grown.numel() == 8 and dec._retired_counters == [first]
+    grown = dec.COUNTERS.buffers[torch.device("cpu")]
+    assert grown.numel() == 8 and dec.COUNTERS.retired == [first]
     check(seed, [20], 4, 2, 64, 64, 16, 2, torch.float32)  # a smaller call reuses the big one
-    assert dec._counters[torch.device("cpu")] is grown
+    assert dec.COUNTERS.buffers[torch.device("cpu")] is grown
 
 
 def test_merge_mode_switch(monkeypatch):
@@ -298,11 +297,11 @@ def test_decode_gpu_first_call_in_capture_falls_back(seed, monkeypatch):
     for mode in dec.MERGE_MODES:  # compile both paths outside the capture
         dec.decode_attention_triton(*args, merge=mode)
     torch.cuda.synchronize()
-    monkeypatch.setattr(dec, "_counters", {})
+    monkeypatch.setattr(dec, "COUNTERS", ArrivalCounters(1 << 14))
     graph = torch.cuda.CUDAGraph()
     with pytest.warns(UserWarning, match="separate merge"), torch.cuda.graph(graph):
         out = dec.decode_attention_triton(*args, merge="fused")
-    assert dec._counters == {}
+    assert dec.COUNTERS.buffers == {}
     out.fill_(float("nan"))
     graph.replay()
     ref = decode_attention_ref(q, k, v, bt, rows, lens, 128**-0.5, 16)

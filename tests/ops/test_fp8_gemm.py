@@ -62,6 +62,35 @@ def test_kernel_matches_reference(kernel_on_cpu, m, n, k, split_k):
     check(m, n, k, split_k=split_k, **SMALL)
 
 
+@pytest.mark.parametrize("flags", ["t", "f", "tf"])
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (19, 72, 80)])
+def test_tma_and_fused_split_k(kernel_on_cpu, m, n, k, split_k, flags):
+    # TMA loads (K = 80: the last BLOCK_K step reads past K, which TMA fills with zeros) and the
+    # last-arrival split-K reduction; the counters are left at zero for the next call
+    check(m, n, k, split_k=split_k, tma="t" in flags, fused="f" in flags, **SMALL)
+    assert not any(buf.any() for buf in fg.COUNTERS.buffers.values())
+
+
+def test_fused_reduction_gives_the_reduce_kernels_bits(kernel_on_cpu):
+    # both sum the slices in order 0..S-1, whichever slice arrives last
+    xq, xs, wq, ws, bias = make_case(21, 72, 256, seed=5)
+    for split in (2, 3, 4):
+        two = fg.fp8_gemm(xq, xs, wq, ws, bias, torch.float32, split_k=split, **SMALL)
+        one = fg.fp8_gemm(xq, xs, wq, ws, bias, torch.float32, split_k=split, fused=True, **SMALL)
+        assert torch.equal(one, two), f"split {split}"
+
+
+def test_tma_falls_back_on_unaligned_rows(kernel_on_cpu, monkeypatch):
+    # a row stride that is not a multiple of 16 bytes cannot be a TMA descriptor: pointer loads
+    xq, xs, wq, ws, bias = make_case(5, 40, 72, seed=6)
+    assert not fg.tma_ok(xq, wq)
+    made = []
+    monkeypatch.setattr(fg, "TensorDescriptor", lambda *a: made.append(a))
+    y = fg.fp8_gemm(xq, xs, wq, ws, bias, torch.float32, tma=True, **SMALL)
+    assert made == [] and rel_err(y, fg.fp8_gemm_ref(xq, xs, wq, ws, bias, torch.float32)) < 1e-5
+
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("per_tensor", [False, True], ids=["per_token", "per_tensor"])
@@ -122,6 +151,11 @@ def test_config_strings_round_trip():
     cfg = fg.Fp8GemmConfig(64, 128, 128, 8, 4, 5, 2)
     assert str(cfg) == "m64n128k128g8w4s5k2"
     assert fg.Fp8GemmConfig.parse(str(cfg)) == cfg
+    flagged = fg.Fp8GemmConfig(128, 128, 128, 8, 8, 4, 2, tma=True, fused=True)
+    assert str(flagged) == "m128n128k128g8w8s4k2tf" and fg.Fp8GemmConfig.parse(str(flagged)) == flagged
+    assert fg.Fp8GemmConfig.parse("m64n64k128g8w4s4k2f") == fg.Fp8GemmConfig(
+        64, 64, 128, 8, 4, 4, 2, fused=True
+    )
     with pytest.raises(ValueError, match="bad config string"):
         fg.Fp8GemmConfig.parse("m64n128")
 
@@ -246,3 +280,50 @@ def test_gpu_cuda_graph_replay(compiled_gpu, monkeypatch):
     ss.copy_(xs2)
     g.replay()
     assert rel_err(y, fl.fp8_linear_ref(xq2, xs2, wq, ws, bias, torch.float32)) < 1e-2
+
+
+# TMA loads and the fused (last-arrival) split-K reduction, compiled: right on aligned and unaligned
+# shapes, bitwise equal to the two-kernel split-K, counters left at zero, and replayable in a graph.
+GPU_VARIANTS = [
+    "m64n128k128g8w4s4k1t",
+    "m128n64k128g8w4s4k2tf",
+    "m128n128k128g8w8s4k2tf",
+    "m128n128k128g8w8s4k2f",
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["precise", "fast"])
+@pytest.mark.parametrize("cfg", GPU_VARIANTS)
+def test_gpu_tma_and_fused_variants(compiled_gpu, cfg, fast_accum):
+    config = fg.Fp8GemmConfig.parse(cfg)
+    for m, n, k in ((256, 4096, 4096), (37, 200, 272), (300, 1024, 2048)):
+        y = check(m, n, k, device="cuda", config=config, fast_accum=fast_accum)
+        if config.split_k > 1:
+            xq, xs, wq, ws, bias = make_case(m, n, k, "cuda")
+            two = fg.fp8_gemm(
+                xq, xs, wq, ws, bias, torch.bfloat16, fast_accum=fast_accum, config=config, fused=False
+            )
+            assert torch.equal(y, two), f"{cfg} {m}x{n}x{k}: fused and two-kernel split-K differ"
+    torch.cuda.synchronize()
+    assert not any(buf.any().item() for buf in fg.COUNTERS.buffers.values())
+
+
+@pytest.mark.gpu
+def test_gpu_fused_split_k_graph_replay(compiled_gpu):
+    config = fg.Fp8GemmConfig.parse("m128n128k128g8w8s4k2tf")
+    xq, xs, wq, ws, bias = make_case(256, 4096, 4096, "cuda")
+    sx, ss = xq.clone(), xs.clone()
+    fg.fp8_gemm(sx, ss, wq, ws, bias, torch.bfloat16, config=config)  # compile, counters outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = fg.fp8_gemm(sx, ss, wq, ws, bias, torch.bfloat16, config=config)
+    for seed in (7, 8):  # twice: the first replay must leave the counters at zero for the second
+        xq2, xs2, *_ = make_case(256, 4096, 4096, "cuda", seed=seed)
+        sx.copy_(xq2)
+        ss.copy_(xs2)
+        y.fill_(float("nan"))
+        g.replay()
+        ref = fl.fp8_linear_ref(xq2, xs2, wq, ws, bias, torch.float32)
+        assert not y.isnan().any() and rel_err(y, ref) < 1e-2, f"seed {seed}"
