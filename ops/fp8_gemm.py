@@ -63,23 +63,25 @@ class Fp8GemmConfig:
     split_k: int = 1
     tma: bool = False  # operand tiles through TMA descriptors (else pointer loads)
     fused: bool = False  # split-K: the last-arriving slice sums the partials (else a second kernel)
+    streamk: bool = False  # ops/fp8_streamk.py: even K-step ranges per SM (TMA; split_k unused)
 
     def __str__(self) -> str:
         return (
             f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}"
             f"w{self.num_warps}s{self.num_stages}k{self.split_k}"
-            f"{'t' if self.tma else ''}{'f' if self.fused else ''}"
+            f"{'t' if self.tma else ''}{'f' if self.fused else ''}{'p' if self.streamk else ''}"
         )
 
     @classmethod
     def parse(cls, text: str) -> Fp8GemmConfig:
         """The inverse of ``str``: ``"m64n128k128g8w4s4k2"`` (what the sweep records), with ``t``
-        (TMA) and ``f`` (fused split-K reduction) appended when set: ``"m128n128k128g8w8s4k2tf"``."""
-        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)g(\d+)w(\d+)s(\d+)k(\d+)(t?)(f?)", text.strip())
+        (TMA), ``f`` (fused split-K reduction) and ``p`` (stream-K) appended when set:
+        ``"m128n128k128g8w8s4k2tf"``, ``"m128n128k128g8w8s4k1tp"``."""
+        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)g(\d+)w(\d+)s(\d+)k(\d+)(t?)(f?)(p?)", text.strip())
         if m is None:
             raise ValueError(f"fp8_gemm: bad config string {text!r} (want e.g. 'm64n128k128g8w4s4k2tf')")
-        *ints, tma, fused = m.groups()
-        return cls(*(int(v) for v in ints), tma=bool(tma), fused=bool(fused))
+        *ints, tma, fused, streamk = m.groups()
+        return cls(*(int(v) for v in ints), tma=bool(tma), fused=bool(fused), streamk=bool(streamk))
 
     def check(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -113,17 +115,15 @@ BUCKET_DEFAULTS: dict[float, Fp8GemmConfig] = {
 TABLE: dict[tuple[float, int, int], str] = {}
 
 
-# Candidates bench/test_bench_fp8_linear.py::test_fp8_gemm_sweep times (and checks against cuBLAS) at
-# M = 256 and 512 and Llama-3.1-8B's N, K, for filling TABLE. The 2026-11-29 pointer-load sweep
-# (bench/results/2026-11-29_h200_fp8_gemm.json) kept its best four; the rest cover the whole GPU at
-# M = 256 (128-ish programs: 64 x 128 or 128 x 64 tiles, or 128 x 128 tiles split in two along K)
-# with TMA loads and the fused split-K reduction.
+# Candidates bench/test_bench_fp8_linear.py::test_fp8_gemm_sweep times (and checks against the
+# float32 reference) at M = 256 and 512 and Llama-3.1-8B's N, K, for filling TABLE: the eight best of
+# the TMA / fused split-K sweep (bench/results/2026-11-29_h200_fp8_sweep_tma.json) and stream-K tiles.
 SWEEP_CONFIGS = (
-    "m64n128k128g8w4s5k1", "m64n128k128g8w4s4k1", "m64n128k128g8w4s4k2", "m128n128k128g8w8s4k2",
-    "m64n128k128g8w4s4k1t", "m64n128k128g8w4s5k1t", "m64n128k128g8w4s3k1t", "m64n128k128g8w8s4k1t",
-    "m128n64k128g8w4s4k1t", "m128n64k128g8w4s5k1t", "m64n64k128g8w4s5k1t", "m64n256k128g8w8s3k1t",
-    "m128n128k128g8w8s4k1t", "m128n128k128g8w8s4k2tf", "m128n128k128g8w8s4k2f", "m128n128k128g8w8s4k4tf",
-    "m64n128k128g8w4s4k2tf", "m128n64k128g8w4s4k2tf", "m128n256k128g8w8s3k1t", "m128n128k64g8w8s6k2tf",
+    "m64n64k128g8w4s5k1t", "m64n128k128g8w4s4k1t", "m64n128k128g8w4s5k1t", "m128n256k128g8w8s3k1t",
+    "m64n128k128g8w4s4k2tf", "m128n128k128g8w8s4k1t", "m64n128k128g8w4s3k1t", "m128n64k128g8w4s4k1t",
+    "m128n128k128g8w8s4k1tp", "m128n128k128g8w8s3k1tp", "m128n128k128g8w4s4k1tp", "m64n128k128g8w4s4k1tp",
+    "m64n128k128g8w4s5k1tp", "m128n64k128g8w4s5k1tp", "m64n64k128g8w4s5k1tp", "m128n256k128g8w8s3k1tp",
+    "m64n256k128g8w8s3k1tp", "m128n128k64g8w8s6k1tp",
 )  # fmt: skip
 
 
@@ -346,6 +346,12 @@ def fp8_gemm(
     ws = w_scale.reshape(-1).contiguous()
     b = bias.contiguous() if bias is not None else ws
     interp = interpreting()
+    if cfg.streamk and tma_ok(x, w):
+        from kiln.ops.fp8_streamk import fp8_streamk_launch  # imports this module
+
+        bias_c = None if bias is None else b
+        if fp8_streamk_launch(x, xs, stride_as, w, ws, bias_c, y, cfg, num_sms(x.device), fast_accum, interp):
+            return y
     split = cfg.split_k
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
