@@ -10,18 +10,19 @@ routes there with ``KILN_FP8_GEMM=triton``):
 * ``bias``: ``[N]`` (any float dtype) or None; ``out_dtype``: bf16, fp16 or fp32.
 
 The product accumulates in float32; the epilogue scales by ``x_scale[m] * w_scale[n]``, adds the
-bias and rounds once to ``out_dtype``, as ``torch._scaled_mm`` does. With ``fast_accum=False`` (the
-default, like ``fp8_linear``'s cuBLAS path) the tensor cores' reduced-precision FP8 accumulation is
-promoted into the float32 accumulator after every ``BLOCK_K`` products (``max_num_imprecise_acc``);
-``fast_accum=True`` (``KILN_FP8_FAST_ACCUM=1``) leaves the promotion to the hardware (Triton's
-default on sm_90: faster, less accurate over long K).
+bias and rounds once to ``out_dtype``, as ``torch._scaled_mm`` does. With ``fast_accum=False`` (this
+function's default) the tensor cores' reduced-precision FP8 accumulation is promoted into the float32 accumulator after every ``BLOCK_K`` products (``max_num_imprecise_acc``);
+``fast_accum=True`` (``KILN_FP8_FAST_ACCUM=1``, fp8_linear's default: its docstring has the measured
+errors) leaves the promotion to the hardware (faster, less accurate over long K).
 
 Kernel: one program per ``BLOCK_M x BLOCK_N`` output tile, ``GROUP_M`` row blocks side by side for
-L2 reuse of ``w``; ``num_stages`` software pipelining of the K loop. Rows past ``M`` (and columns
+L2 reuse of ``w``; ``num_stages`` software pipelining of the K loop; operands through pointer loads
+or (config ``tma``) TMA descriptors; ops/fp8_streamk.py is the stream-K variant (config ``streamk``). Rows past ``M`` (and columns
 past ``N``) re-read valid rows, so the operand loads carry no M/N masks; their results are not
 stored. Split-K (``split_k > 1``, for small M, where the tiles alone do not fill the GPU): program
 ``(tile, s)`` covers K slice ``s`` and writes its float32 partial to a ``[split_k, M, N]``
-workspace; a second kernel sums the slices in order (deterministic), then applies the epilogue.
+workspace; a second kernel sums the slices in order (deterministic), then applies the epilogue, or
+(config ``fused``) the last slice to arrive at a tile's counter does that itself.
 
 Launch configuration: ``fp8_gemm_config(m, n, k)`` looks ``(M bucket, N, K)`` up in ``TABLE``
 (measured entries, written as ``Fp8GemmConfig`` strings such as ``"m64n128k128g8w4s4k2"``), else
@@ -111,8 +112,19 @@ BUCKET_DEFAULTS: dict[float, Fp8GemmConfig] = {
     math.inf: Fp8GemmConfig(128, 128, 128, 8, 8, 4, 1),
 }
 
-# Measured winners, (M bucket, N, K) -> config string; fill from test_fp8_gemm_sweep's results.
-TABLE: dict[tuple[float, int, int], str] = {}
+# Measured winners, (M bucket, N, K) -> config string, from test_fp8_gemm_sweep on the H200 (fast
+# accumulation, per launch in a chain of distinct weights; bench/results/2026-11-29_h200_fp8_sweep_*.json).
+# fp8_linear's ``auto`` backend runs the Triton kernel exactly where this has an entry.
+TABLE: dict[tuple[float, int, int], str] = {
+    (256, 4096, 4096): "m64n64k128g8w4s5k1t",
+    (256, 6144, 4096): "m64n128k128g8w4s4k1t",
+    (256, 14336, 4096): "m128n256k128g8w8s3k1t",
+    (256, 4096, 14336): "m64n128k128g8w4s4k2tf",
+    (512, 4096, 4096): "m64n128k128g8w4s4k1t",
+    (512, 6144, 4096): "m64n128k128g8w4s3k1t",
+    (512, 14336, 4096): "m128n256k128g8w8s3k1t",
+    (512, 4096, 14336): "m128n128k128g8w8s4k1t",
+}
 
 
 # Candidates bench/test_bench_fp8_linear.py::test_fp8_gemm_sweep times (and checks against the
@@ -129,6 +141,11 @@ SWEEP_CONFIGS = (
 
 def m_bucket(m: int) -> float:
     return next(b for b in M_BUCKETS if m <= b)
+
+
+def tuned(m: int, n: int, k: int) -> bool:
+    """Whether ``TABLE`` holds a measured config for this product (fp8_linear's ``auto`` backend)."""
+    return (m_bucket(m), n, k) in TABLE
 
 
 def tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -16,10 +16,19 @@ not a multiple of 16) and older GPUs use the dequantizing reference, with a one-
 says how to fix it. CPU: the reference (dequantize to float32, matmul).
 
 Backends (``fp8_linear_forward(..., backend=...)``; the op reads ``KILN_FP8_GEMM`` at call time, so
-at CUDA-graph capture for decode graphs): ``cublas`` (default) is the above; ``triton`` runs
-ops/fp8_gemm.py's kernel on CUDA GPUs of compute capability >= 8.9 (any N and K; others fall back to
-the cuBLAS rules) and, with ``KILN_TRITON_ON_CPU=1`` under ``TRITON_INTERPRET=1``, on CPU tensors.
-``KILN_FP8_FAST_ACCUM=1`` selects the faster, less accurate FP8 accumulation in both.
+at CUDA-graph capture for decode graphs): ``cublas`` is the above; ``triton`` runs ops/fp8_gemm.py's
+kernel on CUDA GPUs of compute capability >= 8.9 (any N and K; others fall back to the cuBLAS rules)
+and, with ``KILN_TRITON_ON_CPU=1`` under ``TRITON_INTERPRET=1``, on CPU tensors; ``auto`` (default)
+takes ``triton`` where ``fp8_gemm.TABLE`` holds a measured launch config for the shape (prefill-sized
+M of 129..512 at Llama-3.1-8B's N, K, where it beat cuBLAS on the H200), else ``cublas``.
+
+Accumulation: FP8 tensor cores sum each MMA's products at reduced precision. ``KILN_FP8_FAST_ACCUM=1``
+(default) leaves it at that; ``0`` promotes the sum into float32 every ``BLOCK_K`` (128) products,
+in both backends. Measured on the H200 against the exact float32 product of the FP8 values, with a
+bf16 output: relative error 2.1e-3 at K = 4096 and 3.3e-3 at K = 14336 with fast accumulation,
+1.7e-3 with the promotion (most of it is the bf16 rounding). The activation's own per-token FP8
+rounding is about 3e-2, ten times more. The promotion costs 10-30% at M = 256..512
+(bench/results/2026-11-29_h200_fp8_sweep_tma.json).
 """
 
 from __future__ import annotations
@@ -31,15 +40,15 @@ import warnings
 import torch
 
 from kiln.ops.common import FP8_DTYPE, kiln_op, use_triton
-from kiln.ops.fp8_gemm import fp8_gemm
+from kiln.ops.fp8_gemm import fp8_gemm, tuned
 
-FAST_ACCUM = os.environ.get("KILN_FP8_FAST_ACCUM", "0") == "1"  # faster, less accurate accumulation
-BACKENDS = ("cublas", "triton")
+FAST_ACCUM = os.environ.get("KILN_FP8_FAST_ACCUM", "1") == "1"  # see the module docstring
+BACKENDS = ("auto", "cublas", "triton")
 
 
 def fp8_backend(backend: str | None = None) -> str:
-    """``backend``, else ``KILN_FP8_GEMM`` (default ``cublas``), checked."""
-    b = backend if backend is not None else os.environ.get("KILN_FP8_GEMM", "cublas")
+    """``backend``, else ``KILN_FP8_GEMM`` (default ``auto``), checked."""
+    b = backend if backend is not None else os.environ.get("KILN_FP8_GEMM", "auto")
     if b not in BACKENDS:
         raise ValueError(f"fp8_linear: backend must be one of {BACKENDS} (KILN_FP8_GEMM), got {b!r}")
     return b
@@ -161,7 +170,10 @@ def fp8_linear_forward(
     _check(x, x_scale, w, w_scale, bias, out_dtype)
     if x.shape[0] == 0:
         return x.new_empty((0, w.shape[0]), dtype=out_dtype)
-    if fp8_backend(backend) == "triton" and triton_fp8_supported(x) is None:
+    b = fp8_backend(backend)
+    if b == "auto":
+        b = "triton" if tuned(x.shape[0], w.shape[0], w.shape[1]) else "cublas"
+    if b == "triton" and triton_fp8_supported(x) is None:
         return fp8_gemm(x, x_scale, w, w_scale, bias, out_dtype, fast_accum=FAST_ACCUM)
     if x.is_cuda:
         why = scaled_mm_supported(x, w)

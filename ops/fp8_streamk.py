@@ -70,41 +70,41 @@ def _fp8_streamk_kernel(
     start = p * W // G
     end = (p + 1) * W // G
     blk = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # [BM, BN]
-    it = start
-    while it < end:
-        tile = it // steps
+    per_group = GROUP_M * num_n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # One flat loop over the range (a nested tile / K-step loop is not software-pipelined across
+    # tiles): the segment ends at the tile's last K step or at the range's end.
+    for i in range(start, end):
+        tile = i // steps
         tile_lo = tile * steps
-        kb = it - tile_lo
-        ke = tl.minimum(steps, kb + end - it)
-        per_group = GROUP_M * num_n
+        ki = (i - tile_lo).to(tl.int32)
         first_m = (tile // per_group) * GROUP_M
         group_m = tl.minimum(num_m - first_m, GROUP_M)
         pid_m = (first_m + (tile % per_group) % group_m).to(tl.int32)
         pid_n = ((tile % per_group) // group_m).to(tl.int32)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for ki in range(kb.to(tl.int32), ke.to(tl.int32)):
-            a = A_DESC.load([pid_m * BLOCK_M, ki * BLOCK_K])  # [BM, BK]
-            b = B_DESC.load([pid_n * BLOCK_N, ki * BLOCK_K])  # [BN, BK]
-            acc = _mma(a, b.T, acc, FAST_ACCUM, UPCAST, BLOCK_K)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if kb == 0 and ke == steps:  # the whole tile
-            _epilogue(acc, offs_m, offs_n, M, N, C, A_SCALE, B_SCALE, BIAS, stride_cm, stride_as, HAS_BIAS, ROUND_IN_F32)  # fmt: skip
-        else:
-            slot = 2 * p + tl.where(it == start, 0, 1)
-            tl.store(P + slot * (BLOCK_M * BLOCK_N) + blk, acc)
-            q_first = _owner(tile_lo, G, W)
-            q_last = _owner(tile_lo + steps - 1, G, W)
-            tl.debug_barrier()
-            old = tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu")
-            if old == q_last - q_first:  # the tile's last segment to arrive
-                tl.atomic_xchg(CNT + tile, 0, sem="relaxed", scope="gpu")
-                tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for q in range(q_first, q_last + 1):  # K order
-                    q_slot = 2 * q + tl.where(q * W // G >= tile_lo, 0, 1)
-                    tot += tl.load(P + q_slot * (BLOCK_M * BLOCK_N) + blk, cache_modifier=".cg")
-                _epilogue(tot, offs_m, offs_n, M, N, C, A_SCALE, B_SCALE, BIAS, stride_cm, stride_as, HAS_BIAS, ROUND_IN_F32)  # fmt: skip
-        it = tile_lo + ke
+        a = A_DESC.load([pid_m * BLOCK_M, ki * BLOCK_K])  # [BM, BK]
+        b = B_DESC.load([pid_n * BLOCK_N, ki * BLOCK_K])  # [BN, BK]
+        acc = _mma(a, b.T, acc, FAST_ACCUM, UPCAST, BLOCK_K)
+        if ki == steps - 1 or i == end - 1:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            if ki == steps - 1 and start <= tile_lo:  # the whole tile
+                _epilogue(acc, offs_m, offs_n, M, N, C, A_SCALE, B_SCALE, BIAS, stride_cm, stride_as, HAS_BIAS, ROUND_IN_F32)  # fmt: skip
+            else:
+                slot = 2 * p + tl.where(start >= tile_lo, 0, 1)  # the segment starts the range?
+                tl.store(P + slot * (BLOCK_M * BLOCK_N) + blk, acc)
+                q_first = _owner(tile_lo, G, W)
+                q_last = _owner(tile_lo + steps - 1, G, W)
+                tl.debug_barrier()
+                old = tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu")
+                if old == q_last - q_first:  # the tile's last segment to arrive
+                    tl.atomic_xchg(CNT + tile, 0, sem="relaxed", scope="gpu")
+                    tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                    for q in range(q_first, q_last + 1):  # K order
+                        q_slot = 2 * q + tl.where(q * W // G >= tile_lo, 0, 1)
+                        tot += tl.load(P + q_slot * (BLOCK_M * BLOCK_N) + blk, cache_modifier=".cg")
+                    _epilogue(tot, offs_m, offs_n, M, N, C, A_SCALE, B_SCALE, BIAS, stride_cm, stride_as, HAS_BIAS, ROUND_IN_F32)  # fmt: skip
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
 
 def streamk_programs(m: int, n: int, k: int, cfg: Fp8GemmConfig, sms: int) -> int:

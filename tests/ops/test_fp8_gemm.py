@@ -252,10 +252,28 @@ def test_backend_switch(kernel_on_cpu, monkeypatch):
         torch.ops.kiln.fp8_linear(xq, xs, wq, ws, bias, torch.bfloat16)
 
 
-def test_default_backend_is_cublas(monkeypatch):
+def test_default_backend_is_auto(monkeypatch):
     monkeypatch.delenv("KILN_FP8_GEMM", raising=False)
-    assert fl.fp8_backend() == "cublas"
+    assert fl.fp8_backend() == "auto"
     assert fl.fp8_backend("triton") == "triton"
+
+
+def test_auto_backend_runs_triton_where_the_table_has_the_shape(kernel_on_cpu, monkeypatch):
+    calls = []
+    real = fl.fp8_gemm
+    monkeypatch.setattr(fl, "fp8_gemm", lambda *a, **kw: calls.append(a[2].shape) or real(*a, **kw))
+    monkeypatch.setattr(fg, "TABLE", {(16, 48, 64): "m16n32k32g2w4s2k1"})
+    for m, n, ran in ((5, 48, 1), (5, 32, 1), (20, 48, 1), (9, 48, 2)):  # bucket 16, N = 48 only
+        xq, xs, wq, ws, bias = make_case(m, n, 64)
+        y = fl.fp8_linear_forward(xq, xs, wq, ws, bias, torch.float32, backend="auto")
+        assert len(calls) == ran and rel_err(y, fl.fp8_linear_ref(xq, xs, wq, ws, bias, torch.float32)) < 1e-5
+    assert fg.tuned(9, 48, 64) and not fg.tuned(9, 48, 80) and not fg.tuned(17, 48, 64)
+
+
+def test_table_entries_parse_and_cover_llama_shapes():
+    for (bucket, n, k), cfg in fg.TABLE.items():
+        assert bucket in fg.M_BUCKETS and str(fg.Fp8GemmConfig.parse(cfg)) == cfg
+    assert all(fg.tuned(m, n, k) for m in (129, 256, 300, 512) for n, k in SHAPES)
 
 
 def test_triton_backend_without_the_interpreter_uses_the_reference(monkeypatch):
