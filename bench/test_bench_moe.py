@@ -7,6 +7,9 @@ Rows of ``test_fused_moe`` (``impl``):
   with the default launch table (ops/moe_gemm.py: ``DEFAULT_TABLE``) or the recorded table in
   ``KILN_MOE_TUNING`` (the JSON ``moe_tuning_table`` writes, or a path to it): how a retuned table
   is checked before it becomes the default;
+* ``cutlass_sm90``: kiln's CUTLASS backend (ops/moe_cutlass.py: sort, gather, the sm90 grouped GEMM
+  library for both GEMMs, SiLU-and-mul, weighted un-sort), captured in a CUDA graph; skipped without
+  the library (``KILN_CUTLASS_LIB``, built by compiler/cutlass_build.py) or off sm90;
 * ``cutlass``: the same MoE with both GEMMs in ``torch._grouped_mm``, PyTorch's CUTLASS grouped
   GEMM for sm90 (tokens sorted by expert with torch ops, our SiLU-and-mul, index_add combine):
   CUTLASS beside Triton without carrying the CuTe DSL wheels (92 MB, over the GPU machine's
@@ -50,7 +53,7 @@ import torch
 import triton
 from conftest import SMOKE, graphed, pick
 
-from kiln.ops import moe
+from kiln.ops import moe, moe_cutlass
 from kiln.ops import moe_gemm as mg
 from kiln.ops.moe_align import moe_align_run
 from kiln.ops.quant import quantize_fp8_per_channel
@@ -58,7 +61,7 @@ from kiln.ops.quant import quantize_fp8_per_channel
 H, I, E, K = pick((2048, 768, 128, 8), (64, 32, 8, 2))
 TOKENS = pick([1, 8, 64, 256, 1024, 4096], [3])
 DEV = "cpu" if SMOKE else "cuda"
-IMPLS = ["triton", "triton_fp8", "cutlass", "eager", "routing", "align"]
+IMPLS = ["triton", "triton_fp8", "cutlass_sm90", "cutlass", "eager", "routing", "align"]
 
 
 def _tuning() -> str:
@@ -78,6 +81,18 @@ TUNING = _tuning()
 def _kernels_on_cpu(monkeypatch):
     if SMOKE:
         monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+
+
+def _cutlass_unavailable(x, w13, w2) -> str | None:
+    """Why the ``cutlass_sm90`` row cannot run (None: it can); loads ``KILN_CUTLASS_LIB``."""
+    path = os.environ.get("KILN_CUTLASS_LIB")
+    if moe_cutlass.library_path() is None and path:
+        moe_cutlass.load_library(path)
+    if moe_cutlass.library_path() is None:
+        return "no CUTLASS library: set KILN_CUTLASS_LIB (compiler/cutlass_build.py builds one)"
+    if not moe_cutlass.supports(x, w13, w2):
+        return "the CUTLASS backend runs bf16 experts on an sm90 GPU only"
+    return None
 
 
 def eager_moe(x, w13, w2, weights, ids):
@@ -150,6 +165,16 @@ def test_fused_moe(measure, t, impl):
         return
     if impl == "eager":
         fn = lambda: eager_moe(x, w13, w2, weights, ids)
+    elif impl == "cutlass_sm90":
+        why = _cutlass_unavailable(x, w13, w2)
+        if why:
+            pytest.skip(why)
+        out = moe_cutlass.fused_moe_cutlass(x, w13, w2, weights, ids, None)  # also sets up outside the graph
+        ref = eager_moe(x.float(), w13.float(), w2.float(), weights, ids)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 2e-2, f"CUTLASS MoE vs eager float32: relative error {err:.2e}"
+        info |= dict(backend="cutlass", variant="cutlass_sm90")
+        fn = graphed(lambda: moe_cutlass.fused_moe_cutlass(x, w13, w2, weights, ids, None))
     elif impl == "cutlass":
         if not hasattr(torch, "_grouped_mm"):
             pytest.skip(f"torch {torch.__version__} has no _grouped_mm")

@@ -24,6 +24,7 @@ import torch
 
 from kiln.compiler.config import ModelConfig, load_config
 from kiln.compiler.context import GRAPH_INPUTS
+from kiln.compiler.cutlass_build import check_request, cutlass_backend, drop_unused
 from kiln.compiler.graph_code import emit_graph_code
 from kiln.compiler.manifest import gpu_arch, versions, write_manifest
 from kiln.compiler.moe_layer import FusedMoE
@@ -66,6 +67,8 @@ class CompileOptions:
     page_size: int = 1
     decode_graphs: str = "shared"  # "shared": the dynamic graph serves decode too; "per-bucket": static ones
     moe_tune: bool = False  # on a GPU: time fused-MoE launch configs per token rung (compiler/moe_tune.py)
+    moe_backend: str = "triton"  # "cutlass" / "auto": the CUTLASS grouped GEMM (compiler/cutlass_build.py)
+    moe_cutlass_min_tokens: int = 2048  # moe_backend "cutlass": rungs from this many tokens on use it
     force: bool = False
 
     def buckets(self) -> list[int]:
@@ -181,6 +184,8 @@ def compile_model(
         validate_parallel(cfg, par)
         max_seq = opts.max_seq_len or min(cfg.max_position_embeddings, 32768)
         model_class(cfg.architecture)  # fail before any work if the architecture cannot compile
+        if cfg.moe is not None:
+            check_request(opts.moe_backend, torch.device(opts.device), opts.dtype, opts.quant)
         _prepare_out(out, opts.force)
     with timer.phase("weights"):
         pack_checkpoint(
@@ -198,7 +203,7 @@ def compile_model(
     moe_choice = None
     if cfg.moe is not None:
         with timer.phase("moe_tune" if opts.moe_tune else "moe_table"):
-            moe_choice = _moe_choice(cfg, opts, device)
+            moe_choice = _moe_choice(cfg, opts, device, out)
     with timer.phase("trace"):
         model = _model(cfg, opts)
         if moe_choice is not None:  # the graphs pass the recorded table to kiln::fused_moe
@@ -231,7 +236,7 @@ def compile_model(
                 graphs[f"decode_b{b}"] = {"batch": b}
     with timer.phase("kernels"):
         kernels_dir = out / "kernels"
-        kernels_dir.mkdir()
+        kernels_dir.mkdir(exist_ok=True)  # the MoE phase may have put the CUTLASS library there
         with _triton_cache(kernels_dir):
             # runnable, unlifted; without the stored example inputs (the module would also carry
             # an input-guard submodule the graph's Python source cannot hold)
@@ -391,14 +396,20 @@ def _warm_up(
             )
 
 
-def _moe_choice(cfg: ModelConfig, opts: CompileOptions, device: torch.device) -> dict[str, Any]:
-    """The fused-MoE launch table for this artifact (compiler/moe_tune.py)."""
+def _moe_choice(cfg: ModelConfig, opts: CompileOptions, device: torch.device, out: Path) -> dict[str, Any]:
+    """The fused-MoE launch table for this artifact (compiler/moe_tune.py), and its backends: the
+    CUTLASS library is built into ``out/kernels`` when a rung may use it (compiler/cutlass_build.py)."""
     m = cfg.moe
     assert m is not None
     shape = MoEShape(m.num_experts, -(-m.intermediate_size // opts.tp), cfg.hidden_size, m.top_k)
     max_tokens = max(opts.chunk_size, opts.buckets()[-1])
     measure = opts.moe_tune and opts.quant is None
-    return moe_tuning(shape, max_tokens, measure, DTYPES[opts.dtype], device)
+    backend, lib = cutlass_backend(opts.moe_backend, device, opts.dtype, opts.quant, measure, out / "kernels")
+    choice = moe_tuning(
+        shape, max_tokens, measure, DTYPES[opts.dtype], device, backend, opts.moe_cutlass_min_tokens, lib
+    )
+    drop_unused(choice, out)
+    return choice
 
 
 def _warm_up_sampler(vocab: int, device: torch.device) -> None:

@@ -74,6 +74,21 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
     help="MoE models on a GPU: time fused-MoE launch configs at a ladder of token counts and record "
     "the fastest per rung in the artifact (default: the op's default table, recorded as well).",
 )
+@click.option(
+    "--moe-backend",
+    type=click.Choice(["triton", "cutlass", "auto"]),
+    default="triton",
+    show_default=True,
+    help="MoE expert GEMMs: triton; cutlass (the CUTLASS sm90 grouped GEMM, built with nvcc into the "
+    "artifact, for prefill chunks of --moe-cutlass-min-tokens and more; bf16 on an H100/H200); auto "
+    "(with --moe-tune: time both per token rung, record the faster).",
+)
+@click.option(
+    "--moe-cutlass-min-tokens",
+    default=2048,
+    show_default=True,
+    help="--moe-backend cutlass: the smallest token count that runs CUTLASS.",
+)
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 def compile_cmd(
     model_dir: str,
@@ -88,6 +103,8 @@ def compile_cmd(
     page_size: str,
     decode_graphs: str,
     moe_tune: bool,
+    moe_backend: str,
+    moe_cutlass_min_tokens: int,
     force: bool,
 ) -> None:
     """Compile the Hugging Face checkpoint in MODEL_DIR into an artifact directory: weight packs
@@ -102,6 +119,8 @@ def compile_cmd(
         raise click.BadParameter("must be >= 1", param_hint="--max-batch-size")
     if chunk_size < 2:
         raise click.BadParameter("must be >= 2", param_hint="--chunk-size")
+    if moe_cutlass_min_tokens < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--moe-cutlass-min-tokens")
     opts = CompileOptions(
         device=device or ("cuda" if torch.cuda.is_available() else "cpu"),
         dtype=dtype,
@@ -113,6 +132,8 @@ def compile_cmd(
         page_size=int(page_size),
         decode_graphs=decode_graphs,
         moe_tune=moe_tune,
+        moe_backend=moe_backend,
+        moe_cutlass_min_tokens=moe_cutlass_min_tokens,
         force=force,
     )
     compile_model(model_dir, out, opts)

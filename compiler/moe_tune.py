@@ -6,6 +6,11 @@ block sizes from the artifact and never chooses or tunes. With ``CompileOptions.
 GPU, the compiler times candidate (w13, w2) configs of the whole op at a ladder of token counts
 on random experts of the model's shapes and records the fastest per rung instead.
 
+Backends (``--moe-backend``, ops/moe_cutlass.py): with "auto" (and the measurement) each rung also
+times the CUTLASS grouped GEMM path and takes it (``"backend": "cutlass"`` in the rung's entry, its
+Triton configs kept for calls CUTLASS cannot run) when it beats the rung's fastest Triton pair;
+"cutlass" puts every rung from ``cutlass_min_tokens`` tokens on CUTLASS (``force_backend``).
+
 ``tune`` is the device-free part (candidates in, table out; a test drives it with a fake timer);
 ``cuda_timer`` builds the timing function on the device.
 """
@@ -13,6 +18,7 @@ on random experts of the model's shapes and records the fastest per rung instead
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +30,7 @@ from kiln.ops import moe_gemm as mg
 Config = dict[str, int]
 Pair = tuple[Config, Config]  # (w13, w2)
 LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+CUTLASS_MIN_TOKENS = 2048  # --moe-backend cutlass: from here on (the H200 probe: CUTLASS won at 4096)
 
 # Alternatives to the default pair at a rung: decode GEMV tiles (BLOCK_M 1; a w2 GROUP_M of top-k
 # writes the top-k sum itself) and grouped-GEMM tiles (BLOCK_N, BLOCK_K, GROUP_M, warps, stages).
@@ -78,10 +85,13 @@ def tune(
     max_tokens: int,
     time_pair: Callable[[int, Pair], float],
     ladder: Sequence[int] = LADDER,
+    time_cutlass: Callable[[int], float] | None = None,
 ) -> tuple[str, list[dict[str, Any]]]:
     """The fastest candidate at each rung of ``ladder`` up to ``max_tokens`` (``time_pair(tokens,
     pair)`` -> seconds; a candidate that fails to run is skipped). Returns the table JSON
-    (``{"<rung>": {"w13", "w2"}}``: token counts up to a rung take its pair) and a report."""
+    (``{"<rung>": {"w13", "w2"}}``: token counts up to a rung take its pair) and a report.
+    ``time_cutlass(tokens)``: also time the CUTLASS backend; a rung it wins gets ``"backend":
+    "cutlass"`` beside its fastest Triton pair."""
     rungs = [t for t in ladder if t < max_tokens] + [max_tokens]
     table: dict[str, dict[str, Config]] = {}
     report = []
@@ -98,18 +108,43 @@ def tune(
         best_s, best = min(timed, key=lambda x: x[0])
         default_s = timed[0][0] if timed[0][1] == cands[0] else float("nan")
         table[str(t)] = {"w13": best[0], "w2": best[1]}
-        report.append(
-            {"tokens": t, "best_us": best_s * 1e6, "default_us": default_s * 1e6, "tried": len(timed)}
-        )
+        row = {"tokens": t, "best_us": best_s * 1e6, "default_us": default_s * 1e6, "tried": len(timed)}
+        if time_cutlass is not None:
+            try:
+                row["cutlass_us"] = time_cutlass(t) * 1e6
+            except Exception as e:
+                report.append({"tokens": t, "skipped": "cutlass", "error": str(e)[:200]})
+            if row.get("cutlass_us", math.inf) < row["best_us"]:
+                table[str(t)]["backend"] = "cutlass"
+            row["backend"] = table[str(t)].get("backend", "triton")
+        report.append(row)
     return json.dumps(table), report
+
+
+def force_backend(table: str, backend: str, min_tokens: int) -> str:
+    """``table`` (JSON) with ``backend`` on every token count from ``min_tokens`` on (an entry
+    covering counts on both sides is split; the Triton configs stay as they were)."""
+    out: dict[str, dict[str, Any]] = {}
+    prev = 0
+    for m, entry in mg.parse_tuning(table):
+        if m >= min_tokens:
+            if prev + 1 < min_tokens:  # counts prev+1 .. min_tokens-1 keep the entry as it was
+                out[str(min_tokens - 1)] = dict(entry)
+            out[str(m)] = dict(entry, backend=backend)
+        else:
+            out[str(m)] = dict(entry)
+        prev = m
+    return json.dumps(out)
 
 
 def cuda_timer(s: MoEShape, dtype: torch.dtype, device: torch.device) -> Callable[[int, Pair], float]:
     """``time_pair`` on the device: the whole ``fused_moe`` on random experts of the model's
-    shapes and uniform random routing (median of CUDA-event timings, ``triton.testing.do_bench``)."""
+    shapes and uniform random routing (median of CUDA-event timings, ``triton.testing.do_bench``);
+    ``pair`` None times the CUTLASS backend (ops/moe_cutlass.py; its library loaded)."""
     import triton.testing
 
     from kiln.ops.moe import fused_moe_triton
+    from kiln.ops.moe_cutlass import fused_moe_cutlass
 
     g = torch.Generator(device).manual_seed(0)
     w13 = (torch.randn(s.num_experts, 2 * s.inter, s.hidden, generator=g, device=device) / s.hidden**0.5).to(
@@ -119,18 +154,21 @@ def cuda_timer(s: MoEShape, dtype: torch.dtype, device: torch.device) -> Callabl
 
     inputs: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def time_pair(tokens: int, pair: Pair) -> float:
-        if tokens not in inputs:  # the first pair timed at a rung is the default: its output is the reference
+    def time_pair(tokens: int, pair: Pair | None) -> float:
+        if tokens not in inputs:  # the default table's output is the reference
             x = torch.randn(tokens, s.hidden, generator=g, device=device).to(dtype)
             ids = torch.rand(tokens, s.num_experts, generator=g, device=device).topk(s.top_k, dim=1).indices
             w = torch.full((tokens, s.top_k), 1.0 / s.top_k, device=device)
-            ref = fused_moe_triton(x, w13, w2, w, ids.to(torch.int32), None, None, None, configs=pair)
+            ref = fused_moe_triton(x, w13, w2, w, ids.to(torch.int32), None, None, None)
             inputs[tokens] = (x, w, ids.to(torch.int32), ref.float())
         x, w, ids, ref = inputs[tokens]
         out = torch.empty_like(x)
 
         def run() -> None:
-            fused_moe_triton(x, w13, w2, w, ids, None, None, None, configs=pair, out=out)
+            if pair is None:
+                fused_moe_cutlass(x, w13, w2, w, ids, None, out=out)
+            else:
+                fused_moe_triton(x, w13, w2, w, ids, None, None, None, configs=pair, out=out)
 
         run()  # compile (an OutOfResources config raises here and is skipped)
         err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -142,13 +180,31 @@ def cuda_timer(s: MoEShape, dtype: torch.dtype, device: torch.device) -> Callabl
 
 
 def moe_tuning(
-    s: MoEShape, max_tokens: int, measure: bool, dtype: torch.dtype, device: torch.device
+    s: MoEShape,
+    max_tokens: int,
+    measure: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: str = "triton",
+    cutlass_min_tokens: int = CUTLASS_MIN_TOKENS,
+    cutlass: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What ``manifest.kernel_choices.moe`` records: the table (JSON string, as the graphs pass it)
-    and how it was made (``method``: "default" or "measured", with the per-rung report)."""
+    and how it was made (``method``: "default" or "measured", with the per-rung report; ``backend``:
+    "triton", "cutlass" or "auto", the rungs' own ``backend`` saying what each runs; ``cutlass``:
+    the library's record, compiler/cutlass_build.py, whose library must be loaded for these two)."""
+    out: dict[str, Any] = {"backend": backend}
     if measure and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        table, report = tune(s, max_tokens, cuda_timer(s, dtype, device))
-        return {"backend": "triton", "method": "measured", "gpu": torch.cuda.get_device_name(device),
-                "table": table, "report": report}  # fmt: skip
-    table = mg.moe_tuning_table(s.num_experts, s.inter, s.hidden, s.top_k, max_tokens)
-    return {"backend": "triton", "method": "default", "table": table}
+        timer = cuda_timer(s, dtype, device)
+        time_cutlass = (lambda t: timer(t, None)) if backend == "auto" else None
+        table, report = tune(s, max_tokens, timer, time_cutlass=time_cutlass)
+        out |= {"method": "measured", "gpu": torch.cuda.get_device_name(device), "report": report}
+    else:
+        table = mg.moe_tuning_table(s.num_experts, s.inter, s.hidden, s.top_k, max_tokens)
+        out["method"] = "default"
+    if backend == "cutlass":
+        table = force_backend(table, "cutlass", cutlass_min_tokens)
+        out["cutlass_min_tokens"] = cutlass_min_tokens
+    if cutlass:
+        out["cutlass"] = cutlass
+    return out | {"table": table}

@@ -18,6 +18,11 @@ tuning) -> y [T, H]`` (dtype of ``x``):
 the local experts ``e = topk_ids[t, j]``, rounded as Hugging Face's expert MLP rounds (see
 ops/moe_gemm.py); the ``k`` terms are summed in float32 and rounded once.
 
+Backend: a recorded table's entry for ``T`` may name ``"backend": "cutlass"`` (ops/moe_gemm.py
+``pick_backend``): bf16 experts on an sm90 GPU then run ops/moe_cutlass.py's CUTLASS grouped GEMMs
+(its library must be loaded); anything else (FP8, fp16/fp32, CPU, the interpreter) runs the Triton
+kernels below with the entry's configs.
+
 The block sizes are chosen here from the concrete ``T`` (the op is one opaque node of the exported
 graph, so each decode bucket captured and each prefill chunk gets the table's entry for its size).
 A config with ``BLOCK_M`` 1 (decode-sized ``T``, see ops/moe_gemm.py) runs the decode GEMV instead:
@@ -33,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops import activation
+from kiln.ops import activation, moe_cutlass
 from kiln.ops.common import (
     FP8_DTYPE,
     FP8_MIN_SCALE,
@@ -46,7 +51,7 @@ from kiln.ops.common import (
     use_triton,
 )
 from kiln.ops.moe_align import moe_align_run
-from kiln.ops.moe_gemm import check_config, moe_gemm_launch, moe_gemv_launch, pick_configs
+from kiln.ops.moe_gemm import check_config, moe_gemm_launch, moe_gemv_launch, pick_backend, pick_configs
 from kiln.ops.quant import (
     dequantize_fp8,
     quantize_fp8_per_token,
@@ -300,6 +305,8 @@ def fused_moe(
     """Routed experts of a MoE layer, ``x [T, H] -> [T, H]`` (see the module docstring)."""
     _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     if use_triton(x):
+        if pick_backend(tuning, x.shape[0]) == "cutlass" and moe_cutlass.supports(x, w13, w2):
+            return moe_cutlass.fused_moe_cutlass(x, w13, w2, topk_weights, topk_ids, expert_map)
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, tuning)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
 

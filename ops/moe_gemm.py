@@ -37,7 +37,9 @@ receives (``tokens * top_k / E``), the ``BLOCK_M`` of both GEMMs and one tile pe
 ``moe_config`` / ``pick_configs`` resolve it for a shape and a token count; ``moe_tuning_table``
 writes the resolved table for one model as the JSON a compiler can record (and ``fused_moe``'s
 ``tuning`` argument reads back, ``parse_tuning``): ``{"<max tokens>": {"w13": cfg, "w2": cfg}}``,
-``cfg`` the keys ``CONFIG_KEYS``.
+``cfg`` the keys ``CONFIG_KEYS``. An entry may also name its ``"backend"``: ``"triton"`` (the
+default, these kernels) or ``"cutlass"`` (ops/moe_cutlass.py, for bf16 experts on sm90; elsewhere
+the entry's Triton configs run), read with ``pick_backend``.
 
 Both kernels are launched with PDL (ops/common.py) and wait at their top: which expert's weights a
 program reads comes from the routing (``topk_ids``, or the alignment), so no weight tile can be
@@ -59,6 +61,7 @@ from kiln.ops.common import FP8_DTYPE, interpreting, next_pow2, pdl_args, pdl_tr
 from kiln.ops.quant import tl_round
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+BACKENDS = ("triton", "cutlass")  # a tuning entry's optional "backend"
 
 
 class Tile(NamedTuple):
@@ -164,14 +167,20 @@ def check_config(cfg: dict[str, int], what: str = "moe config") -> None:
 
 @functools.lru_cache(maxsize=64)
 def parse_tuning(tuning: str) -> tuple[tuple[int, dict[str, dict[str, int]]], ...]:
-    """A recorded table ``{"<max tokens>": {"w13": cfg, "w2": cfg}, ...}`` (JSON) as sorted pairs.
+    """A recorded table ``{"<max tokens>": {"w13": cfg, "w2": cfg[, "backend": b]}, ...}`` (JSON) as
+    sorted pairs.
 
-    Each ``cfg`` has the keys of ``moe_config``; the two GEMMs of one entry must share ``BLOCK_M``.
+    Each ``cfg`` has the keys of ``moe_config``; the two GEMMs of one entry must share ``BLOCK_M``;
+    ``b`` is one of ``BACKENDS`` (absent: "triton").
     """
     table = []
     for key, entry in json.loads(tuning).items():
-        if set(entry) != {"w13", "w2"} or entry["w13"]["BLOCK_M"] != entry["w2"]["BLOCK_M"]:
+        if set(entry) - {"backend"} != {"w13", "w2"} or entry["w13"]["BLOCK_M"] != entry["w2"]["BLOCK_M"]:
             raise ValueError(f"moe tuning entry {key!r} needs 'w13' and 'w2' configs with one BLOCK_M")
+        if entry.get("backend", "triton") not in BACKENDS:
+            raise ValueError(
+                f"moe tuning entry {key!r}: 'backend' must be one of {BACKENDS}, got {entry['backend']!r}"
+            )
         for gemm in ("w13", "w2"):
             check_config(entry[gemm], f"moe tuning entry {key!r} {gemm}")
         table.append((int(key), entry))
@@ -184,13 +193,22 @@ def pick_configs(
     """(w13 config, w2 config) for ``tokens``: the recorded table's first entry with ``max tokens >=
     tokens`` (else its last), or ``DEFAULT_TABLE`` through ``moe_config`` when ``tuning`` is empty."""
     if tuning:
-        table = parse_tuning(tuning)
-        entry = next((e for m, e in table if tokens <= m), table[-1][1])
+        entry = _entry(tuning, tokens)
         return entry["w13"], entry["w2"]
     return (
         moe_config(num_experts, 2 * inter, hidden, tokens, top_k, "w13"),
         moe_config(num_experts, hidden, inter, tokens, top_k, "w2"),
     )
+
+
+def _entry(tuning: str, tokens: int) -> dict:
+    table = parse_tuning(tuning)
+    return next((e for m, e in table if tokens <= m), table[-1][1])
+
+
+def pick_backend(tuning: str, tokens: int) -> str:
+    """The backend the recorded table names for ``tokens`` ("triton" without a table or a name)."""
+    return _entry(tuning, tokens).get("backend", "triton") if tuning else "triton"
 
 
 def moe_tuning_table(num_experts: int, inter: int, hidden: int, top_k: int, max_tokens: int) -> str:
@@ -467,11 +485,16 @@ def moe_gemv_launch(
     )  # fmt: skip
 
 
-def specialization(c1: dict[str, int], c2: dict[str, int], tokens: int, top_k: int) -> tuple:
+def specialization(
+    c1: dict[str, int], c2: dict[str, int], tokens: int, top_k: int, backend: str = "triton"
+) -> tuple:
     """What selects ``fused_moe``'s kernel specializations at ``tokens``: both configs, and for the
-    grouped GEMM the one-program vs chunked alignment (the decode GEMV has no alignment)."""
+    grouped GEMM the one-program vs chunked alignment (the decode GEMV has no alignment); for the
+    CUTLASS backend only the SiLU-and-mul's block (ops/activation.py: up to 16 rows or more)."""
     from kiln.ops.moe_align import CHUNK
 
+    if backend == "cutlass":
+        return ("cutlass", tokens * top_k <= 16)
     align = None if c1["BLOCK_M"] == 1 else tokens * top_k <= CHUNK
     return tuple(c1[n] for n in CONFIG_KEYS), tuple(c2[n] for n in CONFIG_KEYS), align
 
@@ -485,5 +508,5 @@ def moe_warmup_tokens(
     seen: dict[tuple, int] = {}
     for t in range(1, max_tokens + 1):
         c1, c2 = pick_configs(tuning, num_experts, inter, hidden, t, top_k)
-        seen.setdefault(specialization(c1, c2, t, top_k), t)
+        seen.setdefault(specialization(c1, c2, t, top_k, pick_backend(tuning, t)), t)
     return sorted(seen.values())

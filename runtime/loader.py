@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kiln.runtime.artifact import Artifact, open_artifact
+from kiln.runtime.artifact import REBUILD, Artifact, ArtifactError, _sha256, open_artifact
 from kiln.runtime.graph_code import load_graph_code
 
 
@@ -36,6 +36,35 @@ class LoadedModel:
 def use_artifact_kernels(art: Artifact) -> None:
     """Point Triton at the artifact's precompiled kernel cache."""
     os.environ["TRITON_CACHE_DIR"] = str((art.root / "kernels").resolve())
+
+
+def load_moe_library(art: Artifact, device: torch.device) -> str | None:
+    """Load the CUTLASS grouped-GEMM library into this process (ops/moe_cutlass.py) when a rung of
+    the artifact's MoE table runs CUTLASS (``manifest.kernel_choices.moe``) and the device is CUDA;
+    it is executable code, so its sha256 is always checked. Returns its path (None: not needed)."""
+    moe = art.manifest.get("kernel_choices", {}).get("moe") or {}
+    table = moe.get("table") or {}
+    if device.type != "cuda" or not any(e.get("backend") == "cutlass" for e in table.values()):
+        return None
+    rel = (moe.get("cutlass") or {}).get("library")
+    info = art.manifest.get("files", {}).get(rel or "")
+    if not rel or info is None:
+        raise ArtifactError(
+            "manifest field 'kernel_choices.moe.cutlass.library' must name a file listed in 'files' when "
+            f"the MoE table has CUTLASS rungs (it is {rel!r}): {REBUILD}."
+        )
+    path = art.root / rel
+    if _sha256(path) != info["sha256"]:
+        raise ArtifactError(f"artifact file {rel} fails its sha256 check; copy it again or {REBUILD}.")
+    from kiln.ops import moe_cutlass
+
+    try:
+        moe_cutlass.load_library(path)
+    except (OSError, moe_cutlass.CutlassUnavailable) as err:
+        raise ArtifactError(
+            f"artifact file {rel} (the CUTLASS MoE library) does not load here ({err}): {REBUILD}."
+        ) from err
+    return str(path)
 
 
 class _CachedTyping(types.ModuleType):
@@ -128,6 +157,7 @@ def load_model(
 
     art = open_artifact(path, dev, verify=verify)
     use_artifact_kernels(art)
+    load_moe_library(art, dev)
     import kiln.ops  # noqa: F401  (registers torch.ops.kiln.* before graphs deserialize)
     from kiln.ops.rope import rope_cos_sin_cache
     from kiln.weights import load_pack

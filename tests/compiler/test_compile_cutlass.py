@@ -1,0 +1,252 @@
+"""``kiln compile --moe-backend``: the table's per-rung backend (forced, measured), building the CUTLASS
+library (compiler/cutlass_build.py, a stand-in nvcc on CPU), its errors, the manifest record and the
+runtime loader that reads it; on the GPU, tiny Qwen3-MoE artifacts with CUTLASS rungs against Triton."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import rel_err
+from tiny_moe_models import make_moe_checkpoint
+
+from kiln.compiler import cutlass_build as cb
+from kiln.compiler.build import CompileOptions, compile_model
+from kiln.compiler.moe_tune import MoEShape, candidates, force_backend, moe_tuning, tune
+from kiln.ops import moe_cutlass
+from kiln.ops import moe_gemm as mg
+from kiln.runtime.artifact import Artifact, ArtifactError
+from kiln.runtime.loader import load_moe_library
+
+CPU_OPTS = dict(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=128, chunk_size=64)
+
+
+def test_forced_backend_splits_the_table_at_the_threshold():
+    table = mg.moe_tuning_table(128, 768, 2048, 8, 4096)
+    forced = force_backend(table, "cutlass", 2048)
+    assert "2047" in json.loads(forced) and json.loads(forced)["4096"]["backend"] == "cutlass"
+    for t in [*range(1, 40), 1024, 2046, 2047, 2048, 2049, 4096, 9000]:
+        assert mg.pick_configs(forced, 128, 768, 2048, t, 8) == mg.pick_configs(table, 128, 768, 2048, t, 8)
+        assert mg.pick_backend(forced, t) == ("cutlass" if t >= 2048 else "triton"), t
+    assert all(mg.pick_backend(force_backend(table, "cutlass", 5000), t) == "triton" for t in (1, 4096, 9000))
+
+
+def test_tuner_records_cutlass_where_it_wins():
+    s = MoEShape(num_experts=16, inter=64, hidden=128, top_k=2)
+
+    def time_pair(tokens, pair):
+        return 1.0 - 0.01 * candidates(s, tokens).index(pair)  # the last candidate is the fastest Triton
+
+    def time_cutlass(tokens):
+        if tokens == 4:
+            raise RuntimeError("CUTLASS failed")
+        return 0.5 if tokens >= 16 else 2.0
+
+    table, report = tune(s, 40, time_pair, ladder=(1, 4, 16), time_cutlass=time_cutlass)
+    parsed = dict(mg.parse_tuning(table))
+    assert [mg.pick_backend(table, t) for t in (1, 4, 16, 40, 100)] == ["triton"] * 2 + ["cutlass"] * 3
+    for m, entry in parsed.items():  # the fastest Triton pair is kept on CUTLASS rungs too
+        assert (entry["w13"], entry["w2"]) == candidates(s, m)[-1]
+    rows = {r["tokens"]: r for r in report if "best_us" in r}
+    assert (
+        rows[16]["cutlass_us"] == 0.5e6
+        and rows[16]["backend"] == "cutlass"
+        and rows[1]["backend"] == "triton"
+    )
+    assert any(r.get("skipped") == "cutlass" for r in report) and "cutlass_us" not in rows[4]
+
+
+def test_moe_tuning_records_the_backend_and_library():
+    s = MoEShape(num_experts=16, inter=64, hidden=128, top_k=2)
+    lib = {"library": "kernels/cutlass_moe_sm90.so", "arch": "sm_90a"}
+    choice = moe_tuning(s, 100, False, torch.bfloat16, torch.device("cpu"), "cutlass", 50, lib)
+    assert choice["backend"] == "cutlass" and choice["method"] == "default" and choice["cutlass"] == lib
+    assert choice["cutlass_min_tokens"] == 50
+    assert [mg.pick_backend(choice["table"], t) for t in (49, 50, 100)] == ["triton", "cutlass", "cutlass"]
+    plain = moe_tuning(s, 100, False, torch.bfloat16, torch.device("cpu"))
+    assert plain["backend"] == "triton" and "cutlass" not in plain and "backend" not in plain["table"]
+
+
+# ---- building the library ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_toolchain(tmp_path, monkeypatch):
+    """A stand-in nvcc (logs its arguments, writes -o) and a CUTLASS header tree."""
+    root = tmp_path / "cutlass"
+    (root / "include" / "cutlass").mkdir(parents=True)
+    (root / "include" / "cutlass" / "cutlass.h").write_text("// stand-in\n")
+    (root / "include" / "cutlass" / "version.h").write_text("#define CUTLASS_MAJOR 4\n")
+    nvcc = tmp_path / "nvcc"
+    log = tmp_path / "nvcc.log"
+    nvcc.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "Cuda compilation tools, release 13.0"; exit 0; fi\n'
+        f'echo "$@" >> {log}\n'
+        'if [ -n "$FAKE_NVCC_FAIL" ]; then echo "error: no sm_90a" >&2; exit 2; fi\n'
+        'while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then echo built > "$2"; fi; shift; done\n'
+    )
+    nvcc.chmod(nvcc.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("KILN_NVCC", str(nvcc))
+    monkeypatch.setenv("KILN_CUTLASS_DIR", str(root))
+    monkeypatch.setenv("KILN_CUTLASS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("KILN_CUTLASS_LIB", raising=False)
+    return root, log
+
+
+def test_build_runs_nvcc_once_then_uses_the_cache(tmp_path, fake_toolchain, monkeypatch):
+    root, log = fake_toolchain
+    first = cb.build_library(tmp_path / "a" / "kernels")
+    assert first["source"] == "nvcc" and Path(first["path"]).read_text() == "built\n"
+    args = log.read_text().split()
+    assert "-arch=sm_90a" in args and f"-I{root / 'include'}" in args and str(cb.source_file()) in args
+    assert cb.source_file().is_file() and "-shared" in args
+    second = cb.build_library(tmp_path / "b" / "kernels")
+    assert second["source"] == "cache" and len(log.read_text().splitlines()) == 1  # nvcc not run again
+    monkeypatch.setenv("KILN_CUTLASS_LIB", first["path"])
+    assert cb.build_library(tmp_path / "c")["source"] == "prebuilt"
+    monkeypatch.setenv("KILN_CUTLASS_LIB", str(tmp_path / "nope.so"))
+    with pytest.raises(cb.CutlassBuildError, match=r"KILN_CUTLASS_LIB=.*does not exist"):
+        cb.build_library(tmp_path / "d")
+
+
+def test_build_errors_name_the_fix(tmp_path, fake_toolchain, monkeypatch):
+    monkeypatch.setenv("FAKE_NVCC_FAIL", "1")
+    with pytest.raises(cb.CutlassBuildError, match=r"(?s)nvcc failed \(2\).*no sm_90a.*--moe-backend triton"):
+        cb.build_library(tmp_path / "k")
+    monkeypatch.setenv("KILN_CUTLASS_DIR", str(tmp_path))
+    with pytest.raises(cb.CutlassBuildError, match=r"holds no include/cutlass/cutlass\.h"):
+        cb.cutlass_dir()
+    monkeypatch.delenv("KILN_CUTLASS_DIR")
+    monkeypatch.setattr(cb.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(cb.CutlassBuildError, match=r"CUTLASS headers not found.*pip install nvidia-cutlass"):
+        cb.cutlass_dir()
+    for var in ("KILN_NVCC", "CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(cb.CutlassBuildError, match=r"nvcc not found.*KILN_CUTLASS_LIB.*--moe-backend triton"):
+        cb.find_nvcc()
+
+
+def test_backend_choice_on_a_machine_without_the_gpu(tmp_path):
+    cpu = torch.device("cpu")
+    assert cb.cutlass_backend("triton", cpu, "bfloat16", None, False, tmp_path) == ("triton", {})
+    with pytest.raises(
+        cb.CutlassBuildError, match=r"--moe-backend cutlass needs --device cuda.*--moe-backend triton"
+    ):
+        cb.cutlass_backend("cutlass", cpu, "bfloat16", None, False, tmp_path)
+    with pytest.warns(UserWarning, match="auto keeps Triton"):
+        backend, info = cb.cutlass_backend("auto", cpu, "bfloat16", None, True, tmp_path)
+    assert backend == "triton" and "--device cuda" in info["note"]
+    with pytest.raises(cb.CutlassBuildError, match="must be one of"):
+        cb.check_request("cublas", cpu, "bfloat16", None)
+    lib = tmp_path / "kernels" / cb.LIB_NAME
+    lib.parent.mkdir()
+    lib.write_bytes(b"x")
+    choice = {
+        "table": mg.moe_tuning_table(8, 32, 32, 2, 64),
+        "cutlass": {"library": f"kernels/{cb.LIB_NAME}"},
+    }
+    cb.drop_unused(choice, tmp_path)
+    assert not lib.exists() and "no rung" in choice["cutlass"]["note"]
+
+
+def test_cpu_compile_refuses_cutlass_before_any_work(tmp_path):
+    make_moe_checkpoint(tmp_path / "hf", "qwen3-moe")
+    opts = CompileOptions(**(CPU_OPTS | {"dtype": "bfloat16"}), moe_backend="cutlass")
+    with pytest.raises(cb.CutlassBuildError, match="needs --device cuda"):
+        compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
+    assert not (tmp_path / "art" / "weights").exists()
+
+
+# ---- the manifest record, read by the runtime loader ------------------------------------------------
+
+
+def test_loader_loads_the_library_the_manifest_names(tmp_path, monkeypatch):
+    lib = tmp_path / "kernels" / cb.LIB_NAME
+    lib.parent.mkdir()
+    lib.write_bytes(b"library bytes")
+    sha = hashlib.sha256(b"library bytes").hexdigest()
+    table = json.loads(force_backend(mg.moe_tuning_table(8, 32, 32, 2, 64), "cutlass", 16))
+    moe = {"backend": "cutlass", "table": table, "cutlass": {"library": f"kernels/{cb.LIB_NAME}"}}
+    files = {f"kernels/{cb.LIB_NAME}": {"sha256": sha, "size": 13}}
+    loaded = []
+    monkeypatch.setattr(moe_cutlass, "load_library", lambda p: loaded.append(str(p)))
+    art = Artifact(tmp_path, {"kernel_choices": {"moe": moe}, "files": files})
+    assert load_moe_library(art, torch.device("cpu")) is None and not loaded  # CPU: the reference runs
+    assert load_moe_library(art, torch.device("cuda")) == str(lib) and loaded == [str(lib)]
+    triton_only = Artifact(
+        tmp_path,
+        {"kernel_choices": {"moe": moe | {"table": json.loads(mg.moe_tuning_table(8, 32, 32, 2, 64))}}},
+    )
+    assert load_moe_library(triton_only, torch.device("cuda")) is None
+    bad = Artifact(
+        tmp_path, {"kernel_choices": {"moe": moe}, "files": {f"kernels/{cb.LIB_NAME}": {"sha256": "0" * 64}}}
+    )
+    with pytest.raises(ArtifactError, match=f"kernels/{cb.LIB_NAME} fails its sha256 check"):
+        load_moe_library(bad, torch.device("cuda"))
+    unnamed = Artifact(tmp_path, {"kernel_choices": {"moe": moe | {"cutlass": {}}}, "files": files})
+    with pytest.raises(ArtifactError, match=r"'kernel_choices\.moe\.cutlass\.library'.*kiln compile"):
+        load_moe_library(unnamed, torch.device("cuda"))
+
+
+# ---- GPU: artifacts with CUTLASS rungs ----------------------------------------------------------------
+
+GPU_OPTS = dict(device="cuda", dtype="bfloat16", max_batch_size=2, max_seq_len=128, chunk_size=32)
+
+
+@pytest.fixture(scope="module")
+def gpu_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cutlass_art")
+    make_moe_checkpoint(root / "hf", "qwen3-moe")
+    return root
+
+
+def _compile_or_skip(root, name, **opts):
+    try:
+        return compile_model(root / "hf", root / name, CompileOptions(**GPU_OPTS, **opts), verbose=False)
+    except cb.CutlassBuildError as err:
+        if "not found" in str(err):
+            pytest.skip(f"no CUTLASS toolchain here: {err}")
+        raise
+
+
+@pytest.mark.gpu
+def test_gpu_cutlass_artifact_matches_triton(compiled_gpu, gpu_checkpoint):
+    from kiln.runtime.direct import DirectRunner
+
+    root = gpu_checkpoint
+    _compile_or_skip(root, "triton")
+    m = _compile_or_skip(root, "cutlass", moe_backend="cutlass", moe_cutlass_min_tokens=8)
+    moe = m["kernel_choices"]["moe"]
+    lib = moe["cutlass"]["library"]
+    assert moe["backend"] == "cutlass" and lib in m["files"] and (root / "cutlass" / lib).is_file()
+    assert (
+        mg.pick_backend(json.dumps(moe["table"]), 8) == "cutlass"
+        and mg.pick_backend(json.dumps(moe["table"]), 7) == "triton"
+    )
+    prompts = [list(range(5, 25)), list(range(40, 52))]  # 32 tokens: the CUTLASS rungs
+    ref = DirectRunner(str(root / "triton"), device="cuda", num_slots=256).prefill(prompts)
+    out = DirectRunner(str(root / "cutlass"), device="cuda", num_slots=256).prefill(prompts)
+    assert moe_cutlass.library_path() == (root / "cutlass" / lib).resolve()
+    assert rel_err(out.float(), ref.float()) < 3e-2
+
+
+@pytest.mark.gpu
+def test_gpu_auto_times_both_backends(compiled_gpu, gpu_checkpoint):
+    m = _compile_or_skip(gpu_checkpoint, "auto", moe_backend="auto", moe_tune=True)
+    moe = m["kernel_choices"]["moe"]
+    assert moe["backend"] == "auto" and moe["method"] == "measured"
+    rungs = [r for r in moe["report"] if "best_us" in r]
+    assert rungs and all(r["backend"] in ("triton", "cutlass") and r["cutlass_us"] > 0 for r in rungs)
+    chosen = {str(r["tokens"]): r["backend"] for r in rungs}
+    assert chosen == {k: e.get("backend", "triton") for k, e in moe["table"].items()}
+    uses = "cutlass" in chosen.values()
+    assert ("library" in moe["cutlass"]) == uses and (
+        os.path.isfile(gpu_checkpoint / "auto" / "kernels" / cb.LIB_NAME)
+    ) == uses
