@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -109,8 +110,9 @@ def _is_sm90(index: int) -> bool:
 
 def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the CUTLASS backend runs this call: bf16 activations and experts on an sm90 GPU
-    (compiled kernels, not the interpreter), contiguous experts, H and I multiples of ``ALIGN``."""
-    if not x.is_cuda or interpreting():
+    (compiled kernels, not the interpreter), contiguous experts, H and I multiples of ``ALIGN``,
+    and not switched off (``KILN_MOE_CUTLASS=0``, read at call time: the entry's Triton configs run)."""
+    if not x.is_cuda or interpreting() or os.environ.get("KILN_MOE_CUTLASS", "1") == "0":
         return False
     if not _is_sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()):
         return False

@@ -1,7 +1,8 @@
 #!/bin/bash
 # The CUTLASS backend of the fused MoE op (ops/moe_cutlass.py) on the H200: GPU tests, Triton and
 # CUTLASS side by side in the MoE benchmark, a per-stage split of the CUTLASS path, and tiny
-# Qwen3-MoE compiles with --moe-backend cutlass / auto. About 4-5 min of GPU time.
+# Qwen3-MoE compile with --moe-backend cutlass and the auto choice at one rung. At most BUDGET seconds
+# (default 330) after the setup: each stage gets min(its cap, what is left), in priority order.
 #
 #   here (CPU, once):  bash bench/gpu/run_cutlass_moe.sh prep     # the library, ~1 min (nvcc; cached)
 #   GPU:  run(carry=["bench/cutlass_probe/whl", "bench/cutlass_probe/out"],
@@ -24,6 +25,8 @@ from kiln.compiler.cutlass_build import build_library; print(build_library('$(di
 fi
 
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+DEADLINE=$((SECONDS + ${BUDGET:-330} + 60))  # + the setup below
+cap() { local left=$((DEADLINE - SECONDS)); [ "$left" -lt 1 ] && left=1; [ "$left" -lt "$1" ] && echo "$left" || echo "$1"; }
 site /tmp/site && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1  # headers, if a build is needed
 source bench/gpu/env.sh
 nvidia-smi -L; nvcc --version 2>/dev/null | tail -1
@@ -37,11 +40,11 @@ else
 fi
 
 echo "== 1. GPU tests: fused_moe_cutlass vs fused_moe_ref, empty experts, expert map, CUDA graph replay"
-timeout 240 python3 -m pytest -q -m gpu tests/ops/test_moe_cutlass.py -p no:cacheprovider -rfs > "$OUT/gpu_tests.log" 2>&1
+timeout $(cap 150) python3 -m pytest -q -m gpu tests/ops/test_moe_cutlass.py -p no:cacheprovider -rfs > "$OUT/gpu_tests.log" 2>&1
 tail -3 "$OUT/gpu_tests.log"
 
 echo "== 2. bench: kiln.fused_moe (Triton) vs the CUTLASS backend, E=128 top-8 H=2048 I=768, CUDA graphs"
-timeout 200 python3 -m pytest -q bench/test_bench_moe.py -p no:cacheprovider --benchmark-json="$OUT/raw.json" \
+timeout $(cap 120) python3 -m pytest -q bench/test_bench_moe.py -p no:cacheprovider --benchmark-json="$OUT/raw.json" \
   -k "test_fused_moe and not sweep and not fp8 and (triton or cutlass_sm90)" > "$OUT/bench.log" 2>&1
 tail -2 "$OUT/bench.log"
 python3 bench/report.py "$OUT/raw.json" "$OUT/moe_cutlass_bench.json" --command \
@@ -49,7 +52,7 @@ python3 bench/report.py "$OUT/raw.json" "$OUT/moe_cutlass_bench.json" --command 
 rm -f "$OUT/raw.json"
 
 echo "== 3. stages of the CUTLASS path (us per call, CUDA events, L2 warm)"
-timeout 90 python3 - "$OUT/stages.json" <<'EOF' 2>&1 | tail -4
+timeout $(cap 50) python3 - "$OUT/stages.json" <<'EOF' 2>&1 | tail -4
 import json, sys, torch
 from kiln.ops import activation, moe_cutlass as mc, moe_permute as mp
 mc.load_library(__import__("os").environ["KILN_CUTLASS_LIB"])
@@ -89,8 +92,8 @@ for t in (1024, 4096):
 json.dump(res, open(sys.argv[1], "w"), indent=1)
 EOF
 
-echo "== 4. tiny Qwen3-MoE compiles: --moe-backend cutlass vs triton artifacts, --moe-backend auto --moe-tune"
-timeout 200 python3 -m pytest -q -m gpu tests/compiler/test_compile_cutlass.py -p no:cacheprovider -rfs \
+echo "== 4. tiny Qwen3-MoE compile --moe-backend cutlass (vs KILN_MOE_CUTLASS=0), auto at one rung"
+timeout $(cap 150) python3 -m pytest -q -m gpu tests/compiler/test_compile_cutlass.py -p no:cacheprovider -rfs \
   > "$OUT/compile_tests.log" 2>&1
 tail -3 "$OUT/compile_tests.log"
 

@@ -215,6 +215,9 @@ def test_gpu_matches_reference(compiled_gpu, cutlass_lib, shape, t, hot):
     h, i, e, k = shape
     x, w13, w2, w, ids, _, _ = make_moe(t, h, i, e, k, torch.bfloat16, device="cuda", seed=t, hot=hot)
     assert moe_cutlass.supports(x, w13, w2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KILN_MOE_CUTLASS", "0")  # the switch, read at call time
+        assert not moe_cutlass.supports(x, w13, w2)
     out = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device="cuda")
     moe_cutlass.fused_moe_cutlass(x, w13, w2, w, ids, None, out=out)
     assert_rel(out, moe.fused_moe_ref(x, w13, w2, w, ids), TOL[torch.bfloat16])
