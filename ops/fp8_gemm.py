@@ -17,7 +17,9 @@ errors) leaves the promotion to the hardware (faster, less accurate over long K)
 
 Kernel: one program per ``BLOCK_M x BLOCK_N`` output tile, ``GROUP_M`` row blocks side by side for
 L2 reuse of ``w``; ``num_stages`` software pipelining of the K loop; operands through pointer loads
-or (config ``tma``) TMA descriptors; ops/fp8_streamk.py is the stream-K variant (config ``streamk``). Rows past ``M`` (and columns
+or (config ``tma``) TMA descriptors. (A stream-K variant, one even range of (tile, K step)
+iterations per SM with last-arrival fix-up, measured 1.5-3x slower than the best tiles at M = 256 on
+the H200, bench/results/2026-11-29_h200_fp8_sweep_streamk.json, and was removed.) Rows past ``M`` (and columns
 past ``N``) re-read valid rows, so the operand loads carry no M/N masks; their results are not
 stored. Split-K (``split_k > 1``, for small M, where the tiles alone do not fill the GPU): program
 ``(tile, s)`` covers K slice ``s`` and writes its float32 partial to a ``[split_k, M, N]``
@@ -64,25 +66,23 @@ class Fp8GemmConfig:
     split_k: int = 1
     tma: bool = False  # operand tiles through TMA descriptors (else pointer loads)
     fused: bool = False  # split-K: the last-arriving slice sums the partials (else a second kernel)
-    streamk: bool = False  # ops/fp8_streamk.py: even K-step ranges per SM (TMA; split_k unused)
 
     def __str__(self) -> str:
         return (
             f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}"
             f"w{self.num_warps}s{self.num_stages}k{self.split_k}"
-            f"{'t' if self.tma else ''}{'f' if self.fused else ''}{'p' if self.streamk else ''}"
+            f"{'t' if self.tma else ''}{'f' if self.fused else ''}"
         )
 
     @classmethod
     def parse(cls, text: str) -> Fp8GemmConfig:
         """The inverse of ``str``: ``"m64n128k128g8w4s4k2"`` (what the sweep records), with ``t``
-        (TMA), ``f`` (fused split-K reduction) and ``p`` (stream-K) appended when set:
-        ``"m128n128k128g8w8s4k2tf"``, ``"m128n128k128g8w8s4k1tp"``."""
-        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)g(\d+)w(\d+)s(\d+)k(\d+)(t?)(f?)(p?)", text.strip())
+        (TMA) and ``f`` (fused split-K reduction) appended when set: ``"m128n128k128g8w8s4k2tf"``."""
+        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)g(\d+)w(\d+)s(\d+)k(\d+)(t?)(f?)", text.strip())
         if m is None:
             raise ValueError(f"fp8_gemm: bad config string {text!r} (want e.g. 'm64n128k128g8w4s4k2tf')")
-        *ints, tma, fused, streamk = m.groups()
-        return cls(*(int(v) for v in ints), tma=bool(tma), fused=bool(fused), streamk=bool(streamk))
+        *ints, tma, fused = m.groups()
+        return cls(*(int(v) for v in ints), tma=bool(tma), fused=bool(fused))
 
     def check(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -128,14 +128,15 @@ TABLE: dict[tuple[float, int, int], str] = {
 
 
 # Candidates bench/test_bench_fp8_linear.py::test_fp8_gemm_sweep times (and checks against the
-# float32 reference) at M = 256 and 512 and Llama-3.1-8B's N, K, for filling TABLE: the eight best of
-# the TMA / fused split-K sweep (bench/results/2026-11-29_h200_fp8_sweep_tma.json) and stream-K tiles.
+# float32 reference) at M = 256 and 512 and Llama-3.1-8B's N, K, for filling TABLE: the pointer-load
+# sweep's best four (bench/results/2026-11-29_h200_fp8_gemm.json), then tiles that cover the GPU at
+# M = 256 with TMA loads and the fused split-K reduction (2026-11-29_h200_fp8_sweep_tma.json).
 SWEEP_CONFIGS = (
-    "m64n64k128g8w4s5k1t", "m64n128k128g8w4s4k1t", "m64n128k128g8w4s5k1t", "m128n256k128g8w8s3k1t",
-    "m64n128k128g8w4s4k2tf", "m128n128k128g8w8s4k1t", "m64n128k128g8w4s3k1t", "m128n64k128g8w4s4k1t",
-    "m128n128k128g8w8s4k1tp", "m128n128k128g8w8s3k1tp", "m128n128k128g8w4s4k1tp", "m64n128k128g8w4s4k1tp",
-    "m64n128k128g8w4s5k1tp", "m128n64k128g8w4s5k1tp", "m64n64k128g8w4s5k1tp", "m128n256k128g8w8s3k1tp",
-    "m64n256k128g8w8s3k1tp", "m128n128k64g8w8s6k1tp",
+    "m64n128k128g8w4s5k1", "m64n128k128g8w4s4k1", "m64n128k128g8w4s4k2", "m128n128k128g8w8s4k2",
+    "m64n128k128g8w4s4k1t", "m64n128k128g8w4s5k1t", "m64n128k128g8w4s3k1t", "m64n128k128g8w8s4k1t",
+    "m128n64k128g8w4s4k1t", "m128n64k128g8w4s5k1t", "m64n64k128g8w4s5k1t", "m64n256k128g8w8s3k1t",
+    "m128n128k128g8w8s4k1t", "m128n128k128g8w8s4k2tf", "m128n128k128g8w8s4k2f", "m128n128k128g8w8s4k4tf",
+    "m64n128k128g8w4s4k2tf", "m128n64k128g8w4s4k2tf", "m128n256k128g8w8s3k1t", "m128n128k64g8w8s6k2tf",
 )  # fmt: skip
 
 
@@ -363,12 +364,6 @@ def fp8_gemm(
     ws = w_scale.reshape(-1).contiguous()
     b = bias.contiguous() if bias is not None else ws
     interp = interpreting()
-    if cfg.streamk and tma_ok(x, w):
-        from kiln.ops.fp8_streamk import fp8_streamk_launch  # imports this module
-
-        bias_c = None if bias is None else b
-        if fp8_streamk_launch(x, xs, stride_as, w, ws, bias_c, y, cfg, num_sms(x.device), fast_accum, interp):
-            return y
     split = cfg.split_k
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)

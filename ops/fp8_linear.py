@@ -22,12 +22,24 @@ and, with ``KILN_TRITON_ON_CPU=1`` under ``TRITON_INTERPRET=1``, on CPU tensors;
 takes ``triton`` where ``fp8_gemm.TABLE`` holds a measured launch config for the shape (prefill-sized
 M of 129..512 at Llama-3.1-8B's N, K, where it beat cuBLAS on the H200), else ``cublas``.
 
-Accumulation: FP8 tensor cores sum each MMA's products at reduced precision. ``KILN_FP8_FAST_ACCUM=1``
-(default) leaves it at that; ``0`` promotes the sum into float32 every ``BLOCK_K`` (128) products,
-in both backends. Measured on the H200 against the exact float32 product of the FP8 values, with a
-bf16 output: relative error 2.1e-3 at K = 4096 and 3.3e-3 at K = 14336 with fast accumulation,
-1.7e-3 with the promotion (most of it is the bf16 rounding). The activation's own per-token FP8
-rounding is about 3e-2, ten times more. The promotion costs 10-30% at M = 256..512
+Accumulation: FP8 tensor cores sum each MMA's products at reduced precision. Fast accumulation
+leaves it at that; precise accumulation promotes the sum into float32 every 128 products.
+``KILN_FP8_FAST_ACCUM``: ``auto`` (default) is fast in the Triton kernel and precise in cuBLAS;
+``1`` is fast in both; ``0`` is precise in both. cuBLAS stays precise under ``auto`` for two reasons.
+It has no fast row-wise kernel for some shapes: ``CUBLAS_STATUS_NOT_SUPPORTED`` at M <= 7, N = 4096,
+K = 14336 on the H200 with CUDA 13.0. And it meets the 1.5x target without one at the M where
+``auto`` sends products to it.
+
+Errors measured on the H200, against the exact float32 product of the FP8 values, with a bf16 output
+(relative):
+
+| accumulation | K = 4096 | K = 14336 |
+|---|---|---|
+| fast | 2.1e-3 | 3.3e-3 |
+| precise | 1.7e-3 | 1.7e-3 |
+
+Most of the precise figure is the bf16 rounding. The activation's own per-token FP8 rounding is
+about 3e-2, ten times more. Precise accumulation costs the Triton kernel 10-30% at M = 256..512
 (bench/results/2026-11-29_h200_fp8_sweep_tma.json).
 """
 
@@ -42,7 +54,18 @@ import torch
 from kiln.ops.common import FP8_DTYPE, kiln_op, use_triton
 from kiln.ops.fp8_gemm import fp8_gemm, tuned
 
-FAST_ACCUM = os.environ.get("KILN_FP8_FAST_ACCUM", "1") == "1"  # see the module docstring
+ACCUM_MODES = ("auto", "0", "1")
+
+
+def use_fast_accum(backend: str) -> bool:
+    """Whether ``backend`` (``cublas`` or ``triton``) accumulates fast under ``KILN_FP8_FAST_ACCUM``
+    (read at call time; see the module docstring)."""
+    mode = os.environ.get("KILN_FP8_FAST_ACCUM", "auto")
+    if mode not in ACCUM_MODES:
+        raise ValueError(f"fp8_linear: KILN_FP8_FAST_ACCUM must be one of {ACCUM_MODES}, got {mode!r}")
+    return mode == "1" or (mode == "auto" and backend == "triton")
+
+
 BACKENDS = ("auto", "cublas", "triton")
 
 
@@ -114,7 +137,7 @@ def scaled_mm_rowwise(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
-    fast_accum: bool = FAST_ACCUM,
+    fast_accum: bool | None = None,
 ) -> torch.Tensor:
     """``torch._scaled_mm`` with row-wise scales; inputs as ``fp8_linear`` takes them (checked)."""
     t, n = x.shape[0], w.shape[0]
@@ -128,7 +151,13 @@ def scaled_mm_rowwise(
     fused_bias = bias is not None and mm_dtype != torch.float32
     b = bias.to(mm_dtype) if fused_bias else None
     y = torch._scaled_mm(
-        x, w.t(), scale_a=sa, scale_b=sb, bias=b, out_dtype=mm_dtype, use_fast_accum=fast_accum
+        x,
+        w.t(),
+        scale_a=sa,
+        scale_b=sb,
+        bias=b,
+        out_dtype=mm_dtype,
+        use_fast_accum=use_fast_accum("cublas") if fast_accum is None else fast_accum,
     )
     if bias is not None and not fused_bias:
         y = y + bias.to(y.dtype)
@@ -174,7 +203,7 @@ def fp8_linear_forward(
     if b == "auto":
         b = "triton" if tuned(x.shape[0], w.shape[0], w.shape[1]) else "cublas"
     if b == "triton" and triton_fp8_supported(x) is None:
-        return fp8_gemm(x, x_scale, w, w_scale, bias, out_dtype, fast_accum=FAST_ACCUM)
+        return fp8_gemm(x, x_scale, w, w_scale, bias, out_dtype, fast_accum=use_fast_accum("triton"))
     if x.is_cuda:
         why = scaled_mm_supported(x, w)
         if why is None:
