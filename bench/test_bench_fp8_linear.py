@@ -90,7 +90,7 @@ def _per_launch_ms(fns) -> float:
 
 
 @pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")
-@pytest.mark.parametrize("accum", ["precise", "fast"])
+@pytest.mark.parametrize("accum", os.environ.get("KILN_SWEEP_ACCUM", "precise,fast").split(","))
 @pytest.mark.parametrize("cfg", fg.SWEEP_CONFIGS)
 @pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)], ids=str)
 @pytest.mark.parametrize("m", [int(x) for x in os.environ.get("KILN_SWEEP_M", "256,512").split(",")])
