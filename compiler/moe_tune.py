@@ -139,7 +139,8 @@ def force_backend(table: str, backend: str, min_tokens: int) -> str:
 
 def cuda_timer(s: MoEShape, dtype: torch.dtype, device: torch.device) -> Callable[[int, Pair], float]:
     """``time_pair`` on the device: the whole ``fused_moe`` on random experts of the model's
-    shapes and uniform random routing (median of CUDA-event timings, ``triton.testing.do_bench``);
+    shapes and uniform random routing (median of CUDA-event timings of a CUDA-graph replay of the op,
+    ``triton.testing.do_bench``);
     ``pair`` None times the CUTLASS backend (ops/moe_cutlass.py; its library loaded)."""
     import triton.testing
 
@@ -174,7 +175,13 @@ def cuda_timer(s: MoEShape, dtype: torch.dtype, device: torch.device) -> Callabl
         err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
         if not err < 2e-2:  # a candidate must compute the same op
             raise RuntimeError(f"relative error {err:.1e} against the default config")
-        return float(triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")) * 1e-3
+        # timed as a CUDA-graph replay, as the runtime runs the op: eager timing on a slow host
+        # measures its Python launch overhead (the first GPU run of the tuner chose tables that
+        # were slower end to end, bench/results/2026-11-29_h200_qwen3moe_L16_moe_tune_choices.json)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        return float(triton.testing.do_bench(graph.replay, warmup=10, rep=40, return_mode="median")) * 1e-3
 
     return time_pair
 
