@@ -31,3 +31,10 @@ def demo_artifact(tmp_path_factory):
     from kiln.demo import build_demo
 
     return build_demo(tmp_path_factory.mktemp("demo"), "cpu")
+
+
+@pytest.fixture
+def compiled_gpu():
+    """Guards GPU tests against an interpreter left on (they must run the compiled kernels)."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        pytest.fail("GPU kernel tests must run compiled: run them with TRITON_INTERPRET=0")

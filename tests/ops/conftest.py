@@ -1,6 +1,6 @@
 """Fixtures of the kernel tests: ``kernel_on_cpu`` runs the ops' Triton kernels in the interpreter
-on CPU tensors (a test file may override it with more switches); ``compiled_gpu`` guards the GPU
-tests against an interpreter left on."""
+on CPU tensors (a test file may override it with more switches). (``compiled_gpu`` is in
+tests/conftest.py: the compiler's GPU tests use it too.)"""
 
 from __future__ import annotations
 
@@ -14,9 +14,3 @@ def kernel_on_cpu(monkeypatch):
     if not interpreting():
         pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set by tests/conftest.py)")
     monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
-
-
-@pytest.fixture
-def compiled_gpu():
-    if interpreting():
-        pytest.fail("GPU kernel tests must run compiled: run them with TRITON_INTERPRET=0")
