@@ -370,3 +370,8 @@ def test_gpu_fused_split_k_graph_replay(compiled_gpu, cfg):
         g.replay()
         ref = fl.fp8_linear_ref(xq2, xs2, wq, ws, bias, torch.float32)
         assert not y.isnan().any() and rel_err(y, ref) < 1e-2, f"seed {seed}"
+
+
+def test_table_entries_are_sweep_candidates():
+    # a re-run of the sweep can reproduce (or replace) every entry
+    assert set(fg.TABLE.values()) <= set(fg.SWEEP_CONFIGS)
