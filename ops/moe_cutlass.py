@@ -59,11 +59,13 @@ class CutlassUnavailable(RuntimeError):
 _LIB: ctypes.CDLL | None = None
 _LIB_PATH: Path | None = None
 _GEMMS: dict[tuple[int, int, int, int], GroupedGemm] = {}
+_RETIRED: list[GroupedGemm] = []  # handles of a replaced library: a captured CUDA graph may use them
 
 
 def load_library(path: str | Path) -> None:
     """Load the compiled ops/cutlass/sm90_grouped.cu for this process (again: no-op; another path:
-    replaces it and drops the handles of the old one)."""
+    replaces it for new handles; the old handles are kept, never destroyed, as CUDA graphs
+    captured with them hold their workspace and argument arrays)."""
     global _LIB, _LIB_PATH
     path = Path(path).resolve()
     if _LIB is not None and path == _LIB_PATH:
@@ -83,6 +85,7 @@ def load_library(path: str | Path) -> None:
     lib.kg_run.argtypes = [vp, vp]
     lib.kg_destroy.restype = None
     lib.kg_destroy.argtypes = [vp]
+    _RETIRED.extend(_GEMMS.values())
     _GEMMS.clear()
     _LIB, _LIB_PATH = lib, path
 

@@ -7,8 +7,11 @@ compiled library (``KILN_CUTLASS_LIB``, else built with compiler/cutlass_build.p
 ``fused_moe_ref`` at Qwen3-30B-A3B and small shapes, and inside a CUDA graph with new routing.
 """
 
+import gc
 import json
 import os
+import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -183,6 +186,42 @@ def test_load_library_errors(tmp_path, monkeypatch):
         with pytest.raises(moe_cutlass.CutlassUnavailable, match="ABI None"):
             moe_cutlass.load_library(other)
     assert moe_cutlass.library_path() is None
+
+
+def test_switching_library_keeps_the_old_handles(tmp_path, monkeypatch):
+    """Loading another library path must not destroy the handles made with the first one: CUDA
+    graphs captured with them hold their workspace and their sizes / ptrs arrays."""
+    destroyed = []
+
+    class Fn:
+        def __init__(self, f):
+            self.f, self.restype, self.argtypes = f, None, None
+
+        def __call__(self, *a):
+            return self.f(*a)
+
+    class FakeLib:  # the C API of ops/cutlass/sm90_grouped.cu, without CUDA
+        def __init__(self, path):
+            self.kg_abi = Fn(lambda: moe_cutlass.ABI)
+            self.kg_create = Fn(lambda *a: setattr(a[-1]._obj, "value", 0) or 1234)
+            self.kg_run = Fn(lambda h, s: 0)
+            self.kg_destroy = Fn(lambda h: destroyed.append((path, h)))
+
+    monkeypatch.setattr(moe_cutlass.ctypes, "CDLL", FakeLib)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    for name in ("_LIB", "_LIB_PATH"):
+        monkeypatch.setattr(moe_cutlass, name, None)
+    monkeypatch.setattr(moe_cutlass, "_GEMMS", {})
+    monkeypatch.setattr(moe_cutlass, "_RETIRED", [])
+    for name in ("a.so", "b.so"):
+        (tmp_path / name).write_bytes(b"x")
+    moe_cutlass.load_library(tmp_path / "a.so")
+    moe_cutlass._GEMMS[(0, 4, 32, 16)] = moe_cutlass.GroupedGemm(torch.device("cpu"), 4, 32, 16)
+    sizes = weakref.ref(moe_cutlass._GEMMS[(0, 4, 32, 16)].sizes)
+    moe_cutlass.load_library(tmp_path / "b.so")
+    gc.collect()
+    assert moe_cutlass._GEMMS == {} and destroyed == [] and sizes() is not None
 
 
 # ---- GPU: the compiled library ----------------------------------------------------------------------
