@@ -74,11 +74,24 @@ def test_kernel_matches_reference(kernel_on_cpu, m, n, k, split_k):
 @pytest.mark.parametrize("flags", ["t", "f", "tf"])
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 @pytest.mark.parametrize("m,n,k", [(1, 48, 64), (19, 72, 80)])
-def test_tma_and_fused_split_k(kernel_on_cpu, m, n, k, split_k, flags):
+def test_tma_and_fused_split_k(kernel_on_cpu, monkeypatch, m, n, k, split_k, flags):
     # TMA loads (K = 80: the last BLOCK_K step reads past K, which TMA fills with zeros) and the
     # last-arrival split-K reduction; the counters are left at zero for the next call
+    made, reduces = [], []
+    real_desc, real_reduce = fg.TensorDescriptor, fg._splitk_reduce_kernel
+
+    class ReduceSpy:
+        def __getitem__(self, grid):
+            reduces.append(grid)
+            return real_reduce[grid]
+
+    monkeypatch.setattr(fg, "TensorDescriptor", lambda *a: made.append(a) or real_desc(*a))
+    monkeypatch.setattr(fg, "_splitk_reduce_kernel", ReduceSpy())
     check(m, n, k, split_k=split_k, tma="t" in flags, fused="f" in flags, **SMALL)
     assert not any(buf.any() for buf in fg.COUNTERS.buffers.values())
+    # the paths under test ran: descriptors made for both operands, no separate reduce when fused
+    assert len(made) == (2 if "t" in flags else 0)
+    assert len(reduces) == (1 if split_k > 1 and "f" not in flags else 0)
 
 
 def test_fused_reduction_gives_the_reduce_kernels_bits(kernel_on_cpu):
