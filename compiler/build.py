@@ -33,6 +33,7 @@ from kiln.compiler.parallel import ParallelConfig, validate_parallel
 from kiln.compiler.registry import model_class
 from kiln.compiler.trace import CacheSpec, example_inputs, export_graph, strip_example_inputs
 from kiln.errors import KilnError
+from kiln.ops.common import FP8_DTYPE
 from kiln.ops.gemv import gemv_plan
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -376,6 +377,12 @@ def _warm_up(
             m.num_experts, m.intermediate_size, cfg.hidden_size, m.top_k, chunk, moe_table
         )
         runs += [("model", 1, t) for t in sizes if t > 1]
+    if device.type == "cuda" and any(w.dtype == FP8_DTYPE for w in weights.values()):
+        # FP8 linears pick a launch config (or cuBLAS) per M bucket (ops/fp8_gemm.py): one prefill
+        # per bucket, so that prefill chunks of any length find their kernels compiled
+        from kiln.ops.fp8_gemm import warmup_tokens
+
+        runs += [("model", 1, t) for t in warmup_tokens(chunk) if t > 1]
     if device.type == "cpu":  # no Triton kernels to compile: a finiteness check per graph suffices
         runs = [r for r in runs if r[1] <= 2]
     for name, b, t in runs:

@@ -93,6 +93,8 @@ class Fp8GemmConfig:
             raise ValueError(f"fp8_gemm: block_k must be >= 32 (the FP8 MMA's K), got {self.block_k}")
         if self.group_m < 1 or self.num_stages < 1 or self.split_k < 0:
             raise ValueError(f"fp8_gemm: bad config {self!r}")
+        if self.tma and max(self.block_m, self.block_n, self.block_k) > 256:
+            raise ValueError(f"fp8_gemm: a TMA tile is at most 256 per dimension, got {self}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"fp8_gemm: num_warps must be a power of two <= 16, got {self.num_warps}")
 
@@ -145,6 +147,12 @@ SWEEP_CONFIGS = (
 
 def m_bucket(m: int) -> float:
     return next(b for b in M_BUCKETS if m <= b)
+
+
+def warmup_tokens(max_tokens: int) -> list[int]:
+    """One token count per M bucket up to ``max_tokens`` (the bucket's top, capped): running an FP8
+    model at each compiles every launch config its linears can pick (M is not specialized)."""
+    return sorted({min(int(b), max_tokens) for b in M_BUCKETS if b != math.inf} | {max_tokens})
 
 
 def tuned(m: int, n: int, k: int) -> bool:

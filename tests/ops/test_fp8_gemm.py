@@ -164,6 +164,8 @@ def test_bad_inputs():
         fg.fp8_gemm(xq, xs, wq, ws, bias, torch.bfloat16, block_n=48)
     with pytest.raises(ValueError, match="block_k must be >= 32"):
         fg.fp8_gemm(xq, xs, wq, ws, bias, torch.bfloat16, block_k=16)
+    with pytest.raises(ValueError, match="TMA tile is at most 256"):
+        fg.fp8_gemm(xq, xs, wq, ws, bias, torch.bfloat16, block_n=512, tma=True)
 
 
 # ---- configuration table ------------------------------------------------------------------------------
@@ -388,3 +390,13 @@ def test_gpu_fused_split_k_graph_replay(compiled_gpu, cfg):
 def test_table_entries_are_sweep_candidates():
     # a re-run of the sweep can reproduce (or replace) every entry
     assert set(fg.TABLE.values()) <= set(fg.SWEEP_CONFIGS)
+
+
+@pytest.mark.parametrize("chunk", [1, 100, 300, 2048])
+def test_warmup_tokens_reach_every_bucket(chunk):
+    # compiler/build.py runs an FP8 model once per count, so every config a prefill chunk can pick
+    # is compiled into the artifact
+    tokens = fg.warmup_tokens(chunk)
+    assert max(tokens) == chunk and all(1 <= t <= chunk for t in tokens)
+    assert {fg.m_bucket(t) for t in tokens} == {fg.m_bucket(m) for m in range(1, chunk + 1)}
+    assert fg.warmup_tokens(2048) == [16, 64, 128, 256, 512, 1024, 2048]
