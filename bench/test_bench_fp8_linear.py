@@ -1,12 +1,20 @@
-"""FP8 linear (row-wise scaled ``torch._scaled_mm``) against bf16 ``F.linear`` at Llama-3.1-8B shapes.
+"""FP8 linear (``kiln::fp8_linear``) against bf16 ``F.linear`` at Llama-3.1-8B shapes.
 
 (N, K): qkv (6144, 4096), o (4096, 4096), gate_up-sized (14336, 4096), down (4096, 14336); M tokens
 from decode (1, 16) to prefill (256, 1024, 4096). Each FP8 row records ``bf16_ms`` and
 ``speedup_vs_bf16`` (target: >= 1.5 at M >= 256); ``frac_mm`` is against the bf16 matmul ceiling,
 ``frac_bw`` counts weight + activation + output bytes (what bounds small M). Baselines: bf16
-F.linear, and the dequantizing reference eager and through torch.compile. ``fp8_triton`` is
-ops/fp8_gemm.py's kernel (``KILN_FP8_GEMM=triton``) with its table's configuration. On a GPU every
-variant is captured in a CUDA graph and replayed.
+F.linear, and the dequantizing reference eager and through torch.compile. Rows (impl):
+
+* ``fp8``: the op as models run it (``KILN_FP8_GEMM``, default ``auto``: the Triton kernel where
+  ``fp8_gemm.TABLE`` has the shape, else cuBLAS; accumulation per ``KILN_FP8_FAST_ACCUM``);
+* ``fp8_fast_accum``: cuBLAS ``_scaled_mm`` with fast accumulation;
+* ``fp8_triton``: ops/fp8_gemm.py's kernel (``KILN_FP8_GEMM=triton``) with its table's configuration
+  and the default accumulation (fast, under ``auto``), so equal to ``fp8_triton_fast_accum`` then.
+
+(Before 2026-11-29's fifth session ``fp8`` was cuBLAS with precise accumulation and ``fp8_triton``
+precise: older result files are not comparable row for row.) On a GPU every variant is captured in
+a CUDA graph and replayed.
 
 ``test_fp8_gemm_sweep`` (GPU only) times the Triton kernel at M = 256 and 512 over
 ``fp8_gemm.SWEEP_CONFIGS``, with precise and fast accumulation, each row carrying ``config``,
