@@ -178,7 +178,11 @@ class GroupedGemm:
 
     def __init__(self, device: torch.device, e: int, n: int, k: int):
         lib = _library()
-        if torch.cuda.is_current_stream_capturing():
+        capturing = False
+        if device.type == "cuda":
+            with torch.cuda.device(device):  # the capture state of this device's current stream
+                capturing = torch.cuda.is_current_stream_capturing()
+        if capturing:
             raise RuntimeError(f"CUTLASS grouped GEMM (E={e}, N={n}, K={k}): the first call for a shape "
                                "allocates and synchronizes; run the op once before capturing a CUDA graph")  # fmt: skip
         self.e, self.n, self.k = e, n, k
