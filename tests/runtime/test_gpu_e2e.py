@@ -1,9 +1,11 @@
 """On a GPU: a compiled bf16 artifact reproduces Hugging Face within bf16 tolerance, CUDA-graph
 replay equals eager graph execution, and loading plus serving a varied workload compiles no
-Triton kernel (every specialization was built into the artifact)."""
+Triton kernel (every specialization was built into the artifact), also for an FP8 artifact whose
+linears run the Triton FP8 GEMM."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -79,9 +81,33 @@ print("CHILD-OK")
 
 def test_loading_compiles_no_triton_kernel(gpu_art):
     _, art = gpu_art
+    _assert_loading_compiles_nothing(art)
+
+
+def test_fp8_triton_loading_compiles_no_triton_kernel(tmp_path, monkeypatch):
+    # FP8 linears on the Triton FP8 GEMM (forced, so that the tiny shapes use it: the auto backend
+    # sends them to cuBLAS): the warm-up's one prefill per M bucket must have built every config
+    from kiln.compiler.build import CompileOptions, compile_model
+
+    monkeypatch.setenv("KILN_FP8_GEMM", "triton")
+    make_checkpoint(tmp_path / "hf", "qwen3-qknorm", seed=6, eos=None)
+    opts = CompileOptions(
+        device="cuda", dtype="bfloat16", quant="fp8", max_batch_size=16, max_seq_len=256, chunk_size=64
+    )
+    compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
+    _assert_loading_compiles_nothing(tmp_path / "art", {"KILN_FP8_GEMM": "triton"})
+
+
+def _assert_loading_compiles_nothing(art: Path, env: dict[str, str] | None = None) -> None:
     kernels = art / "kernels"
     before = sorted(p.relative_to(kernels) for p in kernels.rglob("*"))
-    p = subprocess.run([sys.executable, "-c", CHILD, str(art)], capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, str(art)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
     assert p.returncode == 0 and "CHILD-OK" in p.stdout, p.stderr[-3000:]
     after = sorted(p.relative_to(kernels) for p in kernels.rglob("*"))
     new = sorted(set(after) - set(before))
