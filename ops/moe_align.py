@@ -134,6 +134,36 @@ def _rank(onehot):
     return tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # [CHUNK]
 
 
+@triton.jit
+def _scan_counts(COUNTS, num_chunks, E, E_PAD: tl.constexpr, ROWS: tl.constexpr):
+    """``COUNTS [C, E]`` per-chunk counts -> their exclusive prefix over chunks, in place; returns
+    the per-expert totals ``[E_PAD]`` (0 past ``E``)."""
+    experts = tl.arange(0, E_PAD)
+    emask = experts < E
+    run = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, num_chunks, ROWS):  # ROWS chunks per step: a scan down the tile
+        rows = c0 + tl.arange(0, ROWS)
+        m = (rows < num_chunks)[:, None] & emask[None, :]
+        ptr = COUNTS + rows[:, None] * E + experts[None, :]  # [ROWS, E_PAD]
+        cnt = tl.load(ptr, mask=m, other=0)
+        tl.store(ptr, run[None, :] + tl.cumsum(cnt, axis=0) - cnt, mask=m)
+        run += tl.sum(cnt, axis=0)
+    return run
+
+
+@triton.jit
+def _sorted_rows(
+    IDS, MAP, COUNTS, STARTS, chunk, num_pairs, E,
+    HAS_MAP: tl.constexpr, CHUNK_: tl.constexpr, E_PAD: tl.constexpr,
+):  # fmt: skip
+    """One chunk's pairs and their rows in expert order: ``STARTS[e]`` + the chunk's offset in
+    ``COUNTS`` (scanned) + the pair's rank in the chunk. Returns (pair, in-use mask, row)."""
+    pair, e, ok = _local_ids(IDS, MAP, chunk, num_pairs, E, HAS_MAP, CHUNK_)
+    es = tl.where(ok, e, 0)
+    base = tl.load(STARTS + es, mask=ok, other=0) + tl.load(COUNTS + chunk * E + es, mask=ok, other=0)
+    return pair, ok, base + _rank(_onehot(e, ok, E_PAD))
+
+
 @triton.jit(do_not_specialize=["num_pairs", "M"])
 def _align_one_program_kernel(
     IDS, MAP, SORTED, BLOCK_EXPERT, NUM_PADDED, num_pairs, E, M,
@@ -189,14 +219,7 @@ def _offsets_kernel(
     pdl_wait(PDL)
     experts = tl.arange(0, E_PAD)
     emask = experts < E
-    run = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, num_chunks, ROWS):  # ROWS chunks per step: a scan down the tile
-        rows = c0 + tl.arange(0, ROWS)
-        m = (rows < num_chunks)[:, None] & emask[None, :]
-        ptr = COUNTS + rows[:, None] * E + experts[None, :]  # [ROWS, E_PAD]
-        cnt = tl.load(ptr, mask=m, other=0)
-        tl.store(ptr, run[None, :] + tl.cumsum(cnt, axis=0) - cnt, mask=m)
-        run += tl.sum(cnt, axis=0)
+    run = _scan_counts(COUNTS, num_chunks, E, E_PAD, ROWS)
     starts = _layout(run, SORTED, BLOCK_EXPERT, NUM_PADDED, num_pairs, E, M, BLOCK_M, E_PAD, FILL_, BLOCKS)
     tl.store(STARTS + experts, starts, mask=emask)
 
@@ -208,11 +231,8 @@ def _scatter_kernel(
 ):  # fmt: skip
     pdl_trigger(PDL)
     pdl_wait(PDL)
-    chunk = tl.program_id(0)
-    pair, e, ok = _local_ids(IDS, MAP, chunk, num_pairs, E, HAS_MAP, CHUNK_)
-    es = tl.where(ok, e, 0)
-    base = tl.load(STARTS + es, mask=ok, other=0) + tl.load(COUNTS + chunk * E + es, mask=ok, other=0)
-    tl.store(SORTED + base + _rank(_onehot(e, ok, E_PAD)), pair.to(tl.int32), mask=ok)
+    pair, ok, row = _sorted_rows(IDS, MAP, COUNTS, STARTS, tl.program_id(0), num_pairs, E, HAS_MAP, CHUNK_, E_PAD)  # fmt: skip
+    tl.store(SORTED + row, pair.to(tl.int32), mask=ok)
 
 
 def moe_align_launch(

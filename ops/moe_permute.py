@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.common import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
-from kiln.ops.moe_align import CHUNK, SCAN_ROWS, _count_kernel, _local_ids, _onehot, _rank
+from kiln.ops.moe_align import CHUNK, SCAN_ROWS, _count_kernel, _scan_counts, _sorted_rows
 from kiln.ops.quant import tl_round
 
 # ---- torch references -----------------------------------------------------------------------------
@@ -84,14 +84,7 @@ def _scan_kernel(
     pdl_wait(PDL)
     experts = tl.arange(0, E_PAD)
     emask = experts < E
-    run = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, num_chunks, ROWS):  # ROWS chunks per step: a scan down the tile
-        rows = c0 + tl.arange(0, ROWS)
-        m = (rows < num_chunks)[:, None] & emask[None, :]
-        ptr = COUNTS + rows[:, None] * E + experts[None, :]  # [ROWS, E_PAD]
-        cnt = tl.load(ptr, mask=m, other=0)
-        tl.store(ptr, run[None, :] + tl.cumsum(cnt, axis=0) - cnt, mask=m)
-        run += tl.sum(cnt, axis=0)
+    run = _scan_counts(COUNTS, num_chunks, E, E_PAD, ROWS)
     tl.store(TOTAL + experts, run, mask=emask)
     tl.store(STARTS + experts, tl.cumsum(run, axis=0) - run, mask=emask)
 
@@ -103,11 +96,7 @@ def _dst_kernel(
 ):  # fmt: skip
     pdl_trigger(PDL)
     pdl_wait(PDL)
-    chunk = tl.program_id(0)
-    pair, e, ok = _local_ids(IDS, MAP, chunk, num_pairs, E, HAS_MAP, CHUNK_)
-    es = tl.where(ok, e, 0)
-    base = tl.load(STARTS + es, mask=ok, other=0) + tl.load(COUNTS + chunk * E + es, mask=ok, other=0)
-    row = base + _rank(_onehot(e, ok, E_PAD))  # [CHUNK]
+    pair, ok, row = _sorted_rows(IDS, MAP, COUNTS, STARTS, tl.program_id(0), num_pairs, E, HAS_MAP, CHUNK_, E_PAD)  # fmt: skip
     tl.store(DST + pair, tl.where(ok, row, -1), mask=pair < num_pairs)
 
 
