@@ -42,6 +42,7 @@ from kiln.ops.quant import (
 )
 
 MAX_BLOCK = 16384  # widest row kept in registers for dynamic quantization
+NARROW_ROWS = 16  # up to this many rows, 256-wide column blocks (a few rows still fill many SMs)
 CHUNK = 4096  # piece width for wider rows
 QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC = 0, 1, 2
 
@@ -140,7 +141,7 @@ def launch_config(
         if block > max_block:  # walked in CHUNK-wide pieces (wider chunks spill registers)
             block = min(CHUNK, next_pow2(max_block))
         return (t,), block, triton.cdiv(i, block), min(16, max(1, block // 512))
-    block = min(next_pow2(i), 256 if t <= 16 else 1024)
+    block = min(next_pow2(i), 256 if t <= NARROW_ROWS else 1024)
     return (t, triton.cdiv(i, block)), block, 1, max(1, block // 256)
 
 

@@ -37,6 +37,7 @@ times candidate configurations on the GPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -181,6 +182,12 @@ def auto_split_k(m: int, n: int, k: int, cfg: Fp8GemmConfig, sms: int = DEFAULT_
     return split
 
 
+@functools.cache
+def _parsed(entry: str) -> Fp8GemmConfig:
+    """A TABLE entry parsed once (fp8_linear looks its config up on every call)."""
+    return Fp8GemmConfig.parse(entry)
+
+
 def fp8_gemm_config(
     m: int, n: int, k: int, sms: int = DEFAULT_SMS, config: Fp8GemmConfig | None = None, **overrides: int
 ) -> Fp8GemmConfig:
@@ -190,7 +197,7 @@ def fp8_gemm_config(
     if config is None:
         bucket = m_bucket(m)
         entry = TABLE.get((bucket, n, k))
-        config = Fp8GemmConfig.parse(entry) if entry is not None else BUCKET_DEFAULTS[bucket]
+        config = _parsed(entry) if entry is not None else BUCKET_DEFAULTS[bucket]
     if overrides:
         config = dataclasses.replace(config, **overrides)
     if config.split_k == 0:

@@ -57,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.ops.activation import NARROW_ROWS
 from kiln.ops.common import FP8_DTYPE, interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
 from kiln.ops.quant import tl_round
 
@@ -490,11 +491,11 @@ def specialization(
 ) -> tuple:
     """What selects ``fused_moe``'s kernel specializations at ``tokens``: both configs, and for the
     grouped GEMM the one-program vs chunked alignment (the decode GEMV has no alignment); for the
-    CUTLASS backend only the SiLU-and-mul's block (ops/activation.py: up to 16 rows or more)."""
+    CUTLASS backend only the SiLU-and-mul's block (ops/activation.py: ``NARROW_ROWS`` or more)."""
     from kiln.ops.moe_align import CHUNK
 
     if backend == "cutlass":
-        return ("cutlass", tokens * top_k <= 16)
+        return ("cutlass", tokens * top_k <= NARROW_ROWS)
     align = None if c1["BLOCK_M"] == 1 else tokens * top_k <= CHUNK
     return tuple(c1[n] for n in CONFIG_KEYS), tuple(c2[n] for n in CONFIG_KEYS), align
 
