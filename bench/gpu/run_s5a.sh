@@ -16,16 +16,4 @@ tail -2 "$OUT/sweep.log"
 python bench/report.py "$OUT/raw.json" "$OUT/fp8_sweep_tma.json" --command \
   "KILN_FP8_SWEEP_CHAIN=128 KILN_SWEEP_M=256,512 pytest bench/test_bench_fp8_linear.py -k fp8_gemm_sweep" > /dev/null 2>&1
 rm -f "$OUT/raw.json"
-python - "$OUT/fp8_sweep_tma.json" <<'PY'
-import json, sys
-rows = [r for r in json.load(open(sys.argv[1]))["results"] if "chain_ms" in r]
-best = {}
-for r in rows:
-    key = (r["m"], r["n"], r["k"], r["accum"])
-    if key not in best or r["chain_ms"] < best[key]["chain_ms"]:
-        best[key] = r
-print(f"{'m':>4} {'n':>5} {'k':>5} {'accum':7} {'best (chain)':24} {'us':>6} {'xbf16':>6} {'xcublas':>7} | single: {'us':>6} {'xbf16':>6}")
-for key, r in sorted(best.items()):
-    print(f"{key[0]:>4} {key[1]:>5} {key[2]:>5} {key[3]:7} {r['config']:24} {r['chain_ms']*1e3:6.1f} "
-          f"{r['chain_speedup_vs_bf16']:6.2f} {r['chain_speedup_vs_cublas']:7.2f} | {r['ms']*1e3:6.1f} {r['speedup_vs_bf16']:6.2f}")
-PY
+python bench/gpu/fp8_best.py "$OUT/fp8_sweep_tma.json"

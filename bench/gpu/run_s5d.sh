@@ -18,18 +18,7 @@ START=$SECONDS
   python bench/report.py "$OUT/raw.json" "$OUT/fp8_sweep_occupancy.json" --command \
     "KILN_SWEEP_ACCUM=fast KILN_FP8_SWEEP_CHAIN=128 KILN_SWEEP_M=256,512 pytest bench/test_bench_fp8_linear.py -k fp8_gemm_sweep" > /dev/null 2>&1
   rm -f "$OUT/raw.json"
-  python - "$OUT/fp8_sweep_occupancy.json" <<'PY'
-import json, sys
-rows = [r for r in json.load(open(sys.argv[1]))["results"] if "chain_ms" in r]
-best = {}
-for r in rows:
-    key = (r["m"], r["n"], r["k"])
-    if key not in best or r["chain_ms"] < best[key]["chain_ms"]:
-        best[key] = r
-for key, r in sorted(best.items()):
-    print(f"{key[0]:>4} {key[1]:>5} {key[2]:>5} {r['config']:24} chain {r['chain_ms']*1e3:6.1f} us x{r['chain_speedup_vs_bf16']:.2f} "
-          f"| single {r['ms']*1e3:6.1f} us x{r['speedup_vs_bf16']:.2f}")
-PY
+  python bench/gpu/fp8_best.py "$OUT/fp8_sweep_occupancy.json"
 )
 LEFT=$((540 - (SECONDS - START) - 70))
 echo "== CUTLASS MoE, budget ${LEFT}s"
