@@ -146,6 +146,12 @@ def open_artifact(path: str | Path, device: str | torch.device = "cpu", verify: 
                 f"artifact file {rel} has {size} bytes, the manifest says {info['size']}: the copy is "
                 f"truncated or altered; copy it again or {REBUILD}."
             )
-        if verify and _sha256(p) != info["sha256"]:
-            raise ArtifactError(f"artifact file {rel} fails its sha256 check; copy it again or {REBUILD}.")
+        if verify:
+            check_sha256(root, rel, info)
     return Artifact(root, m)
+
+
+def check_sha256(root: Path, rel: str, info: dict[str, Any]) -> None:
+    """Raise unless ``root / rel`` hashes to the manifest's ``info["sha256"]``."""
+    if _sha256(root / rel) != info["sha256"]:
+        raise ArtifactError(f"artifact file {rel} fails its sha256 check; copy it again or {REBUILD}.")

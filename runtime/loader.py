@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kiln.runtime.artifact import REBUILD, Artifact, ArtifactError, _sha256, open_artifact
+from kiln.runtime.artifact import REBUILD, Artifact, ArtifactError, check_sha256, open_artifact
 from kiln.runtime.graph_code import load_graph_code
 
 
@@ -53,9 +53,8 @@ def load_moe_library(art: Artifact, device: torch.device) -> str | None:
             "manifest field 'kernel_choices.moe.cutlass.library' must name a file listed in 'files' when "
             f"the MoE table has CUTLASS rungs (it is {rel!r}): {REBUILD}."
         )
+    check_sha256(art.root, rel, info)
     path = art.root / rel
-    if _sha256(path) != info["sha256"]:
-        raise ArtifactError(f"artifact file {rel} fails its sha256 check; copy it again or {REBUILD}.")
     from kiln.ops import moe_cutlass
 
     try:
