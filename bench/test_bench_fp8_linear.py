@@ -10,7 +10,10 @@ F.linear, and the dequantizing reference eager and through torch.compile. Rows (
   ``fp8_gemm.TABLE`` has the shape, else cuBLAS; accumulation per ``KILN_FP8_FAST_ACCUM``);
 * ``fp8_fast_accum``: cuBLAS ``_scaled_mm`` with fast accumulation;
 * ``fp8_triton``: ops/fp8_gemm.py's kernel (``KILN_FP8_GEMM=triton``) with its table's configuration
-  and the default accumulation (fast, under ``auto``), so equal to ``fp8_triton_fast_accum`` then.
+  and the default accumulation (fast, under ``auto``), so equal to ``fp8_triton_fast_accum`` then;
+* ``fp8_cutlass``: ops/fp8_cutlass.py's CUTLASS kernels (``KILN_FP8_GEMM=cutlass``, the instantiation
+  ``fp8_cutlass.config_for`` picks), when ``KILN_CUTLASS_FP8_LIB`` names the built library (it is
+  loaded at import, so ``fp8`` runs it too where ``auto`` picks it); skipped otherwise.
 
 (Before 2026-11-29's fifth session ``fp8`` was cuBLAS with precise accumulation and ``fp8_triton``
 precise: older result files are not comparable row for row.) On a GPU every variant is captured in
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from conftest import SMOKE, _median_ms, graphed, pick
 from triton.runtime.errors import OutOfResources
 
+from kiln.ops import fp8_cutlass as fc
 from kiln.ops import fp8_gemm as fg
 from kiln.ops import fp8_linear as fl
 from kiln.ops.quant import quantize_fp8_per_channel, quantize_fp8_per_token
@@ -37,8 +41,11 @@ from kiln.ops.quant import quantize_fp8_per_channel, quantize_fp8_per_token
 MS = pick([1, 16, 256, 1024, 4096], [2])
 SHAPES = pick([(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)], [(32, 64)])
 DEV = "cpu" if SMOKE else "cuda"
-IMPLS = ["fp8", "fp8_fast_accum", "fp8_triton", "fp8_triton_fast_accum", "bf16", "ref_eager", "ref_compile"]
-SMOKE_SKIPS = ("ref_compile", "fp8_fast_accum", "fp8_triton_fast_accum")
+IMPLS = ["fp8", "fp8_fast_accum", "fp8_triton", "fp8_triton_fast_accum", "fp8_cutlass", "bf16", "ref_eager",
+         "ref_compile"]  # fmt: skip
+SMOKE_SKIPS = ("ref_compile", "fp8_fast_accum", "fp8_triton_fast_accum", "fp8_cutlass")
+if not SMOKE and os.environ.get("KILN_CUTLASS_FP8_LIB"):
+    fc.load_library(os.environ["KILN_CUTLASS_FP8_LIB"])
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -47,6 +54,8 @@ SMOKE_SKIPS = ("ref_compile", "fp8_fast_accum", "fp8_triton_fast_accum")
 def test_fp8_linear(measure, monkeypatch, m, n, k, impl):
     if SMOKE and impl in SMOKE_SKIPS:
         pytest.skip(f"{impl} runs only on a GPU (smoke mode skips it)")
+    if impl == "fp8_cutlass" and not fc.loaded():
+        pytest.skip("fp8_cutlass: set KILN_CUTLASS_FP8_LIB to the built library (compiler/cutlass_build.py)")
     monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")  # smoke: fp8_triton through the interpreter
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5
@@ -59,6 +68,7 @@ def test_fp8_linear(measure, monkeypatch, m, n, k, impl):
         "fp8_fast_accum": lambda: fl.scaled_mm_rowwise(xq, xs, wq, ws, bias, out, fast_accum=True),
         "fp8_triton": lambda: fl.fp8_linear_forward(xq, xs, wq, ws, bias, out, backend="triton"),
         "fp8_triton_fast_accum": lambda: fg.fp8_gemm(xq, xs, wq, ws, bias, out, fast_accum=True),
+        "fp8_cutlass": lambda: fl.fp8_linear_forward(xq, xs, wq, ws, bias, out, backend="cutlass"),
         "bf16": lambda: F.linear(x, w, bias),
         "ref_eager": lambda: fl.fp8_linear_ref(xq, xs, wq, ws, bias, out),
     }
@@ -75,6 +85,9 @@ def test_fp8_linear(measure, monkeypatch, m, n, k, impl):
     moved = wbytes + m * k * (2 if impl == "bf16" else 1) + m * n * 2
     if impl.startswith("fp8_triton"):
         info["config"] = str(fg.fp8_gemm_config(m, n, k, fg.num_sms(xq.device)))
+    if impl in ("fp8", "fp8_cutlass") and not SMOKE:
+        info["backend"] = fl.auto_backend(xq, wq, out) if impl == "fp8" else "cutlass"
+        info["config"] = fc.config_for(m, n, k) if info["backend"] == "cutlass" else info.get("config")
     measure(fn, flops=2.0 * m * n * k, bytes=moved, m=m, n=n, k=k, impl=impl, **info)
 
 

@@ -24,7 +24,7 @@ import torch
 
 from kiln.compiler.config import ModelConfig, load_config
 from kiln.compiler.context import GRAPH_INPUTS
-from kiln.compiler.cutlass_build import check_request, cutlass_backend, drop_unused
+from kiln.compiler.cutlass_build import check_request, cutlass_backend, drop_unused, fp8_library
 from kiln.compiler.graph_code import emit_graph_code
 from kiln.compiler.manifest import gpu_arch, versions, write_manifest
 from kiln.compiler.moe_layer import FusedMoE
@@ -70,6 +70,7 @@ class CompileOptions:
     moe_tune: bool = False  # on a GPU: time fused-MoE launch configs per token rung (compiler/moe_tune.py)
     moe_backend: str = "triton"  # "cutlass" / "auto": the CUTLASS grouped GEMM (compiler/cutlass_build.py)
     moe_cutlass_min_tokens: int = 2048  # moe_backend "cutlass": rungs from this many tokens on use it
+    fp8_cutlass: bool = True  # quant fp8 on an sm90 GPU: build the CUTLASS FP8 GEMM library (fp8_library)
     force: bool = False
 
     def buckets(self) -> list[int]:
@@ -201,6 +202,10 @@ def compile_model(
             skip=skip_patterns(cfg),
         )
     device = torch.device(opts.device)
+    fp8_choice: dict[str, Any] = {}
+    if opts.quant == "fp8":
+        with timer.phase("cutlass_fp8"):  # before the warm-up, which then runs it
+            fp8_choice = fp8_library(opts.fp8_cutlass, device, opts.quant, out / "kernels")
     moe_choice = None
     if cfg.moe is not None:
         with timer.phase("moe_tune" if opts.moe_tune else "moe_table"):
@@ -237,7 +242,7 @@ def compile_model(
                 graphs[f"decode_b{b}"] = {"batch": b}
     with timer.phase("kernels"):
         kernels_dir = out / "kernels"
-        kernels_dir.mkdir(exist_ok=True)  # the MoE phase may have put the CUTLASS library there
+        kernels_dir.mkdir(exist_ok=True)  # the FP8 and MoE phases may have put CUTLASS libraries there
         with _triton_cache(kernels_dir):
             # runnable, unlifted; without the stored example inputs (the module would also carry
             # an input-guard submodule the graph's Python source cannot hold)
@@ -318,7 +323,8 @@ def compile_model(
                     "decode_num_splits": {str(b): _decode_splits(cfg, b, max_seq, opts.tp) for b in buckets},
                     "gemv": plan,  # role -> largest T on the GEMV kernel (ops/gemv.py)
                 }
-                | ({"moe": moe_choice | {"table": json.loads(moe_choice["table"])}} if moe_choice else {}),
+                | ({"moe": moe_choice | {"table": json.loads(moe_choice["table"])}} if moe_choice else {})
+                | ({"fp8": fp8_choice} if fp8_choice else {}),
                 "compile_seconds": timer.times,
             },
         )

@@ -89,6 +89,14 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
     show_default=True,
     help="--moe-backend cutlass: the smallest token count that runs CUTLASS.",
 )
+@click.option(
+    "--fp8-cutlass/--no-fp8-cutlass",
+    default=True,
+    show_default=True,
+    help="--quant fp8 on an H100/H200: build the CUTLASS FP8 GEMM library into the artifact (nvcc and "
+    "the nvidia-cutlass headers; one to three minutes, cached) for prefill-sized FP8 linears. "
+    "Without it (or when it cannot be built: a warning) they run Triton and cuBLAS.",
+)
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 def compile_cmd(
     model_dir: str,
@@ -105,6 +113,7 @@ def compile_cmd(
     moe_tune: bool,
     moe_backend: str,
     moe_cutlass_min_tokens: int,
+    fp8_cutlass: bool,
     force: bool,
 ) -> None:
     """Compile the Hugging Face checkpoint in MODEL_DIR into an artifact directory: weight packs
@@ -134,6 +143,7 @@ def compile_cmd(
         moe_tune=moe_tune,
         moe_backend=moe_backend,
         moe_cutlass_min_tokens=moe_cutlass_min_tokens,
+        fp8_cutlass=fp8_cutlass,
         force=force,
     )
     compile_model(model_dir, out, opts)

@@ -1,11 +1,15 @@
-"""Building the CUTLASS grouped-GEMM library of the fused MoE op (ops/cutlass/sm90_grouped.cu) at
-compile time, and deciding whether an artifact uses it (``kiln compile --moe-backend``).
+"""Building kiln's CUTLASS libraries at compile time, and deciding whether an artifact uses them:
 
-``build_library(dest)`` compiles the source with nvcc for ``sm_90a`` against the CUTLASS headers
-into ``dest/LIB_NAME`` (about a minute; static cudart, so it loads without a CUDA toolkit). Where
-things come from, first match wins:
+* ``MOE``: the fused MoE op's grouped GEMM (ops/cutlass/sm90_grouped.cu; ``kiln compile --moe-backend``);
+* ``FP8``: fp8_linear's dense FP8 GEMMs (ops/cutlass/sm90_fp8_gemm.cu; ``--quant fp8``, unless
+  ``--no-fp8-cutlass``).
 
-* the library: ``KILN_CUTLASS_LIB`` (a prebuilt file, copied as is), else the build cache
+``build_library(dest, lib=MOE)`` compiles the source with nvcc for ``sm_90a`` against the CUTLASS
+headers into ``dest/lib.name`` (one to three minutes; static cudart, so it loads without a CUDA
+toolkit). Where things come from, first match wins:
+
+* the library: ``lib.env`` (``KILN_CUTLASS_LIB`` or ``KILN_CUTLASS_FP8_LIB``: a prebuilt file,
+  copied as is), else the build cache
   ``KILN_CUTLASS_CACHE`` (default ``~/.cache/kiln/cutlass``, keyed by the source, the flags, the
   nvcc version and the CUTLASS version), else nvcc;
 * nvcc: ``KILN_NVCC``, ``$CUDA_HOME/bin/nvcc``, then ``PATH``;
@@ -13,6 +17,7 @@ things come from, first match wins:
   checkout), else the ``cutlass_library`` package of the ``nvidia-cutlass`` wheel (its
   ``source/``; found without importing it).
 
+``fp8_library(...)`` builds ``FP8`` for an FP8 compile on an sm90 GPU, or records why not.
 ``cutlass_backend(...)`` applies ``--moe-backend``: ``triton`` uses nothing here; ``cutlass`` and
 ``auto`` need a CUDA sm90 device and bf16 experts, build the library into the artifact's
 ``kernels/`` and load it into this process (the tuner times it, the warm-up runs it). ``cutlass``
@@ -21,6 +26,7 @@ fails with a message naming the fix when it cannot; ``auto`` records why and kee
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -36,24 +42,39 @@ import torch
 
 from kiln.errors import KilnError
 
-LIB_NAME = "cutlass_moe_sm90.so"
 ARCH = "sm_90a"
 FLAGS = ("-std=c++17", "--expt-relaxed-constexpr", f"-arch={ARCH}", "-O3", "-DNDEBUG",
-         "-Xcompiler=-fPIC", "-shared")  # fmt: skip
+         "-Xcompiler=-fPIC", "-shared", "--split-compile=0")  # fmt: skip
 MOE_BACKENDS = ("triton", "cutlass", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class CutlassLib:
+    source: str  # under ops/cutlass/
+    name: str  # the built file
+    env: str  # a prebuilt file to copy instead of building
+    what: str  # for messages
+    fallback: str  # the compile flag that does without it
+
+
+MOE = CutlassLib("sm90_grouped.cu", "cutlass_moe_sm90.so", "KILN_CUTLASS_LIB", "MoE grouped-GEMM",
+                 "--moe-backend triton")  # fmt: skip
+FP8 = CutlassLib("sm90_fp8_gemm.cu", "cutlass_fp8_sm90.so", "KILN_CUTLASS_FP8_LIB", "FP8 GEMM",
+                 "--no-fp8-cutlass")  # fmt: skip
+LIB_NAME = MOE.name
 
 
 class CutlassBuildError(KilnError):
     pass
 
 
-def source_file() -> Path:
+def source_file(lib: CutlassLib = MOE) -> Path:
     import kiln.ops
 
-    return Path(kiln.ops.__file__).parent / "cutlass" / "sm90_grouped.cu"
+    return Path(kiln.ops.__file__).parent / "cutlass" / lib.source
 
 
-def cutlass_dir() -> Path:
+def cutlass_dir(lib: CutlassLib = MOE) -> Path:
     """The CUTLASS source folder (``include/`` and ``tools/util/include/`` under it)."""
     env = os.environ.get("KILN_CUTLASS_DIR")
     if env:
@@ -70,14 +91,14 @@ def cutlass_dir() -> Path:
         if (root / "include" / "cutlass" / "cutlass.h").is_file():
             return root
     raise CutlassBuildError(
-        "CUTLASS headers not found: --moe-backend cutlass compiles ops/cutlass/sm90_grouped.cu against "
+        f"CUTLASS headers not found: the {lib.what} library (ops/cutlass/{lib.source}) compiles against "
         "them. Install the nvidia-cutlass wheel (`pip install nvidia-cutlass==4.2.0.0`: its "
         "cutlass_library/source/include), set KILN_CUTLASS_DIR to a CUTLASS checkout, or compile "
-        "with --moe-backend triton"
+        f"with {lib.fallback}"
     )
 
 
-def find_nvcc() -> str:
+def find_nvcc(lib: CutlassLib = MOE) -> str:
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     for cand in (
         os.environ.get("KILN_NVCC"),
@@ -87,77 +108,103 @@ def find_nvcc() -> str:
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
     raise CutlassBuildError(
-        "nvcc not found: --moe-backend cutlass compiles ops/cutlass/sm90_grouped.cu with it. Install "
+        f"nvcc not found: the {lib.what} library compiles ops/cutlass/{lib.source} with it. Install "
         "the CUDA toolkit (12.4 or newer) and put nvcc on PATH, set CUDA_HOME or KILN_NVCC, point "
-        "KILN_CUTLASS_LIB at a prebuilt library, or compile with --moe-backend triton"
+        f"{lib.env} at a prebuilt library, or compile with {lib.fallback}"
     )
 
 
-def nvcc_command(nvcc: str, cutlass: Path, out: Path) -> list[str]:
+def nvcc_command(nvcc: str, cutlass: Path, out: Path, lib: CutlassLib = MOE) -> list[str]:
     inc = [f"-I{cutlass / 'include'}", f"-I{cutlass / 'tools' / 'util' / 'include'}"]
-    return [nvcc, *FLAGS, *inc, str(source_file()), "-o", str(out)]
+    return [nvcc, *FLAGS, *inc, str(source_file(lib)), "-o", str(out)]
 
 
-def _cache_key(nvcc: str, cutlass: Path) -> str:
+def _cache_key(nvcc: str, cutlass: Path, lib: CutlassLib) -> str:
     ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    h = hashlib.sha256(source_file().read_bytes())
+    h = hashlib.sha256(source_file(lib).read_bytes())
     for part in (" ".join(FLAGS), ver, (cutlass / "include" / "cutlass" / "version.h").read_text()):
         h.update(part.encode())
     return h.hexdigest()[:24]
 
 
-def build_library(dest: str | Path, verbose: bool = False) -> dict[str, Any]:
-    """Put the library at ``dest/LIB_NAME``; returns ``{"path", "source", "seconds", "cached"}``
+def build_library(dest: str | Path, verbose: bool = False, lib: CutlassLib = MOE) -> dict[str, Any]:
+    """Put the library at ``dest/lib.name``; returns ``{"path", "source", "seconds"}``
     (``source``: "prebuilt", "cache" or "nvcc")."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    out = dest / LIB_NAME
+    out = dest / lib.name
     t0 = time.perf_counter()
-    prebuilt = os.environ.get("KILN_CUTLASS_LIB")
+    prebuilt = os.environ.get(lib.env)
     if prebuilt:
         if not os.path.isfile(prebuilt):
-            raise CutlassBuildError(
-                f"KILN_CUTLASS_LIB={prebuilt} does not exist; unset it to build with nvcc"
-            )
+            raise CutlassBuildError(f"{lib.env}={prebuilt} does not exist; unset it to build with nvcc")
         shutil.copyfile(prebuilt, out)
         return {"path": str(out), "source": "prebuilt", "seconds": time.perf_counter() - t0}
-    nvcc, cutlass = find_nvcc(), cutlass_dir()
+    nvcc, cutlass = find_nvcc(lib), cutlass_dir(lib)
     cache = Path(os.environ.get("KILN_CUTLASS_CACHE") or Path.home() / ".cache" / "kiln" / "cutlass")
-    cached = cache / f"{_cache_key(nvcc, cutlass)}.so"
+    cached = cache / f"{Path(lib.name).stem}-{_cache_key(nvcc, cutlass, lib)}.so"
     origin = "cache"
     if not cached.is_file():
         origin = "nvcc"
         cache.mkdir(parents=True, exist_ok=True)
         tmp = cache / f"{cached.stem}.{os.getpid()}.tmp.so"
-        cmd = nvcc_command(nvcc, cutlass, tmp)
+        cmd = nvcc_command(nvcc, cutlass, tmp, lib)
         if verbose:
             print(
-                f"[kiln compile] building the CUTLASS MoE library (about a minute): {' '.join(cmd)}",
+                f"[kiln compile] building the CUTLASS {lib.what} library (one to three minutes, cached "
+                f"after): {' '.join(cmd)}",
                 flush=True,
             )
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0 or not tmp.is_file():
             tmp.unlink(missing_ok=True)
             raise CutlassBuildError(
-                f"nvcc failed ({p.returncode}) building {source_file().name} against {cutlass}:\n"
+                f"nvcc failed ({p.returncode}) building {lib.source} against {cutlass}:\n"
                 f"{(p.stderr or p.stdout)[-2000:]}\nFix the toolkit (CUDA 12.4+ for sm_90a) or compile "
-                "with --moe-backend triton"
+                f"with {lib.fallback}"
             )
         os.replace(tmp, cached)  # atomic: a concurrent build never sees half a file
     shutil.copyfile(cached, out)
     return {"path": str(out), "source": origin, "seconds": time.perf_counter() - t0}
 
 
-def _unusable(device: torch.device, dtype: str, quant: str | None) -> str | None:
-    """Why this compile cannot use the CUTLASS backend (None: it can)."""
+def _not_sm90(device: torch.device) -> str | None:
     if device.type != "cuda":
         return "needs --device cuda (the kernel is CUDA code)"
-    if dtype != "bfloat16" or quant is not None:
-        return f"needs bf16 experts (--dtype bfloat16, no --quant); this compile has {dtype}, quant {quant}"
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
         return f"runs on sm_90 GPUs (H100/H200) only; this GPU is sm_{major}{minor}"
     return None
+
+
+def _unusable(device: torch.device, dtype: str, quant: str | None) -> str | None:
+    """Why this compile cannot use the CUTLASS MoE backend (None: it can)."""
+    if device.type == "cuda" and (dtype != "bfloat16" or quant is not None):
+        return f"needs bf16 experts (--dtype bfloat16, no --quant); this compile has {dtype}, quant {quant}"
+    return _not_sm90(device)
+
+
+def fp8_library(enabled: bool, device: torch.device, quant: str | None, kernels_dir: Path) -> dict[str, Any]:
+    """What the manifest records under ``kernel_choices.fp8`` for an FP8 compile: the ``FP8`` library
+    built into ``kernels_dir`` and loaded in this process (the warm-up runs it), or why not (a
+    warning when it was wanted but cannot be built: fp8_linear then runs Triton and cuBLAS)."""
+    if quant != "fp8":
+        return {}
+    why = "--no-fp8-cutlass" if not enabled else _not_sm90(device)
+    if why is None:
+        try:
+            built = build_library(kernels_dir, verbose=True, lib=FP8)
+        except CutlassBuildError as err:
+            why = str(err)[:500]
+            warnings.warn(f"kiln compile: FP8 GEMMs without CUTLASS (Triton and cuBLAS): {err}", stacklevel=2)
+    if why is not None:
+        return {"note": f"no CUTLASS FP8 GEMM library: {why}"}
+    from kiln.ops import fp8_cutlass
+
+    fp8_cutlass.load_library(built["path"])
+    rel = Path(built["path"]).resolve().relative_to(kernels_dir.resolve().parent).as_posix()
+    return {"library": rel, "arch": ARCH, "abi": fp8_cutlass.ABI, "build": built["source"],
+            "build_seconds": round(built["seconds"], 1)}  # fmt: skip
 
 
 def check_request(requested: str, device: torch.device, dtype: str, quant: str | None) -> None:

@@ -46,6 +46,10 @@ FP8_MAX = 448.0  # largest finite e4m3fn value
 FP8_MIN_SCALE = 1e-12  # guards all-zero rows against division by zero
 
 
+class CutlassUnavailable(RuntimeError):
+    """A CUTLASS backend (ops/moe_cutlass.py, ops/fp8_cutlass.py) was asked for without its library."""
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

@@ -18,14 +18,21 @@ says how to fix it. CPU: the reference (dequantize to float32, matmul).
 Backends (``fp8_linear_forward(..., backend=...)``; the op reads ``KILN_FP8_GEMM`` at call time, so
 at CUDA-graph capture for decode graphs): ``cublas`` is the above; ``triton`` runs ops/fp8_gemm.py's
 kernel on CUDA GPUs of compute capability >= 8.9 (any N and K; others fall back to the cuBLAS rules)
-and, with ``KILN_TRITON_ON_CPU=1`` under ``TRITON_INTERPRET=1``, on CPU tensors; ``auto`` (default)
-takes ``triton`` where ``fp8_gemm.TABLE`` holds a measured launch config for the shape (prefill-sized
-M of 129..512 at Llama-3.1-8B's N, K, where it beat cuBLAS on the H200), else ``cublas``.
+and, with ``KILN_TRITON_ON_CPU=1`` under ``TRITON_INTERPRET=1``, on CPU tensors; ``cutlass`` runs
+ops/fp8_cutlass.py's warp-specialized CUTLASS kernels (sm90, bf16 output, N and K multiples of 16;
+the library must be loaded: an FP8 artifact compiled on an H100/H200 carries it and the loader loads
+it; others fall back to the cuBLAS rules). ``auto`` (default) takes, in this order, ``cutlass`` where
+the library is loaded and ``fp8_cutlass.config_for`` has a measured instantiation (M of 65..1024),
+``triton`` where ``fp8_gemm.TABLE`` holds a measured launch config (M of 129..512 at Llama-3.1-8B's
+N, K), else ``cublas``. On the H200 the CUTLASS kernels were 1.59-2.00x bf16 ``F.linear`` at M = 256
+and 1.68-1.93x at M = 512 and 1024, against the Triton kernel's 1.41-1.71x at M = 256
+(bench/results/2026-11-29_h200_fp8_cutlass_sweep.json).
 
 Accumulation: FP8 tensor cores sum each MMA's products at reduced precision. Fast accumulation
 leaves it at that; precise accumulation promotes the sum into float32 every 128 products.
 ``KILN_FP8_FAST_ACCUM``: ``auto`` (default) is fast in the Triton kernel and precise in cuBLAS;
-``1`` is fast in both; ``0`` is precise in both. cuBLAS stays precise under ``auto`` for two reasons.
+``1`` is fast in both; ``0`` is precise in both. The CUTLASS kernels always accumulate fast (under
+``0``, ``auto`` does not pick them). cuBLAS stays precise under ``auto`` for two reasons.
 It has no fast row-wise kernel for some shapes: ``CUBLAS_STATUS_NOT_SUPPORTED`` at M <= 7, N = 4096,
 K = 14336 on the H200 with CUDA 13.0. And it meets the 1.5x target without one at the M where
 ``auto`` sends products to it.
@@ -51,6 +58,7 @@ import warnings
 
 import torch
 
+from kiln.ops import fp8_cutlass
 from kiln.ops.common import FP8_DTYPE, kiln_op, use_triton
 from kiln.ops.fp8_gemm import fp8_gemm, tuned
 
@@ -66,7 +74,7 @@ def use_fast_accum(backend: str) -> bool:
     return mode == "1" or (mode == "auto" and backend == "triton")
 
 
-BACKENDS = ("auto", "cublas", "triton")
+BACKENDS = ("auto", "cublas", "triton", "cutlass")
 
 
 def fp8_backend(backend: str | None = None) -> str:
@@ -185,6 +193,18 @@ def _check(x, x_scale, w, w_scale, bias, out_dtype) -> None:
         raise ValueError(f"fp8_linear: out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
 
 
+def auto_backend(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> str:
+    """What ``auto`` runs for this product (module docstring)."""
+    m, (n, k) = x.shape[0], w.shape
+    if (
+        fp8_cutlass.config_for(m, n, k) is not None
+        and os.environ.get("KILN_FP8_FAST_ACCUM", "auto") != "0"
+        and fp8_cutlass.supports(x, w, out_dtype)
+    ):
+        return "cutlass"
+    return "triton" if tuned(m, n, k) else "cublas"
+
+
 def fp8_linear_forward(
     x: torch.Tensor,
     x_scale: torch.Tensor,
@@ -201,7 +221,9 @@ def fp8_linear_forward(
         return x.new_empty((0, w.shape[0]), dtype=out_dtype)
     b = fp8_backend(backend)
     if b == "auto":
-        b = "triton" if tuned(x.shape[0], w.shape[0], w.shape[1]) else "cublas"
+        b = auto_backend(x, w, out_dtype)
+    if b == "cutlass" and fp8_cutlass.supports(x, w, out_dtype):
+        return fp8_cutlass.fp8_gemm_cutlass(x, x_scale, w, w_scale, bias, out_dtype)
     if b == "triton" and triton_fp8_supported(x) is None:
         return fp8_gemm(x, x_scale, w, w_scale, bias, out_dtype, fast_accum=use_fast_accum("triton"))
     if x.is_cuda:

@@ -42,7 +42,15 @@ import triton
 import triton.language as tl
 
 from kiln.ops import activation
-from kiln.ops.common import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, sm_count
+from kiln.ops.common import (
+    CutlassUnavailable,
+    interpreting,
+    next_pow2,
+    pdl_args,
+    pdl_trigger,
+    pdl_wait,
+    sm_count,
+)
 from kiln.ops.moe_permute import gather_rows, moe_sort, unsort_combine
 
 ABI = 1  # kg_abi() of the library this module drives
@@ -50,10 +58,6 @@ ALIGN = 8  # N and K must be multiples of 8 elements (16-byte TMA rows)
 STATUS = ("kSuccess", "kErrorMisalignedOperand", "kErrorInvalidDataType", "kErrorInvalidLayout",
           "kErrorInvalidProblem", "kErrorNotSupported", "kErrorWorkspaceNull", "kErrorInternal",
           "kErrorArchMismatch", "kErrorInsufficientDriver", "kErrorMemoryAllocation", "kInvalid")  # fmt: skip
-
-
-class CutlassUnavailable(RuntimeError):
-    pass
 
 
 _LIB: ctypes.CDLL | None = None

@@ -38,32 +38,51 @@ def use_artifact_kernels(art: Artifact) -> None:
     os.environ["TRITON_CACHE_DIR"] = str((art.root / "kernels").resolve())
 
 
+def _load_cutlass(
+    art: Artifact, rel: str | None, field_name: str, what: str, load: Callable[[Any], None]
+) -> str:
+    """Check (sha256: it is executable code) and load one of the artifact's CUTLASS libraries."""
+    info = art.manifest.get("files", {}).get(rel or "")
+    if not rel or info is None:
+        raise ArtifactError(
+            f"manifest field '{field_name}' must name a file listed in 'files' (it is {rel!r}): {REBUILD}."
+        )
+    check_sha256(art.root, rel, info)
+    path = art.root / rel
+    try:
+        load(path)
+    except (OSError, RuntimeError) as err:  # the ops' CutlassUnavailable are RuntimeErrors
+        raise ArtifactError(
+            f"artifact file {rel} (the {what} library) does not load here ({err}): {REBUILD}."
+        ) from err
+    return str(path)
+
+
 def load_moe_library(art: Artifact, device: torch.device) -> str | None:
     """Load the CUTLASS grouped-GEMM library into this process (ops/moe_cutlass.py) when a rung of
-    the artifact's MoE table runs CUTLASS (``manifest.kernel_choices.moe``) and the device is CUDA;
-    it is executable code, so its sha256 is always checked. Returns its path (None: not needed)."""
+    the artifact's MoE table runs CUTLASS (``manifest.kernel_choices.moe``) and the device is CUDA.
+    Returns its path (None: not needed)."""
     moe = art.manifest.get("kernel_choices", {}).get("moe") or {}
     table = moe.get("table") or {}
     if device.type != "cuda" or not any(e.get("backend") == "cutlass" for e in table.values()):
         return None
-    rel = (moe.get("cutlass") or {}).get("library")
-    info = art.manifest.get("files", {}).get(rel or "")
-    if not rel or info is None:
-        raise ArtifactError(
-            "manifest field 'kernel_choices.moe.cutlass.library' must name a file listed in 'files' when "
-            f"the MoE table has CUTLASS rungs (it is {rel!r}): {REBUILD}."
-        )
-    check_sha256(art.root, rel, info)
-    path = art.root / rel
     from kiln.ops import moe_cutlass
 
-    try:
-        moe_cutlass.load_library(path)
-    except (OSError, moe_cutlass.CutlassUnavailable) as err:
-        raise ArtifactError(
-            f"artifact file {rel} (the CUTLASS MoE library) does not load here ({err}): {REBUILD}."
-        ) from err
-    return str(path)
+    rel = (moe.get("cutlass") or {}).get("library")
+    field_name = "kernel_choices.moe.cutlass.library"
+    return _load_cutlass(art, rel, field_name, "CUTLASS MoE", moe_cutlass.load_library)
+
+
+def load_fp8_library(art: Artifact, device: torch.device) -> str | None:
+    """Load the CUTLASS FP8 GEMM library (ops/fp8_cutlass.py) when the artifact carries one
+    (``manifest.kernel_choices.fp8.library``) and the device is CUDA; fp8_linear's ``auto`` backend
+    then runs it where its table has the shape. Returns its path (None: none)."""
+    rel = (art.manifest.get("kernel_choices", {}).get("fp8") or {}).get("library")
+    if device.type != "cuda" or rel is None:
+        return None
+    from kiln.ops import fp8_cutlass
+
+    return _load_cutlass(art, rel, "kernel_choices.fp8.library", "CUTLASS FP8 GEMM", fp8_cutlass.load_library)
 
 
 class _CachedTyping(types.ModuleType):
@@ -157,6 +176,7 @@ def load_model(
     art = open_artifact(path, dev, verify=verify)
     use_artifact_kernels(art)
     load_moe_library(art, dev)
+    load_fp8_library(art, dev)
     import kiln.ops  # noqa: F401  (registers torch.ops.kiln.* before graphs deserialize)
     from kiln.ops.rope import rope_cos_sin_cache
     from kiln.weights import load_pack

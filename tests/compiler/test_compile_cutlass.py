@@ -1,6 +1,7 @@
 """``kiln compile --moe-backend``: the table's per-rung backend (forced, measured), building the CUTLASS
 library (compiler/cutlass_build.py, a stand-in nvcc on CPU), its errors, the manifest record and the
-runtime loader that reads it; on the GPU, tiny Qwen3-MoE artifacts with CUTLASS rungs against Triton."""
+runtime loader that reads it; on the GPU, tiny Qwen3-MoE artifacts with CUTLASS rungs against Triton.
+The same for the FP8 GEMM library of ``--quant fp8`` (``--fp8-cutlass``)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import rel_err
+from tiny_models import make_checkpoint, rel_err
 from tiny_moe_models import make_moe_checkpoint
 
 from kiln.compiler import cutlass_build as cb
 from kiln.compiler.build import CompileOptions, compile_model
 from kiln.compiler.moe_tune import MoEShape, candidates, force_backend, moe_tuning, tune
-from kiln.ops import moe_cutlass
+from kiln.ops import fp8_cutlass, moe_cutlass
 from kiln.ops import moe_gemm as mg
 from kiln.runtime.artifact import Artifact, ArtifactError
-from kiln.runtime.loader import load_moe_library
+from kiln.runtime.loader import load_fp8_library, load_moe_library
 
 CPU_OPTS = dict(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=128, chunk_size=64)
 
@@ -279,3 +280,96 @@ def test_gpu_auto_times_both_backends(compiled_gpu, tmp_path):
         == row["backend"]
         == ("cutlass" if row["cutlass_us"] < row["best_us"] else "triton")
     )
+
+
+# ---- the FP8 GEMM library (--quant fp8) -----------------------------------------------------------
+
+
+def test_fp8_library_builds_its_own_source_and_cache_entry(tmp_path, fake_toolchain, monkeypatch):
+    _, log = fake_toolchain
+    moe = cb.build_library(tmp_path / "a")
+    fp8 = cb.build_library(tmp_path / "b", lib=cb.FP8)
+    assert Path(fp8["path"]).name == "cutlass_fp8_sm90.so" and fp8["source"] == "nvcc"
+    first, second = (line.split() for line in log.read_text().splitlines())
+    assert str(cb.source_file()) in first and str(cb.source_file(cb.FP8)) in second
+    assert cb.source_file(cb.FP8).is_file() and moe["source"] == "nvcc"
+    assert cb.build_library(tmp_path / "c", lib=cb.FP8)["source"] == "cache"
+    monkeypatch.setenv("KILN_CUTLASS_FP8_LIB", str(tmp_path / "nope.so"))
+    with pytest.raises(cb.CutlassBuildError, match=r"KILN_CUTLASS_FP8_LIB=.*does not exist"):
+        cb.build_library(tmp_path / "d", lib=cb.FP8)
+    monkeypatch.delenv("KILN_CUTLASS_FP8_LIB")
+    monkeypatch.setenv("FAKE_NVCC_FAIL", "1")
+    (tmp_path / "cache").rename(tmp_path / "old-cache")
+    with pytest.raises(cb.CutlassBuildError, match=r"(?s)sm90_fp8_gemm\.cu.*--no-fp8-cutlass"):
+        cb.build_library(tmp_path / "e", lib=cb.FP8)
+
+
+def test_fp8_library_record_says_why_not(tmp_path):
+    cpu = torch.device("cpu")
+    assert cb.fp8_library(True, cpu, None, tmp_path) == {}  # not an FP8 compile
+    assert "--no-fp8-cutlass" in cb.fp8_library(False, cpu, "fp8", tmp_path)["note"]
+    assert "needs --device cuda" in cb.fp8_library(True, cpu, "fp8", tmp_path)["note"]
+    assert not (tmp_path / "kernels").exists()
+
+
+def test_loader_loads_the_fp8_library_the_manifest_names(tmp_path, monkeypatch):
+    lib = tmp_path / "kernels" / cb.FP8.name
+    lib.parent.mkdir()
+    lib.write_bytes(b"fp8 library")
+    rel = f"kernels/{cb.FP8.name}"
+    files = {rel: {"sha256": hashlib.sha256(b"fp8 library").hexdigest(), "size": 11}}
+    loaded = []
+    monkeypatch.setattr(fp8_cutlass, "load_library", lambda p: loaded.append(str(p)))
+    art = Artifact(tmp_path, {"kernel_choices": {"fp8": {"library": rel}}, "files": files})
+    assert load_fp8_library(art, torch.device("cpu")) is None and not loaded
+    assert load_fp8_library(art, torch.device("cuda")) == str(lib) and loaded == [str(lib)]
+    noted = Artifact(tmp_path, {"kernel_choices": {"fp8": {"note": "no CUTLASS FP8 GEMM library"}}})
+    assert load_fp8_library(noted, torch.device("cuda")) is None
+    unlisted = Artifact(tmp_path, {"kernel_choices": {"fp8": {"library": rel}}, "files": {}})
+    with pytest.raises(ArtifactError, match=r"'kernel_choices\.fp8\.library'.*kiln compile"):
+        load_fp8_library(unlisted, torch.device("cuda"))
+
+    def refuse(path):
+        raise fp8_cutlass.CutlassUnavailable("ABI 0")
+
+    monkeypatch.setattr(fp8_cutlass, "load_library", refuse)
+    with pytest.raises(ArtifactError, match=r"CUTLASS FP8 GEMM library\) does not load here \(ABI 0\)"):
+        load_fp8_library(art, torch.device("cuda"))
+
+
+def test_cli_has_the_fp8_cutlass_switch():
+    from click.testing import CliRunner
+
+    from kiln.cli import cli
+
+    r = CliRunner().invoke(cli, ["compile", "--help"])
+    assert r.exit_code == 0 and "--no-fp8-cutlass" in r.output
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_artifact_runs_cutlass_for_prefill(compiled_gpu, tmp_path, monkeypatch):
+    """An FP8 compile on the H200 puts the FP8 library in the artifact and the manifest; the loader
+    loads it; a 100-token prefill (M bucket 128) runs it and matches cuBLAS (``KILN_FP8_GEMM``)."""
+    from kiln.runtime.direct import DirectRunner
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the CUTLASS FP8 GEMM is built for sm90 (H100/H200)")
+    make_checkpoint(tmp_path / "hf", "qwen3-qknorm", seed=6, eos=None)
+    opts = CompileOptions(
+        device="cuda", dtype="bfloat16", quant="fp8", max_batch_size=4, max_seq_len=256, chunk_size=128
+    )
+    m = compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
+    fp8 = m["kernel_choices"]["fp8"]
+    if "note" in fp8:
+        pytest.skip(f"no CUTLASS toolchain here: {fp8['note']}")
+    assert fp8["library"] in m["files"] and (tmp_path / "art" / fp8["library"]).is_file()
+    calls, real = [], fp8_cutlass.fp8_gemm_cutlass
+    monkeypatch.setattr(fp8_cutlass, "fp8_gemm_cutlass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompts = [list(range(5, 65)), list(range(100, 140))]  # 100 tokens
+    out = DirectRunner(str(tmp_path / "art"), device="cuda", num_slots=512).prefill(prompts)
+    assert calls and fp8_cutlass.loaded()
+    monkeypatch.setenv("KILN_FP8_GEMM", "cublas")
+    n = len(calls)
+    ref = DirectRunner(str(tmp_path / "art"), device="cuda", num_slots=512).prefill(prompts)
+    assert len(calls) == n
+    assert rel_err(out.float(), ref.float()) < 3e-2

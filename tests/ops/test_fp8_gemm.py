@@ -231,7 +231,10 @@ def test_backend_switch(kernel_on_cpu, monkeypatch):
     monkeypatch.setenv("KILN_FP8_GEMM", "cublas")
     torch.ops.kiln.fp8_linear(xq, xs, wq, ws, bias, torch.bfloat16)
     assert len(calls) == 2
-    monkeypatch.setenv("KILN_FP8_GEMM", "cutlass")
+    monkeypatch.setenv("KILN_FP8_GEMM", "cutlass")  # no library, CPU: the reference
+    assert rel_err(torch.ops.kiln.fp8_linear(xq, xs, wq, ws, bias, torch.float32), ref) < 1e-5
+    assert len(calls) == 2
+    monkeypatch.setenv("KILN_FP8_GEMM", "cutlas")
     with pytest.raises(ValueError, match="KILN_FP8_GEMM"):
         torch.ops.kiln.fp8_linear(xq, xs, wq, ws, bias, torch.bfloat16)
 

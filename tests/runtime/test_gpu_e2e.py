@@ -92,8 +92,9 @@ def test_fp8_triton_loading_compiles_no_triton_kernel(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_FP8_GEMM", "triton")
     make_checkpoint(tmp_path / "hf", "qwen3-qknorm", seed=6, eos=None)
     opts = CompileOptions(
-        device="cuda", dtype="bfloat16", quant="fp8", max_batch_size=16, max_seq_len=256, chunk_size=64
-    )
+        device="cuda", dtype="bfloat16", quant="fp8", max_batch_size=16, max_seq_len=256, chunk_size=64,
+        fp8_cutlass=False,
+    )  # fmt: skip
     compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
     _assert_loading_compiles_nothing(tmp_path / "art", {"KILN_FP8_GEMM": "triton"})
 

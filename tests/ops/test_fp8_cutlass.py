@@ -1,0 +1,136 @@
+"""The CUTLASS FP8 GEMM backend of ``fp8_linear`` (ops/fp8_cutlass.py, ops/cutlass/sm90_fp8_gemm.cu).
+
+CPU: the tables name instantiations the default build has, the ``auto`` backend's choice, the
+errors without a library. GPU (``-m gpu``): the library (``KILN_CUTLASS_FP8_LIB``, else built with
+compiler/cutlass_build.py) against the float32 reference for every instantiation, M not a multiple
+of any tile, bias and per-tensor scales, and inside a CUDA graph with new inputs.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from test_fp8_gemm import make_case, rel_err
+
+from kiln.ops import fp8_cutlass as fc
+from kiln.ops import fp8_gemm as fg
+from kiln.ops import fp8_linear as fl
+from kiln.ops.common import CutlassUnavailable
+
+LLAMA_NK = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]
+
+
+def built_configs(sweep: bool) -> list[str]:
+    """The instantiation names of the .cu source's default list (and, with ``sweep``, KF_SWEEP's)."""
+    src = (Path(fc.__file__).parent / "cutlass" / "sm90_fp8_gemm.cu").read_text()
+    default = src[src.index("#define KF_CONFIGS(X)") :]
+    names = re.findall(r'X\("(\w+)"', default)
+    if sweep:
+        block = src[src.index("#ifdef KF_SWEEP") : src.index("#define KF_CONFIGS(X)")]
+        names += re.findall(r'X\("(\w+)"', block)
+    return names
+
+
+def test_tables_name_instantiations_of_the_default_build():
+    names = built_configs(sweep=False)
+    assert len(names) == len(set(names)) and len(set(built_configs(sweep=True))) > len(names)
+    used = set(fc.TABLE.values()) | set(fc.BUCKET_DEFAULTS.values())
+    assert used <= set(names), sorted(used - set(names))
+    for name in names:  # the name spells the tile: schedule_MxNxK_cCMxCN
+        assert re.fullmatch(r"(pp|co)_\d+x\d+x\d+_c\dx\d(_sk)?", name), name
+    for m in (128, 256, 512, 1024):  # every Llama-3.1-8B shape measured at every bucket
+        assert all((m, n, k) in fc.TABLE for n, k in LLAMA_NK)
+
+
+def test_config_for_covers_the_measured_buckets_only():
+    assert fc.config_for(200, 4096, 4096) == fc.TABLE[(256, 4096, 4096)]
+    assert fc.config_for(65, 1024, 2048) == fc.BUCKET_DEFAULTS[128]  # unmeasured shape: the bucket's default
+    assert fc.config_for(1024, 6144, 4096) == fc.TABLE[(1024, 6144, 4096)]
+    for m in (1, 16, 64, 1025, 4096):  # decode sizes and large prefills: cuBLAS / Triton
+        assert fc.config_for(m, 4096, 4096) is None, m
+
+
+def test_auto_backend_prefers_cutlass_where_it_can_run(monkeypatch):
+    xq, _, wq, _, _ = make_case(256, 4096, 64)  # only the shapes matter here
+    wq = torch.empty(4096, 4096, dtype=wq.dtype)
+    xq = torch.empty(256, 4096, dtype=xq.dtype)
+    monkeypatch.delenv("KILN_FP8_FAST_ACCUM", raising=False)
+    assert not fc.supports(xq, wq, torch.bfloat16)  # no library, CPU tensors
+    assert fl.auto_backend(xq, wq, torch.bfloat16) == "triton"  # fp8_gemm.TABLE has the shape
+    monkeypatch.setattr(fc, "supports", lambda x, w, dt: dt == torch.bfloat16)
+    assert fl.auto_backend(xq, wq, torch.bfloat16) == "cutlass"
+    assert fl.auto_backend(xq, wq, torch.float16) == "triton"  # bf16 output only
+    assert fl.auto_backend(xq[:16], wq, torch.bfloat16) == "cublas"  # decode size: not measured
+    monkeypatch.setenv("KILN_FP8_FAST_ACCUM", "0")  # CUTLASS accumulates fast only
+    assert fl.auto_backend(xq, wq, torch.bfloat16) == "triton"
+
+
+def test_without_a_library_cutlass_requests_fall_back_or_fail_clearly(monkeypatch):
+    monkeypatch.setattr(fc, "_LIB", None)
+    xq, xs, wq, ws, bias = make_case(20, 32, 64)
+    y = fl.fp8_linear_forward(xq, xs, wq, ws, bias, torch.bfloat16, backend="cutlass")  # CPU: reference
+    assert rel_err(y, fl.fp8_linear_ref(xq, xs, wq, ws, bias, torch.bfloat16)) == 0
+    with pytest.raises(CutlassUnavailable, match="no library is loaded"):
+        fc.fp8_gemm_cutlass(xq, xs, wq, ws, bias, torch.bfloat16)
+    with pytest.raises(CutlassUnavailable, match="does not exist"):
+        fc.load_library("/nonexistent/cutlass_fp8_sm90.so")
+    with pytest.raises(ValueError, match="KILN_FP8_GEMM"):
+        fl.fp8_backend("cutlas")
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp8_library(tmp_path_factory):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm90 GPU (H100/H200)")
+    from kiln.compiler.cutlass_build import FP8, CutlassBuildError, build_library
+
+    try:
+        path = build_library(tmp_path_factory.mktemp("cutlass"), lib=FP8)["path"]
+    except CutlassBuildError as err:
+        pytest.skip(f"no CUTLASS toolchain and no KILN_CUTLASS_FP8_LIB: {err}")
+    fc.load_library(path)
+    return path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 256, 512), (77, 4096, 4096), (256, 6144, 4096), (1000, 1024, 14336)])
+def test_gpu_every_instantiation_matches_reference(fp8_library, m, n, k):
+    xq, xs, wq, ws, _ = make_case(m, n, k, "cuda", bias_dtype=None)
+    ref = fg.fp8_gemm_ref(xq, xs, wq, ws, None, torch.float32)
+    for name in fc.config_names():
+        y = fc.fp8_gemm_cutlass(xq, xs, wq, ws, None, torch.bfloat16, name)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        assert rel_err(y, ref) < 1e-2, f"{name} at {m}x{n}x{k}: {rel_err(y, ref):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["per_token", "per_tensor"])
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32], ids=str)
+def test_gpu_bias_and_scales(fp8_library, per_tensor, bias_dtype):
+    xq, xs, wq, ws, bias = make_case(300, 512, 1024, "cuda", per_tensor=per_tensor, bias_dtype=bias_dtype)
+    y = fl.fp8_linear_forward(xq, xs, wq, ws, bias, torch.bfloat16, backend="cutlass")
+    assert rel_err(y, fg.fp8_gemm_ref(xq, xs, wq, ws, bias, torch.float32)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_auto_runs_cutlass_and_replays_in_a_graph(fp8_library, monkeypatch):
+    monkeypatch.delenv("KILN_FP8_GEMM", raising=False)
+    monkeypatch.delenv("KILN_FP8_FAST_ACCUM", raising=False)
+    xq, xs, wq, ws, _ = make_case(256, 4096, 4096, "cuda", bias_dtype=None)
+    calls, real = [], fc.fp8_gemm_cutlass
+    monkeypatch.setattr(fc, "fp8_gemm_cutlass", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    fl.fp8_linear_forward(xq, xs, wq, ws, None, torch.bfloat16)  # warm-up, outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = fl.fp8_linear_forward(xq, xs, wq, ws, None, torch.bfloat16)
+    assert len(calls) == 2
+    new_x, new_s, *_ = make_case(256, 4096, 4096, "cuda", seed=3, bias_dtype=None)
+    xq.copy_(new_x)
+    xs.copy_(new_s)
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_err(y, fg.fp8_gemm_ref(xq, xs, wq, ws, None, torch.float32)) < 1e-2
