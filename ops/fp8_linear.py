@@ -21,7 +21,9 @@ kernel on CUDA GPUs of compute capability >= 8.9 (any N and K; others fall back 
 and, with ``KILN_TRITON_ON_CPU=1`` under ``TRITON_INTERPRET=1``, on CPU tensors; ``cutlass`` runs
 ops/fp8_cutlass.py's warp-specialized CUTLASS kernels (sm90, bf16 output, N and K multiples of 16;
 the library must be loaded: an FP8 artifact compiled on an H100/H200 carries it and the loader loads
-it; others fall back to the cuBLAS rules). ``auto`` (default) takes, in this order, ``cutlass`` where
+it; others fall back to the cuBLAS rules). ``auto`` (default) takes, in this order, ops/gemv.py's GEMV with FP8 operands for
+decode-sized products (1 <= M <= ``FP8_GEMV_MAX_M``, Triton devices, ``KILN_GEMV=0`` turns it off),
+``cutlass`` where
 the library is loaded and ``fp8_cutlass.config_for`` has a measured instantiation (M of 65..1024),
 ``triton`` where ``fp8_gemm.TABLE`` holds a measured launch config (M of 129..512 at Llama-3.1-8B's
 N, K), else ``cublas``. On the H200 the CUTLASS kernels were 1.59-2.00x bf16 ``F.linear`` at M = 256
@@ -61,6 +63,11 @@ import torch
 from kiln.ops import fp8_cutlass
 from kiln.ops.common import FP8_DTYPE, kiln_op, use_triton
 from kiln.ops.fp8_gemm import fp8_gemm, tuned
+from kiln.ops.gemv import gemv, gemv_enabled
+
+# ``auto`` runs decode-sized products (1 <= M <= this) on ops/gemv.py's CUDA-core GEMV with FP8
+# operands: a pass over the FP8 weight, where cuBLAS's FP8 GEMMs are tile kernels.
+FP8_GEMV_MAX_M = 4
 
 ACCUM_MODES = ("auto", "0", "1")
 
@@ -196,6 +203,8 @@ def _check(x, x_scale, w, w_scale, bias, out_dtype) -> None:
 def auto_backend(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> str:
     """What ``auto`` runs for this product (module docstring)."""
     m, (n, k) = x.shape[0], w.shape
+    if m <= FP8_GEMV_MAX_M and gemv_enabled() and w.stride(1) == 1 and triton_fp8_supported(x) is None:
+        return "gemv"
     if (
         fp8_cutlass.config_for(m, n, k) is not None
         and os.environ.get("KILN_FP8_FAST_ACCUM", "auto") != "0"
@@ -222,6 +231,8 @@ def fp8_linear_forward(
     b = fp8_backend(backend)
     if b == "auto":
         b = auto_backend(x, w, out_dtype)
+    if b == "gemv":
+        return gemv(x, w, bias, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype)
     if b == "cutlass" and fp8_cutlass.supports(x, w, out_dtype):
         return fp8_cutlass.fp8_gemm_cutlass(x, x_scale, w, w_scale, bias, out_dtype)
     if b == "triton" and triton_fp8_supported(x) is None:

@@ -75,6 +75,7 @@ import triton.language as tl
 from kiln.ops import common
 from kiln.ops.common import (
     DIRECT,
+    FP8_DTYPE,
     interpreting,
     kiln_op,
     next_pow2,
@@ -193,10 +194,15 @@ def _fma4(a0, a1, a2, a3, w, x0, x1, x2, x3, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _finish_row(g, u, m, M, bg, bu, offs_n, n_mask, Y, P, pid_k, stride_ym, N_OUT,
-                SPLIT_K: tl.constexpr, GATE_UP: tl.constexpr, ROUND_IN_F32: tl.constexpr):  # fmt: skip
-    """Row ``m`` of an FMA program: reduce ``[BLOCK_N, KB]`` partial sums, then the output (bias,
-    epilogue, rounding) or, with split-K, the float32 partials."""
+                SPLIT_K: tl.constexpr, GATE_UP: tl.constexpr, ROUND_IN_F32: tl.constexpr,
+                XS, WS, stride_xs, SCALED: tl.constexpr):  # fmt: skip
+    """Row ``m`` of an FMA program: reduce ``[BLOCK_N, KB]`` partial sums (``SCALED``: times
+    ``XS[m] * WS[n]``), then the output (bias, epilogue, rounding) or, with split-K, the float32
+    partials."""
     g = tl.sum(g, axis=1)  # [BLOCK_N]
+    if SCALED:  # FP8: per-token (stride_xs 1) or per-tensor (0) x scale, per-channel w scale
+        xs = tl.load(XS + tl.minimum(m, M - 1) * stride_xs)
+        g = g * (xs * tl.load(WS + offs_n, mask=n_mask, other=0.0))
     mask = n_mask & (offs_n * 0 + m < M)
     if SPLIT_K == 1:
         if GATE_UP:
@@ -237,6 +243,10 @@ def _gemv_fma_kernel(
     EVEN_K: tl.constexpr,  # every split is a whole number of BLOCK_K steps inside K: no K masks
     ROUND_IN_F32: tl.constexpr,  # the interpreter: round bf16 by hand
     PDL: tl.constexpr,  # programmatic dependent launch (ops/common.py)
+    XS,  # SCALED: [M] float32 x scales (stride_xs 1) or [1] (stride_xs 0); else any pointer
+    WS,  # SCALED: [N_OUT] float32 w scales; else any pointer
+    stride_xs,
+    SCALED: tl.constexpr,  # FP8 x and W: sums times XS[m] * WS[n] (not with GATE_UP)
 ):
     """CUDA cores. The W tile is loaded as ``[BLOCK_N, BLOCK_K / VEC, VEC]`` so each thread owns whole
     16-byte pieces; x is loaded through pointers of the same shape (broadcast over rows) so it lands
@@ -296,9 +306,8 @@ def _gemv_fma_kernel(
         bg = tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if GATE_UP:
             bu = tl.load(B + UP_OFF + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    _finish_row(
-        g0, u0, 0, M, bg, bu, offs_n, n_mask, Y, P, pid_k, stride_ym, N_OUT, SPLIT_K, GATE_UP, ROUND_IN_F32
-    )
+    _finish_row(g0, u0, 0, M, bg, bu, offs_n, n_mask, Y, P, pid_k, stride_ym, N_OUT, SPLIT_K, GATE_UP,
+                ROUND_IN_F32, XS, WS, stride_xs, SCALED)  # fmt: skip
     if BLOCK_M > 1:
         _finish_row(
             g1,
@@ -317,6 +326,10 @@ def _gemv_fma_kernel(
             SPLIT_K,
             GATE_UP,
             ROUND_IN_F32,
+            XS,
+            WS,
+            stride_xs,
+            SCALED,
         )
     if BLOCK_M > 2:
         _finish_row(
@@ -336,6 +349,10 @@ def _gemv_fma_kernel(
             SPLIT_K,
             GATE_UP,
             ROUND_IN_F32,
+            XS,
+            WS,
+            stride_xs,
+            SCALED,
         )
         _finish_row(
             g3,
@@ -354,6 +371,10 @@ def _gemv_fma_kernel(
             SPLIT_K,
             GATE_UP,
             ROUND_IN_F32,
+            XS,
+            WS,
+            stride_xs,
+            SCALED,
         )
 
 
@@ -559,6 +580,9 @@ def gemv(
     *,
     gate_up: bool = False,
     out: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
@@ -568,11 +592,23 @@ def gemv(
 ) -> torch.Tensor:
     """Launch the GEMV (no dispatch: always the Triton kernel). ``x [M, K]``, ``w [N, K]`` (``[2I, K]``
     with ``gate_up``), ``bias [N]`` / ``[2I]``; returns ``[M, N]`` / ``[M, I]`` in ``x.dtype``
-    (into ``out`` when given). Keywords override the :func:`gemv_config` choice."""
+    (into ``out`` when given). Keywords override the :func:`gemv_config` choice.
+
+    FP8 (``fp8_linear``'s decode path): ``x`` and ``w`` float8_e4m3fn with ``x_scale`` ``[M, 1]`` or
+    ``[1]`` and ``w_scale`` ``[N]`` float32; ``y = (x @ w^T) * x_scale * w_scale (+ bias)`` in
+    ``out_dtype`` (default bf16), on the CUDA-core kernel (M <= 4), not with ``gate_up``."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: need x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    scaled = x.dtype == FP8_DTYPE
+    if scaled:
+        if w.dtype != FP8_DTYPE or x_scale is None or w_scale is None or gate_up or use_dot:
+            raise ValueError("gemv: FP8 x needs FP8 w, x_scale and w_scale, without gate_up or use_dot")
+        if w_scale.numel() != w.shape[0] or x_scale.numel() not in (1, x.shape[0]):
+            raise ValueError(f"gemv: w_scale must have {w.shape[0]} and x_scale 1 or {x.shape[0]} elements")
+        use_dot = False
+    elif x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"gemv: x and w must share a bf16/fp16/fp32 dtype, got {x.dtype} and {w.dtype}")
+    odt = (out_dtype or torch.bfloat16) if scaled else x.dtype
     n_w = w.shape[0]
     if gate_up and n_w % 2:
         raise ValueError(f"gemv: gate_up needs an even number of weight rows, got {n_w}")
@@ -581,11 +617,13 @@ def gemv(
     m, k = x.shape
     n_out = n_w // 2 if gate_up else n_w
     if out is None:
-        out = x.new_empty((m, n_out))
-    elif out.shape != (m, n_out) or out.dtype != x.dtype or (m and n_out and out.stride(1) != 1):
-        raise ValueError(f"gemv: out must be [{m}, {n_out}] {x.dtype} with unit column stride")
+        out = x.new_empty((m, n_out), dtype=odt)
+    elif out.shape != (m, n_out) or out.dtype != odt or (m and n_out and out.stride(1) != 1):
+        raise ValueError(f"gemv: out must be [{m}, {n_out}] {odt} with unit column stride")
     if m == 0 or n_out == 0:
         return out
+    if k == 0 and scaled:
+        return out.copy_(bias.expand(m, n_out)) if bias is not None else out.zero_()
     if k == 0:
         return out.copy_(gate_up_ref(x, w, bias) if gate_up else gemv_ref(x, w, bias))
     if x.stride(1) != 1:
@@ -638,7 +676,10 @@ def gemv(
     if cfg.use_dot:
         _gemv_dot_kernel[grid](*args, **meta)
     else:
-        _gemv_fma_kernel[grid](*args, VEC=vec, **meta)
+        xs = x_scale.reshape(-1).float() if x_scale is not None and scaled else w
+        ws = w_scale.reshape(-1).float() if w_scale is not None and scaled else w
+        sc = dict(XS=xs, WS=ws, stride_xs=int(xs.numel() > 1), SCALED=scaled)
+        _gemv_fma_kernel[grid](*args, VEC=vec, **sc, **meta)
     if splits > 1:
         _splitk_reduce_kernel[(m, triton.cdiv(n_out, REDUCE_BLOCK))](
             part, bias if bias is not None else part, out, m, n_out, out.stride(0),
