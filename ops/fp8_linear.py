@@ -66,8 +66,10 @@ from kiln.ops.fp8_gemm import fp8_gemm, tuned
 from kiln.ops.gemv import gemv, gemv_enabled
 
 # ``auto`` runs decode-sized products (1 <= M <= this) on ops/gemv.py's CUDA-core GEMV with FP8
-# operands: a pass over the FP8 weight, where cuBLAS's FP8 GEMMs are tile kernels.
-FP8_GEMV_MAX_M = 4
+# operands: a pass over the FP8 weight, where cuBLAS's FP8 GEMMs are tile kernels. On the H200 it
+# beat cuBLAS at M = 1 and 2 on all four Llama-3.1-8B products and lost at M = 4 on gate_up
+# (bench/results/2026-11-29_h200_fp8_gemv_sweep.json; 8B decode at batch 4: 662 vs 761 tok/s).
+FP8_GEMV_MAX_M = 2
 
 ACCUM_MODES = ("auto", "0", "1")
 

@@ -519,6 +519,18 @@ TUNED: dict[tuple[int, int, int, bool, int], GemvConfig] = {
     (1, 4096, 14336, False, 2): GemvConfig(4, 1024, 8, 1, 1, False),
     (1, 5120, 2048, False, 2): GemvConfig(2, 512, 2, 1, 1, False),
     (1, 2048, 4096, False, 2): GemvConfig(2, 2048, 4, 1, 1, False),
+    # FP8 operands (fp8_linear's decode path; gate_up is a plain [2I, K] product there), one graph
+    # replay per call (bench/results/2026-11-29_h200_fp8_gemv_sweep.json), against cuBLAS FP8:
+    # M = 1: qkv 12.1 vs 21.7 us, o 10.0 vs 18.1, gate_up 34.1 vs 51.0, down 19.6 vs 46.7;
+    # M = 2: 14.8 vs 22.0, 12.2 vs 17.2, 42.7 vs 49.8, 24.8 vs 46.3 (at M = 4 gate_up lost: 68 vs 50).
+    (1, 6144, 4096, False, 1): GemvConfig(4, 1024, 4, 1, 1, False),
+    (1, 4096, 4096, False, 1): GemvConfig(2, 2048, 4, 1, 1, False),
+    (1, 28672, 4096, False, 1): GemvConfig(2, 2048, 4, 1, 1, False),
+    (1, 4096, 14336, False, 1): GemvConfig(2, 2048, 4, 1, 1, False),
+    (2, 6144, 4096, False, 1): GemvConfig(4, 1024, 4, 1, 1, False),
+    (2, 4096, 4096, False, 1): GemvConfig(2, 1024, 4, 1, 1, False),
+    (2, 28672, 4096, False, 1): GemvConfig(4, 1024, 4, 1, 1, False),
+    (2, 4096, 14336, False, 1): GemvConfig(2, 2048, 4, 1, 1, False),
 }
 
 
