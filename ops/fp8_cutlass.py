@@ -12,9 +12,9 @@
 
 ``config_for`` looks ``(M bucket, N, K)`` up in ``TABLE`` (the fastest instantiation per launch in a
 chain of distinct weights on the H200, bench/results/2026-11-29_h200_fp8_cutlass_sweep.json), else
-takes the bucket's ``BUCKET_DEFAULTS`` entry (the instantiation that was never more than 10-19% off
-the best over the four measured shapes), else None: M buckets outside 65..1024 were not measured,
-and ``fp8_linear`` runs cuBLAS or Triton there.
+takes the bucket's ``BUCKET_DEFAULTS`` entry (up to 1024: the instantiation that was never more than
+10-19% off the best over the four measured shapes; above: the one measured), else None: M <= 64 was
+not measured, and ``fp8_linear`` runs its GEMV or cuBLAS there.
 
 The library is loaded once per process (``load_library``); a launch reads nothing on the host and
 needs no workspace (the stream-K instantiations of a ``KF_SWEEP`` build do: a per-device buffer that
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from pathlib import Path
 
 import torch
@@ -60,6 +61,10 @@ BUCKET_DEFAULTS: dict[float, str] = {
     256: "pp_64x128x128_c1x1",
     512: "pp_64x128x128_c1x1",
     1024: "pp_128x128x128_c2x1",
+    # Above 1024 only this one was measured (M = 4096, single timing, four 8B products: 1.78-1.94x
+    # bf16, against cuBLAS with precise accumulation's 1.65-1.80x;
+    # bench/results/2026-11-29_h200_fp8_linear_cutlass.json).
+    math.inf: "pp_128x128x128_c2x1",
 }
 
 
@@ -168,7 +173,7 @@ def fp8_gemm_cutlass(
     if not supports(x, w, out_dtype):
         raise ValueError(f"fp8_gemm_cutlass: N={n} and K={k} must be multiples of {ALIGN}, with "
                          "contiguous operands on an sm90 GPU")  # fmt: skip
-    config = config or config_for(m, n, k) or BUCKET_DEFAULTS[1024]
+    config = config or config_for(m, n, k) or BUCKET_DEFAULTS[math.inf]
     sa = x_scale.reshape(-1).float()
     if sa.numel() == 1:
         sa = sa.expand(m)

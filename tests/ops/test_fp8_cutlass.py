@@ -47,8 +47,9 @@ def test_config_for_covers_the_measured_buckets_only():
     assert fc.config_for(200, 4096, 4096) == fc.TABLE[(256, 4096, 4096)]
     assert fc.config_for(65, 1024, 2048) == fc.BUCKET_DEFAULTS[128]  # unmeasured shape: the bucket's default
     assert fc.config_for(1024, 6144, 4096) == fc.TABLE[(1024, 6144, 4096)]
-    for m in (1, 16, 64, 1025, 4096):  # decode sizes and large prefills: cuBLAS / Triton
+    for m in (1, 16, 64):  # decode sizes: the GEMV / cuBLAS
         assert fc.config_for(m, 4096, 4096) is None, m
+    assert fc.config_for(1025, 4096, 4096) == fc.config_for(9000, 128, 256) == fc.BUCKET_DEFAULTS[fc.math.inf]
 
 
 def test_auto_backend_prefers_cutlass_where_it_can_run(monkeypatch):
@@ -62,6 +63,8 @@ def test_auto_backend_prefers_cutlass_where_it_can_run(monkeypatch):
     assert fl.auto_backend(xq, wq, torch.bfloat16) == "cutlass"
     assert fl.auto_backend(xq, wq, torch.float16) == "triton"  # bf16 output only
     assert fl.auto_backend(xq[:16], wq, torch.bfloat16) == "cublas"  # decode size: not measured
+    big = torch.empty(4096, 4096, dtype=xq.dtype)
+    assert fl.auto_backend(big, wq, torch.bfloat16) == "cutlass"
     monkeypatch.setenv("KILN_FP8_FAST_ACCUM", "0")  # CUTLASS accumulates fast only
     assert fl.auto_backend(xq, wq, torch.bfloat16) == "triton"
 
