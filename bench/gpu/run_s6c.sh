@@ -10,13 +10,7 @@
 # The library is the default build of ops/cutlass/sm90_fp8_gemm.cu made on the CPU machine
 # (bench/cutlass_probe/out/kiln/cutlass_fp8_sm90.so, git-ignored, carried).
 # Usage (repo root, carry bench/cutlass_probe/out): bash bench/gpu/run_s6c.sh OUT   (6 files)
-set -o pipefail
-OUT=${1:-/tmp/out}; mkdir -p "$OUT"
-source bench/gpu/env.sh
-export KILN_CUTLASS_FP8_LIB=$PWD/bench/cutlass_probe/out/kiln/cutlass_fp8_sm90.so
-CK=/tmp/ckpt-llama8b; ART=/tmp/art-llama8b-fp8
-python bench/make_checkpoint.py --preset llama-3.1-8b -o $CK > /dev/null 2>&1 &
-PCK=$!
+source bench/gpu/s6_env.sh "$1"
 timeout 200 python -m pytest -q -m gpu tests/ops/test_fp8_cutlass.py tests/ops/test_fp8_linear.py \
   tests/ops/test_fp8_gemm.py tests/compiler/test_compile_cutlass.py tests/runtime/test_gpu_e2e.py \
   -k "fp8" -p no:cacheprovider -rf > "$OUT/tests.log" 2>&1
@@ -27,8 +21,7 @@ tail -1 "$OUT/bench.log"
 python bench/report.py "$OUT/raw.json" "$OUT/fp8_linear_cutlass.json" --command \
   "KILN_CUTLASS_FP8_LIB=LIB pytest bench/test_bench_fp8_linear.py -k 'test_fp8_linear and (256 or 1024 or 4096) and not ref_'" > /dev/null 2>&1
 rm -f "$OUT/raw.json"
-wait $PCK
-timeout 150 python -m kiln compile $CK -o $ART --quant fp8 --force 2>&1 | tail -1
+fp8_compile 150
 python -c "import json,sys; print('manifest fp8:', json.load(open('$ART/manifest.json'))['kernel_choices'].get('fp8'))"
 for be in auto cublas; do
   KILN_FP8_GEMM=$be timeout 100 python -m kiln bench latency $ART --batch-sizes 1,8,64,128,256 --input-len 512 \

@@ -326,20 +326,26 @@ def test_gpu_out_dtypes(compiled_gpu, out_dtype):
     check(3, 1024, 2048, out_dtype, device="cuda", split_k=4, tol=tol)
 
 
+def check_graph_replay(m, n, k, fn):
+    """``fn(xq, xs, wq, ws, bias) -> y`` run once (compiles), captured in a CUDA graph, replayed after
+    new activations are copied into the captured ones: ``y`` must be the new product."""
+    xq, xs, wq, ws, bias = make_case(m, n, k, "cuda")
+    fn(xq, xs, wq, ws, bias)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = fn(xq, xs, wq, ws, bias)
+    new_x, new_s, *_ = make_case(m, n, k, "cuda", seed=7)
+    xq.copy_(new_x)
+    xs.copy_(new_s)
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_err(y, fl.fp8_linear_ref(xq, xs, wq, ws, bias, torch.float32)) < 1e-2
+
+
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replay(compiled_gpu, monkeypatch):
     monkeypatch.setenv("KILN_FP8_GEMM", "triton")
-    xq, xs, wq, ws, bias = make_case(64, 4096, 4096, "cuda")
-    sx, ss = xq.clone(), xs.clone()
-    torch.ops.kiln.fp8_linear(sx, ss, wq, ws, bias, torch.bfloat16)  # compile outside the capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = torch.ops.kiln.fp8_linear(sx, ss, wq, ws, bias, torch.bfloat16)
-    xq2, xs2, *_ = make_case(64, 4096, 4096, "cuda", seed=7)
-    sx.copy_(xq2)
-    ss.copy_(xs2)
-    g.replay()
-    assert rel_err(y, fl.fp8_linear_ref(xq2, xs2, wq, ws, bias, torch.float32)) < 1e-2
+    check_graph_replay(64, 4096, 4096, lambda *a: torch.ops.kiln.fp8_linear(*a, torch.bfloat16))
 
 
 # TMA loads and the fused (last-arrival) split-K reduction, compiled: right on aligned and unaligned

@@ -5,7 +5,7 @@ decode-sized products; on the GPU the same at Llama-3.1-8B shapes and inside a C
 
 import pytest
 import torch
-from test_fp8_gemm import make_case, rel_err
+from test_fp8_gemm import check_graph_replay, make_case, rel_err
 
 from kiln.ops import fp8_linear as fl
 from kiln.ops import gemv as G
@@ -74,14 +74,7 @@ def test_gpu_fp8_gemv_matches_reference(compiled_gpu, m, n, k):
 @pytest.mark.gpu
 def test_gpu_fp8_gemv_graph_replay(compiled_gpu, monkeypatch):
     monkeypatch.delenv("KILN_FP8_GEMM", raising=False)
-    xq, xs, wq, ws, bias = make_case(1, 4096, 4096, "cuda")
-    torch.ops.kiln.fp8_linear(xq, xs, wq, ws, bias, torch.bfloat16)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = torch.ops.kiln.fp8_linear(xq, xs, wq, ws, bias, torch.bfloat16)
-    new_x, new_s, *_ = make_case(1, 4096, 4096, "cuda", seed=4)
-    xq.copy_(new_x)
-    xs.copy_(new_s)
-    g.replay()
-    torch.cuda.synchronize()
-    assert rel_err(y, fp8_gemm_ref(xq, xs, wq, ws, bias, torch.float32)) < 1e-2
+    calls, real = [], fl.gemv
+    monkeypatch.setattr(fl, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    check_graph_replay(1, 4096, 4096, lambda *a: torch.ops.kiln.fp8_linear(*a, torch.bfloat16))
+    assert len(calls) == 2  # the warm-up and the capture ran the GEMV
