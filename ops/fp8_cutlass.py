@@ -173,6 +173,11 @@ def fp8_gemm_cutlass(
     if not supports(x, w, out_dtype):
         raise ValueError(f"fp8_gemm_cutlass: N={n} and K={k} must be multiples of {ALIGN}, with "
                          "contiguous operands on an sm90 GPU")  # fmt: skip
+    if m == 0:
+        return x.new_empty((0, n), dtype=out_dtype)
+    if x.device.index is not None and x.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x.device):  # the library launches on the current device
+            return fp8_gemm_cutlass(x, x_scale, w, w_scale, bias, out_dtype, config)
     config = config or config_for(m, n, k) or BUCKET_DEFAULTS[math.inf]
     sa = x_scale.reshape(-1).float()
     if sa.numel() == 1:
