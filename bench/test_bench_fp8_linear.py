@@ -87,7 +87,7 @@ def test_fp8_linear(measure, monkeypatch, m, n, k, impl):
         info["config"] = str(fg.fp8_gemm_config(m, n, k, fg.num_sms(xq.device)))
     if impl in ("fp8", "fp8_cutlass") and not SMOKE:
         info["backend"] = fl.auto_backend(xq, wq, out) if impl == "fp8" else "cutlass"
-        info["config"] = fc.config_for(m, n, k) if info["backend"] == "cutlass" else info.get("config")
+        info["config"] = fc.resolve_config(m, n, k) if info["backend"] == "cutlass" else info.get("config")
     measure(fn, flops=2.0 * m * n * k, bytes=moved, m=m, n=n, k=k, impl=impl, **info)
 
 

@@ -205,7 +205,7 @@ def compile_model(
     fp8_choice: dict[str, Any] = {}
     if opts.quant == "fp8":
         with timer.phase("cutlass_fp8"):  # before the warm-up, which then runs it
-            fp8_choice = fp8_library(opts.fp8_cutlass, device, opts.quant, out / "kernels")
+            fp8_choice = fp8_library(opts.fp8_cutlass, device, opts.quant, out / "kernels", verbose)
     moe_choice = None
     if cfg.moe is not None:
         with timer.phase("moe_tune" if opts.moe_tune else "moe_table"):

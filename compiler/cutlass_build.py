@@ -44,7 +44,7 @@ from kiln.errors import KilnError
 
 ARCH = "sm_90a"
 FLAGS = ("-std=c++17", "--expt-relaxed-constexpr", f"-arch={ARCH}", "-O3", "-DNDEBUG",
-         "-Xcompiler=-fPIC", "-shared", "--split-compile=0")  # fmt: skip
+         "-Xcompiler=-fPIC", "-shared", "--split-compile=4")  # fmt: skip
 MOE_BACKENDS = ("triton", "cutlass", "auto")
 
 
@@ -184,24 +184,30 @@ def _unusable(device: torch.device, dtype: str, quant: str | None) -> str | None
     return _not_sm90(device)
 
 
-def fp8_library(enabled: bool, device: torch.device, quant: str | None, kernels_dir: Path) -> dict[str, Any]:
+def fp8_library(
+    enabled: bool, device: torch.device, quant: str | None, kernels_dir: Path, verbose: bool = False
+) -> dict[str, Any]:
     """What the manifest records under ``kernel_choices.fp8`` for an FP8 compile: the ``FP8`` library
     built into ``kernels_dir`` and loaded in this process (the warm-up runs it), or why not (a
-    warning when it was wanted but cannot be built: fp8_linear then runs Triton and cuBLAS)."""
+    warning when it was wanted but cannot be built or loaded: fp8_linear then runs Triton and cuBLAS)."""
     if quant != "fp8":
         return {}
     why = "--no-fp8-cutlass" if not enabled else _not_sm90(device)
+    from kiln.ops import fp8_cutlass
+
     if why is None:
         try:
-            built = build_library(kernels_dir, verbose=True, lib=FP8)
+            built = build_library(kernels_dir, verbose=verbose, lib=FP8)
+            try:
+                fp8_cutlass.load_library(built["path"])
+            except (OSError, RuntimeError) as err:
+                Path(built["path"]).unlink(missing_ok=True)
+                raise CutlassBuildError(f"the built {FP8.name} does not load ({err})") from err
         except CutlassBuildError as err:
             why = str(err)[:500]
             warnings.warn(f"kiln compile: FP8 GEMMs without CUTLASS (Triton and cuBLAS): {err}", stacklevel=2)
     if why is not None:
         return {"note": f"no CUTLASS FP8 GEMM library: {why}"}
-    from kiln.ops import fp8_cutlass
-
-    fp8_cutlass.load_library(built["path"])
     rel = Path(built["path"]).resolve().relative_to(kernels_dir.resolve().parent).as_posix()
     return {"library": rel, "arch": ARCH, "abi": fp8_cutlass.ABI, "build": built["source"],
             "build_seconds": round(built["seconds"], 1)}  # fmt: skip

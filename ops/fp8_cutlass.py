@@ -70,7 +70,8 @@ BUCKET_DEFAULTS: dict[float, str] = {
 
 _LIB: ctypes.CDLL | None = None
 _LIB_PATH: Path | None = None
-_WORKSPACE: dict[int, torch.Tensor] = {}  # per device; kept (a captured graph may point into it)
+_WORKSPACE: dict[int, torch.Tensor] = {}  # per device
+_RETIRED: list[torch.Tensor] = []  # outgrown workspaces: a captured graph may still point into them
 
 
 def load_library(path: str | Path) -> None:
@@ -92,12 +93,22 @@ def load_library(path: str | Path) -> None:
     lib.kf_workspace.argtypes = [i32] * 5
     lib.kf_run.restype = i32
     lib.kf_run.argtypes = [i32, vp, vp, vp, vp, vp, vp, i32, i32, i32, i32, vp, vp]
+    names = {lib.kf_config_name(i).decode() for i in range(lib.kf_num_configs())}
+    missing = sorted((set(TABLE.values()) | set(BUCKET_DEFAULTS.values())) - names)
+    if missing:
+        raise CutlassUnavailable(f"CUTLASS FP8 GEMM library {path} lacks the instantiations {missing} that "
+                                 "kiln's tables name: rebuild it (kiln compile ... --force)")  # fmt: skip
     _LIB, _LIB_PATH = lib, path
     _config_index.cache_clear()
 
 
 def loaded() -> bool:
     return _LIB is not None
+
+
+def library_path() -> Path | None:
+    """The library loaded in this process, if any."""
+    return _LIB_PATH
 
 
 def _library() -> ctypes.CDLL:
@@ -115,6 +126,11 @@ def config_for(m: int, n: int, k: int) -> str | None:
     return TABLE.get((bucket, n, k)) or BUCKET_DEFAULTS.get(bucket)
 
 
+def resolve_config(m: int, n: int, k: int) -> str:
+    """What ``fp8_gemm_cutlass`` runs without a ``config``: ``config_for``, else the largest bucket's."""
+    return config_for(m, n, k) or BUCKET_DEFAULTS[math.inf]
+
+
 def config_names() -> list[str]:
     lib = _library()
     return [lib.kf_config_name(i).decode() for i in range(lib.kf_num_configs())]
@@ -128,15 +144,26 @@ def _config_index(name: str) -> int:
     return names.index(name)
 
 
-def supports(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    """Whether this call can run here: a loaded library, an sm90 GPU, bf16 output, contiguous
-    operands, N and K multiples of ``ALIGN``."""
-    if _LIB is None or not x.is_cuda or out_dtype != torch.bfloat16:
-        return False
-    if _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())[0] != 9:
-        return False
+def unsupported(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> str | None:
+    """Why this call cannot run here (None: it can). It needs a loaded library, an sm90 GPU, a bf16
+    output, contiguous operands at 16-byte aligned addresses (TMA), N and K multiples of ``ALIGN``."""
+    if _LIB is None:
+        return "no library is loaded"
+    if not x.is_cuda or out_dtype != torch.bfloat16:
+        return f"it takes CUDA tensors and a bf16 output (got {x.device}, {out_dtype})"
+    cap = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    if cap[0] != 9:
+        return f"it runs on sm_90 GPUs only (this one is sm_{cap[0]}{cap[1]})"
     n, k = w.shape
-    return n % ALIGN == 0 and k % ALIGN == 0 and x.is_contiguous() and w.is_contiguous()
+    if n % ALIGN or k % ALIGN:
+        return f"N={n} and K={k} must be multiples of {ALIGN}"
+    if not (x.is_contiguous() and w.is_contiguous()) or x.data_ptr() % 16 or w.data_ptr() % 16:
+        return "x and w must be contiguous at 16-byte aligned addresses"
+    return None
+
+
+def supports(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    return unsupported(x, w, out_dtype) is None
 
 
 @functools.cache
@@ -152,9 +179,17 @@ def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
                 "fp8_gemm_cutlass: the first call of a shape needs workspace and must run outside CUDA "
                 "graph capture (warm up first)"
             )
+        if buf is not None:
+            _RETIRED.append(buf)
         buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
         _WORKSPACE[device.index] = buf
     return buf
+
+
+def _aligned(v: torch.Tensor) -> torch.Tensor:
+    """``v`` contiguous at a 16-byte aligned address (the epilogue's vector loads of scales and bias)."""
+    v = v.contiguous()
+    return v if v.data_ptr() % 16 == 0 else v.clone()
 
 
 def fp8_gemm_cutlass(
@@ -170,21 +205,19 @@ def fp8_gemm_cutlass(
     if x.dtype != FP8_DTYPE or w.dtype != FP8_DTYPE or out_dtype != torch.bfloat16:
         raise ValueError("fp8_gemm_cutlass: float8_e4m3fn operands and a bf16 output only")
     (m, k), n = x.shape, w.shape[0]
-    if not supports(x, w, out_dtype):
-        raise ValueError(f"fp8_gemm_cutlass: N={n} and K={k} must be multiples of {ALIGN}, with "
-                         "contiguous operands on an sm90 GPU")  # fmt: skip
+    why = unsupported(x, w, out_dtype)
+    if why is not None:
+        raise ValueError(f"fp8_gemm_cutlass: {why}")
     if m == 0:
         return x.new_empty((0, n), dtype=out_dtype)
     if x.device.index is not None and x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):  # the library launches on the current device
             return fp8_gemm_cutlass(x, x_scale, w, w_scale, bias, out_dtype, config)
-    config = config or config_for(m, n, k) or BUCKET_DEFAULTS[math.inf]
+    config = config or resolve_config(m, n, k)
     sa = x_scale.reshape(-1).float()
-    if sa.numel() == 1:
-        sa = sa.expand(m)
-    sa = sa.contiguous()  # [M]
-    sw = w_scale.reshape(-1).float().contiguous()  # [N]
-    b = bias.float().contiguous() if bias is not None else None
+    sa = _aligned(sa.expand(m) if sa.numel() == 1 else sa)  # [M]
+    sw = _aligned(w_scale.reshape(-1).float())  # [N]
+    b = _aligned(bias.float()) if bias is not None else None
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     idx, sms = _config_index(config), sm_count(x.device, 1)
     nbytes = int(lib.kf_workspace(idx, m, n, k, sms))

@@ -209,7 +209,7 @@ def auto_backend(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> st
         return "gemv"
     if (
         fp8_cutlass.config_for(m, n, k) is not None
-        and os.environ.get("KILN_FP8_FAST_ACCUM", "auto") != "0"
+        and use_fast_accum("triton")  # checks KILN_FP8_FAST_ACCUM; False only for "0"
         and fp8_cutlass.supports(x, w, out_dtype)
     ):
         return "cutlass"

@@ -688,8 +688,8 @@ def gemv(
     if cfg.use_dot:
         _gemv_dot_kernel[grid](*args, **meta)
     else:
-        xs = x_scale.reshape(-1).float() if x_scale is not None and scaled else w
-        ws = w_scale.reshape(-1).float() if w_scale is not None and scaled else w
+        xs = x_scale.reshape(-1).float().contiguous() if x_scale is not None and scaled else w
+        ws = w_scale.reshape(-1).float().contiguous() if w_scale is not None and scaled else w
         sc = dict(XS=xs, WS=ws, stride_xs=int(xs.numel() > 1), SCALED=scaled)
         _gemv_fma_kernel[grid](*args, VEC=vec, **sc, **meta)
     if splits > 1:

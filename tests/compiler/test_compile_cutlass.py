@@ -98,6 +98,7 @@ def fake_toolchain(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_CUTLASS_DIR", str(root))
     monkeypatch.setenv("KILN_CUTLASS_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("KILN_CUTLASS_LIB", raising=False)
+    monkeypatch.delenv("KILN_CUTLASS_FP8_LIB", raising=False)
     return root, log
 
 
@@ -312,6 +313,16 @@ def test_fp8_library_record_says_why_not(tmp_path):
     assert not (tmp_path / "kernels").exists()
 
 
+def test_fp8_library_that_does_not_load_is_left_out_with_a_warning(tmp_path, monkeypatch):
+    bogus = tmp_path / "bogus.so"
+    bogus.write_bytes(b"not a shared library")
+    monkeypatch.setenv("KILN_CUTLASS_FP8_LIB", str(bogus))
+    monkeypatch.setattr(cb, "_not_sm90", lambda device: None)  # as on an H100/H200
+    with pytest.warns(UserWarning, match="without CUTLASS"):
+        rec = cb.fp8_library(True, torch.device("cuda"), "fp8", tmp_path / "kernels")
+    assert "does not load" in rec["note"] and not (tmp_path / "kernels" / cb.FP8.name).exists()
+
+
 def test_loader_loads_the_fp8_library_the_manifest_names(tmp_path, monkeypatch):
     lib = tmp_path / "kernels" / cb.FP8.name
     lib.parent.mkdir()
@@ -365,9 +376,11 @@ def test_gpu_fp8_artifact_runs_cutlass_for_prefill(compiled_gpu, tmp_path, monke
     assert fp8["library"] in m["files"] and (tmp_path / "art" / fp8["library"]).is_file()
     calls, real = [], fp8_cutlass.fp8_gemm_cutlass
     monkeypatch.setattr(fp8_cutlass, "fp8_gemm_cutlass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(fp8_cutlass, "_LIB", None)  # the compile loaded it: the loader must load it again
+    monkeypatch.setattr(fp8_cutlass, "_LIB_PATH", None)
     prompts = [list(range(5, 65)), list(range(100, 140))]  # 100 tokens
     out = DirectRunner(str(tmp_path / "art"), device="cuda", num_slots=512).prefill(prompts)
-    assert calls and fp8_cutlass.loaded()
+    assert calls and fp8_cutlass.library_path() == (tmp_path / "art" / fp8["library"]).resolve()
     monkeypatch.setenv("KILN_FP8_GEMM", "cublas")
     n = len(calls)
     ref = DirectRunner(str(tmp_path / "art"), device="cuda", num_slots=512).prefill(prompts)

@@ -7,6 +7,8 @@ of any tile, bias and per-tensor scales, and inside a CUDA graph with new inputs
 """
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -80,6 +82,42 @@ def test_without_a_library_cutlass_requests_fall_back_or_fail_clearly(monkeypatc
         fc.load_library("/nonexistent/cutlass_fp8_sm90.so")
     with pytest.raises(ValueError, match="KILN_FP8_GEMM"):
         fl.fp8_backend("cutlas")
+
+
+STAND_IN = """
+int kf_abi(void) { return %d; }
+int kf_num_configs(void) { return %d; }
+static const char* names[] = {%s};
+const char* kf_config_name(int i) { return names[i]; }
+long long kf_workspace(int c, int m, int n, int k, int s) { return 0; }
+int kf_run(void) { return 0; }
+"""
+
+
+def stand_in_library(tmp_path, abi: int, names: list[str]):
+    """A C library with the FP8 library's C API (no GPU code), built with the host compiler."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build a stand-in library")
+    src = tmp_path / f"stand_in_{abi}_{len(names)}.c"
+    src.write_text(STAND_IN % (abi, len(names), ", ".join(f'"{n}"' for n in names)))
+    out = src.with_suffix(".so")
+    subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(out)], check=True, capture_output=True)
+    return out
+
+
+def test_load_library_checks_abi_and_instantiations(tmp_path, monkeypatch):
+    monkeypatch.setattr(fc, "_LIB", None)
+    monkeypatch.setattr(fc, "_LIB_PATH", None)
+    with pytest.raises(CutlassUnavailable, match="has ABI 7, kiln drives ABI 1"):
+        fc.load_library(stand_in_library(tmp_path, 7, ["x"]))
+    with pytest.raises(CutlassUnavailable, match=r"lacks the instantiations \[.*pp_64x128x128_c1x1.*rebuild"):
+        fc.load_library(stand_in_library(tmp_path, fc.ABI, built_configs(sweep=False)[:2]))
+    assert not fc.loaded()
+    full = stand_in_library(tmp_path, fc.ABI, built_configs(sweep=True))
+    fc.load_library(full)
+    assert fc.library_path() == full.resolve() and fc.config_names() == built_configs(sweep=True)
+    assert fc.resolve_config(16, 4096, 4096) == fc.BUCKET_DEFAULTS[fc.math.inf]
 
 
 # ---- GPU -----------------------------------------------------------------------------------------
