@@ -6,6 +6,13 @@ at least CHAIN_MB of FP8 weights, back to back in one graph, as a prefill step r
 Each CUTLASS result is checked against the float32 reference first.
 
     python bench/gpu/fp8_cutlass_bench.py LIB.so OUT.json
+
+LIB.so: the library ``kiln compile --quant fp8`` builds (``compiler/cutlass_build.py``), or with every
+instantiation of the sweep (how ``bench/results/2026-11-29_h200_fp8_cutlass_sweep.json`` was made),
+on any machine with nvcc 12.4+ and the nvidia-cutlass wheel's headers (``C=.../cutlass_library/source``):
+
+    nvcc -std=c++17 --expt-relaxed-constexpr -arch=sm_90a -O3 -DNDEBUG -Xcompiler=-fPIC -shared \
+      --split-compile=4 -DKF_SWEEP -I$C/include -I$C/tools/util/include ops/cutlass/sm90_fp8_gemm.cu -o LIB.so
 """
 
 import json
