@@ -70,6 +70,12 @@ def _cuda_props(device: torch.device) -> Any:
     return _props(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability ``(major, minor)`` of a CUDA ``device`` (cached; no index: the current one)."""
+    props = _cuda_props(device)
+    return props.major, props.minor
+
+
 def sm_count(device: torch.device, off_gpu: int) -> int:
     """Streaming multiprocessors of a CUDA ``device`` (cached); ``off_gpu`` for any other device."""
     return _cuda_props(device).multi_processor_count if device.type == "cuda" else off_gpu

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.ops.common import FP8_DTYPE, CutlassUnavailable, sm_count
+from kiln.ops.common import FP8_DTYPE, CutlassUnavailable, capability, sm_count
 from kiln.ops.fp8_gemm import m_bucket
 
 ABI = 1  # kf_abi() of the library this module drives
@@ -100,6 +100,7 @@ def load_library(path: str | Path) -> None:
                                  "kiln's tables name: rebuild it (kiln compile ... --force)")  # fmt: skip
     _LIB, _LIB_PATH = lib, path
     _config_index.cache_clear()
+    _workspace_bytes.cache_clear()
 
 
 def loaded() -> bool:
@@ -151,7 +152,7 @@ def unsupported(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> str
         return "no library is loaded"
     if not x.is_cuda or out_dtype != torch.bfloat16:
         return f"it takes CUDA tensors and a bf16 output (got {x.device}, {out_dtype})"
-    cap = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    cap = capability(x.device)
     if cap[0] != 9:
         return f"it runs on sm_90 GPUs only (this one is sm_{cap[0]}{cap[1]})"
     n, k = w.shape
@@ -164,11 +165,6 @@ def unsupported(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> str
 
 def supports(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> bool:
     return unsupported(x, w, out_dtype) is None
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
@@ -201,18 +197,37 @@ def fp8_gemm_cutlass(
     out_dtype: torch.dtype,
     config: str | None = None,
 ) -> torch.Tensor:  # [M, N] bf16
-    lib = _library()
+    """Checked entry point (module docstring); ``launch`` skips the checks (fp8_linear has made them)."""
+    _library()
     if x.dtype != FP8_DTYPE or w.dtype != FP8_DTYPE or out_dtype != torch.bfloat16:
         raise ValueError("fp8_gemm_cutlass: float8_e4m3fn operands and a bf16 output only")
-    (m, k), n = x.shape, w.shape[0]
     why = unsupported(x, w, out_dtype)
     if why is not None:
         raise ValueError(f"fp8_gemm_cutlass: {why}")
+    return launch(x, x_scale, w, w_scale, bias, out_dtype, config)
+
+
+@functools.lru_cache(maxsize=1024)
+def _workspace_bytes(idx: int, m: int, n: int, k: int, sms: int) -> int:
+    return int(_library().kf_workspace(idx, m, n, k, sms))
+
+
+def launch(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: str | None = None,
+) -> torch.Tensor:
+    """``fp8_gemm_cutlass`` for a call ``supports`` accepts, unchecked."""
+    (m, k), n = x.shape, w.shape[0]
     if m == 0:
         return x.new_empty((0, n), dtype=out_dtype)
     if x.device.index is not None and x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):  # the library launches on the current device
-            return fp8_gemm_cutlass(x, x_scale, w, w_scale, bias, out_dtype, config)
+            return launch(x, x_scale, w, w_scale, bias, out_dtype, config)
     config = config or resolve_config(m, n, k)
     sa = x_scale.reshape(-1).float()
     sa = _aligned(sa.expand(m) if sa.numel() == 1 else sa)  # [M]
@@ -220,10 +235,10 @@ def fp8_gemm_cutlass(
     b = _aligned(bias.float()) if bias is not None else None
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     idx, sms = _config_index(config), sm_count(x.device, 1)
-    nbytes = int(lib.kf_workspace(idx, m, n, k, sms))
+    nbytes = _workspace_bytes(idx, m, n, k, sms)
     ws = _workspace(x.device, nbytes).data_ptr() if nbytes > 0 else None
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    st = lib.kf_run(
+    st = _library().kf_run(
         idx, x.data_ptr(), w.data_ptr(), out.data_ptr(), sa.data_ptr(), sw.data_ptr(),
         b.data_ptr() if b is not None else None, m, n, k, sms, ws, stream,
     )  # fmt: skip

@@ -54,14 +54,13 @@ about 3e-2, ten times more. Precise accumulation costs the Triton kernel 10-30% 
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 
 import torch
 
 from kiln.ops import fp8_cutlass
-from kiln.ops.common import FP8_DTYPE, kiln_op, use_triton
+from kiln.ops.common import FP8_DTYPE, capability, kiln_op, use_triton
 from kiln.ops.fp8_gemm import fp8_gemm, tuned
 from kiln.ops.gemv import gemv, gemv_enabled
 
@@ -111,11 +110,6 @@ def fp8_linear_ref(
     return y.to(out_dtype)
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def _cublas_rowwise() -> bool:
     """cuBLAS has row-wise scaled FP8 GEMMs (any output dtype) from CUDA 12.9 on; before that torch
     routes row-wise scaling to a bf16-output CUTLASS kernel."""
@@ -128,7 +122,7 @@ def scaled_mm_supported(x: torch.Tensor, w: torch.Tensor) -> str | None:
     """None if ``torch._scaled_mm`` can run this product, else the reason it cannot."""
     if not x.is_cuda:
         return "not a CUDA tensor"
-    cap = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    cap = capability(x.device)
     if cap < (9, 0):
         return f"row-wise scaled FP8 GEMMs need compute capability >= 9.0, this GPU is {cap[0]}.{cap[1]}"
     n, k = w.shape
@@ -141,7 +135,7 @@ def triton_fp8_supported(x: torch.Tensor) -> str | None:
     """None if ops/fp8_gemm.py's kernel can run on ``x``'s device, else the reason it cannot."""
     if not x.is_cuda:
         return None if use_triton(x) else "not a CUDA tensor (and the Triton interpreter is off)"
-    cap = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    cap = capability(x.device)
     if cap < (8, 9):
         return f"FP8 tensor-core dots need compute capability >= 8.9, this GPU is {cap[0]}.{cap[1]}"
     return None
@@ -230,14 +224,18 @@ def fp8_linear_forward(
     _check(x, x_scale, w, w_scale, bias, out_dtype)
     if x.shape[0] == 0:
         return x.new_empty((0, w.shape[0]), dtype=out_dtype)
-    b = fp8_backend(backend)
+    b = requested = fp8_backend(backend)
     if b == "auto":
-        b = auto_backend(x, w, out_dtype)
+        b = auto_backend(x, w, out_dtype)  # its "gemv" and "cutlass" have been checked
+    if b == "cutlass" and requested == "cutlass" and not fp8_cutlass.supports(x, w, out_dtype):
+        b = "cublas"  # the cuBLAS rules below
+    if b == "triton" and triton_fp8_supported(x) is not None:
+        b = "cublas"
     if b == "gemv":
         return gemv(x, w, bias, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype)
-    if b == "cutlass" and fp8_cutlass.supports(x, w, out_dtype):
-        return fp8_cutlass.fp8_gemm_cutlass(x, x_scale, w, w_scale, bias, out_dtype)
-    if b == "triton" and triton_fp8_supported(x) is None:
+    if b == "cutlass":
+        return fp8_cutlass.launch(x, x_scale, w, w_scale, bias, out_dtype)
+    if b == "triton":
         return fp8_gemm(x, x_scale, w, w_scale, bias, out_dtype, fast_accum=use_fast_accum("triton"))
     if x.is_cuda:
         why = scaled_mm_supported(x, w)

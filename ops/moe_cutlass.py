@@ -31,7 +31,6 @@ outside a capture (the runtime's and the benchmarks' warm-up runs are).
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import sys
 from collections.abc import Callable
@@ -44,6 +43,7 @@ import triton.language as tl
 from kiln.ops import activation
 from kiln.ops.common import (
     CutlassUnavailable,
+    capability,
     interpreting,
     next_pow2,
     pdl_args,
@@ -110,18 +110,13 @@ def _library() -> ctypes.CDLL:
     return _LIB
 
 
-@functools.cache
-def _is_sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
 def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the CUTLASS backend runs this call: bf16 activations and experts on an sm90 GPU
     (compiled kernels, not the interpreter), contiguous experts, H and I multiples of ``ALIGN``,
     and not switched off (``KILN_MOE_CUTLASS=0``, read at call time: the entry's Triton configs run)."""
     if not x.is_cuda or interpreting() or os.environ.get("KILN_MOE_CUTLASS", "1") == "0":
         return False
-    if not _is_sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+    if capability(x.device)[0] != 9:
         return False
     if not x.dtype == w13.dtype == w2.dtype == torch.bfloat16:
         return False

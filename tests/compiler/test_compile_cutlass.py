@@ -374,8 +374,8 @@ def test_gpu_fp8_artifact_runs_cutlass_for_prefill(compiled_gpu, tmp_path, monke
     if "note" in fp8:
         pytest.skip(f"no CUTLASS toolchain here: {fp8['note']}")
     assert fp8["library"] in m["files"] and (tmp_path / "art" / fp8["library"]).is_file()
-    calls, real = [], fp8_cutlass.fp8_gemm_cutlass
-    monkeypatch.setattr(fp8_cutlass, "fp8_gemm_cutlass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls, real = [], fp8_cutlass.launch
+    monkeypatch.setattr(fp8_cutlass, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(fp8_cutlass, "_LIB", None)  # the compile loaded it: the loader must load it again
     monkeypatch.setattr(fp8_cutlass, "_LIB_PATH", None)
     prompts = [list(range(5, 65)), list(range(100, 140))]  # 100 tokens
