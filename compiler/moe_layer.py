@@ -1,4 +1,4 @@
-"""The sparse MoE block: router -> top-k routing -> fused experts (grouped GEMMs) [+ shared experts].
+"""The sparse MoE block: router + top-k routing -> fused experts (grouped GEMMs) [+ shared experts].
 
 Parameter names (docs/internals.md, under ``layers.{i}.moe.``): ``router.weight [E, H]``
 (``router.bias [E]``: DeepSeek-V3's correction bias), ``w13 [E, 2I, H]`` gate rows then up rows,
@@ -75,16 +75,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
-        router_m = gemv_plan().get("router", 0)  # the GEMV at T <= router_m (cuBLAS: 5 us at [128, 2048])
-        if self.scoring == "sigmoid":  # DeepSeek-V3 routes on float32 logits
-            logits = nn.functional.linear(x.float(), self.router.weight.float())  # [T, E]
-        elif router_m:
-            logits = torch.ops.kiln.linear(x, self.router.weight, None, router_m)  # [T, E]
-        else:
-            logits = nn.functional.linear(x, self.router.weight)  # [T, E]
         bias = self.router.bias.float() if self.router.bias is not None else None
-        w, ids = torch.ops.kiln.moe_topk(
-            logits,
+        w, ids = torch.ops.kiln.moe_route(
+            x,
+            self.router.weight,
             bias,
             self.top_k,
             self.renormalize,
@@ -93,6 +87,7 @@ class FusedMoE(nn.Module):
             self.topk_groups,
             self.scale,
             self.round_to,  # HF's cast of the weights to the activation dtype, fused
+            gemv_plan().get("router", 0),  # T up to this: router GEMV + top-k in one kernel
         )  # [T, k] f32, [T, k] int32
         y = torch.ops.kiln.fused_moe(
             x, self.w13, self.w2, w, ids, None, self.w13_scale, self.w2_scale, self.tuning

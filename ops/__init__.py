@@ -15,6 +15,7 @@ from kiln.ops import (  # noqa: F401  (imported to register the ops)
     gemv,
     moe,
     moe_align,
+    moe_route,
     moe_routing,
     norm,
     qkv_rope,

@@ -26,13 +26,17 @@ kernels below with the entry's configs.
 The block sizes are chosen here from the concrete ``T`` (the op is one opaque node of the exported
 graph, so each decode bucket captured and each prefill chunk gets the table's entry for its size).
 A config with ``BLOCK_M`` 1 (decode-sized ``T``, see ops/moe_gemm.py) runs the decode GEMV instead:
-no alignment; with a w2 ``GROUP_M`` above 1 the w2 GEMV also writes the top-k sum itself (no
-combine kernel). Intermediates: ``[T * k, I]`` (``[T * k, 2I]`` for FP8) and ``[T * k, H]`` (but
+no alignment; the w2 GEMV also writes the top-k sum itself (no combine kernel): with a w2
+``GROUP_M`` above 1 each program gathers a token's ``k`` experts, with ``GROUP_M`` 1 (one pair per
+program) the last program of a token to finish a column block sums the ``k`` rows, in pair order,
+from the per-pair output (``KILN_MOE_COMBINE=separate``: the combine kernel does instead). Intermediates: ``[T * k, I]`` (``[T * k, 2I]`` for FP8) and ``[T * k, H]`` (but
 for the fused top-k sum) in the activation dtype. The kernels here and in ops/moe_align.py and
 ops/moe_gemm.py are launched with PDL (ops/common.py).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -42,6 +46,7 @@ from kiln.ops import activation, moe_cutlass
 from kiln.ops.common import (
     FP8_DTYPE,
     FP8_MIN_SCALE,
+    ArrivalCounters,
     interpreting,
     kiln_op,
     next_pow2,
@@ -231,8 +236,9 @@ def fused_moe_triton(
 
 
 def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, c1, c2, out):
-    """The decode variant (``BLOCK_M`` 1): w13 GEMV per pair, then w2 GEMV per pair and the combine
-    kernel, or (w2 ``GROUP_M`` > 1) w2 GEMV + top-k sum per token."""
+    """The decode variant (``BLOCK_M`` 1): w13 GEMV per pair, then w2 GEMV per pair whose
+    last-arriving program per token sums the top-k (``combine_mode`` "fused"; "separate": the
+    combine kernel after it), or (w2 ``GROUP_M`` > 1) w2 GEMV + top-k sum per token."""
     t, h = x.shape
     i, k = w2.shape[2], topk_ids.shape[1]
     ids, emap = topk_ids, expert_map
@@ -251,8 +257,31 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w
         moe_gemv_launch(a, a_scale, w2, w2_scale, out, topk_weights, ids, emap, c2, a_div=1, combine=True)
         return out
     y2 = x.new_empty((t * k, h))
+    counters = None
+    if combine_mode() == "fused":  # None inside a capture that would have to allocate them
+        counters = COUNTERS.get(x.device, t * triton.cdiv(h, c2["BLOCK_N"]))
+    if counters is not None:  # the last-arriving pair of each token sums its k rows
+        out = x.new_empty((t, h)) if out is None else out
+        moe_gemv_launch(
+            a, a_scale, w2, w2_scale, y2, topk_weights, ids, emap, c2, a_div=1, sum_out=out, counters=counters
+        )
+        return out
     moe_gemv_launch(a, a_scale, w2, w2_scale, y2, topk_weights, ids, emap, c2, a_div=1)
     return moe_combine(y2, topk_ids, expert_map, out)
+
+
+COMBINE_MODES = ("fused", "separate")
+COUNTERS = ArrivalCounters(1 << 12)  # one per (token, w2 column block) of a decode GEMV
+
+
+def combine_mode() -> str:
+    """The decode GEMV's top-k sum with one pair per program: ``KILN_MOE_COMBINE`` (read at call
+    time, so at capture for decode graphs), ``"fused"`` (default: the w2 GEMV's last-arriving
+    program of each token sums) or ``"separate"`` (the combine kernel)."""
+    mode = os.environ.get("KILN_MOE_COMBINE") or "fused"
+    if mode not in COMBINE_MODES:
+        raise ValueError(f"KILN_MOE_COMBINE must be one of {COMBINE_MODES}, got {mode!r}")
+    return mode
 
 
 # ---- custom op ------------------------------------------------------------------------------------

@@ -318,13 +318,46 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
+def _sum_last(
+    C, IDS, MAP, OUT, CNT, tok, offs_n, nmask, N, stride_cm, stride_o,
+    SUM_K: tl.constexpr, HAS_MAP: tl.constexpr, ROUND_IN_F32: tl.constexpr,
+):  # fmt: skip
+    """Last arrival of token ``tok``'s ``SUM_K`` pairs on these columns: sum their rows of ``C`` in
+    pair order in float32 (other ranks' pairs left out), round once into ``OUT[tok]``.
+
+    Memory ordering as ops/decode_attention.py's fused merge: the barrier puts every thread's
+    stores of ``C`` before the scalar acq_rel atomic (cumulative release at gpu scope); the
+    program that reads ``SUM_K - 1`` acquires all of them and loads with ``.cg`` (L1 is not
+    coherent across SMs); it resets the counter, which no other arrival of this launch touches."""
+    tl.debug_barrier()
+    cnt = CNT + tok * tl.num_programs(1) + tl.program_id(1)
+    old = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if old == SUM_K - 1:
+        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+        total = tl.zeros(offs_n.shape, dtype=tl.float32)
+        for j in range(SUM_K):
+            p = tok * SUM_K + j
+            use = nmask
+            if HAS_MAP:
+                slot = tl.load(MAP + tl.load(IDS + p))
+                use = use & (tl.zeros(offs_n.shape, dtype=tl.int32) + slot >= 0)
+            total += tl.load(C + p * stride_cm + offs_n, mask=use, other=0.0, cache_modifier=".cg").to(
+                tl.float32
+            )
+        out_ty = OUT.dtype.element_ty
+        tl.store(OUT + tok * stride_o + offs_n, tl_round(total, out_ty, ROUND_IN_F32).to(out_ty), mask=nmask)
+
+
+@triton.jit
 def _moe_gemv_kernel(
     A, A_SCALE, W, W_SCALE, C, TOPK_W, IDS, MAP,
     N, K,
     stride_am, stride_we, stride_wn, stride_se, stride_cm,
+    OUT, CNT, stride_o,
     A_DIV: tl.constexpr, GROUP: tl.constexpr, P_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
     FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, ROUND_IN_F32: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    SUM_K: tl.constexpr = 0,
 ):  # fmt: skip
     pdl_trigger(PDL)
     pdl_wait(PDL)  # the expert comes from topk_ids (the router's output): no weight is known before
@@ -342,8 +375,8 @@ def _moe_gemv_kernel(
         e0 = tl.load(IDS + g)
         if HAS_MAP:
             e0 = tl.load(MAP + e0)
-        if e0 < 0:
-            return  # another rank's expert: the combine skips this pair
+        if SUM_K == 0 and e0 < 0:
+            return  # another rank's expert: the combine skips this pair (SUM_K: it still arrives)
         e = tl.zeros([P_PAD * BLOCK_N], dtype=tl.int32) + e0
         a_ptr = A + (g // A_DIV) * stride_am + offs_k[None, :]  # [1, BK]: one row for the tile
     else:
@@ -382,7 +415,24 @@ def _moe_gemv_kernel(
         tw = tl.load(TOPK_W + pair, mask=use, other=0.0)
     y = _epilogue(acc, acc_up, a_s, s_gate, s_up, tw, out_ty, FUSE_SILU, MUL_WEIGHT, FP8, ROUND_IN_F32)
     if GROUP == 1:
-        tl.store(C + g * stride_cm + offs_n, y.to(out_ty), mask=nmask)
+        tl.store(C + g * stride_cm + offs_n, y.to(out_ty), mask=rmask)
+        if SUM_K > 0:
+            _sum_last(
+                C,
+                IDS,
+                MAP,
+                OUT,
+                CNT,
+                g // SUM_K,
+                offs_n,
+                nmask,
+                N,
+                stride_cm,
+                stride_o,
+                SUM_K,
+                HAS_MAP,
+                ROUND_IN_F32,
+            )
     else:  # the top-k sum in float32 (other ranks' experts left out), rounded once
         cols = tl.arange(0, BLOCK_N)
         pick = rmask[:, None] & ((r % BLOCK_N)[:, None] == cols[None, :])  # [R, BN]
@@ -453,12 +503,17 @@ def moe_gemv_launch(
     a_div: int,
     fuse_silu: bool = False,
     combine: bool = False,
+    sum_out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> None:
     """Run the decode GEMV (no alignment; see the module docstring) into ``c``.
 
     ``topk_ids [T, k]`` int32 (contiguous) and ``expert_map`` as ``fused_moe`` takes them; ``c``:
     ``[T * k, N]`` one row per pair (pairs of other ranks' experts are left unwritten), or with
     ``combine`` ``[T, N]``: row ``t`` = the sum over its local pairs (zeros when it has none).
+    ``sum_out [T, N]`` (one pair per program, ``c`` per pair): the last-arriving program of each
+    token's ``k`` pairs also writes their sum there, as the combine kernel would; ``counters``:
+    zeroed int32, at least ``T * cdiv(N, BLOCK_N)`` (ops/common.py ``ArrivalCounters``).
     ``a_div`` and ``topk_weights`` as for ``moe_gemm_launch``; ``cfg["BLOCK_M"]`` must be 1.
     """
     t, k = topk_ids.shape
@@ -473,6 +528,8 @@ def moe_gemv_launch(
     fp8 = w.dtype == FP8_DTYPE
     group = k if combine else 1
     grid = (t if combine else t * k, triton.cdiv(n_out, bn))
+    if sum_out is not None and (combine or counters is None or counters.numel() < t * grid[1]):
+        raise ValueError("moe_gemv: sum_out needs one pair per program and t * cdiv(N, BLOCK_N) counters")
     pdl = pdl_args(a)
     _moe_gemv_kernel[grid](
         a, a_scale if fp8 else a, w, w_scale if fp8 else w, c,
@@ -480,9 +537,12 @@ def moe_gemv_launch(
         topk_ids, expert_map if expert_map is not None else topk_ids,
         n_out, w.shape[2],
         a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0) if fp8 else 0, c.stride(0),
+        sum_out if sum_out is not None else c, counters if sum_out is not None else topk_ids,
+        sum_out.stride(0) if sum_out is not None else 0,
         A_DIV=a_div, GROUP=group, P_PAD=next_pow2(group), HAS_MAP=expert_map is not None,
         FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None, FP8=fp8, ROUND_IN_F32=interpreting(),
-        BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
+        BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SUM_K=k if sum_out is not None else 0, **pdl,
     )  # fmt: skip
 
 

@@ -93,34 +93,16 @@ def _pick(score, avail, offs, N_PAD: tl.constexpr):
 
 
 @triton.jit
-def _moe_topk_kernel(
-    L,  # [T, E] router logits
-    BIAS,  # [E] f32 correction bias (HAS_BIAS)
-    W_OUT,  # [T, K] f32
-    ID_OUT,  # [T, K] int32
-    E,
-    stride_l,
-    scale,
-    K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    E_PAD: tl.constexpr,
-    SIGMOID: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    RENORM: tl.constexpr,
-    G: tl.constexpr,  # expert groups (sigmoid mode)
-    G_PAD: tl.constexpr,
-    TOPK_G: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (ops/common.py)
-    ROUND: tl.constexpr = 0,  # 0: none, 1: to bf16, 2: to fp16 (values stay float32)
-):
-    pdl_trigger(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, E_PAD)
-    valid = offs < E
-    pdl_wait(PDL)  # before the bias too: the graph casts it to float32 each step (moe_layer.py)
+def _topk_row(
+    x, offs, valid, BIAS, W_OUT, ID_OUT, row, E, scale,
+    K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+    TOPK_G: tl.constexpr, ROUND: tl.constexpr,
+):  # fmt: skip
+    """One token's routing from its float32 logits ``x [E_PAD]`` (``valid``: ``offs < E``): stores
+    its ``K`` weights and ids in row ``row`` of ``W_OUT`` / ``ID_OUT``."""
     if HAS_BIAS:
         bias = tl.load(BIAS + offs, mask=valid, other=0.0).to(tl.float32)
-    x = tl.load(L + row * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
     x = tl.where(x == x, x, float("-inf"))  # NaN -> -inf: never preferred, ids stay distinct
     if SIGMOID:
         p = 1.0 / (1.0 + tl.exp(-x))  # weights: [E_PAD]
@@ -179,6 +161,39 @@ def _moe_topk_kernel(
         w = w.to(tl.float16).to(tl.float32)
     tl.store(W_OUT + row * K + koffs, w, mask=kmask)
     tl.store(ID_OUT + row * K + koffs, ids, mask=kmask)
+
+
+@triton.jit
+def _moe_topk_kernel(
+    L,  # [T, E] router logits
+    BIAS,  # [E] f32 correction bias (HAS_BIAS)
+    W_OUT,  # [T, K] f32
+    ID_OUT,  # [T, K] int32
+    E,
+    stride_l,
+    scale,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+    G: tl.constexpr,  # expert groups (sigmoid mode)
+    G_PAD: tl.constexpr,
+    TOPK_G: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (ops/common.py)
+    ROUND: tl.constexpr = 0,  # 0: none, 1: to bf16, 2: to fp16 (values stay float32)
+):
+    pdl_trigger(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    valid = offs < E
+    pdl_wait(PDL)  # before the bias too: the graph casts it to float32 each step (moe_layer.py)
+    x = tl.load(L + row * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    _topk_row(
+        x, offs, valid, BIAS, W_OUT, ID_OUT, row, E, scale,
+        K, K_PAD, E_PAD, SIGMOID, HAS_BIAS, RENORM, G, G_PAD, TOPK_G, ROUND,
+    )  # fmt: skip
 
 
 def moe_topk_launch(

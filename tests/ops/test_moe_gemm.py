@@ -80,21 +80,42 @@ def test_grouped_gemm_matches_per_pair_reference(kernel_on_cpu, dtype, mode):
     assert_rel(c, ref, TOL[dtype])
 
 
-@pytest.mark.parametrize("mode", ["plain", "fused_silu", "mul_weight", "combine"])
+@pytest.mark.parametrize("mode", ["plain", "fused_silu", "mul_weight", "combine", "sum_last"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_gemv_matches_per_pair_reference(kernel_on_cpu, dtype, mode):
     t, h, i, e, k = 5, 48, 40, 8, 3  # H, I not multiples of the blocks
     x, w13, w2, w, ids, _, _ = make_moe(t, h, i, e, k, dtype, seed=5)
     flat = ids.reshape(-1).long()
     cfg = dict(GEMV, BLOCK_N=8)
-    if mode in ("mul_weight", "combine"):
+    if mode in ("mul_weight", "combine", "sum_last"):
         a = torch.randn(t * k, i).to(dtype)
         rows = t if mode == "combine" else t * k
         c = torch.full((rows, h), float("nan"), dtype=dtype)
-        mg.moe_gemv_launch(a, None, w2, None, c, w, ids, None, cfg, a_div=1, combine=mode == "combine")
+        out = torch.full((t, h), float("nan"), dtype=dtype) if mode == "sum_last" else None
+        cnt = torch.zeros(t * 6 + 1, dtype=torch.int32) if mode == "sum_last" else None  # 6 = cdiv(48, 8)
+        mg.moe_gemv_launch(
+            a,
+            None,
+            w2,
+            None,
+            c,
+            w,
+            ids,
+            None,
+            cfg,
+            a_div=1,
+            combine=mode == "combine",
+            sum_out=out,
+            counters=cnt,
+        )
         ref = torch.stack([(a[p].float() @ w2[flat[p]].float().t()).to(dtype).float() for p in range(t * k)])
         ref = (ref * w.reshape(-1, 1)).to(dtype)
-        if mode == "combine":  # the top-k sum of the rounded pair outputs, in float32, rounded once
+        if mode == "sum_last":  # per-pair rows as mul_weight, their sum as the combine kernel writes it
+            assert_rel(c, ref, TOL[dtype], "per-pair rows")
+            assert torch.equal(out, moe.moe_combine(c, ids, None)), "sum_last differs from the combine kernel"
+            assert not cnt.any(), "the counters are reset to zero for the next call"
+            c = out
+        if mode in ("combine", "sum_last"):  # the top-k sum of the rounded pair outputs, f32, rounded once
             ref = ref.float().reshape(t, k, h).sum(1).to(dtype)
     else:
         fuse = mode == "fused_silu"
@@ -125,6 +146,14 @@ def test_gemv_skips_other_ranks_experts(kernel_on_cpu):
     assert (out[0] == 0).all()  # no local expert: zeros, as the combine writes
     masked = torch.where(ids < 8, w, 0.0)
     assert_rel(out, moe.fused_moe_ref(x, w13, w2, masked, torch.where(ids < 8, ids, 0)), TOL[torch.float32])
+    # one pair per program with the last arrival's sum: other ranks' pairs still arrive, never write
+    y2, summed = torch.full((t * k, h), -7.0), torch.full((t, h), float("nan"))
+    cnt = torch.zeros(t, dtype=torch.int32)
+    mg.moe_gemv_launch(
+        hid, None, w2, None, y2, w, ids, emap, dict(GEMV, BLOCK_N=32), 1, sum_out=summed, counters=cnt
+    )
+    assert all((y2[p] == -7.0).all() != local[p] for p in range(t * k))
+    assert torch.equal(summed, out) and not cnt.any()
 
 
 # ---- the fused op -----------------------------------------------------------------------------------
@@ -167,9 +196,17 @@ def test_decode_sizes_run_the_gemv_by_default(kernel_on_cpu, monkeypatch):
         real = getattr(moe, name)
         monkeypatch.setattr(moe, name, lambda *a, _n=name, _f=real, **kw: launched.append(_n) or _f(*a, **kw))
     out = torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], "")
-    assert launched == ["moe_gemv_launch", "moe_gemv_launch", "moe_combine"]  # no alignment
+    assert launched == ["moe_gemv_launch", "moe_gemv_launch"]  # no alignment, the sum in the w2 GEMV
     ref = moe.fused_moe_ref(*args[:5], None, *args[5:])
     assert_rel(out, ref, TOL[torch.bfloat16])
+    launched.clear()
+    monkeypatch.setenv("KILN_MOE_COMBINE", "separate")  # the combine kernel: the same sum, same bits
+    assert torch.equal(torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], ""), out)
+    assert launched == ["moe_gemv_launch", "moe_gemv_launch", "moe_combine"]
+    monkeypatch.setenv("KILN_MOE_COMBINE", "nope")
+    with pytest.raises(ValueError, match="KILN_MOE_COMBINE"):
+        torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], "")
+    monkeypatch.delenv("KILN_MOE_COMBINE")
     launched.clear()  # a w2 GROUP_M above 1: the top-k sum in the GEMV, no combine kernel either
     table = json.dumps({"4": {"w13": GEMV, "w2": GEMV_SUM}})
     assert torch.equal(torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], table), out)
@@ -365,3 +402,23 @@ def test_gpu_float32_and_cuda_graph_replay(compiled_gpu):
             x.copy_(nx), w.copy_(nw), ids.copy_(nids)
             g.replay()
             assert_rel(out, moe.fused_moe_ref(x, w13, w2, w, ids), TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4])
+def test_gpu_sum_last_equals_combine_kernel_under_replay(compiled_gpu, monkeypatch, t):
+    """The w2 GEMV's last-arrival top-k sum against the combine kernel, bit for bit, over many
+    replays of one captured graph (an ordering bug would show as a stale or partial sum)."""
+    x, w13, w2, w, ids, _, _ = make_moe(t, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=t)
+    monkeypatch.setenv("KILN_MOE_COMBINE", "separate")
+    ref = torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")
+    monkeypatch.setenv("KILN_MOE_COMBINE", "fused")
+    torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")  # counters outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")
+    for i in range(100):
+        out.fill_(float("nan"))
+        g.replay()
+        assert torch.equal(out, ref), f"replay {i}"
+    assert not moe.COUNTERS.buffers[x.device].any(), "the counters are back at zero"
