@@ -13,8 +13,7 @@ topk_groups, scale, round_to, max_t) -> (weights [T, k] float32, ids [T, k] int3
   router linear (cuBLAS) and then ``moe_topk``'s kernel.
 
 Kernel (grid ``(T, cdiv(E, BLOCK_E))``): program ``(t, b)`` computes ``BLOCK_E`` logits of token
-``t``, a float32 dot of whole weight rows with ``x[t]`` (``BLOCK_K`` columns per step, all of ``H``
-in one step by default, so each program issues its whole slice of the weight at once), rounds them
+``t``, a float32 dot of whole weight rows with ``x[t]`` (``BLOCK_K`` columns per step), rounds them
 and stores them to a ``[T, E]`` scratch; then it bumps token ``t``'s arrival counter (ops/common.py
 ``ArrivalCounters``), and the last of the token's programs to arrive reads the ``E`` logits back and
 runs the top-k (ops/moe_routing.py ``_topk_row``). The router weight is small (``[128, 2048]`` is
@@ -48,8 +47,14 @@ from kiln.ops.quant import tl_round
 
 ROUTE_MODES = ("fused", "separate")
 COUNTERS = ArrivalCounters(1 << 8)  # one per token of a fused launch
-BLOCK_E = 2  # router rows per program: [128, 2048] -> 64 programs of 8 KiB at batch 1
-MAX_BLOCK_K = 4096  # columns per step: one step up to H = 4096
+# Launch defaults: one warp (the last arrival's top-k is ~3 reductions per expert picked; across
+# warps each goes through shared memory and a barrier: 6.4 us per call at Qwen3-30B-A3B's router
+# with 4 warps, bench/results/2026-11-30_h200_qwen3moe_L16_s7a_*), 2 router rows per program
+# ([128, 2048] -> 64 programs of 8 KiB at batch 1), 1024 columns per step. bench/test_bench_moe.py
+# ``test_moe_route`` measures the alternatives.
+BLOCK_E = 2
+BLOCK_K = 1024
+NUM_WARPS = 1
 
 
 def route_mode() -> str:
@@ -121,8 +126,8 @@ def moe_route_launch(
     round_to: str,
     counters: torch.Tensor,
     block_e: int = BLOCK_E,
-    block_k: int | None = None,
-    num_warps: int = 4,
+    block_k: int = BLOCK_K,
+    num_warps: int = NUM_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the fused kernel; ``counters``: zeroed int32, at least ``T`` long. Returns ``(w, ids)``."""
     t, h = x.shape
@@ -134,7 +139,7 @@ def moe_route_launch(
     if counters.numel() < t:
         raise ValueError(f"moe_route: need {t} arrival counters, got {counters.numel()}")
     logits = x.new_empty((t, e), dtype=torch.float32 if scoring == "sigmoid" else x.dtype)
-    block_k = block_k or min(next_pow2(h), MAX_BLOCK_K)
+    block_k = min(block_k, next_pow2(h))
     pdl = pdl_args(x)
     _route_kernel[(t, triton.cdiv(e, block_e))](
         x, weight, logits, counters, bias if bias is not None else logits, w_out, ids_out,

@@ -37,7 +37,7 @@ def reference(x, w, bias, case):
     return mr.moe_topk_ref(logits, bias, k, renorm, scoring, groups, topk_groups, scale, round_to)
 
 
-@pytest.mark.parametrize("blocks", [(2, None), (1, 16), (8, 32)], ids=["default", "e1-k16", "e8-k32"])
+@pytest.mark.parametrize("blocks", [(2, 1024), (1, 16), (8, 32)], ids=["default", "e1-k16", "e8-k32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_fused_kernel_matches_reference(kernel_on_cpu, case, dtype, blocks):

@@ -1,0 +1,99 @@
+"""Decode-sized MoE pieces as a decode step runs them: chained over distinct layers' weights.
+
+At batch 1 a MoE layer's router and experts are a handful of short kernels; timed alone (one graph
+replay per call, L2 flushed) each pays the replay's launch latency (a few microseconds on a 25 us
+op). Here ``LAYERS`` copies with distinct weights run back to back in one CUDA graph, as the layers
+of a decode step do, and every figure is per layer (``ms`` and ``bytes`` are for the chain, so
+``frac_bw`` is the per-layer fraction of read bandwidth).
+
+* ``test_moe_decode_chain[T-MODE]``: ``kiln.fused_moe`` at Qwen3-30B-A3B shapes (E=128, top-8,
+  H=2048, I=768) for ``T`` tokens, the w2 GEMV's top-k sum ``fused`` (last arrival, default) or
+  ``separate`` (the combine kernel). Bytes: the hit experts' weights and the activations.
+* ``test_moe_route_chain[VARIANT]``: the router (``[128, 2048]`` weights) and top-k at batch 1:
+  ``separate`` (router GEMV, then the top-k kernel) or the fused kernel with a launch variant
+  ``eBLOCK_E-kBLOCK_K-wWARPS`` (``fused``: ops/moe_route.py's defaults).
+
+Smoke mode (CPU): tiny shapes through the interpreter, two layers, one round.
+"""
+
+import functools
+
+import pytest
+import torch
+from conftest import SMOKE, graphed, pick
+
+from kiln.ops import moe_route
+
+H, I, E, K = pick((2048, 768, 128, 8), (64, 32, 8, 2))
+LAYERS = pick(8, 2)
+DEV = "cpu" if SMOKE else "cuda"
+ROUTE_VARIANTS = {
+    "separate": None,
+    "fused": {},
+    "e1-k2048-w1": dict(block_e=1, block_k=2048, num_warps=1),
+    "e2-k2048-w2": dict(block_e=2, block_k=2048, num_warps=2),
+    "e4-k512-w1": dict(block_e=4, block_k=512, num_warps=1),
+    "e2-k1024-w4": dict(block_e=2, block_k=1024, num_warps=4),
+}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on_cpu(monkeypatch):
+    if SMOKE:
+        monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+
+
+@functools.lru_cache(maxsize=1)
+def _layers():
+    """``LAYERS`` sets of (w13, w2, router) with distinct values."""
+    g = torch.Generator(DEV).manual_seed(0)
+    out = []
+    for _ in range(LAYERS):
+        w13 = (torch.randn(E, 2 * I, H, device=DEV, generator=g) / H**0.5).to(torch.bfloat16)
+        w2 = (torch.randn(E, H, I, device=DEV, generator=g) / I**0.5).to(torch.bfloat16)
+        router = (torch.randn(E, H, device=DEV, generator=g) / H**0.5).to(torch.bfloat16)
+        out.append((w13, w2, router))
+    return out
+
+
+def _route(x, router, max_t=1):
+    return torch.ops.kiln.moe_route(x, router, None, K, True, "softmax", 1, 1, 1.0, "bfloat16", max_t)
+
+
+@pytest.mark.parametrize("mode", ["separate", "fused"])
+@pytest.mark.parametrize("t", pick([1, 2, 4], [2]))
+def test_moe_decode_chain(measure, monkeypatch, t, mode):
+    monkeypatch.setenv("KILN_MOE_COMBINE", mode)  # read at capture
+    layers = _layers()
+    x = torch.randn(t, H, device=DEV).to(torch.bfloat16)
+    routes = [_route(x, r, max_t=0) for _, _, r in layers]  # per layer: (weights, ids)
+    hit = sum(int(torch.unique(ids).numel()) for _, ids in routes)
+
+    def chain():
+        for (w13, w2, _), (w, ids) in zip(layers, routes, strict=True):
+            torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")
+
+    info = dict(t=t, mode=mode, layers=LAYERS, E=E, top_k=K, H=H, I=I, experts_hit_per_layer=hit / LAYERS)
+    measure(graphed(chain), bytes=hit * 3 * H * I * 2 + LAYERS * 2 * t * H * 2, **info)
+
+
+@pytest.mark.parametrize("variant", list(ROUTE_VARIANTS))
+def test_moe_route_chain(measure, monkeypatch, variant):
+    layers = _layers()
+    x = torch.randn(1, H, device=DEV).to(torch.bfloat16)
+    kw = ROUTE_VARIANTS[variant]
+    if kw is None:
+        monkeypatch.setenv("KILN_MOE_ROUTE", "separate")  # router GEMV, then the top-k kernel
+        fn = lambda r: _route(x, r)
+    else:
+        counters = moe_route.COUNTERS.get(x.device, 1)
+        args = (None, K, True, "softmax", 1, 1, 1.0, "bfloat16", counters)
+        fn = lambda r: moe_route.moe_route_launch(x, r, *args, **kw)
+    ref = _route(x, layers[0][2], max_t=0)  # router linear + top-k kernel (or reference)
+    assert torch.equal(torch.sort(fn(layers[0][2])[1]).values, torch.sort(ref[1]).values), variant
+
+    def chain():
+        for _, _, r in layers:
+            fn(r)
+
+    measure(graphed(chain), bytes=LAYERS * E * H * 2, variant=variant, layers=LAYERS, E=E, H=H, top_k=K)
