@@ -108,6 +108,32 @@ def pdl_wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
+@triton.jit
+def l2_prefetch(ptr, nbytes, ON: tl.constexpr):
+    """Ask L2 to fetch ``nbytes`` from every address in ``ptr`` (sm_90 ``cp.async.bulk.prefetch``;
+    16-byte aligned addresses, ``nbytes`` a multiple of 16: ``prefetch_ok``). A hint with no result
+    and no ordering, so a PDL kernel may issue it for its weights before ``pdl_wait``: they then
+    stream from HBM while the previous kernel drains."""
+    if ON:
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+            "=r,l,r",
+            [ptr, nbytes],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+def prefetch_ok(w: torch.Tensor, *byte_counts: int) -> bool:
+    """Whether kernels reading weight ``w`` may ``l2_prefetch`` it: a CUDA sm_90+ device with PDL on
+    (the prefetch only helps before a PDL wait), ``KILN_PREFETCH`` not ``0`` (read at call time, so
+    at capture for CUDA graphs), ``w`` 16-byte aligned and every prefetch size a multiple of 16."""
+    if not pdl_enabled(w) or os.environ.get("KILN_PREFETCH", "1") == "0":
+        return False
+    return w.data_ptr() % 16 == 0 and all(b % 16 == 0 for b in byte_counts)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

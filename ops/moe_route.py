@@ -36,10 +36,12 @@ from kiln.ops.common import (
     ArrivalCounters,
     interpreting,
     kiln_op,
+    l2_prefetch,
     next_pow2,
     pdl_args,
     pdl_trigger,
     pdl_wait,
+    prefetch_ok,
     use_triton,
 )
 from kiln.ops.moe_routing import _ROUND_CODE, _check, _topk_row
@@ -80,6 +82,7 @@ def _route_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     TOPK_G: tl.constexpr, ROUND: tl.constexpr, ROUND_IN_F32: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     # X: [T, H]; W: [E, H]; LOGITS: [T, E] scratch (x's dtype, or f32 for sigmoid); CNT: [T] int32
     pdl_trigger(PDL)
@@ -88,6 +91,12 @@ def _route_kernel(
     rmask = rows < E
     offs_k = tl.arange(0, BLOCK_K)
     w_ptr = W + rows[:, None].to(tl.int64) * stride_w + offs_k[None, :]  # [BE, BK]
+    # the router weight is no earlier kernel's output: into L2 while the previous kernel drains
+    l2_prefetch(
+        W + tl.minimum(rows, E - 1).to(tl.int64) * stride_w,
+        H * (W.dtype.element_ty.primitive_bitwidth // 8),
+        PREFETCH,
+    )
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -148,6 +157,7 @@ def moe_route_launch(
         K=top_k, K_PAD=next_pow2(top_k), E_PAD=next_pow2(e), SIGMOID=scoring == "sigmoid",
         HAS_BIAS=bias is not None, RENORM=renormalize, G=num_groups, G_PAD=next_pow2(num_groups),
         TOPK_G=topk_groups, ROUND=_ROUND_CODE[round_to], ROUND_IN_F32=interpreting(),
+        PREFETCH=prefetch_ok(weight, h * weight.element_size(), weight.stride(0) * weight.element_size()),
         num_warps=num_warps, **pdl,
     )  # fmt: skip
     return w_out, ids_out

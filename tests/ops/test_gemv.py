@@ -345,12 +345,16 @@ def test_pdl_is_off_without_a_gpu(monkeypatch):
     monkeypatch.delenv("KILN_PDL", raising=False)
     assert not pdl_enabled(torch.zeros(1))
     assert pdl_args(torch.zeros(1)) == {"PDL": False}  # no launch_pdl: the interpreter takes none
+    from kiln.ops.common import prefetch_ok
+
+    assert not prefetch_ok(torch.zeros(64), 128), "no L2 prefetch off the GPU (it needs PDL)"
 
 
 @pytest.mark.gpu
 def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(compiled_gpu, monkeypatch):
     """A decode-like chain (add+RMSNorm -> GEMV -> GEMV + SiLU -> GEMV, 8 layers) captured in a CUDA
-    graph with PDL gives exactly the outputs of the same chain without PDL."""
+    graph with PDL, with and without the weights' L2 prefetch before the wait, gives exactly the
+    outputs of the same chain without PDL."""
     g = torch.Generator().manual_seed(11)
     h, i, layers = 4096, 2048, 8
     ws = [
@@ -363,8 +367,9 @@ def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(compiled_gpu, monkeypat
     nw = (torch.rand(h, generator=g) + 0.5).bfloat16().cuda()
     x0 = torch.randn(1, h, generator=g).bfloat16().cuda()
 
-    def run(mode):
+    def run(mode, prefetch="1"):
         monkeypatch.setenv("KILN_PDL", mode)
+        monkeypatch.setenv("KILN_PREFETCH", prefetch)
         x, res = x0.clone(), torch.zeros_like(x0)
 
         def step():
@@ -385,5 +390,9 @@ def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(compiled_gpu, monkeypat
         torch.cuda.synchronize()
         return out.clone(), res.clone()
 
-    plain, pdl = run("0"), run("1")
+    from kiln.ops.common import prefetch_ok
+
+    assert prefetch_ok(ws[0][0], 4096 * 2) and not prefetch_ok(ws[0][0], 4097 * 2)
+    plain, pdl, no_prefetch = run("0"), run("1"), run("1", prefetch="0")
     assert torch.equal(plain[0], pdl[0]) and torch.equal(plain[1], pdl[1])
+    assert torch.equal(plain[0], no_prefetch[0]) and torch.equal(plain[1], no_prefetch[1])
