@@ -134,6 +134,21 @@ def prefetch_ok(w: torch.Tensor, *byte_counts: int) -> bool:
     return w.data_ptr() % 16 == 0 and all(b % 16 == 0 for b in byte_counts)
 
 
+def prefetch_pieces(w: torch.Tensor, lengths: Sequence[int], rows: int, num_warps: int) -> int:
+    """How a kernel whose programs read ``rows`` rows of ``w`` (``lengths``: the elements of a row it
+    reads, every case) cuts each row for ``l2_prefetch``: 0 when ``prefetch_ok`` says no, else the
+    largest power of two up to one piece per thread (``32 * num_warps / rows``) that keeps every
+    piece a multiple of 16 bytes. (Pieces per thread, not a row per element of a ``[rows]`` tensor:
+    Triton replicates a short tensor over the threads, and every copy would ask again.)"""
+    eb = w.element_size()
+    if not prefetch_ok(w, *(n * eb for n in lengths), w.stride(0) * eb):
+        return 0
+    pieces = max(1, 32 * num_warps // rows)
+    while pieces > 1 and any(n % pieces or (n // pieces * eb) % 16 for n in lengths):
+        pieces //= 2
+    return pieces
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -9,18 +9,24 @@ topk_groups, scale, round_to, max_t) -> (weights [T, k] float32, ids [T, k] int3
   dtype for softmax scoring (Qwen3-MoE, Mixtral), float32 for sigmoid scoring (DeepSeek-V3 routes
   on ``F.linear(x.float(), weight.float())``);
 * ``max_t``: a constant of the call site (the compile's GEMV plan, role ``router``): at
-  ``1 <= T <= max_t`` on a device that runs Triton the fused kernel below runs, otherwise the
-  router linear (cuBLAS) and then ``moe_topk``'s kernel.
+  ``1 <= T <= max_t`` on a device that runs Triton the router linear is ``kiln.linear``'s GEMV
+  (ops/gemv.py) and then ``moe_topk``'s kernel, or with ``KILN_MOE_ROUTE=fused`` the fused kernel
+  below; otherwise the router linear (cuBLAS), then ``moe_topk``'s kernel.
 
 Kernel (grid ``(T, cdiv(E, BLOCK_E))``): program ``(t, b)`` computes ``BLOCK_E`` logits of token
 ``t``, a float32 dot of whole weight rows with ``x[t]`` (``BLOCK_K`` columns per step), rounds them
 and stores them to a ``[T, E]`` scratch; then it bumps token ``t``'s arrival counter (ops/common.py
 ``ArrivalCounters``), and the last of the token's programs to arrive reads the ``E`` logits back and
-runs the top-k (ops/moe_routing.py ``_topk_row``). The router weight is small (``[128, 2048]`` is
-512 KiB) and a separate top-k kernel costs a launch per layer at batch 1: this saves it.
+runs the top-k (ops/moe_routing.py ``_topk_row``). It saves the top-k kernel's launch, but on the
+H200 it is slower than the two kernels it replaces: chained over 8 layers' routers at Qwen3-30B-A3B's
+shape (``[128, 2048]``, batch 1), 4.88 us per layer with the defaults below (5.4-6.5 us with
+other block shapes and warps) against 3.81 us for the GEMV + top-k, and 790 vs 816 tok/s in
+Qwen3-30B-A3B-shaped batch-1 decode (bench/results/2026-11-30_h200_*_s7b*): the last program
+arrives only after every row is done, then runs the top-k serially, where the separate top-k
+kernel is already launched (PDL) and waiting. So it is opt-in.
 
-Switch: ``KILN_MOE_ROUTE=separate`` (read at call time, so at capture for decode graphs) runs the
-two-kernel path instead at ``T <= max_t``: ``kiln.linear``'s GEMV (ops/gemv.py), then ``moe_topk``.
+Switch: ``KILN_MOE_ROUTE=fused|separate`` (read at call time, so at capture for decode graphs;
+default ``separate``).
 """
 
 from __future__ import annotations
@@ -41,27 +47,27 @@ from kiln.ops.common import (
     pdl_args,
     pdl_trigger,
     pdl_wait,
-    prefetch_ok,
+    prefetch_pieces,
     use_triton,
 )
 from kiln.ops.moe_routing import _ROUND_CODE, _check, _topk_row
 from kiln.ops.quant import tl_round
 
-ROUTE_MODES = ("fused", "separate")
+ROUTE_MODES = ("separate", "fused")
 COUNTERS = ArrivalCounters(1 << 8)  # one per token of a fused launch
 # Launch defaults: one warp (the last arrival's top-k is ~3 reductions per expert picked; across
 # warps each goes through shared memory and a barrier: 6.4 us per call at Qwen3-30B-A3B's router
-# with 4 warps, bench/results/2026-11-30_h200_qwen3moe_L16_s7a_*), 2 router rows per program
-# ([128, 2048] -> 64 programs of 8 KiB at batch 1), 1024 columns per step. bench/test_bench_moe.py
-# ``test_moe_route`` measures the alternatives.
+# with 4 warps in the decode profile), 2 router rows per program ([128, 2048] -> 64 programs of
+# 8 KiB at batch 1), 1024 columns per step. bench/test_bench_moe_decode.py
+# ``test_moe_route_chain`` measures the alternatives.
 BLOCK_E = 2
 BLOCK_K = 1024
 NUM_WARPS = 1
 
 
 def route_mode() -> str:
-    """``KILN_MOE_ROUTE`` (read at call time): ``"fused"`` (default) or ``"separate"``."""
-    mode = os.environ.get("KILN_MOE_ROUTE") or "fused"
+    """``KILN_MOE_ROUTE`` (read at call time): ``"separate"`` (default) or ``"fused"``."""
+    mode = os.environ.get("KILN_MOE_ROUTE") or "separate"
     if mode not in ROUTE_MODES:
         raise ValueError(f"KILN_MOE_ROUTE must be one of {ROUTE_MODES}, got {mode!r}")
     return mode
@@ -82,7 +88,7 @@ def _route_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     TOPK_G: tl.constexpr, ROUND: tl.constexpr, ROUND_IN_F32: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,  # > 0: l2_prefetch the rows before the PDL wait, in this many pieces
 ):  # fmt: skip
     # X: [T, H]; W: [E, H]; LOGITS: [T, E] scratch (x's dtype, or f32 for sigmoid); CNT: [T] int32
     pdl_trigger(PDL)
@@ -91,12 +97,14 @@ def _route_kernel(
     rmask = rows < E
     offs_k = tl.arange(0, BLOCK_K)
     w_ptr = W + rows[:, None].to(tl.int64) * stride_w + offs_k[None, :]  # [BE, BK]
-    # the router weight is no earlier kernel's output: into L2 while the previous kernel drains
-    l2_prefetch(
-        W + tl.minimum(rows, E - 1).to(tl.int64) * stride_w,
-        H * (W.dtype.element_ty.primitive_bitwidth // 8),
-        PREFETCH,
-    )
+    if PREFETCH > 0:  # the router weight is no earlier kernel's output: into L2 while it drains
+        piece = H // PREFETCH  # elements; [BLOCK_E, PREFETCH] pieces, about one per thread
+        pf = (
+            W
+            + tl.minimum(rows, E - 1).to(tl.int64)[:, None] * stride_w
+            + tl.arange(0, PREFETCH)[None, :] * piece
+        )
+        l2_prefetch(pf, piece * (W.dtype.element_ty.primitive_bitwidth // 8), True)
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -157,7 +165,7 @@ def moe_route_launch(
         K=top_k, K_PAD=next_pow2(top_k), E_PAD=next_pow2(e), SIGMOID=scoring == "sigmoid",
         HAS_BIAS=bias is not None, RENORM=renormalize, G=num_groups, G_PAD=next_pow2(num_groups),
         TOPK_G=topk_groups, ROUND=_ROUND_CODE[round_to], ROUND_IN_F32=interpreting(),
-        PREFETCH=prefetch_ok(weight, h * weight.element_size(), weight.stride(0) * weight.element_size()),
+        PREFETCH=prefetch_pieces(weight, (h,), block_e, num_warps),
         num_warps=num_warps, **pdl,
     )  # fmt: skip
     return w_out, ids_out

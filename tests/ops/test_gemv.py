@@ -350,6 +350,19 @@ def test_pdl_is_off_without_a_gpu(monkeypatch):
     assert not prefetch_ok(torch.zeros(64), 128), "no L2 prefetch off the GPU (it needs PDL)"
 
 
+def test_prefetch_pieces(monkeypatch):
+    """About one 16-byte-multiple piece per thread; 0 when the prefetch is off."""
+    from kiln.ops import common
+
+    w = torch.zeros(64, 2048, dtype=torch.bfloat16)
+    assert common.prefetch_pieces(w, (2048,), 16, 4) == 0  # CPU: no PDL, no prefetch
+    monkeypatch.setattr(common, "prefetch_ok", lambda *a: True)
+    assert common.prefetch_pieces(w, (2048,), 16, 4) == 8  # 16 rows x 8 pieces = 128 threads
+    assert common.prefetch_pieces(w, (2048, 512), 8, 4) == 16
+    assert common.prefetch_pieces(w, (1000,), 16, 4) == 1  # 1000 / 2 pieces = 1000 bytes: not 16k
+    assert common.prefetch_pieces(w, (2048,), 256, 4) == 1  # more rows than threads
+
+
 @pytest.mark.gpu
 def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(compiled_gpu, monkeypatch):
     """A decode-like chain (add+RMSNorm -> GEMV -> GEMV + SiLU -> GEMV, 8 layers) captured in a CUDA
