@@ -405,7 +405,11 @@ def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(compiled_gpu, monkeypat
 
     from kiln.ops.common import prefetch_ok
 
+    monkeypatch.setenv("KILN_PDL", "1")
+    monkeypatch.delenv("KILN_PREFETCH", raising=False)
+    assert not prefetch_ok(ws[0][0], 4096 * 2), "off by default"
+    monkeypatch.setenv("KILN_PREFETCH", "1")
     assert prefetch_ok(ws[0][0], 4096 * 2) and not prefetch_ok(ws[0][0], 4097 * 2)
-    plain, pdl, no_prefetch = run("0"), run("1"), run("1", prefetch="0")
+    plain, pdl, no_prefetch = run("0"), run("1"), run("1", prefetch="0")  # pdl: with the prefetch
     assert torch.equal(plain[0], pdl[0]) and torch.equal(plain[1], pdl[1])
     assert torch.equal(plain[0], no_prefetch[0]) and torch.equal(plain[1], no_prefetch[1])
