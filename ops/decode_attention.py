@@ -117,9 +117,7 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _split_plan(
-    seq_len, num_splits, sliding_window, min_chunk, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr
-):
+def _split_plan(seq_len, num_splits, sliding_window, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """How one request's keys are dealt to the splits; shared by the split kernel and both merges
     so that they agree on which splits wrote a partial.
 
@@ -135,7 +133,6 @@ def _split_plan(
     span = seq_len - base  # >= 0
     # ceil divisions spelled out (tl.cdiv is a nested jit call, slow in the interpreter)
     chunk = ((span + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    chunk = tl.maximum(chunk, min_chunk)  # a multiple of BLOCK_N too (``min_keys_per_split``)
     safe = tl.maximum(chunk, 1)
     active = (span + safe - 1) // safe
     return lo, base, chunk, active
@@ -177,7 +174,7 @@ def _merge_splits(
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, cnt_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
-    stride_ob, stride_oh, num_q_heads, num_splits, sm_scale, logit_cap, sliding_window, min_chunk,
+    stride_ob, stride_oh, num_q_heads, num_splits, sm_scale, logit_cap, sliding_window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_M: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, MERGE_TILE: tl.constexpr, HAS_CAP: tl.constexpr,
@@ -190,7 +187,7 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
-    lo, base, chunk, active = _split_plan(seq_len, num_splits, sliding_window, min_chunk, BLOCK_N, HAS_WINDOW)
+    lo, base, chunk, active = _split_plan(seq_len, num_splits, sliding_window, BLOCK_N, HAS_WINDOW)
     if split >= tl.maximum(active, 1):
         return  # no keys here: write nothing (split 0 stays to write an empty request's zeros)
     row = tl.load(rows_ptr + b).to(tl.int64)
@@ -294,7 +291,7 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(
     mid_o_ptr, mid_lse_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, num_q_heads, num_splits,
-    sliding_window, min_chunk, DV: tl.constexpr, BLOCK_DV: tl.constexpr, TILE: tl.constexpr,
+    sliding_window, DV: tl.constexpr, BLOCK_DV: tl.constexpr, TILE: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # grid (B, Hq, cdiv(Dv, BLOCK_DV)): merges the active splits of one head for BLOCK_DV columns
@@ -303,9 +300,7 @@ def _decode_merge_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b)
-    _lo, _base, _chunk, active = _split_plan(
-        seq_len, num_splits, sliding_window, min_chunk, BLOCK_N, HAS_WINDOW
-    )
+    _lo, _base, _chunk, active = _split_plan(seq_len, num_splits, sliding_window, BLOCK_N, HAS_WINDOW)
     if active <= 1:
         return  # the split kernel wrote this request's output directly
     dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
@@ -338,16 +333,6 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_s
 MERGE_MODES = ("fused", "separate")
 MERGE_TILE_ELEMS = 4096  # partial elements the fused merge loads per step ([splits, heads, Dv])
 COUNTERS = ArrivalCounters(1 << 14)  # 64 KiB first: enough for B * Hkv of any decode bucket
-
-
-def min_keys_per_split() -> int:
-    """``KILN_ATTN_MIN_KEYS`` (read at call time, so at capture for decode graphs; default 0): the
-    fewest keys a split takes (rounded up to the key block), so that a request much shorter than
-    its bucket's capacity runs on fewer, longer splits (one split: no merge at all)."""
-    v = os.environ.get("KILN_ATTN_MIN_KEYS", "0").strip() or "0"
-    if not v.isdigit():
-        raise ValueError(f"KILN_ATTN_MIN_KEYS must be a non-negative integer, got {v!r}")
-    return int(v)
 
 
 def merge_mode(merge: str | None = None) -> str:
@@ -387,7 +372,6 @@ def decode_attention_triton(
         num_splits = choose_num_splits(max(bsz, 1), block_table.shape[1] * page_size, hkv)
     group = hq // hkv
     cfg = config or default_config(d, dv)
-    min_chunk = -(-min_keys_per_split() // cfg.block_n) * cfg.block_n
     out = torch.empty(bsz, hq, dv, dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
@@ -417,7 +401,7 @@ def decode_attention_triton(
         counters if fused else seq_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), hq, num_splits,
-        float(sm_scale), float(logit_cap), int(sliding_window), min_chunk,
+        float(sm_scale), float(logit_cap), int(sliding_window),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), GROUP_M=group_m, D=d,
         BLOCK_D=max(16, next_pow2(d)), DV=dv, BLOCK_DV=block_dv, PAGE=page_size,
         BLOCK_N=cfg.block_n,
@@ -429,7 +413,7 @@ def decode_attention_triton(
         block_dv = min(64, block_dv)
         _decode_merge_kernel[(bsz, hq, triton.cdiv(dv, block_dv))](
             mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1), hq, num_splits,
-            int(sliding_window), min_chunk, DV=dv, BLOCK_DV=block_dv, TILE=min(64, next_pow2(num_splits)),
+            int(sliding_window), DV=dv, BLOCK_DV=block_dv, TILE=min(64, next_pow2(num_splits)),
             BLOCK_N=cfg.block_n, HAS_WINDOW=sliding_window > 0, num_warps=4,
             **pdl,
         )  # fmt: skip

@@ -154,23 +154,6 @@ def test_decode_splits_far_above_active(triton_on_cpu, merge, seed):
     check(seed, [40, 1], 4, 1, 64, 64, 16, 128, torch.float32)
 
 
-@pytest.mark.parametrize("min_keys", [1, 40, 64, 1000])
-def test_decode_min_keys_per_split(triton_on_cpu, merge, seed, monkeypatch, min_keys):
-    # KILN_ATTN_MIN_KEYS rounds up to the key block (16 here): 1 -> 16, 40 -> 48 keys per split;
-    # 1000 -> one split per request (direct write), the window moving the first block
-    monkeypatch.setenv("KILN_ATTN_MIN_KEYS", str(min_keys))
-    check(seed, [0, 1, 40, 100, 77], 8, 2, 64, 64, 16, 32, torch.float32)
-    check(seed, [0, 1, 37, 100], 8, 1, 64, 64, 16, 32, torch.float32, window=33, cap=30.0)
-
-
-def test_min_keys_switch(monkeypatch):
-    monkeypatch.delenv("KILN_ATTN_MIN_KEYS", raising=False)
-    assert dec.min_keys_per_split() == 0
-    monkeypatch.setenv("KILN_ATTN_MIN_KEYS", "-3")
-    with pytest.raises(ValueError, match="KILN_ATTN_MIN_KEYS"):
-        dec.min_keys_per_split()
-
-
 @pytest.mark.parametrize("window, cap", [(20, 30.0), (33, 0.0)])
 def test_decode_window_softcap_many_splits(triton_on_cpu, merge, seed, window, cap):
     # the window moves the first key block (base > 0) and so which splits are active
