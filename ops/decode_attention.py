@@ -179,7 +179,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, MERGE_TILE: tl.constexpr, HAS_CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr, EARLY_V: tl.constexpr = True,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_trigger(PDL)  # programmatic dependent launch (ops/common.py): wait before any access
     pdl_wait(PDL)
@@ -187,10 +187,10 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
-    row = tl.load(rows_ptr + b).to(tl.int64)  # with seq_len: one round trip before the pages
     lo, base, chunk, active = _split_plan(seq_len, num_splits, sliding_window, BLOCK_N, HAS_WINDOW)
     if split >= tl.maximum(active, 1):
         return  # no keys here: write nothing (split 0 stays to write an empty request's zeros)
+    row = tl.load(rows_ptr + b).to(tl.int64)
     start = base + split * chunk  # this program takes keys [start, end)
     end = tl.minimum(start + chunk, seq_len)
 
@@ -223,12 +223,6 @@ def _decode_split_kernel(
             mask=kmask[:, None] & (d[None, :] < D),
             other=0.0,
         )  # k: [BLOCK_N, BLOCK_D]
-        if EARLY_V:  # V's rows are known from the slots: in flight with K's, not after the scores
-            v = tl.load(
-                v_base + slot[:, None] * stride_vs + dv[None, :],
-                mask=kmask[:, None] & (dv[None, :] < DV),
-                other=0.0,
-            )  # v: [BLOCK_N, BLOCK_DV]
         s = _dot(q, tl.trans(k), PREC, UPCAST)  # [GROUP_PAD, BLOCK_N] f32
         if HAS_CAP:
             s = _softcap(s * sm_scale, logit_cap) * 1.4426950408889634
@@ -239,12 +233,11 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if not EARLY_V:
-            v = tl.load(
-                v_base + slot[:, None] * stride_vs + dv[None, :],
-                mask=kmask[:, None] & (dv[None, :] < DV),
-                other=0.0,
-            )  # v: [BLOCK_N, BLOCK_DV]
+        v = tl.load(
+            v_base + slot[:, None] * stride_vs + dv[None, :],
+            mask=kmask[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )  # v: [BLOCK_N, BLOCK_DV]
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
         m_i = m_new
 
@@ -342,16 +335,6 @@ MERGE_TILE_ELEMS = 4096  # partial elements the fused merge loads per step ([spl
 COUNTERS = ArrivalCounters(1 << 14)  # 64 KiB first: enough for B * Hkv of any decode bucket
 
 
-def early_v() -> bool:
-    """``KILN_ATTN_EARLY_V`` (read at call time, so at capture for decode graphs): ``1`` (default)
-    loads a key block's V rows right after its K rows, so both are in flight at once; ``0`` loads
-    V after the scores (one more memory round trip per block)."""
-    v = os.environ.get("KILN_ATTN_EARLY_V", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"KILN_ATTN_EARLY_V must be 0 or 1, got {v!r}")
-    return v == "1"
-
-
 def merge_mode(merge: str | None = None) -> str:
     """The split-merge path: ``merge`` if given, else ``KILN_ATTN_MERGE`` (read at call time),
     else ``"separate"``."""
@@ -424,8 +407,7 @@ def decode_attention_triton(
         BLOCK_N=cfg.block_n,
         MERGE_TILE=max(1, min(next_pow2(num_splits), MERGE_TILE_ELEMS // (group_m * block_dv))),
         HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, DIRECT=direct, FUSED=fused,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), EARLY_V=early_v(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     if not direct and not fused:
         block_dv = min(64, block_dv)

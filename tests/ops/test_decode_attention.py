@@ -154,15 +154,6 @@ def test_decode_splits_far_above_active(triton_on_cpu, merge, seed):
     check(seed, [40, 1], 4, 1, 64, 64, 16, 128, torch.float32)
 
 
-def test_decode_late_v_load(triton_on_cpu, merge, seed, monkeypatch):
-    # KILN_ATTN_EARLY_V=0: V loaded after the scores, the same results
-    monkeypatch.setenv("KILN_ATTN_EARLY_V", "0")
-    check(seed, [0, 1, 40, 100], 8, 2, 64, 64, 16, 8, torch.float32, window=33, cap=30.0)
-    monkeypatch.setenv("KILN_ATTN_EARLY_V", "yes")
-    with pytest.raises(ValueError, match="KILN_ATTN_EARLY_V"):
-        check(seed, [5], 8, 2, 64, 64, 16, 1, torch.float32)
-
-
 @pytest.mark.parametrize("window, cap", [(20, 30.0), (33, 0.0)])
 def test_decode_window_softcap_many_splits(triton_on_cpu, merge, seed, window, cap):
     # the window moves the first key block (base > 0) and so which splits are active
