@@ -8,7 +8,8 @@ of a decode step do, and every figure is per layer (``ms`` and ``bytes`` are for
 
 * ``test_moe_decode_chain[T-MODE]``: ``kiln.fused_moe`` at Qwen3-30B-A3B shapes (E=128, top-8,
   H=2048, I=768) for ``T`` tokens, the w2 GEMV's top-k sum ``fused`` (last arrival, default) or
-  ``separate`` (the combine kernel). Bytes: the hit experts' weights and the activations.
+  ``separate`` (the combine kernel), with the default launch table or ``KILN_MOE_TUNING``'s (as
+  bench/test_bench_moe.py reads it). Bytes: the hit experts' weights and the activations.
 * ``test_moe_route_chain[VARIANT]``: the router (``[128, 2048]`` weights) and top-k at batch 1:
   ``separate`` (router GEMV, then the top-k kernel) or the fused kernel with a launch variant
   ``eBLOCK_E-kBLOCK_K-wWARPS`` (``fused``: ops/moe_route.py's defaults).
@@ -21,6 +22,7 @@ import functools
 import pytest
 import torch
 from conftest import SMOKE, graphed, pick
+from test_bench_moe import TUNING
 
 from kiln.ops import moe_route
 
@@ -71,9 +73,10 @@ def test_moe_decode_chain(measure, monkeypatch, t, mode):
 
     def chain():
         for (w13, w2, _), (w, ids) in zip(layers, routes, strict=True):
-            torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")
+            torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, TUNING)
 
     info = dict(t=t, mode=mode, layers=LAYERS, E=E, top_k=K, H=H, I=I, experts_hit_per_layer=hit / LAYERS)
+    info["tuning"] = "KILN_MOE_TUNING" if TUNING else "default"
     measure(graphed(chain), bytes=hit * 3 * H * I * 2 + LAYERS * 2 * t * H * 2, **info)
 
 
