@@ -37,7 +37,7 @@ Sweeps (GPU only, ``-k sweep``), to pick ``DEFAULT_TABLE``'s entries in one run:
   Every output is checked against the default config's.
 * ``test_fused_moe_sweep[Ntok-PAIR]``: the whole op (alignment and combine included) for
   (w13, w2) config pairs at 1, 4, 8 and 16 tokens: where the decode GEMV stops beating the grouped
-  GEMM (``DEFAULT_TABLE[0].max_rows``) and its best tiles.
+  GEMM (the last GEMV row of ``DEFAULT_TABLE``) and its best tiles.
 
 Config ids: ``gemv_nBN_kBK_wWARPS_sSTAGES`` / ``gemvsum_...`` (``BLOCK_M`` 1; w2 ``GROUP_M`` 1 / 8)
 and ``mBM_nBN_kBK_gGROUP_wWARPS_sSTAGES``;
