@@ -108,53 +108,6 @@ def pdl_wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-@triton.jit
-def l2_prefetch(ptr, nbytes, ON: tl.constexpr):
-    """Ask L2 to fetch ``nbytes`` from every address in ``ptr`` (sm_90 ``cp.async.bulk.prefetch``;
-    16-byte aligned addresses, ``nbytes`` a multiple of 16: ``prefetch_ok``). A hint with no result
-    and no ordering, so a PDL kernel may issue it for its weights before ``pdl_wait``: they then
-    stream from HBM while the previous kernel drains."""
-    if ON:
-        tl.inline_asm_elementwise(
-            "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-            "=r,l,r",
-            [ptr, nbytes],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-
-def prefetch_ok(w: torch.Tensor, *byte_counts: int) -> bool:
-    """Whether kernels reading weight ``w`` may ``l2_prefetch`` it: ``KILN_PREFETCH=1`` (read at call
-    time, so at capture for CUDA graphs; off by default: measured slower, below), a CUDA sm_90+
-    device with PDL on (the prefetch only helps before a PDL wait), ``w`` 16-byte aligned and every
-    prefetch size a multiple of 16.
-
-    Measured on the H200 in Qwen3-30B-A3B-shaped batch-1 decode (16 layers; the attention GEMVs and
-    the fused router prefetching): 830.6 tok/s with it, 852.5 without (one row per thread of a
-    ``[rows]`` tensor, replicated 8x: 790.7 vs 839.5), the GEMV kernels' summed time 302 vs 208 us
-    per step (bench/results/2026-11-30_h200_qwen3moe_L16_s7*). Kept as a switch for other shapes."""
-    if os.environ.get("KILN_PREFETCH", "0") != "1" or not pdl_enabled(w):
-        return False
-    return w.data_ptr() % 16 == 0 and all(b % 16 == 0 for b in byte_counts)
-
-
-def prefetch_pieces(w: torch.Tensor, lengths: Sequence[int], rows: int, num_warps: int) -> int:
-    """How a kernel whose programs read ``rows`` rows of ``w`` (``lengths``: the elements of a row it
-    reads, every case) cuts each row for ``l2_prefetch``: 0 when ``prefetch_ok`` says no, else the
-    largest power of two up to one piece per thread (``32 * num_warps / rows``) that keeps every
-    piece a multiple of 16 bytes. (Pieces per thread, not a row per element of a ``[rows]`` tensor:
-    Triton replicates a short tensor over the threads, and every copy would ask again.)"""
-    eb = w.element_size()
-    if not prefetch_ok(w, *(n * eb for n in lengths), w.stride(0) * eb):
-        return 0
-    pieces = max(1, 32 * num_warps // rows)
-    while pieces > 1 and any(n % pieces or (n // pieces * eb) % 16 for n in lengths):
-        pieces //= 2
-    return pieces
-
-
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -78,7 +78,6 @@ from kiln.ops.common import (
     FP8_DTYPE,
     interpreting,
     kiln_op,
-    l2_prefetch,
     next_pow2,
     pdl_args,
     pdl_trigger,
@@ -248,24 +247,11 @@ def _gemv_fma_kernel(
     WS,  # SCALED: [N_OUT] float32 w scales; else any pointer
     stride_xs,
     SCALED: tl.constexpr,  # FP8 x and W: sums times XS[m] * WS[n] (not with GATE_UP)
-    PREFETCH: tl.constexpr = 0,  # > 0: l2_prefetch W rows before the PDL wait, in this many pieces
 ):
     """CUDA cores. The W tile is loaded as ``[BLOCK_N, BLOCK_K / VEC, VEC]`` so each thread owns whole
     16-byte pieces; x is loaded through pointers of the same shape (broadcast over rows) so it lands
-    in the same layout with no shuffle through shared memory (repeated loads hit L1). ``PREFETCH``:
-    the program's W rows (its K slice) are prefetched into L2 before the PDL wait, each row in
-    ``PREFETCH`` pieces so that each thread asks for different bytes (``common.prefetch_pieces``)."""
+    in the same layout with no shuffle through shared memory (repeated loads hit L1)."""
     pdl_trigger(PDL)
-    if PREFETCH > 0:  # W is no earlier kernel's output: stream it into L2 while that kernel drains
-        # [BLOCK_N, PREFETCH] pieces (row r, PREFETCH equal pieces of its K slice): one per thread
-        pf_rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N_OUT - 1).to(tl.int64)
-        pf_lo = tl.program_id(1) * K_SPLIT
-        piece = (tl.minimum(pf_lo + K_SPLIT, K) - pf_lo) // PREFETCH  # elements
-        pf = W + pf_rows[:, None] * stride_wn + pf_lo + tl.arange(0, PREFETCH)[None, :] * piece
-        pf_bytes = piece * (W.dtype.element_ty.primitive_bitwidth // 8)
-        l2_prefetch(pf, pf_bytes, True)
-        if GATE_UP:
-            l2_prefetch(pf + UP_OFF * stride_wn, pf_bytes, True)
     pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -705,9 +691,7 @@ def gemv(
         xs = x_scale.reshape(-1).float().contiguous() if x_scale is not None and scaled else w
         ws = w_scale.reshape(-1).float().contiguous() if w_scale is not None and scaled else w
         sc = dict(XS=xs, WS=ws, stride_xs=int(xs.numel() > 1), SCALED=scaled)
-        lengths = (k_split, k - (splits - 1) * k_split)  # elements of a full and of the last K slice
-        pf = common.prefetch_pieces(w, lengths, cfg.block_n, cfg.num_warps)
-        _gemv_fma_kernel[grid](*args, VEC=vec, **sc, **meta, PREFETCH=pf)
+        _gemv_fma_kernel[grid](*args, VEC=vec, **sc, **meta)
     if splits > 1:
         _splitk_reduce_kernel[(m, triton.cdiv(n_out, REDUCE_BLOCK))](
             part, bias if bias is not None else part, out, m, n_out, out.stride(0),

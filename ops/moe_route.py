@@ -18,12 +18,13 @@ Kernel (grid ``(T, cdiv(E, BLOCK_E))``): program ``(t, b)`` computes ``BLOCK_E``
 and stores them to a ``[T, E]`` scratch; then it bumps token ``t``'s arrival counter (ops/common.py
 ``ArrivalCounters``), and the last of the token's programs to arrive reads the ``E`` logits back and
 runs the top-k (ops/moe_routing.py ``_topk_row``). It saves the top-k kernel's launch, but on the
-H200 it is slower than the two kernels it replaces: chained over 8 layers' routers at Qwen3-30B-A3B's
-shape (``[128, 2048]``, batch 1), 4.88 us per layer with the defaults below (5.4-6.5 us with
-other block shapes and warps) against 3.81 us for the GEMV + top-k, and 790 vs 816 tok/s in
-Qwen3-30B-A3B-shaped batch-1 decode (bench/results/2026-11-30_h200_*_s7b*): the last program
-arrives only after every row is done, then runs the top-k serially, where the separate top-k
-kernel is already launched (PDL) and waiting. So it is opt-in.
+H200 it measured slower than the two kernels it replaces: chained over 8 layers' routers at
+Qwen3-30B-A3B's shape (``[128, 2048]``, batch 1), 4.9 us per layer with the defaults below
+(4.6-6.6 us with other block shapes and warps) against 3.8-4.2 us for the GEMV + top-k, and
+819.5 vs 830.6 tok/s in Qwen3-30B-A3B-shaped batch-1 decode (bench/results/README.md, seventh
+session; those runs also prefetched the router rows into L2 before the PDL wait, since removed):
+the last program arrives only after every row is done, then runs the top-k serially, where the
+separate top-k kernel is already launched (PDL) and waiting. So it is opt-in.
 
 Switch: ``KILN_MOE_ROUTE=fused|separate`` (read at call time, so at capture for decode graphs;
 default ``separate``).
@@ -42,12 +43,10 @@ from kiln.ops.common import (
     ArrivalCounters,
     interpreting,
     kiln_op,
-    l2_prefetch,
     next_pow2,
     pdl_args,
     pdl_trigger,
     pdl_wait,
-    prefetch_pieces,
     use_triton,
 )
 from kiln.ops.moe_routing import _ROUND_CODE, _check, _topk_row
@@ -88,7 +87,6 @@ def _route_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     TOPK_G: tl.constexpr, ROUND: tl.constexpr, ROUND_IN_F32: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,  # > 0: l2_prefetch the rows before the PDL wait, in this many pieces
 ):  # fmt: skip
     # X: [T, H]; W: [E, H]; LOGITS: [T, E] scratch (x's dtype, or f32 for sigmoid); CNT: [T] int32
     pdl_trigger(PDL)
@@ -97,14 +95,6 @@ def _route_kernel(
     rmask = rows < E
     offs_k = tl.arange(0, BLOCK_K)
     w_ptr = W + rows[:, None].to(tl.int64) * stride_w + offs_k[None, :]  # [BE, BK]
-    if PREFETCH > 0:  # the router weight is no earlier kernel's output: into L2 while it drains
-        piece = H // PREFETCH  # elements; [BLOCK_E, PREFETCH] pieces, about one per thread
-        pf = (
-            W
-            + tl.minimum(rows, E - 1).to(tl.int64)[:, None] * stride_w
-            + tl.arange(0, PREFETCH)[None, :] * piece
-        )
-        l2_prefetch(pf, piece * (W.dtype.element_ty.primitive_bitwidth // 8), True)
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -165,7 +155,6 @@ def moe_route_launch(
         K=top_k, K_PAD=next_pow2(top_k), E_PAD=next_pow2(e), SIGMOID=scoring == "sigmoid",
         HAS_BIAS=bias is not None, RENORM=renormalize, G=num_groups, G_PAD=next_pow2(num_groups),
         TOPK_G=topk_groups, ROUND=_ROUND_CODE[round_to], ROUND_IN_F32=interpreting(),
-        PREFETCH=prefetch_pieces(weight, (h,), block_e, num_warps),
         num_warps=num_warps, **pdl,
     )  # fmt: skip
     return w_out, ids_out

@@ -345,29 +345,12 @@ def test_pdl_is_off_without_a_gpu(monkeypatch):
     monkeypatch.delenv("KILN_PDL", raising=False)
     assert not pdl_enabled(torch.zeros(1))
     assert pdl_args(torch.zeros(1)) == {"PDL": False}  # no launch_pdl: the interpreter takes none
-    from kiln.ops.common import prefetch_ok
-
-    assert not prefetch_ok(torch.zeros(64), 128), "no L2 prefetch off the GPU (it needs PDL)"
-
-
-def test_prefetch_pieces(monkeypatch):
-    """About one 16-byte-multiple piece per thread; 0 when the prefetch is off."""
-    from kiln.ops import common
-
-    w = torch.zeros(64, 2048, dtype=torch.bfloat16)
-    assert common.prefetch_pieces(w, (2048,), 16, 4) == 0  # CPU: no PDL, no prefetch
-    monkeypatch.setattr(common, "prefetch_ok", lambda *a: True)
-    assert common.prefetch_pieces(w, (2048,), 16, 4) == 8  # 16 rows x 8 pieces = 128 threads
-    assert common.prefetch_pieces(w, (2048, 512), 8, 4) == 16
-    assert common.prefetch_pieces(w, (1000,), 16, 4) == 1  # 1000 / 2 pieces = 1000 bytes: not 16k
-    assert common.prefetch_pieces(w, (2048,), 256, 4) == 1  # more rows than threads
 
 
 @pytest.mark.gpu
 def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(compiled_gpu, monkeypatch):
     """A decode-like chain (add+RMSNorm -> GEMV -> GEMV + SiLU -> GEMV, 8 layers) captured in a CUDA
-    graph with PDL, with and without the weights' L2 prefetch before the wait, gives exactly the
-    outputs of the same chain without PDL."""
+    graph with PDL gives exactly the outputs of the same chain without PDL."""
     g = torch.Generator().manual_seed(11)
     h, i, layers = 4096, 2048, 8
     ws = [
@@ -380,9 +363,8 @@ def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(compiled_gpu, monkeypat
     nw = (torch.rand(h, generator=g) + 0.5).bfloat16().cuda()
     x0 = torch.randn(1, h, generator=g).bfloat16().cuda()
 
-    def run(mode, prefetch="1"):
+    def run(mode):
         monkeypatch.setenv("KILN_PDL", mode)
-        monkeypatch.setenv("KILN_PREFETCH", prefetch)
         x, res = x0.clone(), torch.zeros_like(x0)
 
         def step():
@@ -403,13 +385,5 @@ def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(compiled_gpu, monkeypat
         torch.cuda.synchronize()
         return out.clone(), res.clone()
 
-    from kiln.ops.common import prefetch_ok
-
-    monkeypatch.setenv("KILN_PDL", "1")
-    monkeypatch.delenv("KILN_PREFETCH", raising=False)
-    assert not prefetch_ok(ws[0][0], 4096 * 2), "off by default"
-    monkeypatch.setenv("KILN_PREFETCH", "1")
-    assert prefetch_ok(ws[0][0], 4096 * 2) and not prefetch_ok(ws[0][0], 4097 * 2)
-    plain, pdl, no_prefetch = run("0"), run("1"), run("1", prefetch="0")  # pdl: with the prefetch
+    plain, pdl = run("0"), run("1")
     assert torch.equal(plain[0], pdl[0]) and torch.equal(plain[1], pdl[1])
-    assert torch.equal(plain[0], no_prefetch[0]) and torch.equal(plain[1], no_prefetch[1])
