@@ -1,8 +1,9 @@
 #!/bin/bash
 # GPU call 7 of the seventh session (2026-11-30), issue 9: the new 1-token rung of the MoE launch
 # table (ops/moe_gemm.py DEFAULT_TABLE) with the defaults: its GPU correctness tests, the MoE op
-# chained over 8 layers at 1 / 2 / 4 tokens, and the op alone (one graph replay per call) at 1 token.
-# Usage on the GPU machine, from the repo root: bash bench/gpu/run_s7g.sh OUTDIR   (3 files)
+# chained over 8 layers at 1 / 2 / 4 tokens, the op alone (one graph replay per call) at 1 token, and
+# Qwen3-30B-A3B-shaped (16 layers) decode at batch 1 / 8 with its batch-1 profile.
+# Usage on the GPU machine, from the repo root: bash bench/gpu/run_s7g.sh OUTDIR   (6 files)
 set -o pipefail
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 source bench/gpu/env.sh
@@ -13,3 +14,12 @@ cd bench
 timeout 60 python -m pytest -q test_bench_moe_decode.py test_bench_moe.py -k "(decode_chain and fused) or (test_fused_moe and 1-triton and not fp8)" \
   -p no:cacheprovider --benchmark-json="$OUT/moe_1tok_rung.json" > /dev/null 2>&1
 python -c "import json; [print(b['name'], round(b['extra_info']['ms'] * 1e3 / b['extra_info'].get('layers', 1), 2), 'us', round(b['extra_info']['frac_bw'], 3)) for b in json.load(open('$OUT/moe_1tok_rung.json'))['benchmarks']]"
+cd ..
+# end to end with the new rung (compare with run_s7e.sh's defaults: 849.2 / 2648.3 tok/s, 49.1% /
+# 71.3% at 4071 GB/s; the chain above is the same-run comparison)
+MCK=/tmp/ckpt-qwen3moe-L16; MART=/tmp/art-qwen3moe-L16
+python bench/make_checkpoint.py --preset qwen3-30b-a3b --num-layers 16 -o $MCK > /dev/null 2>&1
+timeout 150 python -m kiln compile $MCK -o $MART --force > "$OUT/compile.log" 2>&1; tail -1 "$OUT/compile.log"
+timeout 70 python -m kiln bench latency $MART --batch-sizes 1,8 --input-len 512 --output-len 64 --kv-memory 40 \
+  --json "$OUT/moe_latency.json" 2>&1 | grep -v "it/s\]" | tail -4
+timeout 80 python bench/gpu/profile_decode.py $MART --batch-sizes 1 --json "$OUT/moe_profile.json" 2>&1 | tail -10
