@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU call 7 of the seventh session (2026-11-30), issue 9: the new 1-token rung of the MoE launch
+# The next session's first GPU call (written in the seventh session, 2026-11-30, after its device time ran out), issue 9: the new 1-token rung of the MoE launch
 # table (ops/moe_gemm.py DEFAULT_TABLE) with the defaults: its GPU correctness tests, the MoE op
 # chained over 8 layers at 1 / 2 / 4 tokens, the op alone (one graph replay per call) at 1 token, and
 # Qwen3-30B-A3B-shaped (16 layers) decode at batch 1 / 8 with its batch-1 profile.
