@@ -87,7 +87,7 @@ class FusedMoE(nn.Module):
             self.topk_groups,
             self.scale,
             self.round_to,  # HF's cast of the weights to the activation dtype, fused
-            gemv_plan().get("router", 0),  # T up to this: router GEMV + top-k in one kernel
+            gemv_plan().get("router", 0),  # T up to this: the router GEMV, then the top-k kernel
         )  # [T, k] f32, [T, k] int32
         y = torch.ops.kiln.fused_moe(
             x, self.w13, self.w2, w, ids, None, self.w13_scale, self.w2_scale, self.tuning

@@ -9,7 +9,7 @@ tuning) -> y [T, H]`` (dtype of ``x``):
   dtype, or float8_e4m3fn with ``w13_scale [E, 2I]`` / ``w2_scale [E, H]`` float32 per-output-channel
   scales (the activations are then quantized per token: ``x`` before ``w13``, the SiLU-and-mul
   output before ``w2``);
-* ``topk_weights [T, k]`` f32, ``topk_ids [T, k]`` int32 (from ``kiln.moe_topk``);
+* ``topk_weights [T, k]`` f32, ``topk_ids [T, k]`` int32 (from ``kiln.moe_route`` / ``kiln.moe_topk``);
 * ``expert_map``: ``[E_global]`` int32 global -> local slot (-1: another rank's expert, contributes
   nothing here), or None when ``topk_ids`` are local already;
 * ``tuning``: "" to use ``moe_config``'s table, or a recorded table (``moe_gemm.parse_tuning``).
@@ -29,14 +29,16 @@ A config with ``BLOCK_M`` 1 (decode-sized ``T``, see ops/moe_gemm.py) runs the d
 no alignment; the w2 GEMV also writes the top-k sum itself (no combine kernel): with a w2
 ``GROUP_M`` above 1 each program gathers a token's ``k`` experts, with ``GROUP_M`` 1 (one pair per
 program) the last program of a token to finish a column block sums the ``k`` rows, in pair order,
-from the per-pair output (``KILN_MOE_COMBINE=separate``: the combine kernel does instead). Intermediates: ``[T * k, I]`` (``[T * k, 2I]`` for FP8) and ``[T * k, H]`` (but
-for the fused top-k sum) in the activation dtype. The kernels here and in ops/moe_align.py and
+from the per-pair output (``KILN_MOE_COMBINE=separate``: the combine kernel does instead).
+Intermediates: ``[T * k, I]`` (``[T * k, 2I]`` for FP8) and ``[T * k, H]`` (but with a w2
+``GROUP_M`` above 1) in the activation dtype. The kernels here and in ops/moe_align.py and
 ops/moe_gemm.py are launched with PDL (ops/common.py).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import triton
@@ -260,6 +262,12 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w
     counters = None
     if combine_mode() == "fused":  # None inside a capture that would have to allocate them
         counters = COUNTERS.get(x.device, t * triton.cdiv(h, c2["BLOCK_N"]))
+        if counters is None:
+            warnings.warn(
+                "fused_moe: first last-arrival top-k sum at this size is inside a CUDA-graph capture; "
+                "this capture runs the combine kernel (run the call once before capturing).",
+                stacklevel=2,
+            )
     if counters is not None:  # the last-arriving pair of each token sums its k rows
         out = x.new_empty((t, h)) if out is None else out
         moe_gemv_launch(
@@ -333,6 +341,7 @@ def fused_moe(
 ) -> torch.Tensor:
     """Routed experts of a MoE layer, ``x [T, H] -> [T, H]`` (see the module docstring)."""
     _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    combine_mode()  # a bad KILN_MOE_COMBINE fails on every path, not only where it is read
     if use_triton(x):
         if pick_backend(tuning, x.shape[0]) == "cutlass" and moe_cutlass.supports(x, w13, w2):
             return moe_cutlass.fused_moe_cutlass(x, w13, w2, topk_weights, topk_ids, expert_map)

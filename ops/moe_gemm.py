@@ -30,7 +30,9 @@ Variants (``BLOCK_M`` of the launch config picks one):
   columns of each: one gathered ``[k * BLOCK_N, BLOCK_K]`` weight tile per step, and as many
   activation rows) and writes the top-k sum straight to ``out [T, H]`` (the w2 GEMM and
   ops/moe.py's combine in one kernel). ``GROUP_M`` picks that for the w2 GEMV: 1 = one pair per
-  program, then the combine kernel; above 1 = ``combine`` (w13 ignores it).
+  program, the last to finish of a token's ``k`` programs on a column block summing their rows
+  (``sum_out``; ``KILN_MOE_COMBINE=separate``: the combine kernel after it); above 1 = ``combine``
+  (w13 ignores it).
 
 The launch table (``DEFAULT_TABLE``) is a tuple of ``TableRow``: by the average rows each expert
 receives (``tokens * top_k / E``), the ``BLOCK_M`` of both GEMMs and one tile per GEMM.
@@ -94,6 +96,10 @@ class TableRow(NamedTuple):
 # a decode rung in bench/test_bench_moe_decode.py's chain: at 1 token of Qwen3-30B-A3B (1/16 row
 # per expert) 16-row w13 programs and an unpipelined w2 (K = 768 is 3 steps) took 28.5 us per layer
 # there against 32.6 us with the 2..4-token tiles, which stay ahead at 2 tokens (43.9 vs 46.5 us).
+# Measured at that shape only: other models with 1/16 row per expert or less (DeepSeek-V3, E=256,
+# top-8: 1..2 tokens) take the same tiles, but their w2 pipelines again when its K loop is longer
+# than the measured one (``UNPIPELINED_MAX_STEPS``; DeepSeek-V3's I = 2048 is 8 steps).
+UNPIPELINED_MAX_STEPS = 3  # K steps of the longest loop an unpipelined (num_stages 1) GEMV was measured on
 DEFAULT_TABLE: tuple[TableRow, ...] = (
     TableRow(1 / 16, 1, Tile(16, 256, 1, 4, 3), Tile(32, 256, 1, 4, 1)),
     TableRow(0.25, 1, Tile(32, 256, 1, 4, 3), Tile(32, 256, 1, 4, 3)),
@@ -156,8 +162,12 @@ def moe_config(
         raise ValueError(f"moe_config: gemm must be 'w13' or 'w2', got {gemm!r}")
     row = table_row(num_experts, tokens, top_k, table)
     tile = row.w13 if gemm == "w13" else row.w2
-    cfg = dict(zip(CONFIG_KEYS, (moe_block_m(num_experts, tokens, top_k, table), *tile), strict=True))
-    return clip_config(cfg, n, k)
+    cfg = clip_config(
+        dict(zip(CONFIG_KEYS, (moe_block_m(num_experts, tokens, top_k, table), *tile), strict=True)), n, k
+    )
+    if cfg["BLOCK_M"] == 1 and cfg["num_stages"] == 1 and -(-k // cfg["BLOCK_K"]) > UNPIPELINED_MAX_STEPS:
+        cfg["num_stages"] = 3  # an unpipelined GEMV was measured ahead only on a short K loop
+    return cfg
 
 
 def check_config(cfg: dict[str, int], what: str = "moe config") -> None:
@@ -323,7 +333,7 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _sum_last(
-    C, IDS, MAP, OUT, CNT, tok, offs_n, nmask, N, stride_cm, stride_o,
+    C, IDS, MAP, OUT, CNT, tok, offs_n, nmask, stride_cm, stride_o,
     SUM_K: tl.constexpr, HAS_MAP: tl.constexpr, ROUND_IN_F32: tl.constexpr,
 ):  # fmt: skip
     """Last arrival of token ``tok``'s ``SUM_K`` pairs on these columns: sum their rows of ``C`` in
@@ -430,7 +440,6 @@ def _moe_gemv_kernel(
                 g // SUM_K,
                 offs_n,
                 nmask,
-                N,
                 stride_cm,
                 stride_o,
                 SUM_K,
@@ -532,8 +541,19 @@ def moe_gemv_launch(
     fp8 = w.dtype == FP8_DTYPE
     group = k if combine else 1
     grid = (t if combine else t * k, triton.cdiv(n_out, bn))
-    if sum_out is not None and (combine or counters is None or counters.numel() < t * grid[1]):
-        raise ValueError("moe_gemv: sum_out needs one pair per program and t * cdiv(N, BLOCK_N) counters")
+    if sum_out is not None and (
+        combine
+        or fuse_silu
+        or sum_out.shape != (t, n_out)
+        or sum_out.stride(1) != 1
+        or counters is None
+        or counters.dtype != torch.int32
+        or counters.numel() < t * grid[1]
+    ):
+        raise ValueError(
+            f"moe_gemv: sum_out must be [T={t}, N={n_out}] with a unit last stride, for one pair per "
+            f"program without fuse_silu, with at least {t * grid[1]} int32 counters"
+        )
     pdl = pdl_args(a)
     _moe_gemv_kernel[grid](
         a, a_scale if fp8 else a, w, w_scale if fp8 else w, c,
@@ -555,7 +575,9 @@ def specialization(
 ) -> tuple:
     """What selects ``fused_moe``'s kernel specializations at ``tokens``: both configs, and for the
     grouped GEMM the one-program vs chunked alignment (the decode GEMV has no alignment); for the
-    CUTLASS backend only the SiLU-and-mul's block (ops/activation.py: ``NARROW_ROWS`` or more)."""
+    CUTLASS backend only the SiLU-and-mul's block (ops/activation.py: ``NARROW_ROWS`` or more).
+    ``KILN_MOE_COMBINE`` also selects kernels (the w2 GEMV's last-arrival sum, or the combine
+    kernel after it): a warm-up compiles those of the mode it runs with."""
     from kiln.ops.moe_align import CHUNK
 
     if backend == "cutlass":

@@ -10,8 +10,9 @@ topk_groups, scale, round_to, max_t) -> (weights [T, k] float32, ids [T, k] int3
   on ``F.linear(x.float(), weight.float())``);
 * ``max_t``: a constant of the call site (the compile's GEMV plan, role ``router``): at
   ``1 <= T <= max_t`` on a device that runs Triton the router linear is ``kiln.linear``'s GEMV
-  (ops/gemv.py) and then ``moe_topk``'s kernel, or with ``KILN_MOE_ROUTE=fused`` the fused kernel
-  below; otherwise the router linear (cuBLAS), then ``moe_topk``'s kernel.
+  (ops/gemv.py; sigmoid scoring: the float32 linear) and then ``moe_topk``'s kernel, or with
+  ``KILN_MOE_ROUTE=fused`` the fused kernel below; otherwise the router linear (cuBLAS), then
+  ``moe_topk``'s kernel.
 
 Kernel (grid ``(T, cdiv(E, BLOCK_E))``): program ``(t, b)`` computes ``BLOCK_E`` logits of token
 ``t``, a float32 dot of whole weight rows with ``x[t]`` (``BLOCK_K`` columns per step), rounds them
@@ -33,6 +34,7 @@ default ``separate``).
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import triton
@@ -184,13 +186,19 @@ def moe_route(
     logits_meta = x.new_empty((0, e))  # the checks of moe_topk, on the logits' shape
     _check(logits_meta, bias, top_k, scoring, num_groups, topk_groups, round_to)
     args = (bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, round_to)
+    mode = route_mode()  # a bad KILN_MOE_ROUTE fails on every path
     if use_triton(x) and 1 <= t <= max_t:
         x = x if x.stride(1) == 1 else x.contiguous()
         weight = weight if weight.stride(1) == 1 else weight.contiguous()
-        if route_mode() == "fused":
+        if mode == "fused":
             counters = COUNTERS.get(x.device, t)  # None inside a capture that would allocate them
             if counters is not None:
                 return moe_route_launch(x, weight, *args, counters)
+            warnings.warn(
+                "moe_route: first fused call at this size is inside a CUDA-graph capture; this "
+                "capture runs the router GEMV and the top-k kernel (run the call once before capturing).",
+                stacklevel=2,
+            )
         logits = (
             router_logits_ref(x, weight, scoring)
             if scoring == "sigmoid"

@@ -21,8 +21,8 @@ go to the lower expert index and NaN scores count as -inf.
 
 Kernel: one program per token, the ``E`` scores in registers; top-k by ``k`` rounds of
 (max, lowest index achieving it, exclude), group selection likewise over the group scores.
-Launched with PDL (ops/common.py): the correction bias (a weight) loads before the wait, the logits
-after it.
+Launched with PDL (ops/common.py), waiting before every load: the logits come from the router
+linear, and the graph casts the correction bias to float32 each step (compiler/moe_layer.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch
 from kiln.ops import moe
 from kiln.ops import moe_align as ma
 from kiln.ops import moe_gemm as mg
-from kiln.ops.common import FP8_DTYPE, interpreting
+from kiln.ops.common import FP8_DTYPE, ArrivalCounters, interpreting
 from kiln.ops.quant import quantize_fp8_per_channel
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
@@ -129,6 +129,21 @@ def test_gemv_matches_per_pair_reference(kernel_on_cpu, dtype, mode):
     assert_rel(c, ref, TOL[dtype])
 
 
+def test_gemv_sum_out_is_checked(kernel_on_cpu):
+    t, h, i, e, k = 2, 32, 16, 4, 2
+    _, _, w2, w, ids, _, _ = make_moe(t, h, i, e, k, torch.float32, seed=8)
+    a, y2 = torch.randn(t * k, i), torch.empty(t * k, h)
+    cnt = torch.zeros(t * 2, dtype=torch.int32)  # cdiv(32, 16) column blocks per token
+    for bad in (
+        dict(sum_out=torch.empty(t, h + 1), counters=cnt),  # wrong shape
+        dict(sum_out=torch.empty(t, h), counters=cnt[:3]),  # too few counters
+        dict(sum_out=torch.empty(t, h), counters=cnt.long()),  # not int32
+        dict(sum_out=torch.empty(t, h), counters=cnt, combine=True),  # not one pair per program
+    ):
+        with pytest.raises(ValueError, match="sum_out must be"):
+            mg.moe_gemv_launch(a, None, w2, None, y2, w, ids, None, GEMV, 1, **bad)
+
+
 def test_gemv_skips_other_ranks_experts(kernel_on_cpu):
     t, h, i, k = 4, 32, 24, 3
     x, w13, w2, w, ids, _, _ = make_moe(t, h, i, 16, k, torch.float32, seed=6)
@@ -207,6 +222,11 @@ def test_decode_sizes_run_the_gemv_by_default(kernel_on_cpu, monkeypatch):
     with pytest.raises(ValueError, match="KILN_MOE_COMBINE"):
         torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], "")
     monkeypatch.delenv("KILN_MOE_COMBINE")
+    launched.clear()  # counters that would be allocated inside a capture: the combine kernel, warned
+    monkeypatch.setattr(moe, "COUNTERS", type("Refuse", (ArrivalCounters,), {"get": lambda *a: None})(1))
+    with pytest.warns(UserWarning, match="inside a CUDA-graph capture"):
+        assert torch.equal(torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], ""), out)
+    assert launched == ["moe_gemv_launch", "moe_gemv_launch", "moe_combine"]
     launched.clear()  # a w2 GROUP_M above 1: the top-k sum in the GEMV, no combine kernel either
     table = json.dumps({"4": {"w13": GEMV, "w2": GEMV_SUM}})
     assert torch.equal(torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], table), out)
@@ -286,6 +306,10 @@ def test_moe_config_table():
     assert mg.moe_config(8, 8, 8, 1, 2)["BLOCK_N"] == 8  # the GEMV's tile is clipped too
     rows = [r.max_rows for r in mg.DEFAULT_TABLE]
     assert rows == sorted(rows) and rows[-1] == float("inf")
+    # the 1-token rung's unpipelined w2 only where its K loop is as short as where it was measured
+    assert mg.moe_config(128, 2048, 768, 1, 8, "w2")["num_stages"] == 1  # Qwen3-30B-A3B: 3 K steps
+    assert mg.moe_config(256, 7168, 2048, 1, 8, "w2")["num_stages"] == 3  # DeepSeek-V3: 8 K steps
+    assert mg.moe_config(128, 2048, 768, 2, 8, "w2")["num_stages"] == 3  # 2 tokens: the next rung
     with pytest.raises(ValueError, match="gemm must be"):
         mg.moe_config(e, h, i, 1, k, "w3")
 
@@ -408,16 +432,19 @@ def test_gpu_float32_and_cuda_graph_replay(compiled_gpu):
 @pytest.mark.parametrize("t", [1, 4])
 def test_gpu_sum_last_equals_combine_kernel_under_replay(compiled_gpu, monkeypatch, t):
     """The w2 GEMV's last-arrival top-k sum against the combine kernel, bit for bit, over many
-    replays of one captured graph (an ordering bug would show as a stale or partial sum)."""
+    replays of one captured graph with new inputs each time (an ordering bug would show as a stale
+    or partial sum)."""
     x, w13, w2, w, ids, _, _ = make_moe(t, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=t)
-    monkeypatch.setenv("KILN_MOE_COMBINE", "separate")
-    ref = torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")
     monkeypatch.setenv("KILN_MOE_COMBINE", "fused")
     torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")  # counters outside the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")
-    for i in range(100):
+    for i in range(60):
+        nx, _, _, nw, nids, _, _ = make_moe(t, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=100 + i)
+        x.copy_(nx), w.copy_(nw), ids.copy_(nids)
+        monkeypatch.setenv("KILN_MOE_COMBINE", "separate")
+        ref = torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")  # eager, combine kernel
         out.fill_(float("nan"))
         g.replay()
         assert torch.equal(out, ref), f"replay {i}"
