@@ -32,14 +32,18 @@ Pair = tuple[Config, Config]  # (w13, w2)
 LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 CUTLASS_MIN_TOKENS = 2048  # --moe-backend cutlass: from here on (the H200 probe: CUTLASS won at 4096)
 
-# Alternatives to the default pair at a rung: decode GEMV tiles (BLOCK_M 1; a w2 GROUP_M of top-k
-# writes the top-k sum itself) and grouped-GEMM tiles (BLOCK_N, BLOCK_K, GROUP_M, warps, stages).
+# Alternatives to the default pair at a rung: decode GEMV tiles (BLOCK_M 1), every w13 tile with
+# every w2 tile (the two GEMMs' best tiles differ: at 1 token of Qwen3-30B-A3B, 16-row w13 programs
+# with an unpipelined w2, bench/results/2026-11-30_h200_s7f_*), plus w2 programs that take a
+# token's top-k pairs (GROUP_M top-k) and write the sum; grouped-GEMM tiles (BLOCK_N, BLOCK_K,
+# GROUP_M, warps, stages), the same tile for both GEMMs.
 GEMV_TILES: tuple[mg.Tile, ...] = (
     mg.Tile(16, 256, 1, 4, 3),
     mg.Tile(32, 256, 1, 4, 3),
     mg.Tile(32, 512, 1, 4, 3),
     mg.Tile(64, 256, 1, 8, 3),
 )
+GEMV_W2_TILES: tuple[mg.Tile, ...] = (*GEMV_TILES, mg.Tile(32, 256, 1, 4, 1))
 GROUPED_TILES: tuple[mg.Tile, ...] = (
     mg.Tile(64, 128, 1, 4, 3),
     mg.Tile(128, 128, 1, 4, 2),
@@ -68,7 +72,7 @@ def candidates(s: MoEShape, tokens: int) -> list[Pair]:
     bm = default[0]["BLOCK_M"]
     n13, k13, n2, k2 = 2 * s.inter, s.hidden, s.hidden, s.inter
     if bm == 1:
-        pairs = [(t, t) for t in GEMV_TILES] + [
+        pairs = [(a, b) for a in GEMV_TILES for b in GEMV_W2_TILES] + [
             (t, mg.Tile(t.block_n // 8 or 2, 256, s.top_k, 4, 3)) for t in GEMV_TILES
         ]
     else:
