@@ -3,7 +3,7 @@
 # table (ops/moe_gemm.py DEFAULT_TABLE) with the defaults: its GPU correctness tests, the MoE op
 # chained over 8 layers at 1 / 2 / 4 tokens, the op alone (one graph replay per call) at 1 token, and
 # Qwen3-30B-A3B-shaped (16 layers) decode at batch 1 / 8 with its batch-1 profile.
-# Usage on the GPU machine, from the repo root: bash bench/gpu/run_s7g.sh OUTDIR   (6 files)
+# Usage on the GPU machine, from the repo root: bash bench/gpu/run_s7g.sh OUTDIR   (8 files)
 set -o pipefail
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 source bench/gpu/env.sh
@@ -11,9 +11,15 @@ timeout 60 python -m pytest -q -m gpu tests/ops/test_moe_gemm.py -k "T1 or T4 or
   > "$OUT/tests.log" 2>&1
 echo "== tests"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/tests.log" | tail -4
 cd bench
-timeout 60 python -m pytest -q test_bench_moe_decode.py test_bench_moe.py -k "(decode_chain and fused) or (test_fused_moe and 1-triton and not fp8)" \
-  -p no:cacheprovider --benchmark-json="$OUT/moe_1tok_rung.json" > /dev/null 2>&1
-python -c "import json; [print(b['name'], round(b['extra_info']['ms'] * 1e3 / b['extra_info'].get('layers', 1), 2), 'us', round(b['extra_info']['frac_bw'], 3)) for b in json.load(open('$OUT/moe_1tok_rung.json'))['benchmarks']]"
+# the table without the 1-token rung (1 token then takes the 2..4-token tiles): the same-run baseline
+python -c "import json; from kiln.ops import moe_gemm as mg; t = json.loads(mg.moe_tuning_table(128, 768, 2048, 8, 4096)); del t['1']; json.dump(t, open('$OUT/moe_table_old_rung.json', 'w'))"
+for tab in default old_rung; do
+  [ $tab = old_rung ] && export KILN_MOE_TUNING="$OUT/moe_table_old_rung.json"
+  timeout 60 python -m pytest -q test_bench_moe_decode.py test_bench_moe.py -k "(decode_chain and fused) or (test_fused_moe and 1-triton and not fp8)" \
+    -p no:cacheprovider --benchmark-json="$OUT/moe_1tok_rung_$tab.json" > /dev/null 2>&1
+  python -c "import json; [print('$tab', b['name'], round(b['extra_info']['ms'] * 1e3 / b['extra_info'].get('layers', 1), 2), 'us', round(b['extra_info']['frac_bw'], 3)) for b in json.load(open('$OUT/moe_1tok_rung_$tab.json'))['benchmarks']]"
+done
+unset KILN_MOE_TUNING
 cd ..
 # end to end with the new rung (compare with run_s7e.sh's defaults: 849.2 / 2648.3 tok/s, 49.1% /
 # 71.3% at 4071 GB/s; the chain above is the same-run comparison)
