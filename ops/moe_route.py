@@ -51,7 +51,14 @@ from kiln.ops.common import (
     pdl_wait,
     use_triton,
 )
-from kiln.ops.moe_routing import _ROUND_CODE, _check, _topk_row
+from kiln.ops.moe_routing import (
+    _topk_row,
+    check_routing,
+    moe_topk_launch,
+    moe_topk_ref,
+    routing_outputs,
+    topk_meta,
+)
 from kiln.ops.quant import tl_round
 
 ROUTE_MODES = ("separate", "fused")
@@ -141,8 +148,7 @@ def moe_route_launch(
     """Run the fused kernel; ``counters``: zeroed int32, at least ``T`` long. Returns ``(w, ids)``."""
     t, h = x.shape
     e = weight.shape[0]
-    w_out = x.new_empty((t, top_k), dtype=torch.float32)
-    ids_out = x.new_empty((t, top_k), dtype=torch.int32)
+    w_out, ids_out = routing_outputs(x, t, top_k)
     if t == 0:
         return w_out, ids_out
     if counters.numel() < t:
@@ -154,10 +160,8 @@ def moe_route_launch(
         x, weight, logits, counters, bias if bias is not None else logits, w_out, ids_out,
         e, h, x.stride(0), weight.stride(0), float(scale),
         BLOCK_E=block_e, BLOCK_K=block_k,
-        K=top_k, K_PAD=next_pow2(top_k), E_PAD=next_pow2(e), SIGMOID=scoring == "sigmoid",
-        HAS_BIAS=bias is not None, RENORM=renormalize, G=num_groups, G_PAD=next_pow2(num_groups),
-        TOPK_G=topk_groups, ROUND=_ROUND_CODE[round_to], ROUND_IN_F32=interpreting(),
-        num_warps=num_warps, **pdl,
+        **topk_meta(e, bias, top_k, renormalize, scoring, num_groups, topk_groups, round_to),
+        ROUND_IN_F32=interpreting(), num_warps=num_warps, **pdl,
     )  # fmt: skip
     return w_out, ids_out
 
@@ -177,17 +181,23 @@ def moe_route(
     max_t: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router linear + top-k routing, ``x [T, H] -> (weights [T, k] f32, ids [T, k] int32)``."""
-    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.dtype != x.dtype:
+    if (
+        x.dim() != 2
+        or weight.dim() != 2
+        or weight.shape[1] != x.shape[1]
+        or weight.dtype != x.dtype
+        or x.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+    ):
         raise ValueError(
-            f"moe_route: need x [T, H] and weight [E, H] of one dtype, got {tuple(x.shape)} {x.dtype} "
-            f"and {tuple(weight.shape)} {weight.dtype}"
+            f"moe_route: need x [T, H] and weight [E, H] of one dtype (bf16/fp16/fp32), got "
+            f"{tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}"
         )
     t, e = x.shape[0], weight.shape[0]
-    logits_meta = x.new_empty((0, e))  # the checks of moe_topk, on the logits' shape
-    _check(logits_meta, bias, top_k, scoring, num_groups, topk_groups, round_to)
+    check_routing(e, bias, top_k, scoring, num_groups, topk_groups, round_to)
     args = (bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, round_to)
     mode = route_mode()  # a bad KILN_MOE_ROUTE fails on every path
-    if use_triton(x) and 1 <= t <= max_t:
+    on_triton = use_triton(x)
+    if on_triton and 1 <= t <= max_t:
         x = x if x.stride(1) == 1 else x.contiguous()
         weight = weight if weight.stride(1) == 1 else weight.contiguous()
         if mode == "fused":
@@ -199,16 +209,19 @@ def moe_route(
                 "capture runs the router GEMV and the top-k kernel (run the call once before capturing).",
                 stacklevel=2,
             )
-        logits = (
-            router_logits_ref(x, weight, scoring)
-            if scoring == "sigmoid"
-            else DIRECT["linear"](x, weight, None, max_t)
-        )
-        return DIRECT["moe_topk"](logits, *args)
-    return DIRECT["moe_topk"](router_logits_ref(x, weight, scoring), *args)  # kernel or reference
+        gemv = scoring != "sigmoid"  # sigmoid routes on float32 logits
+        logits = DIRECT["linear"](x, weight, None, max_t) if gemv else router_logits_ref(x, weight, scoring)
+    else:
+        logits = router_logits_ref(x, weight, scoring)  # [T, E]
+    if not on_triton:
+        return moe_topk_ref(logits, *args)
+    w, ids = routing_outputs(x, t, top_k)
+    moe_topk_launch(
+        logits, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, w, ids, round_to
+    )
+    return w, ids
 
 
 @moe_route.register_fake
 def _(x, weight, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, round_to, max_t):
-    t = x.shape[0]
-    return x.new_empty((t, top_k), dtype=torch.float32), x.new_empty((t, top_k), dtype=torch.int32)
+    return routing_outputs(x, x.shape[0], top_k)

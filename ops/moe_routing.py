@@ -213,29 +213,52 @@ def moe_topk_launch(
     t, e = logits.shape
     if t == 0:
         return
-    e_pad = next_pow2(e)
-    pdl = pdl_args(logits)
+    meta = topk_meta(e, bias, top_k, renormalize, scoring, num_groups, topk_groups, round_to)
     _moe_topk_kernel[(t,)](
         logits, bias if bias is not None else logits, w_out, ids_out,
         e, logits.stride(0), float(scale),
-        K=top_k, K_PAD=next_pow2(top_k), E_PAD=e_pad, SIGMOID=scoring == "sigmoid",
-        HAS_BIAS=bias is not None, RENORM=renormalize,
-        G=num_groups, G_PAD=next_pow2(num_groups), TOPK_G=topk_groups, ROUND=_ROUND_CODE[round_to],
-        num_warps=1 if e_pad <= 256 else 4, **pdl,
+        **meta, num_warps=1 if meta["E_PAD"] <= 256 else 4, **pdl_args(logits),
     )  # fmt: skip
+
+
+def topk_meta(
+    e: int,
+    bias: torch.Tensor | None,
+    top_k: int,
+    renormalize: bool,
+    scoring: str,
+    num_groups: int,
+    topk_groups: int,
+    round_to: str,
+) -> dict[str, int | bool]:
+    """The constexprs of ``_topk_row`` for a kernel that routes over ``e`` experts."""
+    return dict(
+        K=top_k, K_PAD=next_pow2(top_k), E_PAD=next_pow2(e), SIGMOID=scoring == "sigmoid",
+        HAS_BIAS=bias is not None, RENORM=renormalize, G=num_groups, G_PAD=next_pow2(num_groups),
+        TOPK_G=topk_groups, ROUND=_ROUND_CODE[round_to],
+    )  # fmt: skip
+
+
+def routing_outputs(like: torch.Tensor, t: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized ``(weights [t, k] f32, ids [t, k] int32)`` on ``like``'s device."""
+    return like.new_empty((t, top_k), dtype=torch.float32), like.new_empty((t, top_k), dtype=torch.int32)
 
 
 # ---- custom op ------------------------------------------------------------------------------------
 
 
 def _check(logits, bias, top_k, scoring, num_groups, topk_groups, round_to="") -> None:
-    if round_to not in _ROUND_CODE:
-        raise ValueError(f"moe_topk: round_to must be one of {sorted(_ROUND_CODE)}, got {round_to!r}")
     if logits.dim() != 2 or logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(
             f"moe_topk: logits must be [T, E] bf16/fp16/fp32, got {tuple(logits.shape)} {logits.dtype}"
         )
-    e = logits.shape[1]
+    check_routing(logits.shape[1], bias, top_k, scoring, num_groups, topk_groups, round_to)
+
+
+def check_routing(e: int, bias, top_k, scoring, num_groups, topk_groups, round_to="") -> None:
+    """The routing arguments for ``e`` experts (``moe_topk`` and ``moe_route`` take the same)."""
+    if round_to not in _ROUND_CODE:
+        raise ValueError(f"moe_topk: round_to must be one of {sorted(_ROUND_CODE)}, got {round_to!r}")
     if not 1 <= top_k <= e:
         raise ValueError(f"moe_topk: top_k must be in 1..E={e}, got {top_k}")
     if scoring not in SCORINGS:
@@ -270,9 +293,7 @@ def moe_topk(
     """Router logits ``[T, E]`` -> ``(weights [T, k] f32, ids [T, k] int32)`` (see the module docstring)."""
     _check(logits, bias, top_k, scoring, num_groups, topk_groups, round_to)
     if use_triton(logits):
-        t = logits.shape[0]
-        w = logits.new_empty((t, top_k), dtype=torch.float32)
-        ids = logits.new_empty((t, top_k), dtype=torch.int32)
+        w, ids = routing_outputs(logits, logits.shape[0], top_k)
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
         launch_args = (top_k, renormalize, scoring, num_groups, topk_groups, scale)
@@ -283,5 +304,4 @@ def moe_topk(
 
 @moe_topk.register_fake
 def _(logits, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, round_to=""):
-    t = logits.shape[0]
-    return logits.new_empty((t, top_k), dtype=torch.float32), logits.new_empty((t, top_k), dtype=torch.int32)
+    return routing_outputs(logits, logits.shape[0], top_k)
