@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -116,29 +117,46 @@ class ArrivalCounters:
     """Zeroed int32 arrival counters for last-arrival reductions (the program that bumps a counter
     to its last value does the reduction and resets it to 0, so the buffer stays zero between
     calls and calls add no memset). One instance per kernel family: two families on one stream
-    are ordered anyway, but separate buffers keep one family's bug out of the other."""
+    are ordered anyway, but separate buffers keep one family's bug out of the other.
 
-    def __init__(self, min_size: int) -> None:
+    ``user`` names the family and ``fallback`` the path its callers take without counters, for the
+    warning ``get`` gives when it returns None."""
+
+    def __init__(
+        self, min_size: int, user: str = "a kernel", fallback: str = "its path without arrival counters"
+    ) -> None:
         self.min_size = min_size
+        self.user, self.fallback = user, fallback
         self.buffers: dict[torch.device, torch.Tensor] = {}
         self.retired: list[torch.Tensor] = []  # outgrown buffers: a captured CUDA graph may use them
 
     def get(self, device: torch.device, n: int) -> torch.Tensor | None:
         """The device's buffer, at least ``n`` long: allocated once, grown (to a power of two) when
-        a bigger ``n`` comes. None when it would have to be allocated during a CUDA-graph capture
-        (the zeroing would only run at replay): the caller then takes its two-kernel path."""
+        a bigger ``n`` comes. None, with a warning, when it would have to be allocated during a
+        CUDA-graph capture (the zeroing would only run at replay): the caller then takes its
+        ``fallback`` path for that capture."""
         buf = self.buffers.get(device)
         if buf is not None and buf.numel() >= n:
             return buf
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                if torch.cuda.is_current_stream_capturing():
-                    return None
+        if self._capturing(device):
+            warnings.warn(
+                f"{self.user}: first call at this size is inside a CUDA-graph capture; this capture "
+                f"runs {self.fallback} (run the call once before capturing).",
+                stacklevel=3,
+            )
+            return None
         new = torch.zeros(max(self.min_size, next_pow2(n)), dtype=torch.int32, device=device)
         if buf is not None:
             self.retired.append(buf)  # never freed: graphs captured with it stay valid
         self.buffers[device] = new
         return new
+
+    @staticmethod
+    def _capturing(device: torch.device) -> bool:
+        if device.type != "cuda":
+            return False
+        with torch.cuda.device(device):
+            return torch.cuda.is_current_stream_capturing()
 
 
 DIRECT: dict[str, Callable[..., Any]] = {}  # op name (no namespace) -> its Python body

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -332,7 +331,8 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_s
 
 MERGE_MODES = ("fused", "separate")
 MERGE_TILE_ELEMS = 4096  # partial elements the fused merge loads per step ([splits, heads, Dv])
-COUNTERS = ArrivalCounters(1 << 14)  # 64 KiB first: enough for B * Hkv of any decode bucket
+# 64 KiB first: enough for B * Hkv of any decode bucket
+COUNTERS = ArrivalCounters(1 << 14, "decode_attention's fused merge", "the separate merge")
 
 
 def merge_mode(merge: str | None = None) -> str:
@@ -383,14 +383,7 @@ def decode_attention_triton(
         mid_o = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
         if mode == "fused":
-            counters = COUNTERS.get(q.device, bsz * hkv)
-            if counters is None:
-                warnings.warn(
-                    "decode_attention: first fused-merge call at this size is inside a CUDA-graph "
-                    "capture; this capture uses the separate merge (run the call once before "
-                    "capturing).",
-                    stacklevel=2,
-                )
+            counters = COUNTERS.get(q.device, bsz * hkv)  # None inside a capture that would allocate
     fused = counters is not None
     block_table = block_table.to(torch.int32)
     block_dv = max(16, next_pow2(dv))

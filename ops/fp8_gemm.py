@@ -51,7 +51,8 @@ from kiln.ops.quant import tl_round
 
 DEFAULT_SMS = 132  # H100/H200; used where no device can be asked (the interpreter)
 REDUCE_BLOCK_M, REDUCE_BLOCK_N = 16, 256
-COUNTERS = ArrivalCounters(1 << 12)  # one per output tile of a fused split-K launch
+# one per output tile of a fused split-K launch
+COUNTERS = ArrivalCounters(1 << 12, "fp8_gemm's fused split-K", "the split-K reduce kernel")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,7 +38,6 @@ ops/moe_gemm.py are launched with PDL (ops/common.py).
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 import triton
@@ -262,12 +261,6 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w
     counters = None
     if combine_mode() == "fused":  # None inside a capture that would have to allocate them
         counters = COUNTERS.get(x.device, t * triton.cdiv(h, c2["BLOCK_N"]))
-        if counters is None:
-            warnings.warn(
-                "fused_moe: first last-arrival top-k sum at this size is inside a CUDA-graph capture; "
-                "this capture runs the combine kernel (run the call once before capturing).",
-                stacklevel=2,
-            )
     if counters is not None:  # the last-arriving pair of each token sums its k rows
         out = x.new_empty((t, h)) if out is None else out
         moe_gemv_launch(
@@ -279,7 +272,8 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w
 
 
 COMBINE_MODES = ("fused", "separate")
-COUNTERS = ArrivalCounters(1 << 12)  # one per (token, w2 column block) of a decode GEMV
+# one per (token, w2 column block) of a decode GEMV
+COUNTERS = ArrivalCounters(1 << 12, "fused_moe's last-arrival top-k sum", "the combine kernel")
 
 
 def combine_mode() -> str:

@@ -34,7 +34,6 @@ default ``separate``).
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 import triton
@@ -62,7 +61,7 @@ from kiln.ops.moe_routing import (
 from kiln.ops.quant import tl_round
 
 ROUTE_MODES = ("separate", "fused")
-COUNTERS = ArrivalCounters(1 << 8)  # one per token of a fused launch
+COUNTERS = ArrivalCounters(1 << 8, "moe_route's fused kernel", "the router GEMV and the top-k kernel")
 # Launch defaults: one warp (the last arrival's top-k is ~3 reductions per expert picked; across
 # warps each goes through shared memory and a barrier: 6.4 us per call at Qwen3-30B-A3B's router
 # with 4 warps in the decode profile), 2 router rows per program ([128, 2048] -> 64 programs of
@@ -204,11 +203,6 @@ def moe_route(
             counters = COUNTERS.get(x.device, t)  # None inside a capture that would allocate them
             if counters is not None:
                 return moe_route_launch(x, weight, *args, counters)
-            warnings.warn(
-                "moe_route: first fused call at this size is inside a CUDA-graph capture; this "
-                "capture runs the router GEMV and the top-k kernel (run the call once before capturing).",
-                stacklevel=2,
-            )
         gemv = scoring != "sigmoid"  # sigmoid routes on float32 logits
         logits = DIRECT["linear"](x, weight, None, max_t) if gemv else router_logits_ref(x, weight, scoring)
     else:

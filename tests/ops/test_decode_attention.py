@@ -297,7 +297,7 @@ def test_decode_gpu_first_call_in_capture_falls_back(seed, monkeypatch):
     for mode in dec.MERGE_MODES:  # compile both paths outside the capture
         dec.decode_attention_triton(*args, merge=mode)
     torch.cuda.synchronize()
-    monkeypatch.setattr(dec, "COUNTERS", ArrivalCounters(1 << 14))
+    monkeypatch.setattr(dec, "COUNTERS", ArrivalCounters(1 << 14, "decode_attention", "the separate merge"))
     graph = torch.cuda.CUDAGraph()
     with pytest.warns(UserWarning, match="separate merge"), torch.cuda.graph(graph):
         out = dec.decode_attention_triton(*args, merge="fused")

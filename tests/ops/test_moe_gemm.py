@@ -223,7 +223,8 @@ def test_decode_sizes_run_the_gemv_by_default(kernel_on_cpu, monkeypatch):
         torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], "")
     monkeypatch.delenv("KILN_MOE_COMBINE")
     launched.clear()  # counters that would be allocated inside a capture: the combine kernel, warned
-    monkeypatch.setattr(moe, "COUNTERS", type("Refuse", (ArrivalCounters,), {"get": lambda *a: None})(1))
+    capturing = type("Capturing", (ArrivalCounters,), {"_capturing": staticmethod(lambda device: True)})
+    monkeypatch.setattr(moe, "COUNTERS", capturing(1, "fused_moe", "the combine kernel"))
     with pytest.warns(UserWarning, match="inside a CUDA-graph capture"):
         assert torch.equal(torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], ""), out)
     assert launched == ["moe_gemv_launch", "moe_gemv_launch", "moe_combine"]

@@ -98,9 +98,10 @@ def test_bad_arguments_name_the_problem():
 
 def test_counters_not_allocated_inside_a_capture_fall_back(kernel_on_cpu, monkeypatch):
     """A capture that would have to allocate the counters takes the two-kernel path (CPU stand-in:
-    a counter pool that refuses)."""
+    a counter pool that reports a capture)."""
     monkeypatch.setenv("KILN_MOE_ROUTE", "fused")
-    monkeypatch.setattr(mrt, "COUNTERS", type("Refuse", (ArrivalCounters,), {"get": lambda *a: None})(1))
+    capturing = type("Capturing", (ArrivalCounters,), {"_capturing": staticmethod(lambda device: True)})
+    monkeypatch.setattr(mrt, "COUNTERS", capturing(1, "moe_route", "the router GEMV and the top-k kernel"))
     monkeypatch.setattr(
         mrt, "moe_route_launch", lambda *a, **kw: pytest.fail("fused kernel without counters")
     )
