@@ -57,7 +57,14 @@ from kiln.ops.common import (
     use_triton,
 )
 from kiln.ops.moe_align import moe_align_run
-from kiln.ops.moe_gemm import check_config, moe_gemm_launch, moe_gemv_launch, pick_backend, pick_configs
+from kiln.ops.moe_gemm import (
+    check_config,
+    moe_gemm_launch,
+    moe_gemv_launch,
+    pair_sum,
+    pick_backend,
+    pick_configs,
+)
 from kiln.ops.quant import (
     dequantize_fp8,
     quantize_fp8_per_token,
@@ -142,14 +149,7 @@ def _combine_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs < H
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(K):
-        p = t * K + j
-        use = hmask
-        if HAS_MAP:
-            slot = tl.load(MAP + tl.load(IDS + p))
-            use = use & (tl.zeros([BLOCK_H], dtype=tl.int32) + slot >= 0)  # broadcast the scalar
-        acc += tl.load(Y2 + p * stride_y + offs, mask=use, other=0.0).to(tl.float32)
+    acc = pair_sum(Y2, IDS, MAP, t, K, offs, hmask, stride_y, HAS_MAP, "")
     out_ty = OUT.dtype.element_ty
     tl.store(OUT + t * stride_o + offs, tl_round(acc, out_ty, RF).to(out_ty), mask=hmask)
 

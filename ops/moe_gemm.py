@@ -332,6 +332,22 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
+def pair_sum(Y, IDS, MAP, tok, K, offs, mask, stride_y, HAS_MAP: tl.constexpr, CACHE: tl.constexpr):
+    """float32 sum over token ``tok``'s ``K`` pairs (rows ``tok * K + j`` of ``Y``, in pair order) at
+    columns ``offs`` (``mask``); pairs of other ranks' experts (``MAP[IDS[p]] < 0``) left out.
+    ``CACHE``: the loads' cache modifier (``.cg`` for rows other programs just wrote)."""
+    total = tl.zeros(offs.shape, dtype=tl.float32)
+    for j in range(K):
+        p = tok * K + j
+        use = mask
+        if HAS_MAP:
+            slot = tl.load(MAP + tl.load(IDS + p))
+            use = use & (tl.zeros(offs.shape, dtype=tl.int32) + slot >= 0)  # broadcast the scalar
+        total += tl.load(Y + p * stride_y + offs, mask=use, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    return total
+
+
+@triton.jit
 def _sum_last(
     C, IDS, MAP, OUT, CNT, tok, offs_n, nmask, stride_cm, stride_o,
     SUM_K: tl.constexpr, HAS_MAP: tl.constexpr, ROUND_IN_F32: tl.constexpr,
@@ -348,16 +364,7 @@ def _sum_last(
     old = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
     if old == SUM_K - 1:
         tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-        total = tl.zeros(offs_n.shape, dtype=tl.float32)
-        for j in range(SUM_K):
-            p = tok * SUM_K + j
-            use = nmask
-            if HAS_MAP:
-                slot = tl.load(MAP + tl.load(IDS + p))
-                use = use & (tl.zeros(offs_n.shape, dtype=tl.int32) + slot >= 0)
-            total += tl.load(C + p * stride_cm + offs_n, mask=use, other=0.0, cache_modifier=".cg").to(
-                tl.float32
-            )
+        total = pair_sum(C, IDS, MAP, tok, SUM_K, offs_n, nmask, stride_cm, HAS_MAP, ".cg")
         out_ty = OUT.dtype.element_ty
         tl.store(OUT + tok * stride_o + offs_n, tl_round(total, out_ty, ROUND_IN_F32).to(out_ty), mask=nmask)
 
