@@ -125,7 +125,11 @@ def cutlass_moe(x, w13t, w2t, weights, ids):
 
 @functools.lru_cache(maxsize=1)
 def _experts():
-    g = torch.Generator(DEV).manual_seed(0)
+    return random_experts(torch.Generator(DEV).manual_seed(0))
+
+
+def random_experts(g: torch.Generator):
+    """One MoE layer's bf16 ``(w13 [E, 2I, H], w2 [E, H, I], router [E, H])`` drawn from ``g``."""
     w13 = (torch.randn(E, 2 * I, H, device=DEV, generator=g) / H**0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, H, I, device=DEV, generator=g) / I**0.5).to(torch.bfloat16)
     router = (torch.randn(E, H, device=DEV, generator=g) / H**0.5).to(torch.bfloat16)

@@ -22,13 +22,11 @@ import functools
 import pytest
 import torch
 from conftest import SMOKE, graphed, pick
-from test_bench_moe import TUNING
+from test_bench_moe import DEV, TUNING, E, H, I, K, random_experts
 
 from kiln.ops import moe_route
 
-H, I, E, K = pick((2048, 768, 128, 8), (64, 32, 8, 2))
-LAYERS = pick(8, 2)
-DEV = "cpu" if SMOKE else "cuda"
+LAYERS = pick(8, 2)  # the shapes: bench/test_bench_moe.py's (Qwen3-30B-A3B on a GPU)
 ROUTE_VARIANTS = {
     "separate": None,
     "fused": {},
@@ -49,13 +47,7 @@ def _kernels_on_cpu(monkeypatch):
 def _layers():
     """``LAYERS`` sets of (w13, w2, router) with distinct values."""
     g = torch.Generator(DEV).manual_seed(0)
-    out = []
-    for _ in range(LAYERS):
-        w13 = (torch.randn(E, 2 * I, H, device=DEV, generator=g) / H**0.5).to(torch.bfloat16)
-        w2 = (torch.randn(E, H, I, device=DEV, generator=g) / I**0.5).to(torch.bfloat16)
-        router = (torch.randn(E, H, device=DEV, generator=g) / H**0.5).to(torch.bfloat16)
-        out.append((w13, w2, router))
-    return out
+    return [random_experts(g) for _ in range(LAYERS)]
 
 
 def _route(x, router, max_t=1):
