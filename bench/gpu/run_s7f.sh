@@ -10,9 +10,9 @@
 set -o pipefail
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 source bench/gpu/env.sh
-timeout 90 python -m pytest -q -m gpu tests/ops/test_gemv.py tests/ops/test_moe_route.py tests/ops/test_moe_gemm.py \
-  -k "pdl or route or sum_last or gemv_variants" -p no:cacheprovider -rf > "$OUT/tests.log" 2>&1
-echo "== tests"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/tests.log" | tail -4
+source bench/gpu/moe_l16.sh
+gpu_tests tests.log 90 tests/ops/test_gemv.py tests/ops/test_moe_route.py tests/ops/test_moe_gemm.py \
+  -k "pdl or route or sum_last or gemv_variants"
 cd bench
 timeout 150 python -m pytest -q test_bench_moe.py -k "test_moe_gemm_sweep and 1tok and gemv" -p no:cacheprovider \
   --benchmark-json="$OUT/moe_sweep_1tok.json" > "$OUT/moe_sweep_1tok.log" 2>&1 || tail -3 "$OUT/moe_sweep_1tok.log"
@@ -35,5 +35,5 @@ for tab in default tuned; do
   [ $tab = tuned ] && export KILN_MOE_TUNING="$OUT/moe_tuning_1tok.json"
   timeout 90 python -m pytest -q test_bench_moe_decode.py -k "decode_chain and fused" -p no:cacheprovider \
     --benchmark-json="$OUT/moe_chain_$tab.json" > /dev/null 2>&1
-  python -c "import json; [print('$tab', b['name'], round(b['extra_info']['ms'] * 1e3 / b['extra_info']['layers'], 2), 'us/layer', round(b['extra_info']['frac_bw'], 3)) for b in json.load(open('$OUT/moe_chain_$tab.json'))['benchmarks']]"
+  bench_summary "$OUT/moe_chain_$tab.json" $tab
 done

@@ -7,9 +7,8 @@
 set -o pipefail
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 source bench/gpu/env.sh
-timeout 60 python -m pytest -q -m gpu tests/ops/test_moe_gemm.py -k "T1 or T4 or replay" -p no:cacheprovider -rf \
-  > "$OUT/tests.log" 2>&1
-echo "== tests"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/tests.log" | tail -4
+source bench/gpu/moe_l16.sh
+gpu_tests tests.log 60 tests/ops/test_moe_gemm.py -k "T1 or T4 or replay"
 cd bench
 # the table without the 1-token rung (1 token then takes the 2..4-token tiles): the same-run baseline
 python -c "import json; from kiln.ops import moe_gemm as mg; t = json.loads(mg.moe_tuning_table(128, 768, 2048, 8, 4096)); del t['1']; json.dump(t, open('$OUT/moe_table_old_rung.json', 'w'))"
@@ -17,15 +16,13 @@ for tab in default old_rung; do
   [ $tab = old_rung ] && export KILN_MOE_TUNING="$OUT/moe_table_old_rung.json"
   timeout 60 python -m pytest -q test_bench_moe_decode.py test_bench_moe.py -k "(decode_chain and fused) or (test_fused_moe and 1-triton and not fp8)" \
     -p no:cacheprovider --benchmark-json="$OUT/moe_1tok_rung_$tab.json" > /dev/null 2>&1
-  python -c "import json; [print('$tab', b['name'], round(b['extra_info']['ms'] * 1e3 / b['extra_info'].get('layers', 1), 2), 'us', round(b['extra_info']['frac_bw'], 3)) for b in json.load(open('$OUT/moe_1tok_rung_$tab.json'))['benchmarks']]"
+  bench_summary "$OUT/moe_1tok_rung_$tab.json" $tab
 done
 unset KILN_MOE_TUNING
 cd ..
 # end to end with the new rung (compare with run_s7e.sh's defaults: 849.2 / 2648.3 tok/s, 49.1% /
 # 71.3% at 4071 GB/s; the chain above is the same-run comparison)
-MCK=/tmp/ckpt-qwen3moe-L16; MART=/tmp/art-qwen3moe-L16
-python bench/make_checkpoint.py --preset qwen3-30b-a3b --num-layers 16 -o $MCK > /dev/null 2>&1
-timeout 150 python -m kiln compile $MCK -o $MART --force > "$OUT/compile.log" 2>&1; tail -1 "$OUT/compile.log"
-timeout 70 python -m kiln bench latency $MART --batch-sizes 1,8 --input-len 512 --output-len 64 --kv-memory 40 \
-  --json "$OUT/moe_latency.json" 2>&1 | grep -v "it/s\]" | tail -4
-timeout 80 python bench/gpu/profile_decode.py $MART --batch-sizes 1 --json "$OUT/moe_profile.json" 2>&1 | tail -10
+moe_checkpoint
+moe_compile
+moe_latency default ""
+moe_profile 10
