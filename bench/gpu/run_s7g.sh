@@ -8,7 +8,10 @@ set -o pipefail
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 source bench/gpu/env.sh
 source bench/gpu/moe_l16.sh
-gpu_tests tests.log 60 tests/ops/test_moe_gemm.py -k "T1 or T4 or replay"
+# the MoE decode GEMV at 1 / 4 tokens and under replay, the routing kernels and the capture fallbacks
+# (the seventh session's last commits refactored them on CPU: pair_sum, topk_meta, ArrivalCounters)
+gpu_tests tests.log 150 tests/ops/test_moe_gemm.py tests/ops/test_moe_routing.py tests/ops/test_moe_route.py \
+  tests/ops/test_decode_attention.py tests/ops/test_fp8_gemm.py -k "T1 or T4 or replay or routing or route or capture or fused"
 cd bench
 # the table without the 1-token rung (1 token then takes the 2..4-token tiles): the same-run baseline
 python -c "import json; from kiln.ops import moe_gemm as mg; t = json.loads(mg.moe_tuning_table(128, 768, 2048, 8, 4096)); del t['1']; json.dump(t, open('$OUT/moe_table_old_rung.json', 'w'))"
