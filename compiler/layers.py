@@ -64,6 +64,34 @@ class RMSNorm(nn.Module):
         return torch.ops.kiln.fused_add_rmsnorm(x, residual, self.weight, self.eps)
 
 
+def fused_norm_m(norm: RMSNorm, role: str, quant: str | None) -> int:
+    """The ``max_m`` of ``kiln::rmsnorm_linear`` for ``norm`` feeding a linear of GEMV-plan ``role``
+    with weights of ``quant`` (0: run them apart): the plan has the ``norm`` role and ``role``, and
+    neither side is FP8."""
+    plan = gemv_plan()
+    if not plan.get("norm") or norm.quant_out or quant == "fp8":
+        return 0
+    return plan.get(role, 0)
+
+
+def norm_linear(
+    norm: RMSNorm,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    max_m: int,
+    gate_up: bool = False,
+    normed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``norm`` (adding ``residual`` first) fused into the linear ``weight`` (ops/norm_linear.py):
+    ``(y [T, N], the new residual [T, H], the normalized x [T, H] if normed)``."""
+    y, h, xn = torch.ops.kiln.rmsnorm_linear(
+        x, residual, norm.weight, norm.eps, weight, bias, max_m, gate_up, normed
+    )
+    return y, (x if residual is None else h), xn
+
+
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with W ``[out, in]``; FP8 weights carry ``weight_scale [out]``.
 
@@ -145,8 +173,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, dtype) if qk_norm else None
 
-    def forward(self, x: Act, ctx: ForwardContext) -> torch.Tensor:
-        qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
+    def forward(self, x: Act, ctx: ForwardContext, qkv: torch.Tensor | None = None) -> torch.Tensor:
+        # qkv: the projection when a norm fused into it computed it (x is then unused)
+        if qkv is None:
+            qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
         k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]  # [S, Hkv, D]
         q = torch.ops.kiln.qkv_rope_kvwrite(
             qkv,
@@ -196,7 +226,10 @@ class MLP(nn.Module):
         self.down = Linear(hidden, intermediate, dtype, False, quant)
         self.gate_up.role = self.down.role = "mlp"
 
-    def forward(self, x: Act) -> torch.Tensor:
+    def forward(self, x: Act, act: torch.Tensor | None = None) -> torch.Tensor:
+        # act: silu(gate) * up when a norm fused into gate_up computed it (x is then unused)
+        if act is not None:
+            return self.down(act)  # [T, H]
         if self.quant == "fp8":
             gu = self.gate_up(x)  # [T, 2I]
             return self.down(QuantAct(*torch.ops.kiln.silu_and_mul_quant(gu, None)))

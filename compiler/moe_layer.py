@@ -17,7 +17,8 @@ from torch import nn
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
 from kiln.compiler.config import ModelConfig
-from kiln.compiler.layers import FP8, MLP
+from kiln.compiler.context import ForwardContext
+from kiln.compiler.layers import FP8, MLP, fused_norm_m, norm_linear
 from kiln.compiler.models.base import DecoderLayer
 from kiln.ops.gemv import gemv_plan
 
@@ -73,13 +74,10 @@ class FusedMoE(nn.Module):
         shared = m.num_shared_experts * m.shared_intermediate_size
         self.shared = MLP(h, -(-shared // tp), dtype, quant) if shared else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H]
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, H]; logits: [T, E] router logits when a norm fused into the router computed them
         bias = self.router.bias.float() if self.router.bias is not None else None
-        w, ids = torch.ops.kiln.moe_route(
-            x,
-            self.router.weight,
-            bias,
+        routing = (
             self.top_k,
             self.renormalize,
             self.scoring,
@@ -87,8 +85,14 @@ class FusedMoE(nn.Module):
             self.topk_groups,
             self.scale,
             self.round_to,  # HF's cast of the weights to the activation dtype, fused
-            gemv_plan().get("router", 0),  # T up to this: the router GEMV, then the top-k kernel
-        )  # [T, k] f32, [T, k] int32
+        )
+        if logits is not None:
+            w, ids = torch.ops.kiln.moe_topk(logits, bias, *routing)
+        else:  # T up to the plan's router max: the router GEMV, then the top-k kernel
+            w, ids = torch.ops.kiln.moe_route(
+                x, self.router.weight, bias, *routing, gemv_plan().get("router", 0)
+            )
+        # w, ids: [T, k] f32, [T, k] int32
         y = torch.ops.kiln.fused_moe(
             x, self.w13, self.w2, w, ids, None, self.w13_scale, self.w2_scale, self.tuning
         )  # [T, H]
@@ -111,3 +115,20 @@ class MoEDecoderLayer(DecoderLayer):
     @property
     def mlp(self) -> nn.Module:  # DecoderLayer.forward calls self.mlp
         return self._modules["moe"]
+
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # h, residual: [T, H]
+        h, residual = self.attention(h, residual, ctx)
+        moe = self.mlp
+        assert isinstance(moe, FusedMoE)
+        # the post-attention norm inside the router GEMV, which also writes the normalized x for the
+        # experts (softmax routing: sigmoid routes on float32 logits the GEMV does not make)
+        m = fused_norm_m(self.post_attn_norm, "router", None) if moe.scoring != "sigmoid" else 0
+        if not m:
+            return moe(self.post_attn_norm(h, residual)), residual
+        logits, residual, x = norm_linear(
+            self.post_attn_norm, h, residual, moe.router.weight, None, m, normed=True
+        )
+        return moe(x, logits), residual

@@ -18,5 +18,6 @@ from kiln.ops import (  # noqa: F401  (imported to register the ops)
     moe_route,
     moe_routing,
     norm,
+    norm_linear,
     qkv_rope,
 )

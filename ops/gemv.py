@@ -22,7 +22,9 @@ row-major, ``bias [N]`` or None:
   ``silu_and_mul``.
 
 Switches: the GEMV plan (``gemv_plan``) says, per linear role (``attn``: qkv and o; ``mlp``:
-gate_up and down; ``router``: the MoE router, compiler/moe_layer.py), up to which T a decode call takes the GEMV. When compiling, ``KILN_GEMV``
+gate_up and down; ``router``: the MoE router, compiler/moe_layer.py), up to which T a decode call
+takes the GEMV; ``norm`` in the plan fuses the RMSNorm in front of qkv, gate_up and the router into
+those GEMVs (ops/norm_linear.py, one token). When compiling, ``KILN_GEMV``
 (``0``, ``1``/``all``, or ``attn:1,mlp:2``-style lists; unset: ``DEFAULT_PLAN``) sets it; the
 roles left out trace plain ``aten.linear`` (cuBLAS), the others ``kiln::linear`` with their
 ``max_m``, and the manifest records the plan (``kernel_choices.gemv``). At run time (read at call
@@ -93,7 +95,9 @@ FMA_MAX_M = 4  # the CUDA-core kernel keeps one accumulator per x row, up to 4
 REDUCE_BLOCK = 256
 
 
-ROLES = ("attn", "mlp", "router")  # qkv and o; gate_up and down (compiler/layers.py); MoE router
+# qkv and o; gate_up and down (compiler/layers.py); MoE router; "norm": the RMSNorm in front of a
+# GEMV role runs inside it (ops/norm_linear.py), for one token, where that role takes the GEMV
+ROLES = ("attn", "mlp", "router", "norm")
 # The plan a compile uses when KILN_GEMV is unset: every role at T = 1, cuBLAS from T = 2. On the
 # H200 the tuned GEMV beats cuBLAS on each Llama-3.1-8B and Qwen3-30B-A3B projection at T = 1 when
 # launched back to back as in a decode step (``TUNED`` below; 8-19% per launch, 30-42% for the o
@@ -218,6 +222,25 @@ def _finish_row(g, u, m, M, bg, bu, offs_n, n_mask, Y, P, pid_k, stride_ym, N_OU
             tl.store(p + N_OUT, tl.sum(u, axis=1), mask=mask)
 
 
+@triton.jit
+def _norm_chunk(X, R, G, H, XN, K, rstd, pid, HAS_RES: tl.constexpr, WRITE_H: tl.constexpr,
+                WRITE_XN: tl.constexpr, CHUNK: tl.constexpr, ROUND_IN_F32: tl.constexpr):  # fmt: skip
+    """A NORM program's share of ``h`` and of the normalized row (elements ``pid * CHUNK ..``), with
+    ops/norm.py's roundings: ``h`` and ``h * rstd`` rounded to x's dtype, times the weight, rounded."""
+    DT: tl.constexpr = X.dtype.element_ty
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < K
+    h = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h = tl_round(h + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32), DT, ROUND_IN_F32)
+    if WRITE_H:
+        tl.store(H + offs, h.to(DT), mask=mask)
+    if WRITE_XN:
+        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+        xn = tl_round(g * tl_round(h * rstd, DT, ROUND_IN_F32), DT, ROUND_IN_F32)
+        tl.store(XN + offs, xn.to(DT), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_fma_kernel(
     X,  # [M, K]
@@ -247,10 +270,25 @@ def _gemv_fma_kernel(
     WS,  # SCALED: [N_OUT] float32 w scales; else any pointer
     stride_xs,
     SCALED: tl.constexpr,  # FP8 x and W: sums times XS[m] * WS[n] (not with GATE_UP)
+    R,  # NORM with HAS_RES: [K] residual row; else any pointer
+    G,  # NORM: [K] RMSNorm weight; else any pointer
+    H,  # WRITE_H: [K] out, x (+ residual) rounded; else any pointer
+    XN,  # WRITE_XN: [K] out, the normalized row (ops/norm.py's rounding); else any pointer
+    eps,
+    NORM: tl.constexpr = False,  # x is the RMSNorm's input (one row, no split-K; ops/norm_linear.py)
+    HAS_RES: tl.constexpr = False,
+    WRITE_H: tl.constexpr = False,
+    WRITE_XN: tl.constexpr = False,
+    CHUNK: tl.constexpr = 1,  # WRITE_H / WRITE_XN: elements of K each program writes
 ):
     """CUDA cores. The W tile is loaded as ``[BLOCK_N, BLOCK_K / VEC, VEC]`` so each thread owns whole
     16-byte pieces; x is loaded through pointers of the same shape (broadcast over rows) so it lands
-    in the same layout with no shuffle through shared memory (repeated loads hit L1)."""
+    in the same layout with no shuffle through shared memory (repeated loads hit L1).
+
+    ``NORM``: ``y = (W @ (g * h)) * rstd(h)`` with ``h = x (+ residual)`` rounded to x's dtype, the
+    sum of squares accumulated in the K loop beside the product (rows of ``ss`` are copies), so the
+    RMSNorm costs no pass of its own; then each program writes its ``CHUNK`` of ``h`` / of the
+    normalized row for the layer's other consumers."""
     pdl_trigger(PDL)
     pdl_wait(PDL)
     pid_n = tl.program_id(0)
@@ -278,12 +316,22 @@ def _gemv_fma_kernel(
     u1 = tl.zeros([BLOCK_N, KB], dtype=tl.float32)
     u2 = tl.zeros([BLOCK_N, KB], dtype=tl.float32)
     u3 = tl.zeros([BLOCK_N, KB], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_N, KB], dtype=tl.float32)  # NORM: sum of squares of h (rows are copies)
+    r_ptrs = R + k_lo + offs_k + 0 * rows
+    n_ptrs = G + k_lo + offs_k + 0 * rows
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             k_mask = None
         else:
             k_mask = k + offs_k < k_hi
         x0 = _load_f32(x_ptrs, k_mask, EVEN_K)
+        if NORM:  # one row: x0 <- g * h, ss += h * h
+            if HAS_RES:
+                x0 = tl_round(x0 + _load_f32(r_ptrs, k_mask, EVEN_K), X.dtype.element_ty, ROUND_IN_F32)
+            ss += tl.sum(x0 * x0, axis=2)
+            x0 = x0 * _load_f32(n_ptrs, k_mask, EVEN_K)
+            r_ptrs += BLOCK_K
+            n_ptrs += BLOCK_K
         x1 = x0
         x2 = x0
         x3 = x0
@@ -300,6 +348,13 @@ def _gemv_fma_kernel(
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
+    if NORM:
+        rstd = 1.0 / tl.math.sqrt_rn(tl.sum(ss, axis=1) / K + eps)  # [BLOCK_N], all equal
+        g0 = g0 * rstd[:, None]
+        u0 = u0 * rstd[:, None]
+        if WRITE_H or WRITE_XN:
+            _norm_chunk(X, R, G, H, XN, K, tl.max(rstd, axis=0), pid_n, HAS_RES, WRITE_H, WRITE_XN, CHUNK,
+                        ROUND_IN_F32)  # fmt: skip
     bg = 0.0
     bu = 0.0
     if HAS_BIAS and SPLIT_K == 1:  # with split-K the reduce kernel adds it
@@ -534,6 +589,11 @@ TUNED: dict[tuple[int, int, int, bool, int], GemvConfig] = {
 }
 
 
+# The fused-RMSNorm launch (``gemv(norm=...)``, M = 1), keyed by (N_out, K, gate_up, element bytes);
+# other shapes take gemv_config's without split-K.
+NORM_TUNED: dict[tuple[int, int, bool, int], GemvConfig] = {}
+
+
 def sm_count(device: torch.device) -> int:
     return common.sm_count(device, DEFAULT_SMS)
 
@@ -585,6 +645,49 @@ def gemv_config(
 # ---- launcher -------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class NormIn:
+    """The RMSNorm a :func:`gemv` runs on its x row first (ops/norm_linear.py): ``x`` is then the
+    norm's input ``[1, K]`` and ``y = rmsnorm(x (+ residual)) @ w^T``, the weight and ``rstd``
+    applied around the product. ``h_out`` gets ``x + residual`` (the next residual) and ``xn_out``
+    the normalized row, each ``[1, K]`` of x's dtype, when given."""
+
+    weight: torch.Tensor  # [K]
+    eps: float
+    residual: torch.Tensor | None = None  # [1, K]
+    h_out: torch.Tensor | None = None  # [1, K]
+    xn_out: torch.Tensor | None = None  # [1, K]
+
+    def check(self, x: torch.Tensor) -> None:
+        k = x.shape[1]
+        if x.shape[0] != 1 or x.dtype == FP8_DTYPE:
+            raise ValueError(
+                f"gemv: a fused RMSNorm takes one bf16/fp16/fp32 row, got {tuple(x.shape)} {x.dtype}"
+            )
+        if self.weight.shape != (k,) or self.weight.stride(0) != 1:
+            raise ValueError(
+                f"gemv: the norm weight must be a contiguous [{k}], got {tuple(self.weight.shape)}"
+            )
+        for name in ("residual", "h_out", "xn_out"):
+            t = getattr(self, name)
+            if t is not None and (t.shape != (1, k) or t.dtype != x.dtype or t.stride(1) != 1):
+                raise ValueError(f"gemv: norm {name} must be [1, {k}] {x.dtype} with a unit last stride")
+
+
+def _norm_meta(norm: NormIn | None, x: torch.Tensor, w: torch.Tensor, grid_n: int) -> dict:
+    """The fused-norm arguments of ``_gemv_fma_kernel`` (placeholders without a norm)."""
+    if norm is None:
+        return dict(R=w, G=w, H=w, XN=w, eps=0.0)
+    k = x.shape[1]
+    return dict(
+        R=norm.residual if norm.residual is not None else x, G=norm.weight,
+        H=norm.h_out if norm.h_out is not None else x, XN=norm.xn_out if norm.xn_out is not None else x,
+        eps=float(norm.eps), NORM=True, HAS_RES=norm.residual is not None,
+        WRITE_H=norm.h_out is not None, WRITE_XN=norm.xn_out is not None,
+        CHUNK=next_pow2(triton.cdiv(k, grid_n)),
+    )  # fmt: skip
+
+
 def gemv(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -601,6 +704,7 @@ def gemv(
     num_stages: int | None = None,
     split_k: int | None = None,
     use_dot: bool | None = None,
+    norm: NormIn | None = None,
 ) -> torch.Tensor:
     """Launch the GEMV (no dispatch: always the Triton kernel). ``x [M, K]``, ``w [N, K]`` (``[2I, K]``
     with ``gate_up``), ``bias [N]`` / ``[2I]``; returns ``[M, N]`` / ``[M, I]`` in ``x.dtype``
@@ -608,7 +712,10 @@ def gemv(
 
     FP8 (``fp8_linear``'s decode path): ``x`` and ``w`` float8_e4m3fn with ``x_scale`` ``[M, 1]`` or
     ``[1]`` and ``w_scale`` ``[N]`` float32; ``y = (x @ w^T) * x_scale * w_scale (+ bias)`` in
-    ``out_dtype`` (default bf16), on the CUDA-core kernel (M <= 4), not with ``gate_up``."""
+    ``out_dtype`` (default bf16), on the CUDA-core kernel (M <= 4), not with ``gate_up``.
+
+    ``norm`` (:class:`NormIn`): an RMSNorm on the one x row first, on the CUDA-core kernel without
+    split-K (``NORM_TUNED``, else ``gemv_config``, for the launch)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: need x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     scaled = x.dtype == FP8_DTYPE
@@ -646,6 +753,14 @@ def gemv(
         bias = bias.contiguous()
     sms = sm_count(x.device)
     cfg = gemv_config(m, n_out, k, gate_up, x.element_size(), sms)
+    if norm is not None:
+        norm.check(x)
+        if scaled or use_dot or (split_k or 1) > 1:
+            raise ValueError("gemv: a fused RMSNorm runs on the CUDA-core kernel without split-K")
+        tuned = NORM_TUNED.get((n_out, k, gate_up, x.element_size()))
+        cfg = tuned or dataclasses.replace(cfg, use_dot=False, split_k=1, num_stages=1)
+        if cfg.use_dot:  # the heuristic's tensor-core choice has no FMA-path block sizes
+            cfg = heuristic_config(1, n_out, k, gate_up, x.element_size(), sms, False)
     if use_dot is not None and use_dot != cfg.use_dot:  # the other path's own defaults
         cfg = heuristic_config(m, n_out, k, gate_up, x.element_size(), sms, use_dot)
     cfg = dataclasses.replace(
@@ -691,7 +806,7 @@ def gemv(
         xs = x_scale.reshape(-1).float().contiguous() if x_scale is not None and scaled else w
         ws = w_scale.reshape(-1).float().contiguous() if w_scale is not None and scaled else w
         sc = dict(XS=xs, WS=ws, stride_xs=int(xs.numel() > 1), SCALED=scaled)
-        _gemv_fma_kernel[grid](*args, VEC=vec, **sc, **meta)
+        _gemv_fma_kernel[grid](*args, VEC=vec, **sc, **meta, **_norm_meta(norm, x, w, grid[0]))
     if splits > 1:
         _splitk_reduce_kernel[(m, triton.cdiv(n_out, REDUCE_BLOCK))](
             part, bias if bias is not None else part, out, m, n_out, out.stride(0),

@@ -14,7 +14,17 @@ from torch import nn
 
 from kiln.compiler.config import ModelConfig
 from kiln.compiler.context import ForwardContext
-from kiln.compiler.layers import MLP, Act, Attention, Embedding, LMHead, RMSNorm
+from kiln.compiler.layers import (
+    MLP,
+    Act,
+    Attention,
+    Embedding,
+    Linear,
+    LMHead,
+    RMSNorm,
+    fused_norm_m,
+    norm_linear,
+)
 
 LayerFactory = Callable[[int], nn.Module]
 
@@ -67,14 +77,33 @@ class DecoderLayer(nn.Module):
         self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # h, residual: [T, H]
+        h, residual = self.attention(h, residual, ctx)
+        mlp = self.mlp
+        m = fused_norm_m(self.post_attn_norm, "mlp", mlp.quant) if isinstance(mlp, MLP) else 0
+        if m:  # the post-attention norm inside the gate_up GEMV
+            gu = mlp.gate_up
+            act, residual, _ = norm_linear(
+                self.post_attn_norm, h, residual, gu.weight, gu.bias, m, gate_up=True
+            )
+            return mlp(h, act), residual
+        return self.mlp(self.post_attn_norm(h, residual)), residual
+
+    def attention(
+        self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_norm (adding ``residual``) -> attention: ``(attention output, residual)``, the norm
+        inside the qkv GEMV when the plan fuses it."""
+        qkv = getattr(self.attn, "qkv", None)
+        m = fused_norm_m(self.input_norm, "attn", qkv.quant) if isinstance(qkv, Linear) else 0
+        if m:
+            y, residual, _ = norm_linear(self.input_norm, h, residual, qkv.weight, qkv.bias, m)
+            return self.attn(h, ctx, qkv=y), residual
         if residual is None:
             residual = h
             x: Act = self.input_norm(h)
         else:
             x = self.input_norm(h, residual)
-        h = self.attn(x, ctx)
-        x = self.post_attn_norm(h, residual)
-        return self.mlp(x), residual
+        return self.attn(x, ctx), residual
 
 
 class DecoderOnlyLM(nn.Module):

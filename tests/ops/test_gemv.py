@@ -191,8 +191,9 @@ def test_linear_dispatch(kernel_on_cpu, count_gemv, monkeypatch):
     [
         ("", {}),
         ("0", {}),
-        ("1", {"attn": 8, "mlp": 8, "router": 8}),
-        ("all", {"attn": 8, "mlp": 8, "router": 8}),
+        ("1", {"attn": 8, "mlp": 8, "router": 8, "norm": 8}),
+        ("all", {"attn": 8, "mlp": 8, "router": 8, "norm": 8}),
+        ("attn:1,norm:1", {"attn": 1, "norm": 1}),
         ("attn", {"attn": 8}),
         ("attn:1", {"attn": 1}),
         ("attn:1, mlp:4", {"attn": 1, "mlp": 4}),
@@ -259,7 +260,7 @@ def test_compiled_model_decode_runs_gemv_and_matches_hf(tmp_path, monkeypatch):
 
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
-    monkeypatch.setenv("KILN_GEMV", "1")
+    monkeypatch.setenv("KILN_GEMV", "attn,mlp")  # norms apart (tests/ops/test_norm_linear.py fuses them)
     hf = make_checkpoint(tmp_path / "hf", "qwen2-bias")  # qkv bias: the GEMV's bias path too
     opts = CompileOptions(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64, chunk_size=32)
     compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)

@@ -1,0 +1,127 @@
+"""RMSNorm fused into the GEMV that consumes it: one launch instead of a norm kernel then a GEMV.
+
+``torch.ops.kiln.rmsnorm_linear(x, residual, norm_w, eps, w, bias, max_m, gate_up, normed)
+-> (y, h, xn)``
+
+* ``x [T, K]`` (the block's output, or the embeddings), ``residual [T, K]`` or None, ``norm_w [K]``,
+  ``w [N, K]`` (``[2I, K]`` gate rows then up rows with ``gate_up``), ``bias [N]`` or None; one
+  bf16/fp16/fp32 dtype.
+* ``h = x + residual`` rounded (the next residual; ``[0, K]`` when ``residual`` is None, the caller
+  keeps ``x``), ``xn = rmsnorm(h) * norm_w`` with ops/norm.py's roundings, ``y = linear(xn, w, bias)``
+  (``silu(gate) * up`` with ``gate_up``, as ``kiln::linear_silu_mul``). ``xn`` is returned only with
+  ``normed`` (``[0, K]`` otherwise): the MoE router's GEMV hands it to the experts.
+
+Unlike ``fused_add_rmsnorm`` nothing is updated in place: the GEMV's programs all read the residual
+row while some of them write ``h``, so ``h`` is a new tensor.
+
+Paths, picked at call time like ``kiln::linear``:
+
+* ``T == 1`` where ``kiln::linear`` would take the GEMV (``1 <= T <= max_m``, ``KILN_GEMV`` not
+  ``0``, a device that runs Triton): ops/gemv.py's CUDA-core kernel with ``norm`` (``NormIn``). Its
+  programs accumulate ``sum(h * h)`` beside ``W @ (norm_w * h)`` in the same K loop and scale by
+  ``rstd`` at the end, so the norm costs extra loads of two ``K`` rows from L2 but no pass and no
+  launch; each program then writes a ``cdiv(K, programs)`` chunk of ``h`` (and ``xn``). The
+  product sees ``norm_w * h * rstd`` unrounded, so ``y`` differs from the two-launch path by
+  rounding only (the same at float32).
+* otherwise: ``fused_add_rmsnorm`` (on a copy of the residual) or ``rmsnorm``, then ``kiln::linear``
+  / ``kiln::linear_silu_mul`` on ``xn``: what the layers ran before.
+
+Whether a graph calls this op is decided at compile time by the GEMV plan's ``norm`` role
+(ops/gemv.py ``gemv_plan``: ``KILN_GEMV=...,norm:1``); the manifest records the plan.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.ops.common import DIRECT, kiln_op
+from kiln.ops.gemv import NormIn, gemv, use_gemv
+
+
+def rmsnorm_linear_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_w: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    gate_up: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two-launch computation in torch: ``(y, h, xn)`` with ``h = x`` when there is no residual."""
+    from kiln.ops.gemv import gate_up_ref, gemv_ref
+    from kiln.ops.norm import rmsnorm_ref
+
+    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    xn = rmsnorm_ref(h, norm_w, eps)
+    y = gate_up_ref(xn, w, bias) if gate_up else gemv_ref(xn, w, bias)
+    return y, h, xn
+
+
+def _check(x, residual, norm_w, w, bias, gate_up) -> None:
+    dt = x.dtype
+    if (
+        x.dim() != 2
+        or w.dim() != 2
+        or w.shape[1] != x.shape[1]
+        or dt
+        not in (
+            torch.bfloat16,
+            torch.float16,
+            torch.float32,
+        )
+    ):
+        raise ValueError(
+            f"rmsnorm_linear: need x [T, K] and w [N, K] (bf16/fp16/fp32), got {tuple(x.shape)} {dt} "
+            f"and {tuple(w.shape)}"
+        )
+    k = x.shape[1]
+    if w.dtype != dt or norm_w.shape != (k,) or norm_w.dtype != dt:
+        raise ValueError(f"rmsnorm_linear: w and norm_w [{k}] must share x's dtype {dt}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != dt):
+        raise ValueError(
+            f"rmsnorm_linear: residual must match x, got {tuple(residual.shape)} {residual.dtype}"
+        )
+    if bias is not None and bias.shape != (w.shape[0],):
+        raise ValueError(f"rmsnorm_linear: bias must be [{w.shape[0]}], got {tuple(bias.shape)}")
+    if gate_up and w.shape[0] % 2:
+        raise ValueError(f"rmsnorm_linear: gate_up needs 2I weight rows, got {w.shape[0]}")
+
+
+@kiln_op("rmsnorm_linear")
+def rmsnorm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_w: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    max_m: int,
+    gate_up: bool,
+    normed: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(linear(rmsnorm(x + residual)), x + residual, rmsnorm(x + residual))`` (see the module docstring)."""
+    _check(x, residual, norm_w, w, bias, gate_up)
+    t, k = x.shape
+    if t == 1 and use_gemv(x, w, max_m):
+        x = x if x.stride(1) == 1 else x.contiguous()
+        res = None if residual is None else (residual if residual.stride(1) == 1 else residual.contiguous())
+        h = x.new_empty((1 if res is not None else 0, k))
+        xn = x.new_empty((1 if normed else 0, k))
+        spec = NormIn(norm_w.contiguous(), eps, res, h if res is not None else None, xn if normed else None)
+        y = gemv(x, w, bias, gate_up=gate_up, norm=spec)
+        return y, h, xn
+    if residual is None:
+        h = x.new_empty((0, k))
+        xn = DIRECT["rmsnorm"](x, norm_w, eps)
+    else:
+        h = residual.clone()
+        xn = DIRECT["fused_add_rmsnorm"](x, h, norm_w, eps)  # h += x in place
+    y = DIRECT["linear_silu_mul" if gate_up else "linear"](xn, w, bias, max_m)
+    return y, h, xn if normed else x.new_empty((0, k))
+
+
+@rmsnorm_linear.register_fake
+def _(x, residual, norm_w, eps, w, bias, max_m, gate_up, normed):
+    t, k = x.shape
+    y = x.new_empty((t, w.shape[0] // 2 if gate_up else w.shape[0]))
+    return y, x.new_empty((t if residual is not None else 0, k)), x.new_empty((t if normed else 0, k))
