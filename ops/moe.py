@@ -58,6 +58,7 @@ from kiln.ops.common import (
 )
 from kiln.ops.moe_align import moe_align_run
 from kiln.ops.moe_gemm import (
+    EARLY_MAX_K,
     check_config,
     moe_gemm_launch,
     moe_gemv_launch,
@@ -243,6 +244,7 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w
     t, h = x.shape
     i, k = w2.shape[2], topk_ids.shape[1]
     ids, emap = topk_ids, expert_map
+    early = False
     if w13.dtype == FP8_DTYPE:
         xq, xs = quantize_rows(x)
         gu = x.new_empty((t * k, 2 * i))
@@ -252,7 +254,11 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w
         activation.silu_and_mul_launch(gu, None, activation.QUANT_DYNAMIC, a, a_scale)
     else:
         a, a_scale = x.new_empty((t * k, i)), None
-        moe_gemv_launch(x, None, w13, None, a, None, ids, emap, c1, a_div=k, fuse_silu=True)
+        # w2 streams its weights before its wait (KILN_MOE_EARLY_W2): w13 triggers after its own
+        early = early_w2() and c2["GROUP_M"] == 1 and i <= EARLY_MAX_K
+        moe_gemv_launch(
+            x, None, w13, None, a, None, ids, emap, c1, a_div=k, fuse_silu=True, late_trigger=early
+        )
     if c2["GROUP_M"] > 1:  # the top-k sum in the w2 GEMV
         out = x.new_empty((t, h)) if out is None else out
         moe_gemv_launch(a, a_scale, w2, w2_scale, out, topk_weights, ids, emap, c2, a_div=1, combine=True)
@@ -264,11 +270,19 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w
     if counters is not None:  # the last-arriving pair of each token sums its k rows
         out = x.new_empty((t, h)) if out is None else out
         moe_gemv_launch(
-            a, a_scale, w2, w2_scale, y2, topk_weights, ids, emap, c2, a_div=1, sum_out=out, counters=counters
-        )
+            a, a_scale, w2, w2_scale, y2, topk_weights, ids, emap, c2, a_div=1, sum_out=out, counters=counters,
+            early=early,
+        )  # fmt: skip
         return out
-    moe_gemv_launch(a, a_scale, w2, w2_scale, y2, topk_weights, ids, emap, c2, a_div=1)
+    moe_gemv_launch(a, a_scale, w2, w2_scale, y2, topk_weights, ids, emap, c2, a_div=1, early=early)
     return moe_combine(y2, topk_ids, expert_map, out)
+
+
+def early_w2() -> bool:
+    """``KILN_MOE_EARLY_W2=1`` (read at call time, so at capture for decode graphs): the decode w2
+    GEMV loads each pair's weight slab before its PDL wait (ops/moe_gemm.py ``moe_gemv_launch``'s
+    ``early``), overlapping the w13 GEMV's tail. Off by default."""
+    return os.environ.get("KILN_MOE_EARLY_W2", "0") == "1"
 
 
 COMBINE_MODES = ("fused", "separate")

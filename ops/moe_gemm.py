@@ -63,6 +63,7 @@ from kiln.ops.activation import NARROW_ROWS
 from kiln.ops.common import FP8_DTYPE, interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
 from kiln.ops.quant import tl_round
 
+EARLY_MAX_K = 1024  # moe_gemv_launch(early=True): the widest K slab a program holds in registers
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 BACKENDS = ("triton", "cutlass")  # a tuning entry's optional "backend"
 
@@ -379,9 +380,19 @@ def _moe_gemv_kernel(
     FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, ROUND_IN_F32: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
     SUM_K: tl.constexpr = 0,
+    EARLY: tl.constexpr = False,  # GROUP 1: the pair's whole [BLOCK_N, K] weight slab before the wait
+    KP: tl.constexpr = 1,  # EARLY: next_pow2(K)
+    LATE_TRIGGER: tl.constexpr = False,  # trigger the next launch after the wait, not before
 ):  # fmt: skip
-    pdl_trigger(PDL)
-    pdl_wait(PDL)  # the expert comes from topk_ids (the router's output): no weight is known before
+    # The expert comes from topk_ids (the router's output): no weight is known before the wait,
+    # except with EARLY, which the launch before (LATE_TRIGGER) lets run only once the routing is
+    # final (see moe_gemv_launch).
+    if not LATE_TRIGGER:
+        pdl_trigger(PDL)
+    if not EARLY:
+        pdl_wait(PDL)
+    if LATE_TRIGGER:
+        pdl_trigger(PDL)
     # Program (g, n): pairs g * GROUP .. + GROUP (GROUP 1: one pair; GROUP k: a token's k pairs,
     # summed into C[g]) x BLOCK_N output columns (N: I when FUSE_SILU, the up rows start at row N).
     # Its tile rows r = j * BLOCK_N + c: pair slot j, column c (2-D tiles only).
@@ -396,6 +407,15 @@ def _moe_gemv_kernel(
         e0 = tl.load(IDS + g)
         if HAS_MAP:
             e0 = tl.load(MAP + e0)
+        if EARLY:  # stream the slab, then wait for the activations
+            offs_kp = tl.arange(0, KP)
+            slab = (
+                W + tl.maximum(e0, 0).to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+                + offs_kp[None, :]
+            )  # fmt: skip
+            smask = (nmask & (offs_n * 0 + e0 >= 0))[:, None] & (offs_kp < K)[None, :]
+            w_slab = tl.load(slab, mask=smask, other=0.0)  # [BLOCK_N, KP]
+            pdl_wait(PDL)
         if SUM_K == 0 and e0 < 0:
             return  # another rank's expert: the combine skips this pair (SUM_K: it still arrives)
         e = tl.zeros([P_PAD * BLOCK_N], dtype=tl.int32) + e0
@@ -411,7 +431,10 @@ def _moe_gemv_kernel(
     w_ptr = W + e64[:, None] * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros([P_PAD * BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([P_PAD * BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    if EARLY:
+        a_row = tl.load(A + (g // A_DIV) * stride_am + offs_kp, mask=offs_kp < K, other=0.0).to(tl.float32)
+        acc = tl.sum(w_slab.to(tl.float32) * a_row[None, :], axis=1)
+    for k0 in tl.range(0, 0 if EARLY else K, BLOCK_K, num_stages=STAGES):
         kmask = offs_k[None, :] < K - k0
         if GROUP == 1:
             a = tl.load(a_ptr, mask=kmask, other=0.0).to(tl.float32)
@@ -525,6 +548,8 @@ def moe_gemv_launch(
     combine: bool = False,
     sum_out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    early: bool = False,
+    late_trigger: bool = False,
 ) -> None:
     """Run the decode GEMV (no alignment; see the module docstring) into ``c``.
 
@@ -535,6 +560,12 @@ def moe_gemv_launch(
     token's ``k`` pairs also writes their sum there, as the combine kernel would; ``counters``:
     zeroed int32, at least ``T * cdiv(N, BLOCK_N)`` (ops/common.py ``ArrivalCounters``).
     ``a_div`` and ``topk_weights`` as for ``moe_gemm_launch``; ``cfg["BLOCK_M"]`` must be 1.
+
+    ``early`` (one pair per program, ``K <= EARLY_MAX_K``): each program loads its pair's whole
+    ``[BLOCK_N, K]`` weight slab before the PDL wait, so the w2 GEMV streams its weights while the
+    w13 GEMV drains. It reads ``topk_ids`` before the wait, which is safe only when the launch
+    just before it was made with ``late_trigger`` (its programs trigger after their own wait, so
+    this grid starts once the routing kernel before them has completed). Not with FP8 ``a``.
     """
     t, k = topk_ids.shape
     if t == 0:
@@ -561,6 +592,9 @@ def moe_gemv_launch(
             f"moe_gemv: sum_out must be [T={t}, N={n_out}] with a unit last stride, for one pair per "
             f"program without fuse_silu, with at least {t * grid[1]} int32 counters"
         )
+    kdim = w.shape[2]
+    if early and (combine or fuse_silu or kdim > EARLY_MAX_K):
+        raise ValueError(f"moe_gemv: early takes one pair per program, no fuse_silu, K <= {EARLY_MAX_K}")
     pdl = pdl_args(a)
     _moe_gemv_kernel[grid](
         a, a_scale if fp8 else a, w, w_scale if fp8 else w, c,
@@ -573,7 +607,8 @@ def moe_gemv_launch(
         A_DIV=a_div, GROUP=group, P_PAD=next_pow2(group), HAS_MAP=expert_map is not None,
         FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None, FP8=fp8, ROUND_IN_F32=interpreting(),
         BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        SUM_K=k if sum_out is not None else 0, **pdl,
+        SUM_K=k if sum_out is not None else 0, EARLY=early, KP=next_pow2(kdim) if early else 1,
+        LATE_TRIGGER=late_trigger, **pdl,
     )  # fmt: skip
 
 

@@ -129,6 +129,35 @@ def test_gemv_matches_per_pair_reference(kernel_on_cpu, dtype, mode):
     assert_rel(c, ref, TOL[dtype])
 
 
+@pytest.mark.parametrize("sum_last", [False, True], ids=["rows", "sum_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gemv_early_slab_matches_the_k_loop(kernel_on_cpu, dtype, sum_last):
+    """``early``: the w2 GEMV's whole weight slab loaded before the wait, one product over K (no K
+    loop): the per-pair rows and their sum as the K loop computes them, up to summation order;
+    a pair of another rank's expert (expert map -1) still arrives and writes nothing."""
+    t, h, i, e, k = 3, 48, 40, 8, 3  # I = 40: the slab is padded to 64 and masked
+    _, _, w2, w, ids, _, _ = make_moe(t, h, i, e, k, dtype, seed=12)
+    emap = torch.arange(e, dtype=torch.int32)
+    emap[ids[1, 0]] = -1  # one pair of token 1 lives on another rank
+    a = torch.randn(t * k, i).to(dtype)
+    cfg = dict(GEMV, BLOCK_N=8)
+    outs = []
+    for early in (False, True):
+        c = torch.full((t * k, h), -7.0, dtype=dtype)
+        out = torch.full((t, h), float("nan"), dtype=dtype) if sum_last else None
+        cnt = torch.zeros(t * 6, dtype=torch.int32) if sum_last else None
+        mg.moe_gemv_launch(a, None, w2, None, c, w, ids, emap, cfg, 1, sum_out=out, counters=cnt, early=early)
+        outs.append(out if sum_last else c)
+        if sum_last:
+            assert not cnt.any()
+    assert_rel(outs[1], outs[0], TOL[dtype])
+    if not sum_last:
+        skipped = (emap[ids.reshape(-1).long()] < 0).nonzero().flatten()
+        assert skipped.numel() == 1 and (outs[1][skipped] == -7.0).all()
+    with pytest.raises(ValueError, match="early takes"):
+        mg.moe_gemv_launch(a, None, w2, None, c, w, ids, None, cfg, 1, combine=True, early=True)
+
+
 def test_gemv_sum_out_is_checked(kernel_on_cpu):
     t, h, i, e, k = 2, 32, 16, 4, 2
     _, _, w2, w, ids, _, _ = make_moe(t, h, i, e, k, torch.float32, seed=8)
@@ -228,6 +257,9 @@ def test_decode_sizes_run_the_gemv_by_default(kernel_on_cpu, monkeypatch):
     with pytest.warns(UserWarning, match="inside a CUDA-graph capture"):
         assert torch.equal(torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], ""), out)
     assert launched == ["moe_gemv_launch", "moe_gemv_launch", "moe_combine"]
+    monkeypatch.setenv("KILN_MOE_EARLY_W2", "1")  # w2 slabs before the wait: the same sums
+    assert_rel(torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], ""), out, TOL[torch.bfloat16])
+    monkeypatch.delenv("KILN_MOE_EARLY_W2")
     launched.clear()  # a w2 GROUP_M above 1: the top-k sum in the GEMV, no combine kernel either
     table = json.dumps({"4": {"w13": GEMV, "w2": GEMV_SUM}})
     assert torch.equal(torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], table), out)
@@ -427,6 +459,26 @@ def test_gpu_float32_and_cuda_graph_replay(compiled_gpu):
             x.copy_(nx), w.copy_(nw), ids.copy_(nids)
             g.replay()
             assert_rel(out, moe.fused_moe_ref(x, w13, w2, w, ids), TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4])
+def test_gpu_early_w2_under_replay(compiled_gpu, monkeypatch, t):
+    """``KILN_MOE_EARLY_W2``: the w2 GEMV reads the routing and its weights before its PDL wait
+    (w13 triggering after its own), captured and replayed with new routing each time: a stale
+    expert id would show as a wrong sum."""
+    x, w13, w2, w, ids, _, _ = make_moe(t, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=t)
+    monkeypatch.setenv("KILN_MOE_EARLY_W2", "1")
+    torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")
+    for i in range(40):
+        nx, _, _, nw, nids, _, _ = make_moe(t, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=200 + i)
+        x.copy_(nx), w.copy_(nw), ids.copy_(nids)
+        out.fill_(float("nan"))
+        g.replay()
+        assert_rel(out, moe.fused_moe_ref(x, w13, w2, w, ids), TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
