@@ -58,6 +58,7 @@ from kiln.ops.common import (
 )
 from kiln.ops.moe_align import moe_align_run
 from kiln.ops.moe_gemm import (
+    EARLY_BLOCK_N,
     EARLY_MAX_K,
     check_config,
     moe_gemm_launch,
@@ -256,6 +257,8 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w
         a, a_scale = x.new_empty((t * k, i)), None
         # w2 streams its weights before its wait (KILN_MOE_EARLY_W2): w13 triggers after its own
         early = early_w2() and c2["GROUP_M"] == 1 and i <= EARLY_MAX_K
+        if early:  # its own w2 tile: the slab (BLOCK_N x K) sits in registers through the wait
+            c2 = dict(c2, BLOCK_N=EARLY_BLOCK_N)
         moe_gemv_launch(
             x, None, w13, None, a, None, ids, emap, c1, a_div=k, fuse_silu=True, late_trigger=early
         )
@@ -281,7 +284,8 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w
 def early_w2() -> bool:
     """``KILN_MOE_EARLY_W2=1`` (read at call time, so at capture for decode graphs): the decode w2
     GEMV loads each pair's weight slab before its PDL wait (ops/moe_gemm.py ``moe_gemv_launch``'s
-    ``early``), overlapping the w13 GEMV's tail. Off by default."""
+    ``early``), overlapping the w13 GEMV's tail, with ``EARLY_BLOCK_N`` rows per program whatever
+    the table says. Off by default."""
     return os.environ.get("KILN_MOE_EARLY_W2", "0") == "1"
 
 
