@@ -3,7 +3,11 @@
     python bench/gpu/profile_decode.py ART --batch-sizes 1,64 --json OUT.json
 
 Runs the decode graph eagerly (no CUDA graph) under torch.profiler so each kernel is recorded;
-kernel durations are what the CUDA-graph replay runs too, without the launch gaps.
+kernel durations are what the CUDA-graph replay runs too, without the launch gaps. With PDL
+(ops/common.py) a kernel starts before its predecessor ends, so its duration includes its wait:
+``KILN_PDL=0`` gives each kernel's own time. ``--sequence N`` also lists the first N kernels of
+the last profiled step in launch order (duration and the gap or overlap to the previous kernel's
+end), which tells one layer's GEMVs (qkv, o, router) apart.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sequence", type=int, default=0, help="list the first N kernels of one step")
     a = ap.parse_args()
     llm = LLM(a.artifact, cuda_graph=False, kv_memory_gib=40)
     eng = llm.engine
@@ -49,6 +54,8 @@ def main() -> None:
         total = sum(per.values())
         top = sorted(per.items(), key=lambda kv: -kv[1])[:14]
         result[b] = {"gpu_us_per_step": total, "top": top}
+        if a.sequence:
+            result[b]["sequence"] = _sequence(prof, a.steps, a.sequence)
         print(f"\nbatch {b}: GPU kernel time {total / 1e3:.3f} ms per decode step")
         for name, us in top:
             print(f"  {us:9.1f} us {us / total:6.1%}  {name[:90]}")
@@ -56,6 +63,25 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def _sequence(prof, steps: int, n: int) -> list[tuple[str, float, float]]:
+    """The first ``n`` kernels of the last step, in start order: (name, us, us since the previous
+    kernel ended; negative = overlap)."""
+    evs = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    per_step = len(evs) // steps
+    last = evs[per_step * (steps - 1) :][:n]
+    out, prev_end = [], None
+    for e in last:
+        gap = 0.0 if prev_end is None else e.time_range.start - prev_end
+        out.append((e.name[:60], round(e.device_time, 2), round(gap, 2)))
+        prev_end = e.time_range.end
+    for name, us, gap in out:
+        print(f"  {us:8.2f} us  gap {gap:7.2f}  {name}")
+    return out
 
 
 if __name__ == "__main__":
