@@ -78,7 +78,8 @@ def test_norm_linear_chain(measure, shape, variant):
 
     w0, nw0, r0 = layers[0]
     ref = lin(torch.ops.kiln.rmsnorm(((x.float() + r0.float()).to(x.dtype)), nw0, EPS), w0, None, 1)
-    if kw is not None:  # the fused result against the two launches (r0 untouched by these calls)
+    if kw is not None:  # the fused result against the two launches on the current r0 (the
+        # separate variant's replays add x into the residuals in place, so r0 drifts between cases)
         torch.testing.assert_close(one(w0, nw0, r0).float(), ref.float(), rtol=2**-5, atol=2e-2)
 
     def chain():

@@ -660,7 +660,7 @@ class NormIn:
 
     def check(self, x: torch.Tensor) -> None:
         k = x.shape[1]
-        if x.shape[0] != 1 or x.dtype == FP8_DTYPE:
+        if x.shape[0] != 1 or k == 0 or x.dtype == FP8_DTYPE:
             raise ValueError(
                 f"gemv: a fused RMSNorm takes one bf16/fp16/fp32 row, got {tuple(x.shape)} {x.dtype}"
             )
@@ -757,10 +757,10 @@ def gemv(
         norm.check(x)
         if scaled or use_dot or (split_k or 1) > 1:
             raise ValueError("gemv: a fused RMSNorm runs on the CUDA-core kernel without split-K")
-        tuned = NORM_TUNED.get((n_out, k, gate_up, x.element_size()))
-        cfg = tuned or dataclasses.replace(cfg, use_dot=False, split_k=1, num_stages=1)
-        if cfg.use_dot:  # the heuristic's tensor-core choice has no FMA-path block sizes
+        cfg = NORM_TUNED.get((n_out, k, gate_up, x.element_size())) or cfg
+        if cfg.use_dot:  # a tensor-core choice: the CUDA-core path's own block sizes instead
             cfg = heuristic_config(1, n_out, k, gate_up, x.element_size(), sms, False)
+        cfg = dataclasses.replace(cfg, split_k=1)  # rstd needs every program to see all of K
     if use_dot is not None and use_dot != cfg.use_dot:  # the other path's own defaults
         cfg = heuristic_config(m, n_out, k, gate_up, x.element_size(), sms, use_dot)
     cfg = dataclasses.replace(
@@ -787,6 +787,8 @@ def gemv(
     # Each split covers a whole number of BLOCK_K steps; the realized split count can be lower.
     k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_split)
+    if norm is not None and (splits != 1 or cfg.use_dot):
+        raise ValueError(f"gemv: a fused RMSNorm runs on the CUDA-core kernel without split-K, got {cfg}")
     interp = interpreting()
     grid = (triton.cdiv(n_out, cfg.block_n), splits)
     part = x.new_empty((splits, m, n_w), dtype=torch.float32) if splits > 1 else out

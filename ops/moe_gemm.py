@@ -390,6 +390,7 @@ def _moe_gemv_kernel(
     # The expert comes from topk_ids (the router's output): no weight is known before the wait,
     # except with EARLY, which the launch before (LATE_TRIGGER) lets run only once the routing is
     # final (see moe_gemv_launch).
+    tl.static_assert(not EARLY or (GROUP == 1 and not LATE_TRIGGER), "EARLY: one pair per program")
     if not LATE_TRIGGER:
         pdl_trigger(PDL)
     if not EARLY:
@@ -407,9 +408,14 @@ def _moe_gemv_kernel(
     nmask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     if GROUP == 1:
-        e0 = tl.load(IDS + g)
-        if HAS_MAP:
-            e0 = tl.load(MAP + e0)
+        if EARLY:  # before the wait: the routing kernel (two launches back) wrote these, read past L1
+            e0 = tl.load(IDS + g, cache_modifier=".cg")
+            if HAS_MAP:
+                e0 = tl.load(MAP + e0, cache_modifier=".cg")
+        else:
+            e0 = tl.load(IDS + g)
+            if HAS_MAP:
+                e0 = tl.load(MAP + e0)
         if EARLY:  # stream the slab, then wait for the activations
             offs_kp = tl.arange(0, KP)
             slab = (

@@ -24,7 +24,14 @@ Paths, picked at call time like ``kiln::linear``:
   product sees ``norm_w * h * rstd`` unrounded, so ``y`` differs from the two-launch path by
   rounding only (the same at float32).
 * otherwise: ``fused_add_rmsnorm`` (on a copy of the residual) or ``rmsnorm``, then ``kiln::linear``
-  / ``kiln::linear_silu_mul`` on ``xn``: what the layers ran before.
+  / ``kiln::linear_silu_mul`` on ``xn``: what the layers ran before, plus the copy (a torch kernel,
+  not PDL-launched) at every prefill chunk and decode batch above 1.
+
+In the MoE layer the router logits come from the unrounded normalized row while the experts get
+the rounded one (as prefill's router does), so a near-tie in the top-k may pick differently from the
+two-launch path; and the router is the GEMV then ``moe_topk``, whatever ``KILN_MOE_ROUTE`` says.
+Measured on the H200 (bench/results/2026-11-30_h200_s8b_norm_linear.json): no faster end to end
+than the two launches at Qwen3-30B-A3B shapes, so the default plan leaves ``norm`` out.
 
 Whether a graph calls this op is decided at compile time by the GEMV plan's ``norm`` role
 (ops/gemv.py ``gemv_plan``: ``KILN_GEMV=...,norm:1``); the manifest records the plan.
@@ -114,7 +121,7 @@ def rmsnorm_linear(
         h = x.new_empty((0, k))
         xn = DIRECT["rmsnorm"](x, norm_w, eps)
     else:
-        h = residual.clone()
+        h = residual.clone(memory_format=torch.contiguous_format)  # a copy launch: see the docstring
         xn = DIRECT["fused_add_rmsnorm"](x, h, norm_w, eps)  # h += x in place
     y = DIRECT["linear_silu_mul" if gate_up else "linear"](xn, w, bias, max_m)
     return y, h, xn if normed else x.new_empty((0, k))
