@@ -14,14 +14,6 @@ from kiln.ops.norm import rmsnorm_ref
 EPS = 1e-6
 
 
-@pytest.fixture
-def kernel_on_cpu(monkeypatch):
-    if not interpreting():
-        pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set by tests/conftest.py)")
-    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
-    monkeypatch.setenv("KILN_GEMV", "1")
-
-
 def make(n, k, dtype, residual=True, bias=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, k, generator=g).to(dtype)
