@@ -1,15 +1,20 @@
 #!/bin/bash
-# Written at the end of the eighth session for the next one's first GPU call (issue 9): where a
-# batch-1 decode step of Qwen3-30B-A3B-shaped (16 layers) really spends its time. The profile's
-# per-kernel sums include each kernel's PDL wait (it starts before its predecessor ends), which is
-# why the eighth session's fusions looked like wins in chains and were not end to end. So: the
-# step's first 24 kernels (one layer and a half) in launch order with PDL on and off, both
-# profiles, and decode with PDL on and off on one artifact.
+# Written at the end of the eighth session for the next one's first GPU call (issue 9).
+# 1. Without a checkpoint: bench/test_bench_decode_step.py, the model definition's decode step on
+#    random weights in one CUDA graph (Qwen3-30B-A3B-shaped, 16 layers, batch 1 and 8), default
+#    against the opt-in switches (norm role, early w2) and PDL / GEMV off. It should agree with
+#    `kiln bench latency` (ITL 1.04 ms at batch 1) before it replaces it for A/B runs.
+# 2. On a compiled artifact: decode with PDL on and off, and the batch-1 step's first 24 kernels in
+#    launch order (profile_decode.py --sequence; the eighth session's copy of this profile is
+#    bench/results/2026-11-30_h200_s8g_profile_sequence.json).
 # Usage on the GPU machine, from the repo root: bash bench/gpu/run_s8f.sh OUTDIR
 set -o pipefail
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 source bench/gpu/env.sh
 source bench/gpu/moe_l16.sh
+(cd bench && timeout 240 python -m pytest -q test_bench_decode_step.py -p no:cacheprovider \
+  --benchmark-json="$OUT/decode_step.json" > "$OUT/decode_step.log" 2>&1)
+bench_summary "$OUT/decode_step.json"
 moe_checkpoint
 moe_compile
 moe_latency pdl_on ""

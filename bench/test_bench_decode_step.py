@@ -1,0 +1,118 @@
+"""A whole decode step of a model definition, without a checkpoint or an artifact.
+
+``kiln bench latency`` measures the real thing but needs a checkpoint and a compile (two minutes of a
+GPU call for Qwen3-30B-A3B-shaped weights). Here the model definition (compiler/models) runs on
+random weights made on the GPU, called as the exported graph calls it (``functional_call`` with the
+weights dict and a ``ForwardContext``) and captured in one CUDA graph per case. The kernels and their
+order are those of a decode step. Sampling, the host work and the aten glue are not included.
+Switches read while tracing (the GEMV plan ``KILN_GEMV``, e.g. its ``norm`` role) and at capture
+(``KILN_PDL``, ``KILN_MOE_EARLY_W2``, ...) are set per case, so step-level A/B comparisons need
+no recompile. Chains of one op do not predict these (docs/decode_budget.md).
+
+* ``test_decode_step[B-VARIANT]``: Qwen3-30B-A3B-shaped with ``LAYERS`` layers (16, as the
+  end-to-end runs), ``B`` requests each at ``CONTEXT`` tokens of KV. ``bytes`` is what the runtime's
+  roofline counts (runtime/benchmark.py ``weight_bytes_per_step``: the experts a batch hits on
+  average, lm_head, no embedding table) plus the KV read, so ``frac_bw`` is comparable with
+  ``kiln bench latency``'s ``frac_roofline``.
+
+Smoke mode (CPU): a tiny config of the same architecture through the ops' torch paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+from conftest import SMOKE, graphed, pick
+
+from kiln.compiler.cli_inspect import bundled_configs
+from kiln.compiler.config import normalize_config
+from kiln.compiler.context import ForwardContext
+from kiln.compiler.registry import model_class
+from kiln.ops.decode_attention import choose_num_splits
+from kiln.ops.rope import rope_cos_sin_cache
+
+DEV = "cpu" if SMOKE else "cuda"
+LAYERS = pick(16, 2)
+CONTEXT = pick(544, 24)  # the middle of `kiln bench latency --input-len 512 --output-len 64`
+MAX_SEQ = pick(32768, 64)  # CompileOptions' default for this config: the decode bucket's split count
+TINY = dict(hidden_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=32,
+            num_experts=8, num_experts_per_tok=2, vocab_size=256, max_position_embeddings=512)  # fmt: skip
+VARIANTS = {
+    "default": {},
+    "norm": {"KILN_GEMV": "attn:1,mlp:1,router:1,norm:1"},
+    "early_w2": {"KILN_MOE_EARLY_W2": "1"},
+    "pdl_off": {"KILN_PDL": "0"},
+    "gemv_off": {"KILN_GEMV": "0"},
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _model():
+    """(config, model on the meta device, random weights on DEV)."""
+    raw = json.loads(bundled_configs()["qwen3-30b-a3b"].read_text()) | {"num_hidden_layers": LAYERS}
+    cfg = normalize_config(raw | TINY if SMOKE else raw)
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    with torch.device("meta"):
+        model = model_class(cfg.architecture)(cfg, dtype)
+    g = torch.Generator(DEV).manual_seed(0)
+    weights = {}
+    for name, p in model.named_parameters():
+        w = torch.randn(p.shape, generator=g, device=DEV, dtype=torch.float32)
+        weights[name] = (1.0 + 0.1 * w if "norm" in name else 0.02 * w).to(p.dtype)
+    return cfg, model, weights
+
+
+def _context(cfg, batch: int) -> tuple[torch.Tensor, ForwardContext]:
+    """A decode step: ``batch`` requests with ``CONTEXT`` tokens cached, one new token each."""
+    slots = batch * (CONTEXT + 1) + 1  # slot 0: the padding sink
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    kv = (cfg.num_layers, slots, cfg.kv_heads_per_rank(1), cfg.head_dim)
+    table = torch.zeros(batch, MAX_SEQ, dtype=torch.int32)
+    for b in range(batch):
+        table[b, : CONTEXT + 1] = torch.arange(1 + b * (CONTEXT + 1), 1 + (b + 1) * (CONTEXT + 1))
+    ctx = ForwardContext(
+        positions=torch.full((batch,), CONTEXT, dtype=torch.int64, device=DEV),
+        out_slots=table[:, CONTEXT].long().to(DEV),
+        cos_sin=rope_cos_sin_cache(cfg.rotary_dim, CONTEXT + 1, cfg.rope_theta, None).to(DEV),
+        k_cache=torch.randn(kv, device=DEV).to(dtype),
+        v_cache=torch.randn(kv, device=DEV).to(dtype),
+        block_table=table.to(DEV),
+        req_rows=torch.arange(batch, dtype=torch.int32, device=DEV),
+        seq_lens=torch.full((batch,), CONTEXT + 1, dtype=torch.int32, device=DEV),
+        qo_indptr=torch.arange(batch + 1, dtype=torch.int32, device=DEV),
+        logits_indices=torch.arange(batch, dtype=torch.int64, device=DEV),
+        page_size=1,
+        num_splits=choose_num_splits(batch, MAX_SEQ, cfg.kv_heads_per_rank(1)),
+    )
+    ids = torch.randint(0, cfg.vocab_size, (batch,), device=DEV)
+    return ids, ctx
+
+
+def _bytes(cfg, weights, batch: int) -> float:
+    """runtime/benchmark.py ``weight_bytes_per_step``'s count, plus the KV the step reads."""
+    moe = cfg.moe
+    hit = 1.0 - (1.0 - moe.top_k / moe.num_experts) ** batch
+    total = 0.0
+    for name, t in weights.items():
+        if name == "embed.weight" and "lm_head.weight" in weights:
+            continue
+        total += t.nbytes * (hit if ".moe.w" in name else 1.0)
+    kv_row = cfg.kv_heads_per_rank(1) * cfg.head_dim * 2 * weights["embed.weight"].element_size()
+    return total + batch * (CONTEXT + 1) * kv_row * cfg.num_layers
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("batch", pick([1, 8], [1]))
+def test_decode_step(measure, monkeypatch, batch, variant):
+    for name, value in VARIANTS[variant].items():
+        monkeypatch.setenv(name, value)
+    cfg, model, weights = _model()
+    ids, ctx = _context(cfg, batch)
+    step = lambda: torch.func.functional_call(model, weights, (ids, ctx), strict=True)
+    logits = step()
+    assert logits.shape == (batch, cfg.vocab_size) and torch.isfinite(logits).all(), variant
+    info = dict(batch=batch, variant=variant, layers=LAYERS, context=CONTEXT, env=VARIANTS[variant])
+    measure(graphed(step), bytes=_bytes(cfg, weights, batch), **info)
