@@ -94,12 +94,15 @@ def test_gemv_roles_pick_the_traced_linears(compiled, tmp_path, monkeypatch, rol
     compile_model(root / "hf", tmp_path / "g", opts, verbose=False)
     src = (tmp_path / "g" / "graphs" / "model.py").read_text()
     layers = hf.config.num_hidden_layers
-    linears, fused = (
+    linears, fused, normed = (
         src.count("torch.ops.kiln.linear.default("),
         src.count("torch.ops.kiln.linear_silu_mul.default("),
+        src.count("torch.ops.kiln.rmsnorm_linear.default("),
     )
-    assert (linears, fused) == ((2 * layers, 0) if roles == "attn:1" else (3 * layers, layers))
+    # "1": every role, norm included: qkv and gate_up behind their norms (rmsnorm_linear), o and down
+    want = (2 * layers, 0, 0) if roles == "attn:1" else (2 * layers, 0, 2 * layers)
+    assert (linears, fused, normed) == want
     plan = json.loads((tmp_path / "g" / "manifest.json").read_text())["kernel_choices"]["gemv"]
-    assert plan == ({"attn": 1} if roles == "attn:1" else {"attn": 8, "mlp": 8, "router": 8})
+    assert plan == ({"attn": 1} if roles == "attn:1" else {"attn": 8, "mlp": 8, "router": 8, "norm": 8})
     runner = DirectRunner(str(tmp_path / "g"), device="cpu", num_slots=512)
     check_against_hf(runner, hf, [list(range(3, 20))], decode_steps=3)
