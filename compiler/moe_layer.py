@@ -12,6 +12,8 @@ post-attention norm emits the activation dtype and ``fused_moe`` quantizes per t
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -86,19 +88,45 @@ class FusedMoE(nn.Module):
             self.scale,
             self.round_to,  # HF's cast of the weights to the activation dtype, fused
         )
-        if logits is not None:
-            w, ids = torch.ops.kiln.moe_topk(logits, bias, *routing)
-        else:  # T up to the plan's router max: the router GEMV, then the top-k kernel
-            w, ids = torch.ops.kiln.moe_route(
-                x, self.router.weight, bias, *routing, gemv_plan().get("router", 0)
-            )
-        # w, ids: [T, k] f32, [T, k] int32
-        y = torch.ops.kiln.fused_moe(
-            x, self.w13, self.w2, w, ids, None, self.w13_scale, self.w2_scale, self.tuning
-        )  # [T, H]
+        router_m = gemv_plan().get("router", 0)
+        if topk_in_w13(self) and self.w13.dtype == x.dtype:
+            if logits is None:  # the router GEMV, then the top-k inside the experts' w13 GEMV
+                logits = torch.ops.kiln.linear(x, self.router.weight, None, router_m)
+            y = torch.ops.kiln.fused_moe_routed(
+                x,
+                logits,
+                self.w13,
+                self.w2,
+                self.top_k,
+                self.renormalize,
+                self.scale,
+                self.round_to,
+                self.tuning,
+            )  # [T, H]
+        else:
+            if logits is not None:
+                w, ids = torch.ops.kiln.moe_topk(logits, bias, *routing)
+            else:  # T up to the plan's router max: the router GEMV, then the top-k kernel
+                w, ids = torch.ops.kiln.moe_route(x, self.router.weight, bias, *routing, router_m)
+            # w, ids: [T, k] f32, [T, k] int32
+            y = torch.ops.kiln.fused_moe(
+                x, self.w13, self.w2, w, ids, None, self.w13_scale, self.w2_scale, self.tuning
+            )  # [T, H]
         if self.shared is not None:
             y = y + self.shared(x)
         return y
+
+
+def topk_in_w13(moe: FusedMoE) -> bool:
+    """``KILN_MOE_TOPK_IN_W13=1`` when tracing: this layer's top-k runs inside the experts' w13
+    GEMV (``kiln::fused_moe_routed``) where it can (softmax routing without bias or expert groups);
+    opt-in until measured end to end."""
+    return (
+        os.environ.get("KILN_MOE_TOPK_IN_W13", "0") == "1"
+        and moe.scoring == "softmax"
+        and moe.router.bias is None
+        and moe.num_groups == 1
+    )
 
 
 class MoEDecoderLayer(DecoderLayer):

@@ -16,6 +16,7 @@ from kiln.ops import (  # noqa: F401  (imported to register the ops)
     moe,
     moe_align,
     moe_route,
+    moe_routed,
     moe_routing,
     norm,
     norm_linear,

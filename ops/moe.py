@@ -238,10 +238,16 @@ def fused_moe_triton(
     return moe_combine(y2, topk_ids, expert_map, out)
 
 
-def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, c1, c2, out):
+def _fused_moe_gemv(
+    x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, c1, c2, out, route=None
+):
     """The decode variant (``BLOCK_M`` 1): w13 GEMV per pair, then w2 GEMV per pair whose
     last-arriving program per token sums the top-k (``combine_mode`` "fused"; "separate": the
-    combine kernel after it), or (w2 ``GROUP_M`` > 1) w2 GEMV + top-k sum per token."""
+    combine kernel after it), or (w2 ``GROUP_M`` > 1) w2 GEMV + top-k sum per token. ``route``
+    (not with FP8 experts): the w13 GEMV routes from the logits itself and fills ``topk_weights`` /
+    ``topk_ids`` for the w2 GEMV (ops/moe_routed.py)."""
+    if route is not None and w13.dtype == FP8_DTYPE:
+        raise ValueError("fused_moe: routing inside the w13 GEMV takes bf16/fp16/fp32 experts")
     t, h = x.shape
     i, k = w2.shape[2], topk_ids.shape[1]
     ids, emap = topk_ids, expert_map
@@ -256,11 +262,23 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w
     else:
         a, a_scale = x.new_empty((t * k, i)), None
         # w2 streams its weights before its wait (KILN_MOE_EARLY_W2): w13 triggers after its own
-        early = early_w2() and c2["GROUP_M"] == 1 and i <= EARLY_MAX_K
+        early = early_w2() and c2["GROUP_M"] == 1 and i <= EARLY_MAX_K and route is None
         if early:  # its own w2 tile: the slab (BLOCK_N x K) sits in registers through the wait
             c2 = dict(c2, BLOCK_N=EARLY_BLOCK_N)
         moe_gemv_launch(
-            x, None, w13, None, a, None, ids, emap, c1, a_div=k, fuse_silu=True, late_trigger=early
+            x,
+            None,
+            w13,
+            None,
+            a,
+            None,
+            ids,
+            emap,
+            c1,
+            a_div=k,
+            fuse_silu=True,
+            late_trigger=early,
+            route=route,
         )
     if c2["GROUP_M"] > 1:  # the top-k sum in the w2 GEMV
         out = x.new_empty((t, h)) if out is None else out

@@ -61,6 +61,7 @@ import triton.language as tl
 
 from kiln.ops.activation import NARROW_ROWS
 from kiln.ops.common import FP8_DTYPE, interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
+from kiln.ops.moe_routing import rank_route
 from kiln.ops.quant import tl_round
 
 EARLY_MAX_K = 1024  # moe_gemv_launch(early=True): the widest K slab a program holds in registers
@@ -79,6 +80,16 @@ class Tile(NamedTuple):
     group_m: int
     num_warps: int
     num_stages: int
+
+
+class RouteIn(NamedTuple):
+    """The softmax top-k a w13 decode GEMV runs itself (``moe_gemv_launch(route=...)``)."""
+
+    logits: torch.Tensor  # [T, E] router logits (unit last stride)
+    renormalize: bool
+    scale: float
+    round_code: int  # 0: none, 1: bf16, 2: fp16 (ops/moe_routing.py _ROUND_CODE)
+    w_out: torch.Tensor  # [T, k] f32: the weights, written by column block 0
 
 
 class TableRow(NamedTuple):
@@ -386,11 +397,22 @@ def _moe_gemv_kernel(
     EARLY: tl.constexpr = False,  # GROUP 1: the pair's whole [BLOCK_N, K] weight slab before the wait
     KP: tl.constexpr = 1,  # EARLY: next_pow2(K)
     LATE_TRIGGER: tl.constexpr = False,  # trigger the next launch after the wait, not before
+    LOGITS=None,  # ROUTE_K: [T, E] router logits
+    stride_lg=0,
+    E_LG=0,
+    route_scale=1.0,
+    ROUTE_K: tl.constexpr = 0,  # > 0: top-k here (softmax): each pair's expert from LOGITS (GROUP 1)
+    E_PAD: tl.constexpr = 1,
+    RENORM: tl.constexpr = False,
+    ROUND_W: tl.constexpr = 0,
 ):  # fmt: skip
     # The expert comes from topk_ids (the router's output): no weight is known before the wait,
     # except with EARLY, which the launch before (LATE_TRIGGER) lets run only once the routing is
     # final (see moe_gemv_launch).
     tl.static_assert(not EARLY or (GROUP == 1 and not LATE_TRIGGER), "EARLY: one pair per program")
+    tl.static_assert(
+        ROUTE_K == 0 or (GROUP == 1 and not EARLY and not HAS_MAP), "ROUTE_K: one pair per program"
+    )
     if not LATE_TRIGGER:
         pdl_trigger(PDL)
     if not EARLY:
@@ -412,6 +434,14 @@ def _moe_gemv_kernel(
             e0 = tl.load(IDS + g, cache_modifier=".cg")
             if HAS_MAP:
                 e0 = tl.load(MAP + e0, cache_modifier=".cg")
+        elif ROUTE_K > 0:  # the routing of this pair's token, here; column block 0 records it for w2
+            offs_e = tl.arange(0, E_PAD)
+            lg = tl.load(LOGITS + (g // ROUTE_K) * stride_lg + offs_e, mask=offs_e < E_LG, other=0.0)
+            e0, w_route = rank_route(lg.to(tl.float32), offs_e, offs_e < E_LG, g % ROUTE_K, route_scale,
+                                     ROUTE_K, RENORM, ROUND_W)  # fmt: skip
+            if tl.program_id(1) == 0:
+                tl.store(IDS + g, e0)
+                tl.store(TOPK_W + g, w_route)
         else:
             e0 = tl.load(IDS + g)
             if HAS_MAP:
@@ -559,6 +589,7 @@ def moe_gemv_launch(
     counters: torch.Tensor | None = None,
     early: bool = False,
     late_trigger: bool = False,
+    route: RouteIn | None = None,
 ) -> None:
     """Run the decode GEMV (no alignment; see the module docstring) into ``c``.
 
@@ -575,6 +606,10 @@ def moe_gemv_launch(
     w13 GEMV drains. It reads ``topk_ids`` before the wait, which is safe only when the launch
     just before it was made with ``late_trigger`` (its programs trigger after their own wait, so
     this grid starts once the routing kernel before them has completed). Not with FP8 ``a``.
+
+    ``route`` (:class:`RouteIn`, one pair per program, no expert map): the top-k runs here, each
+    program working out its own pair's expert from the router logits (``rank_route``); the
+    programs of column block 0 write ``topk_ids`` and ``route.w_out`` for the launch after.
     """
     t, k = topk_ids.shape
     if t == 0:
@@ -604,10 +639,21 @@ def moe_gemv_launch(
     kdim = w.shape[2]
     if early and (combine or fuse_silu or kdim > EARLY_MAX_K):
         raise ValueError(f"moe_gemv: early takes one pair per program, no fuse_silu, K <= {EARLY_MAX_K}")
+    if route is not None and (combine or early or expert_map is not None or route.logits.shape[0] != t):
+        raise ValueError(
+            "moe_gemv: route takes one pair per program, [T, E] logits, no expert map, not early"
+        )
+    rt = {}
+    if route is not None:
+        lg = route.logits
+        rt = dict(
+            LOGITS=lg, stride_lg=lg.stride(0), E_LG=lg.shape[1], route_scale=float(route.scale), ROUTE_K=k,
+            E_PAD=next_pow2(lg.shape[1]), RENORM=route.renormalize, ROUND_W=route.round_code,
+        )  # fmt: skip
     pdl = pdl_args(a)
     _moe_gemv_kernel[grid](
         a, a_scale if fp8 else a, w, w_scale if fp8 else w, c,
-        topk_weights if topk_weights is not None else c,
+        topk_weights if topk_weights is not None else (route.w_out if route is not None else c),
         topk_ids, expert_map if expert_map is not None else topk_ids,
         n_out, w.shape[2],
         a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0) if fp8 else 0, c.stride(0),
@@ -617,7 +663,7 @@ def moe_gemv_launch(
         FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None, FP8=fp8, ROUND_IN_F32=interpreting(),
         BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         SUM_K=k if sum_out is not None else 0, EARLY=early, KP=next_pow2(kdim) if early else 1,
-        LATE_TRIGGER=late_trigger, **pdl,
+        LATE_TRIGGER=late_trigger, **rt, **pdl,
     )  # fmt: skip
 
 

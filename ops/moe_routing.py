@@ -164,6 +164,33 @@ def _topk_row(
 
 
 @triton.jit
+def rank_route(x, offs, valid, j, scale, K: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr):
+    """Softmax routing of one token, for its ``j``-th pair only: ``(expert, weight)`` as
+    :func:`_topk_row` would write them at position ``j`` (no bias, no groups). From float32
+    logits ``x [E_PAD]``: each expert's rank among the probabilities (higher first, lower index on
+    ties) in one comparison matrix, instead of ``j + 1`` rounds of selection."""
+    x = tl.where(valid & (x == x), x, float("-inf"))
+    m = tl.max(x, axis=0)
+    ex = tl.where(valid, tl.exp(x - m), 0.0)
+    p = ex / tl.sum(ex, axis=0)
+    pv = tl.where(valid & (p == p), p, float("-inf"))
+    better = (pv[None, :] > pv[:, None]) | ((pv[None, :] == pv[:, None]) & (offs[None, :] < offs[:, None]))
+    rank = tl.sum(better.to(tl.int32), axis=1)  # [E_PAD]: experts ahead of each
+    expert = tl.min(tl.where(rank == j, offs, offs.shape[0]), axis=0)
+    w = tl.sum(tl.where(offs == expert, p, 0.0), axis=0)
+    if RENORM:
+        w = w / tl.sum(tl.where(valid & (rank < K), p, 0.0), axis=0)
+    w = w * scale
+    if ROUND == 1:  # as _topk_row
+        b = w.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        w = b.to(tl.float32, bitcast=True)
+    elif ROUND == 2:
+        w = w.to(tl.float16).to(tl.float32)
+    return expert.to(tl.int32), w
+
+
+@triton.jit
 def _moe_topk_kernel(
     L,  # [T, E] router logits
     BIAS,  # [E] f32 correction bias (HAS_BIAS)
