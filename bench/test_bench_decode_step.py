@@ -44,6 +44,7 @@ VARIANTS = {
     "default": {},
     "norm": {"KILN_GEMV": "attn:1,mlp:1,router:1,norm:1"},
     "early_w2": {"KILN_MOE_EARLY_W2": "1"},
+    "topk_w13": {"KILN_MOE_TOPK_IN_W13": "1"},
     "pdl_off": {"KILN_PDL": "0"},
     "gemv_off": {"KILN_GEMV": "0"},
 }

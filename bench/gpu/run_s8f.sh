@@ -2,7 +2,7 @@
 # Written at the end of the eighth session for the next one's first GPU call (issue 9).
 # 1. Without a checkpoint: bench/test_bench_decode_step.py, the model definition's decode step on
 #    random weights in one CUDA graph (Qwen3-30B-A3B-shaped, 16 layers, batch 1 and 8), default
-#    against the opt-in switches (norm role, early w2) and PDL / GEMV off. It should agree with
+#    against the opt-in switches (norm role, early w2, top-k in the w13 GEMV) and PDL / GEMV off. It should agree with
 #    `kiln bench latency` (ITL 1.04 ms at batch 1) before it replaces it for A/B runs.
 # 2. On a compiled artifact: decode with PDL on and off, and the batch-1 step's first 24 kernels in
 #    launch order (profile_decode.py --sequence; the eighth session's copy of this profile is
