@@ -461,21 +461,33 @@ def test_gpu_float32_and_cuda_graph_replay(compiled_gpu):
             assert_rel(out, moe.fused_moe_ref(x, w13, w2, w, ids), TOL[torch.bfloat16])
 
 
+def _captured_decode_moe(t: int):
+    """Qwen3-30B-A3B-shaped decode inputs for ``t`` tokens on the GPU, ``fused_moe`` run once (its
+    kernels and counters made outside the capture), then captured: ``(inputs, graph, out)``."""
+    x, w13, w2, w, ids, _, _ = make_moe(t, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=t)
+    torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")
+    return (x, w13, w2, w, ids), g, out
+
+
+def _new_inputs(t: int, seed: int, x, w, ids) -> None:
+    """New activations and routing, in place (the captured graph's inputs)."""
+    nx, _, _, nw, nids, _, _ = make_moe(t, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=seed)
+    x.copy_(nx), w.copy_(nw), ids.copy_(nids)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 4])
 def test_gpu_early_w2_under_replay(compiled_gpu, monkeypatch, t):
     """``KILN_MOE_EARLY_W2``: the w2 GEMV reads the routing and its weights before its PDL wait
     (w13 triggering after its own), captured and replayed with new routing each time: a stale
     expert id would show as a wrong sum."""
-    x, w13, w2, w, ids, _, _ = make_moe(t, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=t)
     monkeypatch.setenv("KILN_MOE_EARLY_W2", "1")
-    torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")  # compile outside the capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")
+    (x, w13, w2, w, ids), g, out = _captured_decode_moe(t)
     for i in range(40):
-        nx, _, _, nw, nids, _, _ = make_moe(t, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=200 + i)
-        x.copy_(nx), w.copy_(nw), ids.copy_(nids)
+        _new_inputs(t, 200 + i, x, w, ids)
         out.fill_(float("nan"))
         g.replay()
         assert_rel(out, moe.fused_moe_ref(x, w13, w2, w, ids), TOL[torch.bfloat16])
@@ -487,15 +499,10 @@ def test_gpu_sum_last_equals_combine_kernel_under_replay(compiled_gpu, monkeypat
     """The w2 GEMV's last-arrival top-k sum against the combine kernel, bit for bit, over many
     replays of one captured graph with new inputs each time (an ordering bug would show as a stale
     or partial sum)."""
-    x, w13, w2, w, ids, _, _ = make_moe(t, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=t)
     monkeypatch.setenv("KILN_MOE_COMBINE", "fused")
-    torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")  # counters outside the capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")
+    (x, w13, w2, w, ids), g, out = _captured_decode_moe(t)
     for i in range(60):
-        nx, _, _, nw, nids, _, _ = make_moe(t, 2048, 768, 128, 8, torch.bfloat16, device="cuda", seed=100 + i)
-        x.copy_(nx), w.copy_(nw), ids.copy_(nids)
+        _new_inputs(t, 100 + i, x, w, ids)
         monkeypatch.setenv("KILN_MOE_COMBINE", "separate")
         ref = torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")  # eager, combine kernel
         out.fill_(float("nan"))

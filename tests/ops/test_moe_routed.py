@@ -84,3 +84,24 @@ def test_compiled_moe_model_routes_in_w13_and_matches_hf(tmp_path, monkeypatch):
     runner = DirectRunner(str(tmp_path / "art"), device="cpu", num_slots=128)
     check_against_hf(runner, hf, [[5, 6, 7, 8, 9, 10, 11]], decode_steps=2)
     assert len(routed) == 2 * moe_layers  # the two decode steps; the prefill took the top-k kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4])
+def test_gpu_routing_in_w13_under_replay(compiled_gpu, t):
+    """Qwen3-30B-A3B shapes (E=128, top-8, renormalized, bf16-rounded weights) captured once and
+    replayed with new logits: the output follows the routing of each replay."""
+    e, k, h, i = 128, 8, 2048, 768
+    x, logits, w13, w2 = (a.cuda() for a in make(t, e, h, i, seed=t))
+    args = (k, True, 1.0, "bfloat16", "")
+    torch.ops.kiln.fused_moe_routed(x, logits, w13, w2, *args)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = torch.ops.kiln.fused_moe_routed(x, logits, w13, w2, *args)
+    for seed in range(20):
+        _, new_logits, _, _ = make(t, e, h, i, seed=100 + seed)
+        logits.copy_(new_logits)
+        g.replay()
+        w, ids = torch.ops.kiln.moe_topk(logits, None, k, True, "softmax", 1, 1, 1.0, "bfloat16")
+        ref = torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=2e-3)
