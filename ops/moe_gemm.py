@@ -643,7 +643,8 @@ def moe_gemv_launch(
         raise ValueError(
             "moe_gemv: route takes one pair per program, [T, E] logits, no expert map, not early"
         )
-    rt = {}
+    # placeholders without a route (passed, not defaulted: the default launch stays as GPU-tested)
+    rt: dict = dict(LOGITS=a, stride_lg=0, E_LG=1, route_scale=1.0)
     if route is not None:
         lg = route.logits
         rt = dict(
