@@ -131,6 +131,14 @@ def measure(benchmark, ceilings):
     return run
 
 
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """Smoke mode: the ops launch their Triton kernels in the interpreter rather than their torch
+    references (``pytestmark = pytest.mark.usefixtures("kernels_on_cpu")`` in a bench file)."""
+    if SMOKE:
+        monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+
+
 def graphed(fn: Callable[[], object]) -> Callable[[], object]:
     """On a GPU: ``fn`` warmed up (compiled) on a side stream and captured in a CUDA graph, so
     timings at small sizes measure the kernel, not launch overhead; returns the replay."""

@@ -11,7 +11,7 @@ no recompile. Chains of one op do not predict these (docs/decode_budget.md).
 
 * ``test_decode_step[B-VARIANT]``: Qwen3-30B-A3B-shaped with ``LAYERS`` layers (16, as the
   end-to-end runs), ``B`` requests each at ``CONTEXT`` tokens of KV. ``bytes`` is what the runtime's
-  roofline counts (runtime/benchmark.py ``weight_bytes_per_step``: the experts a batch hits on
+  roofline counts (runtime/benchmark.py ``weight_bytes``: the experts a batch hits on
   average, lm_head, no embedding table) plus the KV read, so ``frac_bw`` is comparable with
   ``kiln bench latency``'s ``frac_roofline``.
 
@@ -33,6 +33,7 @@ from kiln.compiler.context import ForwardContext
 from kiln.compiler.registry import model_class
 from kiln.ops.decode_attention import choose_num_splits
 from kiln.ops.rope import rope_cos_sin_cache
+from kiln.runtime.benchmark import weight_bytes
 
 DEV = "cpu" if SMOKE else "cuda"
 LAYERS = pick(16, 2)
@@ -93,16 +94,12 @@ def _context(cfg, batch: int) -> tuple[torch.Tensor, ForwardContext]:
 
 
 def _bytes(cfg, weights, batch: int) -> float:
-    """runtime/benchmark.py ``weight_bytes_per_step``'s count, plus the KV the step reads."""
+    """What ``kiln bench latency``'s roofline counts (runtime/benchmark.py ``weight_bytes``), plus
+    the KV the step reads."""
     moe = cfg.moe
-    hit = 1.0 - (1.0 - moe.top_k / moe.num_experts) ** batch
-    total = 0.0
-    for name, t in weights.items():
-        if name == "embed.weight" and "lm_head.weight" in weights:
-            continue
-        total += t.nbytes * (hit if ".moe.w" in name else 1.0)
     kv_row = cfg.kv_heads_per_rank(1) * cfg.head_dim * 2 * weights["embed.weight"].element_size()
-    return total + batch * (CONTEXT + 1) * kv_row * cfg.num_layers
+    kv = batch * (CONTEXT + 1) * kv_row * cfg.num_layers
+    return weight_bytes(weights, (moe.top_k, moe.num_experts), batch) + kv
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -38,6 +38,8 @@ from kiln.ops import gemv as G
 from kiln.ops.activation import silu_and_mul_ref
 from kiln.ops.common import next_pow2
 
+pytestmark = pytest.mark.usefixtures("kernels_on_cpu")
+
 DEV = "cpu" if SMOKE else "cuda"
 DTYPE = torch.bfloat16
 SHAPES = pick(
@@ -47,12 +49,6 @@ SHAPES = pick(
 )  # fmt: skip
 MS = pick([1, 8], [1, 3])
 GATE_UP_NK = pick((28672, 4096), (48, 64))
-
-
-@pytest.fixture(autouse=True)
-def _kernels_on_cpu(monkeypatch):
-    if SMOKE:  # smoke: silu_and_mul's kernel through the interpreter too
-        monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
 
 
 @functools.cache

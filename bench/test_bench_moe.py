@@ -59,6 +59,8 @@ from kiln.ops import moe_gemm as mg
 from kiln.ops.moe_align import moe_align_run
 from kiln.ops.quant import quantize_fp8_per_channel
 
+pytestmark = pytest.mark.usefixtures("kernels_on_cpu")
+
 H, I, E, K = pick((2048, 768, 128, 8), (64, 32, 8, 2))
 TOKENS = pick([1, 8, 64, 256, 1024, 4096], [3])
 DEV = "cpu" if SMOKE else "cuda"
@@ -76,12 +78,6 @@ def _tuning() -> str:
 
 
 TUNING = _tuning()
-
-
-@pytest.fixture(autouse=True)
-def _kernels_on_cpu(monkeypatch):
-    if SMOKE:
-        monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
 
 
 def _cutlass_unavailable(x, w13, w2) -> str | None:

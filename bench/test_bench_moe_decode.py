@@ -21,10 +21,12 @@ import functools
 
 import pytest
 import torch
-from conftest import SMOKE, graphed, pick
+from conftest import graphed, pick
 from test_bench_moe import DEV, TUNING, E, H, I, K, random_experts
 
 from kiln.ops import moe_route
+
+pytestmark = pytest.mark.usefixtures("kernels_on_cpu")
 
 LAYERS = pick(8, 2)  # the shapes: bench/test_bench_moe.py's (Qwen3-30B-A3B on a GPU)
 ROUTE_VARIANTS = {
@@ -35,12 +37,6 @@ ROUTE_VARIANTS = {
     "e4-k512-w1": dict(block_e=4, block_k=512, num_warps=1),
     "e2-k1024-w4": dict(block_e=2, block_k=1024, num_warps=4),
 }
-
-
-@pytest.fixture(autouse=True)
-def _kernels_on_cpu(monkeypatch):
-    if SMOKE:
-        monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
 
 
 @functools.lru_cache(maxsize=1)

@@ -43,9 +43,7 @@ VARIANTS = {
 
 
 @pytest.fixture(autouse=True)
-def _kernels_on_cpu(monkeypatch):
-    if SMOKE:
-        monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+def _gemv_on(kernels_on_cpu, monkeypatch):
     monkeypatch.setenv("KILN_GEMV", "1")
 
 

@@ -19,7 +19,6 @@ from torch import nn
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
 from kiln.compiler.config import ModelConfig
-from kiln.compiler.context import ForwardContext
 from kiln.compiler.layers import FP8, MLP, fused_norm_m, norm_linear
 from kiln.compiler.models.base import DecoderLayer
 from kiln.ops.gemv import gemv_plan
@@ -89,7 +88,7 @@ class FusedMoE(nn.Module):
             self.round_to,  # HF's cast of the weights to the activation dtype, fused
         )
         router_m = gemv_plan().get("router", 0)
-        if topk_in_w13(self) and self.w13.dtype == x.dtype:
+        if topk_in_w13(self):
             if logits is None:  # the router GEMV, then the top-k inside the experts' w13 GEMV
                 logits = torch.ops.kiln.linear(x, self.router.weight, None, router_m)
             y = torch.ops.kiln.fused_moe_routed(
@@ -119,10 +118,11 @@ class FusedMoE(nn.Module):
 
 def topk_in_w13(moe: FusedMoE) -> bool:
     """``KILN_MOE_TOPK_IN_W13=1`` when tracing: this layer's top-k runs inside the experts' w13
-    GEMV (``kiln::fused_moe_routed``) where it can (softmax routing without bias or expert groups);
-    opt-in until measured end to end."""
+    GEMV (``kiln::fused_moe_routed``) where it can (experts in the activation dtype, softmax routing
+    without bias or expert groups); opt-in until measured end to end."""
     return (
         os.environ.get("KILN_MOE_TOPK_IN_W13", "0") == "1"
+        and moe.w13_scale is None  # not FP8 experts
         and moe.scoring == "softmax"
         and moe.router.bias is None
         and moe.num_groups == 1
@@ -141,18 +141,15 @@ class MoEDecoderLayer(DecoderLayer):
         self.post_attn_norm.quant_out = False
 
     @property
-    def mlp(self) -> nn.Module:  # DecoderLayer.forward calls self.mlp
+    def mlp(self) -> nn.Module:  # DecoderLayer.feed_forward reads self.mlp
         return self._modules["moe"]
 
-    def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # h, residual: [T, H]
-        h, residual = self.attention(h, residual, ctx)
+    def feed_forward(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """post_attn_norm -> MoE: with the plan's ``norm`` role the norm runs inside the router GEMV,
+        which also writes the normalized x for the experts (softmax routing: sigmoid routes on
+        float32 logits the GEMV does not make)."""
         moe = self.mlp
         assert isinstance(moe, FusedMoE)
-        # the post-attention norm inside the router GEMV, which also writes the normalized x for the
-        # experts (softmax routing: sigmoid routes on float32 logits the GEMV does not make)
         m = fused_norm_m(self.post_attn_norm, "router", None) if moe.scoring != "sigmoid" else 0
         if not m:
             return moe(self.post_attn_norm(h, residual)), residual

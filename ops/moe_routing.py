@@ -84,6 +84,28 @@ def moe_topk_ref(
 
 
 @triton.jit
+def _softmax(x, valid):
+    """float32 softmax over the ``valid`` entries of ``x`` (0 elsewhere)."""
+    m = tl.max(x, axis=0)
+    ex = tl.where(valid, tl.exp(x - m), 0.0)
+    return ex / tl.sum(ex, axis=0)
+
+
+@triton.jit
+def _scale_round(w, scale, ROUND: tl.constexpr):
+    """Routing weights times ``scale``, then rounded: ``ROUND`` 1 to bf16 (nearest-even with bit
+    arithmetic, as torch does, the same everywhere), 2 to fp16, 0 not; values stay float32."""
+    w = w * scale
+    if ROUND == 1:
+        b = w.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        w = b.to(tl.float32, bitcast=True)
+    elif ROUND == 2:
+        w = w.to(tl.float16).to(tl.float32)
+    return w
+
+
+@triton.jit
 def _pick(score, avail, offs, N_PAD: tl.constexpr):
     """Index of the largest available ``score`` (lowest index on ties) and its score."""
     cand = tl.where(avail, score, float("-inf"))
@@ -131,9 +153,7 @@ def _topk_row(
                 chosen = tl.sum(tl.where((goffs == g) & gsel, 1, 0), axis=0) > 0
                 avail = avail | (valid & (grp == g) & chosen)
     else:
-        m = tl.max(x, axis=0)
-        ex = tl.where(valid, tl.exp(x - m), 0.0)
-        p = ex / tl.sum(ex, axis=0)
+        p = _softmax(x, valid)
         choice = p
         avail = valid
     choice = tl.where(choice == choice, choice, float("-inf"))  # an all-NaN row: p is NaN too
@@ -152,13 +172,7 @@ def _topk_row(
             total = total + 1e-20
         w = w / total
     kmask = koffs < K
-    w = w * scale
-    if ROUND == 1:  # to bf16, nearest-even, as torch does (bit arithmetic: the same everywhere)
-        b = w.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        w = b.to(tl.float32, bitcast=True)
-    elif ROUND == 2:
-        w = w.to(tl.float16).to(tl.float32)
+    w = _scale_round(w, scale, ROUND)
     tl.store(W_OUT + row * K + koffs, w, mask=kmask)
     tl.store(ID_OUT + row * K + koffs, ids, mask=kmask)
 
@@ -170,9 +184,7 @@ def rank_route(x, offs, valid, j, scale, K: tl.constexpr, RENORM: tl.constexpr, 
     logits ``x [E_PAD]``: each expert's rank among the probabilities (higher first, lower index on
     ties) in one comparison matrix, instead of ``j + 1`` rounds of selection."""
     x = tl.where(valid & (x == x), x, float("-inf"))
-    m = tl.max(x, axis=0)
-    ex = tl.where(valid, tl.exp(x - m), 0.0)
-    p = ex / tl.sum(ex, axis=0)
+    p = _softmax(x, valid)
     pv = tl.where(valid & (p == p), p, float("-inf"))
     better = (pv[None, :] > pv[:, None]) | ((pv[None, :] == pv[:, None]) & (offs[None, :] < offs[:, None]))
     rank = tl.sum(better.to(tl.int32), axis=1)  # [E_PAD]: experts ahead of each
@@ -180,14 +192,7 @@ def rank_route(x, offs, valid, j, scale, K: tl.constexpr, RENORM: tl.constexpr, 
     w = tl.sum(tl.where(offs == expert, p, 0.0), axis=0)
     if RENORM:
         w = w / tl.sum(tl.where(valid & (rank < K), p, 0.0), axis=0)
-    w = w * scale
-    if ROUND == 1:  # as _topk_row
-        b = w.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        w = b.to(tl.float32, bitcast=True)
-    elif ROUND == 2:
-        w = w.to(tl.float16).to(tl.float32)
-    return expert.to(tl.int32), w
+    return expert.to(tl.int32), _scale_round(w, scale, ROUND)
 
 
 @triton.jit

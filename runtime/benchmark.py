@@ -88,20 +88,27 @@ class LatencyResult:
 
 
 def weight_bytes_per_step(llm: LLM, batch: int = 1) -> int:
-    """Bytes of weights a decode step of ``batch`` tokens reads: every tensor but the embedding
-    table (only B rows), and of the routed experts (``*.moe.w13``/``w2`` and their scales) only
-    the expected share the batch hits, ``1 - (1 - k/E)^B`` with uniform routing (the experts past
-    E, shared experts fused as extra experts, always run)."""
-    w = llm.engine.model.weights
+    """Bytes of weights a decode step of ``batch`` tokens reads (:func:`weight_bytes`) for a loaded
+    artifact."""
     moe = llm.engine.artifact.manifest.get("model", {}).get("moe")
-    hit = 1.0 - (1.0 - moe["top_k"] / moe["num_experts"]) ** batch if moe else 1.0
+    experts = (moe["top_k"], moe["num_experts"]) if moe else None
+    return weight_bytes(llm.engine.model.weights, experts, batch)
+
+
+def weight_bytes(weights: dict[str, torch.Tensor], experts: tuple[int, int] | None, batch: int = 1) -> int:
+    """Bytes of ``weights`` a decode step of ``batch`` tokens reads: every tensor but the embedding
+    table (only B rows), and of the routed experts (``*.moe.w13``/``w2`` and their scales;
+    ``experts`` = (top_k, num_experts)) only the expected share the batch hits,
+    ``1 - (1 - k/E)^B`` with uniform routing (the experts past E, shared experts fused as extra
+    experts, always run)."""
+    hit = 1.0 - (1.0 - experts[0] / experts[1]) ** batch if experts else 1.0
     total = 0.0
-    for n, t in w.items():
-        if n == "embed.weight" and "lm_head.weight" in w:
+    for n, t in weights.items():
+        if n == "embed.weight" and "lm_head.weight" in weights:
             continue
-        if moe and ".moe.w" in n and t.dim() >= 1:
+        if experts and ".moe.w" in n and t.dim() >= 1:
             e_local = t.shape[0]
-            routed = min(e_local, moe["num_experts"])
+            routed = min(e_local, experts[1])
             total += t.nbytes / e_local * (routed * hit + (e_local - routed))
         else:
             total += t.nbytes

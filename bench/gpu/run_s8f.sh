@@ -12,7 +12,7 @@ set -o pipefail
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 source bench/gpu/env.sh
 source bench/gpu/moe_l16.sh
-gpu_tests tests.log 120 tests/ops/test_moe_routed.py tests/ops/test_moe_gemm.py -k "routing or replay"
+gpu_tests tests.log 150 tests/ops/test_moe_routed.py tests/ops/test_moe_routing.py tests/ops/test_moe_gemm.py -k "routing or replay or gpu"
 (cd bench && timeout 240 python -m pytest -q test_bench_decode_step.py -p no:cacheprovider \
   --benchmark-json="$OUT/decode_step.json" > "$OUT/decode_step.log" 2>&1)
 bench_summary "$OUT/decode_step.json"

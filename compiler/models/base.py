@@ -78,15 +78,20 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # h, residual: [T, H]
         h, residual = self.attention(h, residual, ctx)
+        return self.feed_forward(h, residual)
+
+    def feed_forward(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """post_attn_norm (adding ``residual``) -> mlp: ``(mlp output, residual)``, the norm inside
+        the gate_up GEMV when the plan fuses it."""
         mlp = self.mlp
         m = fused_norm_m(self.post_attn_norm, "mlp", mlp.quant) if isinstance(mlp, MLP) else 0
-        if m:  # the post-attention norm inside the gate_up GEMV
+        if m:
             gu = mlp.gate_up
             act, residual, _ = norm_linear(
                 self.post_attn_norm, h, residual, gu.weight, gu.bias, m, gate_up=True
             )
             return mlp(h, act), residual
-        return self.mlp(self.post_attn_norm(h, residual)), residual
+        return mlp(self.post_attn_norm(h, residual)), residual
 
     def attention(
         self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
