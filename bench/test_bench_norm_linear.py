@@ -6,7 +6,7 @@ figures per layer (``frac_bw``: the weight and activation bytes of one layer ove
 * ``test_norm_linear_chain[SHAPE-VARIANT]``: ``separate`` = ``fused_add_rmsnorm`` then
   ``kiln::linear`` / ``kiln::linear_silu_mul`` (what a layer ran before); ``fused`` =
   ``kiln::rmsnorm_linear`` with its default launch; ``nBLOCK_N-kBLOCK_K-wWARPS`` = the fused GEMV
-  with that launch (candidates for ``ops/gemv.py: NORM_TUNED``). Shapes: Qwen3-30B-A3B's qkv
+  with that launch (what ``gemv(norm=..., block_n=...)`` overrides would give). Shapes: Qwen3-30B-A3B's qkv
   (5120 x 2048) and router (128 x 2048, the normalized row written for the experts), Llama-3.1-8B's
   qkv (6144 x 4096) and gate_up + SiLU (2 x 14336 x 4096).
 

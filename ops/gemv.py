@@ -589,11 +589,6 @@ TUNED: dict[tuple[int, int, int, bool, int], GemvConfig] = {
 }
 
 
-# The fused-RMSNorm launch (``gemv(norm=...)``, M = 1), keyed by (N_out, K, gate_up, element bytes);
-# other shapes take gemv_config's without split-K.
-NORM_TUNED: dict[tuple[int, int, bool, int], GemvConfig] = {}
-
-
 def sm_count(device: torch.device) -> int:
     return common.sm_count(device, DEFAULT_SMS)
 
@@ -715,7 +710,7 @@ def gemv(
     ``out_dtype`` (default bf16), on the CUDA-core kernel (M <= 4), not with ``gate_up``.
 
     ``norm`` (:class:`NormIn`): an RMSNorm on the one x row first, on the CUDA-core kernel without
-    split-K (``NORM_TUNED``, else ``gemv_config``, for the launch)."""
+    split-K (``gemv_config``'s launch, on the CUDA-core path, one split)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: need x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     scaled = x.dtype == FP8_DTYPE
@@ -757,7 +752,6 @@ def gemv(
         norm.check(x)
         if scaled or use_dot or (split_k or 1) > 1:
             raise ValueError("gemv: a fused RMSNorm runs on the CUDA-core kernel without split-K")
-        cfg = NORM_TUNED.get((n_out, k, gate_up, x.element_size())) or cfg
         if cfg.use_dot:  # a tensor-core choice: the CUDA-core path's own block sizes instead
             cfg = heuristic_config(1, n_out, k, gate_up, x.element_size(), sms, False)
         cfg = dataclasses.replace(cfg, split_k=1)  # rstd needs every program to see all of K

@@ -76,12 +76,12 @@ def test_kernel_gate_up_and_bias(kernel_on_cpu, bias):
 
 
 def test_norm_launch_never_splits_k(kernel_on_cpu, monkeypatch):
-    """A table entry (``NORM_TUNED``) asking for split-K or the tensor-core path still launches one
+    """A table entry (``TUNED``) asking for split-K or the tensor-core path still launches one
     CUDA-core program per row block over all of K: rstd needs the whole row."""
     x, r, nw, w, _ = make(40, 200, torch.bfloat16)
-    monkeypatch.setitem(G.NORM_TUNED, (40, 200, False, 2), G.GemvConfig(8, 64, 4, 1, 4, True))
+    monkeypatch.setitem(G.TUNED, (1, 40, 200, False, 2), G.GemvConfig(8, 64, 4, 1, 4, True))
     close(G.gemv(x, w, norm=G.NormIn(nw, EPS, r)), fused_ref(x, r, nw, w, None))
-    monkeypatch.setitem(G.NORM_TUNED, (40, 200, False, 2), G.GemvConfig(4, 32, 4, 1, 3, False))
+    monkeypatch.setitem(G.TUNED, (1, 40, 200, False, 2), G.GemvConfig(4, 32, 4, 1, 3, False))
     close(G.gemv(x, w, norm=G.NormIn(nw, EPS, r)), fused_ref(x, r, nw, w, None))
 
 
