@@ -7,7 +7,9 @@ weights dict and a ``ForwardContext``) and captured in one CUDA graph per case. 
 order are those of a decode step. Sampling, the host work and the aten glue are not included.
 Switches read while tracing (the GEMV plan ``KILN_GEMV``, e.g. its ``norm`` role) and at capture
 (``KILN_PDL``, ``KILN_MOE_EARLY_W2``, ...) are set per case, so step-level A/B comparisons need
-no recompile. Chains of one op do not predict these (docs/decode_budget.md).
+no recompile; ``KILN_FOLD_NORMS=1`` sets the model's ``fold_norms`` (the residual-stream layout)
+for its case, on the same random weights: the kernels are those of a folded artifact, the
+values are not. Chains of one op do not predict these (docs/decode_budget.md).
 
 * ``test_decode_step[B-VARIANT]``: Qwen3-30B-A3B-shaped with ``LAYERS`` layers (16, as the
   end-to-end runs), ``B`` requests each at ``CONTEXT`` tokens of KV. ``bytes`` is what the runtime's
@@ -46,6 +48,7 @@ VARIANTS = {
     "norm": {"KILN_GEMV": "attn:1,mlp:1,router:1,norm:1"},
     "early_w2": {"KILN_MOE_EARLY_W2": "1"},
     "topk_w13": {"KILN_MOE_TOPK_IN_W13": "1"},
+    "fold": {"KILN_FOLD_NORMS": "1"},  # the residual-stream layout (the weights are not folded here)
     "pdl_off": {"KILN_PDL": "0"},
     "gemv_off": {"KILN_GEMV": "0"},
 }
@@ -108,6 +111,7 @@ def test_decode_step(measure, monkeypatch, batch, variant):
     for name, value in VARIANTS[variant].items():
         monkeypatch.setenv(name, value)
     cfg, model, weights = _model()
+    monkeypatch.setattr(model, "fold_norms", VARIANTS[variant].get("KILN_FOLD_NORMS") == "1")
     ids, ctx = _context(cfg, batch)
     step = lambda: torch.func.functional_call(model, weights, (ids, ctx), strict=True)
     logits = step()

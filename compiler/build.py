@@ -27,6 +27,7 @@ from kiln.compiler.context import GRAPH_INPUTS
 from kiln.compiler.cutlass_build import check_request, cutlass_backend, drop_unused, fp8_library
 from kiln.compiler.graph_code import emit_graph_code
 from kiln.compiler.manifest import gpu_arch, versions, write_manifest
+from kiln.compiler.models.base import norm_folds
 from kiln.compiler.moe_layer import FusedMoE
 from kiln.compiler.moe_tune import MoEShape, moe_tuning
 from kiln.compiler.parallel import ParallelConfig, validate_parallel
@@ -35,6 +36,7 @@ from kiln.compiler.trace import CacheSpec, example_inputs, export_graph, strip_e
 from kiln.errors import KilnError
 from kiln.ops.common import FP8_DTYPE
 from kiln.ops.gemv import gemv_plan
+from kiln.weights.fold import apply_norm_folds
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKENIZER_FILES = (
@@ -153,6 +155,27 @@ def _check_pack_matches(model: torch.nn.Module, pack: dict[str, torch.Tensor]) -
             )
 
 
+def fold_norms_requested() -> bool:
+    """``KILN_FOLD_NORMS=1`` when compiling: trace the residual-stream layout with the RMSNorm
+    weights folded into the linears behind them (compiler/models/base.py), where the model allows
+    it. Off by default until it is measured faster end to end."""
+    return os.environ.get("KILN_FOLD_NORMS", "0") == "1"
+
+
+def _norm_folds(model: torch.nn.Module, verbose: bool) -> dict[str, list[str]]:
+    """The folds the traced graphs will expect (``model.fold_norms`` set), or {} when not asked for
+    or not possible (said on stderr)."""
+    if not fold_norms_requested():
+        return {}
+    folds, why = norm_folds(model)
+    if not folds:
+        if verbose:
+            print(f"[kiln compile] KILN_FOLD_NORMS=1 ignored: {why}", file=sys.stderr, flush=True)
+        return {}
+    model.fold_norms = True
+    return folds
+
+
 def _cache_spec(cfg: ModelConfig, opts: CompileOptions) -> CacheSpec:
     return CacheSpec(
         cfg.num_layers,
@@ -218,6 +241,8 @@ def compile_model(
                     mod.tuning = moe_choice["table"]
         weights = load_pack(out / "weights", 0, device)
         _check_pack_matches(model, weights)
+        folds = _norm_folds(model, verbose)
+        apply_norm_folds(weights, folds)  # as the runtime will, before the warm-up runs the graphs
         cache = _cache_spec(cfg, opts)
         graphs: dict[str, dict[str, Any]] = {}
         (out / "graphs").mkdir()
@@ -316,6 +341,7 @@ def compile_model(
                 "eos_token_ids": eos,
                 "bos_token_id": cfg.bos_token_id,
                 "tokenizer_files": tok_files,
+                "norm_folds": folds,  # weights/fold.py: the runtime folds these after loading
                 "kernel_choices": {
                     "attention": "triton",
                     "page_size": opts.page_size,

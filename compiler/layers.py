@@ -92,6 +92,24 @@ def norm_linear(
     return y, (x if residual is None else h), xn
 
 
+def folded_norm_linear(
+    norm: RMSNorm,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    role: str,
+    gate_up: bool = False,
+    normed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm`` on the residual stream ``h`` then the linear ``weight``, the norm's weight folded into
+    ``weight`` (weights/fold.py; ``norm.weight`` is then ones): at one token the GEMV of the plan's
+    ``role`` does both without loading the norm weight. ``(y [T, N], the normalized h if normed)``."""
+    y, _, xn = torch.ops.kiln.rmsnorm_linear(
+        h, None, norm.weight, norm.eps, weight, bias, gemv_plan().get(role, 0), gate_up, normed, True
+    )
+    return y, xn
+
+
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with W ``[out, in]``; FP8 weights carry ``weight_scale [out]``.
 
@@ -119,13 +137,15 @@ class Linear(nn.Module):
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self.role: str | None = None  # "attn" / "mlp": the GEMV plan's role of this linear
 
-    def forward(self, x: Act) -> torch.Tensor:
+    def forward(self, x: Act, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # residual [T, out]: returns residual + x W^T, the add in the GEMV's epilogue (or one addmm)
         if self.quant != "fp8":
             assert isinstance(x, torch.Tensor)
             max_m = gemv_plan().get(self.role or "", 0)
-            if max_m:
-                return torch.ops.kiln.linear(x, self.weight, self.bias, max_m)
+            if max_m or residual is not None:
+                return torch.ops.kiln.linear(x, self.weight, self.bias, max_m, residual)
             return nn.functional.linear(x, self.weight, self.bias)
+        assert residual is None, "FP8 linears take no residual (the residual stream is not for --quant fp8)"
         q = x if isinstance(x, QuantAct) else quantize_per_token(x)
         return torch.ops.kiln.fp8_linear(
             q.data, q.scale, self.weight, self.weight_scale, self.bias, self.out_dtype
@@ -173,8 +193,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, dtype) if qk_norm else None
 
-    def forward(self, x: Act, ctx: ForwardContext, qkv: torch.Tensor | None = None) -> torch.Tensor:
-        # qkv: the projection when a norm fused into it computed it (x is then unused)
+    def forward(
+        self,
+        x: Act,
+        ctx: ForwardContext,
+        qkv: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # qkv: the projection when a norm fused into it computed it (x is then unused);
+        # residual [T, H]: added by the o projection (the residual stream, compiler/models/base.py)
         if qkv is None:
             qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
         k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]  # [S, Hkv, D]
@@ -208,7 +235,7 @@ class Attention(nn.Module):
             self.sliding_window,
             0.0,
         )  # [T, Hq, Dv]; decode kernel when every request brings one token
-        return self.o(o.flatten(1))  # [T, H]
+        return self.o(o.flatten(1), residual)  # [T, H]
 
 
 class MLP(nn.Module):
@@ -226,10 +253,14 @@ class MLP(nn.Module):
         self.down = Linear(hidden, intermediate, dtype, False, quant)
         self.gate_up.role = self.down.role = "mlp"
 
-    def forward(self, x: Act, act: torch.Tensor | None = None) -> torch.Tensor:
-        # act: silu(gate) * up when a norm fused into gate_up computed it (x is then unused)
+    def forward(
+        self, x: Act, act: torch.Tensor | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # act: silu(gate) * up when a norm fused into gate_up computed it (x is then unused);
+        # residual [T, H]: added by the down projection
         if act is not None:
-            return self.down(act)  # [T, H]
+            return self.down(act, residual)  # [T, H]
+        assert residual is None, "a residual goes with act (the residual stream fuses gate_up's norm)"
         if self.quant == "fp8":
             gu = self.gate_up(x)  # [T, 2I]
             return self.down(QuantAct(*torch.ops.kiln.silu_and_mul_quant(gu, None)))

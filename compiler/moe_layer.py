@@ -19,7 +19,7 @@ from torch import nn
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
 from kiln.compiler.config import ModelConfig
-from kiln.compiler.layers import FP8, MLP, fused_norm_m, norm_linear
+from kiln.compiler.layers import FP8, MLP, folded_norm_linear, fused_norm_m, norm_linear
 from kiln.compiler.models.base import DecoderLayer
 from kiln.ops.gemv import gemv_plan
 
@@ -75,8 +75,12 @@ class FusedMoE(nn.Module):
         shared = m.num_shared_experts * m.shared_intermediate_size
         self.shared = MLP(h, -(-shared // tp), dtype, quant) if shared else None
 
-    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [T, H]; logits: [T, E] router logits when a norm fused into the router computed them
+    def forward(
+        self, x: torch.Tensor, logits: torch.Tensor | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # x: [T, H]; logits: [T, E] router logits when a norm fused into the router computed them;
+        # residual [T, H]: returns residual + the block's output (the routed experts' last kernel
+        # adds it when there are no shared experts)
         bias = self.router.bias.float() if self.router.bias is not None else None
         routing = (
             self.top_k,
@@ -108,12 +112,15 @@ class FusedMoE(nn.Module):
             else:  # T up to the plan's router max: the router GEMV, then the top-k kernel
                 w, ids = torch.ops.kiln.moe_route(x, self.router.weight, bias, *routing, router_m)
             # w, ids: [T, k] f32, [T, k] int32
+            res = residual if self.shared is None else None
             y = torch.ops.kiln.fused_moe(
-                x, self.w13, self.w2, w, ids, None, self.w13_scale, self.w2_scale, self.tuning
+                x, self.w13, self.w2, w, ids, None, self.w13_scale, self.w2_scale, self.tuning, res
             )  # [T, H]
+            if res is not None:
+                return y
         if self.shared is not None:
             y = y + self.shared(x)
-        return y
+        return y if residual is None else residual + y
 
 
 def topk_in_w13(moe: FusedMoE) -> bool:
@@ -157,3 +164,14 @@ class MoEDecoderLayer(DecoderLayer):
             self.post_attn_norm, h, residual, moe.router.weight, None, m, normed=True
         )
         return moe(x, logits), residual
+
+    def stream_feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """``h + moe(post_attn_norm(h))`` (the residual-stream layout, compiler/models/base.py): the
+        norm inside the router GEMV, which writes the normalized row for the experts (sigmoid
+        routing: the norm kernel, then ``moe_route``), the add in the experts' last kernel."""
+        moe = self.mlp
+        assert isinstance(moe, FusedMoE)
+        if moe.scoring == "sigmoid":
+            return moe(self.post_attn_norm(h), residual=h)
+        logits, x = folded_norm_linear(self.post_attn_norm, h, moe.router.weight, None, "router", normed=True)
+        return moe(x, logits, residual=h)

@@ -197,12 +197,24 @@ def _fma4(a0, a1, a2, a3, w, x0, x1, x2, x3, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _add_z(
+    y, Z, m, stride_zm, offs_n, mask, ADD_Z: tl.constexpr, DT: tl.constexpr, ROUND_IN_F32: tl.constexpr
+):
+    """``ADD_Z``: the rounded output ``y`` plus row ``m`` of ``Z`` (the residual), rounded again, as
+    a separate add after the linear would give; else ``y``."""
+    if ADD_Z:
+        z = tl.load(Z + m * stride_zm + offs_n, mask=mask, other=0.0).to(tl.float32)  # M x N is small
+        y = tl_round(y + z, DT, ROUND_IN_F32)
+    return y
+
+
+@triton.jit
 def _finish_row(g, u, m, M, bg, bu, offs_n, n_mask, Y, P, pid_k, stride_ym, N_OUT,
                 SPLIT_K: tl.constexpr, GATE_UP: tl.constexpr, ROUND_IN_F32: tl.constexpr,
-                XS, WS, stride_xs, SCALED: tl.constexpr):  # fmt: skip
+                XS, WS, stride_xs, SCALED: tl.constexpr, Z, stride_zm, ADD_Z: tl.constexpr):  # fmt: skip
     """Row ``m`` of an FMA program: reduce ``[BLOCK_N, KB]`` partial sums (``SCALED``: times
-    ``XS[m] * WS[n]``), then the output (bias, epilogue, rounding) or, with split-K, the float32
-    partials."""
+    ``XS[m] * WS[n]``), then the output (bias, epilogue, rounding, ``ADD_Z``: plus ``Z[m]``, rounded
+    again) or, with split-K, the float32 partials."""
     g = tl.sum(g, axis=1)  # [BLOCK_N]
     if SCALED:  # FP8: per-token (stride_xs 1) or per-tensor (0) x scale, per-channel w scale
         xs = tl.load(XS + tl.minimum(m, M - 1) * stride_xs)
@@ -213,6 +225,7 @@ def _finish_row(g, u, m, M, bg, bu, offs_n, n_mask, Y, P, pid_k, stride_ym, N_OU
             u = tl.sum(u, axis=1) + bu
         DT: tl.constexpr = Y.dtype.element_ty
         y = _act(g + bg, u, GATE_UP, DT, ROUND_IN_F32)
+        y = _add_z(y, Z, m, stride_zm, offs_n, mask, ADD_Z, DT, ROUND_IN_F32)
         tl.store(Y + m * stride_ym + offs_n, y.to(DT), mask=mask)
     else:
         N_P = N_OUT * 2 if GATE_UP else N_OUT
@@ -224,9 +237,11 @@ def _finish_row(g, u, m, M, bg, bu, offs_n, n_mask, Y, P, pid_k, stride_ym, N_OU
 
 @triton.jit
 def _norm_chunk(X, R, G, H, XN, K, rstd, pid, HAS_RES: tl.constexpr, WRITE_H: tl.constexpr,
-                WRITE_XN: tl.constexpr, CHUNK: tl.constexpr, ROUND_IN_F32: tl.constexpr):  # fmt: skip
+                WRITE_XN: tl.constexpr, CHUNK: tl.constexpr, ROUND_IN_F32: tl.constexpr,
+                HAS_G: tl.constexpr):  # fmt: skip
     """A NORM program's share of ``h`` and of the normalized row (elements ``pid * CHUNK ..``), with
-    ops/norm.py's roundings: ``h`` and ``h * rstd`` rounded to x's dtype, times the weight, rounded."""
+    ops/norm.py's roundings: ``h`` and ``h * rstd`` rounded to x's dtype, times the weight (``HAS_G``),
+    rounded."""
     DT: tl.constexpr = X.dtype.element_ty
     offs = pid * CHUNK + tl.arange(0, CHUNK)
     mask = offs < K
@@ -236,8 +251,10 @@ def _norm_chunk(X, R, G, H, XN, K, rstd, pid, HAS_RES: tl.constexpr, WRITE_H: tl
     if WRITE_H:
         tl.store(H + offs, h.to(DT), mask=mask)
     if WRITE_XN:
-        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-        xn = tl_round(g * tl_round(h * rstd, DT, ROUND_IN_F32), DT, ROUND_IN_F32)
+        xn = tl_round(h * rstd, DT, ROUND_IN_F32)
+        if HAS_G:
+            g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+            xn = tl_round(g * xn, DT, ROUND_IN_F32)
         tl.store(XN + offs, xn.to(DT), mask=mask)
 
 
@@ -280,6 +297,10 @@ def _gemv_fma_kernel(
     WRITE_H: tl.constexpr = False,
     WRITE_XN: tl.constexpr = False,
     CHUNK: tl.constexpr = 1,  # WRITE_H / WRITE_XN: elements of K each program writes
+    HAS_G: tl.constexpr = True,  # NORM: the weight G applies (off: folded into W, unit weight)
+    Z=None,  # ADD_Z: [M, N_OUT] added to the rounded output (the residual); else any pointer
+    stride_zm=0,
+    ADD_Z: tl.constexpr = False,
 ):
     """CUDA cores. The W tile is loaded as ``[BLOCK_N, BLOCK_K / VEC, VEC]`` so each thread owns whole
     16-byte pieces; x is loaded through pointers of the same shape (broadcast over rows) so it lands
@@ -329,7 +350,8 @@ def _gemv_fma_kernel(
             if HAS_RES:
                 x0 = tl_round(x0 + _load_f32(r_ptrs, k_mask, EVEN_K), X.dtype.element_ty, ROUND_IN_F32)
             ss += tl.sum(x0 * x0, axis=2)
-            x0 = x0 * _load_f32(n_ptrs, k_mask, EVEN_K)
+            if HAS_G:
+                x0 = x0 * _load_f32(n_ptrs, k_mask, EVEN_K)
             r_ptrs += BLOCK_K
             n_ptrs += BLOCK_K
         x1 = x0
@@ -354,7 +376,7 @@ def _gemv_fma_kernel(
         u0 = u0 * rstd[:, None]
         if WRITE_H or WRITE_XN:
             _norm_chunk(X, R, G, H, XN, K, tl.max(rstd, axis=0), pid_n, HAS_RES, WRITE_H, WRITE_XN, CHUNK,
-                        ROUND_IN_F32)  # fmt: skip
+                        ROUND_IN_F32, HAS_G)  # fmt: skip
     bg = 0.0
     bu = 0.0
     if HAS_BIAS and SPLIT_K == 1:  # with split-K the reduce kernel adds it
@@ -362,7 +384,7 @@ def _gemv_fma_kernel(
         if GATE_UP:
             bu = tl.load(B + UP_OFF + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     _finish_row(g0, u0, 0, M, bg, bu, offs_n, n_mask, Y, P, pid_k, stride_ym, N_OUT, SPLIT_K, GATE_UP,
-                ROUND_IN_F32, XS, WS, stride_xs, SCALED)  # fmt: skip
+                ROUND_IN_F32, XS, WS, stride_xs, SCALED, Z, stride_zm, ADD_Z)  # fmt: skip
     if BLOCK_M > 1:
         _finish_row(
             g1,
@@ -385,6 +407,9 @@ def _gemv_fma_kernel(
             WS,
             stride_xs,
             SCALED,
+            Z,
+            stride_zm,
+            ADD_Z,
         )
     if BLOCK_M > 2:
         _finish_row(
@@ -408,6 +433,9 @@ def _gemv_fma_kernel(
             WS,
             stride_xs,
             SCALED,
+            Z,
+            stride_zm,
+            ADD_Z,
         )
         _finish_row(
             g3,
@@ -430,6 +458,9 @@ def _gemv_fma_kernel(
             WS,
             stride_xs,
             SCALED,
+            Z,
+            stride_zm,
+            ADD_Z,
         )
 
 
@@ -455,6 +486,9 @@ def _gemv_dot_kernel(
     EVEN_K: tl.constexpr,
     ROUND_IN_F32: tl.constexpr,  # the interpreter: round bf16 by hand, float32 dots
     PDL: tl.constexpr,
+    Z=None,  # as _gemv_fma_kernel
+    stride_zm=0,
+    ADD_Z: tl.constexpr = False,
 ):  # fmt: skip
     """Tensor cores, swap-AB: ``acc [BLOCK_N, BLOCK_M] += W_tile [BLOCK_N, BLOCK_K] @ x_tile^T``. The
     W tiles go through the software pipeline (``num_stages``) like any Triton matmul operand."""
@@ -501,6 +535,9 @@ def _gemv_dot_kernel(
             if GATE_UP:
                 acc_u += tl.load(B + UP_OFF + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         y = _act(acc_g, acc_u, GATE_UP, DT, ROUND_IN_F32)
+        if ADD_Z:
+            z = tl.load(Z + offs_m[None, :].to(tl.int64) * stride_zm + offs_n[:, None], mask=mask, other=0.0)
+            y = tl_round(y + z.to(tl.float32), DT, ROUND_IN_F32)
         tl.store(Y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None], y.to(DT), mask=mask)
     else:
         N_P = N_OUT * 2 if GATE_UP else N_OUT
@@ -525,6 +562,9 @@ def _splitk_reduce_kernel(
     HAS_BIAS: tl.constexpr,
     ROUND_IN_F32: tl.constexpr,
     PDL: tl.constexpr,
+    Z=None,  # as _gemv_fma_kernel
+    stride_zm=0,
+    ADD_Z: tl.constexpr = False,
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)
@@ -545,6 +585,7 @@ def _splitk_reduce_kernel(
             u += tl.load(B + UP_OFF + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     DT: tl.constexpr = Y.dtype.element_ty
     y = _act(g, u, GATE_UP, DT, ROUND_IN_F32)
+    y = _add_z(y, Z, row, stride_zm, offs_n, n_mask, ADD_Z, DT, ROUND_IN_F32)
     tl.store(Y + row.to(tl.int64) * stride_ym + offs_n, y.to(DT), mask=n_mask)
 
 
@@ -645,9 +686,10 @@ class NormIn:
     """The RMSNorm a :func:`gemv` runs on its x row first (ops/norm_linear.py): ``x`` is then the
     norm's input ``[1, K]`` and ``y = rmsnorm(x (+ residual)) @ w^T``, the weight and ``rstd``
     applied around the product. ``h_out`` gets ``x + residual`` (the next residual) and ``xn_out``
-    the normalized row, each ``[1, K]`` of x's dtype, when given."""
+    the normalized row, each ``[1, K]`` of x's dtype, when given. ``weight`` None: a unit weight
+    (the norm's weight is folded into ``w``'s columns, weights/fold.py)."""
 
-    weight: torch.Tensor  # [K]
+    weight: torch.Tensor | None  # [K]
     eps: float
     residual: torch.Tensor | None = None  # [1, K]
     h_out: torch.Tensor | None = None  # [1, K]
@@ -659,7 +701,7 @@ class NormIn:
             raise ValueError(
                 f"gemv: a fused RMSNorm takes one bf16/fp16/fp32 row, got {tuple(x.shape)} {x.dtype}"
             )
-        if self.weight.shape != (k,) or self.weight.stride(0) != 1:
+        if self.weight is not None and (self.weight.shape != (k,) or self.weight.stride(0) != 1):
             raise ValueError(
                 f"gemv: the norm weight must be a contiguous [{k}], got {tuple(self.weight.shape)}"
             )
@@ -675,7 +717,8 @@ def _norm_meta(norm: NormIn | None, x: torch.Tensor, w: torch.Tensor, grid_n: in
         return dict(R=w, G=w, H=w, XN=w, eps=0.0)
     k = x.shape[1]
     return dict(
-        R=norm.residual if norm.residual is not None else x, G=norm.weight,
+        R=norm.residual if norm.residual is not None else x, G=norm.weight if norm.weight is not None else x,
+        HAS_G=norm.weight is not None,
         H=norm.h_out if norm.h_out is not None else x, XN=norm.xn_out if norm.xn_out is not None else x,
         eps=float(norm.eps), NORM=True, HAS_RES=norm.residual is not None,
         WRITE_H=norm.h_out is not None, WRITE_XN=norm.xn_out is not None,
@@ -700,6 +743,7 @@ def gemv(
     split_k: int | None = None,
     use_dot: bool | None = None,
     norm: NormIn | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the GEMV (no dispatch: always the Triton kernel). ``x [M, K]``, ``w [N, K]`` (``[2I, K]``
     with ``gate_up``), ``bias [N]`` / ``[2I]``; returns ``[M, N]`` / ``[M, I]`` in ``x.dtype``
@@ -710,7 +754,11 @@ def gemv(
     ``out_dtype`` (default bf16), on the CUDA-core kernel (M <= 4), not with ``gate_up``.
 
     ``norm`` (:class:`NormIn`): an RMSNorm on the one x row first, on the CUDA-core kernel without
-    split-K (``gemv_config``'s launch, on the CUDA-core path, one split)."""
+    split-K (``gemv_config``'s launch, on the CUDA-core path, one split).
+
+    ``residual`` ``[M, N]`` (x's dtype, not with ``gate_up`` or FP8): added to the rounded output
+    and rounded again, ``y = residual + linear(x)`` as two launches would give it (the residual
+    stream's add, done by the projection that feeds it)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: need x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     scaled = x.dtype == FP8_DTYPE
@@ -734,12 +782,19 @@ def gemv(
         out = x.new_empty((m, n_out), dtype=odt)
     elif out.shape != (m, n_out) or out.dtype != odt or (m and n_out and out.stride(1) != 1):
         raise ValueError(f"gemv: out must be [{m}, {n_out}] {odt} with unit column stride")
+    if residual is not None and (
+        gate_up or scaled or residual.shape != (m, n_out) or residual.dtype != odt or residual.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"gemv: residual must be [{m}, {n_out}] {odt} with a unit last stride, without gate_up or FP8"
+        )
     if m == 0 or n_out == 0:
         return out
     if k == 0 and scaled:
         return out.copy_(bias.expand(m, n_out)) if bias is not None else out.zero_()
     if k == 0:
-        return out.copy_(gate_up_ref(x, w, bias) if gate_up else gemv_ref(x, w, bias))
+        y = gate_up_ref(x, w, bias) if gate_up else gemv_ref(x, w, bias)
+        return out.copy_(y if residual is None else (y.float() + residual.float()).to(odt))
     if x.stride(1) != 1:
         x = x.contiguous()
     if w.stride(1) != 1:
@@ -791,24 +846,26 @@ def gemv(
         m, n_out, k, k_split, x.stride(0), w.stride(0), out.stride(0), n_out if gate_up else 0,
     )  # fmt: skip
     pdl = pdl_args(x)
+    z = dict(Z=residual, stride_zm=residual.stride(0), ADD_Z=True) if residual is not None else dict(Z=w)
     meta = dict(
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=splits, GATE_UP=gate_up,
         HAS_BIAS=bias is not None, EVEN_K=k % k_split == 0, ROUND_IN_F32=interp,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
+    zk = z if splits == 1 else dict(Z=w)  # with split-K the reduce kernel adds it
     if cfg.use_dot:
-        _gemv_dot_kernel[grid](*args, **meta)
+        _gemv_dot_kernel[grid](*args, **meta, **zk)
     else:
         xs = x_scale.reshape(-1).float().contiguous() if x_scale is not None and scaled else w
         ws = w_scale.reshape(-1).float().contiguous() if w_scale is not None and scaled else w
         sc = dict(XS=xs, WS=ws, stride_xs=int(xs.numel() > 1), SCALED=scaled)
-        _gemv_fma_kernel[grid](*args, VEC=vec, **sc, **meta, **_norm_meta(norm, x, w, grid[0]))
+        _gemv_fma_kernel[grid](*args, VEC=vec, **sc, **meta, **_norm_meta(norm, x, w, grid[0]), **zk)
     if splits > 1:
         _splitk_reduce_kernel[(m, triton.cdiv(n_out, REDUCE_BLOCK))](
             part, bias if bias is not None else part, out, m, n_out, out.stride(0),
             n_out if gate_up else 0,
             SPLIT_K=splits, BLOCK=REDUCE_BLOCK, GATE_UP=gate_up, HAS_BIAS=bias is not None,
-            ROUND_IN_F32=interp, num_warps=2, **pdl,
+            ROUND_IN_F32=interp, num_warps=2, **pdl, **z,
         )  # fmt: skip
     return out
 
@@ -849,15 +906,32 @@ def use_gemv(x: torch.Tensor, w: torch.Tensor, max_m: int) -> bool:
 
 
 @kiln_op("linear")
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, max_m: int) -> torch.Tensor:
-    """``x [T, K] @ w [N, K]^T (+ bias)`` ``[T, N]``: the GEMV for ``1 <= T <= max_m``, else ``F.linear``."""
-    if use_gemv(x, w, max_m):
-        return gemv(x, w, bias)
-    return torch.nn.functional.linear(x, w, bias)
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    max_m: int,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x [T, K] @ w [N, K]^T (+ bias)`` ``[T, N]``: the GEMV for ``1 <= T <= max_m``, else ``F.linear``.
+    ``residual [T, N]``: ``residual + linear(x)`` (the GEMV adds it in its epilogue; otherwise one
+    ``addmm``, whose sum is rounded once)."""
+    if residual is not None and (residual.shape != (*x.shape[:-1], w.shape[0]) or residual.dtype != x.dtype):
+        raise ValueError(
+            f"linear: residual must be {(*x.shape[:-1], w.shape[0])} {x.dtype}, got "
+            f"{tuple(residual.shape)} {residual.dtype}"
+        )
+    if use_gemv(x, w, max_m) and (residual is None or residual.stride(-1) == 1):
+        return gemv(x, w, bias, residual=residual)
+    if residual is None:
+        return torch.nn.functional.linear(x, w, bias)
+    if bias is None and x.dim() == 2:
+        return torch.addmm(residual, x, w.t())
+    return residual + torch.nn.functional.linear(x, w, bias)
 
 
 @linear.register_fake
-def _(x, w, bias, max_m):
+def _(x, w, bias, max_m, residual=None):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 

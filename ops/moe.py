@@ -2,7 +2,7 @@
 weight) -> top-k combine, as one op.
 
 Op ``torch.ops.kiln.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale,
-tuning) -> y [T, H]`` (dtype of ``x``):
+tuning, residual=None) -> y [T, H]`` (dtype of ``x``):
 
 * ``x``: ``[T, H]`` bf16/fp16/fp32 (the normed activations);
 * ``w13``: ``[E, 2I, H]`` gate rows then up rows per expert; ``w2``: ``[E, H, I]``; both in ``x``'s
@@ -12,7 +12,11 @@ tuning) -> y [T, H]`` (dtype of ``x``):
 * ``topk_weights [T, k]`` f32, ``topk_ids [T, k]`` int32 (from ``kiln.moe_route`` / ``kiln.moe_topk``);
 * ``expert_map``: ``[E_global]`` int32 global -> local slot (-1: another rank's expert, contributes
   nothing here), or None when ``topk_ids`` are local already;
-* ``tuning``: "" to use ``moe_config``'s table, or a recorded table (``moe_gemm.parse_tuning``).
+* ``tuning``: "" to use ``moe_config``'s table, or a recorded table (``moe_gemm.parse_tuning``);
+* ``residual``: ``[T, H]`` or None; given, the op returns ``residual + y`` (``y`` rounded, then the
+  sum rounded, as a separate add would), added by the kernel that writes the top-k sum (the w2
+  GEMV's last arrival, its token-group store, or the combine kernel): the residual stream of
+  ``KILN_FOLD_NORMS`` graphs (compiler/models/base.py).
 
 ``y[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e][:I] @ x[t]) * (w13[e][I:] @ x[t]))`` over
 the local experts ``e = topk_ids[t, j]``, rounded as Hugging Face's expert MLP rounds (see
@@ -60,6 +64,7 @@ from kiln.ops.moe_align import moe_align_run
 from kiln.ops.moe_gemm import (
     EARLY_BLOCK_N,
     EARLY_MAX_K,
+    add_z,
     check_config,
     moe_gemm_launch,
     moe_gemv_launch,
@@ -145,6 +150,9 @@ def _combine_kernel(
     BLOCK_H: tl.constexpr,
     RF: tl.constexpr,
     PDL: tl.constexpr,
+    Z=None,  # ADD_Z: [T, H] the residual, added to the rounded sum
+    stride_zm=0,
+    ADD_Z: tl.constexpr = False,
 ):  # Y2: [T * K, H] weighted expert outputs; OUT: [T, H]
     pdl_trigger(PDL)
     pdl_wait(PDL)
@@ -153,7 +161,8 @@ def _combine_kernel(
     hmask = offs < H
     acc = pair_sum(Y2, IDS, MAP, t, K, offs, hmask, stride_y, HAS_MAP, "")
     out_ty = OUT.dtype.element_ty
-    tl.store(OUT + t * stride_o + offs, tl_round(acc, out_ty, RF).to(out_ty), mask=hmask)
+    y = add_z(tl_round(acc, out_ty, RF), Z, t, stride_zm, offs, hmask, ADD_Z, out_ty, RF)
+    tl.store(OUT + t * stride_o + offs, y.to(out_ty), mask=hmask)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,19 +180,25 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def moe_combine(
-    y2: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None, out: torch.Tensor | None = None
+    y2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out[t] = sum_j y2[t * k + j]`` over the local pairs (Triton), float32 sum, ``y2``'s dtype out."""
+    """``out[t] = sum_j y2[t * k + j]`` over the local pairs (Triton), float32 sum, ``y2``'s dtype out;
+    ``residual [T, H]``: plus ``residual[t]``, rounded again."""
     t, k = topk_ids.shape
     h = y2.shape[1]
     out = y2.new_empty((t, h)) if out is None else out
     if t:
         block = min(next_pow2(h), 1024)
         pdl = pdl_args(y2)
+        z = dict(Z=y2) if residual is None else dict(Z=residual, stride_zm=residual.stride(0), ADD_Z=True)
         _combine_kernel[(t, triton.cdiv(h, block))](
             y2, topk_ids, expert_map if expert_map is not None else topk_ids, out,
             h, k, y2.stride(0), out.stride(0), HAS_MAP=expert_map is not None, BLOCK_H=block, RF=interpreting(),
-            num_warps=max(1, min(4, block // 256)), **pdl,
+            num_warps=max(1, min(4, block // 256)), **z, **pdl,
         )  # fmt: skip
     return out
 
@@ -200,9 +215,11 @@ def fused_moe_triton(
     tuning: str = "",
     configs: tuple[dict[str, int], dict[str, int]] | None = None,
     out: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernels in sequence; ``configs`` (w13, w2) overrides the table (tests, benchmarks);
-    ``out`` ``[T, H]`` receives the result (allocated when None)."""
+    ``out`` ``[T, H]`` receives the result (allocated when None); ``residual [T, H]`` (contiguous
+    rows) is added by the kernel that writes it."""
     t, h = x.shape
     e, i, k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
     c1, c2 = configs or pick_configs(tuning, e, i, h, t, k)
@@ -216,7 +233,18 @@ def fused_moe_triton(
     topk_weights = topk_weights.contiguous()
     if c1["BLOCK_M"] == 1:
         return _fused_moe_gemv(
-            x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, c1, c2, out
+            x,
+            w13,
+            w2,
+            topk_weights,
+            topk_ids,
+            expert_map,
+            w13_scale,
+            w2_scale,
+            c1,
+            c2,
+            out,
+            residual=residual,
         )
     sorted_ids, block_expert, num_padded = moe_align_run(topk_ids, expert_map, e, c1["BLOCK_M"])
     align = (sorted_ids, block_expert, num_padded)
@@ -235,11 +263,23 @@ def fused_moe_triton(
         moe_gemm_launch(x, None, w13, None, hid, None, *align, c1, a_div=k, fuse_silu=True)
         y2 = x.new_empty((p, h))
         moe_gemm_launch(hid, None, w2, None, y2, topk_weights, *align, c2, a_div=1)
-    return moe_combine(y2, topk_ids, expert_map, out)
+    return moe_combine(y2, topk_ids, expert_map, out, residual)
 
 
 def _fused_moe_gemv(
-    x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, c1, c2, out, route=None
+    x,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    expert_map,
+    w13_scale,
+    w2_scale,
+    c1,
+    c2,
+    out,
+    route=None,
+    residual=None,
 ):
     """The decode variant (``BLOCK_M`` 1): w13 GEMV per pair, then w2 GEMV per pair whose
     last-arriving program per token sums the top-k (``combine_mode`` "fused"; "separate": the
@@ -282,7 +322,20 @@ def _fused_moe_gemv(
         )
     if c2["GROUP_M"] > 1:  # the top-k sum in the w2 GEMV
         out = x.new_empty((t, h)) if out is None else out
-        moe_gemv_launch(a, a_scale, w2, w2_scale, out, topk_weights, ids, emap, c2, a_div=1, combine=True)
+        moe_gemv_launch(
+            a,
+            a_scale,
+            w2,
+            w2_scale,
+            out,
+            topk_weights,
+            ids,
+            emap,
+            c2,
+            a_div=1,
+            combine=True,
+            residual=residual,
+        )
         return out
     y2 = x.new_empty((t * k, h))
     counters = None
@@ -292,11 +345,11 @@ def _fused_moe_gemv(
         out = x.new_empty((t, h)) if out is None else out
         moe_gemv_launch(
             a, a_scale, w2, w2_scale, y2, topk_weights, ids, emap, c2, a_div=1, sum_out=out, counters=counters,
-            early=early,
+            early=early, residual=residual,
         )  # fmt: skip
         return out
     moe_gemv_launch(a, a_scale, w2, w2_scale, y2, topk_weights, ids, emap, c2, a_div=1, early=early)
-    return moe_combine(y2, topk_ids, expert_map, out)
+    return moe_combine(y2, topk_ids, expert_map, out, residual)
 
 
 def early_w2() -> bool:
@@ -368,17 +421,33 @@ def fused_moe(
     w13_scale: torch.Tensor | None,
     w2_scale: torch.Tensor | None,
     tuning: str,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Routed experts of a MoE layer, ``x [T, H] -> [T, H]`` (see the module docstring)."""
+    """Routed experts of a MoE layer, ``x [T, H] -> [T, H]`` (see the module docstring);
+    ``residual [T, H]``: ``residual + experts(x)``, the add done by the kernel that writes the sum."""
     _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"fused_moe: residual must be {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)}"
+        )
     combine_mode()  # a bad KILN_MOE_COMBINE fails on every path, not only where it is read
     if use_triton(x):
         if pick_backend(tuning, x.shape[0]) == "cutlass" and moe_cutlass.supports(x, w13, w2):
-            return moe_cutlass.fused_moe_cutlass(x, w13, w2, topk_weights, topk_ids, expert_map)
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, tuning)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
+            y = moe_cutlass.fused_moe_cutlass(x, w13, w2, topk_weights, topk_ids, expert_map)
+            return y if residual is None else add_rounded(y, residual)
+        res = residual if residual is None or residual.stride(1) == 1 else residual.contiguous()
+        return fused_moe_triton(
+            x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, tuning, residual=res
+        )
+    y = fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
+    return y if residual is None else add_rounded(y, residual)
+
+
+def add_rounded(y: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + y`` summed in float32, rounded once to ``y``'s dtype (what the kernels' add does)."""
+    return (y.float() + residual.float()).to(y.dtype)
 
 
 @fused_moe.register_fake
-def _(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, tuning):
+def _(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, tuning, residual=None):
     return torch.empty_like(x)

@@ -363,9 +363,22 @@ def pair_sum(Y, IDS, MAP, tok, K, offs, mask, stride_y, HAS_MAP: tl.constexpr, C
 
 
 @triton.jit
+def add_z(
+    y, Z, row, stride_zm, offs, mask, ADD_Z: tl.constexpr, DT: tl.constexpr, ROUND_IN_F32: tl.constexpr
+):
+    """``ADD_Z``: the rounded top-k sum ``y`` plus row ``row`` of ``Z`` (the residual stream), rounded
+    again, as an add after the op would give; else ``y``."""
+    if ADD_Z:
+        z = tl.load(Z + row * stride_zm + offs, mask=mask, other=0.0).to(tl.float32)  # row: int64
+        y = tl_round(y + z, DT, ROUND_IN_F32)
+    return y
+
+
+@triton.jit
 def _sum_last(
     C, IDS, MAP, OUT, CNT, tok, offs_n, nmask, stride_cm, stride_o,
     SUM_K: tl.constexpr, HAS_MAP: tl.constexpr, ROUND_IN_F32: tl.constexpr,
+    Z, stride_zm, ADD_Z: tl.constexpr,
 ):  # fmt: skip
     """Last arrival of token ``tok``'s ``SUM_K`` pairs on these columns: sum their rows of ``C`` in
     pair order in float32 (other ranks' pairs left out), round once into ``OUT[tok]``.
@@ -381,7 +394,9 @@ def _sum_last(
         tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
         total = pair_sum(C, IDS, MAP, tok, SUM_K, offs_n, nmask, stride_cm, HAS_MAP, ".cg")
         out_ty = OUT.dtype.element_ty
-        tl.store(OUT + tok * stride_o + offs_n, tl_round(total, out_ty, ROUND_IN_F32).to(out_ty), mask=nmask)
+        y = add_z(tl_round(total, out_ty, ROUND_IN_F32), Z, tok, stride_zm, offs_n, nmask, ADD_Z, out_ty,
+                  ROUND_IN_F32)  # fmt: skip
+        tl.store(OUT + tok * stride_o + offs_n, y.to(out_ty), mask=nmask)
 
 
 @triton.jit
@@ -405,6 +420,9 @@ def _moe_gemv_kernel(
     E_PAD: tl.constexpr = 1,
     RENORM: tl.constexpr = False,
     ROUND_W: tl.constexpr = 0,
+    Z=None,  # ADD_Z: [T, N] residual added to each token's top-k sum (SUM_K, or GROUP k); else any pointer
+    stride_zm=0,
+    ADD_Z: tl.constexpr = False,
 ):  # fmt: skip
     # The expert comes from topk_ids (the router's output): no weight is known before the wait,
     # except with EARLY, which the launch before (LATE_TRIGGER) lets run only once the routing is
@@ -514,15 +532,18 @@ def _moe_gemv_kernel(
                 SUM_K,
                 HAS_MAP,
                 ROUND_IN_F32,
+                Z,
+                stride_zm,
+                ADD_Z,
             )
     else:  # the top-k sum in float32 (other ranks' experts left out), rounded once
         cols = tl.arange(0, BLOCK_N)
         pick = rmask[:, None] & ((r % BLOCK_N)[:, None] == cols[None, :])  # [R, BN]
         total = tl.sum(tl.where(pick, y[:, None], 0.0), axis=0)  # [BN]
         offs_c = tl.program_id(1) * BLOCK_N + cols
-        tl.store(
-            C + g * stride_cm + offs_c, tl_round(total, out_ty, ROUND_IN_F32).to(out_ty), mask=offs_c < N
-        )
+        y = add_z(tl_round(total, out_ty, ROUND_IN_F32), Z, g, stride_zm, offs_c, offs_c < N, ADD_Z, out_ty,
+                  ROUND_IN_F32)  # fmt: skip
+        tl.store(C + g * stride_cm + offs_c, y.to(out_ty), mask=offs_c < N)
 
 
 # ---- launchers ------------------------------------------------------------------------------------
@@ -590,6 +611,7 @@ def moe_gemv_launch(
     early: bool = False,
     late_trigger: bool = False,
     route: RouteIn | None = None,
+    residual: torch.Tensor | None = None,
 ) -> None:
     """Run the decode GEMV (no alignment; see the module docstring) into ``c``.
 
@@ -610,6 +632,9 @@ def moe_gemv_launch(
     ``route`` (:class:`RouteIn`, one pair per program, no expert map): the top-k runs here, each
     program working out its own pair's expert from the router logits (``rank_route``); the
     programs of column block 0 write ``topk_ids`` and ``route.w_out`` for the launch after.
+
+    ``residual`` ``[T, N]`` (with ``combine`` or ``sum_out``): added to each token's rounded sum,
+    rounded again (the residual stream's add after the MoE block).
     """
     t, k = topk_ids.shape
     if t == 0:
@@ -643,6 +668,15 @@ def moe_gemv_launch(
         raise ValueError(
             "moe_gemv: route takes one pair per program, [T, E] logits, no expert map, not early"
         )
+    if residual is not None and (
+        not (combine or sum_out is not None) or residual.shape != (t, n_out) or residual.stride(1) != 1
+        or residual.dtype != c.dtype
+    ):  # fmt: skip
+        raise ValueError(
+            f"moe_gemv: residual must be [T={t}, N={n_out}] {c.dtype} with a unit last stride, with "
+            "combine or sum_out"
+        )
+    z = dict(Z=a) if residual is None else dict(Z=residual, stride_zm=residual.stride(0), ADD_Z=True)
     # placeholders without a route (passed, not defaulted: the default launch stays as GPU-tested)
     rt: dict = dict(LOGITS=a, stride_lg=0, E_LG=1, route_scale=1.0)
     if route is not None:
@@ -664,7 +698,7 @@ def moe_gemv_launch(
         FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None, FP8=fp8, ROUND_IN_F32=interpreting(),
         BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         SUM_K=k if sum_out is not None else 0, EARLY=early, KP=next_pow2(kdim) if early else 1,
-        LATE_TRIGGER=late_trigger, **rt, **pdl,
+        LATE_TRIGGER=late_trigger, **rt, **z, **pdl,
     )  # fmt: skip
 
 

@@ -34,7 +34,10 @@ Measured on the H200 (bench/results/2026-11-30_h200_s8b_norm_linear.json): no fa
 than the two launches at Qwen3-30B-A3B shapes, so the default plan leaves ``norm`` out.
 
 Whether a graph calls this op is decided at compile time by the GEMV plan's ``norm`` role
-(ops/gemv.py ``gemv_plan``: ``KILN_GEMV=...,norm:1``); the manifest records the plan.
+(ops/gemv.py ``gemv_plan``: ``KILN_GEMV=...,norm:1``); the manifest records the plan. Graphs of the
+residual-stream layout (``KILN_FOLD_NORMS``, compiler/models/base.py) call it with no residual
+(the projection before added it) and ``folded``: the norm weight is folded into ``w`` at load
+time, so the one-token GEMV loads only ``x`` and accumulates ``sum(x * x)`` beside the product.
 """
 
 from __future__ import annotations
@@ -105,8 +108,11 @@ def rmsnorm_linear(
     max_m: int,
     gate_up: bool,
     normed: bool,
+    folded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(linear(rmsnorm(x + residual)), x + residual, rmsnorm(x + residual))`` (see the module docstring)."""
+    """``(linear(rmsnorm(x + residual)), x + residual, rmsnorm(x + residual))`` (see the module docstring).
+    ``folded``: ``norm_w`` is all ones, its values folded into ``w``'s columns (weights/fold.py);
+    the one-token GEMV then skips it."""
     _check(x, residual, norm_w, w, bias, gate_up)
     t, k = x.shape
     if t == 1 and use_gemv(x, w, max_m):
@@ -114,7 +120,8 @@ def rmsnorm_linear(
         res = None if residual is None else (residual if residual.stride(1) == 1 else residual.contiguous())
         h = x.new_empty((1 if res is not None else 0, k))
         xn = x.new_empty((1 if normed else 0, k))
-        spec = NormIn(norm_w.contiguous(), eps, res, h if res is not None else None, xn if normed else None)
+        g = None if folded else norm_w.contiguous()
+        spec = NormIn(g, eps, res, h if res is not None else None, xn if normed else None)
         y = gemv(x, w, bias, gate_up=gate_up, norm=spec)
         return y, h, xn
     if residual is None:
@@ -128,7 +135,7 @@ def rmsnorm_linear(
 
 
 @rmsnorm_linear.register_fake
-def _(x, residual, norm_w, eps, w, bias, max_m, gate_up, normed):
+def _(x, residual, norm_w, eps, w, bias, max_m, gate_up, normed, folded=False):
     t, k = x.shape
     y = x.new_empty((t, w.shape[0] // 2 if gate_up else w.shape[0]))
     return y, x.new_empty((t if residual is not None else 0, k)), x.new_empty((t if normed else 0, k))

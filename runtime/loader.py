@@ -180,6 +180,7 @@ def load_model(
     import kiln.ops  # noqa: F401  (registers torch.ops.kiln.* before graphs deserialize)
     from kiln.ops.rope import rope_cos_sin_cache
     from kiln.weights import load_pack
+    from kiln.weights.fold import apply_norm_folds
 
     mark("manifest")
     # Weights stream in on a worker thread (file reads and copies release the GIL) while this
@@ -188,7 +189,9 @@ def load_model(
 
     def load_weights() -> None:
         try:
-            loaded["weights"] = load_pack(art.root / "weights", rank, dev)
+            weights = load_pack(art.root / "weights", rank, dev)
+            apply_norm_folds(weights, art.manifest.get("norm_folds"))  # what the graphs expect
+            loaded["weights"] = weights
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             loaded["seconds"] = time.perf_counter() - t_w

@@ -3,6 +3,15 @@
 A model definition only says how one decoder layer is built (``make_layer``); this class owns the
 residual stream (SGLang-style fused add+RMSNorm between blocks) and computes logits only for the
 rows that are sampled.
+
+With ``fold_norms`` (set by the compiler where :func:`norm_folds` allows it, ``KILN_FOLD_NORMS=1``)
+the layers run the residual-stream layout instead: one tensor ``h`` carries the stream; the o and
+down (or MoE w2) projections add their output to it in their epilogue; each RMSNorm runs inside
+the linear behind it with its weight folded into that linear's weights at load time
+(weights/fold.py). At one token a layer is then qkv GEMV (norm inside) -> RoPE -> attention ->
+o GEMV (+h) -> router GEMV (norm inside, writes the normalized row) -> top-k -> experts (+h),
+with no norm kernel; at other sizes the norm kernel (unit weight) and cuBLAS ``addmm`` take
+their place.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from kiln.compiler.layers import (
     Linear,
     LMHead,
     RMSNorm,
+    folded_norm_linear,
     fused_norm_m,
     norm_linear,
 )
@@ -110,6 +120,53 @@ class DecoderLayer(nn.Module):
             x = self.input_norm(h, residual)
         return self.attn(x, ctx), residual
 
+    def stream(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The residual-stream layout (module docstring): ``h [T, H]`` in, ``h`` after the layer out."""
+        qkv = self.attn.qkv
+        y, _ = folded_norm_linear(self.input_norm, h, qkv.weight, qkv.bias, "attn")
+        h = self.attn(h, ctx, qkv=y, residual=h)  # [T, H]: h + o(attention)
+        return self.stream_feed_forward(h)
+
+    def stream_feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """``h + mlp(post_attn_norm(h))``, the norm inside gate_up, the add inside down."""
+        gu = self.mlp.gate_up
+        act, _ = folded_norm_linear(self.post_attn_norm, h, gu.weight, gu.bias, "mlp", gate_up=True)
+        return self.mlp(h, act, residual=h)
+
+
+def norm_folds(model: nn.Module) -> tuple[dict[str, list[str]], str]:
+    """``({norm weight: [consumer weights]}, "")`` when every layer of ``model`` can run the
+    residual-stream layout with its norms folded (tp 1; Llama-style attention; a dense MLP or a
+    :class:`FusedMoE`; no FP8), else ``({}, why not)``."""
+    from kiln.compiler.moe_layer import FusedMoE, MoEDecoderLayer
+
+    if not isinstance(model, DecoderOnlyLM) or model.tp != 1:
+        return {}, "only single-rank (tp 1) decoder-only models"
+    names = {id(p): n for n, p in model.named_parameters()}
+    folds: dict[str, list[str]] = {}
+    for i, layer in enumerate(model.layers):
+        std = isinstance(layer, DecoderLayer) and all(
+            getattr(type(layer), f) is getattr(DecoderLayer, f) for f in ("forward", "attention", "stream")
+        )
+        attn, ffn = getattr(layer, "attn", None), getattr(layer, "mlp", None)
+        if not std or not isinstance(attn, Attention) or attn.qkv.quant is not None:
+            return {}, f"layer {i}: not a Llama-style attention block in bf16/fp16/fp32"
+        if (
+            isinstance(ffn, MLP)
+            and ffn.quant is None
+            and type(layer).feed_forward is DecoderLayer.feed_forward
+        ):
+            consumers = [ffn.gate_up.weight]
+        elif isinstance(ffn, FusedMoE) and isinstance(layer, MoEDecoderLayer) and ffn.w13_scale is None:
+            consumers = [ffn.router.weight, ffn.w13]
+            if ffn.shared is not None:
+                consumers.append(ffn.shared.gate_up.weight)
+        else:
+            return {}, f"layer {i}: its feed-forward is neither a dense MLP nor a FusedMoE in bf16/fp16/fp32"
+        folds[names[id(layer.input_norm.weight)]] = [names[id(attn.qkv.weight)]]
+        folds[names[id(layer.post_attn_norm.weight)]] = [names[id(p)] for p in consumers]
+    return folds, ""
+
 
 class DecoderOnlyLM(nn.Module):
     def __init__(self, cfg: ModelConfig, make_layer: LayerFactory, dtype: torch.dtype, tp: int = 1):
@@ -120,13 +177,20 @@ class DecoderOnlyLM(nn.Module):
         self.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = LMHead(cfg.vocab_size, v_rank, cfg.hidden_size, dtype, cfg.tie_word_embeddings)
+        self.tp = tp
+        self.fold_norms = False  # the residual-stream layout (module docstring); the compiler sets it
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] int64 -> logits [B, V] f32 at the rows ``ctx.logits_indices``."""
         h = self.embed(input_ids)  # [T, H]
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            h, residual = layer(h, residual, ctx)
-        h = self.norm(h, residual)  # [T, H]
+        if self.fold_norms:
+            for layer in self.layers:
+                h = layer.stream(h, ctx)
+            h = self.norm(h)  # [T, H]
+        else:
+            residual: torch.Tensor | None = None
+            for layer in self.layers:
+                h, residual = layer(h, residual, ctx)
+            h = self.norm(h, residual)  # [T, H]
         h = h.index_select(0, ctx.logits_indices)  # [B, H]
         return self.lm_head(h, self.embed.weight)

@@ -72,6 +72,35 @@ def test_gemv_matches_reference(kernel_on_cpu, m, path, bias):
     check(G.gemv(x, w, b, **PATHS[path]), G.gemv_ref(x, w, b))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("m", [1, 3])
+def test_residual_epilogue_is_the_separate_add(kernel_on_cpu, m, path, dtype):
+    """``residual``: every path (FMA, tensor cores, the split-K reduce) adds it to the rounded
+    output and rounds again, bit for bit the linear followed by an add."""
+    skip_unsupported(m, path)
+    x, w, b = make(m, 40, 200, dtype, bias=True, seed=m)
+    r = torch.randn(m, 40).to(dtype)
+    plain = G.gemv(x, w, b, **PATHS[path])
+    out = G.gemv(x, w, b, residual=r, **PATHS[path])
+    assert torch.equal(out, (plain.float() + r.float()).to(dtype))
+
+
+def test_linear_op_residual(kernel_on_cpu, count_gemv, monkeypatch):
+    """``kiln::linear(..., residual)``: the GEMV's epilogue at decode sizes, ``addmm`` (or linear +
+    add with a bias) otherwise; a residual of the wrong shape is refused."""
+    x, w, b = make(4, 40, 72, torch.float32, bias=True)
+    r = torch.randn(4, 40)
+    for t, bias in ((1, b), (4, None), (4, b)):
+        out = torch.ops.kiln.linear(x[:t], w, bias, 1, r[:t])
+        torch.testing.assert_close(out, r[:t] + G.gemv_ref(x[:t], w, bias), rtol=1e-5, atol=1e-5)
+    assert count_gemv == [1]
+    with pytest.raises(ValueError, match="residual must be"):
+        torch.ops.kiln.linear(x, w, b, 1, r[:2])
+    with pytest.raises(ValueError, match="residual must be"):
+        G.gemv(x[:1], torch.cat([w, w]), gate_up=True, residual=r[:1])
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("path", ["default", "fma_splitk", "dot", "dot_splitk"])
 @pytest.mark.parametrize("m", [1, 2, 3, 8])
@@ -311,6 +340,20 @@ def test_gpu_other_paths(compiled_gpu, m, over, gate_up):
     x, w, b = (t.cuda() for t in make(m, 2 * 4096 if gate_up else 4096, 4096, torch.bfloat16, bias=True))
     ref = G.gate_up_ref(x, w, b) if gate_up else G.gemv_ref(x, w, b)
     (check_gate_up if gate_up else check)(G.gemv(x, w, b, gate_up=gate_up, **over), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m, over",
+    [(1, {}), (2, {}), (1, dict(split_k=4, block_n=8, block_k=512)), (8, dict(use_dot=True))],
+    ids=["m1", "m2", "m1-split4", "m8-dot"],
+)
+def test_gpu_residual_epilogue(compiled_gpu, m, over):
+    """Qwen3-30B-A3B's o projection (2048 x 4096) adding the residual: bit for bit the linear, then an add."""
+    x, w, _ = (t.cuda() if t is not None else None for t in make(m, 2048, 4096, torch.bfloat16))
+    r = torch.randn(m, 2048, device="cuda").to(torch.bfloat16)
+    plain = G.gemv(x, w, **over)
+    assert torch.equal(G.gemv(x, w, residual=r, **over), (plain.float() + r.float()).to(torch.bfloat16))
 
 
 @pytest.mark.gpu

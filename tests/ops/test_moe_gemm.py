@@ -231,6 +231,31 @@ def test_fused_moe_fp8_matches_reference(kernel_on_cpu, case, variant):
     assert_rel(out, moe.fused_moe_ref(*args[:5], None, *args[5:]), FP8_TOL)
 
 
+@pytest.mark.parametrize("combine", ["fused", "separate"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_residual_is_added_by_the_last_kernel(kernel_on_cpu, monkeypatch, dtype, variant, combine):
+    """``residual``: the op's output plus the residual, rounded again, exactly as a separate add
+    after it (every path that writes the top-k sum: last arrival, token group, combine kernel)."""
+    monkeypatch.setenv("KILN_MOE_COMBINE", combine)
+    t, h, i, e, k = 3, 64, 32, 16, 4
+    args = make_moe(t, h, i, e, k, dtype, seed=11)
+    res = torch.randn(t, h, dtype=torch.float32).to(dtype)
+    plain = run_fused(*args, cfg=VARIANTS[variant])
+    out = torch.full(res.shape, float("nan"), dtype=dtype)
+    moe.fused_moe_triton(*args[:5], None, *args[5:], configs=(VARIANTS[variant],) * 2, out=out, residual=res)
+    assert torch.equal(out, moe.add_rounded(plain, res))
+
+
+def test_op_residual_on_the_torch_path():
+    args = make_moe(2, 32, 16, 8, 2, torch.float32, seed=3)
+    res = torch.randn(2, 32)
+    y = torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], "", res)
+    assert torch.equal(y, moe.add_rounded(moe.fused_moe_ref(*args[:5], None, *args[5:]), res))
+    with pytest.raises(ValueError, match="residual must be"):
+        torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], "", res[:1])
+
+
 def test_decode_sizes_run_the_gemv_by_default(kernel_on_cpu, monkeypatch):
     t, h, i, e, k = 2, 64, 32, 128, 8  # Qwen3-30B-A3B's E and top-8: 2 tokens -> the decode GEMV
     assert mg.pick_configs("", e, i, h, t, k)[0]["BLOCK_M"] == 1
@@ -436,6 +461,18 @@ def test_gpu_gemv_variants(compiled_gpu, t, w2_group, fp8):
     out = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device="cuda")
     moe.fused_moe_triton(*args[:5], None, *args[5:], configs=(c1, c2), out=out)
     assert_rel(out, moe.fused_moe_ref(*args[:5], None, *args[5:]), FP8_TOL if fp8 else TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 64])
+def test_gpu_residual_matches_a_separate_add(compiled_gpu, t):
+    h, i, e, k = 2048, 768, 128, 8
+    args = make_moe(t, h, i, e, k, torch.bfloat16, device="cuda", seed=t + 5)
+    cfg = mg.pick_configs("", e, i, h, t, k)
+    res = torch.randn(t, h, device="cuda").to(torch.bfloat16)
+    plain = moe.fused_moe_triton(*args[:5], None, *args[5:], configs=cfg)
+    out = moe.fused_moe_triton(*args[:5], None, *args[5:], configs=cfg, residual=res)
+    assert torch.equal(out, moe.add_rounded(plain, res))
 
 
 @pytest.mark.gpu

@@ -68,6 +68,24 @@ def test_kernel_matches_reference(kernel_on_cpu, launch, dtype, residual):
     close(xn, rmsnorm_ref(hr, nw, EPS))
 
 
+@pytest.mark.parametrize("gate_up", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_folded_weight_skips_the_norm_weight(kernel_on_cpu, dtype, gate_up):
+    """``folded``: the norm weight is ones (its values are in ``w``'s columns); the one-token GEMV
+    never reads it and gives what the unit-weight norm then the linear give, up to rounding; the
+    normalized row it writes is the unit-weight norm's."""
+    x, _, nw, w, b = make(40, 200, dtype, residual=False, bias=True)
+    ones = torch.ones_like(nw)
+    wf = (w.float() * nw.float()).to(dtype)  # what weights/fold.py does at load time
+    y, _, xn = torch.ops.kiln.rmsnorm_linear(x, None, ones, EPS, wf, b, 1, gate_up, True, True)
+    ref = fused_ref(x, None, ones, wf, b, gate_up)
+    close(y, ref, ulps=4 if gate_up else 1)
+    close(xn, rmsnorm_ref(x, ones, EPS))
+    poisoned = torch.full_like(nw, float("nan"))  # a folded call must not load the weight
+    y2, _, _ = torch.ops.kiln.rmsnorm_linear(x, None, poisoned, EPS, wf, b, 1, gate_up, False, True)
+    assert torch.equal(y2, y)
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_kernel_gate_up_and_bias(kernel_on_cpu, bias):
     x, r, nw, w, b = make(2 * 24, 136, torch.bfloat16, True, bias)
@@ -219,6 +237,24 @@ def test_gpu_matches_reference(compiled_gpu, n, k, gate_up, normed, residual):
         assert torch.equal(h, hr)
     if normed:
         close(xn, xnr)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "n,k,gate_up,normed",
+    [(5120, 2048, False, False), (128, 2048, False, True), (2 * 768, 2048, True, False)],
+    ids=["qwen3-qkv", "qwen3-router", "gate_up"],
+)
+def test_gpu_folded(compiled_gpu, n, k, gate_up, normed):
+    """The folded norm (weight in ``w``, never loaded): the unit-weight norm then the linear."""
+    x, _, nw, w, _ = (t.cuda() if t is not None else None for t in make(n, k, torch.bfloat16, residual=False))
+    wf = (w.float() * nw.float()).to(torch.bfloat16)
+    poisoned = torch.full_like(nw, float("nan"))
+    y, _, xn = torch.ops.kiln.rmsnorm_linear(x, None, poisoned, EPS, wf, None, 1, gate_up, normed, True)
+    ones = torch.ones_like(nw)
+    close(y, fused_ref(x, None, ones, wf, None, gate_up), ulps=4 if gate_up else 1)
+    if normed:
+        close(xn, rmsnorm_ref(x, ones, EPS))
 
 
 @pytest.mark.gpu

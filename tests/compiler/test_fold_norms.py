@@ -1,0 +1,138 @@
+"""``KILN_FOLD_NORMS=1``: the residual-stream layout with the RMSNorm weights folded into the linears
+behind them (compiler/models/base.py, weights/fold.py).
+
+float32 on CPU against Hugging Face transformers: a tiny Llama on the torch paths (the norm
+kernel's unit weight, ``addmm``) and greedy tokens through ``kiln.LLM``; a tiny Qwen3-MoE with a
+dense middle layer whose one-sequence decode steps run the Triton kernels in the interpreter (the
+GEMV with the norm inside and without its weight, the o / down GEMVs and the experts' last kernel
+adding the residual).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import check_against_hf, hf_greedy, make_checkpoint
+from tiny_moe_models import make_moe_checkpoint
+
+from kiln.compiler.build import CompileOptions, compile_model
+from kiln.compiler.models.base import norm_folds
+from kiln.compiler.registry import model_class
+from kiln.ops import gemv as G
+from kiln.ops import moe
+from kiln.ops import norm_linear as NL
+from kiln.ops.common import interpreting
+from kiln.runtime.direct import DirectRunner
+from kiln.weights.fold import FoldError, apply_norm_folds
+
+OPTS = dict(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64, chunk_size=32)
+
+
+def _targets(art) -> list[str]:
+    ep = torch.export.load(art / "graphs" / "model.pt2")
+    return [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-bias"])
+def test_dense_folded_matches_hf_and_generates_its_greedy_tokens(tmp_path, monkeypatch, name):
+    """Tied embeddings (the final norm is not folded into the shared table) and a qkv bias."""
+    from kiln import LLM, SamplingParams
+
+    monkeypatch.setenv("KILN_FOLD_NORMS", "1")
+    hf = make_checkpoint(tmp_path / "hf", name, eos=None)
+    manifest = compile_model(tmp_path / "hf", tmp_path / "art", CompileOptions(**OPTS), verbose=False)
+    layers = hf.config.num_hidden_layers
+    assert manifest["norm_folds"]["layers.0.input_norm.weight"] == ["layers.0.attn.qkv.weight"]
+    assert manifest["norm_folds"]["layers.0.post_attn_norm.weight"] == ["layers.0.mlp.gate_up.weight"]
+    assert len(manifest["norm_folds"]) == 2 * layers
+    targets = _targets(tmp_path / "art")
+    assert "kiln.fused_add_rmsnorm.default" not in targets  # the producers add the residual
+    assert targets.count("kiln.rmsnorm_linear.default") == 2 * layers
+    runner = DirectRunner(str(tmp_path / "art"), device="cpu", num_slots=256)
+    check_against_hf(runner, hf, [[3, 4, 5, 6, 7, 8], [9, 10, 11]], decode_steps=3)
+    prompt = [5, 17, 33, 2, 41]
+    llm = LLM(str(tmp_path / "art"), device="cpu")
+    out = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    assert out[0].token_ids == hf_greedy(hf, [prompt], 32)[0]
+
+
+def test_moe_folded_decode_runs_the_fused_kernels_and_matches_hf(tmp_path, monkeypatch):
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
+    monkeypatch.setenv("KILN_FOLD_NORMS", "1")
+    monkeypatch.setenv("KILN_GEMV", "1")
+    hf = make_moe_checkpoint(tmp_path / "hf", "qwen3-moe")
+    manifest = compile_model(tmp_path / "hf", tmp_path / "art", CompileOptions(**OPTS), verbose=False)
+    folds = manifest["norm_folds"]
+    moe_layer = next(i for i in range(hf.config.num_hidden_layers) if f"layers.{i}.moe.w13" in str(folds))
+    assert folds[f"layers.{moe_layer}.post_attn_norm.weight"] == [
+        f"layers.{moe_layer}.moe.router.weight",
+        f"layers.{moe_layer}.moe.w13",
+    ]
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+    calls: list[tuple[bool, bool]] = []  # (norm inside, without its weight) / (residual added)
+    real_gemv, real_moe = G.gemv, moe.fused_moe_triton
+
+    def spy_gemv(*a, **kw):
+        norm = kw.get("norm")
+        calls.append(("norm", norm.weight is None) if norm else ("res", kw.get("residual") is not None))
+        return real_gemv(*a, **kw)
+
+    def spy_moe(*a, **kw):
+        calls.append(("moe", kw.get("residual") is not None))
+        return real_moe(*a, **kw)
+
+    monkeypatch.setattr(G, "gemv", spy_gemv)
+    monkeypatch.setattr(NL, "gemv", spy_gemv)
+    monkeypatch.setattr(moe, "fused_moe_triton", spy_moe)
+    runner = DirectRunner(str(tmp_path / "art"), device="cpu", num_slots=128)
+    check_against_hf(runner, hf, [[5, 6, 7, 8, 9, 10, 11]], decode_steps=2)
+    layers, steps = hf.config.num_hidden_layers, 2
+    moe_layers = sum(".moe." in str(c) for c in folds.values())
+    assert calls.count(("norm", True)) == 2 * layers * steps  # decode: qkv, gate_up / router
+    assert ("norm", False) not in calls
+    # the prefill (7 tokens, on the GEMV with KILN_GEMV=1) and each decode step: o and the dense
+    # down on the GEMV, the experts' last kernel, each adding the residual
+    assert calls.count(("moe", True)) == moe_layers * (steps + 1)
+    assert calls.count(("res", True)) == (2 * layers - moe_layers) * (steps + 1)
+
+
+def test_apply_norm_folds_scales_columns_and_sets_ones():
+    g = torch.tensor([1.0, 2.0, 0.5])
+    w = torch.arange(6.0).reshape(2, 3)
+    experts = torch.ones(2, 2, 3)
+    weights = {"n": g.clone(), "w": w.clone(), "e": experts.clone()}
+    assert apply_norm_folds(weights, {"n": ["w", "e"]}) == 2
+    assert torch.equal(weights["w"], w * g) and torch.equal(weights["e"], experts * g)
+    assert torch.equal(weights["n"], torch.ones(3))
+    assert apply_norm_folds(weights, None) == 0
+    with pytest.raises(FoldError, match="no 1-D norm weight 'm'"):
+        apply_norm_folds(weights, {"m": ["w"]})
+    with pytest.raises(FoldError, match="'x'"):
+        apply_norm_folds(weights, {"n": ["x"]})
+    weights["bad"] = torch.ones(3, 4)
+    with pytest.raises(FoldError, match="cannot take"):
+        apply_norm_folds(weights, {"n": ["bad"]})
+
+
+def test_norm_folds_refuses_what_it_cannot_fold(tmp_path):
+    from kiln.compiler.config import load_config
+
+    make_checkpoint(tmp_path / "hf", "llama-tied")
+    cfg = load_config(tmp_path / "hf")
+    with torch.device("meta"):
+        cls = model_class(cfg.architecture)
+        folds, why = norm_folds(cls(cfg, torch.float32, tp=2))
+        assert not folds and "tp 1" in why
+        folds, why = norm_folds(cls(cfg, torch.bfloat16, quant="fp8"))
+        assert not folds and "layer 0" in why
+        folds, why = norm_folds(cls(cfg, torch.float32))
+        assert len(folds) == 2 * cfg.num_layers and not why
+
+
+def test_not_requested_means_no_fold(tmp_path, monkeypatch):
+    monkeypatch.delenv("KILN_FOLD_NORMS", raising=False)
+    make_checkpoint(tmp_path / "hf", "llama-tied")
+    manifest = compile_model(tmp_path / "hf", tmp_path / "art", CompileOptions(**OPTS), verbose=False)
+    assert manifest["norm_folds"] == {}
+    assert "kiln.fused_add_rmsnorm.default" in _targets(tmp_path / "art")
