@@ -7,9 +7,9 @@ weights dict and a ``ForwardContext``) and captured in one CUDA graph per case. 
 order are those of a decode step. Sampling, the host work and the aten glue are not included.
 Switches read while tracing (the GEMV plan ``KILN_GEMV``, e.g. its ``norm`` role) and at capture
 (``KILN_PDL``, ``KILN_MOE_EARLY_W2``, ...) are set per case, so step-level A/B comparisons need
-no recompile; ``KILN_FOLD_NORMS=1`` sets the model's ``fold_norms`` (the residual-stream layout)
-for its case, on the same random weights: the kernels are those of a folded artifact, the
-values are not. Chains of one op do not predict these (docs/decode_budget.md).
+no recompile. ``fold_norms`` (the residual-stream layout) is set as the compiler would
+(``KILN_FOLD_NORMS``, on unless ``0``), on the same random weights: the kernels are those of a
+folded artifact, the values are not. Chains of one op do not predict these (docs/decode_budget.md).
 
 * ``test_decode_step[B-VARIANT]``: Qwen3-30B-A3B-shaped with ``LAYERS`` layers (16, as the
   end-to-end runs), ``B`` requests each at ``CONTEXT`` tokens of KV. ``bytes`` is what the runtime's
@@ -29,9 +29,11 @@ import pytest
 import torch
 from conftest import SMOKE, graphed, pick
 
+from kiln.compiler.build import fold_norms_requested
 from kiln.compiler.cli_inspect import bundled_configs
 from kiln.compiler.config import normalize_config
 from kiln.compiler.context import ForwardContext
+from kiln.compiler.models.base import norm_folds
 from kiln.compiler.registry import model_class
 from kiln.ops.decode_attention import choose_num_splits
 from kiln.ops.rope import rope_cos_sin_cache
@@ -48,7 +50,7 @@ VARIANTS = {
     "norm": {"KILN_GEMV": "attn:1,mlp:1,router:1,norm:1"},
     "early_w2": {"KILN_MOE_EARLY_W2": "1"},
     "topk_w13": {"KILN_MOE_TOPK_IN_W13": "1"},
-    "fold": {"KILN_FOLD_NORMS": "1"},  # the residual-stream layout (the weights are not folded here)
+    "unfolded": {"KILN_FOLD_NORMS": "0"},  # the add+norm kernels of the layout before folded norms
     "pdl_off": {"KILN_PDL": "0"},
     "gemv_off": {"KILN_GEMV": "0"},
 }
@@ -111,7 +113,7 @@ def test_decode_step(measure, monkeypatch, batch, variant):
     for name, value in VARIANTS[variant].items():
         monkeypatch.setenv(name, value)
     cfg, model, weights = _model()
-    monkeypatch.setattr(model, "fold_norms", VARIANTS[variant].get("KILN_FOLD_NORMS") == "1")
+    monkeypatch.setattr(model, "fold_norms", fold_norms_requested() and bool(norm_folds(model)[0]))
     ids, ctx = _context(cfg, batch)
     step = lambda: torch.func.functional_call(model, weights, (ids, ctx), strict=True)
     logits = step()

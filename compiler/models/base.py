@@ -4,7 +4,7 @@ A model definition only says how one decoder layer is built (``make_layer``); th
 residual stream (SGLang-style fused add+RMSNorm between blocks) and computes logits only for the
 rows that are sampled.
 
-With ``fold_norms`` (set by the compiler where :func:`norm_folds` allows it, ``KILN_FOLD_NORMS=1``)
+With ``fold_norms`` (set by the compiler where :func:`norm_folds` allows it, unless ``KILN_FOLD_NORMS=0``)
 the layers run the residual-stream layout instead: one tensor ``h`` carries the stream; the o and
 down (or MoE w2) projections add their output to it in their epilogue; each RMSNorm runs inside
 the linear behind it with its weight folded into that linear's weights at load time
