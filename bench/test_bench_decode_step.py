@@ -11,8 +11,8 @@ no recompile. ``fold_norms`` (the residual-stream layout) is set as the compiler
 (``KILN_FOLD_NORMS``, on unless ``0``), on the same random weights: the kernels are those of a
 folded artifact, the values are not. Chains of one op do not predict these (docs/decode_budget.md).
 
-* ``test_decode_step[B-VARIANT]``: Qwen3-30B-A3B-shaped with ``LAYERS`` layers (16, as the
-  end-to-end runs), ``B`` requests each at ``CONTEXT`` tokens of KV. ``bytes`` is what the runtime's
+* ``test_decode_step[PRESET-B-VARIANT]``: Qwen3-30B-A3B- or Llama-3.1-8B-shaped with ``LAYERS``
+  layers (16, as the MoE end-to-end runs), ``B`` requests each at ``CONTEXT`` tokens of KV. ``bytes`` is what the runtime's
   roofline counts (runtime/benchmark.py ``weight_bytes``: the experts a batch hits on
   average, lm_head, no embedding table) plus the KV read, so ``frac_bw`` is comparable with
   ``kiln bench latency``'s ``frac_roofline``.
@@ -56,10 +56,13 @@ VARIANTS = {
 }
 
 
-@functools.lru_cache(maxsize=1)
-def _model():
-    """(config, model on the meta device, random weights on DEV)."""
-    raw = json.loads(bundled_configs()["qwen3-30b-a3b"].read_text()) | {"num_hidden_layers": LAYERS}
+MODELS = ("qwen3-30b-a3b", "llama-3.1-8b")  # bundled configs (compiler/configs)
+
+
+@functools.lru_cache(maxsize=len(MODELS))
+def _model(preset: str):
+    """(config, model on the meta device, random weights on DEV) for ``preset``, ``LAYERS`` layers."""
+    raw = json.loads(bundled_configs()[preset].read_text()) | {"num_hidden_layers": LAYERS}
     cfg = normalize_config(raw | TINY if SMOKE else raw)
     dtype = torch.float32 if SMOKE else torch.bfloat16
     with torch.device("meta"):
@@ -104,19 +107,22 @@ def _bytes(cfg, weights, batch: int) -> float:
     moe = cfg.moe
     kv_row = cfg.kv_heads_per_rank(1) * cfg.head_dim * 2 * weights["embed.weight"].element_size()
     kv = batch * (CONTEXT + 1) * kv_row * cfg.num_layers
-    return weight_bytes(weights, (moe.top_k, moe.num_experts), batch) + kv
+    return weight_bytes(weights, (moe.top_k, moe.num_experts) if moe else None, batch) + kv
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("batch", pick([1, 8], [1]))
-def test_decode_step(measure, monkeypatch, batch, variant):
+@pytest.mark.parametrize("preset", MODELS)
+def test_decode_step(measure, monkeypatch, preset, batch, variant):
+    if preset != MODELS[0] and variant in ("early_w2", "topk_w13"):
+        pytest.skip("a MoE switch")
     for name, value in VARIANTS[variant].items():
         monkeypatch.setenv(name, value)
-    cfg, model, weights = _model()
+    cfg, model, weights = _model(preset)
     monkeypatch.setattr(model, "fold_norms", fold_norms_requested() and bool(norm_folds(model)[0]))
     ids, ctx = _context(cfg, batch)
     step = lambda: torch.func.functional_call(model, weights, (ids, ctx), strict=True)
     logits = step()
     assert logits.shape == (batch, cfg.vocab_size) and torch.isfinite(logits).all(), variant
-    info = dict(batch=batch, variant=variant, num_layers=LAYERS, context=CONTEXT, env=VARIANTS[variant])
+    info = dict(model=preset, batch=batch, variant=variant, num_layers=LAYERS, context=CONTEXT, env=VARIANTS[variant])
     measure(graphed(step), bytes=_bytes(cfg, weights, batch), **info)
