@@ -7,9 +7,10 @@ weights dict and a ``ForwardContext``) and captured in one CUDA graph per case. 
 order are those of a decode step. Sampling, the host work and the aten glue are not included.
 Switches read while tracing (the GEMV plan ``KILN_GEMV``, e.g. its ``norm`` role) and at capture
 (``KILN_PDL``, ``KILN_MOE_EARLY_W2``, ...) are set per case, so step-level A/B comparisons need
-no recompile. ``fold_norms`` (the residual-stream layout) is set as the compiler would
-(``KILN_FOLD_NORMS``, on unless ``0``), on the same random weights: the kernels are those of a
-folded artifact, the values are not. Chains of one op do not predict these (docs/decode_budget.md).
+no recompile. ``fold_norms`` (the residual-stream layout) is set as the compiler traces it (batch
+1, ``KILN_FOLD_NORMS`` on unless ``0``), on the same random weights: the kernels are those of a
+folded artifact, the values are not. ``KILN_FOLD_NORMS=1`` was traced at every batch when
+``bench/results/2026-11-30_h200_s9d_fold_step.json`` was measured. Chains of one op do not predict these (docs/decode_budget.md).
 
 * ``test_decode_step[PRESET-B-VARIANT]``: Qwen3-30B-A3B- or Llama-3.1-8B-shaped with ``LAYERS``
   layers (16, as the MoE end-to-end runs), ``B`` requests each at ``CONTEXT`` tokens of KV. ``bytes`` is what the runtime's
@@ -119,7 +120,8 @@ def test_decode_step(measure, monkeypatch, preset, batch, variant):
     for name, value in VARIANTS[variant].items():
         monkeypatch.setenv(name, value)
     cfg, model, weights = _model(preset)
-    monkeypatch.setattr(model, "fold_norms", fold_norms_requested() and bool(norm_folds(model)[0]))
+    folded = batch == 1 and fold_norms_requested() and bool(norm_folds(model)[0])  # as the compiler traces
+    monkeypatch.setattr(model, "fold_norms", folded)
     ids, ctx = _context(cfg, batch)
     step = lambda: torch.func.functional_call(model, weights, (ids, ctx), strict=True)
     logits = step()

@@ -164,8 +164,10 @@ def fold_norms_requested() -> bool:
 
 
 def _norm_folds(model: torch.nn.Module, verbose: bool) -> dict[str, list[str]]:
-    """The folds the traced graphs will expect (``model.fold_norms`` set), or {} when not asked for
-    or not possible (said on stderr)."""
+    """The norm weights to fold into their consumers' weights (weights/fold.py), or {} when not asked
+    for or not possible (said on stderr). Every graph is correct on folded weights (the norm
+    weights become ones); the batch-1 decode graph is traced in the residual-stream layout that
+    needs no norm kernel (``model.fold_norms``, compiler/models/base.py)."""
     if not fold_norms_requested():
         return {}
     folds, why = norm_folds(model)
@@ -173,7 +175,6 @@ def _norm_folds(model: torch.nn.Module, verbose: bool) -> dict[str, list[str]]:
         if verbose:
             print(f"[kiln compile] norms not folded: {why}", file=sys.stderr, flush=True)
         return {}
-    model.fold_norms = True
     return folds
 
 
@@ -261,11 +262,16 @@ def compile_model(
             max_batch=max(buckets[-1], 2),
         )
         graphs["model"] = {"batch": None, "max_tokens": max(opts.chunk_size, buckets[-1])}
-        if opts.decode_graphs == "per-bucket":
-            for b in buckets:
-                ex = example_inputs(b, b, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
-                programs[f"decode_b{b}"] = export_graph(model, weights, ex, opts.page_size, static_batch=True)
-                graphs[f"decode_b{b}"] = {"batch": b}
+        # Static decode graphs: every bucket's with "per-bucket"; with folded norms, batch 1's in the
+        # residual-stream layout (the shared graph keeps the add+norm kernels, faster from batch 2:
+        # bench/results/2026-11-30_h200_s9d_fold_step.json).
+        static = buckets if opts.decode_graphs == "per-bucket" else [1] if folds and 1 in buckets else []
+        for b in static:
+            model.fold_norms = bool(folds) and b == 1
+            ex = example_inputs(b, b, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
+            programs[f"decode_b{b}"] = export_graph(model, weights, ex, opts.page_size, static_batch=True)
+            graphs[f"decode_b{b}"] = {"batch": b, "layout": "residual_stream" if model.fold_norms else "add_norm"}
+        model.fold_norms = False
     with timer.phase("kernels"):
         kernels_dir = out / "kernels"
         kernels_dir.mkdir(exist_ok=True)  # the FP8 and MoE phases may have put CUTLASS libraries there

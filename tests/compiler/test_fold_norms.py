@@ -28,8 +28,8 @@ from kiln.weights.fold import FoldError, apply_norm_folds
 OPTS = dict(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64, chunk_size=32)
 
 
-def _targets(art) -> list[str]:
-    ep = torch.export.load(art / "graphs" / "model.pt2")
+def _targets(art, graph: str = "model") -> list[str]:
+    ep = torch.export.load(art / "graphs" / f"{graph}.pt2")
     return [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
 
 
@@ -45,11 +45,17 @@ def test_dense_folded_matches_hf_and_generates_its_greedy_tokens(tmp_path, monke
     assert manifest["norm_folds"]["layers.0.input_norm.weight"] == ["layers.0.attn.qkv.weight"]
     assert manifest["norm_folds"]["layers.0.post_attn_norm.weight"] == ["layers.0.mlp.gate_up.weight"]
     assert len(manifest["norm_folds"]) == 2 * layers
-    targets = _targets(tmp_path / "art")
+    # batch-1 decode: the residual-stream layout; the shared graph (prefill, batch 2..): add+norm
+    assert manifest["graphs"]["decode_b1"]["layout"] == "residual_stream"
+    targets = _targets(tmp_path / "art", "decode_b1")
     assert "kiln.fused_add_rmsnorm.default" not in targets  # the producers add the residual
     assert targets.count("kiln.rmsnorm_linear.default") == 2 * layers
+    shared = _targets(tmp_path / "art")
+    assert shared.count("kiln.fused_add_rmsnorm.default") == 2 * layers  # all but layer 0's input, final
+    assert "kiln.rmsnorm_linear.default" not in shared
     runner = DirectRunner(str(tmp_path / "art"), device="cpu", num_slots=256)
-    check_against_hf(runner, hf, [[3, 4, 5, 6, 7, 8], [9, 10, 11]], decode_steps=3)
+    check_against_hf(runner, hf, [[3, 4, 5, 6, 7, 8], [9, 10, 11]], decode_steps=3)  # shared graph
+    check_against_hf(runner, hf, [[12, 13, 14, 15]], decode_steps=3)  # decode_b1
     prompt = [5, 17, 33, 2, 41]
     llm = LLM(str(tmp_path / "art"), device="cpu")
     out = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
@@ -91,10 +97,10 @@ def test_moe_folded_decode_runs_the_fused_kernels_and_matches_hf(tmp_path, monke
     moe_layers = sum(".moe." in str(c) for c in folds.values())
     assert calls.count(("norm", True)) == 2 * layers * steps  # decode: qkv, gate_up / router
     assert ("norm", False) not in calls
-    # the prefill (7 tokens, on the GEMV with KILN_GEMV=1) and each decode step: o and the dense
+    # each decode step (the prefill runs the shared graph's add+norm kernels): o and the dense
     # down on the GEMV, the experts' last kernel, each adding the residual
-    assert calls.count(("moe", True)) == moe_layers * (steps + 1)
-    assert calls.count(("res", True)) == (2 * layers - moe_layers) * (steps + 1)
+    assert calls.count(("moe", True)) == moe_layers * steps
+    assert calls.count(("res", True)) == (2 * layers - moe_layers) * steps
 
 
 def test_apply_norm_folds_scales_columns_and_sets_ones():
@@ -134,5 +140,5 @@ def test_switched_off_means_no_fold(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_FOLD_NORMS", "0")
     make_checkpoint(tmp_path / "hf", "llama-tied")
     manifest = compile_model(tmp_path / "hf", tmp_path / "art", CompileOptions(**OPTS), verbose=False)
-    assert manifest["norm_folds"] == {}
+    assert manifest["norm_folds"] == {} and "decode_b1" not in manifest["graphs"]
     assert "kiln.fused_add_rmsnorm.default" in _targets(tmp_path / "art")
