@@ -126,5 +126,7 @@ def test_decode_step(measure, monkeypatch, preset, batch, variant):
     step = lambda: torch.func.functional_call(model, weights, (ids, ctx), strict=True)
     logits = step()
     assert logits.shape == (batch, cfg.vocab_size) and torch.isfinite(logits).all(), variant
-    info = dict(model=preset, batch=batch, variant=variant, num_layers=LAYERS, context=CONTEXT, env=VARIANTS[variant])
+    info = dict(
+        model=preset, batch=batch, variant=variant, num_layers=LAYERS, context=CONTEXT, env=VARIANTS[variant]
+    )
     measure(graphed(step), bytes=_bytes(cfg, weights, batch), **info)

@@ -270,7 +270,8 @@ def compile_model(
             model.fold_norms = bool(folds) and b == 1
             ex = example_inputs(b, b, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
             programs[f"decode_b{b}"] = export_graph(model, weights, ex, opts.page_size, static_batch=True)
-            graphs[f"decode_b{b}"] = {"batch": b, "layout": "residual_stream" if model.fold_norms else "add_norm"}
+            kind = "residual_stream" if model.fold_norms else "add_norm"
+            graphs[f"decode_b{b}"] = {"batch": b, "layout": kind}
         model.fold_norms = False
     with timer.phase("kernels"):
         kernels_dir = out / "kernels"
