@@ -30,11 +30,10 @@ import pytest
 import torch
 from conftest import SMOKE, graphed, pick
 
-from kiln.compiler.build import fold_norms_requested
 from kiln.compiler.cli_inspect import bundled_configs
 from kiln.compiler.config import normalize_config
 from kiln.compiler.context import ForwardContext
-from kiln.compiler.models.base import norm_folds
+from kiln.compiler.norm_folds import fold_norms_requested, norm_folds
 from kiln.compiler.registry import model_class
 from kiln.ops.decode_attention import choose_num_splits
 from kiln.ops.rope import rope_cos_sin_cache

@@ -27,9 +27,9 @@ from kiln.compiler.context import GRAPH_INPUTS
 from kiln.compiler.cutlass_build import check_request, cutlass_backend, drop_unused, fp8_library
 from kiln.compiler.graph_code import emit_graph_code
 from kiln.compiler.manifest import gpu_arch, versions, write_manifest
-from kiln.compiler.models.base import norm_folds
 from kiln.compiler.moe_layer import FusedMoE
 from kiln.compiler.moe_tune import MoEShape, moe_tuning
+from kiln.compiler.norm_folds import fold_norms_requested, norm_folds
 from kiln.compiler.parallel import ParallelConfig, validate_parallel
 from kiln.compiler.registry import model_class
 from kiln.compiler.trace import CacheSpec, example_inputs, export_graph, strip_example_inputs
@@ -68,7 +68,9 @@ class CompileOptions:
     max_seq_len: int | None = None  # default: min(max_position_embeddings, 32768)
     chunk_size: int = 4096  # largest extend (prefill chunk) in tokens
     page_size: int = 1
-    decode_graphs: str = "shared"  # "shared": the dynamic graph serves decode too; "per-bucket": static ones
+    # "shared": the dynamic graph serves decode too (but batch 1's static graph with folded norms);
+    # "per-bucket": a static graph per bucket
+    decode_graphs: str = "shared"
     moe_tune: bool = False  # on a GPU: time fused-MoE launch configs per token rung (compiler/moe_tune.py)
     moe_backend: str = "triton"  # "cutlass" / "auto": the CUTLASS grouped GEMM (compiler/cutlass_build.py)
     moe_cutlass_min_tokens: int = 2048  # moe_backend "cutlass": rungs from this many tokens on use it
@@ -155,20 +157,13 @@ def _check_pack_matches(model: torch.nn.Module, pack: dict[str, torch.Tensor]) -
             )
 
 
-def fold_norms_requested() -> bool:
-    """Whether to trace the residual-stream layout with the RMSNorm weights folded into the linears
-    behind them (compiler/models/base.py) where the model allows it: on unless ``KILN_FOLD_NORMS=0``
-    when compiling. Measured on the H200 (bench/results/2026-11-30_h200_s9c_fold_e2e.json): batch-1
-    decode 943.5 vs 922.0 tok/s at Qwen3-30B-A3B shapes, batch 8 within noise."""
-    return os.environ.get("KILN_FOLD_NORMS", "1") != "0"
-
-
-def _norm_folds(model: torch.nn.Module, verbose: bool) -> dict[str, list[str]]:
+def _norm_folds(model: torch.nn.Module, opts: CompileOptions, verbose: bool) -> dict[str, list[str]]:
     """The norm weights to fold into their consumers' weights (weights/fold.py), or {} when not asked
     for or not possible (said on stderr). Every graph is correct on folded weights (the norm
     weights become ones); the batch-1 decode graph is traced in the residual-stream layout that
-    needs no norm kernel (``model.fold_norms``, compiler/models/base.py)."""
-    if not fold_norms_requested():
+    needs no norm kernel (``model.fold_norms``, compiler/models/base.py); without a batch-1
+    bucket there is none, and nothing is folded."""
+    if not fold_norms_requested() or 1 not in opts.buckets():
         return {}
     folds, why = norm_folds(model)
     if not folds:
@@ -243,7 +238,7 @@ def compile_model(
                     mod.tuning = moe_choice["table"]
         weights = load_pack(out / "weights", 0, device)
         _check_pack_matches(model, weights)
-        folds = _norm_folds(model, verbose)
+        folds = _norm_folds(model, opts, verbose)
         apply_norm_folds(weights, folds)  # as the runtime will, before the warm-up runs the graphs
         cache = _cache_spec(cfg, opts)
         graphs: dict[str, dict[str, Any]] = {}
@@ -265,14 +260,16 @@ def compile_model(
         # Static decode graphs: every bucket's with "per-bucket"; with folded norms, batch 1's in the
         # residual-stream layout (the shared graph keeps the add+norm kernels, faster from batch 2:
         # bench/results/2026-11-30_h200_s9d_fold_step.json).
-        static = buckets if opts.decode_graphs == "per-bucket" else [1] if folds and 1 in buckets else []
-        for b in static:
-            model.fold_norms = bool(folds) and b == 1
-            ex = example_inputs(b, b, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
-            programs[f"decode_b{b}"] = export_graph(model, weights, ex, opts.page_size, static_batch=True)
-            kind = "residual_stream" if model.fold_norms else "add_norm"
-            graphs[f"decode_b{b}"] = {"batch": b, "layout": kind}
-        model.fold_norms = False
+        static = buckets if opts.decode_graphs == "per-bucket" else ([1] if folds else [])
+        try:
+            for b in static:
+                model.fold_norms = bool(folds) and b == 1
+                ex = example_inputs(b, b, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
+                programs[f"decode_b{b}"] = export_graph(model, weights, ex, opts.page_size, static_batch=True)
+                kind = "residual_stream" if model.fold_norms else "add_norm"
+                graphs[f"decode_b{b}"] = {"batch": b, "layout": kind}
+        finally:
+            model.fold_norms = False
     with timer.phase("kernels"):
         kernels_dir = out / "kernels"
         kernels_dir.mkdir(exist_ok=True)  # the FP8 and MoE phases may have put CUTLASS libraries there

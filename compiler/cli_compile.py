@@ -65,8 +65,9 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
     type=click.Choice(["shared", "per-bucket"]),
     default="shared",
     show_default=True,
-    help="shared: the one dynamic-shape graph also serves decode (one graph to load; CUDA graphs "
-    "are still captured per bucket); per-bucket: an extra static graph per decode bucket.",
+    help="shared: the one dynamic-shape graph also serves decode (CUDA graphs are still captured "
+    "per bucket), but for batch 1's static graph when the norms are folded (KILN_FOLD_NORMS, on by "
+    "default); per-bucket: a static graph per decode bucket.",
 )
 @click.option(
     "--moe-tune",

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 import triton
 
-SCHEMA_VERSION = 2  # 2: kiln::linear takes max_m; kernels carry PDL (older artifacts: rebuild)
+# 2: kiln::linear takes max_m; kernels carry PDL. 3: norm_folds, the residual arguments of
+# kiln::linear / kiln::fused_moe and rmsnorm_linear's folded (older artifacts: rebuild)
+SCHEMA_VERSION = 3
 
 
 def sha256_file(path: Path, chunk: int = 16 << 20) -> str:

@@ -86,7 +86,7 @@ from kiln.ops.common import (
     pdl_wait,
     use_triton,
 )
-from kiln.ops.quant import tl_round
+from kiln.ops.quant import tl_add_row, tl_round
 
 DEFAULT_MAX_M = 8
 DEFAULT_SMS = 132  # H200; used where no device can be asked (the interpreter)
@@ -197,18 +197,6 @@ def _fma4(a0, a1, a2, a3, w, x0, x1, x2, x3, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _add_z(
-    y, Z, m, stride_zm, offs_n, mask, ADD_Z: tl.constexpr, DT: tl.constexpr, ROUND_IN_F32: tl.constexpr
-):
-    """``ADD_Z``: the rounded output ``y`` plus row ``m`` of ``Z`` (the residual), rounded again, as
-    a separate add after the linear would give; else ``y``."""
-    if ADD_Z:
-        z = tl.load(Z + m * stride_zm + offs_n, mask=mask, other=0.0).to(tl.float32)  # M x N is small
-        y = tl_round(y + z, DT, ROUND_IN_F32)
-    return y
-
-
-@triton.jit
 def _finish_row(g, u, m, M, bg, bu, offs_n, n_mask, Y, P, pid_k, stride_ym, N_OUT,
                 SPLIT_K: tl.constexpr, GATE_UP: tl.constexpr, ROUND_IN_F32: tl.constexpr,
                 XS, WS, stride_xs, SCALED: tl.constexpr, Z, stride_zm, ADD_Z: tl.constexpr):  # fmt: skip
@@ -225,7 +213,7 @@ def _finish_row(g, u, m, M, bg, bu, offs_n, n_mask, Y, P, pid_k, stride_ym, N_OU
             u = tl.sum(u, axis=1) + bu
         DT: tl.constexpr = Y.dtype.element_ty
         y = _act(g + bg, u, GATE_UP, DT, ROUND_IN_F32)
-        y = _add_z(y, Z, m, stride_zm, offs_n, mask, ADD_Z, DT, ROUND_IN_F32)
+        y = tl_add_row(y, Z, m, stride_zm, offs_n, mask, ADD_Z, DT, ROUND_IN_F32)  # M x N is small
         tl.store(Y + m * stride_ym + offs_n, y.to(DT), mask=mask)
     else:
         N_P = N_OUT * 2 if GATE_UP else N_OUT
@@ -585,7 +573,7 @@ def _splitk_reduce_kernel(
             u += tl.load(B + UP_OFF + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     DT: tl.constexpr = Y.dtype.element_ty
     y = _act(g, u, GATE_UP, DT, ROUND_IN_F32)
-    y = _add_z(y, Z, row, stride_zm, offs_n, n_mask, ADD_Z, DT, ROUND_IN_F32)
+    y = tl_add_row(y, Z, row.to(tl.int64), stride_zm, offs_n, n_mask, ADD_Z, DT, ROUND_IN_F32)
     tl.store(Y + row.to(tl.int64) * stride_ym + offs_n, y.to(DT), mask=n_mask)
 
 
@@ -914,8 +902,9 @@ def linear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [T, K] @ w [N, K]^T (+ bias)`` ``[T, N]``: the GEMV for ``1 <= T <= max_m``, else ``F.linear``.
-    ``residual [T, N]``: ``residual + linear(x)`` (the GEMV adds it in its epilogue; otherwise one
-    ``addmm``, whose sum is rounded once)."""
+    ``residual [T, N]``: ``residual + linear(x)``. The GEMV adds it in its epilogue after rounding
+    the product (two roundings, as a separate add); otherwise one ``addmm`` rounds the sum once
+    (without a bias) or ``F.linear`` then an add."""
     if residual is not None and (residual.shape != (*x.shape[:-1], w.shape[0]) or residual.dtype != x.dtype):
         raise ValueError(
             f"linear: residual must be {(*x.shape[:-1], w.shape[0])} {x.dtype}, got "

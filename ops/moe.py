@@ -64,7 +64,6 @@ from kiln.ops.moe_align import moe_align_run
 from kiln.ops.moe_gemm import (
     EARLY_BLOCK_N,
     EARLY_MAX_K,
-    add_z,
     check_config,
     moe_gemm_launch,
     moe_gemv_launch,
@@ -75,6 +74,7 @@ from kiln.ops.moe_gemm import (
 from kiln.ops.quant import (
     dequantize_fp8,
     quantize_fp8_per_token,
+    tl_add_row,
     tl_dynamic_scale,
     tl_quantize_fp8,
     tl_round,
@@ -161,7 +161,7 @@ def _combine_kernel(
     hmask = offs < H
     acc = pair_sum(Y2, IDS, MAP, t, K, offs, hmask, stride_y, HAS_MAP, "")
     out_ty = OUT.dtype.element_ty
-    y = add_z(tl_round(acc, out_ty, RF), Z, t, stride_zm, offs, hmask, ADD_Z, out_ty, RF)
+    y = tl_add_row(tl_round(acc, out_ty, RF), Z, t, stride_zm, offs, hmask, ADD_Z, out_ty, RF)
     tl.store(OUT + t * stride_o + offs, y.to(out_ty), mask=hmask)
 
 
@@ -190,6 +190,8 @@ def moe_combine(
     ``residual [T, H]``: plus ``residual[t]``, rounded again."""
     t, k = topk_ids.shape
     h = y2.shape[1]
+    if residual is not None and (residual.shape != (t, h) or residual.stride(1) != 1):
+        raise ValueError(f"moe_combine: residual must be [{t}, {h}] with a unit last stride")
     out = y2.new_empty((t, h)) if out is None else out
     if t:
         block = min(next_pow2(h), 1024)
@@ -405,7 +407,7 @@ def fused_moe(
     _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(
-            f"fused_moe: residual must be {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)}"
+            f"fused_moe: residual must be {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}"
         )
     combine_mode()  # a bad KILN_MOE_COMBINE fails on every path, not only where it is read
     if use_triton(x):

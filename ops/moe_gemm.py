@@ -62,7 +62,7 @@ import triton.language as tl
 from kiln.ops.activation import NARROW_ROWS
 from kiln.ops.common import FP8_DTYPE, interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
 from kiln.ops.moe_routing import rank_route
-from kiln.ops.quant import tl_round
+from kiln.ops.quant import tl_add_row, tl_round
 
 EARLY_MAX_K = 1024  # moe_gemv_launch(early=True): the widest K slab a program holds in registers
 # fused_moe's w2 rows per program with the early slab (KILN_MOE_EARLY_W2): 16 x 768 at Qwen3-30B-A3B,
@@ -363,18 +363,6 @@ def pair_sum(Y, IDS, MAP, tok, K, offs, mask, stride_y, HAS_MAP: tl.constexpr, C
 
 
 @triton.jit
-def add_z(
-    y, Z, row, stride_zm, offs, mask, ADD_Z: tl.constexpr, DT: tl.constexpr, ROUND_IN_F32: tl.constexpr
-):
-    """``ADD_Z``: the rounded top-k sum ``y`` plus row ``row`` of ``Z`` (the residual stream), rounded
-    again, as an add after the op would give; else ``y``."""
-    if ADD_Z:
-        z = tl.load(Z + row * stride_zm + offs, mask=mask, other=0.0).to(tl.float32)  # row: int64
-        y = tl_round(y + z, DT, ROUND_IN_F32)
-    return y
-
-
-@triton.jit
 def _sum_last(
     C, IDS, MAP, OUT, CNT, tok, offs_n, nmask, stride_cm, stride_o,
     SUM_K: tl.constexpr, HAS_MAP: tl.constexpr, ROUND_IN_F32: tl.constexpr,
@@ -394,7 +382,7 @@ def _sum_last(
         tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
         total = pair_sum(C, IDS, MAP, tok, SUM_K, offs_n, nmask, stride_cm, HAS_MAP, ".cg")
         out_ty = OUT.dtype.element_ty
-        y = add_z(tl_round(total, out_ty, ROUND_IN_F32), Z, tok, stride_zm, offs_n, nmask, ADD_Z, out_ty,
+        y = tl_add_row(tl_round(total, out_ty, ROUND_IN_F32), Z, tok, stride_zm, offs_n, nmask, ADD_Z, out_ty,
                   ROUND_IN_F32)  # fmt: skip
         tl.store(OUT + tok * stride_o + offs_n, y.to(out_ty), mask=nmask)
 
@@ -541,7 +529,7 @@ def _moe_gemv_kernel(
         pick = rmask[:, None] & ((r % BLOCK_N)[:, None] == cols[None, :])  # [R, BN]
         total = tl.sum(tl.where(pick, y[:, None], 0.0), axis=0)  # [BN]
         offs_c = tl.program_id(1) * BLOCK_N + cols
-        y = add_z(tl_round(total, out_ty, ROUND_IN_F32), Z, g, stride_zm, offs_c, offs_c < N, ADD_Z, out_ty,
+        y = tl_add_row(tl_round(total, out_ty, ROUND_IN_F32), Z, g, stride_zm, offs_c, offs_c < N, ADD_Z, out_ty,
                   ROUND_IN_F32)  # fmt: skip
         tl.store(C + g * stride_cm + offs_c, y.to(out_ty), mask=offs_c < N)
 

@@ -112,7 +112,8 @@ def rmsnorm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(linear(rmsnorm(x + residual)), x + residual, rmsnorm(x + residual))`` (see the module docstring).
     ``folded``: ``norm_w`` is all ones, its values folded into ``w``'s columns (weights/fold.py);
-    the one-token GEMV then skips it."""
+    the one-token GEMV then never loads it, while the other paths still multiply by it (so the two
+    agree only when it is ones, as the load-time fold makes it)."""
     _check(x, residual, norm_w, w, bias, gate_up)
     t, k = x.shape
     if t == 1 and use_gemv(x, w, max_m):

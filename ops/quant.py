@@ -132,6 +132,19 @@ def tl_round(v, dtype: tl.constexpr, ROUND_IN_F32: tl.constexpr):
 
 
 @triton.jit
+def tl_add_row(
+    y, Z, row, stride_z, offs, mask, ADD: tl.constexpr, DT: tl.constexpr, ROUND_IN_F32: tl.constexpr
+):
+    """``ADD``: ``y`` (a rounded float32 output row) plus ``Z[row, offs]`` (the residual), rounded to
+    ``DT`` again, as an add after the kernel would give; else ``y``. ``row`` int64 where
+    ``row * stride_z`` can pass 2^31."""
+    if ADD:
+        z = tl.load(Z + row * stride_z + offs, mask=mask, other=0.0).to(tl.float32)
+        y = tl_round(y + z, DT, ROUND_IN_F32)
+    return y
+
+
+@triton.jit
 def tl_quantize_fp8(y, s, ROUND_IN_F32: tl.constexpr):
     """float32 block ``y`` divided by the float32 scale ``s`` (the IEEE quotient, as torch's
     ``y / s``), saturated to +-448 and cast to float8e4nv (round to nearest even). One reciprocal

@@ -17,7 +17,9 @@ import torch
 
 from kiln.errors import KilnError
 
-SCHEMA_VERSION = 2  # 2: kiln::linear takes max_m; kernels carry PDL (older artifacts: rebuild)
+# 2: kiln::linear takes max_m; kernels carry PDL. 3: norm_folds, the residual arguments of
+# kiln::linear / kiln::fused_moe and rmsnorm_linear's folded (older artifacts: rebuild)
+SCHEMA_VERSION = 3
 REBUILD = "rebuild it on this machine with `kiln compile MODEL_DIR -o ART --force`"
 
 

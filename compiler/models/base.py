@@ -4,14 +4,15 @@ A model definition only says how one decoder layer is built (``make_layer``); th
 residual stream (SGLang-style fused add+RMSNorm between blocks) and computes logits only for the
 rows that are sampled.
 
-With ``fold_norms`` (set by the compiler where :func:`norm_folds` allows it, unless ``KILN_FOLD_NORMS=0``)
+With ``fold_norms`` (set by the compiler for the batch-1 decode graph, compiler/norm_folds.py)
 the layers run the residual-stream layout instead: one tensor ``h`` carries the stream; the o and
 down (or MoE w2) projections add their output to it in their epilogue; each RMSNorm runs inside
 the linear behind it with its weight folded into that linear's weights at load time
 (weights/fold.py). At one token a layer is then qkv GEMV (norm inside) -> RoPE -> attention ->
 o GEMV (+h) -> router GEMV (norm inside, writes the normalized row) -> top-k -> experts (+h),
-with no norm kernel; at other sizes the norm kernel (unit weight) and cuBLAS ``addmm`` take
-their place.
+with no norm kernel. Where a linear is not on the GEMV (its role missing from the plan,
+``KILN_GEMV=0``, the CPU) the norm kernel (unit weight) runs before it and cuBLAS ``addmm`` adds
+the residual.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class DecoderLayer(nn.Module):
 
     def stream(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The residual-stream layout (module docstring): ``h [T, H]`` in, ``h`` after the layer out."""
+        assert isinstance(self.attn, Attention)
         qkv = self.attn.qkv
         y, _ = folded_norm_linear(self.input_norm, h, qkv.weight, qkv.bias, "attn")
         h = self.attn(h, ctx, qkv=y, residual=h)  # [T, H]: h + o(attention)
@@ -129,43 +131,10 @@ class DecoderLayer(nn.Module):
 
     def stream_feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         """``h + mlp(post_attn_norm(h))``, the norm inside gate_up, the add inside down."""
+        assert isinstance(self.mlp, MLP)
         gu = self.mlp.gate_up
         act, _ = folded_norm_linear(self.post_attn_norm, h, gu.weight, gu.bias, "mlp", gate_up=True)
         return self.mlp(h, act, residual=h)
-
-
-def norm_folds(model: nn.Module) -> tuple[dict[str, list[str]], str]:
-    """``({norm weight: [consumer weights]}, "")`` when every layer of ``model`` can run the
-    residual-stream layout with its norms folded (tp 1; Llama-style attention; a dense MLP or a
-    :class:`FusedMoE`; no FP8), else ``({}, why not)``."""
-    from kiln.compiler.moe_layer import FusedMoE, MoEDecoderLayer
-
-    if not isinstance(model, DecoderOnlyLM) or model.tp != 1:
-        return {}, "only single-rank (tp 1) decoder-only models"
-    names = {id(p): n for n, p in model.named_parameters()}
-    folds: dict[str, list[str]] = {}
-    for i, layer in enumerate(model.layers):
-        std = isinstance(layer, DecoderLayer) and all(
-            getattr(type(layer), f) is getattr(DecoderLayer, f) for f in ("forward", "attention", "stream")
-        )
-        attn, ffn = getattr(layer, "attn", None), getattr(layer, "mlp", None)
-        if not std or not isinstance(attn, Attention) or attn.qkv.quant is not None:
-            return {}, f"layer {i}: not a Llama-style attention block in bf16/fp16/fp32"
-        if (
-            isinstance(ffn, MLP)
-            and ffn.quant is None
-            and type(layer).feed_forward is DecoderLayer.feed_forward
-        ):
-            consumers = [ffn.gate_up.weight]
-        elif isinstance(ffn, FusedMoE) and isinstance(layer, MoEDecoderLayer) and ffn.w13_scale is None:
-            consumers = [ffn.router.weight, ffn.w13]
-            if ffn.shared is not None:
-                consumers.append(ffn.shared.gate_up.weight)
-        else:
-            return {}, f"layer {i}: its feed-forward is neither a dense MLP nor a FusedMoE in bf16/fp16/fp32"
-        folds[names[id(layer.input_norm.weight)]] = [names[id(attn.qkv.weight)]]
-        folds[names[id(layer.post_attn_norm.weight)]] = [names[id(p)] for p in consumers]
-    return folds, ""
 
 
 class DecoderOnlyLM(nn.Module):

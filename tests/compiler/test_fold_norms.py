@@ -16,13 +16,14 @@ from tiny_models import check_against_hf, hf_greedy, make_checkpoint
 from tiny_moe_models import make_moe_checkpoint
 
 from kiln.compiler.build import CompileOptions, compile_model
-from kiln.compiler.models.base import norm_folds
+from kiln.compiler.norm_folds import norm_folds
 from kiln.compiler.registry import model_class
 from kiln.ops import gemv as G
 from kiln.ops import moe
 from kiln.ops import norm_linear as NL
 from kiln.ops.common import interpreting
 from kiln.runtime.direct import DirectRunner
+from kiln.weights import load_pack
 from kiln.weights.fold import FoldError, apply_norm_folds
 
 OPTS = dict(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64, chunk_size=32)
@@ -54,6 +55,14 @@ def test_dense_folded_matches_hf_and_generates_its_greedy_tokens(tmp_path, monke
     assert shared.count("kiln.fused_add_rmsnorm.default") == 2 * layers  # all but layer 0's input, final
     assert "kiln.rmsnorm_linear.default" not in shared
     runner = DirectRunner(str(tmp_path / "art"), device="cpu", num_slots=256)
+    # the loader folded the weights (the CPU fallbacks would match HF without it: they apply g)
+    loaded, pack = runner.model.weights, load_pack(tmp_path / "art" / "weights", 0, "cpu")
+    for i in range(layers):
+        assert torch.equal(loaded[f"layers.{i}.input_norm.weight"], torch.ones(hf.config.hidden_size))
+        g = pack[f"layers.{i}.post_attn_norm.weight"]
+        assert torch.equal(
+            loaded[f"layers.{i}.mlp.gate_up.weight"], pack[f"layers.{i}.mlp.gate_up.weight"] * g
+        )
     check_against_hf(runner, hf, [[3, 4, 5, 6, 7, 8], [9, 10, 11]], decode_steps=3)  # shared graph
     check_against_hf(runner, hf, [[12, 13, 14, 15]], decode_steps=3)  # decode_b1
     prompt = [5, 17, 33, 2, 41]
@@ -103,20 +112,21 @@ def test_moe_folded_decode_runs_the_fused_kernels_and_matches_hf(tmp_path, monke
     assert calls.count(("res", True)) == (2 * layers - moe_layers) * steps
 
 
-def test_apply_norm_folds_scales_columns_and_sets_ones():
-    g = torch.tensor([1.0, 2.0, 0.5])
-    w = torch.arange(6.0).reshape(2, 3)
-    experts = torch.ones(2, 2, 3)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_apply_norm_folds_scales_columns_and_sets_ones(device):
+    g = torch.tensor([1.0, 2.0, 0.5], device=device)
+    w = torch.arange(6.0, device=device).reshape(2, 3)
+    experts = torch.ones(2, 2, 3, device=device)
     weights = {"n": g.clone(), "w": w.clone(), "e": experts.clone()}
     assert apply_norm_folds(weights, {"n": ["w", "e"]}) == 2
     assert torch.equal(weights["w"], w * g) and torch.equal(weights["e"], experts * g)
-    assert torch.equal(weights["n"], torch.ones(3))
+    assert torch.equal(weights["n"], torch.ones(3, device=device))
     assert apply_norm_folds(weights, None) == 0
-    with pytest.raises(FoldError, match="no 1-D norm weight 'm'"):
+    with pytest.raises(FoldError, match="names 'm', which the weight pack lacks"):
         apply_norm_folds(weights, {"m": ["w"]})
-    with pytest.raises(FoldError, match="'x'"):
+    with pytest.raises(FoldError, match="into 'x', which the weight pack lacks"):
         apply_norm_folds(weights, {"n": ["x"]})
-    weights["bad"] = torch.ones(3, 4)
+    weights["bad"] = torch.ones(3, 4, device=device)
     with pytest.raises(FoldError, match="cannot take"):
         apply_norm_folds(weights, {"n": ["bad"]})
 
@@ -131,9 +141,39 @@ def test_norm_folds_refuses_what_it_cannot_fold(tmp_path):
         folds, why = norm_folds(cls(cfg, torch.float32, tp=2))
         assert not folds and "tp 1" in why
         folds, why = norm_folds(cls(cfg, torch.bfloat16, quant="fp8"))
-        assert not folds and "layer 0" in why
+        assert not folds and "FP8" in why
         folds, why = norm_folds(cls(cfg, torch.float32))
         assert len(folds) == 2 * cfg.num_layers and not why
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+def test_norm_folds_of_moe_models(tmp_path, name):
+    """A MoE layer folds its post-attention norm into the router and the stacked experts (dense
+    layers into gate_up); FP8 experts keep their norms; a subclassed block is not folded."""
+    from kiln.compiler.config import load_config
+    from kiln.compiler.moe_layer import MoEDecoderLayer
+
+    make_moe_checkpoint(tmp_path / "hf", name)
+    cfg = load_config(tmp_path / "hf")
+    with torch.device("meta"):
+        cls = model_class(cfg.architecture)
+        model = cls(cfg, torch.float32)
+        folds, _ = norm_folds(model)
+        for i, layer in enumerate(model.layers):
+            moe = isinstance(layer, MoEDecoderLayer)
+            expect = (
+                [f"layers.{i}.moe.router.weight", f"layers.{i}.moe.w13"]
+                if moe
+                else [f"layers.{i}.mlp.gate_up.weight"]
+            )
+            assert folds[f"layers.{i}.post_attn_norm.weight"] == expect
+            assert folds[f"layers.{i}.input_norm.weight"] == [f"layers.{i}.attn.qkv.weight"]
+        folds, why = norm_folds(cls(cfg, torch.bfloat16, quant="fp8"))
+        assert not folds and "FP8" in why
+        layer = model.layers[0]
+        layer.__class__ = type("Custom", (type(layer),), {})  # it may read the normed row elsewhere
+        folds, why = norm_folds(model)
+        assert not folds and "layer 0" in why
 
 
 def test_switched_off_means_no_fold(tmp_path, monkeypatch):
