@@ -7,16 +7,16 @@ weights dict and a ``ForwardContext``) and captured in one CUDA graph per case. 
 order are those of a decode step. Sampling, the host work and the aten glue are not included.
 Switches read while tracing (the GEMV plan ``KILN_GEMV``, e.g. its ``norm`` role) and at capture
 (``KILN_PDL``, ``KILN_MOE_EARLY_W2``, ...) are set per case, so step-level A/B comparisons need
-no recompile. ``fold_norms`` (the residual-stream layout) is set as the compiler traces it (batch
-1, ``KILN_FOLD_NORMS`` on unless ``0``), on the same random weights: the kernels are those of a
-folded artifact, the values are not. ``KILN_FOLD_NORMS=1`` was traced at every batch when
-``bench/results/2026-11-30_h200_s9d_fold_step.json`` was measured. Chains of one op do not predict these (docs/decode_budget.md).
+no recompile. Chains of one op do not predict these (docs/decode_budget.md). ``fold_norms`` (the
+residual-stream layout) is set as the compiler traces it (batch 1, ``KILN_FOLD_NORMS`` on unless
+``0``), on the same random weights: the kernels are those of a folded artifact, the values are
+not. (``bench/results/2026-11-30_h200_s9d_fold_step.json`` traced the layout at every batch.)
 
 * ``test_decode_step[PRESET-B-VARIANT]``: Qwen3-30B-A3B- or Llama-3.1-8B-shaped with ``LAYERS``
-  layers (16, as the MoE end-to-end runs), ``B`` requests each at ``CONTEXT`` tokens of KV. ``bytes`` is what the runtime's
-  roofline counts (runtime/benchmark.py ``weight_bytes``: the experts a batch hits on
-  average, lm_head, no embedding table) plus the KV read, so ``frac_bw`` is comparable with
-  ``kiln bench latency``'s ``frac_roofline``.
+  layers (16, as the MoE end-to-end runs), ``B`` requests each at ``CONTEXT`` tokens of KV.
+  ``bytes`` is what the runtime's roofline counts (runtime/benchmark.py ``weight_bytes``: the
+  experts a batch hits on average, lm_head, no embedding table) plus the KV read, so ``frac_bw``
+  is comparable with ``kiln bench latency``'s ``frac_roofline``.
 
 Smoke mode (CPU): a tiny config of the same architecture through the ops' torch paths.
 """

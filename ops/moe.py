@@ -235,7 +235,8 @@ def fused_moe_triton(
     topk_weights = topk_weights.contiguous()
     if c1["BLOCK_M"] == 1:
         return _fused_moe_gemv(
-            x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, c1, c2, out, residual=residual
+            x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, c1, c2, out,
+            residual=residual,
         )  # fmt: skip
     sorted_ids, block_expert, num_padded = moe_align_run(topk_ids, expert_map, e, c1["BLOCK_M"])
     align = (sorted_ids, block_expert, num_padded)
@@ -258,7 +259,8 @@ def fused_moe_triton(
 
 
 def _fused_moe_gemv(
-    x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, c1, c2, out, route=None, residual=None
+    x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, c1, c2, out, route=None,
+    residual=None,
 ):  # fmt: skip
     """The decode variant (``BLOCK_M`` 1): w13 GEMV per pair, then w2 GEMV per pair whose
     last-arriving program per token sums the top-k (``combine_mode`` "fused"; "separate": the
@@ -407,7 +409,8 @@ def fused_moe(
     _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(
-            f"fused_moe: residual must be {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}"
+            f"fused_moe: residual must be {tuple(x.shape)} {x.dtype}, "
+            f"got {tuple(residual.shape)} {residual.dtype}"
         )
     combine_mode()  # a bad KILN_MOE_COMBINE fails on every path, not only where it is read
     if use_triton(x):

@@ -529,8 +529,8 @@ def _moe_gemv_kernel(
         pick = rmask[:, None] & ((r % BLOCK_N)[:, None] == cols[None, :])  # [R, BN]
         total = tl.sum(tl.where(pick, y[:, None], 0.0), axis=0)  # [BN]
         offs_c = tl.program_id(1) * BLOCK_N + cols
-        y = tl_add_row(tl_round(total, out_ty, ROUND_IN_F32), Z, g, stride_zm, offs_c, offs_c < N, ADD_Z, out_ty,
-                  ROUND_IN_F32)  # fmt: skip
+        y = tl_round(total, out_ty, ROUND_IN_F32)
+        y = tl_add_row(y, Z, g, stride_zm, offs_c, offs_c < N, ADD_Z, out_ty, ROUND_IN_F32)
         tl.store(C + g * stride_cm + offs_c, y.to(out_ty), mask=offs_c < N)
 
 

@@ -49,7 +49,8 @@ def apply_norm_folds(weights: dict[str, torch.Tensor], folds: dict[str, list[str
             if w.shape[-1] != g.shape[0] or w.dtype != g.dtype:
                 raise FoldError(
                     f"manifest norm_folds: {name!r} {tuple(w.shape)} {w.dtype} cannot take {norm!r} "
-                    f"{tuple(g.shape)} {g.dtype} along its last dim; rebuild the artifact with `kiln compile`."
+                    f"{tuple(g.shape)} {g.dtype} along its last dim; "
+                    "rebuild the artifact with `kiln compile`."
                 )
             w.mul_(g)  # [..., H] * g: torch multiplies 16-bit floats in float32 and rounds once
             done += 1

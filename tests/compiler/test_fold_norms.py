@@ -1,5 +1,6 @@
-"""Folded norms (on by default; ``KILN_FOLD_NORMS=0`` turns them off): the residual-stream layout with the RMSNorm weights folded into the linears
-behind them (compiler/models/base.py, weights/fold.py).
+"""Folded norms (on by default; ``KILN_FOLD_NORMS=0`` turns them off): the RMSNorm weights folded
+into the linears behind them (compiler/norm_folds.py, weights/fold.py) and the residual-stream
+layout of the batch-1 decode graph (compiler/models/base.py).
 
 float32 on CPU against Hugging Face transformers: a tiny Llama on the torch paths (the norm
 kernel's unit weight, ``addmm``) and greedy tokens through ``kiln.LLM``; a tiny Qwen3-MoE with a
