@@ -3,8 +3,6 @@ a GPU (the local Triton; the H200 runs triton 3.6), and report whether any spill
 A check between GPU runs, not a substitute for them: `python bench/gpu/xcompile_sm90.py`.
 """
 
-import inspect
-
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -13,118 +11,45 @@ from kiln.ops import gemv as G
 from kiln.ops import moe as M
 from kiln.ops import moe_gemm as MG
 
+BF16, F32, I32 = "*bf16", "*fp32", "*i32"
 
-def xc(fn, sig, consts, warps=4):
-    names = list(inspect.signature(fn.fn).parameters)
-    signature = {n: sig.get(n, "i32") for n in names if n not in consts}
-    for n in consts:
-        signature[n] = "constexpr"
-    cx = {(names.index(n),): v for n, v in consts.items()}
-    src = ASTSource(fn=fn, signature=signature, constexprs=cx)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    ptx = k.asm["ptx"]
-    print(
-        fn.fn.__name__,
-        "ok",
-        "local" if ".local" in ptx else "no-local",
-        k.n_regs if hasattr(k, "n_regs") else "",
+
+def xc(fn, types: dict[str, str], consts: dict, warps: int = 4) -> None:
+    """Compile ``fn`` for sm_90: ``types`` for its non-integer arguments (the rest i32), ``consts``
+    for the constexprs without a default (and any default to override)."""
+    signature, constexprs = {}, {}
+    for p in fn.params:
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constexprs[(p.num,)] = consts[p.name] if p.name in consts or not p.has_default else p.default
+        else:
+            signature[p.name] = types.get(p.name, "i32")
+    k = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=warps),
     )
+    print(fn.fn.__name__, consts, "local memory" if ".local" in k.asm["ptx"] else "no local memory")
 
 
-P = "*bf16"
-# FMA GEMV: M=1, residual, split 1
-fma_ptrs = {n: P for n in ("X", "W", "B", "Y", "R", "G", "H", "XN", "Z")} | {
-    "P": "*fp32",
-    "XS": "*fp32",
-    "WS": "*fp32",
-    "eps": "fp32",
-}
-base = dict(
-    BLOCK_M=1,
-    BLOCK_N=2,
-    BLOCK_K=512,
-    VEC=8,
-    SPLIT_K=1,
-    GATE_UP=False,
-    HAS_BIAS=False,
-    EVEN_K=True,
-    ROUND_IN_F32=False,
-    PDL=True,
-    SCALED=False,
-    NORM=False,
-    HAS_RES=False,
-    WRITE_H=False,
-    WRITE_XN=False,
-    CHUNK=1,
-    HAS_G=True,
-)
-xc(G._gemv_fma_kernel, fma_ptrs, base | dict(ADD_Z=True))
-xc(G._gemv_fma_kernel, fma_ptrs, base | dict(NORM=True, HAS_G=False, WRITE_XN=True, CHUNK=32))
-xc(G._gemv_fma_kernel, fma_ptrs, base | dict(SPLIT_K=4, ADD_Z=False))
-xc(
-    G._splitk_reduce_kernel,
-    {"P": "*fp32", "B": P, "Y": P, "Z": P},
-    dict(SPLIT_K=4, BLOCK=256, GATE_UP=False, HAS_BIAS=False, ROUND_IN_F32=False, PDL=True, ADD_Z=True),
-    2,
-)
-xc(
-    G._gemv_dot_kernel,
-    {n: P for n in ("X", "W", "B", "Y", "Z")} | {"P": "*fp32"},
-    dict(
-        BLOCK_M=16,
-        BLOCK_N=16,
-        BLOCK_K=256,
-        SPLIT_K=1,
-        GATE_UP=False,
-        HAS_BIAS=False,
-        EVEN_K=True,
-        ROUND_IN_F32=False,
-        PDL=True,
-        ADD_Z=True,
-    ),
-)
-moe_ptrs = {
-    "A": P,
-    "A_SCALE": P,
-    "W": P,
-    "W_SCALE": P,
-    "C": P,
-    "TOPK_W": "*fp32",
-    "IDS": "*i32",
-    "MAP": "*i32",
-    "OUT": P,
-    "CNT": "*i32",
-    "LOGITS": P,
-    "Z": P,
-    "route_scale": "fp32",
-}
-mb = dict(
-    A_DIV=1,
-    GROUP=1,
-    P_PAD=1,
-    HAS_MAP=False,
-    FUSE_SILU=False,
-    MUL_WEIGHT=True,
-    FP8=False,
-    ROUND_IN_F32=False,
-    BLOCK_N=32,
-    BLOCK_K=256,
-    STAGES=1,
-    PDL=True,
-    SUM_K=8,
-    EARLY=False,
-    KP=1,
-    LATE_TRIGGER=False,
-    ROUTE_K=0,
-    E_PAD=1,
-    RENORM=False,
-    ROUND_W=0,
-)
-xc(MG._moe_gemv_kernel, moe_ptrs, mb | dict(ADD_Z=True))
-xc(MG._moe_gemv_kernel, moe_ptrs, mb | dict(ADD_Z=False))
-xc(MG._moe_gemv_kernel, moe_ptrs, mb | dict(GROUP=8, P_PAD=8, SUM_K=0, BLOCK_N=8, ADD_Z=True))
-xc(
-    M._combine_kernel,
-    {"Y2": P, "IDS": "*i32", "MAP": "*i32", "OUT": P, "Z": P},
-    dict(HAS_MAP=False, BLOCK_H=1024, RF=False, PDL=True, ADD_Z=True),
-)
+gemv_types = dict.fromkeys(("X", "W", "B", "Y", "R", "G", "H", "XN", "Z"), BF16)
+gemv_types |= {"P": F32, "XS": F32, "WS": F32, "eps": "fp32"}
+fma = dict(BLOCK_M=1, BLOCK_N=2, BLOCK_K=512, VEC=8, SPLIT_K=1, GATE_UP=False, HAS_BIAS=False, EVEN_K=True,
+           ROUND_IN_F32=False, PDL=True, SCALED=False)  # fmt: skip
+xc(G._gemv_fma_kernel, gemv_types, fma | dict(ADD_Z=True))
+xc(G._gemv_fma_kernel, gemv_types, fma | dict(NORM=True, HAS_G=False, WRITE_XN=True, CHUNK=32))
+xc(G._gemv_fma_kernel, gemv_types, fma | dict(SPLIT_K=4))
+xc(G._splitk_reduce_kernel, gemv_types,
+   dict(SPLIT_K=4, BLOCK=256, GATE_UP=False, HAS_BIAS=False, ROUND_IN_F32=False, PDL=True, ADD_Z=True), 2)  # fmt: skip
+xc(G._gemv_dot_kernel, gemv_types,
+   dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, GATE_UP=False, HAS_BIAS=False, EVEN_K=True,
+        ROUND_IN_F32=False, PDL=True, ADD_Z=True))  # fmt: skip
+
+moe_types = dict.fromkeys(("A", "A_SCALE", "W", "W_SCALE", "C", "OUT", "LOGITS", "Z", "Y2"), BF16)
+moe_types |= {"TOPK_W": F32, "IDS": I32, "MAP": I32, "CNT": I32, "route_scale": "fp32"}
+w2 = dict(A_DIV=1, GROUP=1, P_PAD=1, HAS_MAP=False, FUSE_SILU=False, MUL_WEIGHT=True, FP8=False, ROUND_IN_F32=False,
+          BLOCK_N=32, BLOCK_K=256, STAGES=1, PDL=True, SUM_K=8)  # fmt: skip
+xc(MG._moe_gemv_kernel, moe_types, w2 | dict(ADD_Z=True))
+xc(MG._moe_gemv_kernel, moe_types, w2)
+xc(MG._moe_gemv_kernel, moe_types, w2 | dict(GROUP=8, P_PAD=8, SUM_K=0, BLOCK_N=8, ADD_Z=True))
+xc(M._combine_kernel, moe_types, dict(HAS_MAP=False, BLOCK_H=1024, RF=False, PDL=True, ADD_Z=True))
