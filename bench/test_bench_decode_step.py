@@ -43,8 +43,9 @@ DEV = "cpu" if SMOKE else "cuda"
 LAYERS = pick(16, 2)
 CONTEXT = pick(544, 24)  # the middle of `kiln bench latency --input-len 512 --output-len 64`
 MAX_SEQ = pick(32768, 64)  # CompileOptions' default for this config: the decode bucket's split count
-TINY = dict(hidden_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=32,
-            num_experts=8, num_experts_per_tok=2, vocab_size=256, max_position_embeddings=512)  # fmt: skip
+TINY = dict(hidden_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+            moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, vocab_size=256,
+            max_position_embeddings=512)  # fmt: skip
 VARIANTS = {
     "default": {},
     "norm": {"KILN_GEMV": "attn:1,mlp:1,router:1,norm:1"},

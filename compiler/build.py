@@ -157,19 +157,16 @@ def _check_pack_matches(model: torch.nn.Module, pack: dict[str, torch.Tensor]) -
             )
 
 
-def _norm_folds(model: torch.nn.Module, opts: CompileOptions, verbose: bool) -> dict[str, list[str]]:
+def _norm_folds(model: torch.nn.Module, verbose: bool) -> dict[str, list[str]]:
     """The norm weights to fold into their consumers' weights (weights/fold.py), or {} when not asked
     for or not possible (said on stderr). Every graph is correct on folded weights (the norm
     weights become ones); the batch-1 decode graph is traced in the residual-stream layout that
-    needs no norm kernel (``model.fold_norms``, compiler/models/base.py); without a batch-1
-    bucket there is none, and nothing is folded."""
-    if not fold_norms_requested() or 1 not in opts.buckets():
+    needs no norm kernel (``model.fold_norms``, compiler/models/base.py)."""
+    if not fold_norms_requested():
         return {}
     folds, why = norm_folds(model)
-    if not folds:
-        if verbose:
-            print(f"[kiln compile] norms not folded: {why}", file=sys.stderr, flush=True)
-        return {}
+    if not folds and verbose:
+        print(f"[kiln compile] norms not folded: {why}", file=sys.stderr, flush=True)
     return folds
 
 
@@ -238,7 +235,7 @@ def compile_model(
                     mod.tuning = moe_choice["table"]
         weights = load_pack(out / "weights", 0, device)
         _check_pack_matches(model, weights)
-        folds = _norm_folds(model, opts, verbose)
+        folds = _norm_folds(model, verbose)
         apply_norm_folds(weights, folds)  # as the runtime will, before the warm-up runs the graphs
         cache = _cache_spec(cfg, opts)
         graphs: dict[str, dict[str, Any]] = {}

@@ -83,31 +83,16 @@ def norm_linear(
     max_m: int,
     gate_up: bool = False,
     normed: bool = False,
+    folded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``norm`` (adding ``residual`` first) fused into the linear ``weight`` (ops/norm_linear.py):
-    ``(y [T, N], the new residual [T, H], the normalized x [T, H] if normed)``."""
+    ``(y [T, N], the new residual [T, H], the normalized x [T, H] if normed)``. ``folded``: the
+    norm's weight is folded into ``weight`` (weights/fold.py; ``norm.weight`` is then ones), so the
+    one-token GEMV does not load it (the residual-stream layout, compiler/models/base.py)."""
     y, h, xn = torch.ops.kiln.rmsnorm_linear(
-        x, residual, norm.weight, norm.eps, weight, bias, max_m, gate_up, normed
+        x, residual, norm.weight, norm.eps, weight, bias, max_m, gate_up, normed, folded
     )
     return y, (x if residual is None else h), xn
-
-
-def folded_norm_linear(
-    norm: RMSNorm,
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    role: str,
-    gate_up: bool = False,
-    normed: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``norm`` on the residual stream ``h`` then the linear ``weight``, the norm's weight folded into
-    ``weight`` (weights/fold.py; ``norm.weight`` is then ones): at one token the GEMV of the plan's
-    ``role`` does both without loading the norm weight. ``(y [T, N], the normalized h if normed)``."""
-    y, _, xn = torch.ops.kiln.rmsnorm_linear(
-        h, None, norm.weight, norm.eps, weight, bias, gemv_plan().get(role, 0), gate_up, normed, True
-    )
-    return y, xn
 
 
 class Linear(nn.Module):

@@ -19,7 +19,7 @@ from torch import nn
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
 from kiln.compiler.config import ModelConfig
-from kiln.compiler.layers import FP8, MLP, folded_norm_linear, fused_norm_m, norm_linear
+from kiln.compiler.layers import FP8, MLP, fused_norm_m, norm_linear
 from kiln.compiler.models.base import DecoderLayer
 from kiln.ops.gemv import gemv_plan
 
@@ -92,7 +92,9 @@ class FusedMoE(nn.Module):
             self.round_to,  # HF's cast of the weights to the activation dtype, fused
         )
         router_m = gemv_plan().get("router", 0)
-        if topk_in_w13(self):
+        routed = topk_in_w13(self)
+        fused_res = None if routed or self.shared is not None else residual  # added by fused_moe
+        if routed:
             if logits is None:  # the router GEMV, then the top-k inside the experts' w13 GEMV
                 logits = torch.ops.kiln.linear(x, self.router.weight, None, router_m)
             y = torch.ops.kiln.fused_moe_routed(
@@ -112,15 +114,12 @@ class FusedMoE(nn.Module):
             else:  # T up to the plan's router max: the router GEMV, then the top-k kernel
                 w, ids = torch.ops.kiln.moe_route(x, self.router.weight, bias, *routing, router_m)
             # w, ids: [T, k] f32, [T, k] int32
-            res = residual if self.shared is None else None
             y = torch.ops.kiln.fused_moe(
-                x, self.w13, self.w2, w, ids, None, self.w13_scale, self.w2_scale, self.tuning, res
+                x, self.w13, self.w2, w, ids, None, self.w13_scale, self.w2_scale, self.tuning, fused_res
             )  # [T, H]
-            if res is not None:
-                return y
         if self.shared is not None:
             y = y + self.shared(x)
-        return y if residual is None else residual + y
+        return y if residual is None or fused_res is not None else residual + y
 
 
 def topk_in_w13(moe: FusedMoE) -> bool:
@@ -173,5 +172,8 @@ class MoEDecoderLayer(DecoderLayer):
         assert isinstance(moe, FusedMoE)
         if moe.scoring == "sigmoid":
             return moe(self.post_attn_norm(h), residual=h)
-        logits, x = folded_norm_linear(self.post_attn_norm, h, moe.router.weight, None, "router", normed=True)
+        m = gemv_plan().get("router", 0)
+        logits, _, x = norm_linear(
+            self.post_attn_norm, h, None, moe.router.weight, None, m, normed=True, folded=True
+        )
         return moe(x, logits, residual=h)

@@ -86,7 +86,7 @@ from kiln.ops.common import (
     pdl_wait,
     use_triton,
 )
-from kiln.ops.quant import tl_add_row, tl_round
+from kiln.ops.quant import add_rounded, tl_add_row, tl_round
 
 DEFAULT_MAX_M = 8
 DEFAULT_SMS = 132  # H200; used where no device can be asked (the interpreter)
@@ -523,9 +523,9 @@ def _gemv_dot_kernel(
             if GATE_UP:
                 acc_u += tl.load(B + UP_OFF + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         y = _act(acc_g, acc_u, GATE_UP, DT, ROUND_IN_F32)
-        if ADD_Z:
-            z = tl.load(Z + offs_m[None, :].to(tl.int64) * stride_zm + offs_n[:, None], mask=mask, other=0.0)
-            y = tl_round(y + z.to(tl.float32), DT, ROUND_IN_F32)
+        y = tl_add_row(
+            y, Z, offs_m[None, :].to(tl.int64), stride_zm, offs_n[:, None], mask, ADD_Z, DT, ROUND_IN_F32
+        )
         tl.store(Y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None], y.to(DT), mask=mask)
     else:
         N_P = N_OUT * 2 if GATE_UP else N_OUT
@@ -782,7 +782,7 @@ def gemv(
         return out.copy_(bias.expand(m, n_out)) if bias is not None else out.zero_()
     if k == 0:
         y = gate_up_ref(x, w, bias) if gate_up else gemv_ref(x, w, bias)
-        return out.copy_(y if residual is None else (y.float() + residual.float()).to(odt))
+        return out.copy_(y if residual is None else add_rounded(y, residual))
     if x.stride(1) != 1:
         x = x.contiguous()
     if w.stride(1) != 1:

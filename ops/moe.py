@@ -72,6 +72,7 @@ from kiln.ops.moe_gemm import (
     pick_configs,
 )
 from kiln.ops.quant import (
+    add_rounded,
     dequantize_fp8,
     quantize_fp8_per_token,
     tl_add_row,
@@ -287,36 +288,15 @@ def _fused_moe_gemv(
         if early:  # its own w2 tile: the slab (BLOCK_N x K) sits in registers through the wait
             c2 = dict(c2, BLOCK_N=EARLY_BLOCK_N)
         moe_gemv_launch(
-            x,
-            None,
-            w13,
-            None,
-            a,
-            None,
-            ids,
-            emap,
-            c1,
-            a_div=k,
-            fuse_silu=True,
-            late_trigger=early,
+            x, None, w13, None, a, None, ids, emap, c1, a_div=k, fuse_silu=True, late_trigger=early,
             route=route,
-        )
+        )  # fmt: skip
     if c2["GROUP_M"] > 1:  # the top-k sum in the w2 GEMV
         out = x.new_empty((t, h)) if out is None else out
         moe_gemv_launch(
-            a,
-            a_scale,
-            w2,
-            w2_scale,
-            out,
-            topk_weights,
-            ids,
-            emap,
-            c2,
-            a_div=1,
-            combine=True,
+            a, a_scale, w2, w2_scale, out, topk_weights, ids, emap, c2, a_div=1, combine=True,
             residual=residual,
-        )
+        )  # fmt: skip
         return out
     y2 = x.new_empty((t * k, h))
     counters = None
@@ -325,8 +305,8 @@ def _fused_moe_gemv(
     if counters is not None:  # the last-arriving pair of each token sums its k rows
         out = x.new_empty((t, h)) if out is None else out
         moe_gemv_launch(
-            a, a_scale, w2, w2_scale, y2, topk_weights, ids, emap, c2, a_div=1, sum_out=out, counters=counters,
-            early=early, residual=residual,
+            a, a_scale, w2, w2_scale, y2, topk_weights, ids, emap, c2, a_div=1, sum_out=out,
+            counters=counters, early=early, residual=residual,
         )  # fmt: skip
         return out
     moe_gemv_launch(a, a_scale, w2, w2_scale, y2, topk_weights, ids, emap, c2, a_div=1, early=early)
@@ -423,11 +403,6 @@ def fused_moe(
         )
     y = fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
     return y if residual is None else add_rounded(y, residual)
-
-
-def add_rounded(y: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """``residual + y`` summed in float32, rounded once to ``y``'s dtype (what the kernels' add does)."""
-    return (y.float() + residual.float()).to(y.dtype)
 
 
 @fused_moe.register_fake

@@ -131,6 +131,11 @@ def tl_round(v, dtype: tl.constexpr, ROUND_IN_F32: tl.constexpr):
     return v.to(dtype).to(tl.float32)
 
 
+def add_rounded(y: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + y`` summed in float32, rounded once to ``y``'s dtype: :func:`tl_add_row` in torch."""
+    return (y.float() + residual.float()).to(y.dtype)
+
+
 @triton.jit
 def tl_add_row(
     y, Z, row, stride_z, offs, mask, ADD: tl.constexpr, DT: tl.constexpr, ROUND_IN_F32: tl.constexpr

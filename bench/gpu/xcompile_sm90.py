@@ -40,15 +40,16 @@ xc(G._gemv_fma_kernel, gemv_types, fma | dict(ADD_Z=True))
 xc(G._gemv_fma_kernel, gemv_types, fma | dict(NORM=True, HAS_G=False, WRITE_XN=True, CHUNK=32))
 xc(G._gemv_fma_kernel, gemv_types, fma | dict(SPLIT_K=4))
 xc(G._splitk_reduce_kernel, gemv_types,
-   dict(SPLIT_K=4, BLOCK=256, GATE_UP=False, HAS_BIAS=False, ROUND_IN_F32=False, PDL=True, ADD_Z=True), 2)  # fmt: skip
+   dict(SPLIT_K=4, BLOCK=256, GATE_UP=False, HAS_BIAS=False, ROUND_IN_F32=False, PDL=True, ADD_Z=True),
+   2)  # fmt: skip
 xc(G._gemv_dot_kernel, gemv_types,
    dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, GATE_UP=False, HAS_BIAS=False, EVEN_K=True,
         ROUND_IN_F32=False, PDL=True, ADD_Z=True))  # fmt: skip
 
 moe_types = dict.fromkeys(("A", "A_SCALE", "W", "W_SCALE", "C", "OUT", "LOGITS", "Z", "Y2"), BF16)
 moe_types |= {"TOPK_W": F32, "IDS": I32, "MAP": I32, "CNT": I32, "route_scale": "fp32"}
-w2 = dict(A_DIV=1, GROUP=1, P_PAD=1, HAS_MAP=False, FUSE_SILU=False, MUL_WEIGHT=True, FP8=False, ROUND_IN_F32=False,
-          BLOCK_N=32, BLOCK_K=256, STAGES=1, PDL=True, SUM_K=8)  # fmt: skip
+w2 = dict(A_DIV=1, GROUP=1, P_PAD=1, HAS_MAP=False, FUSE_SILU=False, MUL_WEIGHT=True, FP8=False,
+          ROUND_IN_F32=False, BLOCK_N=32, BLOCK_K=256, STAGES=1, PDL=True, SUM_K=8)  # fmt: skip
 xc(MG._moe_gemv_kernel, moe_types, w2 | dict(ADD_Z=True))
 xc(MG._moe_gemv_kernel, moe_types, w2)
 xc(MG._moe_gemv_kernel, moe_types, w2 | dict(GROUP=8, P_PAD=8, SUM_K=0, BLOCK_N=8, ADD_Z=True))

@@ -32,10 +32,10 @@ from kiln.compiler.layers import (
     Linear,
     LMHead,
     RMSNorm,
-    folded_norm_linear,
     fused_norm_m,
     norm_linear,
 )
+from kiln.ops.gemv import gemv_plan
 
 LayerFactory = Callable[[int], nn.Module]
 
@@ -125,7 +125,9 @@ class DecoderLayer(nn.Module):
         """The residual-stream layout (module docstring): ``h [T, H]`` in, ``h`` after the layer out."""
         assert isinstance(self.attn, Attention)
         qkv = self.attn.qkv
-        y, _ = folded_norm_linear(self.input_norm, h, qkv.weight, qkv.bias, "attn")
+        y, _, _ = norm_linear(
+            self.input_norm, h, None, qkv.weight, qkv.bias, gemv_plan().get("attn", 0), folded=True
+        )
         h = self.attn(h, ctx, qkv=y, residual=h)  # [T, H]: h + o(attention)
         return self.stream_feed_forward(h)
 
@@ -133,7 +135,10 @@ class DecoderLayer(nn.Module):
         """``h + mlp(post_attn_norm(h))``, the norm inside gate_up, the add inside down."""
         assert isinstance(self.mlp, MLP)
         gu = self.mlp.gate_up
-        act, _ = folded_norm_linear(self.post_attn_norm, h, gu.weight, gu.bias, "mlp", gate_up=True)
+        m = gemv_plan().get("mlp", 0)
+        act, _, _ = norm_linear(
+            self.post_attn_norm, h, None, gu.weight, gu.bias, m, gate_up=True, folded=True
+        )
         return self.mlp(h, act, residual=h)
 
 
