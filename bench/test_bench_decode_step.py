@@ -54,9 +54,6 @@ VARIANTS = {
     "unfolded": {"KILN_FOLD_NORMS": "0"},  # the add+norm kernels of the layout before folded norms
     "pdl_off": {"KILN_PDL": "0"},
     "gemv_off": {"KILN_GEMV": "0"},
-    "prefetch": {"KILN_L2_PREFETCH": "1"},  # o (+ router) weights into L2 during the attention
-    "prefetch4": {"KILN_L2_PREFETCH": "1", "KILN_L2_PREFETCH_PROGRAMS": "4"},
-    "prefetch64": {"KILN_L2_PREFETCH": "1", "KILN_L2_PREFETCH_PROGRAMS": "64"},
 }
 
 

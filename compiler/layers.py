@@ -184,11 +184,9 @@ class Attention(nn.Module):
         ctx: ForwardContext,
         qkv: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
-        prefetch: list[torch.Tensor] | None = None,  # at most 2
     ) -> torch.Tensor:
         # qkv: the projection when a norm fused into it computed it (x is then unused);
-        # residual [T, H]: added by the o projection (the residual stream, compiler/models/base.py);
-        # prefetch: weights of later kernels the rope kernel starts pulling into L2 (ops/l2_prefetch.py)
+        # residual [T, H]: added by the o projection (the residual stream, compiler/models/base.py)
         if qkv is None:
             qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
         k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]  # [S, Hkv, D]
@@ -207,7 +205,6 @@ class Attention(nn.Module):
             self.q_norm.weight if self.q_norm is not None else None,
             self.k_norm.weight if self.k_norm is not None else None,
             self.eps,
-            *(prefetch or ()),
         )  # [T, Hq, D]
         o = torch.ops.kiln.paged_attention(
             q,

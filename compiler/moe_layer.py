@@ -164,12 +164,6 @@ class MoEDecoderLayer(DecoderLayer):
         )
         return moe(x, logits), residual
 
-    def prefetch_weights(self) -> list[torch.Tensor]:
-        """The o projection's weights and the router's (the two GEMVs after the attention)."""
-        moe = self.mlp
-        assert isinstance(moe, FusedMoE)
-        return [*super().prefetch_weights(), moe.router.weight]
-
     def stream_feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         """``h + moe(post_attn_norm(h))`` (the residual-stream layout, compiler/models/base.py): the
         norm inside the router GEMV, which writes the normalized row for the experts (sigmoid

@@ -38,7 +38,6 @@ from kiln.ops.common import (
     pdl_wait,
     use_triton,
 )
-from kiln.ops.l2_prefetch import chunk_elems, prefetch_programs, prefetchable, tl_prefetch_l2
 from kiln.ops.rope import apply_rope_ref
 
 
@@ -171,27 +170,11 @@ def _qkv_rope_kvwrite_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (ops/common.py)
-    pf0_ptr=None,  # weights a later kernel reads, prefetched into L2 (ops/l2_prefetch.py)
-    pf0_n=0,
-    pf1_ptr=None,
-    pf1_n=0,
-    PF: tl.constexpr = 0,  # how many of pf0 / pf1 are given
-    PF_FIRST: tl.constexpr = 0,  # the first program (axis 1) that only prefetches
-    PF_PROGS: tl.constexpr = 1,
-    CHUNK0: tl.constexpr = 1,
-    CHUNK1: tl.constexpr = 1,
 ):
     # One program: token t, heads h of the concatenated q | k | v head list. Each head row of D
     # values is three tiles: the first and second members of the rotation pairs (a, b) and the
-    # pass-through dims past ROT (p). Programs from PF_FIRST on (token 0) have no heads: they start
-    # the prefetch, before the PDL wait (no kernel writes weights), then run as empty programs.
+    # pass-through dims past ROT (p).
     pdl_trigger(PDL)
-    if PF > 0:
-        pf = tl.program_id(1) - PF_FIRST
-        if (pf >= 0) & (tl.program_id(0) == 0):
-            tl_prefetch_l2(pf0_ptr, pf0_n, pf, PF_PROGS, CHUNK0, 128)
-            if PF > 1:
-                tl_prefetch_l2(pf1_ptr, pf1_n, pf, PF_PROGS, CHUNK1, 128)
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
@@ -316,12 +299,9 @@ def qkv_rope_kvwrite_triton(
     block_h: int | None = None,
     num_warps: int = 4,
     out: torch.Tensor | None = None,
-    prefetch: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Launch the fused kernel. ``out`` (``[T, Hq, D]``, contiguous, ``qkv.dtype``) receives q when
-    given (tests poison it); ``block_h``/``num_warps`` override the launch for benchmarks;
-    ``prefetch``: up to two weights for extra programs to prefetch into L2 (those
-    ``prefetchable``; ops/l2_prefetch.py)."""
+    given (tests poison it); ``block_h``/``num_warps`` override the launch for benchmarks."""
     t = qkv.shape[0]
     q = out if out is not None else qkv.new_empty((t, num_q_heads, head_dim))  # q: [T, Hq, D]
     if not q.is_contiguous() or q.shape != (t, num_q_heads, head_dim):
@@ -335,15 +315,6 @@ def qkv_rope_kvwrite_triton(
     grid = (t, triton.cdiv(total, bh))
     rne = interpreting() and not qkv.is_cuda
     pdl = pdl_args(qkv)
-    pf = [w for w in prefetch or () if prefetchable(w)][:2]
-    pf_meta = {}
-    if pf:
-        n_pf = prefetch_programs()
-        pf_meta = dict(
-            pf0_ptr=pf[0], pf0_n=pf[0].numel(), pf1_ptr=pf[-1], pf1_n=pf[-1].numel(), PF=len(pf),
-            PF_FIRST=grid[1], PF_PROGS=n_pf, CHUNK0=chunk_elems(pf[0]), CHUNK1=chunk_elems(pf[-1]),
-        )  # fmt: skip
-        grid = (t, grid[1] + n_pf)
     _qkv_rope_kvwrite_kernel[grid](
         qkv,
         positions,
@@ -378,7 +349,6 @@ def qkv_rope_kvwrite_triton(
         BLOCK_PASS=next_pow2(max(1, head_dim - rotary_dim)),
         num_warps=num_warps,
         **pdl,
-        **pf_meta,
     )
     return q
 
@@ -400,18 +370,12 @@ def qkv_rope_kvwrite(
     q_norm_w: torch.Tensor | None,
     k_norm_w: torch.Tensor | None,
     eps: float,
-    prefetch_a: torch.Tensor | None = None,
-    prefetch_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See the module docstring. Returns ``q [T, Hq, D]`` in ``qkv.dtype``; writes the caches.
-    ``prefetch_a`` / ``prefetch_b``: weights of later kernels to start pulling into L2
-    (ops/l2_prefetch.py; ignored where the bulk prefetch cannot run)."""
+    """See the module docstring. Returns ``q [T, Hq, D]`` in ``qkv.dtype``; writes the caches."""
     args = (qkv, positions, cos_sin, k_cache, v_cache, out_slots, num_q_heads, num_kv_heads, head_dim)
     _check(*args, rotary_dim)
-    if not use_triton(qkv):
-        return qkv_rope_kvwrite_ref(*args, rotary_dim, is_neox, q_norm_w, k_norm_w, eps)
-    pf = [w for w in (prefetch_a, prefetch_b) if w is not None]
-    return qkv_rope_kvwrite_triton(*args, rotary_dim, is_neox, q_norm_w, k_norm_w, eps, prefetch=pf)
+    impl = qkv_rope_kvwrite_triton if use_triton(qkv) else qkv_rope_kvwrite_ref
+    return impl(*args, rotary_dim, is_neox, q_norm_w, k_norm_w, eps)
 
 
 @qkv_rope_kvwrite.register_fake

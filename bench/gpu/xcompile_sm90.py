@@ -54,14 +54,3 @@ xc(MG._moe_gemv_kernel, moe_types, w2 | dict(ADD_Z=True))
 xc(MG._moe_gemv_kernel, moe_types, w2)
 xc(MG._moe_gemv_kernel, moe_types, w2 | dict(GROUP=8, P_PAD=8, SUM_K=0, BLOCK_N=8, ADD_Z=True))
 xc(M._combine_kernel, moe_types, dict(HAS_MAP=False, BLOCK_H=1024, RF=False, PDL=True, ADD_Z=True))
-
-from kiln.ops import l2_prefetch as PF  # noqa: E402
-from kiln.ops import qkv_rope as QR  # noqa: E402
-
-pf_types = {"P0": BF16, "P1": BF16}
-xc(PF._prefetch_kernel, pf_types, dict(HAS_P1=True, CHUNK0=16384, CHUNK1=16384))
-rope_types = dict.fromkeys(("qkv_ptr", "q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "pf0_ptr", "pf1_ptr"), BF16)
-rope_types |= {"pos_ptr": "*i64", "slot_ptr": "*i64", "cs_ptr": F32, "eps": "fp32"}
-rope = dict(HQ=32, HKV=4, D=128, ROT=128, IS_NEOX=True, HAS_QN=True, HAS_KN=True, ROUND_QN=True, ROUND_KN=True,
-            RNE_IN=False, RNE_K=False, RNE_V=False, BLOCK_H=4, BLOCK_HALF=64, BLOCK_PASS=1, PDL=True)  # fmt: skip
-xc(QR._qkv_rope_kvwrite_kernel, rope_types, rope | dict(PF=2, PF_FIRST=10, PF_PROGS=16, CHUNK0=16384, CHUNK1=16384))

@@ -36,7 +36,6 @@ from kiln.compiler.layers import (
     norm_linear,
 )
 from kiln.ops.gemv import gemv_plan
-from kiln.ops.l2_prefetch import prefetch_requested
 
 LayerFactory = Callable[[int], nn.Module]
 
@@ -129,15 +128,8 @@ class DecoderLayer(nn.Module):
         y, _, _ = norm_linear(
             self.input_norm, h, None, qkv.weight, qkv.bias, gemv_plan().get("attn", 0), folded=True
         )
-        pf = self.prefetch_weights() if prefetch_requested() else None
-        h = self.attn(h, ctx, qkv=y, residual=h, prefetch=pf)  # [T, H]: h + o(attention)
+        h = self.attn(h, ctx, qkv=y, residual=h)  # [T, H]: h + o(attention)
         return self.stream_feed_forward(h)
-
-    def prefetch_weights(self) -> list[torch.Tensor]:
-        """The weights the rope kernel prefetches into L2 with ``KILN_L2_PREFETCH=1`` (read when
-        tracing): the o projection's, read right after the attention."""
-        assert isinstance(self.attn, Attention)
-        return [self.attn.o.weight]
 
     def stream_feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         """``h + mlp(post_attn_norm(h))``, the norm inside gate_up, the add inside down."""

@@ -273,22 +273,3 @@ def test_cuda_graph_replay():
 
     for seed in (8, 9):  # new tokens, positions and slots each replay
         _run_and_check(c, "cuda", replay, seed=seed)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("programs", ["1", "16"])
-def test_prefetch_programs_leave_the_results_alone(programs, monkeypatch):
-    """Extra programs that prefetch two weights into L2 (ops/l2_prefetch.py) write nothing."""
-    monkeypatch.setenv("KILN_L2_PREFETCH_PROGRAMS", programs)
-    weights = [torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16), torch.randn(128, 2048, device="cuda")]
-    before = [w.clone() for w in weights]
-    for c in (GPU_CASES[0], GPU_CASES[2]):
-        _run_and_check(c, "cuda", lambda *a: _op(*a, *weights), seed=10)
-    assert all(torch.equal(w, b) for w, b in zip(weights, before, strict=True))
-
-
-def test_prefetch_is_ignored_off_gpu(kernel_on_cpu):
-    """The interpreter cannot run the bulk prefetch: the op takes the weights and skips them."""
-    c = CPU_CASES[2]
-    w = torch.randn(64, 64, dtype=torch.bfloat16)
-    _run_and_check(c, "cpu", lambda *a: _op(*a, w, w), seed=11)
