@@ -88,9 +88,11 @@ CASES = [  # (T, E, k, scoring, groups, topk_groups, renormalize, bias, scale)
 ]
 
 
+@pytest.mark.parametrize("keys", ["1", "0"], ids=["keys", "three-reductions"])  # KILN_MOE_TOPK_KEYS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-k{c[2]}-{c[3]}-g{c[4]}")
-def test_kernel_matches_reference(kernel_on_cpu, case, dtype, device="cpu"):
+def test_kernel_matches_reference(kernel_on_cpu, monkeypatch, case, dtype, keys, device="cpu"):
+    monkeypatch.setenv("KILN_MOE_TOPK_KEYS", keys)
     t, e, k, scoring, g, tg, renorm, has_bias, scale = case
     gen = torch.Generator(device).manual_seed(t * e + k)
     # distinct logits (multiples of 1/8, exact in bf16): no ties, so the order of ids is defined
@@ -101,6 +103,24 @@ def test_kernel_matches_reference(kernel_on_cpu, case, dtype, device="cpu"):
     rw, rids = mr.moe_topk_ref(logits, bias, k, renorm, scoring, g, tg, scale)
     assert torch.equal(ids, rids)  # same experts in the same (descending) order
     torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+
+
+def test_negative_and_infinite_choices_keep_their_order(kernel_on_cpu):
+    """The selection's int64 keys (ops/moe_routing.py ``_order_key``) order negative choices (a
+    sigmoid score plus a negative bias), -inf and ties as the float comparison does."""
+    e = 48
+    perm = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(r)) for r in range(3)])
+    logits = ((perm - e / 2) / 4).float()
+    bias = -3.0 + torch.linspace(0, 1, e)  # every choice negative, orders crossing the logits'
+    logits[2, :10] = float("-inf")  # sigmoid 0: row 2's choices there are the bias, tied at 0 ...
+    bias[:10] = 0.0  # ... above every other choice (<= -1): its top 6 are experts 0..5
+    w, ids = run_kernel(logits, bias, 6, True, "sigmoid")
+    rw, rids = mr.moe_topk_ref(logits, bias, 6, True, "sigmoid")
+    assert torch.equal(ids[:2], rids[:2])
+    torch.testing.assert_close(w[:2], rw[:2], rtol=1e-5, atol=1e-6)
+    assert ids[2].tolist() == [0, 1, 2, 3, 4, 5] and torch.equal(w[2], torch.zeros(6))
+    w, ids = run_kernel(torch.full((1, 16), float("-inf")), None, 3, False, "sigmoid")
+    assert ids.tolist() == [[0, 1, 2]]  # all -inf: the lowest indices
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the NaN row, by design
@@ -135,7 +155,11 @@ def test_op_dispatch_and_strided_logits(monkeypatch, triton_on_cpu):
     assert w.shape == (0, 4) and ids.shape == (0, 4)
 
 
-def test_bad_arguments_name_the_field():
+def test_bad_arguments_name_the_field(monkeypatch):
+    monkeypatch.setenv("KILN_MOE_TOPK_KEYS", "yes")
+    with pytest.raises(ValueError, match="KILN_MOE_TOPK_KEYS must be 0 or 1"):
+        run_kernel(torch.zeros(1, 8), None, 2, True, "softmax")
+    monkeypatch.delenv("KILN_MOE_TOPK_KEYS")
     x = torch.randn(2, 16)
     with pytest.raises(ValueError, match="top_k"):
         torch.ops.kiln.moe_topk(x, None, 17, True, "softmax", 1, 1, 1.0)
