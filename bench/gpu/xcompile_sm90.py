@@ -61,4 +61,9 @@ topk_types = {"L": BF16, "BIAS": F32, "W_OUT": F32, "ID_OUT": I32, "scale": "fp3
 topk = dict(K=8, K_PAD=8, E_PAD=128, SIGMOID=False, HAS_BIAS=False, RENORM=True, G=1, G_PAD=1, TOPK_G=1,
             PDL=True, ROUND=1)  # fmt: skip
 xc(MR._moe_topk_kernel, topk_types, topk, 1)
-xc(MR._moe_topk_kernel, topk_types, topk | dict(E_PAD=256, SIGMOID=True, HAS_BIAS=True, G=8, G_PAD=8, TOPK_G=4), 4)
+xc(
+    MR._moe_topk_kernel,
+    topk_types,
+    topk | dict(E_PAD=256, SIGMOID=True, HAS_BIAS=True, G=8, G_PAD=8, TOPK_G=4),
+    4,
+)
