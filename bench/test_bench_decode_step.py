@@ -55,6 +55,7 @@ VARIANTS = {
     "pdl_off": {"KILN_PDL": "0"},
     "gemv_off": {"KILN_GEMV": "0"},
     "topk_3red": {"KILN_MOE_TOPK_KEYS": "0"},  # the top-k's three reductions per pick, not one
+    "rope_attn": {"KILN_ROPE_IN_ATTN": "1"},  # QK-norm + RoPE + KV write inside decode attention
 }
 
 

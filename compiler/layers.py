@@ -184,12 +184,23 @@ class Attention(nn.Module):
         ctx: ForwardContext,
         qkv: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
+        decode: bool = False,
     ) -> torch.Tensor:
         # qkv: the projection when a norm fused into it computed it (x is then unused);
-        # residual [T, H]: added by the o projection (the residual stream, compiler/models/base.py)
+        # residual [T, H]: added by the o projection (the residual stream, compiler/models/base.py);
+        # decode: a graph of decode steps only (T == B), where the rope runs in the attention kernel
         if qkv is None:
             qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
         k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]  # [S, Hkv, D]
+        qn = self.q_norm.weight if self.q_norm is not None else None
+        kn = self.k_norm.weight if self.k_norm is not None else None
+        if decode:
+            o = torch.ops.kiln.decode_rope_attention(
+                qkv, ctx.positions, ctx.cos_sin, k_cache, v_cache, ctx.out_slots, ctx.block_table,
+                ctx.req_rows, ctx.seq_lens, self.hq, self.hkv, self.d, self.rotary_dim, self.is_neox, qn, kn,
+                self.eps, self.scale, ctx.page_size, ctx.num_splits, self.sliding_window, 0.0,
+            )  # fmt: skip
+            return self.o(o.flatten(1), residual)  # [T, H]
         q = torch.ops.kiln.qkv_rope_kvwrite(
             qkv,
             ctx.positions,
@@ -202,8 +213,8 @@ class Attention(nn.Module):
             self.d,
             self.rotary_dim,
             self.is_neox,
-            self.q_norm.weight if self.q_norm is not None else None,
-            self.k_norm.weight if self.k_norm is not None else None,
+            qn,
+            kn,
             self.eps,
         )  # [T, Hq, D]
         o = torch.ops.kiln.paged_attention(

@@ -10,6 +10,7 @@ from kiln.ops import (  # noqa: F401  (imported to register the ops)
     activation,
     attention,
     decode_attention,
+    decode_rope,
     extend_attention,
     fp8_linear,
     gemv,

@@ -58,6 +58,7 @@ from kiln.ops.common import (
     pdl_wait,
     use_triton,
 )
+from kiln.ops.qkv_rope import _normed, _rne_bf16
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
 MAX_SPLITS = 128
@@ -170,6 +171,42 @@ def _merge_splits(
 
 
 @triton.jit
+def _roped_heads(
+    row, heads, hmask, d, cs_row, w_ptr, eps,
+    D: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, HAS_N: tl.constexpr, ROUND_N: tl.constexpr,
+    RNE: tl.constexpr,
+):  # fmt: skip
+    """Heads ``heads [H]`` (``hmask``) of one token's projection row (head ``h`` at ``row + h * D``)
+    after Qwen3's per-head RMSNorm (``HAS_N``) and RoPE, float32 ``[H, BLOCK_D]``: the values
+    ops/qkv_rope.py computes, whole rows here (each dim's rotation partner loaded beside it)."""
+    HALF: tl.constexpr = ROT // 2
+    dmask = d < D
+    rot = d < ROT
+    if IS_NEOX:  # pairs (i, i + rot/2)
+        first = d < HALF
+        partner = tl.where(first, d + HALF, d - HALF)
+        ci = tl.where(first, d, d - HALF)
+    else:  # pairs (2i, 2i + 1)
+        first = d % 2 == 0
+        partner = d ^ 1
+        ci = d // 2
+    partner = tl.where(rot, partner, d)
+    ci = tl.where(rot, ci, 0)
+    m = hmask[:, None] & dmask[None, :]
+    base = row + heads[:, None].to(tl.int64) * D
+    x = tl.load(base + d[None, :], mask=m, other=0.0).to(tl.float32)  # [H, BLOCK_D]
+    xp = tl.load(base + partner[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_N:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # [H]
+        x = _normed(x, rstd, row, w_ptr, d, dmask, hmask, ROUND_N, RNE)
+        xp = _normed(xp, rstd, row, w_ptr, partner, dmask, hmask, ROUND_N, RNE)
+    cos = tl.load(cs_row + ci, mask=rot, other=1.0).to(tl.float32)[None, :]
+    sin = tl.load(cs_row + HALF + ci, mask=rot, other=0.0).to(tl.float32)[None, :]
+    y = tl.where(first[None, :], x * cos - xp * sin, x * cos + xp * sin)
+    return tl.where(rot[None, :], y, x)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, cnt_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
@@ -179,6 +216,11 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, MERGE_TILE: tl.constexpr, HAS_CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr = False,  # q_ptr is the qkv projection (RopeArgs): norm + RoPE here
+    pos_ptr=None, cs_ptr=None, slot_ptr=None, qw_ptr=None, kw_ptr=None, stride_cs=0, eps=0.0,
+    HQ: tl.constexpr = 1, HKV: tl.constexpr = 1, ROT: tl.constexpr = 0, IS_NEOX: tl.constexpr = True,
+    HAS_QN: tl.constexpr = False, HAS_KN: tl.constexpr = False, ROUND_QN: tl.constexpr = False,
+    ROUND_KN: tl.constexpr = False, RNE: tl.constexpr = False,
 ):  # fmt: skip
     pdl_trigger(PDL)  # programmatic dependent launch (ops/common.py): wait before any access
     pdl_wait(PDL)
@@ -198,11 +240,41 @@ def _decode_split_kernel(
     hmask = g < GROUP
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
-        mask=hmask[:, None] & (d[None, :] < D),
-        other=0.0,
-    )  # q: [GROUP_PAD, BLOCK_D]
+    if ROPE:  # q from the projection row; the last split first writes this token's k and v
+        qkv_row = q_ptr + b.to(tl.int64) * stride_qb
+        cs_row = cs_ptr + tl.load(pos_ptr + b).to(tl.int64) * stride_cs
+        in_ty = q_ptr.dtype.element_ty
+        q = _roped_heads(
+            qkv_row, heads, hmask, d, cs_row, qw_ptr, eps, D, ROT, IS_NEOX, HAS_QN, ROUND_QN, RNE
+        )
+        q = _rne_bf16(q, RNE).to(in_ty)  # as qkv_rope_kvwrite stores it
+        if split == active - 1:
+            one = g == 0
+            kh = HQ + kvh + g * 0  # [GROUP_PAD], row 0 used
+            k_new = _roped_heads(
+                qkv_row, kh, one, d, cs_row, kw_ptr, eps, D, ROT, IS_NEOX, HAS_KN, ROUND_KN, RNE
+            )
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            k_dst = k_ptr + slot * stride_ks + kvh * stride_kh + d[None, :]
+            k_ty = k_ptr.dtype.element_ty
+            tl.store(
+                k_dst + g[:, None] * 0, _rne_bf16(k_new, RNE).to(k_ty), mask=one[:, None] & (d[None, :] < D)
+            )
+            v_new = tl.load(
+                qkv_row + (kh + HKV)[:, None] * D + dv[None, :], mask=one[:, None] & (dv[None, :] < DV)
+            )
+            v_dst = v_ptr + slot * stride_vs + kvh * stride_vh + dv[None, :] + g[:, None] * 0
+            v_ty = v_ptr.dtype.element_ty
+            tl.store(
+                v_dst, _rne_bf16(v_new.to(tl.float32), RNE).to(v_ty), mask=one[:, None] & (dv[None, :] < DV)
+            )
+            tl.debug_barrier()  # the CTA's loads below see the row it just wrote
+    else:
+        q = tl.load(
+            q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=hmask[:, None] & (d[None, :] < D),
+            other=0.0,
+        )  # q: [GROUP_PAD, BLOCK_D]
     qk_scale = sm_scale * 1.4426950408889634  # log2(e) folded in: softmax runs on exp2
 
     m_i = tl.full([GROUP_PAD], -1.0e30, tl.float32)  # finite: exp2(m_i - m_new) never NaN
@@ -358,15 +430,22 @@ def decode_attention_triton(
     logit_cap: float = 0.0,
     config: DecodeConfig | None = None,
     merge: str | None = None,
+    rope: dict | None = None,
 ) -> torch.Tensor:
     """Launch the Triton kernels (shapes as in the module docstring); ``config`` overrides the
     block size and launch parameters (benchmarks sweep it); ``merge`` (``"fused"`` /
-    ``"separate"``) overrides ``KILN_ATTN_MERGE``."""
-    _check(q, k_cache, v_cache, page_size)
+    ``"separate"``) overrides ``KILN_ATTN_MERGE``. ``rope``: the split kernel's rope arguments
+    (ops/decode_rope.py), ``q`` then being the qkv projection ``[B, (Hq + 2 Hkv) * D]``."""
+    if rope is None:
+        _check(q, k_cache, v_cache, page_size)
+        bsz, hq, d = q.shape
+        stride_qb, stride_qh = q.stride(0), q.stride(1)
+    else:
+        bsz, hq, d = q.shape[0], rope["HQ"], k_cache.shape[2]
+        stride_qb, stride_qh = q.stride(0), d
     if num_splits < 0:
         raise ValueError(f"decode_attention: num_splits must be >= 0 (0 = auto), got {num_splits}.")
     mode = merge_mode(merge)
-    bsz, hq, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     if num_splits == 0:  # auto: from the batch and the block table's context capacity
         num_splits = choose_num_splits(max(bsz, 1), block_table.shape[1] * page_size, hkv)
@@ -392,7 +471,7 @@ def decode_attention_triton(
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, block_table, req_rows, seq_lens, out, mid_o, mid_lse,
         counters if fused else seq_lens,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        stride_qb, stride_qh, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), hq, num_splits,
         float(sm_scale), float(logit_cap), int(sliding_window),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), GROUP_M=group_m, D=d,
@@ -401,6 +480,7 @@ def decode_attention_triton(
         MERGE_TILE=max(1, min(next_pow2(num_splits), MERGE_TILE_ELEMS // (group_m * block_dv))),
         HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, DIRECT=direct, FUSED=fused,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        **(rope or {}),
     )  # fmt: skip
     if not direct and not fused:
         block_dv = min(64, block_dv)

@@ -67,3 +67,16 @@ xc(
     topk | dict(E_PAD=256, SIGMOID=True, HAS_BIAS=True, G=8, G_PAD=8, TOPK_G=4),
     4,
 )
+
+from kiln.ops import decode_attention as DA  # noqa: E402
+
+attn_types = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr", "qw_ptr", "kw_ptr"), BF16)
+attn_types |= {"bt_ptr": I32, "rows_ptr": I32, "lens_ptr": I32, "cnt_ptr": I32, "mid_o_ptr": F32}
+attn_types |= {"mid_lse_ptr": F32, "pos_ptr": "*i64", "slot_ptr": "*i64", "cs_ptr": F32}
+attn_types |= {"sm_scale": "fp32", "logit_cap": "fp32", "eps": "fp32"}
+split = dict(GROUP=8, GROUP_PAD=16, GROUP_M=8, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, PAGE=1, BLOCK_N=64,
+             MERGE_TILE=4, HAS_CAP=False, HAS_WINDOW=False, DIRECT=False, FUSED=False, PREC="tf32",
+             UPCAST=False, PDL=True)  # fmt: skip
+xc(DA._decode_split_kernel, attn_types, split)
+rope = dict(ROPE=True, HQ=32, HKV=4, ROT=128, HAS_QN=True, HAS_KN=True, ROUND_QN=True, ROUND_KN=True)
+xc(DA._decode_split_kernel, attn_types, split | rope)

@@ -35,6 +35,7 @@ from kiln.compiler.layers import (
     fused_norm_m,
     norm_linear,
 )
+from kiln.ops.decode_rope import rope_in_attention
 from kiln.ops.gemv import gemv_plan
 
 LayerFactory = Callable[[int], nn.Module]
@@ -128,7 +129,8 @@ class DecoderLayer(nn.Module):
         y, _, _ = norm_linear(
             self.input_norm, h, None, qkv.weight, qkv.bias, gemv_plan().get("attn", 0), folded=True
         )
-        h = self.attn(h, ctx, qkv=y, residual=h)  # [T, H]: h + o(attention)
+        # [T, H]: h + o(attention), with KILN_ROPE_IN_ATTN=1 the rope inside the attention kernel
+        h = self.attn(h, ctx, qkv=y, residual=h, decode=rope_in_attention())
         return self.stream_feed_forward(h)
 
     def stream_feed_forward(self, h: torch.Tensor) -> torch.Tensor:
