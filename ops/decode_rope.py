@@ -65,7 +65,7 @@ def rope_kernel_args(
         stride_cs=cos_sin.stride(0), eps=float(eps), HQ=num_q_heads, HKV=num_kv_heads, ROT=rotary_dim,
         IS_NEOX=bool(is_neox), HAS_QN=q_norm_w is not None, HAS_KN=k_norm_w is not None,
         ROUND_QN=rounds(q_norm_w), ROUND_KN=rounds(k_norm_w),
-        RNE=interpreting() and not qkv.is_cuda and qkv.dtype == bf16 and k_cache.dtype == v_cache.dtype == bf16,
+        RNE=interpreting() and not qkv.is_cuda and qkv.dtype == k_cache.dtype == v_cache.dtype == bf16,
     )  # fmt: skip
 
 
@@ -123,8 +123,8 @@ def decode_rope_attention(
         q_norm_w, k_norm_w, eps,
     )  # fmt: skip
     return decode_attention_triton(
-        qkv, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size, num_splits, sliding_window,
-        logit_cap, rope=args,
+        qkv, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size, num_splits,
+        sliding_window, logit_cap, rope=args,
     )  # fmt: skip
 
 
