@@ -54,8 +54,7 @@ VARIANTS = {
     "unfolded": {"KILN_FOLD_NORMS": "0"},  # the add+norm kernels of the layout before folded norms
     "pdl_off": {"KILN_PDL": "0"},
     "gemv_off": {"KILN_GEMV": "0"},
-    "topk_3red": {"KILN_MOE_TOPK_KEYS": "0"},  # the top-k's three reductions per pick, not one
-    "rope_attn": {"KILN_ROPE_IN_ATTN": "1"},  # QK-norm + RoPE + KV write inside decode attention
+    "rope_kernel": {"KILN_ROPE_IN_ATTN": "0"},  # QK-norm + RoPE + KV write in a kernel of their own
 }
 
 
@@ -117,7 +116,7 @@ def _bytes(cfg, weights, batch: int) -> float:
 @pytest.mark.parametrize("batch", pick([1, 8], [1]))
 @pytest.mark.parametrize("preset", MODELS)
 def test_decode_step(measure, monkeypatch, preset, batch, variant):
-    if preset != MODELS[0] and variant in ("early_w2", "topk_w13", "topk_3red"):
+    if preset != MODELS[0] and variant in ("early_w2", "topk_w13"):
         pytest.skip("a MoE switch")
     for name, value in VARIANTS[variant].items():
         monkeypatch.setenv(name, value)

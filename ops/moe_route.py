@@ -95,7 +95,6 @@ def _route_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     TOPK_G: tl.constexpr, ROUND: tl.constexpr, ROUND_IN_F32: tl.constexpr, PDL: tl.constexpr,
-    KEYS: tl.constexpr = True,
 ):  # fmt: skip
     # X: [T, H]; W: [E, H]; LOGITS: [T, E] scratch (x's dtype, or f32 for sigmoid); CNT: [T] int32
     pdl_trigger(PDL)
@@ -125,7 +124,7 @@ def _route_kernel(
         x = tl.load(LOGITS + t * E + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
         _topk_row(
             x.to(tl.float32), offs, valid, BIAS, W_OUT, ID_OUT, t, E, scale,
-            K, K_PAD, E_PAD, SIGMOID, HAS_BIAS, RENORM, G, G_PAD, TOPK_G, ROUND, KEYS,
+            K, K_PAD, E_PAD, SIGMOID, HAS_BIAS, RENORM, G, G_PAD, TOPK_G, ROUND,
         )  # fmt: skip
 
 

@@ -19,19 +19,13 @@ stored as float32: Hugging Face's Qwen3-MoE casts its routing weights to the act
 here that is no extra kernel). ``ids`` of a row are always distinct, in descending order of the choice score; ties
 go to the lower expert index and NaN scores count as -inf.
 
-Kernel: one program per token, the ``E`` scores in registers; top-k by ``k`` rounds of one int64
-max over keys that pack each score's order-preserving bits above its reversed index (so the max is
-the best score, lowest index on ties, and carries both), then the winner's key is excluded; group
-selection by rounds of (max, lowest index achieving it, exclude) over the group scores.
-``KILN_MOE_TOPK_KEYS=0`` (read at launch) selects the experts that way too: three reductions
-per pick instead of one, kept for A/B runs (bench/test_bench_decode_step.py ``topk_3red``).
+Kernel: one program per token, the ``E`` scores in registers; top-k by ``k`` rounds of
+(max, lowest index achieving it, exclude), group selection likewise over the group scores.
 Launched with PDL (ops/common.py), waiting before every load: the logits come from the router
 linear, and the graph casts the correction bias to float32 each step (compiler/moe_layer.py).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -120,31 +114,12 @@ def _pick(score, avail, offs, N_PAD: tl.constexpr):
     return idx, best
 
 
-_TAKEN = tl.constexpr(-(2**63) + 1)  # below every _order_key (its high half is >= -2139095041)
-
-
-@triton.jit
-def _order_key(score, offs, N_PAD: tl.constexpr):
-    """int64 keys ordered as ``score`` (float32, no NaN), ties to the lower index: the float's
-    bits made order-preserving as a signed int (negatives: the magnitude bits flipped) in the high
-    half, ``N_PAD - 1 - offs`` in the low half."""
-    b = score.to(tl.int32, bitcast=True)
-    b = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
-    return (b.to(tl.int64) << 32) + (N_PAD - 1 - offs).to(tl.int64)
-
-
-@triton.jit
-def _ordered_float(hi):
-    """The float32 whose ordered bits (``_order_key``'s high half, int32) are ``hi``."""
-    return tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
-
-
 @triton.jit
 def _topk_row(
     x, offs, valid, BIAS, W_OUT, ID_OUT, row, E, scale,
     K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-    TOPK_G: tl.constexpr, ROUND: tl.constexpr, KEYS: tl.constexpr = True,
+    TOPK_G: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
     """One token's routing from its float32 logits ``x [E_PAD]`` (``valid``: ``offs < E``): stores
     its ``K`` weights and ids in row ``row`` of ``W_OUT`` / ``ID_OUT``."""
@@ -185,25 +160,12 @@ def _topk_row(
     koffs = tl.arange(0, K_PAD)
     w = tl.zeros([K_PAD], dtype=tl.float32)
     ids = tl.zeros([K_PAD], dtype=tl.int32)
-    # KEYS: one int64 max per pick (instead of a max, an index min and a weight sum): the key
-    # orders by choice, then by lower index, and carries both (_order_key)
-    key = tl.where(avail, _order_key(choice, offs, E_PAD), _TAKEN)
     for j in tl.static_range(K):
-        if KEYS:
-            best = tl.max(key, axis=0)
-            hi = best >> 32  # arithmetic: the choice's ordered bits
-            i = (E_PAD - 1 - (best - (hi << 32))).to(tl.int32)
-            if HAS_BIAS:  # the weight is p, not the biased choice
-                wj = tl.sum(tl.where(offs == i, p, 0.0), axis=0)
-            else:  # choice is p (bit for bit, or -inf where p is NaN)
-                wj = _ordered_float(hi.to(tl.int32))
-            key = tl.where(key == best, _TAKEN, key)
-        else:
-            i, _ = _pick(choice, avail, offs, E_PAD)
-            wj = tl.sum(tl.where(offs == i, p, 0.0), axis=0)
-            avail = avail & (offs != i)
+        i, _ = _pick(choice, avail, offs, E_PAD)
+        wj = tl.sum(tl.where(offs == i, p, 0.0), axis=0)
         w = tl.where(koffs == j, wj, w)
         ids = tl.where(koffs == j, i, ids)
+        avail = avail & (offs != i)
     if RENORM:
         total = tl.sum(w, axis=0)
         if SIGMOID:
@@ -253,7 +215,6 @@ def _moe_topk_kernel(
     TOPK_G: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (ops/common.py)
     ROUND: tl.constexpr = 0,  # 0: none, 1: to bf16, 2: to fp16 (values stay float32)
-    KEYS: tl.constexpr = True,  # the selection by packed keys (topk_keys)
 ):
     pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -263,7 +224,7 @@ def _moe_topk_kernel(
     x = tl.load(L + row * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
     _topk_row(
         x, offs, valid, BIAS, W_OUT, ID_OUT, row, E, scale,
-        K, K_PAD, E_PAD, SIGMOID, HAS_BIAS, RENORM, G, G_PAD, TOPK_G, ROUND, KEYS,
+        K, K_PAD, E_PAD, SIGMOID, HAS_BIAS, RENORM, G, G_PAD, TOPK_G, ROUND,
     )  # fmt: skip
 
 
@@ -306,18 +267,8 @@ def topk_meta(
     return dict(
         K=top_k, K_PAD=next_pow2(top_k), E_PAD=next_pow2(e), SIGMOID=scoring == "sigmoid",
         HAS_BIAS=bias is not None, RENORM=renormalize, G=num_groups, G_PAD=next_pow2(num_groups),
-        TOPK_G=topk_groups, ROUND=_ROUND_CODE[round_to], KEYS=topk_keys(),
+        TOPK_G=topk_groups, ROUND=_ROUND_CODE[round_to],
     )  # fmt: skip
-
-
-def topk_keys() -> bool:
-    """``KILN_MOE_TOPK_KEYS`` (read at launch, so at capture for decode graphs; default 1): pick
-    each expert with one int64 max over packed (choice, index) keys; ``0``: the max, index-min and
-    weight-sum reductions per pick it replaced (kept for A/B runs)."""
-    value = os.environ.get("KILN_MOE_TOPK_KEYS", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"KILN_MOE_TOPK_KEYS must be 0 or 1, got {value!r}")
-    return value == "1"
 
 
 def routing_outputs(like: torch.Tensor, t: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

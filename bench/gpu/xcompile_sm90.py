@@ -55,19 +55,6 @@ xc(MG._moe_gemv_kernel, moe_types, w2)
 xc(MG._moe_gemv_kernel, moe_types, w2 | dict(GROUP=8, P_PAD=8, SUM_K=0, BLOCK_N=8, ADD_Z=True))
 xc(M._combine_kernel, moe_types, dict(HAS_MAP=False, BLOCK_H=1024, RF=False, PDL=True, ADD_Z=True))
 
-from kiln.ops import moe_routing as MR  # noqa: E402
-
-topk_types = {"L": BF16, "BIAS": F32, "W_OUT": F32, "ID_OUT": I32, "scale": "fp32"}
-topk = dict(K=8, K_PAD=8, E_PAD=128, SIGMOID=False, HAS_BIAS=False, RENORM=True, G=1, G_PAD=1, TOPK_G=1,
-            PDL=True, ROUND=1)  # fmt: skip
-xc(MR._moe_topk_kernel, topk_types, topk, 1)
-xc(
-    MR._moe_topk_kernel,
-    topk_types,
-    topk | dict(E_PAD=256, SIGMOID=True, HAS_BIAS=True, G=8, G_PAD=8, TOPK_G=4),
-    4,
-)
-
 from kiln.ops import decode_attention as DA  # noqa: E402
 
 attn_types = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr", "qw_ptr", "kw_ptr"), BF16)

@@ -88,11 +88,9 @@ CASES = [  # (T, E, k, scoring, groups, topk_groups, renormalize, bias, scale)
 ]
 
 
-@pytest.mark.parametrize("keys", ["1", "0"], ids=["keys", "three-reductions"])  # KILN_MOE_TOPK_KEYS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-k{c[2]}-{c[3]}-g{c[4]}")
-def test_kernel_matches_reference(kernel_on_cpu, monkeypatch, case, dtype, keys, device="cpu"):
-    monkeypatch.setenv("KILN_MOE_TOPK_KEYS", keys)
+def test_kernel_matches_reference(kernel_on_cpu, case, dtype, device="cpu"):
     t, e, k, scoring, g, tg, renorm, has_bias, scale = case
     gen = torch.Generator(device).manual_seed(t * e + k)
     # distinct logits (multiples of 1/8, exact in bf16): no ties, so the order of ids is defined
@@ -106,8 +104,8 @@ def test_kernel_matches_reference(kernel_on_cpu, monkeypatch, case, dtype, keys,
 
 
 def test_negative_and_infinite_choices_keep_their_order(kernel_on_cpu):
-    """The selection's int64 keys (ops/moe_routing.py ``_order_key``) order negative choices (a
-    sigmoid score plus a negative bias), -inf and ties as the float comparison does."""
+    """Negative choices (a sigmoid score plus a negative bias), -inf and ties are ordered as the
+    float comparison orders them, ties to the lower index."""
     e = 48
     perm = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(r)) for r in range(3)])
     logits = ((perm - e / 2) / 4).float()
@@ -155,11 +153,7 @@ def test_op_dispatch_and_strided_logits(monkeypatch, triton_on_cpu):
     assert w.shape == (0, 4) and ids.shape == (0, 4)
 
 
-def test_bad_arguments_name_the_field(monkeypatch):
-    monkeypatch.setenv("KILN_MOE_TOPK_KEYS", "yes")
-    with pytest.raises(ValueError, match="KILN_MOE_TOPK_KEYS must be 0 or 1"):
-        run_kernel(torch.zeros(1, 8), None, 2, True, "softmax")
-    monkeypatch.delenv("KILN_MOE_TOPK_KEYS")
+def test_bad_arguments_name_the_field():
     x = torch.randn(2, 16)
     with pytest.raises(ValueError, match="top_k"):
         torch.ops.kiln.moe_topk(x, None, 17, True, "softmax", 1, 1, 1.0)
