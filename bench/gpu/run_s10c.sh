@@ -16,7 +16,8 @@ MART=/tmp/art-qwen3moe-L16-ropekernel
 KILN_ROPE_IN_ATTN=0 timeout 150 python -m kiln compile $MCK -o $MART --force > "$OUT/compile_ropekernel.log" 2>&1
 tail -1 "$OUT/compile_ropekernel.log"
 moe_latency rope_kernel ""
-MART=$MART_DEFAULT moe_latency default_again ""
+MART=$MART_DEFAULT
+moe_latency default_again ""
 timeout 80 python bench/gpu/profile_decode.py $MART_DEFAULT --batch-sizes 1 --sequence 24 \
   --json "$OUT/profile_default.json" > "$OUT/profile_default.txt" 2>&1
 tail -32 "$OUT/profile_default.txt"
