@@ -54,7 +54,7 @@ VARIANTS = {
     "unfolded": {"KILN_FOLD_NORMS": "0"},  # the add+norm kernels of the layout before folded norms
     "pdl_off": {"KILN_PDL": "0"},
     "gemv_off": {"KILN_GEMV": "0"},
-    "rope_kernel": {"KILN_ROPE_IN_ATTN": "0"},  # QK-norm + RoPE + KV write in a kernel of their own
+    "rope_attn": {"KILN_ROPE_IN_ATTN": "1"},  # QK-norm + RoPE + KV write inside decode attention
 }
 
 

@@ -58,7 +58,7 @@ from kiln.ops.common import (
     pdl_wait,
     use_triton,
 )
-from kiln.ops.qkv_rope import _rne_bf16, normed_w
+from kiln.ops.qkv_rope import _normed, _rne_bf16
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
 MAX_SPLITS = 128
@@ -171,14 +171,16 @@ def _merge_splits(
 
 
 @triton.jit
-def _rope_table(
-    cs_row, w_ptr, d, D: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, HAS_N: tl.constexpr
-):
-    """Per dim ``d [BLOCK_D]`` of a head: its rotation partner, whether it is a pair's first member,
-    whether it rotates, cos and sin at the token's position (row ``cs_row``), and the per-head norm
-    weight at the dim and at its partner (float32; ones without ``HAS_N``). Graph inputs and
-    weights only, so a kernel may load them before its PDL wait."""
+def _roped_heads(
+    row, heads, hmask, d, cs_row, w_ptr, eps,
+    D: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, HAS_N: tl.constexpr, ROUND_N: tl.constexpr,
+    RNE: tl.constexpr,
+):  # fmt: skip
+    """Heads ``heads [H]`` (``hmask``) of one token's projection row (head ``h`` at ``row + h * D``)
+    after Qwen3's per-head RMSNorm (``HAS_N``) and RoPE, float32 ``[H, BLOCK_D]``: the values
+    ops/qkv_rope.py computes, whole rows here (each dim's rotation partner loaded beside it)."""
     HALF: tl.constexpr = ROT // 2
+    dmask = d < D
     rot = d < ROT
     if IS_NEOX:  # pairs (i, i + rot/2)
         first = d < HALF
@@ -190,35 +192,17 @@ def _rope_table(
         ci = d // 2
     partner = tl.where(rot, partner, d)
     ci = tl.where(rot, ci, 0)
-    cos = tl.load(cs_row + ci, mask=rot, other=1.0).to(tl.float32)
-    sin = tl.load(cs_row + HALF + ci, mask=rot, other=0.0).to(tl.float32)
-    w = tl.full(d.shape, 1.0, tl.float32)
-    wp = w
-    if HAS_N:
-        w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + partner, mask=d < D, other=0.0).to(tl.float32)
-    return partner, first, rot, cos, sin, w, wp
-
-
-@triton.jit
-def _roped_heads(
-    row, heads, hmask, d, partner, first, rot, cos, sin, w, wp, eps,
-    D: tl.constexpr, HAS_N: tl.constexpr, ROUND_N: tl.constexpr, RNE: tl.constexpr,
-):  # fmt: skip
-    """Heads ``heads [H]`` (``hmask``) of one token's projection row (head ``h`` at ``row + h * D``)
-    after Qwen3's per-head RMSNorm (``HAS_N``) and RoPE (``_rope_table``'s dims), float32
-    ``[H, BLOCK_D]``: the values ops/qkv_rope.py computes, whole rows here (each dim's rotation
-    partner loaded beside it)."""
-    m = hmask[:, None] & (d < D)[None, :]
+    m = hmask[:, None] & dmask[None, :]
     base = row + heads[:, None].to(tl.int64) * D
     x = tl.load(base + d[None, :], mask=m, other=0.0).to(tl.float32)  # [H, BLOCK_D]
     xp = tl.load(base + partner[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_N:
-        in_ty: tl.constexpr = row.dtype.element_ty
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # [H]
-        x = normed_w(x, rstd, in_ty, w, hmask, ROUND_N, RNE)
-        xp = normed_w(xp, rstd, in_ty, wp, hmask, ROUND_N, RNE)
-    y = tl.where(first[None, :], x * cos[None, :] - xp * sin[None, :], x * cos[None, :] + xp * sin[None, :])
+        x = _normed(x, rstd, row, w_ptr, d, dmask, hmask, ROUND_N, RNE)
+        xp = _normed(xp, rstd, row, w_ptr, partner, dmask, hmask, ROUND_N, RNE)
+    cos = tl.load(cs_row + ci, mask=rot, other=1.0).to(tl.float32)[None, :]
+    sin = tl.load(cs_row + HALF + ci, mask=rot, other=0.0).to(tl.float32)[None, :]
+    y = tl.where(first[None, :], x * cos - xp * sin, x * cos + xp * sin)
     return tl.where(rot[None, :], y, x)
 
 
@@ -239,16 +223,10 @@ def _decode_split_kernel(
     ROUND_KN: tl.constexpr = False, RNE: tl.constexpr = False,
 ):  # fmt: skip
     pdl_trigger(PDL)  # programmatic dependent launch (ops/common.py): wait before any access
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    d = tl.arange(0, BLOCK_D)
-    if ROPE:  # before the wait: graph inputs (copied in before the graph's first kernel) and weights
-        cs_row = cs_ptr + tl.load(pos_ptr + b).to(tl.int64) * stride_cs
-        pq, fq, rq, cq, sq, wq, wpq = _rope_table(cs_row, qw_ptr, d, D, ROT, IS_NEOX, HAS_QN)
-        pk, fk, rk, ck, sk, wk, wpk = _rope_table(cs_row, kw_ptr, d, D, ROT, IS_NEOX, HAS_KN)
-        new_slot = tl.load(slot_ptr + b).to(tl.int64)
-    pdl_wait(PDL)
     seq_len = tl.load(lens_ptr + b)
     lo, base, chunk, active = _split_plan(seq_len, num_splits, sliding_window, BLOCK_N, HAS_WINDOW)
     if split >= tl.maximum(active, 1):
@@ -260,28 +238,37 @@ def _decode_split_kernel(
     g = tl.arange(0, GROUP_PAD)
     heads = kvh * GROUP + g  # [GROUP_PAD]
     hmask = g < GROUP
+    d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    k_new = tl.zeros([BLOCK_D], tl.float32)  # ROPE, last split: the new token's k and v rows
-    v_new = tl.zeros([BLOCK_DV], tl.float32)
-    if ROPE:  # q from the projection row; the last split also makes (and writes) the new k and v
+    if ROPE:  # q from the projection row; the last split first writes this token's k and v
         qkv_row = q_ptr + b.to(tl.int64) * stride_qb
+        cs_row = cs_ptr + tl.load(pos_ptr + b).to(tl.int64) * stride_cs
         in_ty = q_ptr.dtype.element_ty
-        q = _roped_heads(qkv_row, heads, hmask, d, pq, fq, rq, cq, sq, wq, wpq, eps, D, HAS_QN, ROUND_QN, RNE)
+        q = _roped_heads(
+            qkv_row, heads, hmask, d, cs_row, qw_ptr, eps, D, ROT, IS_NEOX, HAS_QN, ROUND_QN, RNE
+        )
         q = _rne_bf16(q, RNE).to(in_ty)  # as qkv_rope_kvwrite stores it
         if split == active - 1:
             one = g == 0
             kh = HQ + kvh + g * 0  # [GROUP_PAD], row 0 used
-            k_rows = _roped_heads(
-                qkv_row, kh, one, d, pk, fk, rk, ck, sk, wk, wpk, eps, D, HAS_KN, ROUND_KN, RNE
+            k_new = _roped_heads(
+                qkv_row, kh, one, d, cs_row, kw_ptr, eps, D, ROT, IS_NEOX, HAS_KN, ROUND_KN, RNE
             )
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            k_dst = k_ptr + slot * stride_ks + kvh * stride_kh + d[None, :]
             k_ty = k_ptr.dtype.element_ty
-            k_new = _rne_bf16(tl.sum(tl.where(one[:, None], k_rows, 0.0), axis=0), RNE).to(k_ty)
-            tl.store(k_ptr + new_slot * stride_ks + kvh * stride_kh + d, k_new, mask=d < D)
+            tl.store(
+                k_dst + g[:, None] * 0, _rne_bf16(k_new, RNE).to(k_ty), mask=one[:, None] & (d[None, :] < D)
+            )
+            v_new = tl.load(
+                qkv_row + (kh + HKV)[:, None] * D + dv[None, :], mask=one[:, None] & (dv[None, :] < DV)
+            )
+            v_dst = v_ptr + slot * stride_vs + kvh * stride_vh + dv[None, :] + g[:, None] * 0
             v_ty = v_ptr.dtype.element_ty
-            v_new = tl.load(qkv_row + (HQ + HKV + kvh) * D + dv, mask=dv < DV, other=0.0).to(v_ty)
-            tl.store(v_ptr + new_slot * stride_vs + kvh * stride_vh + dv, v_new, mask=dv < DV)
-            k_new = k_new.to(tl.float32)
-            v_new = v_new.to(tl.float32)
+            tl.store(
+                v_dst, _rne_bf16(v_new.to(tl.float32), RNE).to(v_ty), mask=one[:, None] & (dv[None, :] < DV)
+            )
+            tl.debug_barrier()  # the CTA's loads below see the row it just wrote
     else:
         q = tl.load(
             q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
@@ -307,8 +294,6 @@ def _decode_split_kernel(
             mask=kmask[:, None] & (d[None, :] < D),
             other=0.0,
         )  # k: [BLOCK_N, BLOCK_D]
-        if ROPE:  # the new token's row from registers (its store above may not be visible yet)
-            k = tl.where((offs == seq_len - 1)[:, None], k_new.to(k.dtype)[None, :], k)
         s = _dot(q, tl.trans(k), PREC, UPCAST)  # [GROUP_PAD, BLOCK_N] f32
         if HAS_CAP:
             s = _softcap(s * sm_scale, logit_cap) * 1.4426950408889634
@@ -324,8 +309,6 @@ def _decode_split_kernel(
             mask=kmask[:, None] & (dv[None, :] < DV),
             other=0.0,
         )  # v: [BLOCK_N, BLOCK_DV]
-        if ROPE:
-            v = tl.where((offs == seq_len - 1)[:, None], v_new.to(v.dtype)[None, :], v)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
         m_i = m_new
 

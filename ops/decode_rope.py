@@ -16,11 +16,15 @@ Same arguments and dtypes as the two ops; the caches are mutated in place. ``v``
 dims (the fused projection's layout). Off the GPU (and under the interpreter without
 ``KILN_TRITON_ON_CPU``) the body runs the two references in turn.
 
-Where it runs: the batch-1 decode graph's residual-stream layers (compiler/models/base.py) call it
-instead of the two ops. Measured in the step bench on the H200 (bench/test_bench_decode_step.py,
-``bench/results/2026-11-30_h200_s10b_*``): 1014 -> 1003 us per batch-1 step of the L16
-Qwen3-30B-A3B shape, 2100 -> 2093 us for the Llama-3.1-8B shape. ``KILN_ROPE_IN_ATTN=0`` (read when
-tracing) keeps the two ops.
+Opt-in: ``KILN_ROPE_IN_ATTN=1`` (read when tracing) makes the batch-1 decode graph's
+residual-stream layers (compiler/models/base.py) call it instead of the two ops. Measured on the
+H200 (L16 Qwen3-30B-A3B shape): the step bench (bench/test_bench_decode_step.py) gave 1014 -> 1003
+us per batch-1 step (``bench/results/2026-11-30_h200_s10b_*``), but end to end it is slower, 938.9
+vs 951.9 tok/s at batch 1 (``..._s10c_*``): the split kernel grew from 4.9 to 6.5 us, as much as
+the rope kernel it removes, and its programs now wait on the position -> cos/sin loads and the last
+split on its k / v store. A second version that loaded the tables before the PDL wait and took the
+new k / v from registers was slower still (split kernel 8 us, 904 vs 956 tok/s, ``..._s10d_*``),
+so that version was not kept.
 """
 
 from __future__ import annotations
@@ -37,9 +41,9 @@ from kiln.ops.qkv_rope import qkv_rope_kvwrite_ref
 
 
 def rope_in_attention() -> bool:
-    """``KILN_ROPE_IN_ATTN`` (read when tracing the batch-1 decode graph): ``1`` on (default), ``0``
-    off."""
-    value = os.environ.get("KILN_ROPE_IN_ATTN", "1")
+    """``KILN_ROPE_IN_ATTN`` (read when tracing the batch-1 decode graph): ``1`` on, ``0`` off
+    (default: measured slower end to end, module docstring)."""
+    value = os.environ.get("KILN_ROPE_IN_ATTN", "0")
     if value not in ("0", "1"):
         raise ValueError(f"KILN_ROPE_IN_ATTN must be 0 or 1, got {value!r}")
     return value == "1"

@@ -104,14 +104,9 @@ def _rne_bf16(x, ON: tl.constexpr):
 def _normed(x, rstd, src_ptr, w_ptr, offs, offs_ok, rows, ROUND: tl.constexpr, RNE: tl.constexpr):
     """Qwen3RMSNorm on the tile ``x [BH, N]`` (dims ``offs [N]``) for the heads flagged in ``rows``:
     ``x * rstd`` cast to the input dtype, times ``w[offs]``, cast again when ``ROUND``."""
-    w = tl.load(w_ptr + offs, mask=offs_ok, other=0.0).to(tl.float32)  # [N]
-    return normed_w(x, rstd, src_ptr.dtype.element_ty, w, rows, ROUND, RNE)
-
-
-@triton.jit
-def normed_w(x, rstd, in_dtype: tl.constexpr, w, rows, ROUND: tl.constexpr, RNE: tl.constexpr):
-    """``_normed`` with the weight ``w [N]`` (float32) already loaded."""
+    in_dtype = src_ptr.dtype.element_ty
     y = _rne_bf16(x * rstd[:, None], RNE).to(in_dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=offs_ok, other=0.0).to(tl.float32)  # [N]
     y = y * w[None, :]
     if ROUND:
         y = _rne_bf16(y, RNE).to(in_dtype).to(tl.float32)

@@ -8,8 +8,7 @@ With ``fold_norms`` (set by the compiler for the batch-1 decode graph, compiler/
 the layers run the residual-stream layout instead: one tensor ``h`` carries the stream; the o and
 down (or MoE w2) projections add their output to it in their epilogue; each RMSNorm runs inside
 the linear behind it with its weight folded into that linear's weights at load time
-(weights/fold.py). At one token a layer is then qkv GEMV (norm inside) -> attention (QK-norm, RoPE
-and the KV write inside, ops/decode_rope.py; ``KILN_ROPE_IN_ATTN=0``: a kernel of their own) ->
+(weights/fold.py). At one token a layer is then qkv GEMV (norm inside) -> RoPE -> attention ->
 o GEMV (+h) -> router GEMV (norm inside, writes the normalized row) -> top-k -> experts (+h),
 with no norm kernel. Where a linear is not on the GEMV (its role missing from the plan,
 ``KILN_GEMV=0``, the CPU) the norm kernel (unit weight) runs before it and cuBLAS ``addmm`` adds
@@ -130,7 +129,7 @@ class DecoderLayer(nn.Module):
         y, _, _ = norm_linear(
             self.input_norm, h, None, qkv.weight, qkv.bias, gemv_plan().get("attn", 0), folded=True
         )
-        # [T, H]: h + o(attention), the rope inside the attention kernel unless KILN_ROPE_IN_ATTN=0
+        # [T, H]: h + o(attention); KILN_ROPE_IN_ATTN=1: the rope inside the attention kernel
         h = self.attn(h, ctx, qkv=y, residual=h, decode=rope_in_attention())
         return self.stream_feed_forward(h)
 

@@ -98,9 +98,9 @@ def test_reference_path_and_errors():
 
 def test_switch(monkeypatch):
     monkeypatch.delenv("KILN_ROPE_IN_ATTN", raising=False)
-    assert rope_in_attention()  # the default
-    monkeypatch.setenv("KILN_ROPE_IN_ATTN", "0")
-    assert not rope_in_attention()
+    assert not rope_in_attention()  # the default
+    monkeypatch.setenv("KILN_ROPE_IN_ATTN", "1")
+    assert rope_in_attention()
     monkeypatch.setenv("KILN_ROPE_IN_ATTN", "on")
     with pytest.raises(ValueError, match="KILN_ROPE_IN_ATTN must be 0 or 1"):
         rope_in_attention()
