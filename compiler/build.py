@@ -35,6 +35,7 @@ from kiln.compiler.registry import model_class
 from kiln.compiler.trace import CacheSpec, example_inputs, export_graph, strip_example_inputs
 from kiln.errors import KilnError
 from kiln.ops.common import FP8_DTYPE
+from kiln.ops.decode_rope import rope_in_attention
 from kiln.ops.gemv import gemv_plan
 from kiln.weights.fold import apply_norm_folds
 
@@ -193,7 +194,8 @@ def compile_model(
     if opts.dtype not in DTYPES:
         raise CompileError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}.")
     try:
-        plan = gemv_plan()  # a bad KILN_GEMV fails here, before any work
+        plan = gemv_plan()  # a bad KILN_GEMV (or KILN_ROPE_IN_ATTN) fails here, before any work
+        rope_in_attention()
     except ValueError as err:
         raise CompileError(str(err)) from None
     timer = PhaseTimer(verbose=verbose)

@@ -184,17 +184,18 @@ class Attention(nn.Module):
         ctx: ForwardContext,
         qkv: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
-        decode: bool = False,
+        rope_in_attn: bool = False,
     ) -> torch.Tensor:
         # qkv: the projection when a norm fused into it computed it (x is then unused);
         # residual [T, H]: added by the o projection (the residual stream, compiler/models/base.py);
-        # decode: a graph of decode steps only (T == B), where the rope runs in the attention kernel
+        # rope_in_attn: QK-norm + RoPE + KV write inside the decode attention kernel (a graph of
+        # decode steps only, T == B: ops/decode_rope.py)
         if qkv is None:
             qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
         k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]  # [S, Hkv, D]
         qn = self.q_norm.weight if self.q_norm is not None else None
         kn = self.k_norm.weight if self.k_norm is not None else None
-        if decode:
+        if rope_in_attn:
             o = torch.ops.kiln.decode_rope_attention(
                 qkv, ctx.positions, ctx.cos_sin, k_cache, v_cache, ctx.out_slots, ctx.block_table,
                 ctx.req_rows, ctx.seq_lens, self.hq, self.hkv, self.d, self.rotary_dim, self.is_neox, qn, kn,

@@ -33,6 +33,11 @@ and its log-sum-exp (base 2, ``[B, Hq, num_splits]``, float32), merged by one of
   tokens, 71.9 vs 25.5 us at 8k tokens, where one program merges 128 splits serially) and -4.5%
   tokens/s in batch-1 Llama-3.1-8B decode, so it is opt-in.
 
+Rope mode (``kiln::decode_rope_attention``, ops/decode_rope.py): ``decode_attention_triton(...,
+rope=...)`` takes the qkv projection ``[B, (Hq + 2 Hkv) * D]`` as ``q``; the split kernel's ``ROPE``
+path computes each group's q rows (QK-norm, RoPE) from it, and the last active split of each
+``(b, kv head)`` writes the new token's k and v to the caches before its key loop reads them.
+
 ``KILN_ATTN_MERGE=fused|separate`` picks the path at call time; ``decode_attention_triton(...,
 merge=...)`` overrides it (benchmarks compare both). Accumulation is float32 throughout.
 """
@@ -184,8 +189,8 @@ def _roped_heads(
     rot = d < ROT
     if IS_NEOX:  # pairs (i, i + rot/2)
         first = d < HALF
-        partner = tl.where(first, d + HALF, d - HALF)
-        ci = tl.where(first, d, d - HALF)
+        partner = tl.where(first, d + HALF, d - HALF)  # [BLOCK_D]: the dim each one pairs with
+        ci = tl.where(first, d, d - HALF)  # [BLOCK_D]: its pair's cos / sin column
     else:  # pairs (2i, 2i + 1)
         first = d % 2 == 0
         partner = d ^ 1
@@ -216,11 +221,12 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, MERGE_TILE: tl.constexpr, HAS_CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr,
-    ROPE: tl.constexpr = False,  # q_ptr is the qkv projection (RopeArgs): norm + RoPE here
+    ROPE: tl.constexpr = False,  # q_ptr is the qkv projection: norm + RoPE here (decode_rope.py)
     pos_ptr=None, cs_ptr=None, slot_ptr=None, qw_ptr=None, kw_ptr=None, stride_cs=0, eps=0.0,
     HQ: tl.constexpr = 1, HKV: tl.constexpr = 1, ROT: tl.constexpr = 0, IS_NEOX: tl.constexpr = True,
     HAS_QN: tl.constexpr = False, HAS_KN: tl.constexpr = False, ROUND_QN: tl.constexpr = False,
-    ROUND_KN: tl.constexpr = False, RNE: tl.constexpr = False,
+    ROUND_KN: tl.constexpr = False, RNE: tl.constexpr = False, RNE_K: tl.constexpr = False,
+    RNE_V: tl.constexpr = False,
 ):  # fmt: skip
     pdl_trigger(PDL)  # programmatic dependent launch (ops/common.py): wait before any access
     pdl_wait(PDL)
@@ -247,18 +253,18 @@ def _decode_split_kernel(
         q = _roped_heads(
             qkv_row, heads, hmask, d, cs_row, qw_ptr, eps, D, ROT, IS_NEOX, HAS_QN, ROUND_QN, RNE
         )
-        q = _rne_bf16(q, RNE).to(in_ty)  # as qkv_rope_kvwrite stores it
+        q = _rne_bf16(q, RNE).to(in_ty)  # q: [GROUP_PAD, BLOCK_D], as qkv_rope_kvwrite stores it
         if split == active - 1:
             one = g == 0
             kh = HQ + kvh + g * 0  # [GROUP_PAD], row 0 used
-            k_new = _roped_heads(
+            k_new = _roped_heads(  # [GROUP_PAD, BLOCK_D]: row 0, the new key
                 qkv_row, kh, one, d, cs_row, kw_ptr, eps, D, ROT, IS_NEOX, HAS_KN, ROUND_KN, RNE
             )
             slot = tl.load(slot_ptr + b).to(tl.int64)
             k_dst = k_ptr + slot * stride_ks + kvh * stride_kh + d[None, :]
             k_ty = k_ptr.dtype.element_ty
             tl.store(
-                k_dst + g[:, None] * 0, _rne_bf16(k_new, RNE).to(k_ty), mask=one[:, None] & (d[None, :] < D)
+                k_dst + g[:, None] * 0, _rne_bf16(k_new, RNE_K).to(k_ty), mask=one[:, None] & (d[None, :] < D)
             )
             v_new = tl.load(
                 qkv_row + (kh + HKV)[:, None] * D + dv[None, :], mask=one[:, None] & (dv[None, :] < DV)
@@ -266,7 +272,7 @@ def _decode_split_kernel(
             v_dst = v_ptr + slot * stride_vs + kvh * stride_vh + dv[None, :] + g[:, None] * 0
             v_ty = v_ptr.dtype.element_ty
             tl.store(
-                v_dst, _rne_bf16(v_new.to(tl.float32), RNE).to(v_ty), mask=one[:, None] & (dv[None, :] < DV)
+                v_dst, _rne_bf16(v_new.to(tl.float32), RNE_V).to(v_ty), mask=one[:, None] & (dv[None, :] < DV)
             )
             tl.debug_barrier()  # the CTA's loads below see the row it just wrote
     else:

@@ -13,8 +13,11 @@ kernel and its launch go away: 1.7 us of a 51.5 us batch-1 layer of Qwen3-30B-A3
 (docs/decode_budget.md).
 
 Same arguments and dtypes as the two ops; the caches are mutated in place. ``v`` heads have ``D``
-dims (the fused projection's layout). Off the GPU (and under the interpreter without
-``KILN_TRITON_ON_CPU``) the body runs the two references in turn.
+dims (the fused projection's layout). ``out_slots[b]`` must be the pool row of position
+``seq_lens[b] - 1`` (the token's own key is read back from there); a padding request
+(``seq_lens[b] == 0``) writes nothing, where ``qkv_rope_kvwrite`` writes its row to the sink slot 0.
+Off the GPU (and under the interpreter without ``KILN_TRITON_ON_CPU``) the body runs the two
+references in turn.
 
 Opt-in: ``KILN_ROPE_IN_ATTN=1`` (read when tracing) makes the batch-1 decode graph's
 residual-stream layers (compiler/models/base.py) call it instead of the two ops. Measured on the
@@ -66,6 +69,7 @@ def rope_kernel_args(
 ) -> dict:
     """The split kernel's rope arguments (ops/decode_attention.py ``_decode_split_kernel``)."""
     bf16 = torch.bfloat16
+    rne = interpreting() and not qkv.is_cuda  # the interpreter's bf16 casts truncate: round them
     rounds = lambda w: w is not None and torch.promote_types(qkv.dtype, w.dtype) == qkv.dtype
     return dict(
         ROPE=True, pos_ptr=positions, cs_ptr=cos_sin, slot_ptr=out_slots,
@@ -73,7 +77,8 @@ def rope_kernel_args(
         stride_cs=cos_sin.stride(0), eps=float(eps), HQ=num_q_heads, HKV=num_kv_heads, ROT=rotary_dim,
         IS_NEOX=bool(is_neox), HAS_QN=q_norm_w is not None, HAS_KN=k_norm_w is not None,
         ROUND_QN=rounds(q_norm_w), ROUND_KN=rounds(k_norm_w),
-        RNE=interpreting() and not qkv.is_cuda and qkv.dtype == k_cache.dtype == v_cache.dtype == bf16,
+        RNE=rne and qkv.dtype == bf16, RNE_K=rne and k_cache.dtype == bf16,
+        RNE_V=rne and v_cache.dtype == bf16,
     )  # fmt: skip
 
 
@@ -105,11 +110,20 @@ def decode_rope_attention(
     """See the module docstring: ``qkv [B, (Hq + 2 Hkv) D] -> [B, Hq, D]``; writes the caches."""
     rope = (qkv, positions, cos_sin, k_cache, v_cache, out_slots, num_q_heads, num_kv_heads, head_dim)
     _check_rope(*rope, rotary_dim)
-    if qkv.shape[0] != req_rows.shape[0] or v_cache.shape[-1] != head_dim:
+    if qkv.shape[0] != req_rows.shape[0]:
         raise ValueError(
-            f"decode_rope_attention: a decode step (one token per request: qkv rows {qkv.shape[0]} == "
-            f"requests {req_rows.shape[0]}) with v heads of head_dim ({head_dim}, v_cache has "
-            f"{v_cache.shape[-1]}); use qkv_rope_kvwrite + paged_attention otherwise."
+            f"decode_rope_attention: needs a decode step, one token per request (qkv has {qkv.shape[0]} "
+            f"rows for {req_rows.shape[0]} requests); use qkv_rope_kvwrite + paged_attention otherwise."
+        )
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"decode_rope_attention: num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads "
+            f"({num_kv_heads})."
+        )
+    if page_size < 1 or cos_sin.stride(-1) != 1:
+        raise ValueError(
+            f"decode_rope_attention: page_size must be >= 1 (got {page_size}) and cos_sin needs unit "
+            f"stride on its last dim (got {cos_sin.stride(-1)}; pass cos_sin.contiguous())."
         )
     if not use_triton(qkv):
         q = qkv_rope_kvwrite_ref(*rope, rotary_dim, is_neox, q_norm_w, k_norm_w, eps)

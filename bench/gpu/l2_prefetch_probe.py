@@ -40,7 +40,8 @@ CHUNK_BYTES = 1 << 15  # bytes per bulk prefetch instruction
 # p: the instruction runs only for chunks with bytes (the masked lanes carry size 0); $0: a dummy
 # result, since inline asm must produce one (is_pure=False keeps it from being removed)
 _ASM = tl.constexpr(
-    "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.b32 $0, 0;\n}"
+    "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n"
+    "@p cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.b32 $0, 0;\n}"
 )
 
 

@@ -1,4 +1,6 @@
 #!/bin/bash
+# A record: it ran at commit 66d45df; check that commit out to rerun it
+# (the L2 prefetch code it measures was removed after this run).
 # Tenth session, first GPU call (issue 9):
 # 1. bench/gpu/l2_prefetch_probe.py: does the sm_90 bulk L2 prefetch (ops/l2_prefetch.py) make a
 #    later GEMV read from L2, how many programs it needs, and whether the lines survive a stream;

@@ -1,4 +1,6 @@
 #!/bin/bash
+# A record: it ran at commit c82bdd0; check that commit out to rerun it
+# (the packed-key top-k was reverted after it, and its variants renamed).
 # Tenth session, second GPU call (issue 9): the top-k by packed keys (default now; topk_3red is the
 # old selection) and the rope inside decode attention (KILN_ROPE_IN_ATTN=1, rope_attn) in the step
 # bench, then their GPU tests and the bf16 end-to-end tests.

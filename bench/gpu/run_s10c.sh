@@ -1,4 +1,6 @@
 #!/bin/bash
+# A record: it ran at commit 80b49ab; check that commit out to rerun it
+# (the rope inside attention was the default then; it is opt-in since (KILN_ROPE_IN_ATTN=1)).
 # Tenth session, third GPU call (issue 9): the rope inside decode attention end to end. L16
 # Qwen3-30B-A3B-shaped compiled with the default (KILN_ROPE_IN_ATTN on) and with
 # KILN_ROPE_IN_ATTN=0, `kiln bench latency` on each (batch 1 and 8, same machine), then the default

@@ -1,4 +1,6 @@
 #!/bin/bash
+# A record: it ran at commit 68526cf; check that commit out to rerun it
+# (the second rope-in-attention version it measures was not kept).
 # Tenth session, fourth GPU call (issue 9): the rope inside decode attention, its loads before the
 # PDL wait and the new k / v from registers, end to end after its GPU tests. L16
 # Qwen3-30B-A3B-shaped compiled with the default (KILN_ROPE_IN_ATTN on) and with

@@ -130,7 +130,7 @@ class DecoderLayer(nn.Module):
             self.input_norm, h, None, qkv.weight, qkv.bias, gemv_plan().get("attn", 0), folded=True
         )
         # [T, H]: h + o(attention); KILN_ROPE_IN_ATTN=1: the rope inside the attention kernel
-        h = self.attn(h, ctx, qkv=y, residual=h, decode=rope_in_attention())
+        h = self.attn(h, ctx, qkv=y, residual=h, rope_in_attn=rope_in_attention())
         return self.stream_feed_forward(h)
 
     def stream_feed_forward(self, h: torch.Tensor) -> torch.Tensor:

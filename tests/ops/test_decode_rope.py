@@ -27,6 +27,7 @@ def _step(seq_lens, hq, hkv, d, rot, page, norm, dtype, device, seed):
     """A decode step's inputs: request b's new token sits at position ``seq_lens[b] - 1`` (a zero
     length is a padding row: slot 0, the sink)."""
     g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # random_block_table draws from the global generator
     bt, rows, slots_total = random_block_table([max(n, 1) for n in seq_lens], page)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     pos = (lens - 1).clamp_min(0).long()
@@ -42,7 +43,7 @@ def _step(seq_lens, hq, hkv, d, rot, page, norm, dtype, device, seed):
     return [mv(x) for x in (qkv, pos, cs, k_cache, v_cache, out_slots, bt, rows, lens, qw, kw)]
 
 
-def _check(seq_lens, hq, hkv, d, rot, neox, page, splits, norm, dtype, device="cpu", seed=None):
+def _check(seq_lens, hq, hkv, d, rot, neox, page, splits, norm, dtype, window=-1, device="cpu", seed=None):
     seed = random.randrange(2**31) if seed is None else seed
     qkv, pos, cs, k_cache, v_cache, out_slots, bt, rows, lens, qw, kw = _step(
         seq_lens, hq, hkv, d, rot, page, norm, dtype, device, seed
@@ -50,10 +51,10 @@ def _check(seq_lens, hq, hkv, d, rot, neox, page, splits, norm, dtype, device="c
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     scale = d**-0.5
     q = qkv_rope_kvwrite_ref(qkv, pos, cs, ref_k, ref_v, out_slots, hq, hkv, d, rot, neox, qw, kw, 1e-6)
-    ref = decode_attention_ref(q, ref_k, ref_v, bt, rows, lens, scale, page, -1, 0.0)
+    ref = decode_attention_ref(q, ref_k, ref_v, bt, rows, lens, scale, page, window, 0.0)
     out = torch.ops.kiln.decode_rope_attention(
         qkv, pos, cs, k_cache, v_cache, out_slots, bt, rows, lens, hq, hkv, d, rot, neox, qw, kw, 1e-6, scale,
-        page, splits, -1, 0.0,
+        page, splits, window, 0.0,
     )  # fmt: skip
     assert out.shape == (len(seq_lens), hq, d) and out.dtype == dtype
     real = lens > 0
@@ -70,15 +71,19 @@ def _check(seq_lens, hq, hkv, d, rot, neox, page, splits, norm, dtype, device="c
     assert torch.equal(v_cache[written], qkv[real, (hq + hkv) * d :].reshape(-1, hkv, d).to(v_cache.dtype))
 
 
-CASES = [  # seq_lens, hq, hkv, d, rot, neox, page, splits, norm, dtype
-    ([1, 37, 70], 8, 2, 64, 64, True, 16, 3, True, torch.float32),  # Qwen3-style norm, pages crossed
-    ([5, 33], 4, 4, 64, 32, False, 1, 1, False, torch.float32),  # GPT-J pairs, partial, direct write
-    ([20, 0, 9], 8, 1, 64, 64, True, 4, 4, True, torch.bfloat16),  # MQA, a padding row, bf16
+CASES = [  # seq_lens, hq, hkv, d, rot, neox, page, splits, norm, dtype, sliding window
+    ([1, 37, 70], 8, 2, 64, 64, True, 16, 3, True, torch.float32, -1),  # Qwen3-style norm, pages crossed
+    ([5, 33], 4, 4, 64, 32, False, 1, 1, False, torch.float32, -1),  # GPT-J pairs, partial, direct write
+    ([20, 0, 9], 8, 1, 64, 64, True, 4, 4, True, torch.bfloat16, -1),  # MQA, a padding row, bf16
+    ([40, 12], 4, 2, 64, 32, True, 4, 3, True, torch.float32, -1),  # NeoX, partial rotary, norm
+    ([26, 3], 4, 2, 32, 32, False, 2, 2, True, torch.float32, 9),  # GPT-J with norm, sliding window
 ]
 
 
 @pytest.mark.parametrize("merge", ["separate", "fused"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{len(c[0])}-{c[1]}x{c[2]}x{c[3]}-rot{c[4]}-s{c[7]}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"B{len(c[0])}-{c[1]}x{c[2]}x{c[3]}-rot{c[4]}-s{c[7]}-w{c[10]}"
+)
 def test_kernel_matches_the_two_ops(on_kernel, monkeypatch, case, merge):
     monkeypatch.setenv("KILN_ATTN_MERGE", merge)
     _check(*case)
@@ -89,11 +94,40 @@ def test_reference_path_and_errors():
     qkv, pos, cs, k, v, slots, bt, rows, lens, _, _ = _step(
         [3, 4], 4, 2, 32, 32, 4, False, torch.float32, "cpu", 2
     )
-    with pytest.raises(ValueError, match="a decode step"):
-        torch.ops.kiln.decode_rope_attention(
-            qkv[:1], pos[:1], cs, k, v, slots[:1], bt, rows, lens, 4, 2, 32, 32, True, None, None, 1e-6, 0.1,
-            4, 2, -1, 0.0,
-        )  # fmt: skip
+    good = (
+        qkv,
+        pos,
+        cs,
+        k,
+        v,
+        slots,
+        bt,
+        rows,
+        lens,
+        4,
+        2,
+        32,
+        32,
+        True,
+        None,
+        None,
+        1e-6,
+        0.1,
+        4,
+        2,
+        -1,
+        0.0,
+    )
+    bad = [  # {argument index: value}, and the error it must give
+        ({0: qkv[:1], 1: pos[:1], 5: slots[:1]}, "a decode step, one token per request"),
+        ({0: qkv[:, :224], 9: 3}, r"num_q_heads \(3\) must be a multiple of num_kv_heads \(2\)"),
+        ({18: 0}, "page_size must be >= 1"),
+        ({2: torch.cat([cs, cs], 1)[:, ::2]}, "cos_sin needs unit stride"),
+    ]
+    for change, message in bad:
+        args = [change.get(i, a) for i, a in enumerate(good)]
+        with pytest.raises(ValueError, match=message):
+            torch.ops.kiln.decode_rope_attention(*args)
 
 
 def test_switch(monkeypatch):
@@ -112,4 +146,4 @@ def test_gpu_matches_the_two_ops(monkeypatch, merge):
     monkeypatch.setenv("KILN_ATTN_MERGE", merge)
     _check([544], 32, 4, 128, 128, True, 1, 128, True, torch.bfloat16, device="cuda", seed=3)  # Qwen3-30B-A3B
     _check([1, 300, 4000, 0], 32, 8, 128, 128, True, 16, 32, False, torch.bfloat16, device="cuda", seed=4)
-    _check([77, 5], 16, 2, 64, 64, False, 16, 8, True, torch.float32, device="cuda", seed=5)
+    _check([77, 5], 16, 2, 64, 64, False, 16, 8, True, torch.float32, 33, device="cuda", seed=5)
