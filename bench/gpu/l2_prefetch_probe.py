@@ -31,7 +31,7 @@ import statistics
 import torch
 import triton
 import triton.language as tl
-from torch.profiler import ProfilerActivity, profile
+from cuda_kernels import kernel_events
 
 import kiln.ops  # noqa: F401
 
@@ -74,14 +74,7 @@ def prefetch_l2(w: torch.Tensor, programs: int) -> None:
 
 def _durations(fn, reps: int, match: str) -> list[float]:
     """Run ``fn`` ``reps`` times under the profiler: the last kernel per rep whose name has ``match``."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    evs = [e for e in prof.events() if e.device_type.name == "CUDA" and match in e.name]
-    return [e.device_time for e in evs[-reps:]]  # us
+    return [us for name, us in kernel_events(fn, reps) if match in name][-reps:]
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from cuda_kernels import kernel_events
 
 import kiln.ops  # noqa: F401
 
@@ -55,16 +55,9 @@ def main() -> None:
                 torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, TUNING)
 
         wall_ms = _median_ms(graphed(chain))
-        chain()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(REPS):
-                chain()
-            torch.cuda.synchronize()
         by_name: dict[str, float] = collections.defaultdict(float)
-        for e in prof.events():
-            if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")):
-                by_name[e.name] += e.device_time / (REPS * LAYERS)  # us per layer
+        for name, us in kernel_events(chain, REPS):
+            by_name[name] += us / (REPS * LAYERS)  # us per layer
         kern_us = sum(by_name.values())
         wall_us = wall_ms * 1e3 / LAYERS
         per_layer = nbytes / LAYERS
