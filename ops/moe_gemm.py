@@ -363,20 +363,20 @@ def pair_sum(Y, IDS, MAP, tok, K, offs, mask, stride_y, HAS_MAP: tl.constexpr, C
 
 
 @triton.jit
-def _sum_last(
-    C, IDS, MAP, OUT, CNT, tok, offs_n, nmask, stride_cm, stride_o,
+def sum_last(
+    C, IDS, MAP, OUT, cnt, tok, offs_n, nmask, stride_cm, stride_o,
     SUM_K: tl.constexpr, HAS_MAP: tl.constexpr, ROUND_IN_F32: tl.constexpr,
     Z, stride_zm, ADD_Z: tl.constexpr,
 ):  # fmt: skip
-    """Last arrival of token ``tok``'s ``SUM_K`` pairs on these columns: sum their rows of ``C`` in
-    pair order in float32 (other ranks' pairs left out), round once into ``OUT[tok]``.
+    """Last arrival of token ``tok``'s ``SUM_K`` pairs on these columns (``cnt``: their arrival
+    counter): sum their rows of ``C`` in pair order in float32 (other ranks' pairs left out), round
+    once into ``OUT[tok]``.
 
     Memory ordering as ops/decode_attention.py's fused merge: the barrier puts every thread's
     stores of ``C`` before the scalar acq_rel atomic (cumulative release at gpu scope); the
     program that reads ``SUM_K - 1`` acquires all of them and loads with ``.cg`` (L1 is not
     coherent across SMs); it resets the counter, which no other arrival of this launch touches."""
     tl.debug_barrier()
-    cnt = CNT + tok * tl.num_programs(1) + tl.program_id(1)
     old = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
     if old == SUM_K - 1:
         tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
@@ -506,12 +506,12 @@ def _moe_gemv_kernel(
     if GROUP == 1:
         tl.store(C + g * stride_cm + offs_n, y.to(out_ty), mask=rmask)
         if SUM_K > 0:
-            _sum_last(
+            sum_last(
                 C,
                 IDS,
                 MAP,
                 OUT,
-                CNT,
+                CNT + (g // SUM_K) * tl.num_programs(1) + tl.program_id(1),
                 g // SUM_K,
                 offs_n,
                 nmask,
