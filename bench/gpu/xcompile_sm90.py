@@ -1,7 +1,14 @@
-"""Cross-compile the residual-epilogue / folded-norm kernel variants for sm_90 on a machine without
-a GPU (the local Triton; the H200 runs triton 3.6), and report whether any spills to local memory.
-A check between GPU runs, not a substitute for them: `python bench/gpu/xcompile_sm90.py`.
+"""Cross-compile kernel variants for sm_90 on a machine without a GPU (the local Triton; the H200
+runs triton 3.6) and report their registers and spills, from the bundled ptxas run with ``-v`` on
+the PTX (spills are made by ptxas, so the PTX itself never shows them). Pointer arguments are
+declared 16-byte aligned, as the real launches specialize them. A check between GPU runs, not a
+substitute for them: `python bench/gpu/xcompile_sm90.py`.
 """
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -17,19 +24,40 @@ BF16, F32, I32 = "*bf16", "*fp32", "*i32"
 def xc(fn, types: dict[str, str], consts: dict, warps: int = 4) -> None:
     """Compile ``fn`` for sm_90: ``types`` for its non-integer arguments (the rest i32), ``consts``
     for the constexprs without a default (and any default to override)."""
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for p in fn.params:
         if p.is_constexpr:
             signature[p.name] = "constexpr"
             constexprs[(p.num,)] = consts[p.name] if p.name in consts or not p.has_default else p.default
         else:
             signature[p.name] = types.get(p.name, "i32")
+            if signature[p.name].startswith("*"):
+                attrs[(p.num,)] = [["tt.divisibility", 16]]
     k = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
         target=GPUTarget("cuda", 90, 32),
         options=dict(num_warps=warps),
     )
-    print(fn.fn.__name__, consts, "local memory" if ".local" in k.asm["ptx"] else "no local memory")
+    print(fn.fn.__name__, consts, _ptxas_report(k.asm["ptx"]))
+
+
+def _ptxas_report(ptx: str) -> str:
+    """``registers N, spill stores B, spill loads B`` from the bundled ptxas (``-v``), sm_90a."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        run = subprocess.run(
+            [str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(d) / "k.cubin")],
+            capture_output=True,
+            text=True,
+        )
+    log = run.stdout + run.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if run.returncode or not regs or not spills:
+        return "ptxas failed: " + log.strip().splitlines()[-1] if log.strip() else "ptxas failed"
+    return f"registers {regs[1]}, spill stores {spills[1]} B, spill loads {spills[2]} B"
 
 
 gemv_types = dict.fromkeys(("X", "W", "B", "Y", "R", "G", "H", "XN", "Z"), BF16)
@@ -72,6 +100,6 @@ from kiln.ops import moe_one_launch as OL  # noqa: E402
 
 one_types = dict.fromkeys(("X", "W13", "W2", "ACT", "Y2", "OUT", "Z"), BF16)
 one_types |= {"TOPK_W": F32, "IDS": I32, "CNT": I32, "SUMCNT": I32}
-one = dict(P=8, K=8, NB13=48, NB2=128, BLOCK_N1=16, BLOCK_N2=16, BLOCK_K1=256, IP=1024, ADD_Z=True,
-           ROUND_IN_F32=False, CNT_PAD=16, PDL=True)  # fmt: skip
+one = dict(K=8, BLOCK_N1=8, BLOCK_N2=16, BLOCK_K1=256, IP=1024, P_PAD=32, LINE=32, ADD_Z=True,
+           ROUND_IN_F32=False, PDL=True)  # fmt: skip
 xc(OL._moe_one_launch_kernel, one_types, one)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from test_moe_gemm import TOL, _captured_decode_moe, _new_inputs, assert_rel, make_moe
 
 from kiln.ops import moe
@@ -56,38 +58,52 @@ def test_declines_what_it_does_not_cover():
     out = torch.empty_like(x)
     assert not one.moe_one_launch(x, w13, w2, w, ids, out)  # too many tokens
     assert not one.moe_one_launch(x[:1], w13.half(), w2, w[:1], ids[:1], out[:1])  # mixed dtypes
+    wide = torch.empty(8, 32, one.EARLY_MAX_K + 1)  # I past the w2 slab's register budget
+    assert not one.moe_one_launch(x[:1], w13, wide, w[:1], ids[:1], out[:1])
+    assert not one.moe_one_launch(
+        x[:1], w13.transpose(1, 2).contiguous().transpose(1, 2), w2, w[:1], ids[:1], out[:1]
+    )
 
 
-@pytest.mark.parametrize("p, nb13, nb2", [(1, 3, 2), (4, 5, 3), (8, 48, 128)])
-def test_tile_order_covers_every_tile_once_after_its_inputs(p, nb13, nb2):
-    """The ticket order in plain Python: every (kind, pair, column) once; a w2 tile of pair g only
+@triton.jit
+def _tiles(OUT, P, NB13, NB2):
+    tk = tl.program_id(0)
+    is_w2, g, col = one.tile_of(tk, P, NB13, NB2)
+    tl.store(OUT + 3 * tk, is_w2.to(tl.int32))
+    tl.store(OUT + 3 * tk + 1, g)
+    tl.store(OUT + 3 * tk + 2, col)
+
+
+@pytest.mark.parametrize("p, nb13, nb2", [(1, 3, 2), (1, 1, 1), (4, 5, 3), (3, 1, 5), (8, 96, 128)])
+def test_tile_order_covers_every_tile_once_after_its_inputs(kernel_on_cpu, p, nb13, nb2):
+    """The kernel's ticket -> tile map: every (kind, pair, column) once, and a w2 tile of pair g only
     after all of pair g's w13 tiles (a waiting program never waits on a higher ticket)."""
+    n = p * (nb13 + nb2)
+    out = torch.full((n, 3), -1, dtype=torch.int32)
+    _tiles[(n,)](out, p, nb13, nb2)
     seen, done13 = set(), [0] * p
-    for tk in range(p * (nb13 + nb2)):
-        first = tk < nb13
-        u = tk - nb13
-        r = 0 if first else u // (nb13 + nb2) + 1
-        pos = tk if first else u % (nb13 + nb2)
-        is_w2 = tk >= nb13 and (r >= p or pos >= nb13)
-        pair = r - 1 if is_w2 else r
-        col = pos - nb13 if is_w2 and r < p else pos
-        assert 0 <= pair < p and 0 <= col < (nb2 if is_w2 else nb13)
+    for tk, (is_w2, pair, col) in enumerate(out.tolist()):
+        assert 0 <= pair < p and 0 <= col < (nb2 if is_w2 else nb13), (tk, is_w2, pair, col)
         assert (is_w2, pair, col) not in seen
         seen.add((is_w2, pair, col))
         if is_w2:
             assert done13[pair] == nb13, (tk, pair)
         else:
             done13[pair] += 1
-    assert len(seen) == p * (nb13 + nb2)
+    assert len(seen) == n
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
 def test_gpu_matches_reference_under_replay(compiled_gpu, monkeypatch, t):
     """Qwen3-30B-A3B shapes, captured with the switch on and replayed with new routing each time:
     a stale arrival or a counter left non-zero would show as a wrong sum or a hang."""
     monkeypatch.setenv("KILN_MOE_ONE_LAUNCH", "1")
+    ran = []
+    real = moe.moe_one_launch
+    monkeypatch.setattr(moe, "moe_one_launch", lambda *a: ran.append(real(*a)) or ran[-1])
     (x, w13, w2, w, ids), g, out = _captured_decode_moe(t)
+    assert ran and all(ran), "the one-launch path ran (warm-up and capture), no fallback"
     for i in range(40):
         _new_inputs(t, 300 + i, x, w, ids)
         out.fill_(float("nan"))
