@@ -52,36 +52,6 @@ def rope_in_attention() -> bool:
     return value == "1"
 
 
-def rope_kernel_args(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out_slots: torch.Tensor,
-    num_q_heads: int,
-    num_kv_heads: int,
-    rotary_dim: int,
-    is_neox: bool,
-    q_norm_w: torch.Tensor | None,
-    k_norm_w: torch.Tensor | None,
-    eps: float,
-) -> dict:
-    """The split kernel's rope arguments (ops/decode_attention.py ``_decode_split_kernel``)."""
-    bf16 = torch.bfloat16
-    rne = interpreting() and not qkv.is_cuda  # the interpreter's bf16 casts truncate: round them
-    rounds = lambda w: w is not None and torch.promote_types(qkv.dtype, w.dtype) == qkv.dtype
-    return dict(
-        ROPE=True, pos_ptr=positions, cs_ptr=cos_sin, slot_ptr=out_slots,
-        qw_ptr=q_norm_w if q_norm_w is not None else qkv, kw_ptr=k_norm_w if k_norm_w is not None else qkv,
-        stride_cs=cos_sin.stride(0), eps=float(eps), HQ=num_q_heads, HKV=num_kv_heads, ROT=rotary_dim,
-        IS_NEOX=bool(is_neox), HAS_QN=q_norm_w is not None, HAS_KN=k_norm_w is not None,
-        ROUND_QN=rounds(q_norm_w), ROUND_KN=rounds(k_norm_w),
-        RNE=rne and qkv.dtype == bf16, RNE_K=rne and k_cache.dtype == bf16,
-        RNE_V=rne and v_cache.dtype == bf16,
-    )  # fmt: skip
-
-
 @kiln_op("decode_rope_attention", mutates_args=("k_cache", "v_cache"))
 def decode_rope_attention(
     qkv: torch.Tensor,
@@ -128,21 +98,21 @@ def decode_rope_attention(
     if not use_triton(qkv):
         q = qkv_rope_kvwrite_ref(*rope, rotary_dim, is_neox, q_norm_w, k_norm_w, eps)
         return decode_attention_ref(
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            req_rows,
-            seq_lens,
-            sm_scale,
-            page_size,
-            sliding_window,
+            q, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size, sliding_window,
             logit_cap,
-        )
+        )  # fmt: skip
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
-    args = rope_kernel_args(
-        qkv, positions, cos_sin, k_cache, v_cache, out_slots, num_q_heads, num_kv_heads, rotary_dim, is_neox,
-        q_norm_w, k_norm_w, eps,
+    bf16 = torch.bfloat16
+    rne = interpreting() and not qkv.is_cuda  # the interpreter's bf16 casts truncate: round them
+    rounds = lambda w: w is not None and torch.promote_types(qkv.dtype, w.dtype) == qkv.dtype
+    args = dict(  # the split kernel's rope arguments (ops/decode_attention.py _decode_split_kernel)
+        ROPE=True, pos_ptr=positions, cs_ptr=cos_sin, slot_ptr=out_slots,
+        qw_ptr=q_norm_w if q_norm_w is not None else qkv, kw_ptr=k_norm_w if k_norm_w is not None else qkv,
+        stride_cs=cos_sin.stride(0), eps=float(eps), HQ=num_q_heads, HKV=num_kv_heads, ROT=rotary_dim,
+        IS_NEOX=bool(is_neox), HAS_QN=q_norm_w is not None, HAS_KN=k_norm_w is not None,
+        ROUND_QN=rounds(q_norm_w), ROUND_KN=rounds(k_norm_w),
+        RNE=rne and qkv.dtype == bf16, RNE_K=rne and k_cache.dtype == bf16,
+        RNE_V=rne and v_cache.dtype == bf16,
     )  # fmt: skip
     return decode_attention_triton(
         qkv, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size, num_splits,
@@ -156,4 +126,4 @@ def _(qkv, positions, cos_sin, k_cache, v_cache, out_slots, block_table, req_row
     return qkv.new_empty(qkv.shape[0], num_q_heads, head_dim)
 
 
-__all__ = ["decode_rope_attention", "rope_in_attention", "rope_kernel_args"]
+__all__ = ["decode_rope_attention", "rope_in_attention"]

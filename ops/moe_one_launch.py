@@ -162,7 +162,8 @@ def moe_one_launch(
         return False
     p = t * k
     nb13, nb2 = triton.cdiv(i, BLOCK_N1), triton.cdiv(h, BLOCK_N2)
-    cnt = COUNTERS.get(x.device, LINE * (1 + MAX_TOKENS * k) + MAX_TOKENS * nb2)
+    sums_at = LINE * (1 + MAX_TOKENS * k)  # after the ticket, finish count and per-pair lines
+    cnt = COUNTERS.get(x.device, sums_at + MAX_TOKENS * nb2)
     if cnt is None:
         return False
     act = x.new_empty((p, i))
@@ -170,9 +171,8 @@ def moe_one_launch(
     ids = topk_ids.reshape(-1)
     tw = topk_weights.reshape(-1)
     z = residual if residual is not None else out
-    sums = cnt[LINE * (1 + MAX_TOKENS * k) :]
     _moe_one_launch_kernel[(p * (nb13 + nb2),)](
-        x, w13, w2, act, y2, tw, ids, out, cnt, sums, z,
+        x, w13, w2, act, y2, tw, ids, out, cnt, cnt[sums_at:], z,
         i, h, x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1), out.stride(0),
         z.stride(0), p, nb13, nb2, K=k, BLOCK_N1=BLOCK_N1, BLOCK_N2=BLOCK_N2,
         BLOCK_K1=min(BLOCK_K1, next_pow2(h)), IP=next_pow2(i), P_PAD=next_pow2(MAX_TOKENS * k), LINE=LINE,
