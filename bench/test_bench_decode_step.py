@@ -55,7 +55,6 @@ VARIANTS = {
     "pdl_off": {"KILN_PDL": "0"},
     "gemv_off": {"KILN_GEMV": "0"},
     "rope_attn": {"KILN_ROPE_IN_ATTN": "1"},  # QK-norm + RoPE + KV write inside decode attention
-    "one_launch": {"KILN_MOE_ONE_LAUNCH": "1"},  # the experts' two GEMVs in one launch
 }
 
 
@@ -117,7 +116,7 @@ def _bytes(cfg, weights, batch: int) -> float:
 @pytest.mark.parametrize("batch", pick([1, 8], [1]))
 @pytest.mark.parametrize("preset", MODELS)
 def test_decode_step(measure, monkeypatch, preset, batch, variant):
-    if preset != MODELS[0] and variant in ("early_w2", "topk_w13", "one_launch"):
+    if preset != MODELS[0] and variant in ("early_w2", "topk_w13"):
         pytest.skip("a MoE switch")
     for name, value in VARIANTS[variant].items():
         monkeypatch.setenv(name, value)

@@ -71,7 +71,6 @@ from kiln.ops.moe_gemm import (
     pick_backend,
     pick_configs,
 )
-from kiln.ops.moe_one_launch import moe_one_launch, one_launch_requested
 from kiln.ops.quant import (
     add_rounded,
     dequantize_fp8,
@@ -283,10 +282,6 @@ def _fused_moe_gemv(
         a_scale = gu.new_empty((t * k, 1), dtype=torch.float32)
         activation.silu_and_mul_launch(gu, None, activation.QUANT_DYNAMIC, a, a_scale)
     else:
-        if emap is None and route is None and one_launch_requested():  # ops/moe_one_launch.py
-            res = x.new_empty((t, h)) if out is None else out
-            if moe_one_launch(x, w13, w2, topk_weights, topk_ids, res, residual):
-                return res
         a, a_scale = x.new_empty((t * k, i)), None
         # w2 streams its weights before its wait (KILN_MOE_EARLY_W2): w13 triggers after its own
         early = early_w2() and c2["GROUP_M"] == 1 and i <= EARLY_MAX_K and route is None

@@ -95,11 +95,3 @@ split = dict(GROUP=8, GROUP_PAD=16, GROUP_M=8, D=128, BLOCK_D=128, DV=128, BLOCK
 xc(DA._decode_split_kernel, attn_types, split)
 rope = dict(ROPE=True, HQ=32, HKV=4, ROT=128, HAS_QN=True, HAS_KN=True, ROUND_QN=True, ROUND_KN=True)
 xc(DA._decode_split_kernel, attn_types, split | rope)
-
-from kiln.ops import moe_one_launch as OL  # noqa: E402
-
-one_types = dict.fromkeys(("X", "W13", "W2", "ACT", "Y2", "OUT", "Z"), BF16)
-one_types |= {"TOPK_W": F32, "IDS": I32, "CNT": I32, "SUMCNT": I32}
-one = dict(K=8, BLOCK_N1=8, BLOCK_N2=16, BLOCK_K1=256, IP=1024, P_PAD=32, LINE=32, ADD_Z=True,
-           ROUND_IN_F32=False, PDL=True)  # fmt: skip
-xc(OL._moe_one_launch_kernel, one_types, one)
