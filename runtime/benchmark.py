@@ -5,6 +5,7 @@ same weights (``--compare-hf``), so every claim is a ratio measured in one run.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -181,9 +182,7 @@ def hf_latency(
     seed: int = 0,
 ) -> dict[int, dict[str, float]]:
     """Hugging Face transformers ``generate`` (greedy) on the same weights and prompt lengths."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="cuda").eval()
+    model = _hf_model(model_dir, dtype)
     res = {}
     for b in batches:
         ids = torch.tensor(random_prompts(b, input_len, vocab, seed), device="cuda")
@@ -209,6 +208,85 @@ def hf_latency(
     return res
 
 
+def _hf_model(model_dir: str, dtype: torch.dtype, device: str = "cuda") -> Any:
+    from transformers import AutoModelForCausalLM
+
+    if importlib.util.find_spec("accelerate") is None:  # device_map needs it: load, then move
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device).eval()
+
+
+def throughput_workload(
+    num_prompts: int,
+    input_len: int | tuple[int, int],
+    output_len: int | tuple[int, int],
+    vocab: int,
+    seed: int = 0,
+) -> tuple[list[list[int]], list[int]]:
+    """The offline-throughput prompts and their output lengths (the same for kiln and HF)."""
+    rng = random.Random(seed + 1)
+    prompts = random_prompts(num_prompts, input_len, vocab, seed)
+    return prompts, [output_len if isinstance(output_len, int) else rng.randint(*output_len) for _ in prompts]
+
+
+def hf_throughput(
+    model_dir: str,
+    prompts: list[list[int]],
+    outs: list[int],
+    batch_size: int,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, float]:
+    """Hugging Face transformers on the same offline workload, as its users batch it: prompts
+    sorted by length, ``batch_size`` at a time, left-padded, greedy ``generate`` of the batch's
+    longest output. Only the tokens each prompt asked for count as output (the rest of a batch's
+    steps are the price of static batching); the time includes a warm-up-free first batch."""
+    model = _hf_model(model_dir, dtype, device)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():  # warm-up: kernels and allocator, one short batch
+        model.generate(torch.tensor([prompts[order[0]]], device=device), max_new_tokens=2, **kw)
+    generated = 0
+    _sync(device)
+    t = time.perf_counter()
+    for lo in range(0, len(order), batch_size):
+        idx = order[lo : lo + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros(len(idx), width, dtype=torch.long)
+        for row, i in enumerate(idx):  # left padding: every row's last token at the same column
+            ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]) :] = 1
+        new = max(outs[i] for i in idx)
+        with torch.no_grad():
+            model.generate(
+                ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new, **kw
+            )
+        generated += len(idx) * new
+    _sync(device)
+    dt = time.perf_counter() - t
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    n_in, n_out = sum(map(len, prompts)), sum(outs)
+    return {
+        "seconds": dt,
+        "num_prompts": len(prompts),
+        "batch_size": batch_size,
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "generated_tokens": generated,
+        "input_tok_s": n_in / dt,
+        "output_tok_s": n_out / dt,
+        "requests_s": len(prompts) / dt,
+    }
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def kiln_throughput(
     llm: LLM,
     num_prompts: int,
@@ -218,9 +296,7 @@ def kiln_throughput(
 ) -> dict[str, float]:
     eng = llm.engine
     eng.reset_prefix_cache()
-    rng = random.Random(seed + 1)
-    prompts = random_prompts(num_prompts, input_len, eng.artifact.vocab_size, seed)
-    outs = [output_len if isinstance(output_len, int) else rng.randint(*output_len) for _ in prompts]
+    prompts, outs = throughput_workload(num_prompts, input_len, output_len, eng.artifact.vocab_size, seed)
     t = time.perf_counter()
     res = llm.generate(
         prompts, [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs], use_tqdm=True

@@ -130,22 +130,70 @@ def report_cmd(
 @click.option("--num-prompts", default=1000, show_default=True)
 @click.option("--input-len", default="128:1024", show_default=True, help="N or LO:HI (uniform).")
 @click.option("--output-len", default="128:1024", show_default=True, help="N or LO:HI (uniform).")
+@click.option(
+    "--compare-hf",
+    "hf_dir",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Also run Hugging Face transformers on this checkpoint: the same prompts and output lengths, "
+    "sorted by length and generated --hf-batch-size at a time (static batching, left padding).",
+)
+@click.option("--hf-batch-size", default=64, show_default=True, help="Prompts per HF generate call.")
+@click.option(
+    "--hf-num-prompts",
+    type=int,
+    default=None,
+    help="HF runs the first N of the prompts only (default: all); its rates are per second all the same.",
+)
 @click.option("--json", "json_path", default=None)
 @engine_options
 def throughput_cmd(
-    artifact: str, num_prompts: int, input_len: str, output_len: str, json_path: str | None, **kw: Any
+    artifact: str,
+    num_prompts: int,
+    input_len: str,
+    output_len: str,
+    hf_dir: str | None,
+    hf_batch_size: int,
+    hf_num_prompts: int | None,
+    json_path: str | None,
+    **kw: Any,
 ) -> None:
-    """Offline throughput: every prompt submitted at once; input and output tokens/s."""
-    from kiln.runtime.benchmark import environment, kiln_throughput
+    """Offline throughput: every prompt submitted at once; input and output tokens/s (beside HF
+    transformers on the same workload with --compare-hf)."""
+    from kiln.runtime.artifact import open_artifact
+    from kiln.runtime.benchmark import environment, hf_throughput, kiln_throughput, throughput_workload
     from kiln.runtime.llm import LLM
 
+    if hf_batch_size < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--hf-batch-size")
+    if hf_num_prompts is not None and not 1 <= hf_num_prompts <= num_prompts:
+        raise click.BadParameter(
+            f"must be in 1..--num-prompts ({num_prompts})", param_hint="--hf-num-prompts"
+        )
+    ins, outs = _range(input_len), _range(output_len)
+    report: dict[str, Any] = {"env": environment(), "artifact": artifact}
+    if hf_dir:  # first, so its memory is back before kiln sizes its KV pool
+        import torch
+
+        device = kw.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        art = open_artifact(artifact, device)
+        prompts, lens = throughput_workload(num_prompts, ins, outs, art.vocab_size)
+        n = hf_num_prompts or num_prompts
+        report["hf"] = hf_throughput(hf_dir, prompts[:n], lens[:n], hf_batch_size, device, art.dtype)
     llm = LLM(artifact, log=True, **options_from(kw))
-    r = kiln_throughput(llm, num_prompts, _range(input_len), _range(output_len))
+    r = kiln_throughput(llm, num_prompts, ins, outs)
+    report["kiln"] = r
     click.echo(
         f"{num_prompts} prompts in {r['seconds']:.1f} s: input {r['input_tok_s']:.0f} tok/s, output "
         f"{r['output_tok_s']:.0f} tok/s, {r['requests_s']:.2f} req/s, preemptions {r['preemptions']}"
     )
-    _write({"env": environment(), "artifact": artifact, "kiln": r}, json_path)
+    if hf_dir:
+        h = report["hf"]
+        click.echo(
+            f"HF transformers, {h['num_prompts']} prompts at batch {h['batch_size']} in {h['seconds']:.1f} s: "
+            f"output {h['output_tok_s']:.0f} tok/s; kiln / HF {r['output_tok_s'] / h['output_tok_s']:.1f}x"
+        )
+    _write(report, json_path)
 
 
 @bench_cmd.command("startup")

@@ -61,6 +61,43 @@ def test_bench_commands(demo_artifact, tmp_path):
     }
 
 
+def test_throughput_beside_hf_on_the_same_workload(demo_artifact, tmp_path, monkeypatch):
+    """--compare-hf: HF generates the same prompts (first N) with their output lengths, in sorted,
+    left-padded batches; only the requested tokens count."""
+    import torch
+
+    from kiln.runtime import benchmark
+    from kiln.runtime.artifact import open_artifact
+
+    calls = []
+    real = benchmark.hf_throughput
+    monkeypatch.setattr(benchmark, "hf_throughput", lambda *a: calls.append(a) or real(*a))
+    tp = tmp_path / "tp.json"
+    ckpt = demo_artifact.parent / "checkpoint"
+    out = run("throughput", demo_artifact, "--num-prompts", 5, "--input-len", "3:9", "--output-len", "2:5",
+              "--compare-hf", ckpt, "--hf-batch-size", 2, "--hf-num-prompts", 4, "--json", tp,
+              "--device", "cpu")  # fmt: skip
+    rep = json.loads(tp.read_text())
+    prompts, outs, batch, device, dtype = calls[0][1:]
+    vocab = open_artifact(demo_artifact).vocab_size
+    want_p, want_o = benchmark.throughput_workload(5, (3, 9), (2, 5), vocab)
+    assert (len(prompts), batch, device, dtype) == (4, 2, "cpu", torch.float32)
+    assert prompts == want_p[:4] and outs == want_o[:4]
+    h = rep["hf"]
+    assert h["output_tokens"] == sum(outs) <= h["generated_tokens"] and h["input_tokens"] == sum(
+        map(len, prompts)
+    )
+    assert h["output_tok_s"] > 0 and rep["kiln"]["output_tokens"] == sum(want_o) and "kiln / HF" in out
+
+
+def test_throughput_rejects_bad_hf_options(demo_artifact):
+    r = CliRunner().invoke(cli, ["bench", "throughput", str(demo_artifact), "--num-prompts", "3",
+                                 "--hf-num-prompts", "4", "--device", "cpu"])  # fmt: skip
+    assert r.exit_code == 2 and "--hf-num-prompts" in r.output and "1..--num-prompts (3)" in r.output
+    r = CliRunner().invoke(cli, ["bench", "throughput", str(demo_artifact), "--hf-batch-size", "0"])
+    assert r.exit_code == 2 and "--hf-batch-size" in r.output
+
+
 def test_roofline_counts_only_the_experts_a_batch_hits():
     from types import SimpleNamespace
 
