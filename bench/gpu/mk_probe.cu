@@ -1,0 +1,546 @@
+// A persistent, warp-specialized decode "megakernel" probe at Qwen3-30B-A3B batch-1 shapes
+// (bench/gpu/mk_probe.py builds, checks and times it; docs/decode_budget.md says why).
+//
+// One launch runs L MoE decoder layers for one token. One CTA per SM (132 on the H200), 9 warps:
+//  * warp 0, the producer: walks this CTA's instruction list and streams every weight chunk it
+//    names (and the attention tasks' K/V tiles) into a ring of NS 32 KB shared-memory slots with
+//    1D bulk copies (cp.async.bulk, completion on an mbarrier). It never waits for activations,
+//    only for free slots and, before expert weights, for the layer's top-k (the expert ids);
+//  * warps 1-8, the consumers: walk the same list; per instruction they wait for its input
+//    (a global arrival counter), load the input vector into shared memory, consume the
+//    instruction's chunks from the ring, write the outputs, and bump the instruction's counter.
+// So the weight stream keeps going while the consumers wait on the layer's small dependent
+// stages; that is the point being measured.
+//
+// A layer (no norms' weights, no RoPE, contiguous KV: the probe measures the engine):
+//   qkv = bf16(Wqkv x)                                  [5120]     640 chunks of 8 rows
+//   split attention over 544 cached keys + the new one, 4 KV heads x 9 splits of 64 keys (GQA 8)
+//   merge -> attn bf16 [4096]
+//   h = bf16(x + bf16(Wo attn))                         [2048]     512 chunks of 4 rows
+//   hn = bf16(h * rsqrt(mean(h^2) + eps)); logits = Wr hn [128]    16 chunks of 8 rows
+//   top-8 of softmax(logits), renormalized (ties: lower index)
+//   act_j = bf16(bf16(silu(bf16(W13[e_j, :I] hn))) * bf16(W13[e_j, I:] hn))   1536 chunks
+//   x' = bf16(h + bf16(sum_j tw_j * bf16(W2[e_j] act_j)))                      128 x 8 chunks
+// Every wait has a watchdog (KILN_MK_TIMEOUT_NS): on expiry it prints where and traps.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+
+namespace {
+
+constexpr int H = 2048, QKV = 5120, NQ = 32, NKV = 4, D = 128, E = 128, TOPK = 8, I = 768;
+constexpr int CTX = 544;  // cached keys; the new key comes from the qkv row
+constexpr int SPLIT = 64, NSPLIT = 9, NATT = NKV * NSPLIT;
+constexpr int NS = 6, SLOT = 32768, NCONS = 8, NTHREADS = 32 * (NCONS + 1);
+constexpr int XS_FLOATS = TOPK * I;  // the largest input vector (w2's activations)
+constexpr int ACC = 128;
+constexpr int SMEM = NS * SLOT + XS_FLOATS * 4 + ACC * 4 + 64 + 2 * NS * 8;
+constexpr unsigned long long TIMEOUT_NS = 2000000000ull;
+
+enum Op { QKV_OP = 0, ATTN = 1, MERGE = 2, O_OP = 3, ROUTER = 4, TOPK_OP = 5, W13 = 6, W2_OP = 7 };
+enum Ctr { C_QKV, C_SPLIT, C_MERGE, C_O, C_ROUTER, C_TOPK, C_W13, C_W2, NCTR };
+
+struct LayerW {  // one layer's weights and KV cache (bf16, row-major)
+  const __nv_bfloat16 *wqkv, *wo, *wr, *w13, *w2, *kc, *vc;  // kc, vc: [NKV, CTX, D]
+};
+
+struct Bufs {  // per-layer activations ([L] leading dimension each; x has L + 1 rows)
+  __nv_bfloat16 *x, *qkv, *att, *h, *act;
+  float *logits, *tw, *po, *pml;
+  int *ids, *cnt;
+};
+
+struct Instr {  // 8 int32: what a CTA does next (mk_probe.py builds the lists)
+  int op, layer, c0, nc, task, wait, target, signal;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __noinline__ void watchdog(const char* what, int a, int b) {
+  printf("mk_probe watchdog: CTA %d warp %d stuck in %s (%d, %d)\n", blockIdx.x, threadIdx.x / 32, what, a, b);
+  __trap();
+}
+
+__device__ __forceinline__ void bar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+__device__ __forceinline__ bool bar_try(uint64_t* bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+      : "=r"(ok)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+
+__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity, const char* what, int a) {
+  if (bar_try(bar, parity)) return;
+  unsigned long long t0 = now_ns();
+  while (!bar_try(bar, parity))
+    if (now_ns() - t0 > TIMEOUT_NS) watchdog(what, a, parity);
+}
+
+__device__ __forceinline__ void bar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void bar_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void wait_counter(const int* cnt, int idx, int target, const char* what) {
+  if (idx < 0) return;
+  const int* p = cnt + idx;
+  if (ld_acquire(p) >= target) return;
+  unsigned long long t0 = now_ns();
+  while (ld_acquire(p) < target)
+    if (now_ns() - t0 > TIMEOUT_NS) watchdog(what, idx, target);
+}
+
+__device__ __forceinline__ void cons_sync() { asm volatile("bar.sync 1, %0;" ::"n"(32 * NCONS) : "memory"); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float rbf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// sum over NV 8-element vectors of w (bf16, shared) . x (f32, shared), lane's vectors at
+// v * 256 + lane * 8: a warp's share of one row segment
+template <int NV>
+__device__ __forceinline__ float dot_seg(const __nv_bfloat16* w, const float* x, int lane) {
+  float s = 0.f;
+#pragma unroll
+  for (int v = 0; v < NV; ++v) {
+    const int off = v * 256 + lane * 8;
+    const uint4 wv = *reinterpret_cast<const uint4*>(w + off);
+    const float4 x0 = *reinterpret_cast<const float4*>(x + off);
+    const float4 x1 = *reinterpret_cast<const float4*>(x + off + 4);
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&wv);
+    float2 a = __bfloat1622float2(p[0]), b = __bfloat1622float2(p[1]);
+    float2 c = __bfloat1622float2(p[2]), d = __bfloat1622float2(p[3]);
+    s = fmaf(a.x, x0.x, s); s = fmaf(a.y, x0.y, s); s = fmaf(b.x, x0.z, s); s = fmaf(b.y, x0.w, s);
+    s = fmaf(c.x, x1.x, s); s = fmaf(c.y, x1.y, s); s = fmaf(d.x, x1.z, s); s = fmaf(d.y, x1.w, s);
+  }
+  return warp_sum(s);
+}
+
+struct Chunk {  // up to two contiguous pieces of global memory for one slot
+  const void *src0, *src1;
+  uint32_t bytes0, bytes1, off1;  // piece 1 lands at slot + off1
+};
+
+__device__ __forceinline__ int att_keys(int task) {  // cached keys of an attention split
+  const int s = task % NSPLIT;
+  return min(SPLIT, CTX - s * SPLIT);
+}
+
+__device__ Chunk chunk_of(const Instr& in, int c, const LayerW& w, const int* ids) {
+  Chunk k{nullptr, nullptr, 0, 0, 0};
+  const int q = in.c0 + c;
+  switch (in.op) {
+    case QKV_OP: k.src0 = w.wqkv + (size_t)q * 8 * H; k.bytes0 = 8 * H * 2; break;
+    case O_OP: k.src0 = w.wo + (size_t)q * 4 * (NQ * D); k.bytes0 = 4 * NQ * D * 2; break;
+    case ROUTER: k.src0 = w.wr + (size_t)q * 8 * H; k.bytes0 = 8 * H * 2; break;
+    case ATTN: {
+      const int g = in.task / NSPLIT, s = in.task % NSPLIT, n = att_keys(in.task);
+      const size_t base = ((size_t)g * CTX + s * SPLIT) * D;
+      k.src0 = w.kc + base; k.bytes0 = n * D * 2;
+      k.src1 = w.vc + base; k.bytes1 = n * D * 2; k.off1 = SLOT / 2;
+      break;
+    }
+    case W13: {
+      const int j = q / (I / 4), i0 = (q % (I / 4)) * 4;
+      const __nv_bfloat16* ex = w.w13 + (size_t)ids[j] * (2 * I) * H;
+      k.src0 = ex + (size_t)i0 * H; k.bytes0 = 4 * H * 2;
+      k.src1 = ex + (size_t)(I + i0) * H; k.bytes1 = 4 * H * 2; k.off1 = 4 * H * 2;
+      break;
+    }
+    case W2_OP: {  // chunk c = expert slot j; task = the 16-row output group
+      const __nv_bfloat16* ex = w.w2 + (size_t)ids[c] * H * I;
+      k.src0 = ex + (size_t)in.task * 16 * I; k.bytes0 = 16 * I * 2;
+      break;
+    }
+    default: break;
+  }
+  return k;
+}
+
+__device__ __forceinline__ int chunks_of(const Instr& in) {
+  return (in.op == MERGE || in.op == TOPK_OP) ? 0 : in.nc;
+}
+
+template <bool PREFETCH>
+__device__ void producer(const Instr* list, int n, const LayerW* layers, const Bufs& b, uint8_t* ring,
+                         uint64_t* full, uint64_t* empty) {
+  uint32_t seq = 0;
+  __shared__ int ids_s[TOPK];
+  int ids_layer = -1;
+  for (int i = 0; i < n; ++i) {
+    const Instr in = list[i];
+    const int nch = chunks_of(in);
+    if (nch == 0) continue;
+    if (!PREFETCH) wait_counter(b.cnt, in.wait, in.target, "producer input (no prefetch)");
+    if ((in.op == W13 || in.op == W2_OP) && ids_layer != in.layer) {  // expert ids: wait for the top-k
+      wait_counter(b.cnt, in.layer * NCTR + C_TOPK, 1, "producer top-k");
+      for (int j = 0; j < TOPK; ++j) ids_s[j] = __ldcg(b.ids + in.layer * TOPK + j);
+      ids_layer = in.layer;
+    }
+    const LayerW w = layers[in.layer];
+    for (int c = 0; c < nch; ++c, ++seq) {
+      const int slot = seq % NS;
+      bar_wait(&empty[slot], ((seq / NS) & 1) ^ 1, "producer empty slot", slot);
+      const Chunk k = chunk_of(in, c, w, ids_s);
+      uint8_t* dst = ring + slot * SLOT;
+      bar_expect(&full[slot], k.bytes0 + k.bytes1);
+      bulk_load(dst, k.src0, k.bytes0, &full[slot]);
+      if (k.bytes1) bulk_load(dst + k.off1, k.src1, k.bytes1, &full[slot]);
+    }
+  }
+}
+
+// consumers' per-instruction input: into xs (f32), normalized where the op wants hn
+__device__ void load_input(const Instr& in, const Bufs& b, float* xs, float* red, int t) {
+  const int L = in.layer;
+  switch (in.op) {
+    case QKV_OP:
+      for (int e = t; e < H; e += 32 * NCONS) xs[e] = __bfloat162float(__ldcg(b.x + (size_t)L * H + e));
+      break;
+    case O_OP:
+      for (int e = t; e < NQ * D; e += 32 * NCONS) xs[e] = __bfloat162float(__ldcg(b.att + (size_t)L * NQ * D + e));
+      break;
+    case ROUTER:
+    case W13: {
+      float ss = 0.f;
+      for (int e = t; e < H; e += 32 * NCONS) {
+        const float v = __bfloat162float(__ldcg(b.h + (size_t)L * H + e));
+        xs[e] = v;
+        ss += v * v;
+      }
+      ss = warp_sum(ss);
+      if ((t & 31) == 0) red[t / 32] = ss;
+      cons_sync();
+      float tot = 0.f;
+#pragma unroll
+      for (int wi = 0; wi < NCONS; ++wi) tot += red[wi];
+      const float r = rsqrtf(tot / H + 1e-6f);
+      for (int e = t; e < H; e += 32 * NCONS) xs[e] = rbf(xs[e] * r);
+      break;
+    }
+    case W2_OP:
+      for (int e = t; e < TOPK * I; e += 32 * NCONS) xs[e] = __bfloat162float(__ldcg(b.act + (size_t)L * TOPK * I + e));
+      break;
+    case ATTN: {
+      const int g = in.task / NSPLIT;
+      const __nv_bfloat16* row = b.qkv + (size_t)L * QKV;
+      for (int e = t; e < 8 * D; e += 32 * NCONS) xs[e] = __bfloat162float(__ldcg(row + g * 8 * D + e));
+      if (in.task % NSPLIT == NSPLIT - 1)  // the split that holds the new key
+        for (int e = t; e < D; e += 32 * NCONS) {
+          xs[8 * D + e] = __bfloat162float(__ldcg(row + NQ * D + g * D + e));
+          xs[9 * D + e] = __bfloat162float(__ldcg(row + NQ * D + NKV * D + g * D + e));
+        }
+      break;
+    }
+    default: break;
+  }
+}
+
+// one attention split (kv head g, keys of split s): warp w is q head g * 8 + w
+__device__ void attn_split(const Instr& in, const Bufs& b, const uint8_t* slot, const float* xs, int warp, int lane) {
+  const int nc = att_keys(in.task);
+  const bool last = in.task % NSPLIT == NSPLIT - 1;
+  const int nk = nc + (last ? 1 : 0);
+  const __nv_bfloat16* kt = reinterpret_cast<const __nv_bfloat16*>(slot);
+  const __nv_bfloat16* vt = reinterpret_cast<const __nv_bfloat16*>(slot + SLOT / 2);
+  const float* q = xs + warp * D;
+  const float scale = rsqrtf((float)D);
+  float s[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int n = lane + 32 * r;
+    float acc = -INFINITY;
+    if (n < nk) {
+      acc = 0.f;
+      if (n < nc) {
+        const __nv_bfloat16* kr = kt + n * D;
+#pragma unroll 4
+        for (int d = 0; d < D; d += 8) {
+          const uint4 wv = *reinterpret_cast<const uint4*>(kr + d);
+          const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&wv);
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const float2 f = __bfloat1622float2(p[u]);
+            acc = fmaf(f.x, q[d + 2 * u], acc);
+            acc = fmaf(f.y, q[d + 2 * u + 1], acc);
+          }
+        }
+      } else {
+        for (int d = 0; d < D; ++d) acc = fmaf(xs[8 * D + d], q[d], acc);
+      }
+      acc *= scale;
+    }
+    s[r] = acc;
+  }
+  const float m = warp_max(fmaxf(s[0], s[1]));
+  const float p0 = s[0] == -INFINITY ? 0.f : __expf(s[0] - m);
+  const float p1 = s[1] == -INFINITY ? 0.f : __expf(s[1] - m);
+  const float l = warp_sum(p0 + p1);
+  float o[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int n = 0; n < nk; ++n) {
+    const float p = __shfl_sync(0xffffffffu, n < 32 ? p0 : p1, n & 31);
+    if (n < nc) {
+      const uint2 vv = *reinterpret_cast<const uint2*>(vt + n * D + lane * 4);
+      const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&vv);
+      const float2 a = __bfloat1622float2(pv[0]), c = __bfloat1622float2(pv[1]);
+      o[0] = fmaf(p, a.x, o[0]); o[1] = fmaf(p, a.y, o[1]); o[2] = fmaf(p, c.x, o[2]); o[3] = fmaf(p, c.y, o[3]);
+    } else {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) o[u] = fmaf(p, xs[9 * D + lane * 4 + u], o[u]);
+    }
+  }
+  const size_t base = ((size_t)in.layer * NATT + in.task) * 8 + warp;
+  *reinterpret_cast<float4*>(b.po + base * D + lane * 4) = make_float4(o[0], o[1], o[2], o[3]);
+  if (lane == 0) {
+    b.pml[base * 2] = m;
+    b.pml[base * 2 + 1] = l;
+  }
+}
+
+__device__ void attn_merge(const Instr& in, const Bufs& b, int t) {
+  const int g = in.task, hw = t / 32, lane = t & 31;  // head g * 8 + hw, dims lane * 4 ..
+  float ms[NSPLIT], mx = -INFINITY;
+#pragma unroll
+  for (int s = 0; s < NSPLIT; ++s) {
+    const size_t base = ((size_t)in.layer * NATT + g * NSPLIT + s) * 8 + hw;
+    ms[s] = __ldcg(b.pml + base * 2);
+    mx = fmaxf(mx, ms[s]);
+  }
+  float o[4] = {0.f, 0.f, 0.f, 0.f}, l = 0.f;
+#pragma unroll
+  for (int s = 0; s < NSPLIT; ++s) {
+    const size_t base = ((size_t)in.layer * NATT + g * NSPLIT + s) * 8 + hw;
+    const float f = __expf(ms[s] - mx);
+    l += f * __ldcg(b.pml + base * 2 + 1);
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(b.po + base * D + lane * 4));
+    o[0] += f * v.x; o[1] += f * v.y; o[2] += f * v.z; o[3] += f * v.w;
+  }
+  __nv_bfloat16* dst = b.att + (size_t)in.layer * NQ * D + (g * 8 + hw) * D + lane * 4;
+#pragma unroll
+  for (int u = 0; u < 4; ++u) dst[u] = __float2bfloat16_rn(o[u] / l);
+}
+
+__device__ void topk(const Instr& in, const Bufs& b, int lane) {  // one warp
+  const float* lg = b.logits + in.layer * E;
+  float p[4], mx = -INFINITY;
+#pragma unroll
+  for (int u = 0; u < 4; ++u) { p[u] = __ldcg(lg + lane * 4 + u); mx = fmaxf(mx, p[u]); }
+  mx = warp_max(mx);
+  float sum = 0.f;
+#pragma unroll
+  for (int u = 0; u < 4; ++u) { p[u] = __expf(p[u] - mx); sum += p[u]; }
+  sum = warp_sum(sum);
+  float picked = 0.f, vals[TOPK];
+  int idx[TOPK];
+#pragma unroll
+  for (int j = 0; j < TOPK; ++j) {
+    float bv = -1.f;
+    int bi = 1 << 30;
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (p[u] > bv) { bv = p[u]; bi = lane * 4 + u; }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    vals[j] = bv / sum;
+    idx[j] = bi;
+    picked += vals[j];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (bi == lane * 4 + u) p[u] = -2.f;  // taken
+  }
+  if (lane < TOPK) {
+    float v = vals[0];
+    int e = idx[0];
+#pragma unroll
+    for (int j = 1; j < TOPK; ++j) if (lane == j) { v = vals[j]; e = idx[j]; }
+    b.tw[in.layer * TOPK + lane] = v / picked;
+    b.ids[in.layer * TOPK + lane] = e;
+  }
+}
+
+template <bool PREFETCH>
+__global__ void __launch_bounds__(NTHREADS, 1)
+    mk_kernel(const LayerW* __restrict__ layers, Bufs b, const Instr* __restrict__ lists, int max_instr) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  uint8_t* ring = smem;
+  float* xs = reinterpret_cast<float*>(smem + NS * SLOT);
+  float* acc = xs + XS_FLOATS;
+  float* red = acc + ACC;
+  uint64_t* full = reinterpret_cast<uint64_t*>(red + 16);
+  uint64_t* empty = full + NS;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < NS; ++s) { bar_init(&full[s], 1); bar_init(&empty[s], NCONS); }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const Instr* list = lists + (size_t)blockIdx.x * max_instr;
+  int n = 0;
+  while (n < max_instr && list[n].op >= 0) ++n;
+  if (warp == 0) {
+    if (lane == 0) producer<PREFETCH>(list, n, layers, b, ring, full, empty);
+    return;
+  }
+  const int t = threadIdx.x - 32, cw = warp - 1;  // consumer thread / warp index
+  uint32_t seq = 0;
+  for (int i = 0; i < n; ++i) {
+    const Instr in = list[i];
+    if (t == 0) {
+      wait_counter(b.cnt, in.wait, in.target, "consumer input");
+      __threadfence();
+    }
+    cons_sync();
+    load_input(in, b, xs, red, t);
+    if (t < ACC) acc[t] = 0.f;
+    cons_sync();
+    const int L = in.layer;
+    const int nch = chunks_of(in);
+    for (int c = 0; c < nch; ++c, ++seq) {
+      const int slot = seq % NS;
+      bar_wait(&full[slot], (seq / NS) & 1, "consumer full slot", slot);
+      const __nv_bfloat16* wsl = reinterpret_cast<const __nv_bfloat16*>(ring + slot * SLOT);
+      const int q = in.c0 + c;
+      switch (in.op) {
+        case QKV_OP: {
+          const float v = dot_seg<8>(wsl + cw * H, xs, lane);
+          if (lane == 0) b.qkv[(size_t)L * QKV + q * 8 + cw] = __float2bfloat16_rn(v);
+          break;
+        }
+        case ROUTER: {
+          const float v = dot_seg<8>(wsl + cw * H, xs, lane);
+          if (lane == 0) b.logits[L * E + q * 8 + cw] = v;
+          break;
+        }
+        case O_OP: {  // 4 rows of 4096: two warps per row, one half each
+          const int half = cw & 1;
+          const float v = dot_seg<8>(wsl + (cw >> 1) * (NQ * D) + half * 2048, xs + half * 2048, lane);
+          if (lane == 0) atomicAdd(&acc[c * 4 + (cw >> 1)], v);
+          break;
+        }
+        case W13: {  // warps 0-3: gate rows i0..i0+3, warps 4-7: the up rows
+          const float v = dot_seg<8>(wsl + cw * H, xs, lane);
+          if (lane == 0) acc[(c * 4 + (cw & 3)) * 2 + (cw >> 2)] = v;
+          break;
+        }
+        case W2_OP: {  // 16 rows of I for expert slot c; warp: rows cw and cw + 8
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = cw + 8 * r;
+            const float v = dot_seg<3>(wsl + row * I, xs + c * I, lane);
+            if (lane == 0) atomicAdd(&acc[row], __ldcg(b.tw + L * TOPK + c) * rbf(v));
+          }
+          break;
+        }
+        case ATTN:
+          attn_split(in, b, ring + slot * SLOT, xs, cw, lane);
+          break;
+        default: break;
+      }
+      __syncwarp();
+      if (lane == 0) bar_arrive(&empty[slot]);
+    }
+    cons_sync();
+    switch (in.op) {  // epilogues
+      case O_OP:
+        for (int r = t; r < in.nc * 4; r += 32 * NCONS) {
+          const int row = in.c0 * 4 + r;
+          const float xv = __bfloat162float(__ldcg(b.x + (size_t)L * H + row));
+          b.h[(size_t)L * H + row] = __float2bfloat16_rn(xv + rbf(acc[r]));
+        }
+        break;
+      case W13:
+        for (int p = t; p < in.nc * 4; p += 32 * NCONS) {
+          const int pair = in.c0 * 4 + p, j = pair / I, i = pair % I;
+          const float g = rbf(acc[2 * p]), u = rbf(acc[2 * p + 1]);
+          b.act[((size_t)L * TOPK + j) * I + i] = __float2bfloat16_rn(rbf(g / (1.f + __expf(-g))) * u);
+        }
+        break;
+      case W2_OP:
+        if (t < 16) {
+          const int row = in.task * 16 + t;
+          const float hv = __bfloat162float(__ldcg(b.h + (size_t)L * H + row));
+          b.x[(size_t)(L + 1) * H + row] = __float2bfloat16_rn(hv + rbf(acc[t]));
+        }
+        break;
+      case MERGE:
+        attn_merge(in, b, t);
+        break;
+      case TOPK_OP:
+        if (cw == 0) topk(in, b, lane);
+        break;
+      default: break;
+    }
+    cons_sync();
+    if (t == 0 && in.signal >= 0) {
+      __threadfence();
+      atomicAdd(b.cnt + in.signal, 1);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int mk_smem_bytes() { return SMEM; }
+
+extern "C" const char* mk_error(int e) { return cudaGetErrorString(static_cast<cudaError_t>(e)); }
+
+// layers: device array of LayerW; b: host struct of device pointers; lists: [grid, max_instr] Instr
+extern "C" int mk_launch(const void* layers, const void* bufs, const void* lists, int max_instr, int grid,
+                         int prefetch, void* stream) {
+  Bufs b = *static_cast<const Bufs*>(bufs);
+  auto kern = prefetch ? mk_kernel<true> : mk_kernel<false>;
+  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+  if (e != cudaSuccess) return e;
+  const LayerW* l = static_cast<const LayerW*>(layers);
+  const Instr* s = static_cast<const Instr*>(lists);
+  void* args[] = {&l, &b, &s, &max_instr};
+  e = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kern), dim3(grid), dim3(NTHREADS), args, SMEM,
+                                  static_cast<cudaStream_t>(stream));
+  return e;
+}
