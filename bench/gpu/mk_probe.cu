@@ -36,7 +36,7 @@ constexpr int SPLIT = 64, NSPLIT = 9, NATT = NKV * NSPLIT;
 constexpr int NS = 6, SLOT = 32768, NCONS = 8, NTHREADS = 32 * (NCONS + 1);
 constexpr int XS_FLOATS = TOPK * I;  // the largest input vector (w2's activations)
 constexpr int ACC = 128;
-constexpr int SMEM = NS * SLOT + XS_FLOATS * 4 + ACC * 4 + 64 + 2 * NS * 8;
+constexpr int SMEM = NS * SLOT + XS_FLOATS * 4 + 2 * ACC * 4 + 64 + 2 * NS * 8;
 constexpr unsigned long long TIMEOUT_NS = 2000000000ull;
 
 enum Op { QKV_OP = 0, ATTN = 1, MERGE = 2, O_OP = 3, ROUTER = 4, TOPK_OP = 5, W13 = 6, W2_OP = 7 };
@@ -50,7 +50,10 @@ struct Bufs {  // per-layer activations ([L] leading dimension each; x has L + 1
   __nv_bfloat16 *x, *qkv, *att, *h, *act;
   float *logits, *tw, *po, *pml;
   int *ids, *cnt;
+  unsigned long long* trace;  // [grid, max_instr, 3] globaltimer ns: wait start, input ready, done
+  unsigned long long* ctrace;  // [3, CT_MAX] for CTA CT_CTA: chunk issued, seen full, consumed
 };
+constexpr int CT_CTA = 1, CT_MAX = 4096;
 
 struct Instr {  // 8 int32: what a CTA does next (mk_probe.py builds the lists)
   int op, layer, c0, nc, task, wait, target, signal;
@@ -138,23 +141,38 @@ __device__ __forceinline__ float warp_max(float v) {
 
 __device__ __forceinline__ float rbf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-// sum over NV 8-element vectors of w (bf16, shared) . x (f32, shared), lane's vectors at
-// v * 256 + lane * 8: a warp's share of one row segment
+__device__ __forceinline__ float dot8(const uint4& wv, const uint4& xv, float s) {
+  const __nv_bfloat162* w = reinterpret_cast<const __nv_bfloat162*>(&wv);
+  const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+  for (int h = 0; h < 4; ++h) {
+    const float2 a = __bfloat1622float2(w[h]), b = __bfloat1622float2(x[h]);
+    s = fmaf(a.x, b.x, s);
+    s = fmaf(a.y, b.y, s);
+  }
+  return s;
+}
+
+// a warp's dot of a 2048-wide row segment (shared) with x held in registers (xr[v]: the lane's
+// 8 elements at v * 256 + lane * 8)
+__device__ __forceinline__ float dot_reg(const __nv_bfloat16* w, const uint4* xr, int lane) {
+  float s = 0.f, t = 0.f;
+#pragma unroll
+  for (int v = 0; v < 8; v += 2) {
+    s = dot8(*reinterpret_cast<const uint4*>(w + v * 256 + lane * 8), xr[v], s);
+    t = dot8(*reinterpret_cast<const uint4*>(w + (v + 1) * 256 + lane * 8), xr[v + 1], t);
+  }
+  return warp_sum(s + t);
+}
+
+// the same with x (bf16) in shared memory, NV vectors per lane
 template <int NV>
-__device__ __forceinline__ float dot_seg(const __nv_bfloat16* w, const float* x, int lane) {
+__device__ __forceinline__ float dot_smem(const __nv_bfloat16* w, const __nv_bfloat16* x, int lane) {
   float s = 0.f;
 #pragma unroll
-  for (int v = 0; v < NV; ++v) {
-    const int off = v * 256 + lane * 8;
-    const uint4 wv = *reinterpret_cast<const uint4*>(w + off);
-    const float4 x0 = *reinterpret_cast<const float4*>(x + off);
-    const float4 x1 = *reinterpret_cast<const float4*>(x + off + 4);
-    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&wv);
-    float2 a = __bfloat1622float2(p[0]), b = __bfloat1622float2(p[1]);
-    float2 c = __bfloat1622float2(p[2]), d = __bfloat1622float2(p[3]);
-    s = fmaf(a.x, x0.x, s); s = fmaf(a.y, x0.y, s); s = fmaf(b.x, x0.z, s); s = fmaf(b.y, x0.w, s);
-    s = fmaf(c.x, x1.x, s); s = fmaf(c.y, x1.y, s); s = fmaf(d.x, x1.z, s); s = fmaf(d.y, x1.w, s);
-  }
+  for (int v = 0; v < NV; ++v)
+    s = dot8(*reinterpret_cast<const uint4*>(w + v * 256 + lane * 8),
+             *reinterpret_cast<const uint4*>(x + v * 256 + lane * 8), s);
   return warp_sum(s);
 }
 
@@ -225,6 +243,7 @@ __device__ void producer(const Instr* list, int n, const LayerW* layers, const B
       bar_wait(&empty[slot], ((seq / NS) & 1) ^ 1, "producer empty slot", slot);
       const Chunk k = chunk_of(in, c, w, ids_s);
       uint8_t* dst = ring + slot * SLOT;
+      if (blockIdx.x == CT_CTA && seq < CT_MAX) b.ctrace[seq] = now_ns();
       bar_expect(&full[slot], k.bytes0 + k.bytes1);
       bulk_load(dst, k.src0, k.bytes0, &full[slot]);
       if (k.bytes1) bulk_load(dst + k.off1, k.src1, k.bytes1, &full[slot]);
@@ -232,23 +251,31 @@ __device__ void producer(const Instr* list, int n, const LayerW* layers, const B
   }
 }
 
-// consumers' per-instruction input: into xs (f32), normalized where the op wants hn
-__device__ void load_input(const Instr& in, const Bufs& b, float* xs, float* red, int t) {
+// consumers' per-instruction input, raw bf16 in xs (16-byte copies); normalized where the op
+// wants hn (the sum of squares in float32, hn rounded to bf16)
+__device__ void load_input(const Instr& in, const Bufs& b, float* xs, float* aux, float* red, int t) {
   const int L = in.layer;
+  uint4* xv = reinterpret_cast<uint4*>(xs);
+  constexpr int V = 8, NT = 32 * NCONS;  // bf16 per uint4; consumer threads
   switch (in.op) {
     case QKV_OP:
-      for (int e = t; e < H; e += 32 * NCONS) xs[e] = __bfloat162float(__ldcg(b.x + (size_t)L * H + e));
+      for (int e = t; e < H / V; e += NT) xv[e] = __ldcg(reinterpret_cast<const uint4*>(b.x + (size_t)L * H) + e);
       break;
     case O_OP:
-      for (int e = t; e < NQ * D; e += 32 * NCONS) xs[e] = __bfloat162float(__ldcg(b.att + (size_t)L * NQ * D + e));
+      for (int e = t; e < NQ * D / V; e += NT)
+        xv[e] = __ldcg(reinterpret_cast<const uint4*>(b.att + (size_t)L * NQ * D) + e);
+      if (t < in.nc * 4) aux[t] = __bfloat162float(__ldcg(b.x + (size_t)L * H + in.c0 * 4 + t));
       break;
     case ROUTER:
-    case W13: {
-      float ss = 0.f;
-      for (int e = t; e < H; e += 32 * NCONS) {
-        const float v = __bfloat162float(__ldcg(b.h + (size_t)L * H + e));
-        xs[e] = v;
-        ss += v * v;
+    case W13: {  // H / V == NT: one uint4 per thread
+      uint4 v = __ldcg(reinterpret_cast<const uint4*>(b.h + (size_t)L * H) + t);
+      __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&v);
+      float f[8], ss = 0.f;
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        const float2 a = __bfloat1622float2(p[h]);
+        f[2 * h] = a.x; f[2 * h + 1] = a.y;
+        ss += a.x * a.x + a.y * a.y;
       }
       ss = warp_sum(ss);
       if ((t & 31) == 0) red[t / 32] = ss;
@@ -257,62 +284,67 @@ __device__ void load_input(const Instr& in, const Bufs& b, float* xs, float* red
 #pragma unroll
       for (int wi = 0; wi < NCONS; ++wi) tot += red[wi];
       const float r = rsqrtf(tot / H + 1e-6f);
-      for (int e = t; e < H; e += 32 * NCONS) xs[e] = rbf(xs[e] * r);
+#pragma unroll
+      for (int h = 0; h < 4; ++h) p[h] = __floats2bfloat162_rn(f[2 * h] * r, f[2 * h + 1] * r);
+      xv[t] = v;
       break;
     }
     case W2_OP:
-      for (int e = t; e < TOPK * I; e += 32 * NCONS) xs[e] = __bfloat162float(__ldcg(b.act + (size_t)L * TOPK * I + e));
+      for (int e = t; e < TOPK * I / V; e += NT)
+        xv[e] = __ldcg(reinterpret_cast<const uint4*>(b.act + (size_t)L * TOPK * I) + e);
+      if (t < TOPK) aux[t] = __ldcg(b.tw + L * TOPK + t);
+      if (t >= 32 && t < 48) aux[TOPK + t - 32] = __bfloat162float(__ldcg(b.h + (size_t)L * H + in.task * 16 + t - 32));
       break;
-    case ATTN: {
+    case ATTN: {  // q of the group's 8 heads [8, D], then the new k and v rows
       const int g = in.task / NSPLIT;
-      const __nv_bfloat16* row = b.qkv + (size_t)L * QKV;
-      for (int e = t; e < 8 * D; e += 32 * NCONS) xs[e] = __bfloat162float(__ldcg(row + g * 8 * D + e));
-      if (in.task % NSPLIT == NSPLIT - 1)  // the split that holds the new key
-        for (int e = t; e < D; e += 32 * NCONS) {
-          xs[8 * D + e] = __bfloat162float(__ldcg(row + NQ * D + g * D + e));
-          xs[9 * D + e] = __bfloat162float(__ldcg(row + NQ * D + NKV * D + g * D + e));
-        }
+      const uint4* row = reinterpret_cast<const uint4*>(b.qkv + (size_t)L * QKV);
+      if (t < 8 * D / V) xv[t] = __ldcg(row + (g * 8 * D) / V + t);
+      if (t < D / V && in.task % NSPLIT == NSPLIT - 1) {  // the split that holds the new key
+        xv[8 * D / V + t] = __ldcg(row + (NQ * D + g * D) / V + t);
+        xv[9 * D / V + t] = __ldcg(row + (NQ * D + NKV * D + g * D) / V + t);
+      }
       break;
     }
     default: break;
   }
 }
 
-// one attention split (kv head g, keys of split s): warp w is q head g * 8 + w
+// one attention split (kv head g, keys of split s): warp w is q head g * 8 + w; lane n scores keys
+// n and n + 32, reading their rows in 16-byte chunks rotated by lane (no shared-memory bank
+// conflicts between the lanes' rows, 256 bytes apart)
+__device__ __forceinline__ float dot_row_rot(const __nv_bfloat16* k, const __nv_bfloat16* q, int lane) {
+  float s = 0.f, u = 0.f;
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    const int c = ((i + lane) & (D / 8 - 1)) * 8;
+    const uint4 kv = *reinterpret_cast<const uint4*>(k + c);
+    const uint4 qv = *reinterpret_cast<const uint4*>(q + c);
+    const __nv_bfloat162* kp = reinterpret_cast<const __nv_bfloat162*>(&kv);
+    const __nv_bfloat162* qp = reinterpret_cast<const __nv_bfloat162*>(&qv);
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+      const float2 a = __bfloat1622float2(kp[h]), b = __bfloat1622float2(qp[h]);
+      s = fmaf(a.x, b.x, s);
+      u = fmaf(a.y, b.y, u);
+    }
+  }
+  return s + u;
+}
+
 __device__ void attn_split(const Instr& in, const Bufs& b, const uint8_t* slot, const float* xs, int warp, int lane) {
   const int nc = att_keys(in.task);
   const bool last = in.task % NSPLIT == NSPLIT - 1;
   const int nk = nc + (last ? 1 : 0);
   const __nv_bfloat16* kt = reinterpret_cast<const __nv_bfloat16*>(slot);
   const __nv_bfloat16* vt = reinterpret_cast<const __nv_bfloat16*>(slot + SLOT / 2);
-  const float* q = xs + warp * D;
+  const __nv_bfloat16* qb = reinterpret_cast<const __nv_bfloat16*>(xs);
+  const __nv_bfloat16* q = qb + warp * D;
   const float scale = rsqrtf((float)D);
   float s[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int n = lane + 32 * r;
-    float acc = -INFINITY;
-    if (n < nk) {
-      acc = 0.f;
-      if (n < nc) {
-        const __nv_bfloat16* kr = kt + n * D;
-#pragma unroll 4
-        for (int d = 0; d < D; d += 8) {
-          const uint4 wv = *reinterpret_cast<const uint4*>(kr + d);
-          const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&wv);
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            const float2 f = __bfloat1622float2(p[u]);
-            acc = fmaf(f.x, q[d + 2 * u], acc);
-            acc = fmaf(f.y, q[d + 2 * u + 1], acc);
-          }
-        }
-      } else {
-        for (int d = 0; d < D; ++d) acc = fmaf(xs[8 * D + d], q[d], acc);
-      }
-      acc *= scale;
-    }
-    s[r] = acc;
+    s[r] = n < nk ? dot_row_rot(n < nc ? kt + n * D : qb + 8 * D, q, lane) * scale : -INFINITY;
   }
   const float m = warp_max(fmaxf(s[0], s[1]));
   const float p0 = s[0] == -INFINITY ? 0.f : __expf(s[0] - m);
@@ -321,15 +353,11 @@ __device__ void attn_split(const Instr& in, const Bufs& b, const uint8_t* slot, 
   float o[4] = {0.f, 0.f, 0.f, 0.f};
   for (int n = 0; n < nk; ++n) {
     const float p = __shfl_sync(0xffffffffu, n < 32 ? p0 : p1, n & 31);
-    if (n < nc) {
-      const uint2 vv = *reinterpret_cast<const uint2*>(vt + n * D + lane * 4);
-      const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&vv);
-      const float2 a = __bfloat1622float2(pv[0]), c = __bfloat1622float2(pv[1]);
-      o[0] = fmaf(p, a.x, o[0]); o[1] = fmaf(p, a.y, o[1]); o[2] = fmaf(p, c.x, o[2]); o[3] = fmaf(p, c.y, o[3]);
-    } else {
-#pragma unroll
-      for (int u = 0; u < 4; ++u) o[u] = fmaf(p, xs[9 * D + lane * 4 + u], o[u]);
-    }
+    const __nv_bfloat16* vr = n < nc ? vt + n * D : qb + 9 * D;
+    const uint2 vv = *reinterpret_cast<const uint2*>(vr + lane * 4);
+    const __nv_bfloat162* pv = reinterpret_cast<const __nv_bfloat162*>(&vv);
+    const float2 a = __bfloat1622float2(pv[0]), c = __bfloat1622float2(pv[1]);
+    o[0] = fmaf(p, a.x, o[0]); o[1] = fmaf(p, a.y, o[1]); o[2] = fmaf(p, c.x, o[2]); o[3] = fmaf(p, c.y, o[3]);
   }
   const size_t base = ((size_t)in.layer * NATT + in.task) * 8 + warp;
   *reinterpret_cast<float4*>(b.po + base * D + lane * 4) = make_float4(o[0], o[1], o[2], o[3]);
@@ -341,21 +369,23 @@ __device__ void attn_split(const Instr& in, const Bufs& b, const uint8_t* slot, 
 
 __device__ void attn_merge(const Instr& in, const Bufs& b, int t) {
   const int g = in.task, hw = t / 32, lane = t & 31;  // head g * 8 + hw, dims lane * 4 ..
-  float ms[NSPLIT], mx = -INFINITY;
+  float2 ml[NSPLIT];
+  float4 pv[NSPLIT];
+  float mx = -INFINITY;
 #pragma unroll
-  for (int s = 0; s < NSPLIT; ++s) {
+  for (int s = 0; s < NSPLIT; ++s) {  // every load first: one round trip
     const size_t base = ((size_t)in.layer * NATT + g * NSPLIT + s) * 8 + hw;
-    ms[s] = __ldcg(b.pml + base * 2);
-    mx = fmaxf(mx, ms[s]);
+    ml[s] = __ldcg(reinterpret_cast<const float2*>(b.pml) + base);
+    pv[s] = __ldcg(reinterpret_cast<const float4*>(b.po + base * D + lane * 4));
   }
+#pragma unroll
+  for (int s = 0; s < NSPLIT; ++s) mx = fmaxf(mx, ml[s].x);
   float o[4] = {0.f, 0.f, 0.f, 0.f}, l = 0.f;
 #pragma unroll
   for (int s = 0; s < NSPLIT; ++s) {
-    const size_t base = ((size_t)in.layer * NATT + g * NSPLIT + s) * 8 + hw;
-    const float f = __expf(ms[s] - mx);
-    l += f * __ldcg(b.pml + base * 2 + 1);
-    const float4 v = __ldcg(reinterpret_cast<const float4*>(b.po + base * D + lane * 4));
-    o[0] += f * v.x; o[1] += f * v.y; o[2] += f * v.z; o[3] += f * v.w;
+    const float f = __expf(ml[s].x - mx);
+    l += f * ml[s].y;
+    o[0] += f * pv[s].x; o[1] += f * pv[s].y; o[2] += f * pv[s].z; o[3] += f * pv[s].w;
   }
   __nv_bfloat16* dst = b.att + (size_t)in.layer * NQ * D + (g * 8 + hw) * D + lane * 4;
 #pragma unroll
@@ -411,7 +441,8 @@ __global__ void __launch_bounds__(NTHREADS, 1)
   uint8_t* ring = smem;
   float* xs = reinterpret_cast<float*>(smem + NS * SLOT);
   float* acc = xs + XS_FLOATS;
-  float* red = acc + ACC;
+  float* aux = acc + ACC;  // per instruction: tw (w2), the residual rows (o, w2)
+  float* red = aux + ACC;
   uint64_t* full = reinterpret_cast<uint64_t*>(red + 16);
   uint64_t* empty = full + NS;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -431,40 +462,51 @@ __global__ void __launch_bounds__(NTHREADS, 1)
   uint32_t seq = 0;
   for (int i = 0; i < n; ++i) {
     const Instr in = list[i];
+    unsigned long long* tr = b.trace + ((size_t)blockIdx.x * max_instr + i) * 3;
     if (t == 0) {
+      tr[0] = now_ns();
       wait_counter(b.cnt, in.wait, in.target, "consumer input");
       __threadfence();
+      tr[1] = now_ns();
     }
     cons_sync();
-    load_input(in, b, xs, red, t);
+    load_input(in, b, xs, aux, red, t);
     if (t < ACC) acc[t] = 0.f;
     cons_sync();
     const int L = in.layer;
     const int nch = chunks_of(in);
+    const __nv_bfloat16* xb = reinterpret_cast<const __nv_bfloat16*>(xs);
+    uint4 xr[8];  // QKV / ROUTER / W13 / O: the lane's share of x (O: of the warp's half row)
+    if (in.op == QKV_OP || in.op == ROUTER || in.op == W13 || in.op == O_OP) {
+      const __nv_bfloat16* x0 = xb + (in.op == O_OP ? (cw & 1) * 2048 : 0);
+#pragma unroll
+      for (int v = 0; v < 8; ++v) xr[v] = *reinterpret_cast<const uint4*>(x0 + v * 256 + lane * 8);
+    }
     for (int c = 0; c < nch; ++c, ++seq) {
       const int slot = seq % NS;
       bar_wait(&full[slot], (seq / NS) & 1, "consumer full slot", slot);
+      const bool ct = blockIdx.x == CT_CTA && cw == 0 && lane == 0 && seq < CT_MAX;
+      if (ct) b.ctrace[CT_MAX + seq] = now_ns();
       const __nv_bfloat16* wsl = reinterpret_cast<const __nv_bfloat16*>(ring + slot * SLOT);
       const int q = in.c0 + c;
       switch (in.op) {
         case QKV_OP: {
-          const float v = dot_seg<8>(wsl + cw * H, xs, lane);
+          const float v = dot_reg(wsl + cw * H, xr, lane);
           if (lane == 0) b.qkv[(size_t)L * QKV + q * 8 + cw] = __float2bfloat16_rn(v);
           break;
         }
         case ROUTER: {
-          const float v = dot_seg<8>(wsl + cw * H, xs, lane);
+          const float v = dot_reg(wsl + cw * H, xr, lane);
           if (lane == 0) b.logits[L * E + q * 8 + cw] = v;
           break;
         }
         case O_OP: {  // 4 rows of 4096: two warps per row, one half each
-          const int half = cw & 1;
-          const float v = dot_seg<8>(wsl + (cw >> 1) * (NQ * D) + half * 2048, xs + half * 2048, lane);
+          const float v = dot_reg(wsl + (cw >> 1) * (NQ * D) + (cw & 1) * 2048, xr, lane);
           if (lane == 0) atomicAdd(&acc[c * 4 + (cw >> 1)], v);
           break;
         }
         case W13: {  // warps 0-3: gate rows i0..i0+3, warps 4-7: the up rows
-          const float v = dot_seg<8>(wsl + cw * H, xs, lane);
+          const float v = dot_reg(wsl + cw * H, xr, lane);
           if (lane == 0) acc[(c * 4 + (cw & 3)) * 2 + (cw >> 2)] = v;
           break;
         }
@@ -472,8 +514,8 @@ __global__ void __launch_bounds__(NTHREADS, 1)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int row = cw + 8 * r;
-            const float v = dot_seg<3>(wsl + row * I, xs + c * I, lane);
-            if (lane == 0) atomicAdd(&acc[row], __ldcg(b.tw + L * TOPK + c) * rbf(v));
+            const float v = dot_smem<3>(wsl + row * I, xb + c * I, lane);
+            if (lane == 0) atomicAdd(&acc[row], aux[c] * rbf(v));
           }
           break;
         }
@@ -484,14 +526,13 @@ __global__ void __launch_bounds__(NTHREADS, 1)
       }
       __syncwarp();
       if (lane == 0) bar_arrive(&empty[slot]);
+      if (ct) b.ctrace[2 * CT_MAX + seq] = now_ns();
     }
     cons_sync();
     switch (in.op) {  // epilogues
       case O_OP:
         for (int r = t; r < in.nc * 4; r += 32 * NCONS) {
-          const int row = in.c0 * 4 + r;
-          const float xv = __bfloat162float(__ldcg(b.x + (size_t)L * H + row));
-          b.h[(size_t)L * H + row] = __float2bfloat16_rn(xv + rbf(acc[r]));
+          b.h[(size_t)L * H + in.c0 * 4 + r] = __float2bfloat16_rn(aux[r] + rbf(acc[r]));
         }
         break;
       case W13:
@@ -503,9 +544,7 @@ __global__ void __launch_bounds__(NTHREADS, 1)
         break;
       case W2_OP:
         if (t < 16) {
-          const int row = in.task * 16 + t;
-          const float hv = __bfloat162float(__ldcg(b.h + (size_t)L * H + row));
-          b.x[(size_t)(L + 1) * H + row] = __float2bfloat16_rn(hv + rbf(acc[t]));
+          b.x[(size_t)(L + 1) * H + in.task * 16 + t] = __float2bfloat16_rn(aux[TOPK + t] + rbf(acc[t]));
         }
         break;
       case MERGE:
@@ -520,6 +559,7 @@ __global__ void __launch_bounds__(NTHREADS, 1)
     if (t == 0 && in.signal >= 0) {
       __threadfence();
       atomicAdd(b.cnt + in.signal, 1);
+      tr[2] = now_ns();
     }
   }
 }

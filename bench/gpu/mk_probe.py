@@ -37,6 +37,7 @@ NATT = NKV * NSPLIT
 QKV_OP, ATTN, MERGE, O_OP, ROUTER, TOPK_OP, W13, W2_OP = range(8)
 C_QKV, C_SPLIT, C_MERGE, C_O, C_ROUTER, C_TOPK, C_W13, C_W2 = range(8)
 NCTR = 8
+CT_CTA, CT_MAX = 1, 4096  # mk_probe.cu: the CTA whose chunks are traced
 HERE = Path(__file__).resolve().parent
 
 
@@ -127,10 +128,12 @@ class Probe:
             pml=torch.zeros(Lz, NATT, 8, 2, device=dev), ids=torch.zeros(Lz, TOPK, dtype=torch.int32, device=dev),
             cnt=torch.zeros(Lz, NCTR, dtype=torch.int32, device=dev),
         )  # fmt: skip
-        order = ("x", "qkv", "att", "h", "act", "logits", "tw", "po", "pml", "ids", "cnt")
-        self.bufs = (ctypes.c_void_p * len(order))(*[self.buf[n].data_ptr() for n in order])
         self.grid = torch.cuda.get_device_properties(0).multi_processor_count
         self.lists = torch.from_numpy(schedule(layers, self.grid)).to(dev)
+        self.buf["trace"] = torch.zeros(self.grid, self.lists.shape[1], 3, dtype=torch.int64, device=dev)
+        self.buf["ctrace"] = torch.zeros(3, CT_MAX, dtype=torch.int64, device=dev)
+        order = ("x", "qkv", "att", "h", "act", "logits", "tw", "po", "pml", "ids", "cnt", "trace", "ctrace")
+        self.bufs = (ctypes.c_void_p * len(order))(*[self.buf[n].data_ptr() for n in order])
         self.buf["x"][0] = rnd(H, scale=1.0)
 
     def launch(self, prefetch: bool) -> None:
@@ -159,6 +162,42 @@ class Probe:
         lw = self.w[0]
         dense = sum(lw[n].nbytes for n in ("wqkv", "wo", "wr", "kc", "vc"))
         return dense + TOPK * (lw["w13"][0].nbytes + lw["w2"][0].nbytes)
+
+
+STAGES = ("qkv", "attn", "merge", "o", "router", "topk", "w13", "w2")
+
+
+def timeline(p: Probe, layer: int) -> dict[str, dict[str, float]]:
+    """From the last launch's trace, per stage of ``layer`` (us from the layer's first qkv start):
+    when its first CTA's input was ready, when its last CTA finished."""
+    tr = p.buf["trace"].cpu().numpy()
+    lists = p.lists.cpu().numpy()
+    sel = lists[..., 1] == layer
+    t0 = tr[..., 1][sel & (lists[..., 0] == QKV_OP)].min()
+    out = {}
+    for op, name in enumerate(STAGES):
+        m = sel & (lists[..., 0] == op)
+        out[name] = dict(ready_first=(tr[..., 1][m].min() - t0) / 1e3, ready_last=(tr[..., 1][m].max() - t0) / 1e3,
+                         done_last=(tr[..., 2][m].max() - t0) / 1e3)  # fmt: skip
+    return out
+
+
+def chunk_timeline(p: Probe, layer: int) -> list[tuple[str, float, float, float]]:
+    """CTA ``CT_CTA``'s chunks of ``layer``: (stage, issued, landed as the consumers saw it, consumed),
+    us from the layer's first qkv input ready on that CTA."""
+    lists = p.lists.cpu().numpy()[CT_CTA]
+    ct = p.buf["ctrace"].cpu().numpy()
+    tr = p.buf["trace"].cpu().numpy()[CT_CTA]
+    rows, seq, t0 = [], 0, None
+    for i, (op, lay, _c0, nc, *_rest) in enumerate(lists):
+        if op < 0:
+            break
+        n = 0 if op in (MERGE, TOPK_OP) else nc
+        if lay == layer:
+            t0 = tr[i, 1] if t0 is None else t0
+            rows += [(STAGES[op], *(ct[k, seq + c] for k in range(3))) for c in range(n)]
+        seq += n
+    return [(name, *((v - t0) / 1e3 for v in vals)) for name, *vals in rows]
 
 
 def rb(t: torch.Tensor) -> torch.Tensor:
@@ -260,6 +299,12 @@ def main() -> None:
         res[f"{name}_us_per_layer"] = per
         res[f"{name}_ms_runs"] = ms
         res[f"{name}_frac_bw"] = p.bytes_per_layer() / (per * 1e-6) / 1e9 / bw
+        res[f"{name}_timeline_layer8"] = tl = timeline(p, min(8, a.layers - 1))
+        res[f"{name}_chunks_cta{CT_CTA}_layer8"] = ch = chunk_timeline(p, min(8, a.layers - 1))
+        print(name, f"CTA {CT_CTA} chunks (stage issued/landed/consumed us):",
+              " ".join(f"{n}:{i:.1f}/{la:.1f}/{c:.1f}" for n, i, la, c in ch))  # fmt: skip
+        print(name, "layer 8 (us: first ready / last ready / last done):",
+              " ".join(f"{k} {v['ready_first']:.1f}/{v['ready_last']:.1f}/{v['done_last']:.1f}" for k, v in tl.items()))  # fmt: skip
         print(f"{name}: {per:.2f} us/layer ({100 * res[f'{name}_frac_bw']:.1f}% of {bw:.0f} GB/s), "
               f"check {json.dumps({k: round(v, 5) for k, v in res[f'{name}_check'].items()})}", flush=True)  # fmt: skip
     Path(a.json).write_text(json.dumps(res, indent=1))
