@@ -14,7 +14,7 @@
 //
 // A layer (no norms' weights, no RoPE, contiguous KV: the probe measures the engine):
 //   qkv = bf16(Wqkv x)                                  [5120]     640 chunks of 8 rows
-//   split attention over 544 cached keys + the new one, 4 KV heads x 9 splits of 64 keys (GQA 8)
+//   split attention over 544 cached keys + the new one, 4 KV heads x 17 splits of 32 keys (GQA 8)
 //   merge -> attn bf16 [4096]
 //   h = bf16(x + bf16(Wo attn))                         [2048]     512 chunks of 4 rows
 //   hn = bf16(h * rsqrt(mean(h^2) + eps)); logits = Wr hn [128]    16 chunks of 8 rows
@@ -32,8 +32,9 @@ namespace {
 
 constexpr int H = 2048, QKV = 5120, NQ = 32, NKV = 4, D = 128, E = 128, TOPK = 8, I = 768;
 constexpr int CTX = 544;  // cached keys; the new key comes from the qkv row
-constexpr int SPLIT = 64, NSPLIT = 9, NATT = NKV * NSPLIT;
-constexpr int NS = 6, SLOT = 32768, NCONS = 8, NTHREADS = 32 * (NCONS + 1);
+constexpr int SPLIT = 32, NSPLIT = 17, NATT = NKV * NSPLIT;
+constexpr int PAD = 64;  // bytes after each weight row in a slot: conflict-free B fragments
+constexpr int NS = 6, SLOT = 8 * (2 * H + PAD), NCONS = 8, NTHREADS = 32 * (NCONS + 1);
 constexpr int XS_FLOATS = TOPK * I;  // the largest input vector (w2's activations)
 constexpr int ACC = 128;
 constexpr int SMEM = NS * SLOT + XS_FLOATS * 4 + 2 * ACC * 4 + 64 + 2 * NS * 8;
@@ -51,7 +52,8 @@ struct Bufs {  // per-layer activations ([L] leading dimension each; x has L + 1
   float *logits, *tw, *po, *pml;
   int *ids, *cnt;
   unsigned long long* trace;  // [grid, max_instr, 3] globaltimer ns: wait start, input ready, done
-  unsigned long long* ctrace;  // [3, CT_MAX] for CTA CT_CTA: chunk issued, seen full, consumed
+  unsigned long long* ctrace;  // [4, CT_MAX] for CTA CT_CTA: chunk issued, seen full, consumed; clock64 at seen full
+  int tracing;                 // 0: no timestamps at all
 };
 constexpr int CT_CTA = 1, CT_MAX = 4096;
 
@@ -141,44 +143,57 @@ __device__ __forceinline__ float warp_max(float v) {
 
 __device__ __forceinline__ float rbf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-__device__ __forceinline__ float dot8(const uint4& wv, const uint4& xv, float s) {
-  const __nv_bfloat162* w = reinterpret_cast<const __nv_bfloat162*>(&wv);
-  const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&xv);
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  // A rows 8-15 (a1, a3) never reach D's row 0, the only row read: pass a0 / a2 again
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a0), "r"(a2), "r"(a2), "r"(b0), "r"(b1));
+}
+
+// Tensor-core GEMV of up to 8 slot rows (row n at slot + n * rs bytes) over the warp's k range
+// [k0, k0 + 32 * STEPS) against x (bf16, shared): D = A B with A's row 0 = x and B's column n =
+// row n. Each lane loads 16 bytes of its row (n = lane / 4) and 16 bytes of x per step, which feed
+// two m16n8k16 products (k permuted alike in A and B; the sum does not care). Only D's row 0 and
+// its first ROWS columns are read, so no lane zeroes anything (columns past ROWS repeat rows). NCH independent accumulator chains: one chain of dependent mma.sync is what
+// limited the consumers before. Lanes 0-3 end with the dots of rows 2 * lane, 2 * lane + 1 in
+// d[0], d[1].
+template <int STEPS, int ROWS = 8>
+__device__ __forceinline__ void mma_rows(float (&d)[4], const uint8_t* slot, int rs, const __nv_bfloat16* x, int k0,
+                                         int lane) {
+  constexpr int NCH = 4;
+  const int n = (lane >> 2) & (ROWS - 1), tig = lane & 3;  // ROWS < 8: columns past it repeat rows
+  const uint8_t* wrow = slot + n * rs;
+  float c[NCH][4] = {};
 #pragma unroll
-  for (int h = 0; h < 4; ++h) {
-    const float2 a = __bfloat1622float2(w[h]), b = __bfloat1622float2(x[h]);
-    s = fmaf(a.x, b.x, s);
-    s = fmaf(a.y, b.y, s);
+  for (int st = 0; st < STEPS; ++st) {
+    const int k = k0 + 32 * st + tig * 8;
+    const uint4 w = *reinterpret_cast<const uint4*>(wrow + 2 * k);
+    const uint4 xv = *reinterpret_cast<const uint4*>(x + k);
+    mma_bf16(c[(2 * st) % NCH], xv.x, xv.y, w.x, w.y);
+    mma_bf16(c[(2 * st + 1) % NCH], xv.z, xv.w, w.z, w.w);
   }
-  return s;
-}
-
-// a warp's dot of a 2048-wide row segment (shared) with x held in registers (xr[v]: the lane's
-// 8 elements at v * 256 + lane * 8)
-__device__ __forceinline__ float dot_reg(const __nv_bfloat16* w, const uint4* xr, int lane) {
-  float s = 0.f, t = 0.f;
 #pragma unroll
-  for (int v = 0; v < 8; v += 2) {
-    s = dot8(*reinterpret_cast<const uint4*>(w + v * 256 + lane * 8), xr[v], s);
-    t = dot8(*reinterpret_cast<const uint4*>(w + (v + 1) * 256 + lane * 8), xr[v + 1], t);
+  for (int h = 0; h < 2; ++h) {
+    d[h] = 0.f;
+#pragma unroll
+    for (int q = 0; q < NCH; ++q) d[h] += c[q][h];
   }
-  return warp_sum(s + t);
 }
 
-// the same with x (bf16) in shared memory, NV vectors per lane
-template <int NV>
-__device__ __forceinline__ float dot_smem(const __nv_bfloat16* w, const __nv_bfloat16* x, int lane) {
-  float s = 0.f;
-#pragma unroll
-  for (int v = 0; v < NV; ++v)
-    s = dot8(*reinterpret_cast<const uint4*>(w + v * 256 + lane * 8),
-             *reinterpret_cast<const uint4*>(x + v * 256 + lane * 8), s);
-  return warp_sum(s);
+__device__ __forceinline__ void acc_rows(float* acc, const float (&d)[4], int nrows, int lane) {
+  if (lane < 4) {
+    if (2 * lane < nrows) atomicAdd(&acc[2 * lane], d[0]);
+    if (2 * lane + 1 < nrows) atomicAdd(&acc[2 * lane + 1], d[1]);
+  }
 }
 
-struct Chunk {  // up to two contiguous pieces of global memory for one slot
-  const void *src0, *src1;
-  uint32_t bytes0, bytes1, off1;  // piece 1 lands at slot + off1
+struct Chunk {  // up to two groups of rows for one slot, a bulk copy per row
+  const uint8_t *src0, *src1;  // first row of each group
+  int rows0, rows1;            // rows per group (0: none)
+  uint32_t row_bytes;          // bytes per row
+  int gstride, sstride;        // bytes between rows in global memory / in the slot
+  int off1;                    // slot offset of group 1
 };
 
 __device__ __forceinline__ int att_keys(int task) {  // cached keys of an attention split
@@ -187,29 +202,38 @@ __device__ __forceinline__ int att_keys(int task) {  // cached keys of an attent
 }
 
 __device__ Chunk chunk_of(const Instr& in, int c, const LayerW& w, const int* ids) {
-  Chunk k{nullptr, nullptr, 0, 0, 0};
+  Chunk k{nullptr, nullptr, 0, 0, 0, 0, 0, 0};
   const int q = in.c0 + c;
+  const auto u8 = [](const __nv_bfloat16* p) { return reinterpret_cast<const uint8_t*>(p); };
   switch (in.op) {
-    case QKV_OP: k.src0 = w.wqkv + (size_t)q * 8 * H; k.bytes0 = 8 * H * 2; break;
-    case O_OP: k.src0 = w.wo + (size_t)q * 4 * (NQ * D); k.bytes0 = 4 * NQ * D * 2; break;
-    case ROUTER: k.src0 = w.wr + (size_t)q * 8 * H; k.bytes0 = 8 * H * 2; break;
-    case ATTN: {
+    case QKV_OP:
+    case ROUTER:
+      k.src0 = u8((in.op == QKV_OP ? w.wqkv : w.wr) + (size_t)q * 8 * H);
+      k.rows0 = 8; k.row_bytes = 2 * H; k.gstride = 2 * H; k.sstride = 2 * H + PAD;
+      break;
+    case O_OP:
+      k.src0 = u8(w.wo + (size_t)q * 4 * (NQ * D));
+      k.rows0 = 4; k.row_bytes = 2 * NQ * D; k.gstride = 2 * NQ * D; k.sstride = 2 * NQ * D + PAD;
+      break;
+    case ATTN: {  // K then V tile, each one copy, unpadded
       const int g = in.task / NSPLIT, s = in.task % NSPLIT, n = att_keys(in.task);
       const size_t base = ((size_t)g * CTX + s * SPLIT) * D;
-      k.src0 = w.kc + base; k.bytes0 = n * D * 2;
-      k.src1 = w.vc + base; k.bytes1 = n * D * 2; k.off1 = SLOT / 2;
+      k.src0 = u8(w.kc + base); k.src1 = u8(w.vc + base);
+      k.rows0 = k.rows1 = 1; k.row_bytes = n * D * 2; k.off1 = SLOT / 2;
       break;
     }
-    case W13: {
+    case W13: {  // slot rows 0-3: gate rows i0.., rows 4-7: the up rows
       const int j = q / (I / 4), i0 = (q % (I / 4)) * 4;
       const __nv_bfloat16* ex = w.w13 + (size_t)ids[j] * (2 * I) * H;
-      k.src0 = ex + (size_t)i0 * H; k.bytes0 = 4 * H * 2;
-      k.src1 = ex + (size_t)(I + i0) * H; k.bytes1 = 4 * H * 2; k.off1 = 4 * H * 2;
+      k.src0 = u8(ex + (size_t)i0 * H); k.src1 = u8(ex + (size_t)(I + i0) * H);
+      k.rows0 = k.rows1 = 4; k.row_bytes = 2 * H; k.gstride = 2 * H; k.sstride = 2 * H + PAD;
+      k.off1 = 4 * k.sstride;
       break;
     }
     case W2_OP: {  // chunk c = expert slot j; task = the 16-row output group
       const __nv_bfloat16* ex = w.w2 + (size_t)ids[c] * H * I;
-      k.src0 = ex + (size_t)in.task * 16 * I; k.bytes0 = 16 * I * 2;
+      k.src0 = u8(ex + (size_t)in.task * 16 * I);
+      k.rows0 = 16; k.row_bytes = 2 * I; k.gstride = 2 * I; k.sstride = 2 * I + PAD;
       break;
     }
     default: break;
@@ -243,10 +267,12 @@ __device__ void producer(const Instr* list, int n, const LayerW* layers, const B
       bar_wait(&empty[slot], ((seq / NS) & 1) ^ 1, "producer empty slot", slot);
       const Chunk k = chunk_of(in, c, w, ids_s);
       uint8_t* dst = ring + slot * SLOT;
-      if (blockIdx.x == CT_CTA && seq < CT_MAX) b.ctrace[seq] = now_ns();
-      bar_expect(&full[slot], k.bytes0 + k.bytes1);
-      bulk_load(dst, k.src0, k.bytes0, &full[slot]);
-      if (k.bytes1) bulk_load(dst + k.off1, k.src1, k.bytes1, &full[slot]);
+      if (b.tracing && blockIdx.x == CT_CTA && seq < CT_MAX) b.ctrace[seq] = now_ns();
+      bar_expect(&full[slot], k.row_bytes * (k.rows0 + k.rows1));
+      for (int r = 0; r < k.rows0; ++r)
+        bulk_load(dst + r * k.sstride, k.src0 + (size_t)r * k.gstride, k.row_bytes, &full[slot]);
+      for (int r = 0; r < k.rows1; ++r)
+        bulk_load(dst + k.off1 + r * k.sstride, k.src1 + (size_t)r * k.gstride, k.row_bytes, &full[slot]);
     }
   }
 }
@@ -464,10 +490,10 @@ __global__ void __launch_bounds__(NTHREADS, 1)
     const Instr in = list[i];
     unsigned long long* tr = b.trace + ((size_t)blockIdx.x * max_instr + i) * 3;
     if (t == 0) {
-      tr[0] = now_ns();
+      if (b.tracing) tr[0] = now_ns();
       wait_counter(b.cnt, in.wait, in.target, "consumer input");
       __threadfence();
-      tr[1] = now_ns();
+      if (b.tracing) tr[1] = now_ns();
     }
     cons_sync();
     load_input(in, b, xs, aux, red, t);
@@ -476,47 +502,33 @@ __global__ void __launch_bounds__(NTHREADS, 1)
     const int L = in.layer;
     const int nch = chunks_of(in);
     const __nv_bfloat16* xb = reinterpret_cast<const __nv_bfloat16*>(xs);
-    uint4 xr[8];  // QKV / ROUTER / W13 / O: the lane's share of x (O: of the warp's half row)
-    if (in.op == QKV_OP || in.op == ROUTER || in.op == W13 || in.op == O_OP) {
-      const __nv_bfloat16* x0 = xb + (in.op == O_OP ? (cw & 1) * 2048 : 0);
-#pragma unroll
-      for (int v = 0; v < 8; ++v) xr[v] = *reinterpret_cast<const uint4*>(x0 + v * 256 + lane * 8);
-    }
     for (int c = 0; c < nch; ++c, ++seq) {
       const int slot = seq % NS;
       bar_wait(&full[slot], (seq / NS) & 1, "consumer full slot", slot);
-      const bool ct = blockIdx.x == CT_CTA && cw == 0 && lane == 0 && seq < CT_MAX;
-      if (ct) b.ctrace[CT_MAX + seq] = now_ns();
-      const __nv_bfloat16* wsl = reinterpret_cast<const __nv_bfloat16*>(ring + slot * SLOT);
-      const int q = in.c0 + c;
-      switch (in.op) {
-        case QKV_OP: {
-          const float v = dot_reg(wsl + cw * H, xr, lane);
-          if (lane == 0) b.qkv[(size_t)L * QKV + q * 8 + cw] = __float2bfloat16_rn(v);
+      const bool ct = b.tracing && blockIdx.x == CT_CTA && cw == 0 && lane == 0 && seq < CT_MAX;
+      if (ct) {
+        b.ctrace[CT_MAX + seq] = now_ns();
+        b.ctrace[3 * CT_MAX + seq] = clock64();
+      }
+      const uint8_t* sl = ring + slot * SLOT;
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      switch (in.op) {  // warp cw takes the k range [cw * K / 8, (cw + 1) * K / 8) of every row
+        case QKV_OP:
+        case ROUTER:
+        case W13:  // 8 rows of H (W13: gate rows, then up rows)
+          mma_rows<H / 8 / 32>(d, sl, 2 * H + PAD, xb, cw * (H / 8), lane);
+          acc_rows(acc + c * 8, d, 8, lane);
           break;
-        }
-        case ROUTER: {
-          const float v = dot_reg(wsl + cw * H, xr, lane);
-          if (lane == 0) b.logits[L * E + q * 8 + cw] = v;
+        case O_OP:  // 4 rows of NQ * D
+          mma_rows<NQ * D / 8 / 32, 4>(d, sl, 2 * NQ * D + PAD, xb, cw * (NQ * D / 8), lane);
+          acc_rows(acc + c * 4, d, 4, lane);
           break;
-        }
-        case O_OP: {  // 4 rows of 4096: two warps per row, one half each
-          const float v = dot_reg(wsl + (cw >> 1) * (NQ * D) + (cw & 1) * 2048, xr, lane);
-          if (lane == 0) atomicAdd(&acc[c * 4 + (cw >> 1)], v);
-          break;
-        }
-        case W13: {  // warps 0-3: gate rows i0..i0+3, warps 4-7: the up rows
-          const float v = dot_reg(wsl + cw * H, xr, lane);
-          if (lane == 0) acc[(c * 4 + (cw & 3)) * 2 + (cw >> 2)] = v;
-          break;
-        }
-        case W2_OP: {  // 16 rows of I for expert slot c; warp: rows cw and cw + 8
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = cw + 8 * r;
-            const float v = dot_smem<3>(wsl + row * I, xb + c * I, lane);
-            if (lane == 0) atomicAdd(&acc[row], aux[c] * rbf(v));
-          }
+        case W2_OP: {  // 16 rows of I for expert slot c: two tiles of 8 rows
+          float e[4] = {0.f, 0.f, 0.f, 0.f};
+          mma_rows<I / 8 / 32>(d, sl, 2 * I + PAD, xb + c * I, cw * (I / 8), lane);
+          mma_rows<I / 8 / 32>(e, sl + 8 * (2 * I + PAD), 2 * I + PAD, xb + c * I, cw * (I / 8), lane);
+          acc_rows(acc + c * 16, d, 8, lane);
+          acc_rows(acc + c * 16 + 8, e, 8, lane);
           break;
         }
         case ATTN:
@@ -529,7 +541,13 @@ __global__ void __launch_bounds__(NTHREADS, 1)
       if (ct) b.ctrace[2 * CT_MAX + seq] = now_ns();
     }
     cons_sync();
-    switch (in.op) {  // epilogues
+    switch (in.op) {  // epilogues: acc holds each row's full dot
+      case QKV_OP:
+        for (int r = t; r < in.nc * 8; r += 32 * NCONS) b.qkv[(size_t)L * QKV + in.c0 * 8 + r] = __float2bfloat16_rn(acc[r]);
+        break;
+      case ROUTER:
+        if (t < 8) b.logits[L * E + in.c0 * 8 + t] = acc[t];
+        break;
       case O_OP:
         for (int r = t; r < in.nc * 4; r += 32 * NCONS) {
           b.h[(size_t)L * H + in.c0 * 4 + r] = __float2bfloat16_rn(aux[r] + rbf(acc[r]));
@@ -538,13 +556,16 @@ __global__ void __launch_bounds__(NTHREADS, 1)
       case W13:
         for (int p = t; p < in.nc * 4; p += 32 * NCONS) {
           const int pair = in.c0 * 4 + p, j = pair / I, i = pair % I;
-          const float g = rbf(acc[2 * p]), u = rbf(acc[2 * p + 1]);
+          const float g = rbf(acc[(p / 4) * 8 + p % 4]), u = rbf(acc[(p / 4) * 8 + 4 + p % 4]);
           b.act[((size_t)L * TOPK + j) * I + i] = __float2bfloat16_rn(rbf(g / (1.f + __expf(-g))) * u);
         }
         break;
       case W2_OP:
         if (t < 16) {
-          b.x[(size_t)(L + 1) * H + in.task * 16 + t] = __float2bfloat16_rn(aux[TOPK + t] + rbf(acc[t]));
+          float y = 0.f;
+#pragma unroll
+          for (int j = 0; j < TOPK; ++j) y += aux[j] * rbf(acc[j * 16 + t]);
+          b.x[(size_t)(L + 1) * H + in.task * 16 + t] = __float2bfloat16_rn(aux[TOPK + t] + rbf(y));
         }
         break;
       case MERGE:
@@ -559,7 +580,7 @@ __global__ void __launch_bounds__(NTHREADS, 1)
     if (t == 0 && in.signal >= 0) {
       __threadfence();
       atomicAdd(b.cnt + in.signal, 1);
-      tr[2] = now_ns();
+      if (b.tracing) tr[2] = now_ns();
     }
   }
 }

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 H, QKV, NQ, NKV, D, E, TOPK, I = 2048, 5120, 32, 4, 128, 128, 8, 768
-CTX, SPLIT, NSPLIT = 544, 64, 9
+CTX, SPLIT, NSPLIT = 544, 32, 17
 NATT = NKV * NSPLIT
 QKV_OP, ATTN, MERGE, O_OP, ROUTER, TOPK_OP, W13, W2_OP = range(8)
 C_QKV, C_SPLIT, C_MERGE, C_O, C_ROUTER, C_TOPK, C_W13, C_W2 = range(8)
@@ -131,10 +131,19 @@ class Probe:
         self.grid = torch.cuda.get_device_properties(0).multi_processor_count
         self.lists = torch.from_numpy(schedule(layers, self.grid)).to(dev)
         self.buf["trace"] = torch.zeros(self.grid, self.lists.shape[1], 3, dtype=torch.int64, device=dev)
-        self.buf["ctrace"] = torch.zeros(3, CT_MAX, dtype=torch.int64, device=dev)
+        self.buf["ctrace"] = torch.zeros(4, CT_MAX, dtype=torch.int64, device=dev)
         order = ("x", "qkv", "att", "h", "act", "logits", "tw", "po", "pml", "ids", "cnt", "trace", "ctrace")
-        self.bufs = (ctypes.c_void_p * len(order))(*[self.buf[n].data_ptr() for n in order])
+        self.ptrs = [self.buf[n].data_ptr() for n in order]
+        self.set_tracing(True)
         self.buf["x"][0] = rnd(H, scale=1.0)
+
+    def set_tracing(self, on: bool) -> None:
+        class B(ctypes.Structure):
+            _fields_ = [(f"p{i}", ctypes.c_void_p) for i in range(len(self.ptrs))] + [
+                ("tracing", ctypes.c_int)
+            ]
+
+        self.bufs = B(*self.ptrs, int(on))
 
     def launch(self, prefetch: bool) -> None:
         self.buf["cnt"].zero_()
@@ -299,6 +308,18 @@ def main() -> None:
         res[f"{name}_us_per_layer"] = per
         res[f"{name}_ms_runs"] = ms
         res[f"{name}_frac_bw"] = p.bytes_per_layer() / (per * 1e-6) / 1e9 / bw
+        ct = p.buf["ctrace"].cpu().numpy()
+        n = int((ct[1] > 0).sum())
+        res[f"{name}_sm_clock_ghz"] = ghz = float((ct[3, n - 1] - ct[3, 0]) / (ct[1, n - 1] - ct[1, 0]))
+        p.set_tracing(False)
+        ms_off = p.time_ms(prefetch, a.reps)
+        p.set_tracing(True)
+        res[f"{name}_untraced_us_per_layer"] = off = statistics.median(ms_off) * 1e3 / a.layers
+        print(
+            f"{name}: SM clock {ghz:.2f} GHz over CTA {CT_CTA}'s chunks; untraced {off:.2f} us/layer "
+            f"({100 * p.bytes_per_layer() / (off * 1e-6) / 1e9 / bw:.1f}%)",
+            flush=True,
+        )
         res[f"{name}_timeline_layer8"] = tl = timeline(p, min(8, a.layers - 1))
         res[f"{name}_chunks_cta{CT_CTA}_layer8"] = ch = chunk_timeline(p, min(8, a.layers - 1))
         print(name, f"CTA {CT_CTA} chunks (stage issued/landed/consumed us):",
