@@ -37,7 +37,7 @@ constexpr int PAD = 64;  // bytes after each weight row in a slot: conflict-free
 constexpr int NS = 6, SLOT = 8 * (2 * H + PAD), NCONS = 8, NTHREADS = 32 * (NCONS + 1);
 constexpr int XS_FLOATS = TOPK * I;  // the largest input vector (w2's activations)
 constexpr int ACC = 128;
-constexpr int SMEM = NS * SLOT + XS_FLOATS * 4 + 2 * ACC * 4 + 64 + 2 * NS * 8;
+constexpr int SMEM = NS * SLOT + XS_FLOATS * 4 + (NCONS + 1) * ACC * 4 + 64 + 2 * NS * 8;
 constexpr unsigned long long TIMEOUT_NS = 2000000000ull;
 
 enum Op { QKV_OP = 0, ATTN = 1, MERGE = 2, O_OP = 3, ROUTER = 4, TOPK_OP = 5, W13 = 6, W2_OP = 7 };
@@ -181,11 +181,20 @@ __device__ __forceinline__ void mma_rows(float (&d)[4], const uint8_t* slot, int
   }
 }
 
+// a warp's partial dots into its own row of acc (plain stores: a float atomicAdd to shared memory
+// is a compare-and-swap loop, and eight warps on the same words serialized it)
 __device__ __forceinline__ void acc_rows(float* acc, const float (&d)[4], int nrows, int lane) {
   if (lane < 4) {
-    if (2 * lane < nrows) atomicAdd(&acc[2 * lane], d[0]);
-    if (2 * lane + 1 < nrows) atomicAdd(&acc[2 * lane + 1], d[1]);
+    if (2 * lane < nrows) acc[2 * lane] = d[0];
+    if (2 * lane + 1 < nrows) acc[2 * lane + 1] = d[1];
   }
+}
+
+__device__ __forceinline__ float acc_sum(const float* acc, int i) {  // the consumer warps' partials
+  float v = 0.f;
+#pragma unroll
+  for (int w = 0; w < NCONS; ++w) v += acc[w * ACC + i];
+  return v;
 }
 
 struct Chunk {  // up to two groups of rows for one slot, a bulk copy per row
@@ -466,8 +475,8 @@ __global__ void __launch_bounds__(NTHREADS, 1)
   extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* ring = smem;
   float* xs = reinterpret_cast<float*>(smem + NS * SLOT);
-  float* acc = xs + XS_FLOATS;
-  float* aux = acc + ACC;  // per instruction: tw (w2), the residual rows (o, w2)
+  float* acc = xs + XS_FLOATS;  // [NCONS, ACC]: each consumer warp's partial dots (no atomics)
+  float* aux = acc + NCONS * ACC;  // per instruction: tw (w2), the residual rows (o, w2)
   float* red = aux + ACC;
   uint64_t* full = reinterpret_cast<uint64_t*>(red + 16);
   uint64_t* empty = full + NS;
@@ -497,7 +506,6 @@ __global__ void __launch_bounds__(NTHREADS, 1)
     }
     cons_sync();
     load_input(in, b, xs, aux, red, t);
-    if (t < ACC) acc[t] = 0.f;
     cons_sync();
     const int L = in.layer;
     const int nch = chunks_of(in);
@@ -517,18 +525,18 @@ __global__ void __launch_bounds__(NTHREADS, 1)
         case ROUTER:
         case W13:  // 8 rows of H (W13: gate rows, then up rows)
           mma_rows<H / 8 / 32>(d, sl, 2 * H + PAD, xb, cw * (H / 8), lane);
-          acc_rows(acc + c * 8, d, 8, lane);
+          acc_rows(acc + cw * ACC + c * 8, d, 8, lane);
           break;
         case O_OP:  // 4 rows of NQ * D
           mma_rows<NQ * D / 8 / 32, 4>(d, sl, 2 * NQ * D + PAD, xb, cw * (NQ * D / 8), lane);
-          acc_rows(acc + c * 4, d, 4, lane);
+          acc_rows(acc + cw * ACC + c * 4, d, 4, lane);
           break;
         case W2_OP: {  // 16 rows of I for expert slot c: two tiles of 8 rows
           float e[4] = {0.f, 0.f, 0.f, 0.f};
           mma_rows<I / 8 / 32>(d, sl, 2 * I + PAD, xb + c * I, cw * (I / 8), lane);
           mma_rows<I / 8 / 32>(e, sl + 8 * (2 * I + PAD), 2 * I + PAD, xb + c * I, cw * (I / 8), lane);
-          acc_rows(acc + c * 16, d, 8, lane);
-          acc_rows(acc + c * 16 + 8, e, 8, lane);
+          acc_rows(acc + cw * ACC + c * 16, d, 8, lane);
+          acc_rows(acc + cw * ACC + c * 16 + 8, e, 8, lane);
           break;
         }
         case ATTN:
@@ -543,20 +551,20 @@ __global__ void __launch_bounds__(NTHREADS, 1)
     cons_sync();
     switch (in.op) {  // epilogues: acc holds each row's full dot
       case QKV_OP:
-        for (int r = t; r < in.nc * 8; r += 32 * NCONS) b.qkv[(size_t)L * QKV + in.c0 * 8 + r] = __float2bfloat16_rn(acc[r]);
+        for (int r = t; r < in.nc * 8; r += 32 * NCONS) b.qkv[(size_t)L * QKV + in.c0 * 8 + r] = __float2bfloat16_rn(acc_sum(acc, r));
         break;
       case ROUTER:
-        if (t < 8) b.logits[L * E + in.c0 * 8 + t] = acc[t];
+        if (t < 8) b.logits[L * E + in.c0 * 8 + t] = acc_sum(acc, t);
         break;
       case O_OP:
         for (int r = t; r < in.nc * 4; r += 32 * NCONS) {
-          b.h[(size_t)L * H + in.c0 * 4 + r] = __float2bfloat16_rn(aux[r] + rbf(acc[r]));
+          b.h[(size_t)L * H + in.c0 * 4 + r] = __float2bfloat16_rn(aux[r] + rbf(acc_sum(acc, r)));
         }
         break;
       case W13:
         for (int p = t; p < in.nc * 4; p += 32 * NCONS) {
           const int pair = in.c0 * 4 + p, j = pair / I, i = pair % I;
-          const float g = rbf(acc[(p / 4) * 8 + p % 4]), u = rbf(acc[(p / 4) * 8 + 4 + p % 4]);
+          const float g = rbf(acc_sum(acc, (p / 4) * 8 + p % 4)), u = rbf(acc_sum(acc, (p / 4) * 8 + 4 + p % 4));
           b.act[((size_t)L * TOPK + j) * I + i] = __float2bfloat16_rn(rbf(g / (1.f + __expf(-g))) * u);
         }
         break;
@@ -564,7 +572,7 @@ __global__ void __launch_bounds__(NTHREADS, 1)
         if (t < 16) {
           float y = 0.f;
 #pragma unroll
-          for (int j = 0; j < TOPK; ++j) y += aux[j] * rbf(acc[j * 16 + t]);
+          for (int j = 0; j < TOPK; ++j) y += aux[j] * rbf(acc_sum(acc, j * 16 + t));
           b.x[(size_t)(L + 1) * H + in.task * 16 + t] = __float2bfloat16_rn(aux[TOPK + t] + rbf(y));
         }
         break;
