@@ -3,9 +3,11 @@
 //
 // One launch runs L MoE decoder layers for one token. One CTA per SM (132 on the H200), 9 warps:
 //  * warp 0, the producer: walks this CTA's instruction list and streams every weight chunk it
-//    names (and the attention tasks' K/V tiles) into a ring of NS 32 KB shared-memory slots with
+//    names (and the attention tasks' K/V tiles) into a ring of NS 33 KB shared-memory slots with
 //    1D bulk copies (cp.async.bulk, completion on an mbarrier). It never waits for activations,
 //    only for free slots and, before expert weights, for the layer's top-k (the expert ids);
+//    one bulk copy per weight row, each row padded by PAD bytes in the slot (conflict-free
+//    tensor-core fragments);
 //  * warps 1-8, the consumers: walk the same list; per instruction they wait for its input
 //    (a global arrival counter), load the input vector into shared memory, consume the
 //    instruction's chunks from the ring, write the outputs, and bump the instruction's counter.
@@ -21,7 +23,8 @@
 //   top-8 of softmax(logits), renormalized (ties: lower index)
 //   act_j = bf16(bf16(silu(bf16(W13[e_j, :I] hn))) * bf16(W13[e_j, I:] hn))   1536 chunks
 //   x' = bf16(h + bf16(sum_j tw_j * bf16(W2[e_j] act_j)))                      128 x 8 chunks
-// Every wait has a watchdog (KILN_MK_TIMEOUT_NS): on expiry it prints where and traps.
+// Every wait has a watchdog (TIMEOUT_NS): on expiry it prints where and traps. Results and what
+// they mean: bench/results/2026-12-01_h200_s11c_mk_probe.json, docs/decode_budget.md.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
