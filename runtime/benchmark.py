@@ -240,7 +240,7 @@ def hf_throughput(
     """Hugging Face transformers on the same offline workload, as its users batch it: prompts
     sorted by length, ``batch_size`` at a time, left-padded, greedy ``generate`` of the batch's
     longest output. Only the tokens each prompt asked for count as output (the rest of a batch's
-    steps are the price of static batching); the time includes a warm-up-free first batch."""
+    steps are the price of static batching). Timed after one short warm-up generate."""
     model = _hf_model(model_dir, dtype, device)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
