@@ -287,16 +287,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def kiln_throughput(
-    llm: LLM,
-    num_prompts: int,
-    input_len: int | tuple[int, int],
-    output_len: int | tuple[int, int],
-    seed: int = 0,
-) -> dict[str, float]:
+def kiln_throughput(llm: LLM, prompts: list[list[int]], outs: list[int]) -> dict[str, float]:
+    """Offline throughput of a :func:`throughput_workload`: every prompt submitted at once."""
     eng = llm.engine
     eng.reset_prefix_cache()
-    prompts, outs = throughput_workload(num_prompts, input_len, output_len, eng.artifact.vocab_size, seed)
+    num_prompts = len(prompts)
     t = time.perf_counter()
     res = llm.generate(
         prompts, [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs], use_tqdm=True

@@ -170,18 +170,17 @@ def throughput_cmd(
         raise click.BadParameter(
             f"must be in 1..--num-prompts ({num_prompts})", param_hint="--hf-num-prompts"
         )
-    ins, outs = _range(input_len), _range(output_len)
+    import torch
+
+    device = kw.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    art = open_artifact(artifact, device)
+    prompts, lens = throughput_workload(num_prompts, _range(input_len), _range(output_len), art.vocab_size)
     report: dict[str, Any] = {"env": environment(), "artifact": artifact}
     if hf_dir:  # first, so its memory is back before kiln sizes its KV pool
-        import torch
-
-        device = kw.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-        art = open_artifact(artifact, device)
-        prompts, lens = throughput_workload(num_prompts, ins, outs, art.vocab_size)
         n = hf_num_prompts or num_prompts
         report["hf"] = hf_throughput(hf_dir, prompts[:n], lens[:n], hf_batch_size, device, art.dtype)
     llm = LLM(artifact, log=True, **options_from(kw))
-    r = kiln_throughput(llm, num_prompts, ins, outs)
+    r = kiln_throughput(llm, prompts, lens)
     report["kiln"] = r
     click.echo(
         f"{num_prompts} prompts in {r['seconds']:.1f} s: input {r['input_tok_s']:.0f} tok/s, output "

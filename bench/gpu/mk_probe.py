@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kiln.runtime.benchmark import read_bandwidth_gbps
+
 H, QKV, NQ, NKV, D, E, TOPK, I = 2048, 5120, 32, 4, 128, 128, 8, 768
 CTX, SPLIT, NSPLIT = 544, 32, 17
 NATT = NKV * NSPLIT
@@ -146,23 +148,24 @@ class Probe:
         self.bufs = B(*self.ptrs, int(on))
 
     def launch(self, prefetch: bool) -> None:
-        self.buf["cnt"].zero_()
+        """One launch of every layer (the counters must be zero: ``zero_counters``)."""
         e = self.lib.mk_launch(self.table.data_ptr(), ctypes.addressof(self.bufs), self.lists.data_ptr(),
                                self.lists.shape[1], self.grid, int(prefetch), torch.cuda.current_stream().cuda_stream)  # fmt: skip
         if e:
             sys.exit(f"mk_launch: {self.lib.mk_error(e).decode()}")
 
+    def zero_counters(self) -> None:
+        self.buf["cnt"].zero_()
+
     def time_ms(self, prefetch: bool, reps: int) -> list[float]:
+        """CUDA-event times of ``reps`` launches, the counters zeroed outside the timed region."""
         out = []
         for _ in range(reps):
-            self.buf["cnt"].zero_()
+            self.zero_counters()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            e = self.lib.mk_launch(self.table.data_ptr(), ctypes.addressof(self.bufs), self.lists.data_ptr(),
-                                   self.lists.shape[1], self.grid, int(prefetch), torch.cuda.current_stream().cuda_stream)  # fmt: skip
+            self.launch(prefetch)
             b.record()
-            if e:
-                sys.exit(f"mk_launch: {self.lib.mk_error(e).decode()}")
             b.synchronize()
             out.append(a.elapsed_time(b))
         return out
@@ -263,24 +266,6 @@ def check(p: Probe) -> dict[str, float]:
     return worst
 
 
-def read_gbps() -> float:
-    x = torch.randn(1 << 31, device="cuda", dtype=torch.bfloat16).view(-1, 8192)
-    out = torch.empty(8192, device="cuda", dtype=torch.float32)
-    ts = []
-    for i in range(12):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        torch.sum(x, dim=0, dtype=torch.float32, out=out)
-        b.record()
-        b.synchronize()
-        if i >= 2:
-            ts.append(a.elapsed_time(b) * 1e-3)
-    n = x.numel() * 2
-    del x
-    torch.cuda.empty_cache()
-    return n / statistics.median(ts) / 1e9
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", required=True)
@@ -290,7 +275,7 @@ def main() -> None:
     t0 = time.perf_counter()
     lib = build(Path("/tmp/mk_probe.so"))
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
-    bw = read_gbps()
+    bw = read_bandwidth_gbps(torch.device("cuda"))
     p = Probe(lib, a.layers)
     res: dict = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, read_gbps=bw, layers=a.layers,
                      grid=p.grid, instr_per_cta=int(p.lists.shape[1]), bytes_per_layer=p.bytes_per_layer())  # fmt: skip
@@ -300,6 +285,7 @@ def main() -> None:
             if k != "x":
                 p.buf[k].fill_(float("nan"))
         p.buf["x"][1:].fill_(float("nan"))
+        p.zero_counters()
         p.launch(prefetch)
         torch.cuda.synchronize()
         res[f"{name}_check"] = check(p)
