@@ -55,6 +55,11 @@ VARIANTS = {
     "pdl_off": {"KILN_PDL": "0"},
     "gemv_off": {"KILN_GEMV": "0"},
     "rope_attn": {"KILN_ROPE_IN_ATTN": "1"},  # QK-norm + RoPE + KV write inside decode attention
+    # graph-constant loads before the PDL wait (ops/common.py KILN_PREWAIT)
+    "prewait": {"KILN_PREWAIT": "all"},
+    "prewait_gemv": {"KILN_PREWAIT": "gemv"},
+    "prewait_attn": {"KILN_PREWAIT": "attn"},
+    "prewait_rope": {"KILN_PREWAIT": "rope"},
 }
 
 

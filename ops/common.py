@@ -24,6 +24,15 @@ drains: 1.55 -> 1.05 us per one-row kernel and 11.9 -> 9.6 us per 4096 x 4096 GE
 the H200 (bench/results/2026-11-29_h200_pdl_probe.json). ``KILN_PDL=0`` turns it off (read at
 call time, so at capture time for CUDA graphs).
 
+Pre-wait loads (``KILN_PREWAIT``, a comma list of ``gemv``, ``attn``, ``rope``, or ``all``; unset or
+``none``: off; read at call time, so at capture): the kernels named load, before ``pdl_wait``, what
+nothing in the running CUDA graph writes: the GEMV its first weight tile, the decode split kernel
+its step inputs (length, request row, block-table pages) and the K/V rows of keys cached by earlier
+steps (the new key, written by the kernel before, after the wait), the RoPE kernel its position,
+cos/sin row and norm weights. Step inputs are copied on the stream before the graph's replay, and
+a kernel launched early (its predecessor triggered) starts only after every kernel before it has
+started, so these loads never race a writer.
+
 ``kiln_op`` registers an op and also records its Python body in ``DIRECT``: the runtime calls the
 bodies straight from the graphs it loads (``runtime/graph_code.py``), skipping the dispatcher,
 whose first custom-op call imports ``torch._dynamo`` (seconds on a slow host) and whose every call
@@ -93,6 +102,24 @@ def pdl_args(t: torch.Tensor) -> dict[str, bool]:
     """A launch's PDL keyword arguments for kernels of inputs like ``t``: the kernel's ``PDL``
     constexpr and, when on, ``launch_pdl`` (the interpreter takes no ``launch_pdl`` at all)."""
     return {"PDL": True, "launch_pdl": True} if pdl_enabled(t) else {"PDL": False}
+
+
+PREWAIT_PARTS = ("gemv", "attn", "rope")
+
+
+def prewait(part: str) -> bool:
+    """Whether kernel family ``part`` loads its graph-constant inputs before ``pdl_wait``
+    (``KILN_PREWAIT``, module docstring). A bad value fails naming the variable."""
+    raw = (os.environ.get("KILN_PREWAIT") or "none").strip()
+    if raw in ("none", "0"):
+        return False
+    parts = set(PREWAIT_PARTS) if raw == "all" else {p.strip() for p in raw.split(",") if p.strip()}
+    bad = parts - set(PREWAIT_PARTS)
+    if bad:
+        raise ValueError(
+            f"KILN_PREWAIT must be 'none', 'all' or a comma list of {PREWAIT_PARTS}, got {raw!r}"
+        )
+    return part in parts
 
 
 @triton.jit

@@ -61,6 +61,7 @@ from kiln.ops.common import (
     pdl_args,
     pdl_trigger,
     pdl_wait,
+    prewait,
     use_triton,
 )
 from kiln.ops.qkv_rope import _normed, _rne_bf16
@@ -212,6 +213,17 @@ def _roped_heads(
 
 
 @triton.jit
+def _cache_rows(base, slot, stride, cols, rmask, NCOLS: tl.constexpr):
+    """Rows ``slot`` ``[BLOCK_N]`` of one head of a K or V cache, ``[BLOCK_N, len(cols)]``; rows off
+    ``rmask`` and columns from ``NCOLS`` read 0."""
+    return tl.load(
+        base + slot[:, None] * stride + cols[None, :],
+        mask=rmask[:, None] & (cols[None, :] < NCOLS),
+        other=0.0,
+    )
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, cnt_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
@@ -227,15 +239,22 @@ def _decode_split_kernel(
     HAS_QN: tl.constexpr = False, HAS_KN: tl.constexpr = False, ROUND_QN: tl.constexpr = False,
     ROUND_KN: tl.constexpr = False, RNE: tl.constexpr = False, RNE_K: tl.constexpr = False,
     RNE_V: tl.constexpr = False,
+    PREWAIT: tl.constexpr = False,  # step inputs and the first block's cached K/V before the wait
 ):  # fmt: skip
-    pdl_trigger(PDL)  # programmatic dependent launch (ops/common.py): wait before any access
-    pdl_wait(PDL)
+    # programmatic dependent launch (ops/common.py): wait before any access, except PREWAIT's
+    # loads of what nothing in the graph writes (the step inputs, keys cached by earlier steps)
+    tl.static_assert(not (PREWAIT and ROPE), "PREWAIT: the new key comes from the kernel before")
+    pdl_trigger(PDL)
+    if not PREWAIT:
+        pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     lo, base, chunk, active = _split_plan(seq_len, num_splits, sliding_window, BLOCK_N, HAS_WINDOW)
     if split >= tl.maximum(active, 1):
+        if PREWAIT:
+            pdl_wait(PDL)  # every program waits (ops/common.py)
         return  # no keys here: write nothing (split 0 stays to write an empty request's zeros)
     row = tl.load(rows_ptr + b).to(tl.int64)
     start = base + split * chunk  # this program takes keys [start, end)
@@ -246,6 +265,22 @@ def _decode_split_kernel(
     hmask = g < GROUP
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    if PREWAIT:  # the first block's cached keys now; the new one (seq_len - 1) after the wait
+        offs0 = start + tl.arange(0, BLOCK_N)
+        kmask0 = offs0 < end
+        if HAS_WINDOW:
+            kmask0 = kmask0 & (offs0 >= lo)
+        page0 = tl.load(bt_ptr + row * stride_bt + offs0 // PAGE, mask=offs0 < end, other=0)
+        slot0 = page0.to(tl.int64) * PAGE + offs0 % PAGE  # [BLOCK_N]
+        old0 = kmask0 & (offs0 != seq_len - 1)
+        k_pre = _cache_rows(k_base, slot0, stride_ks, d, old0, D)  # [BLOCK_N, BLOCK_D]
+        v_pre = _cache_rows(v_base, slot0, stride_vs, dv, old0, DV)  # [BLOCK_N, BLOCK_DV]
+        pdl_wait(PDL)
+        new0 = kmask0 & (offs0 == seq_len - 1)  # [BLOCK_N]: the row the kernel before wrote
+        k_pre = tl.where(new0[:, None], _cache_rows(k_base, slot0, stride_ks, d, new0, D), k_pre)
+        v_pre = tl.where(new0[:, None], _cache_rows(v_base, slot0, stride_vs, dv, new0, DV), v_pre)
     if ROPE:  # q from the projection row; the last split first writes this token's k and v
         qkv_row = q_ptr + b.to(tl.int64) * stride_qb
         cs_row = cs_ptr + tl.load(pos_ptr + b).to(tl.int64) * stride_cs
@@ -286,20 +321,19 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_PAD], -1.0e30, tl.float32)  # finite: exp2(m_i - m_new) never NaN
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_DV], tl.float32)
-    k_base = k_ptr + kvh * stride_kh
-    v_base = v_ptr + kvh * stride_vh
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         kmask = offs < end
         if HAS_WINDOW:
             kmask = kmask & (offs >= lo)
-        page = tl.load(bt_ptr + row * stride_bt + offs // PAGE, mask=offs < end, other=0)
-        slot = page.to(tl.int64) * PAGE + offs % PAGE  # [BLOCK_N]
-        k = tl.load(
-            k_base + slot[:, None] * stride_ks + d[None, :],
-            mask=kmask[:, None] & (d[None, :] < D),
-            other=0.0,
-        )  # k: [BLOCK_N, BLOCK_D]
+        first = PREWAIT and n0 == start
+        if first:
+            slot = slot0
+            k = k_pre
+        else:
+            page = tl.load(bt_ptr + row * stride_bt + offs // PAGE, mask=offs < end, other=0)
+            slot = page.to(tl.int64) * PAGE + offs % PAGE  # [BLOCK_N]
+            k = _cache_rows(k_base, slot, stride_ks, d, kmask, D)  # k: [BLOCK_N, BLOCK_D]
         s = _dot(q, tl.trans(k), PREC, UPCAST)  # [GROUP_PAD, BLOCK_N] f32
         if HAS_CAP:
             s = _softcap(s * sm_scale, logit_cap) * 1.4426950408889634
@@ -310,11 +344,10 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + slot[:, None] * stride_vs + dv[None, :],
-            mask=kmask[:, None] & (dv[None, :] < DV),
-            other=0.0,
-        )  # v: [BLOCK_N, BLOCK_DV]
+        if first:
+            v = v_pre
+        else:
+            v = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV)  # v: [BLOCK_N, BLOCK_DV]
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
         m_i = m_new
 
@@ -486,7 +519,7 @@ def decode_attention_triton(
         MERGE_TILE=max(1, min(next_pow2(num_splits), MERGE_TILE_ELEMS // (group_m * block_dv))),
         HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, DIRECT=direct, FUSED=fused,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
-        **(rope or {}),
+        PREWAIT=rope is None and prewait("attn"), **(rope or {}),
     )  # fmt: skip
     if not direct and not fused:
         block_dv = min(64, block_dv)

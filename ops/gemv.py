@@ -289,6 +289,7 @@ def _gemv_fma_kernel(
     Z=None,  # ADD_Z: [M, N_OUT] added to the rounded output (the residual); else any pointer
     stride_zm=0,
     ADD_Z: tl.constexpr = False,
+    PREWAIT: tl.constexpr = False,  # the first W step loaded before pdl_wait (KILN_PREWAIT)
 ):
     """CUDA cores. The W tile is loaded as ``[BLOCK_N, BLOCK_K / VEC, VEC]`` so each thread owns whole
     16-byte pieces; x is loaded through pointers of the same shape (broadcast over rows) so it lands
@@ -299,7 +300,8 @@ def _gemv_fma_kernel(
     RMSNorm costs no pass of its own; then each program writes its ``CHUNK`` of ``h`` / of the
     normalized row for the layer's other consumers."""
     pdl_trigger(PDL)
-    pdl_wait(PDL)
+    if not PREWAIT:
+        pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     KB: tl.constexpr = BLOCK_K // VEC
@@ -328,6 +330,12 @@ def _gemv_fma_kernel(
     ss = tl.zeros([BLOCK_N, KB], dtype=tl.float32)  # NORM: sum of squares of h (rows are copies)
     r_ptrs = R + k_lo + offs_k + 0 * rows
     n_ptrs = G + k_lo + offs_k + 0 * rows
+    if PREWAIT:  # weights: nothing in the graph writes them, so their first step may stream now
+        w_pre = _load_f32(wg_ptrs, k_lo + offs_k < k_hi, EVEN_K)
+        wu_pre = w_pre
+        if GATE_UP:
+            wu_pre = _load_f32(wu_ptrs, k_lo + offs_k < k_hi, EVEN_K)
+        pdl_wait(PDL)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             k_mask = None
@@ -350,10 +358,16 @@ def _gemv_fma_kernel(
         if BLOCK_M > 2:
             x2 = _load_f32(x_ptrs + xo2, k_mask, EVEN_K)
             x3 = _load_f32(x_ptrs + xo3, k_mask, EVEN_K)
-        w = _load_f32(wg_ptrs, k_mask, EVEN_K)
+        if PREWAIT and k == k_lo:
+            w = w_pre
+        else:
+            w = _load_f32(wg_ptrs, k_mask, EVEN_K)
         g0, g1, g2, g3 = _fma4(g0, g1, g2, g3, w, x0, x1, x2, x3, BLOCK_M)
         if GATE_UP:
-            w = _load_f32(wu_ptrs, k_mask, EVEN_K)
+            if PREWAIT and k == k_lo:
+                w = wu_pre
+            else:
+                w = _load_f32(wu_ptrs, k_mask, EVEN_K)
             u0, u1, u2, u3 = _fma4(u0, u1, u2, u3, w, x0, x1, x2, x3, BLOCK_M)
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
@@ -847,7 +861,15 @@ def gemv(
         xs = x_scale.reshape(-1).float().contiguous() if x_scale is not None and scaled else w
         ws = w_scale.reshape(-1).float().contiguous() if w_scale is not None and scaled else w
         sc = dict(XS=xs, WS=ws, stride_xs=int(xs.numel() > 1), SCALED=scaled)
-        _gemv_fma_kernel[grid](*args, VEC=vec, **sc, **meta, **_norm_meta(norm, x, w, grid[0]), **zk)
+        _gemv_fma_kernel[grid](
+            *args,
+            VEC=vec,
+            **sc,
+            **meta,
+            **_norm_meta(norm, x, w, grid[0]),
+            **zk,
+            PREWAIT=common.prewait("gemv"),
+        )
     if splits > 1:
         _splitk_reduce_kernel[(m, triton.cdiv(n_out, REDUCE_BLOCK))](
             part, bias if bias is not None else part, out, m, n_out, out.stride(0),

@@ -36,6 +36,7 @@ from kiln.ops.common import (
     pdl_args,
     pdl_trigger,
     pdl_wait,
+    prewait,
     use_triton,
 )
 from kiln.ops.rope import apply_rope_ref
@@ -170,12 +171,14 @@ def _qkv_rope_kvwrite_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (ops/common.py)
+    PREWAIT: tl.constexpr = False,  # position, cos/sin row and slot before the wait (KILN_PREWAIT)
 ):
     # One program: token t, heads h of the concatenated q | k | v head list. Each head row of D
     # values is three tiles: the first and second members of the rotation pairs (a, b) and the
     # pass-through dims past ROT (p).
     pdl_trigger(PDL)
-    pdl_wait(PDL)
+    if not PREWAIT:
+        pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     is_q = h < HQ
@@ -196,6 +199,14 @@ def _qkv_rope_kvwrite_kernel(
     p_off = ROT + tl.arange(0, BLOCK_PASS)  # [BPASS]
     p_ok = p_off < D
     m_pass = h_ok[:, None] & p_ok[None, :]  # [BH, BPASS]
+    # step inputs (copied before the graph runs) and the cos/sin table: no kernel writes them
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cs_row = cs_ptr + pos * stride_cs_p
+    cos = tl.load(cs_row + i, mask=i_ok, other=0.0).to(tl.float32)[None, :]  # [1, BHALF]
+    sin = tl.load(cs_row + HALF + i, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if PREWAIT:
+        pdl_wait(PDL)
 
     row = qkv_ptr + t * stride_qkv_t + h[:, None] * D  # [BH, 1]
     a = tl.load(row + a_off[None, :], mask=m_rot, other=0.0).to(tl.float32)  # a: [BH, BHALF]
@@ -221,17 +232,12 @@ def _qkv_rope_kvwrite_kernel(
                 p = _normed(p, rstd, qkv_ptr, kw_ptr, p_off, p_ok, is_k, ROUND_KN, RNE_IN)
 
     # rotary on q and k heads: (a, b) -> (a cos - b sin, b cos + a sin); v heads pass through
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cs_row = cs_ptr + pos * stride_cs_p
-    cos = tl.load(cs_row + i, mask=i_ok, other=0.0).to(tl.float32)[None, :]  # [1, BHALF]
-    sin = tl.load(cs_row + HALF + i, mask=i_ok, other=0.0).to(tl.float32)[None, :]
     oa = tl.where(is_v[:, None], a, a * cos - b * sin)
     ob = tl.where(is_v[:, None], b, b * cos + a * sin)
 
     hq_i = tl.where(is_q, h, 0)
     q_dst = q_ptr + t * (HQ * D) + hq_i[:, None] * D  # q is contiguous [T, Hq, D]
     _store_head(q_dst, oa, ob, p, a_off, b_off, p_off, m_rot, m_pass, is_q, RNE_IN, HAS_PASS)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     hk_i = tl.where(is_k, h - HQ, 0)
     k_dst = k_ptr + slot * stride_k_s + hk_i[:, None] * stride_k_h
     _store_head(k_dst, oa, ob, p, a_off, b_off, p_off, m_rot, m_pass, is_k, RNE_K, HAS_PASS)
@@ -347,6 +353,7 @@ def qkv_rope_kvwrite_triton(
         BLOCK_H=bh,
         BLOCK_HALF=next_pow2(rotary_dim // 2),
         BLOCK_PASS=next_pow2(max(1, head_dim - rotary_dim)),
+        PREWAIT=prewait("rope"),
         num_warps=num_warps,
         **pdl,
     )
