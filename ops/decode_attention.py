@@ -224,6 +224,14 @@ def _cache_rows(base, slot, stride, cols, rmask, NCOLS: tl.constexpr):
 
 
 @triton.jit
+def _block_slots(bt_row, offs, end, PAGE: tl.constexpr):
+    """Cache slots of key positions ``offs`` ``[BLOCK_N]`` through one block-table row (past
+    ``end``: page 0's slots, masked out by the caller)."""
+    page = tl.load(bt_row + offs // PAGE, mask=offs < end, other=0)
+    return page.to(tl.int64) * PAGE + offs % PAGE
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, cnt_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
@@ -272,8 +280,7 @@ def _decode_split_kernel(
         kmask0 = offs0 < end
         if HAS_WINDOW:
             kmask0 = kmask0 & (offs0 >= lo)
-        page0 = tl.load(bt_ptr + row * stride_bt + offs0 // PAGE, mask=offs0 < end, other=0)
-        slot0 = page0.to(tl.int64) * PAGE + offs0 % PAGE  # [BLOCK_N]
+        slot0 = _block_slots(bt_ptr + row * stride_bt, offs0, end, PAGE)  # [BLOCK_N]
         old0 = kmask0 & (offs0 != seq_len - 1)
         k_pre = _cache_rows(k_base, slot0, stride_ks, d, old0, D)  # [BLOCK_N, BLOCK_D]
         v_pre = _cache_rows(v_base, slot0, stride_vs, dv, old0, DV)  # [BLOCK_N, BLOCK_DV]
@@ -326,13 +333,15 @@ def _decode_split_kernel(
         kmask = offs < end
         if HAS_WINDOW:
             kmask = kmask & (offs >= lo)
-        first = PREWAIT and n0 == start
-        if first:
-            slot = slot0
-            k = k_pre
+        if PREWAIT:  # (nested: a constexpr and a tensor in one condition compile as a tensor)
+            if n0 == start:
+                slot = slot0
+                k = k_pre
+            else:
+                slot = _block_slots(bt_ptr + row * stride_bt, offs, end, PAGE)
+                k = _cache_rows(k_base, slot, stride_ks, d, kmask, D)
         else:
-            page = tl.load(bt_ptr + row * stride_bt + offs // PAGE, mask=offs < end, other=0)
-            slot = page.to(tl.int64) * PAGE + offs % PAGE  # [BLOCK_N]
+            slot = _block_slots(bt_ptr + row * stride_bt, offs, end, PAGE)  # [BLOCK_N]
             k = _cache_rows(k_base, slot, stride_ks, d, kmask, D)  # k: [BLOCK_N, BLOCK_D]
         s = _dot(q, tl.trans(k), PREC, UPCAST)  # [GROUP_PAD, BLOCK_N] f32
         if HAS_CAP:
@@ -344,8 +353,11 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if first:
-            v = v_pre
+        if PREWAIT:
+            if n0 == start:
+                v = v_pre
+            else:
+                v = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV)
         else:
             v = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV)  # v: [BLOCK_N, BLOCK_DV]
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)

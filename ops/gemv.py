@@ -184,6 +184,19 @@ def _load_f32(ptrs, mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _w_step(ptrs, mask, pre, first, EVEN_K: tl.constexpr, PREWAIT: tl.constexpr):
+    """One K step's W tile: ``pre`` (loaded before the PDL wait) on the first step with PREWAIT."""
+    if PREWAIT:  # nested: a constexpr and a tensor in one condition would compile as a tensor
+        if first:
+            w = pre
+        else:
+            w = _load_f32(ptrs, mask, EVEN_K)
+    else:
+        w = _load_f32(ptrs, mask, EVEN_K)
+    return w
+
+
+@triton.jit
 def _fma4(a0, a1, a2, a3, w, x0, x1, x2, x3, BLOCK_M: tl.constexpr):
     """``a_m[n, j] += sum_v w[n, j, v] * x_m[n, j, v]`` for the first ``BLOCK_M`` (<= 4) rows: the sum
     over the ``VEC`` axis stays inside a thread (one 16-byte load's worth)."""
@@ -330,9 +343,10 @@ def _gemv_fma_kernel(
     ss = tl.zeros([BLOCK_N, KB], dtype=tl.float32)  # NORM: sum of squares of h (rows are copies)
     r_ptrs = R + k_lo + offs_k + 0 * rows
     n_ptrs = G + k_lo + offs_k + 0 * rows
-    if PREWAIT:  # weights: nothing in the graph writes them, so their first step may stream now
+    w_pre = 0.0  # PREWAIT: weights, which nothing in the graph writes: their first step streams now
+    wu_pre = 0.0
+    if PREWAIT:
         w_pre = _load_f32(wg_ptrs, k_lo + offs_k < k_hi, EVEN_K)
-        wu_pre = w_pre
         if GATE_UP:
             wu_pre = _load_f32(wu_ptrs, k_lo + offs_k < k_hi, EVEN_K)
         pdl_wait(PDL)
@@ -358,16 +372,10 @@ def _gemv_fma_kernel(
         if BLOCK_M > 2:
             x2 = _load_f32(x_ptrs + xo2, k_mask, EVEN_K)
             x3 = _load_f32(x_ptrs + xo3, k_mask, EVEN_K)
-        if PREWAIT and k == k_lo:
-            w = w_pre
-        else:
-            w = _load_f32(wg_ptrs, k_mask, EVEN_K)
+        w = _w_step(wg_ptrs, k_mask, w_pre, k == k_lo, EVEN_K, PREWAIT)
         g0, g1, g2, g3 = _fma4(g0, g1, g2, g3, w, x0, x1, x2, x3, BLOCK_M)
         if GATE_UP:
-            if PREWAIT and k == k_lo:
-                w = wu_pre
-            else:
-                w = _load_f32(wu_ptrs, k_mask, EVEN_K)
+            w = _w_step(wu_ptrs, k_mask, wu_pre, k == k_lo, EVEN_K, PREWAIT)
             u0, u1, u2, u3 = _fma4(u0, u1, u2, u3, w, x0, x1, x2, x3, BLOCK_M)
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K

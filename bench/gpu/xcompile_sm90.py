@@ -67,6 +67,8 @@ fma = dict(BLOCK_M=1, BLOCK_N=2, BLOCK_K=512, VEC=8, SPLIT_K=1, GATE_UP=False, H
 xc(G._gemv_fma_kernel, gemv_types, fma | dict(ADD_Z=True))
 xc(G._gemv_fma_kernel, gemv_types, fma | dict(NORM=True, HAS_G=False, WRITE_XN=True, CHUNK=32))
 xc(G._gemv_fma_kernel, gemv_types, fma | dict(SPLIT_K=4))
+xc(G._gemv_fma_kernel, gemv_types, fma | dict(ADD_Z=True, PREWAIT=True))  # KILN_PREWAIT
+xc(G._gemv_fma_kernel, gemv_types, fma | dict(NORM=True, HAS_G=False, WRITE_XN=True, CHUNK=32, PREWAIT=True))
 xc(G._splitk_reduce_kernel, gemv_types,
    dict(SPLIT_K=4, BLOCK=256, GATE_UP=False, HAS_BIAS=False, ROUND_IN_F32=False, PDL=True, ADD_Z=True),
    2)  # fmt: skip
@@ -93,5 +95,6 @@ split = dict(GROUP=8, GROUP_PAD=16, GROUP_M=8, D=128, BLOCK_D=128, DV=128, BLOCK
              MERGE_TILE=4, HAS_CAP=False, HAS_WINDOW=False, DIRECT=False, FUSED=False, PREC="tf32",
              UPCAST=False, PDL=True)  # fmt: skip
 xc(DA._decode_split_kernel, attn_types, split)
+xc(DA._decode_split_kernel, attn_types, split | dict(PAGE=16, BLOCK_N=32, PREWAIT=True))  # KILN_PREWAIT
 rope = dict(ROPE=True, HQ=32, HKV=4, ROT=128, HAS_QN=True, HAS_KN=True, ROUND_QN=True, ROUND_KN=True)
 xc(DA._decode_split_kernel, attn_types, split | rope)
