@@ -60,6 +60,8 @@ VARIANTS = {
     "prewait_gemv": {"KILN_PREWAIT": "gemv"},
     "prewait_attn": {"KILN_PREWAIT": "attn"},
     "prewait_rope": {"KILN_PREWAIT": "rope"},
+    "prewait_merge": {"KILN_PREWAIT": "all", "KILN_ATTN_MERGE": "fused"},
+    "prewait_early_w2": {"KILN_PREWAIT": "all", "KILN_MOE_EARLY_W2": "1"},
 }
 
 
