@@ -55,13 +55,12 @@ VARIANTS = {
     "pdl_off": {"KILN_PDL": "0"},
     "gemv_off": {"KILN_GEMV": "0"},
     "rope_attn": {"KILN_ROPE_IN_ATTN": "1"},  # QK-norm + RoPE + KV write inside decode attention
-    # graph-constant loads before the PDL wait (ops/common.py KILN_PREWAIT)
-    "prewait": {"KILN_PREWAIT": "all"},
+    # graph-constant loads before the PDL wait (ops/common.py KILN_PREWAIT; default all)
+    "prewait_off": {"KILN_PREWAIT": "none"},
     "prewait_gemv": {"KILN_PREWAIT": "gemv"},
     "prewait_attn": {"KILN_PREWAIT": "attn"},
     "prewait_rope": {"KILN_PREWAIT": "rope"},
-    "prewait_merge": {"KILN_PREWAIT": "all", "KILN_ATTN_MERGE": "fused"},
-    "prewait_early_w2": {"KILN_PREWAIT": "all", "KILN_MOE_EARLY_W2": "1"},
+    "fused_merge": {"KILN_ATTN_MERGE": "fused"},
 }
 
 

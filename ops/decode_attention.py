@@ -415,14 +415,18 @@ def _decode_merge_kernel(
     mid_o_ptr, mid_lse_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, num_q_heads, num_splits,
     sliding_window, DV: tl.constexpr, BLOCK_DV: tl.constexpr, TILE: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
+    PREWAIT: tl.constexpr = False,  # the request's length (a step input) before the wait
 ):  # fmt: skip
     # grid (B, Hq, cdiv(Dv, BLOCK_DV)): merges the active splits of one head for BLOCK_DV columns
     pdl_trigger(PDL)
-    pdl_wait(PDL)
+    if not PREWAIT:
+        pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b)
     _lo, _base, _chunk, active = _split_plan(seq_len, num_splits, sliding_window, BLOCK_N, HAS_WINDOW)
+    if PREWAIT:
+        pdl_wait(PDL)  # on every path (ops/common.py)
     if active <= 1:
         return  # the split kernel wrote this request's output directly
     dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
@@ -539,7 +543,7 @@ def decode_attention_triton(
             mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1), hq, num_splits,
             int(sliding_window), DV=dv, BLOCK_DV=block_dv, TILE=min(64, next_pow2(num_splits)),
             BLOCK_N=cfg.block_n, HAS_WINDOW=sliding_window > 0, num_warps=4,
-            **pdl,
+            PREWAIT=prewait("attn"), **pdl,
         )  # fmt: skip
     return out
 

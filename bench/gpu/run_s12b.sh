@@ -21,5 +21,5 @@ for v in default prewait default_again prewait_again; do
   case $v in prewait*) moe_latency $v "" KILN_PREWAIT=all ;; *) moe_latency $v "" ;; esac
 done | tee "$OUT/latency_summary.txt"
 stamp latency
-python bench/gpu/bundle.py "$OUT" "$DEST/s12b.json" "bash bench/gpu/run_s12b.sh OUT (at commit $(git rev-parse --short HEAD 2>/dev/null || echo tree))"
+python bench/gpu/bundle.py "$OUT" "$DEST/s12b.json" "bash bench/gpu/run_s12b.sh OUT (commit: ${KILN_COMMIT:-see bench/results/README.md})"
 cat "$OUT/step_summary.txt" "$OUT/latency_summary.txt"

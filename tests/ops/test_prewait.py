@@ -29,8 +29,8 @@ def kernels_on_cpu(monkeypatch):
 
 
 def both(monkeypatch, part: str, fn):
-    """``fn()`` with ``KILN_PREWAIT`` unset, then with ``part`` on: the two results."""
-    monkeypatch.delenv("KILN_PREWAIT", raising=False)
+    """``fn()`` with ``KILN_PREWAIT=none``, then with ``part`` on: the two results."""
+    monkeypatch.setenv("KILN_PREWAIT", "none")
     off = fn()
     monkeypatch.setenv("KILN_PREWAIT", part)
     return off, fn()
@@ -39,7 +39,7 @@ def both(monkeypatch, part: str, fn):
 @pytest.mark.parametrize(
     "raw, expect",
     [
-        (None, set()),
+        (None, {"gemv", "attn", "rope"}),  # the default
         ("none", set()),
         ("0", set()),
         ("all", {"gemv", "attn", "rope"}),
@@ -106,8 +106,9 @@ def test_gemv_fused_norm_before_the_wait(kernels_on_cpu, monkeypatch):
         ([90], 3, 16, 24),  # a sliding window: the first block masked below lo
     ],
 )
+@pytest.mark.parametrize("merge", dec.MERGE_MODES)
 def test_split_kernel_cached_keys_before_the_wait(
-    kernels_on_cpu, monkeypatch, seq_lens, num_splits, page, window
+    kernels_on_cpu, monkeypatch, seq_lens, num_splits, page, window, merge
 ):
     g = torch.Generator().manual_seed(sum(seq_lens))
     bt, rows, slots = random_block_table(seq_lens, page, "cpu")
@@ -120,7 +121,7 @@ def test_split_kernel_cached_keys_before_the_wait(
 
     def run():
         return dec.decode_attention_triton(
-            q, k, v, bt, rows, lens, d**-0.5, page, num_splits, window, config=cfg
+            q, k, v, bt, rows, lens, d**-0.5, page, num_splits, window, config=cfg, merge=merge
         )
 
     off, on = both(monkeypatch, "attn", run)
