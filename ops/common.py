@@ -36,9 +36,9 @@ before ``pdl_wait``, what nothing in the running CUDA graph writes:
 
 Step inputs are copied on the stream before the graph's replay, and a kernel launched early (its
 predecessor triggered) starts only after every kernel before it has started, so these loads never
-race a writer. On the H200 (``bench/results/2026-12-02_h200_s12b_prewait.json``) it took the
-Qwen3-30B-A3B-shaped batch-1 step from 1.016 to 0.934 ms (950.7 -> 1035.0 tok/s, ``kiln bench
-latency``) and the Llama-3.1-8B step bench from 2207 to 2043 us; batch 8 unchanged.
+race a writer. On the H200 (``bench/results/2026-12-02_h200_s12c_prewait_default_hf.json``) it
+took the Qwen3-30B-A3B-shaped batch-1 step from 1.010 to 0.926 ms (956.6 -> 1040.9 tok/s, ``kiln
+bench latency``) and the Llama-3.1-8B-shaped step bench from 2183 to 2007 us; batch 8 within 0.3%.
 
 ``kiln_op`` registers an op and also records its Python body in ``DIRECT``: the runtime calls the
 bodies straight from the graphs it loads (``runtime/graph_code.py``), skipping the dispatcher,
