@@ -60,6 +60,7 @@ VARIANTS = {
     "prewait_gemv": {"KILN_PREWAIT": "gemv"},
     "prewait_attn": {"KILN_PREWAIT": "attn"},
     "prewait_rope": {"KILN_PREWAIT": "rope"},
+    "prewait_slab": {"KILN_PREWAIT": "all"},  # plus the whole-slab first step (opt-in)
     "fused_merge": {"KILN_ATTN_MERGE": "fused"},
 }
 

@@ -17,6 +17,7 @@ from kiln.ops import common
 from kiln.ops import decode_attention as dec
 from kiln.ops import gemv as G
 from kiln.ops.attention_ref import decode_attention_ref, random_block_table
+from kiln.ops.common import next_pow2
 from kiln.ops.qkv_rope import qkv_rope_kvwrite_ref, qkv_rope_kvwrite_triton
 from kiln.ops.rope import rope_cos_sin_cache
 
@@ -42,7 +43,7 @@ def both(monkeypatch, part: str, fn):
         (None, {"gemv", "attn", "rope"}),  # the default
         ("none", set()),
         ("0", set()),
-        ("all", {"gemv", "attn", "rope"}),
+        ("all", {"gemv", "attn", "rope", "slab"}),
         ("gemv, rope", {"gemv", "rope"}),
     ],
 )
@@ -84,6 +85,36 @@ def test_gemv_first_step_before_the_wait(kernels_on_cpu, monkeypatch, m, n, k, k
     if "residual" in kw:
         ref = ref + kw["residual"]
     torch.testing.assert_close(on.float(), ref.float(), rtol=2**-6, atol=4e-3)
+
+
+@pytest.mark.parametrize(
+    "n, k, warps, norm, slab",
+    [
+        (40, 200, 1, False, True),  # 2 x 256 / 32 = 16 elements a thread: one masked step
+        (16, 512, 2, True, True),  # the fused norm: its sum of squares in the one step
+        (16, 4096, 1, False, False),  # 2 x 4096 / 32 = 256 elements: over the limit, K steps as before
+    ],
+)
+def test_gemv_whole_slab_before_the_wait(kernels_on_cpu, monkeypatch, n, k, warps, norm, slab):
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(torch.bfloat16) if norm else None
+    cfg = G.GemvConfig(block_n=2, block_k=64, num_warps=warps, num_stages=1, split_k=1, use_dot=False)
+    monkeypatch.setenv("KILN_PREWAIT", "gemv,slab")
+    assert G.slab_block_k(cfg, 1, k, False) == (next_pow2(k) if slab else 64)
+    assert G.slab_block_k(cfg, 2, k, False) == 64  # one x row only
+    monkeypatch.setenv("KILN_PREWAIT", "gemv")
+    assert G.slab_block_k(cfg, 1, k, False) == 64  # opt-in
+    monkeypatch.setattr(G, "gemv_config", lambda *a, **kw: cfg)
+    ns = G.NormIn(nw, 1e-6) if norm else None
+    off, on = both(monkeypatch, "gemv,slab", lambda: G.gemv(x, w, norm=ns))
+    # the one step sums K in another order: equal to the K-step result within a rounding or two
+    torch.testing.assert_close(on.float(), off.float(), rtol=2**-6, atol=4e-3)
+    if not norm:
+        torch.testing.assert_close(on.float(), G.gemv_ref(x, w).float(), rtol=2**-6, atol=4e-3)
+    if not slab:
+        assert torch.equal(off, on)
 
 
 def test_gemv_fused_norm_before_the_wait(kernels_on_cpu, monkeypatch):
