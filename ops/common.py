@@ -121,16 +121,25 @@ PREWAIT_DEFAULT = ("gemv", "attn", "rope")  # KILN_PREWAIT unset
 def prewait(part: str) -> bool:
     """Whether kernel family ``part`` loads its graph-constant inputs before ``pdl_wait``
     (``KILN_PREWAIT``, module docstring). A bad value fails naming the variable."""
-    raw = (os.environ.get("KILN_PREWAIT") or ",".join(PREWAIT_DEFAULT)).strip()
+    return part in _prewait_parts(os.environ.get("KILN_PREWAIT") or ",".join(PREWAIT_DEFAULT))
+
+
+@functools.cache
+def _prewait_parts(raw: str) -> frozenset[str]:
+    """``KILN_PREWAIT``'s parts (parsed once per value: the GEMV asks on every eager launch)."""
+    raw = raw.strip()
     if raw in ("none", "0"):
-        return False
-    parts = set(PREWAIT_PARTS) if raw == "all" else {p.strip() for p in raw.split(",") if p.strip()}
-    bad = parts - set(PREWAIT_PARTS)
-    if bad:
+        return frozenset()
+    parts = (
+        frozenset(PREWAIT_PARTS)
+        if raw == "all"
+        else frozenset(p.strip() for p in raw.split(",") if p.strip())
+    )
+    if parts - set(PREWAIT_PARTS):
         raise ValueError(
             f"KILN_PREWAIT must be 'none', 'all' or a comma list of {PREWAIT_PARTS}, got {raw!r}"
         )
-    return part in parts
+    return parts
 
 
 @triton.jit

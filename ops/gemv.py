@@ -188,26 +188,27 @@ def _load_f32(ptrs, mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _k_step(X, w, wu, x_ptrs, r_ptrs, n_ptrs, xo1, xo2, xo3, k_mask, g0, g1, g2, g3, u0, u1, u2, u3, ss,
+def _k_step(X, w, wu, x_ptrs, r_ptrs, n_ptrs, dk, xo1, xo2, xo3, k_mask, g0, g1, g2, g3, u0, u1, u2, u3, ss,
             BLOCK_M: tl.constexpr, GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, ROUND_IN_F32: tl.constexpr,
             NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_G: tl.constexpr):  # fmt: skip
-    """One K step of ``_gemv_fma_kernel`` on the W tiles ``w`` (and ``wu`` with GATE_UP): loads the x
-    rows (NORM: the one row ``g * (x + residual)``, its squares summed into ``ss``) and accumulates."""
-    x0 = _load_f32(x_ptrs, k_mask, EVEN_K)
+    """One K step of ``_gemv_fma_kernel`` on the W tiles ``w`` (and ``wu`` with GATE_UP), ``dk``
+    columns past the program's first: loads the x rows (NORM: the one row ``g * (x + residual)``,
+    its squares summed into ``ss``) and accumulates."""
+    x0 = _load_f32(x_ptrs + dk, k_mask, EVEN_K)
     if NORM:  # one row: x0 <- g * h, ss += h * h
         if HAS_RES:
-            x0 = tl_round(x0 + _load_f32(r_ptrs, k_mask, EVEN_K), X.dtype.element_ty, ROUND_IN_F32)
+            x0 = tl_round(x0 + _load_f32(r_ptrs + dk, k_mask, EVEN_K), X.dtype.element_ty, ROUND_IN_F32)
         ss += tl.sum(x0 * x0, axis=2)
         if HAS_G:
-            x0 = x0 * _load_f32(n_ptrs, k_mask, EVEN_K)
+            x0 = x0 * _load_f32(n_ptrs + dk, k_mask, EVEN_K)
     x1 = x0
     x2 = x0
     x3 = x0
     if BLOCK_M > 1:
-        x1 = _load_f32(x_ptrs + xo1, k_mask, EVEN_K)
+        x1 = _load_f32(x_ptrs + dk + xo1, k_mask, EVEN_K)
     if BLOCK_M > 2:
-        x2 = _load_f32(x_ptrs + xo2, k_mask, EVEN_K)
-        x3 = _load_f32(x_ptrs + xo3, k_mask, EVEN_K)
+        x2 = _load_f32(x_ptrs + dk + xo2, k_mask, EVEN_K)
+        x3 = _load_f32(x_ptrs + dk + xo3, k_mask, EVEN_K)
     g0, g1, g2, g3 = _fma4(g0, g1, g2, g3, w, x0, x1, x2, x3, BLOCK_M)
     if GATE_UP:
         u0, u1, u2, u3 = _fma4(u0, u1, u2, u3, wu, x0, x1, x2, x3, BLOCK_M)
@@ -361,6 +362,7 @@ def _gemv_fma_kernel(
     ss = tl.zeros([BLOCK_N, KB], dtype=tl.float32)  # NORM: sum of squares of h (rows are copies)
     r_ptrs = R + k_lo + offs_k + 0 * rows
     n_ptrs = G + k_lo + offs_k + 0 * rows
+    # the pointers stay at the program's first column; step k reads dk = k - k_lo past them
     k0 = k_lo
     if PREWAIT:  # weights, which nothing in the graph writes: the first K step streams now
         w = _load_f32(wg_ptrs, k_lo + offs_k < k_hi, EVEN_K)
@@ -368,30 +370,18 @@ def _gemv_fma_kernel(
         pdl_wait(PDL)
         # the first step peeled, so its tiles are dead before the loop (no registers held across it)
         g0, g1, g2, g3, u0, u1, u2, u3, ss = _k_step(
-            X, w, wu, x_ptrs, r_ptrs, n_ptrs, xo1, xo2, xo3, k_lo + offs_k < k_hi,
-            g0, g1, g2, g3, u0, u1, u2, u3, ss,
-            BLOCK_M, GATE_UP, EVEN_K, ROUND_IN_F32, NORM, HAS_RES, HAS_G,
+            X, w, wu, x_ptrs, r_ptrs, n_ptrs, 0, xo1, xo2, xo3, k_lo + offs_k < k_hi,
+            g0, g1, g2, g3, u0, u1, u2, u3, ss, BLOCK_M, GATE_UP, EVEN_K, ROUND_IN_F32, NORM, HAS_RES, HAS_G,
         )  # fmt: skip
-        x_ptrs += BLOCK_K
-        r_ptrs += BLOCK_K
-        n_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K
-        wu_ptrs += BLOCK_K
         k0 = k_lo + BLOCK_K
     for k in range(k0, k_hi, BLOCK_K):
         k_mask = None if EVEN_K else k + offs_k < k_hi
-        w = _load_f32(wg_ptrs, k_mask, EVEN_K)
-        wu = _load_f32(wu_ptrs, k_mask, EVEN_K) if GATE_UP else w
+        w = _load_f32(wg_ptrs + (k - k_lo), k_mask, EVEN_K)
+        wu = _load_f32(wu_ptrs + (k - k_lo), k_mask, EVEN_K) if GATE_UP else w
         g0, g1, g2, g3, u0, u1, u2, u3, ss = _k_step(
-            X, w, wu, x_ptrs, r_ptrs, n_ptrs, xo1, xo2, xo3, k_mask,
-            g0, g1, g2, g3, u0, u1, u2, u3, ss,
-            BLOCK_M, GATE_UP, EVEN_K, ROUND_IN_F32, NORM, HAS_RES, HAS_G,
+            X, w, wu, x_ptrs, r_ptrs, n_ptrs, k - k_lo, xo1, xo2, xo3, k_mask,
+            g0, g1, g2, g3, u0, u1, u2, u3, ss, BLOCK_M, GATE_UP, EVEN_K, ROUND_IN_F32, NORM, HAS_RES, HAS_G,
         )  # fmt: skip
-        x_ptrs += BLOCK_K
-        r_ptrs += BLOCK_K
-        n_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K
-        wu_ptrs += BLOCK_K
     if NORM:
         rstd = 1.0 / tl.math.sqrt_rn(tl.sum(ss, axis=1) / K + eps)  # [BLOCK_N], all equal
         g0 = g0 * rstd[:, None]

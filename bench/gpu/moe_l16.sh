@@ -43,3 +43,21 @@ for b in json.load(open(sys.argv[1]))["benchmarks"]:
           f"frac_bw {e.get('frac_bw', 0):.3f} frac_mm {e.get('frac_mm', 0):.3f}")
 PY
 }
+
+# The twelfth session's calls (bench/gpu/run_s12*.sh): raw files in $OUT, one bundle into $DEST.
+call_start() {  # NAME [DEST]: $DEST (the tool's $OUT), $OUT (/tmp/raw_NAME), the clock for stamp
+  CALL=$1; DEST=${2:-/tmp/out}; OUT=/tmp/raw_$1; mkdir -p "$DEST" "$OUT"; T0=$(date +%s)
+}
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/stamps.txt"; }
+
+step_bench() {  # TIMEOUT K-EXPR: bench/test_bench_decode_step.py's cases -> $OUT/decode_step.json, a line each
+  (cd bench && timeout "$1" python -m pytest -q test_bench_decode_step.py -p no:cacheprovider -k "$2" \
+    --benchmark-json="$OUT/decode_step.json" > "$OUT/decode_step.log" 2>&1)
+  bench_summary "$OUT/decode_step.json" | tee "$OUT/step_summary.txt"
+}
+
+call_end() {  # bundle $OUT into $DEST/$CALL.json (bench/gpu/bundle.py), then the summaries again
+  python bench/gpu/bundle.py "$OUT" "$DEST/$CALL.json" \
+    "bash bench/gpu/run_$CALL.sh OUT (commit: ${KILN_COMMIT:-see bench/results/README.md})"
+  cat "$OUT"/*_summary.txt
+}

@@ -3,23 +3,19 @@
 # wait: the GEMV's first weight step, the decode split kernel's cached K/V, the RoPE kernel's
 # tables). GPU tests, the step bench per part, then `kiln bench latency` on one artifact with the
 # switch off / on / off / on (read at capture). Usage: bash bench/gpu/run_s12a.sh OUTDIR
+# As recorded: KILN_PREWAIT was off by default then, and `all` had no `slab` part; rerun today,
+# `default` is on and `all` adds the slab step (run_s12c.sh is the A/B against the current default).
 set -o pipefail
-DEST=${1:-/tmp/out}; OUT=/tmp/raw_s12a; mkdir -p "$DEST" "$OUT"  # $OUT: the raw files, bundled into $DEST
 source bench/gpu/env.sh
 source bench/gpu/moe_l16.sh
-T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/stamps.txt"; }
+call_start s12a "$1"
 gpu_tests tests.log 100 tests/ops/test_prewait.py tests/ops/test_decode_attention.py -k "gpu or prewait"
 stamp tests
-(cd bench && timeout 170 python -m pytest -q test_bench_decode_step.py -p no:cacheprovider \
-  -k "a3b-1-default or a3b-1-prewait or llama-3.1-8b-1-default or (llama-3.1-8b-1-prewait and not prewait_)" \
-  --benchmark-json="$OUT/decode_step.json" > "$OUT/decode_step.log" 2>&1)
-bench_summary "$OUT/decode_step.json" | tee "$OUT/step_summary.txt"
+step_bench 170 "a3b-1-default or a3b-1-prewait or llama-3.1-8b-1-default or (llama-3.1-8b-1-prewait and not prewait_)"
 stamp step
 moe_checkpoint; stamp checkpoint
 moe_compile; stamp compile
-for v in default prewait default_again prewait_again; do
-  case $v in prewait*) moe_latency $v "" KILN_PREWAIT=all ;; *) moe_latency $v "" ;; esac
-done | tee "$OUT/latency_summary.txt"
+{ moe_latency default ""; moe_latency prewait "" KILN_PREWAIT=all; moe_latency default_again "";
+  moe_latency prewait_again "" KILN_PREWAIT=all; } | tee "$OUT/latency_summary.txt"
 stamp latency
-python bench/gpu/bundle.py "$OUT" "$DEST/s12a.json" "bash bench/gpu/run_s12a.sh OUT (commit: ${KILN_COMMIT:-see bench/results/README.md})"
-cat "$OUT/step_summary.txt" "$OUT/latency_summary.txt"
+call_end
