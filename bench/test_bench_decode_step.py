@@ -60,7 +60,9 @@ VARIANTS = {
     "prewait_gemv": {"KILN_PREWAIT": "gemv"},
     "prewait_attn": {"KILN_PREWAIT": "attn"},
     "prewait_rope": {"KILN_PREWAIT": "rope"},
-    "prewait_slab": {"KILN_PREWAIT": "all"},  # plus the whole-slab first step (opt-in)
+    "prewait_slab": {"KILN_PREWAIT": "all"},  # plus the whole-slab first step, every one-row GEMV
+    "slab_plain": {"KILN_PREWAIT": "gemv,attn,rope,slab"},  # without a fused norm: o
+    "slab_norm": {"KILN_PREWAIT": "gemv,attn,rope,slab_norm"},  # with one: qkv, router, gate_up
     "fused_merge": {"KILN_ATTN_MERGE": "fused"},
 }
 

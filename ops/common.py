@@ -24,14 +24,16 @@ drains: 1.55 -> 1.05 us per one-row kernel and 11.9 -> 9.6 us per 4096 x 4096 GE
 the H200 (bench/results/2026-11-29_h200_pdl_probe.json). ``KILN_PDL=0`` turns it off (read at
 call time, so at capture time for CUDA graphs).
 
-Pre-wait loads (``KILN_PREWAIT``: a comma list of ``gemv``, ``attn``, ``rope``, ``slab``, or ``all``,
+Pre-wait loads (``KILN_PREWAIT``: a comma list of ``gemv``, ``attn``, ``rope``, ``slab``, ``slab_norm``, or ``all``,
 or ``none`` / ``0``; unset: ``gemv,attn,rope``; read at call time, so at capture): the kernels named
 load, before ``pdl_wait``, what nothing in the running CUDA graph writes:
 
 * ``gemv``: the GEMV its first weight step (peeled off the K loop, so no tile stays live across it);
-* ``slab`` (with ``gemv``; opt-in, not yet measured): a one-row GEMV whose whole ``[BLOCK_N, K]``
+* ``slab`` / ``slab_norm`` (with ``gemv``; opt-in): a one-row GEMV whose whole ``[BLOCK_N, K]``
   weight slab is at most ``SLAB_MAX_ELEMS`` elements a thread takes it as that first step, so each
-  resident program loads all its weights before the wait (ops/gemv.py ``slab_block_k``);
+  resident program loads all its weights before the wait (ops/gemv.py ``slab_block_k``); ``slab``
+  for GEMVs without a fused RMSNorm (the o projection, after the latency-bound attention kernels),
+  ``slab_norm`` for those with one (qkv, router, gate_up);
 * ``attn``: the decode split kernel its step inputs (length, request row, block-table pages) and the
   K/V rows of the keys earlier steps cached (the new key, written by the kernel before, is loaded
   after the wait); the merge kernel the request's length;
@@ -114,7 +116,7 @@ def pdl_args(t: torch.Tensor) -> dict[str, bool]:
     return {"PDL": True, "launch_pdl": True} if pdl_enabled(t) else {"PDL": False}
 
 
-PREWAIT_PARTS = ("gemv", "attn", "rope", "slab")
+PREWAIT_PARTS = ("gemv", "attn", "rope", "slab", "slab_norm")
 PREWAIT_DEFAULT = ("gemv", "attn", "rope")  # KILN_PREWAIT unset
 
 

@@ -738,11 +738,13 @@ def _norm_meta(norm: NormIn | None, x: torch.Tensor, w: torch.Tensor, grid_n: in
     )  # fmt: skip
 
 
-def slab_block_k(cfg: GemvConfig, bm: int, k: int, gate_up: bool) -> int:
-    """``cfg.block_k``, or with ``KILN_PREWAIT`` naming ``gemv`` and ``slab`` all of K in one step for a
-    one-row CUDA-core launch without split-K whose per-thread W elements stay within
-    ``SLAB_MAX_ELEMS`` (so the pre-wait step is the whole slab)."""
-    if cfg.use_dot or bm != 1 or cfg.split_k != 1 or not (common.prewait("slab") and common.prewait("gemv")):
+def slab_block_k(cfg: GemvConfig, bm: int, k: int, gate_up: bool, norm: bool = False) -> int:
+    """``cfg.block_k``, or with ``KILN_PREWAIT`` naming ``gemv`` and ``slab`` (``slab_norm`` for a
+    GEMV with a fused RMSNorm) all of K in one step for a one-row CUDA-core launch without split-K
+    whose per-thread W elements stay within ``SLAB_MAX_ELEMS`` (so the pre-wait step is the whole
+    slab)."""
+    part = "slab_norm" if norm else "slab"
+    if cfg.use_dot or bm != 1 or cfg.split_k != 1 or not (common.prewait(part) and common.prewait("gemv")):
         return cfg.block_k
     elems = cfg.block_n * next_pow2(k) * (2 if gate_up else 1) // (32 * cfg.num_warps)
     return next_pow2(k) if elems <= SLAB_MAX_ELEMS else cfg.block_k
@@ -847,7 +849,7 @@ def gemv(
     )  # fmt: skip
     bm = next_pow2(m)
     if block_k is None:
-        cfg = dataclasses.replace(cfg, block_k=slab_block_k(cfg, bm, k, gate_up))
+        cfg = dataclasses.replace(cfg, block_k=slab_block_k(cfg, bm, k, gate_up, norm is not None))
     if cfg.use_dot:
         bm = max(DOT_M, bm)
         if cfg.block_n < 16 or cfg.block_k < 16:

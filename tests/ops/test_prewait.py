@@ -43,7 +43,7 @@ def both(monkeypatch, part: str, fn):
         (None, {"gemv", "attn", "rope"}),  # the default
         ("none", set()),
         ("0", set()),
-        ("all", {"gemv", "attn", "rope", "slab"}),
+        ("all", {"gemv", "attn", "rope", "slab", "slab_norm"}),
         ("gemv, rope", {"gemv", "rope"}),
     ],
 )
@@ -101,14 +101,16 @@ def test_gemv_whole_slab_before_the_wait(kernels_on_cpu, monkeypatch, n, k, warp
     w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
     nw = (1 + 0.1 * torch.randn(k, generator=g)).to(torch.bfloat16) if norm else None
     cfg = G.GemvConfig(block_n=2, block_k=64, num_warps=warps, num_stages=1, split_k=1, use_dot=False)
-    monkeypatch.setenv("KILN_PREWAIT", "gemv,slab")
-    assert G.slab_block_k(cfg, 1, k, False) == (next_pow2(k) if slab else 64)
-    assert G.slab_block_k(cfg, 2, k, False) == 64  # one x row only
-    monkeypatch.setenv("KILN_PREWAIT", "gemv")
-    assert G.slab_block_k(cfg, 1, k, False) == 64  # opt-in
+    part, other = ("gemv,slab_norm", "gemv,slab") if norm else ("gemv,slab", "gemv,slab_norm")
+    monkeypatch.setenv("KILN_PREWAIT", part)
+    assert G.slab_block_k(cfg, 1, k, False, norm) == (next_pow2(k) if slab else 64)
+    assert G.slab_block_k(cfg, 2, k, False, norm) == 64  # one x row only
+    for unset in ("gemv", other):  # opt-in, and each part for its own kind of GEMV
+        monkeypatch.setenv("KILN_PREWAIT", unset)
+        assert G.slab_block_k(cfg, 1, k, False, norm) == 64
     monkeypatch.setattr(G, "gemv_config", lambda *a, **kw: cfg)
     ns = G.NormIn(nw, 1e-6) if norm else None
-    off, on = both(monkeypatch, "gemv,slab", lambda: G.gemv(x, w, norm=ns))
+    off, on = both(monkeypatch, part, lambda: G.gemv(x, w, norm=ns))
     # the one step sums K in another order: equal to the K-step result within a rounding or two
     torch.testing.assert_close(on.float(), off.float(), rtol=2**-6, atol=4e-3)
     if not norm:
