@@ -46,6 +46,7 @@ MAX_SEQ = pick(32768, 64)  # CompileOptions' default for this config: the decode
 TINY = dict(hidden_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
             moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, vocab_size=256,
             max_position_embeddings=512)  # fmt: skip
+SLAB_NORM = "gemv,attn,rope,slab_norm"
 VARIANTS = {
     "default": {},
     "norm": {"KILN_GEMV": "attn:1,mlp:1,router:1,norm:1"},
@@ -62,8 +63,15 @@ VARIANTS = {
     "prewait_rope": {"KILN_PREWAIT": "rope"},
     "prewait_slab": {"KILN_PREWAIT": "all"},  # plus the whole-slab first step, every one-row GEMV
     "slab_plain": {"KILN_PREWAIT": "gemv,attn,rope,slab"},  # without a fused norm: o
-    "slab_norm": {"KILN_PREWAIT": "gemv,attn,rope,slab_norm"},  # with one: qkv, router, gate_up
+    "slab_norm": {"KILN_PREWAIT": SLAB_NORM},  # with one: qkv, router, gate_up
     "fused_merge": {"KILN_ATTN_MERGE": "fused"},
+    # top-k inside the w13 GEMV by selection rounds (ops/moe_routing.py round_route), not the rank matrix
+    "topk_w13_rounds": {"KILN_MOE_TOPK_IN_W13": "1", "KILN_MOE_ROUTE_SELECT": "rounds"},
+    "rounds_slab_norm": {
+        "KILN_MOE_TOPK_IN_W13": "1",
+        "KILN_MOE_ROUTE_SELECT": "rounds",
+        "KILN_PREWAIT": SLAB_NORM,
+    },
 }
 
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -61,7 +62,7 @@ import triton.language as tl
 
 from kiln.ops.activation import NARROW_ROWS
 from kiln.ops.common import FP8_DTYPE, interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
-from kiln.ops.moe_routing import rank_route
+from kiln.ops.moe_routing import rank_route, round_route
 from kiln.ops.quant import tl_add_row, tl_round
 
 EARLY_MAX_K = 1024  # moe_gemv_launch(early=True): the widest K slab a program holds in registers
@@ -408,6 +409,7 @@ def _moe_gemv_kernel(
     E_PAD: tl.constexpr = 1,
     RENORM: tl.constexpr = False,
     ROUND_W: tl.constexpr = 0,
+    ROUTE_ROUNDS: tl.constexpr = False,  # ROUTE_K: round_route (selection rounds), not rank_route
     Z=None,  # ADD_Z: [T, N] residual added to each token's top-k sum (SUM_K, or GROUP k); else any pointer
     stride_zm=0,
     ADD_Z: tl.constexpr = False,
@@ -443,8 +445,12 @@ def _moe_gemv_kernel(
         elif ROUTE_K > 0:  # the routing of this pair's token, here; column block 0 records it for w2
             offs_e = tl.arange(0, E_PAD)
             lg = tl.load(LOGITS + (g // ROUTE_K) * stride_lg + offs_e, mask=offs_e < E_LG, other=0.0)
-            e0, w_route = rank_route(lg.to(tl.float32), offs_e, offs_e < E_LG, g % ROUTE_K, route_scale,
-                                     ROUTE_K, RENORM, ROUND_W)  # fmt: skip
+            if ROUTE_ROUNDS:
+                e0, w_route = round_route(lg.to(tl.float32), offs_e, offs_e < E_LG, g % ROUTE_K,
+                                          tl.program_id(1) == 0, route_scale, ROUTE_K, RENORM, ROUND_W)  # fmt: skip
+            else:
+                e0, w_route = rank_route(lg.to(tl.float32), offs_e, offs_e < E_LG, g % ROUTE_K, route_scale,
+                                         ROUTE_K, RENORM, ROUND_W)  # fmt: skip
             if tl.program_id(1) == 0:
                 tl.store(IDS + g, e0)
                 tl.store(TOPK_W + g, w_route)
@@ -535,6 +541,17 @@ def _moe_gemv_kernel(
 
 
 # ---- launchers ------------------------------------------------------------------------------------
+
+
+def route_select() -> str:
+    """``KILN_MOE_ROUTE_SELECT`` (read at call time, so at capture): how a w13 GEMV that routes its
+    own pairs (``moe_gemv_launch(route=...)``, ``KILN_MOE_TOPK_IN_W13=1``) finds its expert:
+    ``rank`` (the default) the rank matrix of ``rank_route``, ``rounds`` the selection rounds of
+    ``round_route`` (ops/moe_routing.py)."""
+    v = os.environ.get("KILN_MOE_ROUTE_SELECT", "rank")
+    if v not in ("rank", "rounds"):
+        raise ValueError(f"KILN_MOE_ROUTE_SELECT must be 'rank' or 'rounds', got {v!r}")
+    return v
 
 
 def moe_gemm_launch(
@@ -672,6 +689,7 @@ def moe_gemv_launch(
         rt = dict(
             LOGITS=lg, stride_lg=lg.stride(0), E_LG=lg.shape[1], route_scale=float(route.scale), ROUTE_K=k,
             E_PAD=next_pow2(lg.shape[1]), RENORM=route.renormalize, ROUND_W=route.round_code,
+            ROUTE_ROUNDS=route_select() == "rounds",
         )  # fmt: skip
     pdl = pdl_args(a)
     _moe_gemv_kernel[grid](

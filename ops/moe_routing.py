@@ -196,6 +196,32 @@ def rank_route(x, offs, valid, j, scale, K: tl.constexpr, RENORM: tl.constexpr, 
 
 
 @triton.jit
+def round_route(x, offs, valid, j, full, scale, K: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr):
+    """:func:`rank_route` by selection rounds instead of the rank matrix: ``j + 1`` picks of the
+    largest probability left (as :func:`_topk_row` makes them), all ``K`` when ``full`` (the
+    program that stores the weight, which the renormalization needs every pick for). A program of
+    slot 0 makes one pick before its weight loads, one of slot ``K - 1`` makes ``K``; the matrix
+    costs every program ``E_PAD x E_PAD`` comparisons (``KILN_MOE_ROUTE_SELECT``, ops/moe_gemm.py)."""
+    x = tl.where(valid & (x == x), x, float("-inf"))
+    p = _softmax(x, valid)
+    pv = tl.where(valid & (p == p), p, float("-inf"))
+    avail = valid
+    expert = tl.min(offs, axis=0) * 0
+    wj = 0.0
+    total = 0.0
+    for r in range(0, tl.where(full, K, j + 1)):
+        i, _ = _pick(pv, avail, offs, offs.shape[0])
+        pi = tl.sum(tl.where(offs == i, p, 0.0), axis=0)
+        expert = tl.where(r == j, i, expert)
+        wj = tl.where(r == j, pi, wj)
+        total += pi
+        avail = avail & (offs != i)
+    if RENORM:
+        wj = wj / total
+    return expert.to(tl.int32), _scale_round(wj, scale, ROUND)
+
+
+@triton.jit
 def _moe_topk_kernel(
     L,  # [T, E] router logits
     BIAS,  # [E] f32 correction bias (HAS_BIAS)
