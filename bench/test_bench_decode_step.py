@@ -56,8 +56,9 @@ VARIANTS = {
     "pdl_off": {"KILN_PDL": "0"},
     "gemv_off": {"KILN_GEMV": "0"},
     "rope_attn": {"KILN_ROPE_IN_ATTN": "1"},  # QK-norm + RoPE + KV write inside decode attention
-    # graph-constant loads before the PDL wait (ops/common.py KILN_PREWAIT; default all)
+    # graph-constant loads before the PDL wait (ops/common.py KILN_PREWAIT; default: all parts)
     "prewait_off": {"KILN_PREWAIT": "none"},
+    "prewait_noslab": {"KILN_PREWAIT": "gemv,attn,rope"},  # the default before the slab parts
     "prewait_gemv": {"KILN_PREWAIT": "gemv"},
     "prewait_attn": {"KILN_PREWAIT": "attn"},
     "prewait_rope": {"KILN_PREWAIT": "rope"},

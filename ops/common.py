@@ -24,16 +24,17 @@ drains: 1.55 -> 1.05 us per one-row kernel and 11.9 -> 9.6 us per 4096 x 4096 GE
 the H200 (bench/results/2026-11-29_h200_pdl_probe.json). ``KILN_PDL=0`` turns it off (read at
 call time, so at capture time for CUDA graphs).
 
-Pre-wait loads (``KILN_PREWAIT``: a comma list of ``gemv``, ``attn``, ``rope``, ``slab``, ``slab_norm``, or ``all``,
-or ``none`` / ``0``; unset: ``gemv,attn,rope``; read at call time, so at capture): the kernels named
-load, before ``pdl_wait``, what nothing in the running CUDA graph writes:
+Pre-wait loads (``KILN_PREWAIT``: a comma list of ``gemv``, ``attn``, ``rope``, ``slab``,
+``slab_norm``, or ``all``, or ``none`` / ``0``; unset: all; read at call time, so at capture): the
+kernels named load, before ``pdl_wait``, what nothing in the running CUDA graph writes:
 
 * ``gemv``: the GEMV its first weight step (peeled off the K loop, so no tile stays live across it);
-* ``slab`` / ``slab_norm`` (with ``gemv``; opt-in): a one-row GEMV whose whole ``[BLOCK_N, K]``
-  weight slab is at most ``SLAB_MAX_ELEMS`` elements a thread takes it as that first step, so each
+* ``slab`` / ``slab_norm`` (with ``gemv``): a one-row GEMV whose whole ``[BLOCK_N, K]`` weight
+  slab is at most ``SLAB_MAX_ELEMS`` elements a thread takes it as that first step, so each
   resident program loads all its weights before the wait (ops/gemv.py ``slab_block_k``); ``slab``
-  for GEMVs without a fused RMSNorm (the o projection, after the latency-bound attention kernels),
-  ``slab_norm`` for those with one (qkv, router, gate_up);
+  for GEMVs without a fused RMSNorm (the o projection, after the latency-bound attention kernels;
+  only with a grid of at most ``SLAB_MAX_PER_SM`` programs a SM), ``slab_norm`` for those with one
+  (qkv, router, gate_up);
 * ``attn``: the decode split kernel its step inputs (length, request row, block-table pages) and the
   K/V rows of the keys earlier steps cached (the new key, written by the kernel before, is loaded
   after the wait); the merge kernel the request's length;
@@ -44,6 +45,8 @@ predecessor triggered) starts only after every kernel before it has started, so 
 race a writer. On the H200 (``bench/results/2026-12-02_h200_s12c_prewait_default_hf.json``) it
 took the Qwen3-30B-A3B-shaped batch-1 step from 1.010 to 0.926 ms (956.6 -> 1040.9 tok/s, ``kiln
 bench latency``) and the Llama-3.1-8B-shaped step bench from 2183 to 2007 us; batch 8 within 0.3%.
+The slab parts (default since ``..._s13d_*``) took the Qwen step from 1019-1027 to 1047-1053 tok/s
+(``..._s13a_*``, ``..._s13b_*``).
 
 ``kiln_op`` registers an op and also records its Python body in ``DIRECT``: the runtime calls the
 bodies straight from the graphs it loads (``runtime/graph_code.py``), skipping the dispatcher,
@@ -117,7 +120,7 @@ def pdl_args(t: torch.Tensor) -> dict[str, bool]:
 
 
 PREWAIT_PARTS = ("gemv", "attn", "rope", "slab", "slab_norm")
-PREWAIT_DEFAULT = ("gemv", "attn", "rope")  # KILN_PREWAIT unset
+PREWAIT_DEFAULT = PREWAIT_PARTS  # KILN_PREWAIT unset: all
 
 
 def prewait(part: str) -> bool:

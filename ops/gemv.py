@@ -93,6 +93,11 @@ DEFAULT_MAX_M = 8
 # one-row qkv and o rungs of Qwen3-30B-A3B cross-compile (sm_90, the launches' alignment) to 80
 # and 72 registers, against 39 and 42 for the first-step version.
 SLAB_MAX_ELEMS = 64
+# ... and, for a GEMV without a fused norm, at most this many programs per SM. Measured on the H200
+# (bench/results/2026-12-02_h200_s13b_*): the whole-slab o GEMV of Qwen3-30B-A3B (1024 programs,
+# 72 registers: 7 a SM resident) gained 1.5% end to end; that of Llama-3.1-8B (2048 programs) cost
+# its step bench 1.6%. The qkv GEMVs with the norm (2560 / 3072 programs) gained or held even.
+SLAB_MAX_PER_SM = 8
 DEFAULT_SMS = 132  # H200; used where no device can be asked (the interpreter)
 DOT_M = 16  # tensor-core tiles pad x to 16 rows
 FMA_MAX_M = 4  # the CUDA-core kernel keeps one accumulator per x row, up to 4
@@ -738,13 +743,24 @@ def _norm_meta(norm: NormIn | None, x: torch.Tensor, w: torch.Tensor, grid_n: in
     )  # fmt: skip
 
 
-def slab_block_k(cfg: GemvConfig, bm: int, k: int, gate_up: bool, norm: bool = False) -> int:
+def slab_block_k(
+    cfg: GemvConfig,
+    bm: int,
+    k: int,
+    gate_up: bool,
+    norm: bool = False,
+    n_out: int = 0,
+    sms: int = DEFAULT_SMS,
+) -> int:
     """``cfg.block_k``, or with ``KILN_PREWAIT`` naming ``gemv`` and ``slab`` (``slab_norm`` for a
     GEMV with a fused RMSNorm) all of K in one step for a one-row CUDA-core launch without split-K
     whose per-thread W elements stay within ``SLAB_MAX_ELEMS`` (so the pre-wait step is the whole
-    slab)."""
+    slab). A GEMV without a norm also needs a grid of at most ``SLAB_MAX_PER_SM`` programs per SM
+    (``n_out`` outputs, ``sms`` SMs): most of its programs are then resident early."""
     part = "slab_norm" if norm else "slab"
     if cfg.use_dot or bm != 1 or cfg.split_k != 1 or not (common.prewait(part) and common.prewait("gemv")):
+        return cfg.block_k
+    if not norm and triton.cdiv(n_out, cfg.block_n) > SLAB_MAX_PER_SM * sms:
         return cfg.block_k
     elems = cfg.block_n * next_pow2(k) * (2 if gate_up else 1) // (32 * cfg.num_warps)
     return next_pow2(k) if elems <= SLAB_MAX_ELEMS else cfg.block_k
@@ -849,7 +865,9 @@ def gemv(
     )  # fmt: skip
     bm = next_pow2(m)
     if block_k is None:
-        cfg = dataclasses.replace(cfg, block_k=slab_block_k(cfg, bm, k, gate_up, norm is not None))
+        cfg = dataclasses.replace(
+            cfg, block_k=slab_block_k(cfg, bm, k, gate_up, norm is not None, n_out, sms)
+        )
     if cfg.use_dot:
         bm = max(DOT_M, bm)
         if cfg.block_n < 16 or cfg.block_k < 16:

@@ -26,7 +26,9 @@ def make(t, e, h, i, seed):
 @pytest.mark.parametrize("select", ["rank", "rounds"])  # KILN_MOE_ROUTE_SELECT
 @pytest.mark.parametrize("renorm,round_to", [(True, "bfloat16"), (False, ""), (True, "")])
 @pytest.mark.parametrize("t,e,k", [(1, 16, 4), (3, 16, 4), (2, 12, 3)], ids=["t1", "t3", "odd-E"])
-def test_routing_in_w13_matches_the_topk_kernel(kernel_on_cpu, monkeypatch, t, e, k, renorm, round_to, select):
+def test_routing_in_w13_matches_the_topk_kernel(
+    kernel_on_cpu, monkeypatch, t, e, k, renorm, round_to, select
+):
     monkeypatch.setenv("KILN_MOE_ROUTE_SELECT", select)
     x, logits, w13, w2 = make(t, e, 32, 24, seed=t + e)
     seen = {}

@@ -40,7 +40,7 @@ def both(monkeypatch, part: str, fn):
 @pytest.mark.parametrize(
     "raw, expect",
     [
-        (None, {"gemv", "attn", "rope"}),  # the default
+        (None, {"gemv", "attn", "rope", "slab", "slab_norm"}),  # the default: all
         ("none", set()),
         ("0", set()),
         ("all", {"gemv", "attn", "rope", "slab", "slab_norm"}),
@@ -105,9 +105,14 @@ def test_gemv_whole_slab_before_the_wait(kernels_on_cpu, monkeypatch, n, k, warp
     monkeypatch.setenv("KILN_PREWAIT", part)
     assert G.slab_block_k(cfg, 1, k, False, norm) == (next_pow2(k) if slab else 64)
     assert G.slab_block_k(cfg, 2, k, False, norm) == 64  # one x row only
-    for unset in ("gemv", other):  # opt-in, and each part for its own kind of GEMV
+    for unset in ("gemv", other):  # each part for its own kind of GEMV
         monkeypatch.setenv("KILN_PREWAIT", unset)
         assert G.slab_block_k(cfg, 1, k, False, norm) == 64
+    if not norm:  # a plain GEMV slabs only a grid of at most SLAB_MAX_PER_SM programs a SM
+        monkeypatch.setenv("KILN_PREWAIT", part)
+        wide = 2 * (G.SLAB_MAX_PER_SM * 4 + 1)  # block_n 2, 4 SMs: one program over the limit
+        assert G.slab_block_k(cfg, 1, k, False, False, wide - 2, sms=4) == (next_pow2(k) if slab else 64)
+        assert G.slab_block_k(cfg, 1, k, False, False, wide, sms=4) == 64
     monkeypatch.setattr(G, "gemv_config", lambda *a, **kw: cfg)
     ns = G.NormIn(nw, 1e-6) if norm else None
     off, on = both(monkeypatch, part, lambda: G.gemv(x, w, norm=ns))
