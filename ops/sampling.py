@@ -168,7 +168,9 @@ def _argmax_finish_kernel(
     tl.store(out_ptr + row, pick.to(tl.int64))
 
 
-def _argmax_launch(x: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
+def _argmax_launch(
+    x: torch.Tensor, keys: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     B, V = x.shape
     assert x.stride(1) == 1, "argmax: rows must be contiguous"
     chunk = min(CHUNK, next_pow2(V))
@@ -176,7 +178,8 @@ def _argmax_launch(x: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
     num_chunks = triton.cdiv(V, chunk)
     best_val = torch.empty(B, num_chunks, dtype=torch.float32, device=x.device)
     best_idx = torch.empty(B, num_chunks, dtype=torch.int32, device=x.device)
-    out = torch.empty(B, dtype=torch.int64, device=x.device)
+    if out is None:
+        out = torch.empty(B, dtype=torch.int64, device=x.device)
     if B == 0:
         return out
     pdl = pdl_args(x)
@@ -201,9 +204,12 @@ def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return _argmax_launch(x, keys)
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy: ``x.argmax(dim=-1)`` for x [B, V] float32 (rows contiguous, row stride may exceed
-    V), the lowest index among equal maxima; the Triton kernels where ``use_triton`` says so."""
+    V), the lowest index among equal maxima; the Triton kernels where ``use_triton`` says so.
+    ``out``: a ``[B]`` int64 tensor to write the ids into (returned)."""
+    if out is not None and (out.shape != (x.shape[0],) or out.dtype != torch.int64):
+        raise ValueError(f"argmax_rows: out must be [{x.shape[0]}] int64, got {tuple(out.shape)} {out.dtype}")
     if not use_triton(x) or x.dim() != 2 or x.stride(1) != 1:
-        return x.argmax(dim=-1)
-    return _argmax_launch(x, None)
+        return torch.argmax(x, dim=-1, out=out) if out is not None else x.argmax(dim=-1)
+    return _argmax_launch(x, None, out)

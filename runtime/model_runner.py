@@ -4,11 +4,21 @@ Decode steps run the decode graph of the smallest captured bucket that holds the
 CUDA-graph replay (``cuda_graph=False`` runs the graph module directly). Extend steps (chunked
 prefill) run the extend graph, whose token and request dimensions are dynamic. Host work per step
 is O(batch): the step's integers go to the device in one copy.
+
+Greedy ids inside the decode graph (``KILN_GRAPH_GREEDY=1``, read when the runner is built; opt-in,
+not yet measured on a GPU): the decode graph also takes each row's argmax over the vocabulary and
+writes it into its own input-ids row. A plain-greedy step (runtime/stepper.py) takes those ids
+instead of launching the sampler, and the next step, when it decodes the same requests, finds its
+input ids in place: its input copy skips that row and no ids copy runs. Between two replays that
+leaves the input copy and the ids' copy back; without it the sampler's two argmax kernels and the
+ids copy also run there, each waiting for the one before (about 35 us between replays on the H200
+at batch 1, ``bench/results/2026-12-02_h200_s13b_*``). Other steps pay for one argmax they ignore.
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -16,6 +26,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from kiln.ops.sampling import argmax_rows
 from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import LoadedModel
 
@@ -55,6 +66,7 @@ class ModelRunner:
         # of 4: every row starts 16-byte aligned, as the kernels were specialized for).
         bmax += -bmax % 4
         self._n64 = 3 * bmax * 8  # bytes of the int64 rows
+        self._ids_bytes = bmax * 8  # the first of them: the input ids
         self._dbuf = torch.zeros(self._n64 + 2 * bmax * 4, dtype=torch.uint8, device=self.device)
         self._i64 = self._dbuf[: self._n64].view(torch.int64).view(3, bmax)
         self._i32 = self._dbuf[self._n64 :].view(torch.int32).view(2, bmax)
@@ -70,6 +82,10 @@ class ModelRunner:
         self._h64np = [h[: self._n64].numpy().view(np.int64).reshape(3, bmax) for h in self._hbuf]
         self._h32np = [h[self._n64 :].numpy().view(np.int32).reshape(2, bmax) for h in self._hbuf]
         self._flip = 0
+        self.graph_greedy = os.environ.get("KILN_GRAPH_GREEDY", "0") == "1"  # module docstring
+        self.vocab_size = model.artifact.vocab_size
+        self.last_ids: torch.Tensor | None = None  # [n] int64: the last decode step's argmax ids
+        self.ids_in_place = 0  # decode steps whose input ids the previous graph left in place
         self.capture_seconds = 0.0
         if self.use_cuda_graph:
             self._capture_all()
@@ -100,7 +116,10 @@ class ModelRunner:
 
     def _run_decode_graph(self, b: int) -> torch.Tensor:
         graph = self.m.graphs.get(f"decode_b{b}") or self.m.graphs["model"]
-        return graph(*self._decode_args(b))
+        logits = graph(*self._decode_args(b))  # [b, >= V]
+        if self.graph_greedy:  # into the input-ids row the graph has read already
+            argmax_rows(logits[:, : self.vocab_size], out=self._i64[0, :b])
+        return logits
 
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
@@ -141,8 +160,18 @@ class ModelRunner:
         n64[2, :n] = step.out_slots
         n32[0, :n] = step.req_rows
         n32[1, :n] = step.seq_lens
-        self._dbuf.copy_(self._hbuf[self._flip], non_blocking=True)  # one copy (a few KiB)
-        if subst is not None:
+        in_place = (
+            subst is not None
+            and subst[0] is None
+            and subst[1].data_ptr() == self._i64.data_ptr()
+            and subst[1].numel() == n
+        )  # the previous graph's argmax ids, already in the input row (KILN_GRAPH_GREEDY)
+        if in_place:
+            self.ids_in_place += 1
+            self._dbuf[self._ids_bytes :].copy_(self._hbuf[self._flip][self._ids_bytes :], non_blocking=True)
+        else:
+            self._dbuf.copy_(self._hbuf[self._flip], non_blocking=True)  # one copy (a few KiB)
+        if subst is not None and not in_place:
             if subst[0] is None:  # every row's id: the previous step's ids in order
                 self._i64[0, :n].copy_(subst[1])
             else:
@@ -153,6 +182,7 @@ class ModelRunner:
             logits = self._out[b]
         else:
             logits = self._run_decode_graph(b)
+        self.last_ids = self._i64[0, :n] if self.graph_greedy else None
         return logits[:n]
 
     # ------------------------------------------------------------------ extend
@@ -200,6 +230,7 @@ class ModelRunner:
     def forward(
         self, step: StepInputs, subst: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:
+        self.last_ids = None
         if step.mode == "decode":
             return self.decode(step, subst)
         assert subst is None, "extend steps take their input ids from the host"

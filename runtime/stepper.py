@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kiln.runtime.request import Req
-from kiln.runtime.sampler import SamplingBatch
+from kiln.runtime.sampler import SampleOutput, SamplingBatch
 from kiln.runtime.scheduler import ScheduledBatch
 
 PLACEHOLDER = -1  # an output token sampled on the device, not read back yet
@@ -126,7 +126,10 @@ class Stepper:
                 steps=[len(r.output_ids) for r in reqs],
                 eos_token_ids=sorted(e.eos_ids),
             )
-        out = e.sampler.sample(logits, sb)
+        if greedy is not None and sb is greedy and e.runner.last_ids is not None:
+            out = SampleOutput(next_ids=e.runner.last_ids)  # the decode graph's argmax (KILN_GRAPH_GREEDY)
+        else:
+            out = e.sampler.sample(logits, sb)
         e.sampler.observe(sb.rows, out.next_ids)
         index = []  # each request's new token goes where its placeholder is appended now
         for r in reqs:

@@ -145,3 +145,22 @@ def test_overlapped_decoding_matches_sequential(gpu_art):
         assert (llm.engine.stepper.overlapped > 0) == overlap
         llm.engine.check_integrity()
     assert runs[0] == runs[1]
+
+
+def test_graph_greedy_matches_the_sampler(gpu_art, monkeypatch):
+    """``KILN_GRAPH_GREEDY=1`` (runtime/model_runner.py): the argmax captured in each decode graph,
+    its ids left in the input row for the next replay, gives the tokens the sampler gives."""
+    from kiln import LLM, SamplingParams
+
+    _, art = gpu_art
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 33, 2, 50)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 12, 40, 25)]
+    runs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("KILN_GRAPH_GREEDY", flag)
+        llm = LLM(str(art), device="cuda", overlap=True, kv_memory_gib=0.5)
+        runs.append([o.token_ids for o in llm.generate(prompts, params)])
+        assert (llm.engine.runner.ids_in_place > 0) == (flag == "1")
+        llm.engine.check_integrity()
+    assert runs[0] == runs[1]

@@ -89,3 +89,54 @@ def test_mixed_params_overlap_matches_sequential(setup):
     llm = LLM(str(art), device="cpu", overlap=True)
     alone = llm.generate(prompts[4:5], params[4:5])[0].token_ids
     assert alone == runs[0][4][0]
+
+
+def _decode_samples(monkeypatch, eng) -> list[int]:
+    """A list that grows by one per ``Sampler.sample`` call made for a decode step."""
+    calls: list[int] = []
+    real = eng.sampler.sample
+
+    def spy(logits, batch):
+        if eng.last_step_mode == "decode":
+            calls.append(batch.size)
+        return real(logits, batch)
+
+    monkeypatch.setattr(eng.sampler, "sample", spy)
+    return calls
+
+
+def test_graph_greedy_ids_stay_in_place(setup, monkeypatch):
+    """``KILN_GRAPH_GREEDY=1``: plain-greedy decode steps take the graph's argmax (no sampler call)
+    and the next step finds its input ids in place; tokens equal Hugging Face's."""
+    monkeypatch.setenv("KILN_GRAPH_GREEDY", "1")
+    hf, art, prompts = setup
+    expect = hf_greedy(hf, prompts, NEW)
+    llm = LLM(str(art), device="cpu", overlap=True)
+    eng = llm.engine
+    calls = _decode_samples(monkeypatch, eng)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expect
+    assert calls == []  # every decode step took the graph's ids
+    assert eng.runner.ids_in_place > NEW // 2  # and most found them in place
+    eng.check_integrity()
+
+
+def test_graph_greedy_mixed_params_match(setup, monkeypatch):
+    """With ``KILN_GRAPH_GREEDY=1``, batches that are not plain greedy (penalties, logprobs, a
+    sampled request) still go through the sampler, and every request's tokens match the run
+    without it, overlapped or not."""
+    _, art, prompts = setup
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 7, NEW)]
+    params.append(SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, repetition_penalty=1.3))
+    params.append(SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, logprobs=2))
+    params.append(SamplingParams(max_tokens=NEW, temperature=0.8, seed=3, ignore_eos=True))
+    runs, sampled = [], []
+    for flag, overlap in (("0", True), ("1", False), ("1", True)):
+        monkeypatch.setenv("KILN_GRAPH_GREEDY", flag)
+        llm = LLM(str(art), device="cpu", overlap=overlap)
+        calls = _decode_samples(monkeypatch, llm.engine)
+        runs.append([(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)])
+        sampled.append(len(calls))
+        llm.engine.check_integrity()
+    assert runs[0] == runs[1] == runs[2]
+    assert min(sampled) > 0  # the sampled and penalized requests kept the sampler
