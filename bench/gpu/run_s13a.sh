@@ -3,6 +3,8 @@
 # (the one-row qkv and o GEMVs load their whole weight slab before the PDL wait). GPU tests, the
 # step bench default vs prewait_slab for both presets, then `kiln bench latency` on one MoE
 # artifact, default / slab / default / slab. Usage: bash bench/gpu/run_s13a.sh OUTDIR
+# Since run (2026-12-02): `slab` split into `slab` / `slab_norm`, the plain part only for grids of at most
+# 8 programs a SM, and all of it on by default; `all` then slabbed every eligible one-row GEMV.
 set -o pipefail
 source bench/gpu/env.sh
 source bench/gpu/moe_l16.sh

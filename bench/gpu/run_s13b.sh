@@ -4,6 +4,8 @@
 # both presets, `kiln bench latency` on one MoE artifact (default / all / slab / again), then the
 # critical path of a graph replay by kernel (bench/gpu/replay_timeline.py), default and all.
 # Usage: bash bench/gpu/run_s13b.sh OUTDIR
+# Since run (2026-12-02): the plain `slab` part takes only grids of at most 8 programs a SM and every
+# part is on by default; `default` here meant gemv,attn,rope.
 set -o pipefail
 source bench/gpu/env.sh
 source bench/gpu/moe_l16.sh

@@ -4,6 +4,7 @@
 # KILN_MOE_ROUTE_SELECT=rounds at capture). GPU tests under both, the step bench, `kiln bench
 # latency` on two artifacts (the routed one compiled with KILN_MOE_TOPK_IN_W13=1), the candidate beside
 # Hugging Face, then one replay timeline. Usage: bash bench/gpu/run_s13c.sh OUTDIR
+# Since run (2026-12-02): every KILN_PREWAIT part is on by default; `default` here meant gemv,attn,rope.
 set -o pipefail
 source bench/gpu/env.sh
 source bench/gpu/moe_l16.sh
