@@ -167,11 +167,9 @@ class ModelRunner:
             and subst[1].data_ptr() == self._i64.data_ptr()
             and subst[1].numel() == n
         )  # the previous graph's argmax ids, already in the input row (KILN_GRAPH_GREEDY)
-        if in_place:
-            self.ids_in_place += 1
-            self._dbuf[self._ids_bytes :].copy_(self._hbuf[self._flip][self._ids_bytes :], non_blocking=True)
-        else:
-            self._dbuf.copy_(self._hbuf[self._flip], non_blocking=True)  # one copy (a few KiB)
+        self.ids_in_place += in_place
+        skip = self._ids_bytes if in_place else 0
+        self._dbuf[skip:].copy_(self._hbuf[self._flip][skip:], non_blocking=True)  # one copy (a few KiB)
         if subst is not None and not in_place:
             if subst[0] is None:  # every row's id: the previous step's ids in order
                 self._i64[0, :n].copy_(subst[1])

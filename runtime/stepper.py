@@ -126,7 +126,7 @@ class Stepper:
                 steps=[len(r.output_ids) for r in reqs],
                 eos_token_ids=sorted(e.eos_ids),
             )
-        if greedy is not None and sb is greedy and e.runner.last_ids is not None:
+        if sb is greedy and e.runner.last_ids is not None:
             out = SampleOutput(next_ids=e.runner.last_ids)  # the decode graph's argmax (KILN_GRAPH_GREEDY)
         else:
             out = e.sampler.sample(logits, sb)

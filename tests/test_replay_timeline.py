@@ -10,8 +10,9 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "replay_timeline.py"
 
 
-@pytest.fixture(scope="module")
-def timeline():
+@pytest.fixture
+def timeline(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its helper module beside it
     spec = importlib.util.spec_from_file_location("replay_timeline", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -36,17 +36,7 @@ def main() -> None:
     eng = llm.engine
     result = {}
     for b in (int(x) for x in a.batch_sizes.split(",")):
-        for p in random_prompts(b, a.context, eng.artifact.vocab_size):
-            eng.add_request(p, SamplingParams(max_tokens=a.steps + 8, temperature=0.0, ignore_eos=True))
-        while any(r.prefilling for r in eng.scheduler.running) or eng.scheduler.waiting:
-            eng.step()
-        for _ in range(2):
-            eng.step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(a.steps):
-                eng.step()
-            torch.cuda.synchronize()
+        prof = profile_decode_steps(eng, b, a.context, a.steps, warm=2, activities=[ProfilerActivity.CUDA])
         per: dict[str, float] = defaultdict(float)
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -63,6 +53,24 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def profile_decode_steps(eng, batch: int, context: int, steps: int, warm: int, activities) -> profile:
+    """``batch`` greedy requests of ``context`` random tokens, prefilled, ``warm`` decode steps,
+    then ``steps`` decode steps under torch.profiler (``activities``): the profiler, finished.
+    The requests are left running (``eng.run_until_done()`` ends them)."""
+    for p in random_prompts(batch, context, eng.artifact.vocab_size):
+        eng.add_request(p, SamplingParams(max_tokens=steps + warm + 8, temperature=0.0, ignore_eos=True))
+    while any(r.prefilling for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    for _ in range(warm):
+        eng.step()
+    torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    return prof
 
 
 def _sequence(prof, steps: int, n: int) -> list[tuple[str, float, float]]:

@@ -24,11 +24,10 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+from profile_decode import profile_decode_steps  # bench/gpu, beside this script
+from torch.profiler import ProfilerActivity
 
-from kiln import LLM, SamplingParams
-from kiln.runtime.benchmark import random_prompts
+from kiln import LLM
 
 
 def _device_events(trace: dict) -> tuple[list[dict], set[int]]:
@@ -70,13 +69,18 @@ def analyse(trace: dict, layers: int) -> dict:
     crit: dict[str, float] = defaultdict(float)
     own: dict[str, float] = defaultdict(float)
     spans, periods, between = [], [], defaultdict(float)
+    names = [_short(k["name"]) for k in steps[0]["kernels"]]
+    seq_crit = [0.0] * len(names)  # by launch index, over the replays with the first one's kernels
     for s, nxt in zip(steps, steps[1:] + [None], strict=False):
         ks = s["kernels"]
-        t0, prev_end = ks[0]["ts"], ks[0]["ts"]
-        for k in ks:
+        t0 = prev_end = ks[0]["ts"]
+        for i, k in enumerate(ks):
             end = k["ts"] + k["dur"]
-            crit[_short(k["name"])] += max(0.0, end - prev_end)
+            adds = max(0.0, end - prev_end)
+            crit[_short(k["name"])] += adds
             own[_short(k["name"])] += k["dur"]
+            if len(ks) == len(names):
+                seq_crit[i] += adds
             prev_end = max(prev_end, end)
         spans.append(prev_end - t0)
         if nxt is not None:
@@ -84,16 +88,7 @@ def analyse(trace: dict, layers: int) -> dict:
         for b in s["between"]:
             between[_short(b["name"])] += b["dur"]
     n = len(steps)
-    names = [_short(k["name"]) for k in steps[0]["kernels"]]
-    seq_crit = [0.0] * len(names)
-    for s in steps:
-        if len(s["kernels"]) != len(names):
-            continue
-        prev_end = s["kernels"][0]["ts"]
-        for i, k in enumerate(s["kernels"]):
-            end = k["ts"] + k["dur"]
-            seq_crit[i] += max(0.0, end - prev_end) / n
-            prev_end = max(prev_end, end)
+    seq_crit = [c / n for c in seq_crit]
     p, lo = _layer_period(names, layers)
     rows = sorted(((name, crit[name] / n, own[name] / n) for name in crit), key=lambda r: -r[1])
     return {
@@ -134,17 +129,8 @@ def main() -> None:
     llm = LLM(a.artifact, kv_memory_gib=40)
     eng = llm.engine
     layers = a.layers or eng.pool.num_layers
-    for p in random_prompts(a.batch, a.context, eng.artifact.vocab_size):
-        eng.add_request(p, SamplingParams(max_tokens=a.steps + 16, temperature=0.0, ignore_eos=True))
-    while any(r.prefilling for r in eng.scheduler.running) or eng.scheduler.waiting:
-        eng.step()
-    for _ in range(4):
-        eng.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(a.steps):
-            eng.step()
-        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]  # CPU: the cudaGraphLaunch calls
+    prof = profile_decode_steps(eng, a.batch, a.context, a.steps, warm=4, activities=activities)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "trace.json"
         prof.export_chrome_trace(str(path))
