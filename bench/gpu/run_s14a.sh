@@ -8,7 +8,7 @@ set -o pipefail
 source bench/gpu/env.sh
 source bench/gpu/moe_l16.sh
 call_start s14a "$1"
-gpu_tests tests.log 300 tests/runtime/test_gpu_e2e.py tests/ops/test_prewait.py
+gpu_tests tests.log 250 tests/runtime/test_gpu_e2e.py tests/ops/test_prewait.py
 stamp tests
 moe_checkpoint; stamp checkpoint
 moe_compile; stamp compile
