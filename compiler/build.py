@@ -456,15 +456,18 @@ def _moe_choice(cfg: ModelConfig, opts: CompileOptions, device: torch.device, ou
 
 
 def _warm_up_sampler(vocab: int, device: torch.device) -> None:
-    """Compile the seeded-sampling kernel the runtime's sampler launches, for each row-count class."""
+    """Compile the sampling kernels the runtime launches, for each row-count class: the seeded
+    sampler's, and the greedy argmax (the sampler's for small batches, and the one each decode
+    graph captures under ``KILN_GRAPH_GREEDY``, on the same ``[rows, V]`` float32 rows)."""
     if device.type != "cuda":
         return
-    from kiln.ops.sampling import gumbel_argmax
+    from kiln.ops.sampling import argmax_rows, gumbel_argmax
 
     for rows in (1, 2, 16):
         x = torch.randn(rows, vocab, device=device)
         keys = torch.randint(0, 1 << 31, (rows, 2), dtype=torch.int64, device=device)
         gumbel_argmax(x, keys)
+        argmax_rows(x)
 
 
 def forget_loaded_kernels(modules: Iterable[Any] | None = None) -> int:
