@@ -9,6 +9,7 @@ set -o pipefail
 source bench/gpu/env.sh
 source bench/gpu/moe_l16.sh
 call_start s14c "$1"
+rm -rf "$MCK" "$MART"  # a warm machine still holds them: room for the 8B checkpoint and artifact
 gpu_tests tests.log 200 tests/runtime
 stamp tests
 BATCHES=1,8 OUTLEN=64 HF=1 LAT_TIMEOUT=200 bash bench/gpu/run_e2e_llama8b.sh "$OUT" 2>&1 | tail -14 \
