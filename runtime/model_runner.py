@@ -187,10 +187,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ extend
     def extend(self, step: StepInputs) -> torch.Tensor:
-        """logits [B, V] f32 at the last new token of each request of an extend step."""
+        """logits [B, V] f32 at the last new token of each request of an extend step.
+
+        One new token per request (prompts the prefix cache holds but for their last token, or
+        one-token prompts) is a decode step: it runs as one, on the decode graphs (a replay, and
+        kernels the compile built for those buckets) instead of the extend graph at ``T == B``."""
         assert step.extend_lens is not None
         ids, pos, slots = step.input_ids, step.positions, step.out_slots
         rows, lens, ext = step.req_rows, step.seq_lens, step.extend_lens
+        if len(rows) <= self.buckets[-1] and all(e == 1 for e in ext):
+            return self.decode(StepInputs("decode", ids, pos, slots, rows, lens))
         n_req = len(rows)
         indptr = [0]
         for e in ext:

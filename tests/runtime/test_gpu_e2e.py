@@ -122,7 +122,7 @@ def _assert_loading_compiles_nothing(art: Path, env: dict[str, str] | None = Non
     # the new kernels' signatures (argument types and specialization attributes, from their TTIR)
     # beside those of the same kernel the warm-up built say what the warm-up missed
     def signature(ttir: Path) -> str:
-        return next((ln.strip()[:900] for ln in ttir.read_text().splitlines() if "tt.func" in ln), "?")
+        return next((ln.strip()[:4000] for ln in ttir.read_text().splitlines() if "tt.func" in ln), "?")
 
     names = {q.stem for q in new if q.suffix == ".ttir"}
     seen = [signature(kernels / q) for q in new if q.suffix == ".ttir"]

@@ -140,3 +140,38 @@ def test_graph_greedy_mixed_params_match(setup, monkeypatch):
         llm.engine.check_integrity()
     assert runs[0] == runs[1] == runs[2]
     assert min(sampled) > 0  # the sampled and penalized requests kept the sampler
+
+
+def test_one_token_extends_run_as_decode_steps(setup, monkeypatch):
+    """An extend step that brings one token per request (one-token prompts; a prompt the prefix
+    cache holds but for its last token) runs on the decode path (runtime/model_runner.py), and
+    greedy tokens still match Hugging Face."""
+    hf, art, prompts = setup
+    llm = LLM(str(art), device="cpu", overlap=False)
+    runner = llm.engine.runner
+    modes = []
+    real_decode, real_forward = runner.decode, runner.forward
+
+    def forward(step, subst=None):
+        modes.append([step.mode, False])
+        return real_forward(step, subst)
+
+    def decode(step, subst=None):
+        modes[-1][1] = True
+        return real_decode(step, subst)
+
+    monkeypatch.setattr(runner, "forward", forward)
+    monkeypatch.setattr(runner, "decode", decode)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    one = [p[:1] for p in prompts[:3]]
+    outs = llm.generate(one, greedy)
+    assert [o.token_ids for o in outs] == hf_greedy(hf, one, 6)
+    assert modes[0] == ["extend", True]  # the three one-token prompts: one decode-path step
+    assert all(on_decode for _, on_decode in modes)
+    expect = hf_greedy(hf, prompts[3:4], 6)
+    modes.clear()
+    assert [o.token_ids for o in llm.generate(prompts[3:4], greedy)] == expect
+    assert modes[0] == ["extend", False]  # a 30-token prefill: the extend graph
+    modes.clear()
+    assert [o.token_ids for o in llm.generate(prompts[3:4], greedy)] == expect
+    assert modes[0] == ["extend", True]  # the same prompt, cached but for its last token
