@@ -105,6 +105,19 @@ def test_fp8_triton_loading_compiles_no_triton_kernel(tmp_path, monkeypatch):
     _assert_loading_compiles_nothing(tmp_path / "art", {"KILN_FP8_GEMM": "triton"})
 
 
+def test_moe_loading_compiles_no_triton_kernel(tmp_path):
+    # a tiny Qwen3-MoE (16 experts, top-4, one dense layer): the warm-up must have built every
+    # grouped-GEMM rung, the decode GEMVs, routing and the top-k for the same workload
+    from tiny_moe_models import make_moe_checkpoint
+
+    from kiln.compiler.build import CompileOptions, compile_model
+
+    make_moe_checkpoint(tmp_path / "hf", "qwen3-moe", seed=7, eos=None)
+    opts = CompileOptions(device="cuda", dtype="bfloat16", max_batch_size=16, max_seq_len=256, chunk_size=64)
+    compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
+    _assert_loading_compiles_nothing(tmp_path / "art")
+
+
 def _assert_loading_compiles_nothing(art: Path, env: dict[str, str] | None = None) -> None:
     kernels = art / "kernels"
     before = sorted(p.relative_to(kernels) for p in kernels.rglob("*"))
