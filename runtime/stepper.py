@@ -102,7 +102,8 @@ class Stepper:
             e.last_step_host_s = sched_s + t3 - t0
             return None
         t2 = t3
-        if done is None or len(done) == len(batch.reqs):
+        every = done is None or len(done) == len(batch.reqs)
+        if every:
             reqs, rows = batch.reqs, step.req_rows
         else:
             reqs = [batch.reqs[i] for i in done]
@@ -126,8 +127,10 @@ class Stepper:
                 steps=[len(r.output_ids) for r in reqs],
                 eos_token_ids=sorted(e.eos_ids),
             )
-        if sb is greedy and e.runner.last_ids is not None:
-            out = SampleOutput(next_ids=e.runner.last_ids)  # the decode graph's argmax (KILN_GRAPH_GREEDY)
+        if sb is greedy and every and e.runner.last_ids is not None:
+            # the decode graph's argmax (KILN_GRAPH_GREEDY), one per row of the step: not for an
+            # extend step (run as decode: one token each) that leaves some prompts unfinished
+            out = SampleOutput(next_ids=e.runner.last_ids)
         else:
             out = e.sampler.sample(logits, sb)
         e.sampler.observe(sb.rows, out.next_ids)

@@ -175,3 +175,19 @@ def test_one_token_extends_run_as_decode_steps(setup, monkeypatch):
     modes.clear()
     assert [o.token_ids for o in llm.generate(prompts[3:4], greedy)] == expect
     assert modes[0] == ["extend", True]  # the same prompt, cached but for its last token
+
+
+def test_one_token_chunks_of_unfinished_prompts(setup, monkeypatch):
+    """A two-token chunk budget: the first step brings one token of a one-token prompt and the
+    first of a four-token prompt, so it runs on the decode path with only one of its two rows
+    finished; the unfinished prompt's key goes into the cache, no token is taken for it, and
+    both match Hugging Face."""
+    hf, art, prompts = setup
+    llm = LLM(str(art), device="cpu", overlap=False, chunk_size=2)
+    runner, steps = llm.engine.runner, []
+    real = runner.forward
+    monkeypatch.setattr(runner, "forward", lambda step, subst=None: steps.append(step) or real(step, subst))
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    batch = [prompts[0][:1], prompts[2][:4]]
+    assert [o.token_ids for o in llm.generate(batch, greedy)] == hf_greedy(hf, batch, 5)
+    assert (steps[0].mode, steps[0].extend_lens, steps[0].seq_lens) == ("extend", [1, 1], [1, 1])
