@@ -404,6 +404,7 @@ def _warm_up(
     specialization into the cache) and check the logits are finite."""
     decode_graph = {b: f"decode_b{b}" for b in buckets if f"decode_b{b}" in graphs}
     runs = [(decode_graph.get(b, "model"), b, b) for b in buckets]  # decode steps: T == B
+    # T == B never reaches the extend graph: the runner sends one-token-each extends to decode
     runs += [("model", b, t) for t, b in EXTEND_WARMUP if t <= chunk and b <= buckets[-1] and t != b]
     if cfg.moe is not None:  # each block-size choice of the grouped GEMM, as one request's prefill
         from kiln.ops.moe_gemm import moe_warmup_tokens

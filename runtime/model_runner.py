@@ -8,9 +8,9 @@ is O(batch): the step's integers go to the device in one copy.
 Greedy ids inside the decode graph (``KILN_GRAPH_GREEDY``, read when the runner is built; default
 on, ``0`` turns it off; +0.3% at batch 1 on the H200, ``bench/results/2026-12-03_h200_s14a_*``): the
 decode graph also takes each row's argmax over the vocabulary and writes it into its own input-ids
-row. A plain-greedy step (runtime/stepper.py) takes those ids
-instead of launching the sampler, and the next step, when it decodes the same requests, finds its
-input ids in place: its input copy skips that row and no ids copy runs. Between two replays that
+row. A plain-greedy step (runtime/stepper.py) takes those ids instead of launching the sampler, and
+the next step, when it decodes the same requests, finds its input ids in place: its input copy
+skips that row and no ids copy runs. Between two replays that
 leaves the input copy, the block-table update and the ids' copy back; without it the sampler's two
 argmax kernels and the ids copy also run there, each waiting for the one before (about 35 us
 between replays on the H200 at batch 1, ``bench/results/2026-12-02_h200_s13b_*``). Other steps pay

@@ -1,7 +1,7 @@
 """On a GPU: a compiled bf16 artifact reproduces Hugging Face within bf16 tolerance, CUDA-graph
 replay equals eager graph execution, and loading plus serving a varied workload compiles no
 Triton kernel (every specialization was built into the artifact), also for an FP8 artifact whose
-linears run the Triton FP8 GEMM."""
+linears run the Triton FP8 GEMM and for a tiny Qwen3-MoE artifact."""
 
 from __future__ import annotations
 
