@@ -52,7 +52,9 @@ class EngineOptions:
     chunk_size: int | None = None  # default: the artifact's chunk size
     activation_reserve_gib: float = 4.0
     gpu_memory_fraction: float = 0.90
-    verify: bool = False
+    # Check every artifact file against the manifest while it loads (weights: a fast hash in the
+    # reader threads; issue 25). False (``--no-verify``): sizes only.
+    verify: bool = True
     log: bool = True
 
 
@@ -149,6 +151,13 @@ class Engine:
         if self.tokenizer is None:
             raise RequestError("prompt", "this artifact has no tokenizer; pass token ids")
         return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt plus generated tokens one request may reach: the context (``max_seq_len``) or,
+        when smaller, the KV pool (a request must fit the pool alone, or retraction could not
+        make room for it)."""
+        return min(self.max_seq_len, self.pool.capacity_tokens)
 
     def add_request(
         self,
