@@ -190,6 +190,14 @@ class Engine:
         if rid in self.requests:
             raise RequestError("rid", f"request id {rid!r} is already in use")
         req = Req(rid=rid, prompt_ids=ids, params=params, seed=resolve_seed(params, seed_index))
+        if not self.scheduler.fits_alone(req):  # it would fill the pool and wait forever
+            cap = self.pool.capacity_tokens
+            raise RequestError(
+                "max_tokens",
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{self.scheduler.max_len(req)} KV slots but the KV pool holds {cap} tokens; "
+                f"lower max_tokens to at most {cap - len(ids)} or raise --kv-memory",
+            )
         if self.tokenizer is not None:
             req.detok = RequestText(self.tokenizer, ids, params)
         self.requests[rid] = req

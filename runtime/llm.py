@@ -51,11 +51,18 @@ class LLM:
     def _submit(
         self, prompts: Sequence[Prompt], params: Sequence[SamplingParams]
     ) -> list[tuple[str, int, int]]:
-        subs = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            for k in range(sp.n):
-                req = self.engine.add_request(p, sp, seed_index=k)
-                subs.append((req.rid, i, k))
+        """Add every completion of every prompt, or none: one the engine refuses (a bad
+        parameter, a prompt too long) withdraws those added before it, then raises."""
+        subs: list[tuple[str, int, int]] = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                for k in range(sp.n):
+                    req = self.engine.add_request(p, sp, seed_index=k)
+                    subs.append((req.rid, i, k))
+        except BaseException:
+            for rid, _, _ in subs:
+                self.engine.abort(rid)
+            raise
         return subs
 
     def generate(

@@ -41,6 +41,7 @@ class Req:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    overtaken: int = 0  # later arrivals admitted while this one waited (the scheduler's aging)
     seed: int = 0
 
     @property

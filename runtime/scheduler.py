@@ -10,6 +10,15 @@ cache (matched at admission, or inserted by the request itself after each extend
 runs. When the pool runs out, unlocked cache leaves are evicted (LRU); if that is not enough, the
 most recently admitted running request is retracted: its computed tokens go into the cache, it
 returns to the front of the waiting queue, and it is recomputed later. Nothing is dropped.
+
+Progress: every request fits the pool alone (the engine refuses one whose prompt plus
+``max_tokens`` does not, before it is queued), so while requests run or wait ``schedule()`` always
+returns a step: when none of the running requests can take its next chunk or token, the newest is
+retracted until one can. A lone request that still cannot is a broken invariant and raises.
+
+Fairness: while the queue is short, waiting requests are served longest cached prefix first; a
+request passed over by ``max_overtakes`` later arrivals goes first, so none waits without bound
+behind a stream of cache-hitting newcomers.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kiln.runtime.kv_pool import BlockTable, KVPool
+from kiln.runtime.kv_pool import BlockTable, KVPool, KVPoolError
 from kiln.runtime.model_runner import StepInputs
 from kiln.runtime.radix_cache import RadixCache
 from kiln.runtime.request import Req, Status
@@ -29,6 +38,7 @@ class SchedulerConfig:
     chunk_size: int = 4096  # extend token budget per step
     max_seq_len: int = 32768
     fcfs_threshold: int = 128  # longer queues are served first-come-first-served
+    max_overtakes: int = 16  # later arrivals admitted ahead of a waiting request, at most
 
 
 @dataclass
@@ -57,6 +67,9 @@ class Scheduler:
 
     # ----------------------------------------------------------------- queue management
     def add(self, req: Req) -> None:
+        """Queue ``req``; it must fit the pool alone (:meth:`fits_alone`)."""
+        if not self.fits_alone(req):
+            raise self._stuck(req)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -126,12 +139,27 @@ class Scheduler:
         return False
 
     # ----------------------------------------------------------------- admission
-    def _order_waiting(self) -> None:
+    def _order_waiting(self) -> bool:
+        """Longest cached prefix first, but requests overtaken ``max_overtakes`` times first of
+        all (in queue order); True when the queue was ordered (later arrivals may overtake)."""
         if len(self.waiting) <= 1 or self.radix.disabled or len(self.waiting) > self.cfg.fcfs_threshold:
-            return
-        scored = [(-len(self.radix.match_prefix(r.fill_ids)[0]), i, r) for i, r in enumerate(self.waiting)]
+            return False
+        limit = self.cfg.max_overtakes
+        aged = [r for r in self.waiting if r.overtaken >= limit]
+        scored = [
+            (-len(self.radix.match_prefix(r.fill_ids)[0]), i, r)
+            for i, r in enumerate(self.waiting)
+            if r.overtaken < limit
+        ]
         scored.sort(key=lambda x: (x[0], x[1]))
-        self.waiting = deque(r for _, _, r in scored)
+        self.waiting = deque(aged + [r for _, _, r in scored])
+        return True
+
+    def _count_overtakes(self, admitted: Req) -> None:
+        """Every request still waiting that arrived before ``admitted`` was overtaken once more."""
+        for r in self.waiting:
+            if r.arrival < admitted.arrival:
+                r.overtaken += 1
 
     def _admit(self, req: Req, budget: int) -> int | None:
         """Give ``req`` a row, its cached prefix and pages for up to ``budget`` tokens; the number
@@ -159,7 +187,9 @@ class Scheduler:
         return n
 
     # ----------------------------------------------------------------- step formation
-    def _schedule_extend(self) -> ScheduledBatch | None:
+    def _schedule_extend(self, admit: bool = True) -> ScheduledBatch | None:
+        """Prefill chunks under the token budget: running prefills first, then (``admit``) new
+        requests from the queue."""
         budget = self.cfg.chunk_size
         reqs: list[Req] = []
         lens: list[int] = []
@@ -174,12 +204,14 @@ class Scheduler:
             reqs.append(req)
             lens.append(n)
             budget -= n
-        self._order_waiting()
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
+        ordered = admit and self._order_waiting()
+        while admit and self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
             n = self._admit(self.waiting[0], budget)
             if n is None:
                 break
             req = self.waiting.popleft()
+            if ordered:
+                self._count_overtakes(req)
             reqs.append(req)
             lens.append(n)
             budget -= n
@@ -246,31 +278,61 @@ class Scheduler:
         return self._decode_every(ready, grow)
 
     def schedule(self) -> ScheduledBatch | None:
-        """The next step to run, or None when there is nothing runnable."""
+        """The next step to run; None only when no request runs or waits (module docstring:
+        while there is work, some step always runs)."""
+        admit = True
+        while True:
+            batch = self._schedule_once(admit)
+            if batch is not None:
+                self._last_mode = batch.mode
+                return batch
+            if not self.running:
+                if self.waiting:  # the head of the queue does not fit even an empty pool
+                    raise self._stuck(self.waiting[0])
+                return None
+            if len(self.running) == 1:
+                raise self._stuck(self.running[0])
+            # No running request can take its next chunk or token: each waits for pages the
+            # others hold. Retract the newest (its KV goes to the cache) and try again without
+            # admitting anyone, so the one retracted is not taken straight back.
+            self._retract_one(set())
+            admit = False
+
+    def _schedule_once(self, admit: bool) -> ScheduledBatch | None:
         ready = self.decode_ready()  # still valid after an extend attempt that found nothing
 
         def decode() -> ScheduledBatch | None:
             return self._schedule_decode(ready)
 
+        def extend() -> ScheduledBatch | None:
+            return self._schedule_extend(admit)
+
         if ready and self._last_mode == "extend":
-            order: tuple = (decode, self._schedule_extend)
+            order: tuple = (decode, extend)
         elif ready and len(ready) == len(self.running) and not self.waiting:
             order = (decode,)  # steady decoding: no prefill to continue, nobody to admit
         else:
-            order = (self._schedule_extend, decode)
+            order = (extend, decode)
         for fn in order:
             batch = fn()
             if batch is not None:
-                self._last_mode = batch.mode
                 return batch
-        if self.waiting and not self.running:
-            # Nothing runs and the head of the queue cannot be admitted even into an empty pool.
-            req = self.waiting[0]
-            raise MemoryError(
-                f"request {req.rid} needs {req.seq_len} tokens of KV but the pool holds "
-                f"{self.pool.capacity_tokens}; raise --kv-memory or shorten the prompt"
-            )
         return None
+
+    def _stuck(self, req: Req) -> KVPoolError:
+        return KVPoolError(
+            f"request {req.rid} cannot run even alone: it holds {req.seq_len} tokens and may reach "
+            f"{self.max_len(req)}, the KV pool holds {self.pool.capacity_tokens} (requests that do "
+            "not fit are refused when added; this is a scheduler bug)"
+        )
+
+    def max_len(self, req: Req) -> int:
+        """Tokens ``req`` may reach: its prompt plus ``max_tokens``, or the context if shorter."""
+        return min(len(req.prompt_ids) + req.params.max_tokens, self.cfg.max_seq_len)
+
+    def fits_alone(self, req: Req) -> bool:
+        """Whether the pool can hold ``req`` at its longest with nothing else running."""
+        return self.max_len(req) <= self.pool.capacity_tokens
 
     def step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         reqs = batch.reqs

@@ -56,3 +56,20 @@ def test_chat_and_reproducible_seed(demo_artifact):
     prompt = llm.apply_chat_template([{"role": "user", "content": "Hi!"}])
     assert "Hi!" in prompt and prompt != "Hi!"
     assert a.prompt_token_ids == llm.tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def test_demo_output_is_outside_lint_and_git():
+    """`make demo` then `make test` (the README's order): the generated graphs the demo leaves in
+    its default directory are neither linted nor seen by git."""
+    from pathlib import Path
+
+    from kiln.demo import demo_cmd
+
+    default = next(p.default for p in demo_cmd.params if p.name == "root")
+    repo = Path(__file__).resolve().parents[1]
+    generated = f"{default}/artifact-cpu/graphs/model.py"
+    ruff = [sys.executable, "-m", "ruff", "check", "--force-exclude", "--stdin-filename", generated, "-"]
+    p = subprocess.run(ruff, input="import os\n", capture_output=True, text=True, cwd=repo, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr  # an unused import everywhere else
+    p = subprocess.run(["git", "check-ignore", "-q", generated], cwd=repo, timeout=60)
+    assert p.returncode == 0, f"git does not ignore {generated}"
