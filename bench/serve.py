@@ -192,7 +192,10 @@ def free_port() -> int:
 def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "kiln", "serve", args.artifact, "--host", "127.0.0.1", "--port", str(port)]
-    cmd += shlex.split(args.server_args)
+    extra = shlex.split(args.server_args)
+    if "--max-queue" not in extra:  # the default queue limit could refuse a burst (--rate inf) with 429s
+        extra += ["--max-queue", str(args.num_prompts + args.warmup)]
+    cmd += extra
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "w")  # noqa: SIM115 (the child keeps it)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -2,15 +2,25 @@
 memory beyond the page cache), then from a warm page cache measure the two ceilings and the load.
 
     python bench/weights_load.py --json bench/results/weights_load.json [--num-layers N] [--keep]
+    python bench/weights_load.py --verify both --threads 16 --chunks-mib 8 --depths 2 --streams 2
 
 Ceilings, measured in the same run: (1) pinned host-to-device copy bandwidth (1 GiB, CUDA events);
 (2) reading the pack files from the page cache (``preadv`` into 16 MiB buffers, 1..16 threads, the
-best). Target (issue 3): ``load_pack`` to CUDA >= 80% of the lower ceiling; packing < 4 GB of
-anonymous memory. Without CUDA it runs as a smoke test (``--tiny``: a small config, CPU loads).
+best); for information, the same read with each buffer hashed by xxh3 (the integrity check's work
+without the copies) and xxh3 alone on one core. Target (issue 3): ``load_pack`` to CUDA >= 80% of
+the lower ceiling; packing < 4 GB of anonymous memory. Without CUDA it runs as a smoke test
+(``--tiny``: a small config, CPU loads).
 
 Loads: ``LoadOptions()`` (the default) first, so its ``first_s`` is a fresh process's first load
 (pinned staging buffers allocated), then the sweep ``--threads`` x ``--chunks-mib`` x ``--depths``
 (pinned buffers per reader) x ``--streams`` (CUDA copy streams); each entry records its options.
+``--verify`` (``both`` by default) says which integrity settings each configuration is timed
+with: ``on`` (the product default: every block checked in the reader threads), ``off``, or
+``both``, alternating on/off within each repetition so drift hits both alike; then
+``verify_cost`` records, per configuration, the median load with and without the check and the
+difference (issue 25: start-up may grow by at most 5%). The pack's hash blocks are
+``--block-mib`` (8, the default of ``kiln pack``); with verify a chunk is rounded down to whole
+blocks, and each entry records the chunk size used.
 """
 
 from __future__ import annotations
@@ -51,13 +61,14 @@ from kiln.compiler.parallel import ParallelConfig
 from kiln.compiler.mappings import all_rank_specs, skip_patterns
 from kiln.weights import pack_checkpoint
 from kiln.weights.memory import PeakAnonMemory, rss_kib
-src, out = sys.argv[1], sys.argv[2]
+src, out, block = sys.argv[1], sys.argv[2], int(sys.argv[3])
 cfg = load_config(src)
 specs = all_rank_specs(cfg, ParallelConfig(tp=1))
 t = time.perf_counter()
 with PeakAnonMemory(interval=0.005) as mem:
-    idx = pack_checkpoint(src, out, specs, 1, 1, "bfloat16", None, progress=True, skip=skip_patterns(cfg), force=True)
-print(json.dumps({"seconds": time.perf_counter() - t, "bytes": idx.nbytes, "peak_anon_bytes": mem.peak,
+    idx = pack_checkpoint(src, out, specs, 1, 1, "bfloat16", None, progress=True, skip=skip_patterns(cfg),
+                          force=True, block_bytes=block)
+print(json.dumps({"seconds": time.perf_counter() - t, "bytes": idx.nbytes, "block_bytes": idx.block_bytes, "peak_anon_bytes": mem.peak,
                   "anon_before_bytes": mem.baseline, "vm_hwm_bytes": rss_kib().get("VmHWM", 0) * 1024}))
 """
 
@@ -79,8 +90,11 @@ def h2d_ceiling(nbytes: int = 1 << 30, reps: int = 5) -> float:
     return statistics.median(rates)
 
 
-def read_rate(files: list[Path], threads: int, chunk: int = 16 * MIB) -> float:
-    """Bytes of ``files`` read from the page cache per second (GB/s), ``threads`` readers."""
+def read_rate(files: list[Path], threads: int, chunk: int = 16 * MIB, hash_blocks: bool = False) -> float:
+    """Bytes of ``files`` read from the page cache per second (GB/s), ``threads`` readers; with
+    ``hash_blocks`` each buffer is hashed (xxh3) after its read, as the verifying loader does."""
+    import xxhash
+
     jobs = [
         (f, off, min(chunk, f.stat().st_size - off))
         for f in files
@@ -100,6 +114,8 @@ def read_rate(files: list[Path], threads: int, chunk: int = 16 * MIB) -> float:
             got = 0
             while got < n:
                 got += os.preadv(fds[f], [buf[got:n]], off + got)
+            if hash_blocks:
+                xxhash.xxh3_64_intdigest(buf[:n])
 
     t = time.perf_counter()
     ths = [threading.Thread(target=reader) for _ in range(threads)]
@@ -113,24 +129,57 @@ def read_rate(files: list[Path], threads: int, chunk: int = 16 * MIB) -> float:
     return sum(n for _, _, n in jobs) / dt / GB
 
 
-def time_load(pack_dir: Path, device: str, opts, reps: int) -> dict:
+def xxh3_core_rate(nbytes: int = 256 * MIB, block: int = 8 * MIB) -> float:
+    """xxh3 of in-memory ``block``-byte blocks on one core, GB/s (best of 3)."""
+    import xxhash
+
+    mv = memoryview(bytearray(os.urandom(block)) * (nbytes // block))
+    best = 0.0
+    for _ in range(3):
+        t = time.perf_counter()
+        for off in range(0, len(mv), block):
+            xxhash.xxh3_64_intdigest(mv[off : off + block])
+        best = max(best, len(mv) / (time.perf_counter() - t) / GB)
+    return best
+
+
+def time_load(pack_dir: Path, device: str, opts, reps: int, verify: tuple[bool, ...] = (True,)) -> dict:
+    """``{verify: timings}`` for each setting in ``verify``; the settings alternate within each of
+    the ``reps + 1`` repetitions (the first is ``first_s``, left out of best and median)."""
     from kiln.weights import load_pack
 
-    times = []
+    times: dict[bool, list[float]] = {v: [] for v in verify}
+    nbytes = 0
     for _ in range(reps + 1):
-        t = time.perf_counter()
-        w = load_pack(pack_dir, 0, device, options=opts)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-        nbytes = sum(x.numel() * x.element_size() for x in w.values())
-        del w
+        for v in verify:
+            t = time.perf_counter()
+            w = load_pack(pack_dir, 0, device, verify=v, options=opts)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[v].append(time.perf_counter() - t)
+            nbytes = sum(x.numel() * x.element_size() for x in w.values())
+            del w
     return {
-        "first_s": times[0],
-        "best_s": min(times[1:]),
-        "median_s": statistics.median(times[1:]),
-        "bytes": nbytes,
+        v: {
+            "verify": v,
+            "first_s": ts[0],
+            "best_s": min(ts[1:]),
+            "median_s": statistics.median(ts[1:]),
+            "bytes": nbytes,
+            "gbps": nbytes / statistics.median(ts[1:]) / GB,
+        }
+        for v, ts in times.items()
     }
+
+
+def record(loads: dict, cost: dict, name: str, timed: dict, options: dict) -> None:
+    """File ``timed`` (from :func:`time_load`) under ``name`` (verify on) and ``name + " no-verify"``,
+    and the verify cost when both were timed."""
+    for v, r in timed.items():
+        loads[name if v else f"{name} no-verify"] = {**r, "options": options}
+    if len(timed) == 2:
+        on, off = timed[True]["median_s"], timed[False]["median_s"]
+        cost[name] = {"on_median_s": on, "off_median_s": off, "delta_s": on - off, "fraction": on / off - 1}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,11 +197,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks-mib", default="4,8,16", help="staging chunk sizes to try (MiB)")
     ap.add_argument("--depths", default="2,3", help="pinned buffers per reader thread to try")
     ap.add_argument("--streams", default="1", help="CUDA copy streams to try")
+    ap.add_argument(
+        "--verify",
+        choices=("both", "on", "off"),
+        default="both",
+        help="time each load with the integrity check on, off, or both side by side",
+    )
+    ap.add_argument("--block-mib", type=int, default=8, help="hash block size of the pack (MiB)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and pack")
     ap.add_argument("--no-sync", action="store_true", help="skip os.sync() after writing (slow disks)")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
+    verify = {"both": (True, False), "on": (True,), "off": (False,)}[a.verify]
     res: dict = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
@@ -178,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     res["checkpoint"]["sync_seconds"] = time.perf_counter() - t
     print(f"checkpoint: {size / GB:.2f} GB in {res['checkpoint']['seconds']:.1f} s", flush=True)
     child = subprocess.run(
-        [sys.executable, "-c", PACK_CHILD, str(ckpt), str(out)], stdout=subprocess.PIPE, text=True, check=True
+        [sys.executable, "-c", PACK_CHILD, str(ckpt), str(out), str(a.block_mib * MIB)],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
     )
     res["pack"] = json.loads(child.stdout.strip().splitlines()[-1])
     t = time.perf_counter()
@@ -195,38 +255,62 @@ def main(argv: list[str] | None = None) -> int:
     read_rate(files, 8)  # warm the page cache
     reads = {th: read_rate(files, th) for th in (1, 4, 8, 16)}
     res["ceilings"] = {"page_cache_read_gbps_by_threads": reads, "page_cache_read_gbps": max(reads.values())}
+    hashed = {th: read_rate(files, th, a.block_mib * MIB, hash_blocks=True) for th in (1, 16)}
+    res["ceilings"]["page_cache_read_xxh3_gbps_by_threads"] = hashed  # information, not a ceiling
+    res["ceilings"]["xxh3_gbps_one_core"] = xxh3_core_rate(block=a.block_mib * MIB)
     if cuda:
         res["ceilings"]["h2d_pinned_gbps"] = h2d_ceiling()
-    loads = {}
+    loads: dict = {}
+    cost: dict = {}
+
+    def show(name: str, timed: dict, label: str = "") -> None:
+        for v, r in timed.items():
+            print(
+                f"load {label or name} verify={'on' if v else 'off'}: {r['gbps']:.2f} GB/s, median "
+                f"{r['median_s']:.3f} s (first {r['first_s']:.2f} s)",
+                flush=True,
+            )
+        if name in cost:
+            print(
+                f"  verify cost: {cost[name]['delta_s'] * 1e3:+.1f} ms ({cost[name]['fraction']:+.1%})",
+                flush=True,
+            )
+
     # The default first: its first load is what a fresh process pays (pinned buffers allocated).
-    default = time_load(out, dev, LoadOptions(), a.reps)
-    default["gbps"] = default["bytes"] / default["median_s"] / GB
-    default["options"] = dataclasses.asdict(LoadOptions())
-    loads["default"] = default
-    print(f"load default {default['options']}: {default['gbps']:.2f} GB/s", flush=True)
+    timed = time_load(out, dev, LoadOptions(), a.reps, verify)
+    record(loads, cost, "default", timed, dataclasses.asdict(LoadOptions()))
+    show("default", timed, f"default {dataclasses.asdict(LoadOptions())}")
+    block = res["pack"]["block_bytes"]
     for th, ch, dp, st in itertools.product(
         *([int(x) for x in v.split(",")] for v in (a.threads, a.chunks_mib, a.depths, a.streams))
     ):
         opts = LoadOptions("pinned", th, ch * MIB, dp, st)
-        r = time_load(out, dev, opts, a.reps)
-        r["gbps"] = r["bytes"] / r["median_s"] / GB
-        r["options"] = dataclasses.asdict(opts)
-        loads[f"pinned t{th} c{ch}MiB d{dp} s{st}"] = r
-        print(
-            f"load pinned threads={th} chunk={ch} MiB depth={dp} streams={st}: {r['gbps']:.2f} GB/s "
-            f"(first {r['first_s']:.2f} s)",
-            flush=True,
+        name = f"pinned t{th} c{ch}MiB d{dp} s{st}"
+        timed = time_load(out, dev, opts, a.reps, verify)
+        # with verify the loader reads whole blocks: record the chunk it used
+        record(
+            loads,
+            cost,
+            name,
+            timed,
+            {**dataclasses.asdict(opts), "verified_chunk_bytes": max(1, ch * MIB // block) * block},
         )
-    direct = time_load(out, dev, LoadOptions("direct"), 1)
-    direct["gbps"] = direct["bytes"] / direct["median_s"] / GB
-    loads["direct (safetensors)" if cuda else "direct (preadv)"] = direct
+        show(name, timed)
+    name = "direct (safetensors)" if cuda else "direct (preadv)"
+    timed = time_load(out, dev, LoadOptions("direct"), 1, verify)
+    record(loads, cost, name, timed, dataclasses.asdict(LoadOptions("direct")))
+    show(name, timed)
+    direct = loads.get(name) or loads[f"{name} no-verify"]
     res["loads"] = loads
+    res["verify_cost"] = cost
     ceiling = min(v for k, v in res["ceilings"].items() if k in ("page_cache_read_gbps", "h2d_pinned_gbps"))
+    default = loads.get("default") or loads["default no-verify"]
     res["target"] = {
         "lower_ceiling_gbps": ceiling,
         "default_load_fraction": default["gbps"] / ceiling,
         "best_load_fraction": max(v["gbps"] for v in loads.values()) / ceiling,
         "load_ok": cuda and default["gbps"] >= 0.8 * ceiling,
+        "verify_fraction_default": cost["default"]["fraction"] if "default" in cost else None,
         "pack_peak_anon_ok": res["pack"]["peak_anon_bytes"] < 4e9,
     }
     if not a.keep:
@@ -257,7 +341,21 @@ def main(argv: list[str] | None = None) -> int:
             f"{max(loads.items(), key=lambda kv: kv[1]['gbps'])[0]}: {max(v['gbps'] for v in loads.values()):.1f} GB/s",
         ),
         ("direct baseline", f"{direct['gbps']:.1f} GB/s"),
+        (
+            "xxh3",
+            f"{c['xxh3_gbps_one_core']:.1f} GB/s a core; page-cache read + xxh3: "
+            + ", ".join(f"{k} thread(s) {v:.1f} GB/s" for k, v in hashed.items()),
+        ),
     ]
+    if "default" in cost:
+        dc = cost["default"]
+        rows.append(
+            (
+                "verify cost (default)",
+                f"{dc['on_median_s']:.3f} s on vs {dc['off_median_s']:.3f} s off: "
+                f"{dc['delta_s'] * 1e3:+.1f} ms ({dc['fraction']:+.1%} of the load)",
+            )
+        )
     w = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
     return 0

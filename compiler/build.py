@@ -2,17 +2,27 @@
 
 Phases: config (normalize, validate) -> weights (pack per rank) -> trace (export every graph) ->
 kernels (run every graph once on the target device so every Triton kernel of every bucket is
-compiled into ``kernels/``) -> tokenizer -> manifest (versions, GPU arch, sha256 of every file).
+compiled into ``kernels/``) -> tokenizer -> manifest (versions, GPU arch, a hash of every file;
+``kiln.artifact_format``) -> build log (``build-log.json``: timings, source path, time, host).
+
+Reproducible: the same checkpoint, options and versions give the same bytes in every file but the
+build log (what would differ, timings and measurements, goes there). Triton's kernels compile into
+``kernels/`` through ``kiln.kernel_cache`` (group files with relative paths).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import datetime
 import json
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -26,7 +36,7 @@ from kiln.compiler.config import ModelConfig, load_config
 from kiln.compiler.context import GRAPH_INPUTS
 from kiln.compiler.cutlass_build import check_request, cutlass_backend, drop_unused, fp8_library
 from kiln.compiler.graph_code import emit_graph_code
-from kiln.compiler.manifest import gpu_arch, versions, write_manifest
+from kiln.compiler.manifest import gpu_arch, versions, write_build_log, write_manifest
 from kiln.compiler.moe_layer import FusedMoE
 from kiln.compiler.moe_tune import MoEShape, moe_tuning
 from kiln.compiler.norm_folds import fold_norms_requested, norm_folds
@@ -34,6 +44,7 @@ from kiln.compiler.parallel import ParallelConfig, validate_parallel
 from kiln.compiler.registry import model_class
 from kiln.compiler.trace import CacheSpec, example_inputs, export_graph, strip_example_inputs
 from kiln.errors import KilnError
+from kiln.kernel_cache import kernel_cache
 from kiln.ops.common import FP8_DTYPE
 from kiln.ops.decode_rope import rope_in_attention
 from kiln.ops.gemv import gemv_plan
@@ -101,6 +112,15 @@ class PhaseTimer:
             print(f"[kiln compile] {name} done in {self.times[name]:.1f} s", flush=True)
 
 
+TP_REFUSED = "tensor parallelism needs the multi-GPU runtime (not built yet); compile with --tp 1"
+
+
+def _check_parallel(opts: CompileOptions) -> None:
+    """Only tp 1 runs today: a tp>1 artifact would be built and then fail at its first step."""
+    if opts.tp != 1:
+        raise CompileError(f"--tp {opts.tp}: {TP_REFUSED} (`kiln pack --tp N` still writes sharded packs).")
+
+
 def _check_device(device: str) -> None:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise CompileError("--device cuda was asked for but no CUDA device is visible; use --device cpu.")
@@ -122,7 +142,7 @@ def _copy_tokenizer(model_dir: Path, out: Path) -> list[str]:
     copied = []
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
-            shutil.copy2(model_dir / name, dst / name)
+            shutil.copyfile(model_dir / name, dst / name)  # bytes only: no source mtime or mode
             copied.append(name)
     return copied
 
@@ -190,6 +210,7 @@ def compile_model(
     from kiln.weights import load_pack, pack_checkpoint
 
     model_dir, out = Path(model_dir), Path(out_dir)
+    _check_parallel(opts)
     _check_device(opts.device)
     if opts.dtype not in DTYPES:
         raise CompileError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}.")
@@ -235,7 +256,7 @@ def compile_model(
             for mod in model.modules():
                 if isinstance(mod, FusedMoE):
                     mod.tuning = moe_choice["table"]
-        weights = load_pack(out / "weights", 0, device)
+        weights = load_pack(out / "weights", 0, device, verify=False)  # hashed as it was written
         _check_pack_matches(model, weights)
         folds = _norm_folds(model, verbose)
         apply_norm_folds(weights, folds)  # as the runtime will, before the warm-up runs the graphs
@@ -272,7 +293,9 @@ def compile_model(
     with timer.phase("kernels"):
         kernels_dir = out / "kernels"
         kernels_dir.mkdir(exist_ok=True)  # the FP8 and MoE phases may have put CUTLASS libraries there
-        with _triton_cache(kernels_dir):
+        forget_loaded_kernels()  # kernels this process launched would never be looked up on disk
+        # into the artifact, group files with relative paths; C modules built reproducibly
+        with _reproducible_c_builds(), kernel_cache(write=kernels_dir):
             # runnable, unlifted; without the stored example inputs (the module would also carry
             # an input-guard submodule the graph's Python source cannot hold)
             modules = {name: strip_example_inputs(ep).module() for name, ep in programs.items()}
@@ -281,8 +304,8 @@ def compile_model(
                 modules, graphs, weights, cache, cfg, device, buckets, max_blocks, opts.chunk_size, moe_table
             )
             _warm_up_sampler(cfg.vocab_size, device)
-        if device.type == "cuda":
-            _build_driver_utils(kernels_dir)
+            if device.type == "cuda":
+                _build_driver_utils(kernels_dir)
         for name, ep in programs.items():
             torch.export.save(ep, out / "graphs" / f"{name}.pt2")
             graphs[name]["file"] = f"graphs/{name}.pt2"
@@ -300,6 +323,18 @@ def compile_model(
             if (model_dir / "generation_config.json").is_file()
             else {}
         )
+        kernel_choices = {
+            "attention": "triton",
+            "page_size": opts.page_size,
+            "decode_graphs": opts.decode_graphs,
+            "decode_num_splits": {str(b): _decode_splits(cfg, b, max_seq, opts.tp) for b in buckets},
+            "gemv": plan,  # role -> largest T on the GEMV kernel (ops/gemv.py)
+        }
+        if moe_choice:
+            kernel_choices["moe"] = moe_choice | {"table": json.loads(moe_choice["table"])}
+        if fp8_choice:
+            kernel_choices["fp8"] = fp8_choice
+        kernel_choices, measured = split_build_facts(kernel_choices)
         eos = list(cfg.eos_token_ids) or (
             [gen_cfg["eos_token_id"]]
             if isinstance(gen_cfg.get("eos_token_id"), int)
@@ -309,7 +344,6 @@ def compile_model(
             out,
             {
                 "model": cfg.to_dict(),
-                "source": str(model_dir.resolve()),
                 "dtype": opts.dtype,
                 "quant": opts.quant,
                 "tp": opts.tp,
@@ -346,18 +380,19 @@ def compile_model(
                 "bos_token_id": cfg.bos_token_id,
                 "tokenizer_files": tok_files,
                 "norm_folds": folds,  # weights/fold.py: the runtime folds these after loading
-                "kernel_choices": {
-                    "attention": "triton",
-                    "page_size": opts.page_size,
-                    "decode_graphs": opts.decode_graphs,
-                    "decode_num_splits": {str(b): _decode_splits(cfg, b, max_seq, opts.tp) for b in buckets},
-                    "gemv": plan,  # role -> largest T on the GEMV kernel (ops/gemv.py)
-                }
-                | ({"moe": moe_choice | {"table": json.loads(moe_choice["table"])}} if moe_choice else {})
-                | ({"fp8": fp8_choice} if fp8_choice else {}),
-                "compile_seconds": timer.times,
+                "kernel_choices": kernel_choices,
             },
         )
+    write_build_log(
+        out,
+        {
+            "compile_seconds": timer.times,
+            "source": str(model_dir.resolve()),
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "host": platform.node(),
+            "kernel_choices": measured,
+        },
+    )
     if verbose:
         size = sum(f["size"] for f in manifest["files"].values())
         print(
@@ -492,9 +527,10 @@ def forget_loaded_kernels(modules: Iterable[Any] | None = None) -> int:
 
 def _build_driver_utils(kernels_dir: Path) -> None:
     """Put Triton's driver helper module (``cuda_utils``, C built with the host compiler) in the
-    artifact's cache too. This process built it before the cache pointed at the artifact, so a
-    fresh process does it here, where the runtime would otherwise do it at load (seen on the H200:
-    the only entry the runtime added to the artifact's cache)."""
+    artifact's cache too. This process may have built it before the cache pointed at the artifact,
+    so a fresh process does it here, where the runtime would otherwise do it at load (seen on the
+    H200: the only entry the runtime added to the artifact's cache). It inherits ``CC`` from
+    :func:`_reproducible_c_builds`."""
     env = dict(os.environ, TRITON_CACHE_DIR=str(kernels_dir.resolve()))
     code = "import triton; triton.runtime.driver.active.utils"
     try:
@@ -509,15 +545,53 @@ def _build_driver_utils(kernels_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def _triton_cache(path: Path) -> Iterator[None]:
-    """Point Triton's on-disk cache at ``path`` so every kernel compiled here lands in the artifact."""
-    old = os.environ.get("TRITON_CACHE_DIR")
-    os.environ["TRITON_CACHE_DIR"] = str(path.resolve())
-    forget_loaded_kernels()
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_CACHE_DIR", None)
-        else:
-            os.environ["TRITON_CACHE_DIR"] = old
+def _reproducible_c_builds() -> Iterator[None]:
+    """Inside the block, Triton builds its C modules (the driver helper, kernel launchers) with a
+    compiler wrapper (``CC``, which Triton runs as ``$CC SRC ...`` with SRC in a fresh temporary
+    directory) that maps SRC's directory to ``.`` in what it embeds (``__FILE__``): otherwise
+    ``cuda_utils`` holds that random path (seen on the H200: the one file two compiles of the same
+    checkpoint wrote differently). Without a C compiler, nothing changes."""
+    old = os.environ.get("CC")
+    real = old or shutil.which("gcc") or shutil.which("clang")
+    with tempfile.TemporaryDirectory(prefix="kiln-cc-") as tmp:
+        if real is not None:
+            script = Path(tmp) / "cc"
+            script.write_text(
+                f'#!/bin/sh\nexec {shlex.quote(real)} "-ffile-prefix-map=$(dirname "$1")=." "$@"\n'
+            )
+            script.chmod(0o755)
+            os.environ["CC"] = str(script)
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("CC", None)
+            else:
+                os.environ["CC"] = old
+
+
+# kernel_choices entries that differ between two compiles of the same inputs: where a CUTLASS
+# library came from (prebuilt, build cache or nvcc) and how long that took, and the timings of a
+# measured MoE tuning. They go to the build log.
+BUILD_FACTS = {
+    "moe": ("report",),
+    "moe.cutlass": ("build", "build_seconds"),
+    "fp8": ("build", "build_seconds"),
+}
+
+
+def split_build_facts(kernel_choices: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(kernel_choices without the BUILD_FACTS, those facts at the same paths)``."""
+    kept, facts = copy.deepcopy(kernel_choices), {}
+    for path, keys in BUILD_FACTS.items():
+        src, dst = kept, facts
+        for part in path.split("."):
+            src = src.get(part) if isinstance(src, dict) else None
+        if not isinstance(src, dict):
+            continue
+        for key in keys:
+            if key in src:
+                for part in path.split("."):
+                    dst = dst.setdefault(part, {})
+                dst[key] = src.pop(key)
+    return kept, facts

@@ -37,7 +37,13 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
     default=None,
     help="Quantize GEMM weights to FP8 (per output channel); activations per token.",
 )
-@click.option("--tp", default=1, show_default=True, help="Tensor-parallel size of the weight packs.")
+@click.option(
+    "--tp",
+    default=1,
+    show_default=True,
+    help="Tensor-parallel size. Only 1 until the multi-GPU runtime exists (other values are refused; "
+    "`kiln pack --tp N` writes sharded weight packs).",
+)
 @click.option(
     "--max-batch-size",
     default=256,
@@ -120,7 +126,8 @@ def compile_cmd(
     """Compile the Hugging Face checkpoint in MODEL_DIR into an artifact directory: weight packs
     (fused, sharded, optionally FP8), the decode graph (CUDA graphs are captured per batch bucket
     at load) and the chunked-prefill graph, every Triton kernel precompiled for every bucket,
-    the tokenizer, and a manifest with sha256 of every file.
+    the tokenizer, and a manifest with a hash of every file (checked at load). Two compiles of the
+    same checkpoint with the same options and versions give the same bytes, but for build-log.json.
 
     Copy the artifact to any machine with the same GPU architecture and software versions, then
     run `kiln generate ART` or `kiln serve ART`.

@@ -14,7 +14,8 @@ toolkit). Where things come from, first match wins:
   nvcc version and the CUTLASS version), else nvcc;
 * nvcc: ``KILN_NVCC``, ``$CUDA_HOME/bin/nvcc``, then ``PATH``;
 * the headers: ``KILN_CUTLASS_DIR`` (a folder holding ``include/cutlass/cutlass.h``: a CUTLASS
-  checkout), else the ``cutlass_library`` package of the ``nvidia-cutlass`` wheel (its
+  checkout), else the ``cutlass_library`` package (:data:`CUTLASS_MODULE`) of the ``nvidia-cutlass``
+  wheel (:data:`CUTLASS_DISTRIBUTION`, what ``pip install 'kiln[cutlass]'`` installs; its
   ``source/``; found without importing it).
 
 ``fp8_library(...)`` builds ``FP8`` for an FP8 compile on an sm90 GPU, or records why not.
@@ -46,6 +47,11 @@ ARCH = "sm_90a"
 FLAGS = ("-std=c++17", "--expt-relaxed-constexpr", f"-arch={ARCH}", "-O3", "-DNDEBUG",
          "-Xcompiler=-fPIC", "-shared", "--split-compile=4")  # fmt: skip
 MOE_BACKENDS = ("triton", "cutlass", "auto")
+# Where the CUTLASS headers come from: the distribution the ``cutlass`` extra of pyproject.toml names
+# (tests/compiler/test_cutlass_extra.py checks the two agree) and the module of it found here.
+CUTLASS_DISTRIBUTION = "nvidia-cutlass"
+CUTLASS_VERSION = "4.2.0.0"  # the headers ops/cutlass/*.cu were built and measured against
+CUTLASS_MODULE = "cutlass_library"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,16 +91,16 @@ def cutlass_dir(lib: CutlassLib = MOE) -> Path:
                 "checkout (or unset it to use the nvidia-cutlass wheel's headers)"
             )
         return root
-    spec = importlib.util.find_spec("cutlass_library")
+    spec = importlib.util.find_spec(CUTLASS_MODULE)
     if spec is not None and spec.origin:
         root = Path(spec.origin).parent / "source"
         if (root / "include" / "cutlass" / "cutlass.h").is_file():
             return root
     raise CutlassBuildError(
         f"CUTLASS headers not found: the {lib.what} library (ops/cutlass/{lib.source}) compiles against "
-        "them. Install the nvidia-cutlass wheel (`pip install nvidia-cutlass==4.2.0.0`: its "
-        "cutlass_library/source/include), set KILN_CUTLASS_DIR to a CUTLASS checkout, or compile "
-        f"with {lib.fallback}"
+        f"them. Install the {CUTLASS_DISTRIBUTION} wheel (`pip install 'kiln[cutlass]'` or `pip install "
+        f"{CUTLASS_DISTRIBUTION}=={CUTLASS_VERSION}`: its {CUTLASS_MODULE}/source/include), set "
+        f"KILN_CUTLASS_DIR to a CUTLASS checkout, or compile with {lib.fallback}"
     )
 
 

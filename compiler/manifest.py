@@ -1,11 +1,10 @@
-"""Writing ``manifest.json``: what the runtime needs to know about an artifact, and nothing it
-would have to re-derive from the architecture. The runtime reads it with
-``kiln.runtime.artifact`` (which never imports this package); the schema is shared through the
-plain JSON keys documented there."""
+"""Writing ``manifest.json`` and ``build-log.json``: what the runtime needs to know about an
+artifact (and nothing it would have to re-derive from the architecture), and, apart, how this one
+build went. The format (file table, self-hash, versions) is ``kiln.artifact_format``'s, which the
+runtime reads with ``kiln.runtime.artifact`` (neither side imports the other)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 from pathlib import Path
@@ -14,24 +13,27 @@ from typing import Any
 import torch
 import triton
 
-# 2: kiln::linear takes max_m; kernels carry PDL. 3: norm_folds, the residual arguments of
-# kiln::linear / kiln::fused_moe and rmsnorm_linear's folded (older artifacts: rebuild)
-SCHEMA_VERSION = 3
-
-
-def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+from kiln.artifact_format import (
+    BUILD_LOG,
+    CHECKED_BY_KEY,
+    HASH_KEY,
+    MANIFEST,
+    MANIFEST_HASH_KEY,
+    PACK_INDEX,
+    SCHEMA_VERSION,
+    file_digests,
+    gpu_arch_of,
+    is_weight_data,
+    kernel_source_hash,
+    kiln_version,
+    manifest_digest,
+)
 
 
 def gpu_arch(device: str) -> str:
     """``sm_90`` style for CUDA devices, ``cpu`` otherwise."""
     if device.startswith("cuda"):
-        major, minor = torch.cuda.get_device_capability(torch.device(device))
-        return f"sm_{major}{minor}"
+        return gpu_arch_of(torch.cuda.get_device_capability(torch.device(device)))
     return "cpu"
 
 
@@ -41,38 +43,38 @@ def versions() -> dict[str, Any]:
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
+        "kiln": kiln_version(),
+        "kernel_sources": kernel_source_hash(),
     }
 
 
-def pack_hashes(root: Path) -> dict[str, dict[str, Any]]:
-    """sha256 and size of the weight-pack files, as the pack writer recorded them in pack.json."""
-    index = root / "weights" / "pack.json"
-    if not index.is_file():
-        return {}
-    known = {}
-    for rank in json.loads(index.read_text()).get("ranks", []):
-        for f in rank.get("files", []):
-            known[f"weights/{f['name']}"] = {"sha256": f["sha256"], "size": f["bytes"]}
-    return known
-
-
-def file_table(
-    root: Path, exclude: tuple[str, ...] = ("manifest.json",), known: dict[str, dict[str, Any]] | None = None
-) -> dict[str, dict[str, Any]]:
-    """sha256 and size of every file under ``root`` (relative POSIX paths, sorted). Hashes in
-    ``known`` are reused when the size still matches (the pack writer hashed while writing)."""
-    known = known or {}
-    table: dict[str, dict[str, Any]] = {}
-    for p in sorted(root.rglob("*")):
-        rel = p.relative_to(root).as_posix()
-        if p.is_file() and rel not in exclude:
-            size = p.stat().st_size
-            k = known.get(rel)
-            table[rel] = k if k and k["size"] == size else {"sha256": sha256_file(p), "size": size}
-    return table
+def file_table(root: Path) -> dict[str, dict[str, Any]]:
+    """Size and xxh3-128 of every file under ``root`` (relative POSIX paths, sorted) but the manifest
+    and the build log; the weight data files get their size and ``checked_by`` pack.json instead of
+    a hash (the pack loader checks their blocks against it while it streams them)."""
+    rels = sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file() and p.relative_to(root).as_posix() not in (MANIFEST, BUILD_LOG)
+    )
+    digests = file_digests(root, [r for r in rels if not is_weight_data(r)])
+    return {
+        rel: {"size": (root / rel).stat().st_size}
+        | ({CHECKED_BY_KEY: PACK_INDEX} if is_weight_data(rel) else {HASH_KEY: digests[rel]})
+        for rel in rels
+    }
 
 
 def write_manifest(root: Path, body: dict[str, Any]) -> dict[str, Any]:
-    manifest = {"schema_version": SCHEMA_VERSION, **body, "files": file_table(root, known=pack_hashes(root))}
-    (root / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    """Write ``root/manifest.json``: ``body`` with the schema version, the file table and the
+    manifest's own hash. Returns the manifest."""
+    manifest = {"schema_version": SCHEMA_VERSION, **body, "files": file_table(root)}
+    manifest[MANIFEST_HASH_KEY] = manifest_digest(manifest)
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
+
+
+def write_build_log(root: Path, log: dict[str, Any]) -> None:
+    """Write ``root/build-log.json``: what differs between two compiles of the same inputs (timings,
+    source path, time, host, build-cache hits, measured timings). No check reads it."""
+    (root / BUILD_LOG).write_text(json.dumps(log, indent=2, sort_keys=True, default=str) + "\n")

@@ -34,6 +34,22 @@ DEMO_CONFIG = {
 }
 
 
+def _usable(art: Path, device: str) -> bool:
+    """Whether ``art`` is an artifact this kiln can load here (one built by another kiln, or before
+    its kernels changed, is rebuilt)."""
+    if not (art / "manifest.json").exists():
+        return False
+    from kiln.errors import KilnError
+    from kiln.runtime.artifact import open_artifact
+
+    try:
+        open_artifact(art, device)
+    except KilnError as e:
+        click.echo(f"[demo] rebuilding the artifact: {e}")
+        return False
+    return True
+
+
 def build_demo(root: Path, device: str, rebuild: bool = False) -> Path:
     """The demo artifact under ``root`` (built if missing); returns its path."""
     from kiln.compiler.build import CompileOptions, compile_model
@@ -48,7 +64,7 @@ def build_demo(root: Path, device: str, rebuild: bool = False) -> Path:
         click.echo(
             f"[demo] checkpoint with a trained tokenizer written to {ckpt} in {time.perf_counter() - t:.1f} s"
         )
-    if not (art / "manifest.json").exists():
+    if not _usable(art, device):
         dtype = "bfloat16" if device == "cuda" else "float32"
         opts = CompileOptions(
             device=device,

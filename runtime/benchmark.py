@@ -315,7 +315,7 @@ import json, sys, time
 t0 = float(sys.argv[2])
 from kiln import LLM, SamplingParams
 t_import = time.time()
-llm = LLM(sys.argv[1], log=False)
+llm = LLM(sys.argv[1], log=False, verify=sys.argv[3] == "1")
 t_ready = time.time()
 out = llm.generate([[11, 12, 13, 14]], SamplingParams(max_tokens=1, temperature=0.0))
 t_first = time.time()
@@ -324,21 +324,40 @@ print("KILN_STARTUP " + json.dumps({"import_s": t_import - t0, "ready_s": t_read
 """
 
 
-def startup(artifact: str, runs: int = 2) -> dict[str, Any]:
+def _startup_once(artifact: str, verify: bool) -> dict[str, Any]:
+    """One fresh process: start to ready and to first token, and the load's phases."""
+    t0 = time.time()
+    p = subprocess.run(
+        [sys.executable, "-c", STARTUP_CHILD, artifact, repr(t0), "1" if verify else "0"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    line = [x for x in p.stdout.splitlines() if x.startswith("KILN_STARTUP ")]
+    if p.returncode or not line:
+        raise RuntimeError(f"start-up child failed: {p.stderr[-2000:]}")
+    return {"verify": verify, **json.loads(line[0].split(" ", 1)[1])}
+
+
+def startup(artifact: str, runs: int = 2, verify: bool = True) -> dict[str, Any]:
     """Fresh processes: process start to ready and to first token (the first run warms the page
-    cache; the best of the later ones is reported)."""
-    results = []
-    for _ in range(runs):
-        t0 = time.time()
-        p = subprocess.run(
-            [sys.executable, "-c", STARTUP_CHILD, artifact, repr(t0)],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        line = [x for x in p.stdout.splitlines() if x.startswith("KILN_STARTUP ")]
-        if p.returncode or not line:
-            raise RuntimeError(f"start-up child failed: {p.stderr[-2000:]}")
-        results.append(json.loads(line[0].split(" ", 1)[1]))
+    cache; the best of the later ones is reported). ``verify``: the load checks every file."""
+    results = [_startup_once(artifact, verify) for _ in range(runs)]
     best = min(results[1:] or results, key=lambda r: r["first_token_s"])
     return {"runs": results, **best}
+
+
+def startup_verify_cost(artifact: str, runs: int = 3) -> dict[str, Any]:
+    """Start-up with the artifact check on and off, side by side: one warm-up process, then
+    ``runs`` pairs alternating on/off (so page-cache state and machine drift hit both alike);
+    the best of each and the ratio of their ready times."""
+    _startup_once(artifact, True)
+    pairs = [(_startup_once(artifact, True), _startup_once(artifact, False)) for _ in range(runs)]
+    on = min((a for a, _ in pairs), key=lambda r: r["ready_s"])
+    off = min((b for _, b in pairs), key=lambda r: r["ready_s"])
+    return {
+        "runs": [r for pair in pairs for r in pair],
+        "verify": on,
+        "no_verify": off,
+        "ready_ratio": on["ready_s"] / off["ready_s"],
+    }

@@ -198,14 +198,33 @@ def throughput_cmd(
 @bench_cmd.command("startup")
 @click.argument("artifact", type=click.Path(exists=True, file_okay=False))
 @click.option("--runs", default=2, show_default=True, help="Fresh processes; the first warms the page cache.")
+@click.option(
+    "--verify/--no-verify",
+    default=True,
+    show_default=True,
+    help="Check every artifact file while loading (what `kiln serve` does by default).",
+)
+@click.option(
+    "--compare-verify",
+    is_flag=True,
+    help="Measure start-up with the check on and off, alternating, and report the cost.",
+)
 @click.option("--json", "json_path", default=None)
-def startup_cmd(artifact: str, runs: int, json_path: str | None) -> None:
+def startup_cmd(artifact: str, runs: int, verify: bool, compare_verify: bool, json_path: str | None) -> None:
     """Process start to ready and to first token, by phase, in fresh processes."""
-    from kiln.runtime.benchmark import environment, startup
+    from kiln.runtime.benchmark import environment, startup, startup_verify_cost
 
-    r = startup(artifact, runs)
-    click.echo(
-        f"import {r['import_s']:.2f} s, ready {r['ready_s']:.2f} s, first token {r['first_token_s']:.2f} s"
-    )
+    def line(r: dict) -> str:
+        return f"import {r['import_s']:.2f} s, ready {r['ready_s']:.2f} s, first token {r['first_token_s']:.2f} s"
+
+    if compare_verify:
+        c = startup_verify_cost(artifact, runs)
+        click.echo(f"verify on:  {line(c['verify'])}")
+        click.echo(f"verify off: {line(c['no_verify'])}")
+        click.echo(f"ready with the check / without: {c['ready_ratio']:.3f}")
+        _write({"env": environment(), "artifact": artifact, "startup_verify_cost": c}, json_path)
+        return
+    r = startup(artifact, runs, verify)
+    click.echo(line(r))
     click.echo("phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in r["phases"].items()))
     _write({"env": environment(), "artifact": artifact, "startup": r}, json_path)

@@ -40,7 +40,14 @@ def engine_options(f):  # shared by generate, serve and bench
         click.option(
             "--chunk-size", type=int, default=None, help="Prefill chunk in tokens (<= the artifact's)."
         ),
-        click.option("--verify", is_flag=True, help="Check every artifact file's sha256 before loading."),
+        click.option(
+            "--verify/--no-verify",
+            default=True,
+            show_default=True,
+            help="Check every artifact file against the hash the manifest records as it loads (the "
+            "weights in the reader threads as they stream); --no-verify checks sizes only (graphs and "
+            "CUTLASS libraries, being code, are checked either way).",
+        ),
     ]
     for o in reversed(opts):
         f = o(f)

@@ -23,7 +23,31 @@ from kiln.runtime.cli_generate import engine_options, options_from
     "--max-queue",
     type=click.IntRange(min=0),
     default=None,
-    help="Sequences allowed to wait for a running slot; past it requests get 429 [default: no limit].",
+    help="Sequences allowed to wait for a running slot; past it requests get 429 "
+    "[default: 8 x the engine's --max-running].",
+)
+@click.option(
+    "--max-sequences-per-request",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Most sequences (prompts x n) one request may ask for; past it a 400 naming n or prompt.",
+)
+@click.option(
+    "--watchdog-seconds",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    show_default=True,
+    help="If the engine makes no progress this long while it holds work (a hung device), fail its "
+    "requests with an error, answer 503 on /health and take no more requests; 0 turns it off.",
+)
+@click.option(
+    "--shutdown-timeout",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM/SIGINT: stop admitting, give in-flight requests this many seconds to finish, "
+    "end the rest with an error, exit 0.",
 )
 @click.option(
     "--served-model-name", default=None, help="Model id clients use [default: the artifact's directory name]."
@@ -40,6 +64,9 @@ def serve_cmd(
     port: int,
     api_key: str | None,
     max_queue: int | None,
+    max_sequences_per_request: int,
+    watchdog_seconds: float,
+    shutdown_timeout: float,
     served_model_name: str | None,
     max_body_mb: float,
     log_level: str,
@@ -51,7 +78,8 @@ def serve_cmd(
     import torch
 
     from kiln.runtime.engine import Engine, EngineOptions
-    from kiln.runtime.server import ServerOptions, serve
+    from kiln.runtime.server import ServerOptions
+    from kiln.runtime.server_run import serve
 
     opts = EngineOptions(**options_from(kw))
     if (opts.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
@@ -61,6 +89,9 @@ def serve_cmd(
         model_name=served_model_name,
         api_key=api_key or None,
         max_queue=max_queue,
+        max_sequences_per_request=max_sequences_per_request,
         max_body_bytes=int(max_body_mb * (1 << 20)),
+        watchdog_seconds=watchdog_seconds,
+        shutdown_timeout=shutdown_timeout,
     )
     serve(engine, host, port, server_opts, log_level=log_level, access_log=access_log)

@@ -55,6 +55,9 @@ class EngineOptions:
     # Check every artifact file against the manifest while it loads (weights: a fast hash in the
     # reader threads; issue 25). False (``--no-verify``): sizes only.
     verify: bool = True
+    # Where Triton kernels the artifact lacks are compiled (never into the artifact;
+    # kiln/kernel_cache.py); default ~/.cache/kiln/triton.
+    kernel_cache_dir: str | None = None
     log: bool = True
 
 
@@ -85,7 +88,14 @@ class Engine:
                 tokenizer[0] = load_tokenizer(art.tokenizer_dir)
                 prepare_detokenizer(tokenizer[0])  # shared tables built here, not on first use
 
-        self.model = load_model(artifact, dev, verify=opts.verify, log=opts.log, while_weights_load=load_text)
+        self.model = load_model(
+            artifact,
+            dev,
+            verify=opts.verify,
+            log=opts.log,
+            while_weights_load=load_text,
+            kernel_cache_dir=opts.kernel_cache_dir,
+        )
         self.tokenizer = tokenizer[0]
         art = self.model.artifact
         self.artifact = art

@@ -1,8 +1,9 @@
 """Loading a graph the compiler wrote as Python source (see ``kiln.compiler.graph_code``).
 
-The source is the exported graph printed by ``torch.fx`` (calls of ``torch.ops.*`` only); it is
-checked against the sha256 the manifest records before it is executed, and it runs with exactly
-the names the compiler allowed. Loading takes milliseconds where ``torch.export.load`` takes
+The source is the exported graph printed by ``torch.fx`` (calls of ``torch.ops.*`` only); the bytes
+read are checked against the hash the manifest records (always, ``--no-verify`` included: it is
+code) before they are executed, and they run with exactly the names the compiler allowed. Any
+failure is a one-line :class:`GraphCodeError` naming the file. Loading takes milliseconds where ``torch.export.load`` takes
 seconds.
 
 By default the graph's ``torch.ops.kiln.*`` calls go straight to the ops' Python bodies
@@ -13,7 +14,6 @@ the eager (prefill) steps. ``KILN_OP_DISPATCH=torch`` keeps the dispatcher.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -24,7 +24,9 @@ import torch
 import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 
+from kiln.artifact_format import bytes_digest
 from kiln.ops.common import DIRECT
+from kiln.runtime.artifact import RECOPY, ArtifactError, one_line
 
 GLOBALS: dict[str, Any] = {
     "torch": torch,
@@ -84,7 +86,7 @@ def direct_dispatch() -> bool:
     return mode == "direct"
 
 
-class GraphCodeError(RuntimeError):
+class GraphCodeError(ArtifactError, RuntimeError):
     pass
 
 
@@ -103,17 +105,28 @@ class CodeGraph:
 
 
 def load_graph_code(
-    path: Path, layout: Mapping[str, Any], sha256: str | None, direct: bool | None = None
+    path: Path, layout: Mapping[str, Any], digest: str | None, direct: bool | None = None
 ) -> CodeGraph:
-    src = path.read_bytes()
-    if sha256 is not None and hashlib.sha256(src).hexdigest() != sha256:
+    """The graph in ``path`` (``layout``: the manifest's ``graphs.NAME.python``), after checking its
+    bytes against ``digest`` (xxh3-128 hex from the manifest's file table; None: unchecked)."""
+    try:
+        src = path.read_bytes()
+    except OSError as e:
+        raise GraphCodeError(f"graph file {path} cannot be read ({e.strerror}); {RECOPY}.") from None
+    got = bytes_digest(src)
+    if digest is not None and got != digest:
         raise GraphCodeError(
-            f"{path} does not match the sha256 in manifest.json; copy the artifact again or rebuild it."
+            f"graph file {path} does not match its hash in manifest.json (xxh3-128 {got}, recorded "
+            f"{digest}): it was altered or damaged; {RECOPY}."
         )
     if layout.get("output") != "tensor":
-        raise GraphCodeError(f"{path}: unsupported graph output {layout.get('output')!r}")
+        raise GraphCodeError(f"{path}: unsupported graph output {layout.get('output')!r}; {RECOPY}.")
     namespace = dict(GLOBALS)
     if direct_dispatch() if direct is None else direct:
         namespace["torch"] = _direct_torch()
-    exec(compile(src, str(path), "exec"), namespace)  # the compiler's own output, hash-checked above
-    return CodeGraph(namespace["forward"], list(layout["weight_keys"]), int(layout["num_inputs"]))
+    try:
+        exec(compile(src, str(path), "exec"), namespace)  # the compiler's own output, hash-checked above
+        forward = namespace["forward"]
+    except Exception as e:  # unchecked source (digest None) that is not a graph: a message, not a traceback
+        raise GraphCodeError(f"graph file {path} does not load ({one_line(e)}); {RECOPY}.") from None
+    return CodeGraph(forward, list(layout["weight_keys"]), int(layout["num_inputs"]))

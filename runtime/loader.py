@@ -3,6 +3,12 @@
 Start-up is loading files, nothing else: the Triton cache shipped in ``kernels/`` is used as is
 (no JIT compilation), the exported graphs are deserialized, and the rank's weight pack is copied
 to the device. Each phase is timed and reported.
+
+Integrity (``verify``, on by default): the manifest checks every file but the weight data
+(``kiln.runtime.artifact``), the pack loader checks the weight data while it streams it
+(``kiln.weights.load_pack(verify=...)``); the graphs and CUTLASS libraries are checked as they are
+read, verify or not (they are code). The runtime never writes into the artifact: Triton reads the
+artifact's ``kernels/`` and compiles anything it lacks into a per-user cache (``kiln.kernel_cache``).
 """
 
 from __future__ import annotations
@@ -15,11 +21,22 @@ import types
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from kiln.runtime.artifact import REBUILD, Artifact, ArtifactError, check_sha256, open_artifact
+from kiln.artifact_format import HASH_KEY
+from kiln.kernel_cache import use_kernel_cache, user_cache_dir
+from kiln.runtime.artifact import (
+    REBUILD,
+    RECOPY,
+    Artifact,
+    ArtifactError,
+    check_file,
+    one_line,
+    open_artifact,
+)
 from kiln.runtime.graph_code import load_graph_code
 
 
@@ -33,21 +50,23 @@ class LoadedModel:
     phases: dict[str, float] = field(default_factory=dict)
 
 
-def use_artifact_kernels(art: Artifact) -> None:
-    """Point Triton at the artifact's precompiled kernel cache."""
-    os.environ["TRITON_CACHE_DIR"] = str((art.root / "kernels").resolve())
+def use_artifact_kernels(art: Artifact, kernel_cache_dir: str | Path | None = None) -> None:
+    """Have Triton read the artifact's precompiled kernels and compile anything they lack into
+    ``kernel_cache_dir`` (default ``~/.cache/kiln/triton``), never into the artifact."""
+    use_kernel_cache(write=Path(kernel_cache_dir or user_cache_dir()), read=(art.root / "kernels",))
 
 
 def _load_cutlass(
     art: Artifact, rel: str | None, field_name: str, what: str, load: Callable[[Any], None]
 ) -> str:
-    """Check (sha256: it is executable code) and load one of the artifact's CUTLASS libraries."""
+    """Check (size and hash, verify or not: it is executable code) and load one of the artifact's
+    CUTLASS libraries."""
     info = art.manifest.get("files", {}).get(rel or "")
     if not rel or info is None:
         raise ArtifactError(
             f"manifest field '{field_name}' must name a file listed in 'files' (it is {rel!r}): {REBUILD}."
         )
-    check_sha256(art.root, rel, info)
+    check_file(art.root, rel, info)
     path = art.root / rel
     try:
         load(path)
@@ -136,29 +155,56 @@ def load_graphs(art: Artifact, fmt: str | None = None) -> dict[str, Any]:
     """Load every graph of the artifact as a callable ``graph(weights, *inputs)``: its generated
     Python source when the artifact has one (and ``fmt`` is python), else the ``.pt2``."""
     fmt = fmt or graph_format()
-    files = art.manifest.get("files", {})
     graphs: dict[str, Any] = {}
     for name, g in art.graphs.items():
         code = g.get("python")
         if fmt == "python" and code is not None:
-            sha = files.get(code["file"], {}).get("sha256")
-            graphs[name] = load_graph_code(art.root / code["file"], code, sha)
+            graphs[name] = load_graph_code(
+                art.root / code["file"], code, _listed(art, code["file"])[HASH_KEY]
+            )
             continue
-        with _fast_deserialize():
-            graphs[name] = torch.export.load(art.root / g["file"]).module()
+        check_file(art.root, g["file"], _listed(art, g["file"]))  # it is code: checked verify or not
+        try:
+            with _fast_deserialize():
+                graphs[name] = torch.export.load(art.root / g["file"]).module()
+        except Exception as e:  # a file the hash check passed that this torch cannot read
+            raise ArtifactError(f"graph file {g['file']} does not load ({one_line(e)}); {RECOPY}.") from None
     return graphs
+
+
+def _listed(art: Artifact, rel: str) -> dict[str, Any]:
+    info = art.manifest["files"].get(rel)
+    if info is None or HASH_KEY not in info:
+        raise ArtifactError(f"graph file {rel} named in the manifest is not in its file table; {RECOPY}.")
+    return info
+
+
+def check_vocab(art: Artifact, weights: dict[str, torch.Tensor]) -> None:
+    """The manifest's ``vocab_size`` is the weights' vocabulary (rows of the LM head, or of the
+    embedding when they are tied): the sampler and the graphs' logits are sized by each."""
+    name = "lm_head.weight" if "lm_head.weight" in weights else "embed.weight"
+    rows = weights[name].shape[0] if name in weights else None
+    if rows != art.vocab_size:
+        raise ArtifactError(
+            f"manifest field 'vocab_size' is {art.vocab_size} but the weight pack's {name} has {rows} rows "
+            f"(weights/pack.json): the manifest and the weights disagree; {RECOPY}."
+        )
 
 
 def load_model(
     path: str,
     device: str | torch.device = "cpu",
     rank: int = 0,
-    verify: bool = False,
+    verify: bool = True,
     log: bool = False,
     while_weights_load: Callable[[Artifact], None] | None = None,
+    kernel_cache_dir: str | Path | None = None,
 ) -> LoadedModel:
-    """``while_weights_load(artifact)``: host work to run on this thread while the weights stream
-    in (the engine loads its tokenizer there); timed as the ``tokenizer`` phase."""
+    """Load the artifact at ``path`` (module docstring). ``verify``: hash every file against the
+    manifest (the weight data in the pack loader's threads as it streams); False: sizes only.
+    ``while_weights_load(artifact)``: host work to run on this thread while the weights stream in
+    (the engine loads its tokenizer there); timed as the ``tokenizer`` phase. ``kernel_cache_dir``:
+    where Triton compiles kernels the artifact lacks (default ``~/.cache/kiln/triton``)."""
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -174,7 +220,7 @@ def load_model(
             print(f"[kiln] {name}: {phases[name]:.2f} s", flush=True)
 
     art = open_artifact(path, dev, verify=verify)
-    use_artifact_kernels(art)
+    use_artifact_kernels(art, kernel_cache_dir)
     load_moe_library(art, dev)
     load_fp8_library(art, dev)
     import kiln.ops  # noqa: F401  (registers torch.ops.kiln.* before graphs deserialize)
@@ -189,7 +235,7 @@ def load_model(
 
     def load_weights() -> None:
         try:
-            weights = load_pack(art.root / "weights", rank, dev)
+            weights = load_pack(art.root / "weights", rank, dev, verify=verify)
             apply_norm_folds(weights, art.manifest.get("norm_folds"))  # what the graphs expect
             loaded["weights"] = weights
             if dev.type == "cuda":
@@ -212,6 +258,7 @@ def load_model(
     if "error" in loaded:
         raise loaded["error"]
     weights = loaded["weights"]
+    check_vocab(art, weights)
     mark("weights (overlapped)")
     phases["weights_load"] = loaded["seconds"]
     r = art.rope

@@ -7,9 +7,16 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streamin
 (Prometheus). The engine runs on its own thread (:mod:`kiln.runtime.server_worker`); handlers
 tokenize off the event loop, submit, then stream or collect the outputs. A client that
 disconnects aborts its requests and frees their KV. Errors use OpenAI's shape with status 400
-(bad parameters, bad JSON, wrong types, prompt too long), 401 (``api_key`` set and the bearer
-token missing or wrong), 404 (unknown model or path), 413 (body over ``max_body_bytes``), 429
-(``max_queue`` full) and 503 (the engine is gone).
+(bad parameters, bad JSON, wrong types, prompt too long, prompt plus ``max_tokens`` past what one
+request may hold, more than ``max_sequences_per_request`` sequences), 401 (``api_key`` set and the
+bearer token missing or wrong), 404 (unknown model or path), 413 (body over ``max_body_bytes``),
+429 (``max_queue`` full) and 503 (the engine failed or is stuck, or the server is shutting down).
+
+Reliability: a watchdog on the event loop fails every open request and turns ``/health`` to 503
+when the engine makes no progress for ``watchdog_seconds`` while holding work. Shutdown
+(:meth:`OpenAIServer.begin_shutdown`, which :mod:`kiln.runtime.server_run` calls on SIGTERM or
+SIGINT) admits nothing new, gives the requests in flight ``shutdown_timeout`` seconds to finish,
+then ends the rest with an error (an error event in a stream, a 503 otherwise).
 
 Tests reach the engine through ``app.state.kiln.worker.call(fn)`` (runs ``fn(engine)`` between
 steps); no HTTP endpoint exposes it.
@@ -21,6 +28,7 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -32,25 +40,35 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kiln.runtime.server_limits import chars_per_token_bound, min_tokens
 from kiln.runtime.server_protocol import (
+    DEFAULT_COMPLETION_TOKENS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     Reply,
     bad_request,
     error_body,
+    prompt_too_long,
     resolve_max_tokens,
     sampling_params,
 )
 from kiln.runtime.server_worker import EngineWorker, ServerMetrics, Sink, WorkerUnavailable
 
+QUEUE_PER_SLOT = 8  # default max_queue: this many waiting sequences per running slot
 
-@dataclass
+
+@dataclass(frozen=True)
 class ServerOptions:
     model_name: str | None = None  # default: the artifact directory's name
     api_key: str | None = None  # bearer token required on /v1/* when set
-    max_queue: int | None = None  # sequences allowed to wait for a running slot (None: no limit)
+    # Sequences allowed to wait for a running slot; past it a request gets 429.
+    # None: QUEUE_PER_SLOT x the engine's max_running.
+    max_queue: int | None = None
+    max_sequences_per_request: int = 256  # prompts x n of one request; past it a 400
     max_body_bytes: int = 16 << 20
+    watchdog_seconds: float = 60.0  # no engine progress this long while holding work: fail (0: off)
+    shutdown_timeout: float = 30.0  # SIGTERM/SIGINT: seconds in-flight requests get to finish
 
 
 class OpenAIServer:
@@ -61,11 +79,16 @@ class OpenAIServer:
         self.model_name = opts.model_name or Path(engine.artifact.root).resolve().name
         self.tokenizer = engine.tokenizer
         self.context = engine.max_seq_len
+        # prompt + max_tokens of one request: the context or, when smaller, the KV pool
+        self.max_request_tokens = min(engine.max_request_tokens, self.context)
+        self.chars_per_token = chars_per_token_bound(self.tokenizer) if self.tokenizer is not None else None
         self.vocab_size = engine.artifact.vocab_size
         self.max_running = engine.scheduler.cfg.max_running
+        self.max_queue = QUEUE_PER_SLOT * self.max_running if opts.max_queue is None else opts.max_queue
         self.metrics = ServerMetrics()
         self.worker = EngineWorker(engine, self.metrics)
         self.inflight = 0  # accepted sequences not yet finished (event loop only)
+        self.shutting_down = False  # set once SIGTERM/SIGINT arrived: nothing new is admitted
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
 
@@ -94,8 +117,20 @@ class OpenAIServer:
                 continue
             if self.tokenizer is None:
                 raise bad_request("prompt", "this model has no tokenizer; send token ids")
-            out.append(_tokenize(self.tokenizer, p, True, "prompt"))
+            out.append(self._tokenize(p, True, "prompt"))
         return out
+
+    def _tokenize(self, text: str, special: bool, param: str) -> list[int]:
+        """``text``'s token ids; a text whose length alone proves it cannot fit (server_limits.py)
+        is refused before it is tokenized."""
+        at_least = min_tokens(text, self.chars_per_token)
+        if at_least >= self.max_request_tokens:
+            has = (
+                f"the prompt has at least {at_least} tokens ({len(text)} characters, at most "
+                f"{self.chars_per_token} per token for this tokenizer)"
+            )
+            raise prompt_too_long(param, has, self.context, self.max_request_tokens)
+        return _tokenize(self.tokenizer, text, special, param)
 
     def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
         tok = self.tokenizer
@@ -107,17 +142,19 @@ class OpenAIServer:
             )
         except Exception as e:  # the template rejected the conversation
             raise bad_request("messages", f"the chat template rejected these messages: {e}") from None
-        return _tokenize(tok, text, False, "messages")
+        return self._tokenize(text, False, "messages")
 
     # ------------------------------------------------------------------ requests
     async def generate(self, req: CompletionRequest | ChatCompletionRequest, http: Request) -> Response:
         chat = isinstance(req, ChatCompletionRequest)
         self.check_model(req.model)
         params = sampling_params(req, self.vocab_size)
-        if chat:
+        raw = None if chat else req.prompts()
+        self.check_sequences(1 if raw is None else len(raw), params.n)
+        if raw is None:
             prompts = [await asyncio.to_thread(self._chat_ids, req)]
         else:
-            prompts = await asyncio.to_thread(self._encode, req.prompts())
+            prompts = await asyncio.to_thread(self._encode, raw)
         pparam = "messages" if chat else "prompt"
         per_prompt = []
         for ids in prompts:
@@ -125,16 +162,19 @@ class OpenAIServer:
                 raise bad_request(pparam, "the prompt is empty")
             if any(isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
                 raise bad_request(pparam, f"token ids must be in [0, {self.vocab_size})")
-            mt = resolve_max_tokens(params, len(ids), self.context, pparam)
+            default = None if chat else DEFAULT_COMPLETION_TOKENS
+            mt = resolve_max_tokens(params, len(ids), self.context, pparam, self.max_request_tokens, default)
             per_prompt.append(dataclasses.replace(params, max_tokens=mt))
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down; retry on another server", "server_error")
         if not self.worker.alive:
             raise APIError(503, f"the server cannot take requests: {self.worker.error}", "server_error")
         n, nseq = params.n, len(prompts) * params.n
-        if self.opts.max_queue is not None and self.inflight + nseq > self.max_running + self.opts.max_queue:
+        if self.inflight + nseq > self.max_running + self.max_queue:
             raise APIError(
                 429,
                 f"the server queue is full ({self.inflight} sequences in flight, {self.max_running} "
-                f"running at most and {self.opts.max_queue} queued); retry later",
+                f"running at most and {self.max_queue} queued); retry later",
                 "rate_limit_error",
                 code="queue_full",
             )
@@ -151,8 +191,7 @@ class OpenAIServer:
             if not released:
                 released = True
                 self.inflight -= nseq
-                if not reply.done:
-                    self.worker.abort(sink)
+                self.worker.release(sink, abort=not reply.done)
 
         try:
             await self.worker.submit(sink, seqs)
@@ -173,6 +212,53 @@ class OpenAIServer:
         finally:
             release()
         return JSON(body) if body is not None else Response(status_code=499)  # 499: client closed
+
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        """A 400 naming ``n`` (or ``prompt``) when one request asks for more sequences (prompts x
+        n) than ``max_sequences_per_request``, or than the server can ever hold at once (running
+        slots plus queue: a 429 would ask the client to retry what can never be admitted). Checked
+        before anything is tokenized."""
+        nseq, per_request = num_prompts * n, self.opts.max_sequences_per_request
+        capacity = self.max_running + self.max_queue
+        if nseq <= min(per_request, capacity):
+            limit = None
+        elif per_request <= capacity:
+            limit, why = per_request, "per request (--max-sequences-per-request)"
+        else:
+            limit = capacity
+            why = f"at once ({self.max_running} running and --max-queue {self.max_queue} waiting)"
+        if limit is not None:
+            raise bad_request(
+                "prompt" if num_prompts > limit or n == 1 else "n",
+                f"this request asks for {num_prompts} prompt(s) x n={n} = {nseq} sequences; this server "
+                f"takes at most {limit} {why}: send fewer prompts or a smaller n",
+            )
+
+    # ------------------------------------------------------------------ shutdown
+    def begin_shutdown(self) -> None:
+        """On the event loop, once: admit nothing new, give the requests in flight
+        ``shutdown_timeout`` seconds, then end the rest with an error (see :meth:`_drain`)."""
+        if not self.shutting_down:
+            self.shutting_down = True
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        timeout = self.opts.shutdown_timeout
+        if self.inflight:
+            _log.info(f"kiln: shutting down: {self.inflight} sequence(s) in flight get up to {timeout:g} s")
+        deadline = loop.time() + timeout
+        while self.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.inflight:
+            _log.warning(f"kiln: shutdown: aborting {self.inflight} sequence(s) still in flight")
+            self.worker.fail(
+                f"the server is shutting down and this request did not finish within {timeout:g} s "
+                "(--shutdown-timeout)"
+            )
+
+
+_log = logging.getLogger("uvicorn.error")  # the server's log, configured by uvicorn
 
 
 def _tokenize(tok: Any, text: str, special: bool, param: str) -> list[int]:
@@ -233,10 +319,14 @@ def create_app(engine: Any, opts: ServerOptions | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         st.worker.start()
+        limit = st.opts.watchdog_seconds
+        watchdog = asyncio.get_running_loop().create_task(_watchdog(st.worker, limit)) if limit > 0 else None
         try:
             yield
         finally:
-            st.worker.stop()
+            if watchdog is not None:
+                watchdog.cancel()
+            await asyncio.to_thread(st.worker.stop, 10.0 if st.worker.error is None else 1.0)
 
     app = FastAPI(title="kiln", version="1", lifespan=lifespan)
     app.state.kiln = st
@@ -289,6 +379,8 @@ def create_app(engine: Any, opts: ServerOptions | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if st.shutting_down:
+            return JSONResponse({"status": "error", "error": "the server is shutting down"}, 503)
         if st.worker.alive:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "error", "error": st.worker.error}, status_code=503)
@@ -307,6 +399,13 @@ def create_app(engine: Any, opts: ServerOptions | None = None) -> FastAPI:
 
     app.add_middleware(_Gate, st=st)
     return app
+
+
+async def _watchdog(worker: EngineWorker, limit_s: float) -> None:
+    """Check the engine's progress a few times per ``limit_s``, from the event loop (not the
+    engine thread, which may be the one stuck); stops once it fired."""
+    while not worker.watchdog(limit_s):
+        await asyncio.sleep(min(1.0, limit_s / 4))
 
 
 _ENDPOINTS = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"))
@@ -398,15 +497,3 @@ async def _send_json(send: Any, status: int, body: dict) -> None:
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
-
-
-def serve(
-    engine: Any, host: str, port: int, opts: ServerOptions, log_level: str = "info", access_log: bool = False
-) -> None:
-    """Run the server until interrupted (blocking)."""
-    import uvicorn
-
-    app = create_app(engine, opts)
-    uvicorn.run(
-        app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5
-    )

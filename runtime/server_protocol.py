@@ -25,6 +25,7 @@ from kiln.runtime.sampling_params import InvalidSamplingParams, SamplingParams
 from kiln.runtime.server_worker import EngineFailure
 
 MAX_N = 128  # completions per prompt (OpenAI's cap)
+DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's default)
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 MAX_TEMPERATURE = 1e6
@@ -156,7 +157,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``. ``logprobs``: report the chosen tokens' logprobs;
     ``top_logprobs``: and this many alternatives. ``max_completion_tokens`` is the newer name of
-    ``max_tokens`` (it wins when both are given); without either, the rest of the context."""
+    ``max_tokens`` (it wins when both are given); without either, the rest of the context (or of
+    the KV pool, when that is smaller)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
@@ -178,8 +180,9 @@ class ChatCompletionRequest(_SamplingRequest):
 
 # ------------------------------------------------------------------------- sampling params
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> SamplingParams:
-    """The request's :class:`SamplingParams`; ``max_tokens`` 0 means "not given" (chat: the rest
-    of the context, see :func:`resolve_max_tokens`). Raises ``APIError`` (400) naming the first
+    """The request's :class:`SamplingParams`; ``max_tokens`` 0 means "not given" (completions:
+    16, chat: the rest of the context; either capped to what fits, see :func:`resolve_max_tokens`).
+    Raises ``APIError`` (400) naming the first
     bad parameter."""
     req.unsupported()
     if isinstance(req, ChatCompletionRequest):
@@ -190,7 +193,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, vocab_size: 
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         lp_name = "top_logprobs"
     else:
-        max_tokens, mt_name = (req.max_tokens if req.max_tokens is not None else 16), "max_tokens"
+        max_tokens, mt_name = req.max_tokens, "max_tokens"
         logprobs, lp_name = req.logprobs, "logprobs"
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
@@ -240,37 +243,63 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, vocab_size: 
         param = {"max_tokens": mt_name, "logprobs": lp_name}.get(e.param, e.param)
         raise bad_request(param, f"{param}: {e.message}") from None
     if max_tokens is None:
-        params.max_tokens = 0  # 0 = "the rest of the context", resolved per prompt
+        params.max_tokens = 0  # 0 = "not given", resolved per prompt
     return params
 
 
-def resolve_max_tokens(params: SamplingParams, prompt_len: int, context: int, param: str) -> int:
-    """``max_tokens`` for one prompt of ``prompt_len`` tokens in a ``context``-token window;
-    raises a 400 when the prompt plus the requested tokens do not fit."""
-    if prompt_len >= context:
-        raise bad_request(
-            param,
-            f"this model's context is {context} tokens, but the prompt has {prompt_len} tokens; "
-            "shorten the prompt",
-            "context_length_exceeded",
-        )
-    room = context - prompt_len
+def resolve_max_tokens(
+    params: SamplingParams,
+    prompt_len: int,
+    context: int,
+    param: str,
+    max_request_tokens: int | None = None,
+    default: int | None = None,
+) -> int:
+    """``max_tokens`` for one prompt of ``prompt_len`` tokens. A request's prompt plus its
+    generated tokens must fit ``max_request_tokens`` (the engine's limit: the ``context`` or, when
+    smaller, the KV pool, which one request must fit alone). ``max_tokens`` 0 ("not given") becomes
+    ``default`` (None: no default), capped to what fits (such a request ends with
+    ``finish_reason="length"``); a prompt, or an explicit ``max_tokens``, that does not fit is a
+    400 naming the limit and its cause."""
+    limit = context if max_request_tokens is None else min(context, max_request_tokens)
+    if prompt_len >= limit:
+        raise prompt_too_long(param, f"the prompt has {prompt_len} tokens", context, limit)
+    room = limit - prompt_len
     if params.max_tokens == 0:
-        if room < params.min_tokens:
+        want = room if default is None else min(default, room)
+        if want < params.min_tokens:
+            why = limit_reason(context, limit) if want == room else f"the default max_tokens is {default}"
             raise bad_request(
                 "min_tokens",
-                f"min_tokens is {params.min_tokens} but only {room} tokens fit after the prompt",
-                "context_length_exceeded",
+                f"min_tokens is {params.min_tokens} but only {want} tokens can be generated ({why})",
+                "context_length_exceeded" if want == room else None,
             )
-        return room
+        return want
     if params.max_tokens > room:
         raise bad_request(
             "max_tokens",
-            f"this model's context is {context} tokens: the prompt has {prompt_len} tokens, so at most "
-            f"{room} can be generated, but max_tokens is {params.max_tokens}; lower max_tokens",
+            f"{limit_reason(context, limit)}: the prompt has {prompt_len} tokens, so at most "
+            f"{room} can be generated, but max_tokens is {params.max_tokens}; lower max_tokens"
+            + ("" if limit == context else " or raise --kv-memory"),
             "context_length_exceeded",
         )
     return params.max_tokens
+
+
+def limit_reason(context: int, limit: int) -> str:
+    """Why a request may hold at most ``limit`` tokens (prompt plus generated)."""
+    if limit >= context:
+        return f"this model's context is {context} tokens"
+    return (
+        f"this server's KV pool holds {limit} tokens, less than the model's context of {context}, "
+        "and one request must fit it alone"
+    )
+
+
+def prompt_too_long(param: str, has: str, context: int, limit: int) -> APIError:
+    """The 400 for a prompt that leaves no room to generate (``has``: "the prompt has N tokens")."""
+    fix = "shorten the prompt" if limit >= context else "shorten the prompt or raise --kv-memory"
+    return bad_request(param, f"{limit_reason(context, limit)}, but {has}; {fix}", "context_length_exceeded")
 
 
 # --------------------------------------------------------------------------------- replies

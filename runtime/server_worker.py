@@ -9,8 +9,15 @@ the sinks and records latency metrics. Because commands are FIFO, an abort sent 
 always finds the requests it names.
 
 Nothing accepted is lost: every sequence finishes (its last output has ``finished=True``), is
-aborted by its sink, or its sink receives an :class:`EngineFailure` (the engine raised; the
-worker then refuses new work and ``/health`` reports it).
+aborted by its sink, or its sink receives an :class:`EngineFailure`: the engine raised, the
+watchdog found it stuck (:meth:`EngineWorker.watchdog`), or the server stopped (:meth:`fail`,
+:meth:`stop`). After any of these the worker refuses new work and ``/health`` reports why.
+
+Progress: the worker stamps a monotonic time each time ``engine.step()`` returns and each time
+it takes a command, and marks itself idle while it waits for one. :meth:`stalled_for` is how long
+it has been busy without such a stamp; the watchdog reads it from the event loop, so it works
+while the engine thread is stuck inside a step (a hung device). Open sinks are kept in a registry
+any thread can fail, for the same reason.
 """
 
 from __future__ import annotations
@@ -49,6 +56,14 @@ class Sink:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | EngineFailure
     arrival: float = field(default_factory=time.perf_counter)
     last_token: dict[str, float] = field(default_factory=dict)  # rid -> time of its latest token
+    accepted: asyncio.Future | None = None  # resolves once the engine took its requests (submit)
+
+    def fail(self, message: str) -> None:
+        """On the event loop: end this request with ``message`` (its submit raises
+        WorkerUnavailable, or its reader gets an EngineFailure)."""
+        if self.accepted is not None and not self.accepted.done():
+            self.accepted.set_exception(WorkerUnavailable(message))
+        self.queue.put_nowait(EngineFailure(message))
 
 
 class WorkerUnavailable(RuntimeError):
@@ -65,6 +80,8 @@ class EngineWorker:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "refuse new work" against enqueueing
         self._sinks: dict[str, Sink] = {}  # worker thread only: live rid -> its sink
+        self._open_sinks: dict[int, Sink] = {}  # id -> sink submitted, not yet released (under _lock)
+        self._beat: tuple[bool, float] = (True, time.monotonic())  # (idle, when last stamped)
         self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
 
     # ------------------------------------------------------------------ any thread
@@ -72,13 +89,54 @@ class EngineWorker:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort everything in flight (sinks get an EngineFailure) and end the thread."""
+        """Abort everything in flight (sinks get an EngineFailure) and end the thread. If the
+        thread does not end within ``timeout`` (stuck in a step), its sinks are failed from here."""
         self._put(("stop",), check=False)
-        self._thread.join(timeout)
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            self.fail(f"the server stopped; the engine did not stop within {timeout:g} s")
 
     @property
     def alive(self) -> bool:
         return self.error is None and self._thread.is_alive()
+
+    def fail(self, message: str) -> None:
+        """Refuse new work (``message`` becomes :attr:`error` unless one is set) and end every open
+        request now with an :class:`EngineFailure`, without waiting for the engine thread (which
+        may be stuck); that thread aborts their engine requests and exits once it is free. Any
+        thread may call this."""
+        with self._lock:
+            if self.error is None:
+                self.error = message
+            message = self.error
+            sinks = list(self._open_sinks.values())
+            self._cmds.put(("stop",))
+        for s in sinks:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting
+                s.loop.call_soon_threadsafe(s.fail, message)
+
+    def stalled_for(self) -> float:
+        """Seconds the worker has been busy (stepping or running a command) without progress:
+        no step returned and no command was taken. 0 while it waits for work."""
+        idle, since = self._beat
+        if idle or not self._thread.is_alive():
+            return 0.0
+        return time.monotonic() - since
+
+    def watchdog(self, limit_s: float) -> bool:
+        """Fail everything (:meth:`fail`) if the worker made no progress for ``limit_s`` seconds
+        while holding work; True if it fired. Call it periodically from another thread or the
+        event loop."""
+        stalled = self.stalled_for()
+        if self.error is not None or stalled <= limit_s:
+            return False
+        self.fail(
+            f"the engine made no progress for {stalled:.0f} s while holding work (a step that does "
+            f"not return: a hung device?); watchdog limit {limit_s:g} s (--watchdog-seconds); "
+            "the server takes no more requests"
+        )
+        return True
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the worker thread between steps (status, integrity checks in
@@ -97,14 +155,25 @@ class EngineWorker:
     def submit(self, sink: Sink, seqs: list[Seq]) -> asyncio.Future:
         """Queue ``seqs`` for ``sink``; the future resolves once the engine accepted them all (or
         raises what ``add_request`` raised: then none of them was kept)."""
-        fut = sink.loop.create_future()
-        self._put(("submit", sink, seqs, fut))
+        fut = sink.accepted = sink.loop.create_future()
+        with self._lock:
+            if self.error is not None:
+                raise WorkerUnavailable(self.error)
+            self._open_sinks[id(sink)] = sink
+            self._cmds.put(("submit", sink, seqs, fut))
         return fut
+
+    def release(self, sink: Sink, abort: bool) -> None:
+        """``sink``'s HTTP request is over: forget it, and with ``abort`` abort its unfinished
+        requests (its client went away or it failed); frees their KV."""
+        with self._lock:
+            self._open_sinks.pop(id(sink), None)
+        if abort and self._thread.is_alive():
+            self._put(("abort", sink), check=False)
 
     def abort(self, sink: Sink) -> None:
         """Abort every unfinished request of ``sink`` (its client went away); frees their KV."""
-        if self._thread.is_alive():
-            self._put(("abort", sink), check=False)
+        self.release(sink, abort=True)
 
     def _dispatch(self, t: float, items: list[tuple[Sink, RequestOutput]]) -> None:
         """On the event loop: fan one step's outputs out to their sinks."""
@@ -123,6 +192,7 @@ class EngineWorker:
                     return
                 if eng.has_work():
                     outs = eng.step()
+                    self._beat = (False, time.monotonic())
                     if outs:
                         self._deliver(outs)
         except BaseException as e:  # the engine raised: fail loudly, keep answering
@@ -133,9 +203,14 @@ class EngineWorker:
         """Run queued commands (waiting for one when ``block``); False once told to stop."""
         while True:
             try:
-                cmd = self._cmds.get() if block else self._cmds.get_nowait()
+                if block:
+                    self._beat = (True, time.monotonic())
+                    cmd = self._cmds.get()
+                else:
+                    cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return True
+            self._beat = (False, time.monotonic())
             block = False
             kind = cmd[0]
             if kind == "submit":
@@ -196,7 +271,9 @@ class EngineWorker:
     def _shutdown(self, message: str) -> None:
         """Refuse new work, then fail everything in flight and everything still queued."""
         with self._lock:
-            self.error = message
+            if self.error is None:
+                self.error = message
+            message = self.error
         sinks = {id(s): s for s in self._sinks.values()}
         for rid in list(self._sinks):
             with contextlib.suppress(Exception):

@@ -4,7 +4,8 @@ Start-up matters, so an artifact with a ``tokenizer.json`` is served by :class:`
 the Rust ``tokenizers`` library plus the chat template rendered with sandboxed Jinja, the way
 transformers renders it (loading it takes ~0.04 s; ``AutoTokenizer`` took 3-6 s, most of it
 importing transformers). Anything else falls back to ``AutoTokenizer`` (local files only, no
-remote code).
+remote code). A tokenizer file that does not parse (or a chat template that does not compile, at
+its first use) is a one-line :class:`TokenizerFileError` naming the file.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kiln.runtime.artifact import RECOPY, ArtifactError, one_line
 from kiln.runtime.detokenizer import IncrementalDetokenizer, StopMatcher
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -24,6 +26,30 @@ def _token_text(tok: Any) -> str | None:
     return tok
 
 
+class TokenizerFileError(ArtifactError):
+    """A tokenizer file of the artifact that does not parse."""
+
+    def __init__(self, path: Path, err: BaseException):
+        super().__init__(f"tokenizer file {path} does not load ({one_line(err)}); {RECOPY}.")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError
+        raise TokenizerFileError(path, e) from None
+    if not isinstance(doc, dict):
+        raise TokenizerFileError(path, TypeError(f"holds {type(doc).__name__}, not an object"))
+    return doc
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, ValueError) as e:
+        raise TokenizerFileError(path, e) from None
+
+
 class FastTokenizer:
     """The subset of a transformers tokenizer kiln uses, over ``tokenizers.Tokenizer``."""
 
@@ -31,16 +57,24 @@ class FastTokenizer:
         from tokenizers import Tokenizer
 
         root = Path(path)
-        self.backend_tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        try:
+            self.backend_tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        except Exception as e:  # the Rust library's errors (bad JSON, unknown model, bad UTF-8)
+            raise TokenizerFileError(root / "tokenizer.json", e) from None
         cfg_path = root / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         template = cfg.get("chat_template")
+        self._template_file = cfg_path
         if template is None and (root / "chat_template.jinja").is_file():
-            template = (root / "chat_template.jinja").read_text()
+            self._template_file = root / "chat_template.jinja"
+            template = _read_text(self._template_file)
         if isinstance(template, list):  # named templates: use "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+            named = [t for t in template if isinstance(t, dict)]
+            template = next((t.get("template") for t in named if t.get("name") == "default"), None)
+        if template is not None and not isinstance(template, str):
+            raise TokenizerFileError(cfg_path, TypeError("chat_template is not a string"))
         self.chat_template: str | None = template
         self._compiled: Any = None
 
@@ -74,6 +108,7 @@ class FastTokenizer:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         if self._compiled is None:
+            from jinja2 import TemplateSyntaxError
             from jinja2.ext import loopcontrols
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -88,7 +123,10 @@ class FastTokenizer:
             )
             env.globals["raise_exception"] = raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._compiled = env.from_string(self.chat_template)
+            try:
+                self._compiled = env.from_string(self.chat_template)
+            except TemplateSyntaxError as e:
+                raise TokenizerFileError(self._template_file, e) from None
         text = self._compiled.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -106,7 +144,10 @@ def load_tokenizer(path: str | Path, fast: bool = True) -> Any:
         return FastTokenizer(path)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+    except Exception as e:  # whichever of its files transformers could not parse
+        raise TokenizerFileError(Path(path), e) from None
 
 
 class RequestText:

@@ -52,6 +52,11 @@ def test_bench_commands(demo_artifact, tmp_path):
     run("startup", demo_artifact, "--runs", "1", "--json", st)
     s = json.loads(st.read_text())["startup"]
     assert 0 < s["ready_s"] <= s["first_token_s"] and "graphs" in s["phases"]
+    cmp = tmp_path / "verify.json"
+    out = run("startup", demo_artifact, "--compare-verify", "--runs", "1", "--json", cmp)
+    c = json.loads(cmp.read_text())["startup_verify_cost"]
+    assert [r["verify"] for r in c["runs"]] == [True, False] and c["ready_ratio"] > 0
+    assert "ready with the check / without" in out
     png, rep = tmp_path / "p.png", tmp_path / "rep.json"
     run("report", "--latency", lat, "--throughput", tp, "--startup", st, "--json", rep, "--plot", png)
     assert png.stat().st_size > 10_000 and set(json.loads(rep.read_text())) >= {

@@ -3,12 +3,13 @@
 Stages (one file each): :mod:`.discover` (which files), :mod:`.stream` (``(name, tensor)`` over
 mmapped shards, optional bounded read-ahead), :mod:`.mapping` (names -> packed tensors, skip rules,
 FP8 scale names), :mod:`.spec` (sharding and placement, frozen per tensor), :mod:`.pack`
-(post-processing and the streaming writer), :mod:`.verify` (checks) and :mod:`.reader` (loading). The per-architecture
+(post-processing and the streaming writer), :mod:`.verify` (checks), :mod:`.integrity` (xxh3
+block hashes, checked while loading) and :mod:`.reader` (loading). The per-architecture
 declarations live in ``kiln.compiler.mappings``.
 """
 
 from kiln.weights.discover import CheckpointError, WeightFiles, discover_weights
-from kiln.weights.index import PackError, PackIndex
+from kiln.weights.index import PackError, PackIndex, PackProvenance
 from kiln.weights.mapping import MappingError
 from kiln.weights.pack import pack_checkpoint
 from kiln.weights.reader import LoadOptions, load_pack
@@ -23,6 +24,7 @@ __all__ = [
     "MappingError",
     "PackError",
     "PackIndex",
+    "PackProvenance",
     "ParamSpec",
     "Piece",
     "Region",

@@ -8,17 +8,31 @@ Layout of a pack directory::
 
 ``pack.json`` (format ``kiln-pack``, :data:`FORMAT_VERSION`)::
 
-    {"format": "kiln-pack", "version": 1, "created": ISO-8601, "kiln_version": "...",
-     "source": {"dir": ..., "fingerprint": sha256 hex, "files": [{"name", "bytes"}]},
+    {"format": "kiln-pack", "version": 2, "kiln_version": "...",
+     "source": {"fingerprint": sha256 hex, "files": [{"name", "bytes"}]},
      "tp": N, "ep": N, "dtype": "bfloat16", "quant": null | "fp8", "model": {...},
+     "block_bytes": 8388608,
      "ranks": [{"rank": 0,
-                "files": [{"name", "bytes", "sha256"}],
+                "files": [{"name", "bytes", "sha256", "data_start", "header_xxh3", "blocks_xxh3": [hex]}],
                 "tensors": {name: {"shape", "dtype", "file", "offset", "nbytes", "crc32",
                                    "placement"}}}]}
 
-``offset`` is the absolute byte offset of the tensor's data in its file; ``crc32`` (hex) of its
-bytes locates a corruption the file's sha256 detects. The source fingerprint
-hashes config.json and every weight file's name, size and safetensors header (not the data).
+Integrity (:mod:`weights.integrity`): a file is its safetensors header, bytes ``[0, data_start)``,
+then its tensor data. ``header_xxh3`` is the xxh3-64 (16 hex digits) of the header bytes;
+``blocks_xxh3[k]`` that of data bytes ``[data_start + k * block_bytes, data_start + (k + 1) *
+block_bytes)`` (the last block is shorter). The loader checks each block right after reading it,
+in its reader threads; ``sha256`` of the whole file is kept for external tools and ``kiln pack
+--verify``. ``offset`` is the absolute byte offset of a tensor's data in its file; ``crc32`` (hex)
+of its bytes tells which of the tensors a bad block overlaps changed.
+
+The file is reproducible: the same checkpoint, options and kiln version give the same bytes (no
+timestamp, no absolute path; keys in a fixed order). How one pack was made (when, from which
+directory, peak memory) is :class:`PackProvenance`, returned with the index and never written
+here. The source fingerprint hashes config.json and every weight file's name, size and safetensors
+header (not the data).
+
+Version history: 1 had no block hashes and recorded ``created`` and ``source.dir``; this kiln
+refuses it with the re-pack command.
 """
 
 from __future__ import annotations
@@ -32,8 +46,10 @@ from typing import Any
 from kiln.errors import KilnError
 
 FORMAT = "kiln-pack"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 INDEX_NAME = "pack.json"
+DEFAULT_BLOCK_BYTES = 8 * 1024 * 1024  # the loader's default chunk: one chunk read = one block checked
+REPACK = "re-pack with this kiln (`kiln pack`, or `kiln compile` for an artifact)"
 
 
 class PackError(KilnError, ValueError):
@@ -42,9 +58,17 @@ class PackError(KilnError, ValueError):
 
 @dataclass(frozen=True)
 class PackFile:
+    """One file of a rank: its size, sha256 and xxh3 hashes (see the module docstring)."""
+
     name: str
     bytes: int
     sha256: str
+    data_start: int  # first byte of tensor data (= length of the safetensors header)
+    header_xxh3: str
+    blocks_xxh3: tuple[str, ...]
+
+    def num_blocks(self, block_bytes: int) -> int:
+        return -(-(self.bytes - self.data_start) // block_bytes)
 
 
 @dataclass(frozen=True)
@@ -57,6 +81,22 @@ class PackTensor:
     nbytes: int
     crc32: str
     placement: str = ""
+
+
+@dataclass(frozen=True)
+class PackProvenance:
+    """How one pack was made: what differs between two packs of the same checkpoint, so it is kept
+    out of pack.json. ``pack_checkpoint`` returns it as ``index.provenance``; a caller may write
+    :meth:`to_json` into a build log beside the pack."""
+
+    created: str  # ISO-8601 UTC, seconds
+    source_dir: str  # the checkpoint directory, resolved
+    seconds: float  # wall time of pack_checkpoint
+    peak_write_queue_bytes: int  # the writer's queue at its fullest
+    peak_readahead_bytes: int  # the stream's read-ahead window at its fullest (0 with mmap)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass
@@ -79,9 +119,11 @@ class PackIndex:
     source: dict[str, Any]
     ranks: list[RankIndex]
     model: dict[str, Any] = field(default_factory=dict)
-    created: str = ""
     kiln_version: str = ""
+    block_bytes: int = DEFAULT_BLOCK_BYTES
     version: int = FORMAT_VERSION
+    # How this pack was made; set by ``pack_checkpoint``, never written to pack.json (None once loaded).
+    provenance: PackProvenance | None = field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -91,7 +133,6 @@ class PackIndex:
         return {
             "format": FORMAT,
             "version": self.version,
-            "created": self.created,
             "kiln_version": self.kiln_version,
             "source": self.source,
             "tp": self.tp,
@@ -99,10 +140,11 @@ class PackIndex:
             "dtype": self.dtype,
             "quant": self.quant,
             "model": self.model,
+            "block_bytes": self.block_bytes,
             "ranks": [
                 {
                     "rank": r.rank,
-                    "files": [asdict(f) for f in r.files],
+                    "files": [{**asdict(f), "blocks_xxh3": list(f.blocks_xxh3)} for f in r.files],
                     "tensors": {
                         n: {k: (list(v) if k == "shape" else v) for k, v in asdict(t).items() if k != "name"}
                         for n, t in r.tensors.items()
@@ -137,13 +179,13 @@ class PackIndex:
         if doc.get("version") != FORMAT_VERSION:
             raise PackError(
                 f"{path}: pack format version {doc.get('version')} but this kiln reads version "
-                f"{FORMAT_VERSION}; re-pack with this kiln (`kiln pack`)."
+                f"{FORMAT_VERSION}; {REPACK}."
             )
         try:
             ranks = [
                 RankIndex(
                     rank=int(r["rank"]),
-                    files=[PackFile(**f) for f in r["files"]],
+                    files=[PackFile(**{**f, "blocks_xxh3": tuple(f["blocks_xxh3"])}) for f in r["files"]],
                     tensors={
                         n: PackTensor(name=n, **{**t, "shape": tuple(t["shape"])})
                         for n, t in r["tensors"].items()
@@ -151,7 +193,7 @@ class PackIndex:
                 )
                 for r in doc["ranks"]
             ]
-            return cls(
+            index = cls(
                 tp=int(doc["tp"]),
                 ep=int(doc["ep"]),
                 dtype=str(doc["dtype"]),
@@ -159,12 +201,26 @@ class PackIndex:
                 source=dict(doc.get("source") or {}),
                 ranks=ranks,
                 model=dict(doc.get("model") or {}),
-                created=str(doc.get("created", "")),
                 kiln_version=str(doc.get("kiln_version", "")),
+                block_bytes=int(doc["block_bytes"]),
                 version=int(doc["version"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PackError(f"{path} is malformed ({e!r}); re-run `kiln pack`.") from e
+        index._check_hash_fields(path)
+        return index
+
+    def _check_hash_fields(self, path: Path) -> None:
+        if self.block_bytes <= 0:
+            raise PackError(f"{path}: 'block_bytes' is {self.block_bytes}; re-run `kiln pack`.")
+        for r in self.ranks:
+            for f in r.files:
+                want = f.num_blocks(self.block_bytes)
+                if not 0 < f.data_start <= f.bytes or len(f.blocks_xxh3) != want:
+                    raise PackError(
+                        f"{path}: file {f.name} records data_start {f.data_start} of {f.bytes} bytes and "
+                        f"{len(f.blocks_xxh3)} block hash(es), expected {want}; re-run `kiln pack`."
+                    )
 
     def summary(self) -> str:
         """A few lines for the end of ``kiln pack``."""

@@ -3,7 +3,14 @@
 Every checkpoint tensor is read once (all ranks are served from the same read); each piece a spec
 declares is copied into that rank's staging buffer for the packed tensor (converting the dtype on
 the way); when a packed tensor's last piece arrives it is quantized if asked (FP8 e4m3 per output
-channel, ``kiln.ops.quant``), hashed and written at its offset, and freed.
+channel, ``kiln.ops.quant``), hashed and written at its offset, and freed. Once every tensor is
+written, each file is read back once (from the page cache) for its sha256 and the xxh3 hashes of
+its header and data blocks (:mod:`weights.integrity`; blocks span tensors written out of order, so
+they are hashed after the fact).
+
+**Reproducible**: the same checkpoint, options and kiln version give byte-identical files and
+pack.json (layout, headers and metadata are functions of the specs; nothing time- or
+path-dependent is written). What differs between runs is returned as ``index.provenance``.
 
 **Host memory** (anonymous, beyond the page cache) stays bounded by: the stream's read-ahead window
 (0 with mmap, see :mod:`weights.stream`) + staging buffers of packed tensors still waiting for a
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +36,22 @@ from tqdm.auto import tqdm
 
 import kiln
 from kiln.weights.discover import discover_weights
-from kiln.weights.index import INDEX_NAME, PackError, PackFile, PackIndex, PackTensor, RankIndex
+from kiln.weights.index import (
+    DEFAULT_BLOCK_BYTES,
+    INDEX_NAME,
+    PackError,
+    PackFile,
+    PackIndex,
+    PackProvenance,
+    PackTensor,
+    RankIndex,
+)
+from kiln.weights.integrity import hash_file
 from kiln.weights.mapping import MappingError, NormalizeStats, Plan, normalize_stream, precheck
 from kiln.weights.spec import ACT_DTYPES, ParamSpec
 from kiln.weights.st_format import dtype_name, read_header
 from kiln.weights.stream import CheckpointStream
-from kiln.weights.writer import RankFiles, TensorWriter, sha256_file
+from kiln.weights.writer import RankFiles, TensorWriter
 
 DEFAULT_MAX_FILE_BYTES = 2 * 1024**3  # files past this are split; smaller files hash and load in parallel
 
@@ -73,8 +91,10 @@ def pack_checkpoint(
     workers: int = 4,
     write_budget_bytes: int = 1 << 30,
     model_info: dict[str, Any] | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> PackIndex:
-    """Pack ``model_dir``'s checkpoint into ``out_dir`` for ``tp`` ranks; returns the written index.
+    """Pack ``model_dir``'s checkpoint into ``out_dir`` for ``tp`` ranks; returns the written index,
+    with ``index.provenance`` (when, from where, peak memory: not in pack.json) set.
 
     Args:
         specs_per_rank: ``specs_per_rank[r]`` lists rank ``r``'s packed tensors
@@ -84,12 +104,18 @@ def pack_checkpoint(
         skip: extra regexes of checkpoint names not to pack (the generic skip rules always apply).
         readahead: shards read ahead by worker threads (0: mmap; see :mod:`weights.stream`).
         max_file_bytes: a rank's data is split into several files past this size.
+        model_info: written to pack.json's ``model``; keep it deterministic.
+        block_bytes: the data blocks hashed for the loader's check (its chunks are whole blocks).
     """
+    t0 = time.perf_counter()
+    created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     model_dir, out = Path(model_dir), Path(out_dir)
     if dtype not in ACT_DTYPES:
         raise PackError(f"dtype must be one of {', '.join(ACT_DTYPES)}, got {dtype!r}.")
     if quant not in (None, "fp8"):
         raise PackError(f"quant must be None or 'fp8', got {quant!r}.")
+    if block_bytes <= 0:
+        raise PackError(f"block_bytes must be positive, got {block_bytes}.")
     if len(specs_per_rank) != tp:
         raise PackError(f"got specs for {len(specs_per_rank)} ranks but tp={tp}.")
     quantized = {s.name for specs in specs_per_rank for s in specs if s.quant}
@@ -173,16 +199,21 @@ def pack_checkpoint(
         writer.close()  # waits for queued writes, on the error path too
         for rf in ranks:
             rf.close()
-    index = _build_index(model_dir, out, stream, ranks, specs_per_rank, writer, tp, ep, dtype, quant)
+    index = _build_index(model_dir, stream, ranks, specs_per_rank, writer, tp, ep, dtype, quant, block_bytes)
     index.model = {
         **(model_info or {}),
         "skipped_tensors": skipped,
         "dropped_activation_scales": nstats.dropped_activation_scales,
         "dequantized_fp8": nstats.dequantized,
-        "peak_write_queue_bytes": writer.peak_inflight,
-        "peak_readahead_bytes": stream.stats.peak_buffered_bytes,
     }
     index.save(out)
+    index.provenance = PackProvenance(
+        created=created,
+        source_dir=str(model_dir.resolve()),
+        seconds=time.perf_counter() - t0,
+        peak_write_queue_bytes=writer.peak_inflight,
+        peak_readahead_bytes=stream.stats.peak_buffered_bytes,
+    )
     return index
 
 
@@ -226,7 +257,6 @@ def _check_complete(
 
 def _build_index(
     model_dir: Path,
-    out: Path,
     stream: CheckpointStream,
     ranks: list[RankFiles],
     specs_per_rank: list[list[ParamSpec]],
@@ -235,10 +265,19 @@ def _build_index(
     ep: int,
     dtype: str,
     quant: str | None,
+    block_bytes: int,
 ) -> PackIndex:
     paths = [p for rf in ranks for p in rf.paths]
+    headers = {p: read_header(p) for p in paths}
+
+    def hashes(p: Path) -> PackFile:
+        h = hash_file(p, headers[p].data_start, block_bytes)
+        return PackFile(
+            p.name, headers[p].file_size, h.sha256, headers[p].data_start, h.header_xxh3, h.blocks_xxh3
+        )
+
     with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(paths)))) as pool:
-        digests = dict(zip(paths, pool.map(sha256_file, paths)))
+        files = dict(zip(paths, pool.map(hashes, paths)))
     index = PackIndex(
         tp=tp,
         ep=ep,
@@ -246,14 +285,14 @@ def _build_index(
         quant=quant,
         source=stream.fingerprint(model_dir),
         ranks=[],
-        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         kiln_version=kiln.__version__,
+        block_bytes=block_bytes,
     )
     for r, (rf, specs) in enumerate(zip(ranks, specs_per_rank)):
         placement = {n: s.placement for s in specs for n, *_ in s.packed(dtype)}
-        ri = RankIndex(rank=r, files=[PackFile(p.name, p.stat().st_size, digests[p]) for p in rf.paths])
+        ri = RankIndex(rank=r, files=[files[p] for p in rf.paths])
         for path in rf.paths:
-            hdr = read_header(path)
+            hdr = headers[path]
             for name, info in hdr.tensors.items():
                 ri.tensors[name] = PackTensor(
                     name,
@@ -262,7 +301,7 @@ def _build_index(
                     path.name,
                     info.begin,
                     info.nbytes,
-                    writer.crc32.get(name, ""),
+                    writer.crc32.get((path.name, name), ""),
                     placement.get(name, ""),
                 )
         index.ranks.append(ri)

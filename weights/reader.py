@@ -1,11 +1,23 @@
 """Stage 7: one rank's weight pack onto a device, checked.
 
-Always checked (cheap): ``pack.json`` parses and has this rank; every file exists with the size
-``pack.json`` records (a short file names the tensors past its end); every safetensors header
-agrees with ``pack.json`` (names, shapes, dtypes, offsets); with ``expected``, the pack holds exactly
-the parameters the model declares with their shapes and dtypes (missing and unexpected names
-listed). With ``verify=True`` also the sha256 of every file (a mismatch names the tensors whose
-bytes changed).
+Always checked (cheap): ``pack.json`` parses, is of this kiln's format version and has this rank;
+every file exists with the size ``pack.json`` records (a short file names the tensors past its
+end); every safetensors header agrees with ``pack.json`` (names, shapes, dtypes, offsets); with
+``expected``, the pack holds exactly the parameters the model declares with their shapes and
+dtypes (missing and unexpected names listed).
+
+Integrity (``verify=True``, the default; :mod:`weights.integrity`): every byte loaded is checked
+against the xxh3 hashes ``pack.json`` records. Each header's hash is checked with the headers,
+before any data is read. On the staged path (every CUDA load by default) the data is checked as
+part of the read, not in a pass before it: the chunks are whole hash blocks (``chunk_bytes`` is
+rounded down to a multiple of the pack's ``block_bytes``, at least one block; with the defaults one
+chunk is one 8 MiB block), cut on each file's block grid, so a reader thread hashes the chunk it
+has just read (xxh3 releases the GIL: the threads hash in parallel while other chunks are read and
+copied) and only then issues its copy. The other paths (CPU, ``staging="direct"``) first check
+every block in a threaded pass (:func:`~kiln.weights.integrity.verify_blocks`). A mismatch raises
+:class:`PackError` naming the file, the byte range and the tensors it holds; no tensor of a failed
+load is returned (the side streams are synchronized before the arena is freed). ``verify=False``:
+sizes and headers only.
 
 Loading:
 
@@ -13,14 +25,15 @@ Loading:
 * CUDA, ``staging="pinned"`` (default; also runs on a CPU device with plain buffers, for tests):
   all tensors of the rank live in one device allocation (the arena), each at a 256-byte-aligned
   offset, in file order, so a file's tensors are as contiguous in the arena as in the file
-  (:func:`plan_staging`). Each file is cut into ``chunk_bytes`` chunks regardless of tensor
-  boundaries. ``threads`` reader threads take chunks in turn; each one owns a ring of
-  ``buffers_per_thread`` pinned buffers: it ``preadv``-s a chunk into the next buffer, issues the
-  host-to-device copy of the whole chunk itself (one copy per chunk, more only where a tensor's
-  alignment padding falls inside it) on one of ``copy_streams`` side streams, records an event, and
-  moves on; a buffer is refilled once its event is done. No central thread hands buffers around
-  and nothing synchronizes the device in the loop, so reads from the page cache and PCIe transfers
-  overlap with up to ``threads * buffers_per_thread`` chunks in flight. On return the caller's
+  (:func:`plan_staging`). Each file's data is cut into ``chunk_bytes`` chunks from its first data
+  byte, regardless of tensor boundaries. ``threads`` reader threads take chunks in turn; each one
+  owns a ring of ``buffers_per_thread`` pinned buffers: it ``preadv``-s a chunk into the next
+  buffer, checks its blocks' hashes (``verify``), issues the host-to-device copy of the whole
+  chunk itself (one copy per chunk, more only where a tensor's alignment padding falls inside it)
+  on one of ``copy_streams`` side streams, records an event, and moves on; a buffer is refilled
+  once its event is done. No central thread hands buffers around and nothing synchronizes the
+  device in the loop, so reads from the page cache and PCIe transfers overlap with up to
+  ``threads * buffers_per_thread`` chunks in flight. On return the caller's
   current stream waits for the side streams (no host synchronization): use the tensors on that
   stream or synchronize first.
 * CUDA, ``staging="direct"``: ``safetensors.safe_open(device=...)`` (the baseline).
@@ -42,9 +55,10 @@ from pathlib import Path
 
 import torch
 
-from kiln.weights.index import PackError, PackIndex, PackTensor
+from kiln.weights.index import PackIndex, PackTensor
+from kiln.weights.integrity import FileCheck, file_checks, pread_exact, verify_blocks
 from kiln.weights.st_format import DTYPE_NAMES
-from kiln.weights.verify import Expected, check_expected, check_rank_files, verify_rank
+from kiln.weights.verify import Expected, check_expected, check_rank_files
 
 DEVICE_ALIGN = 256
 
@@ -52,7 +66,8 @@ DEVICE_ALIGN = 256
 @dataclass(frozen=True)
 class LoadOptions:
     """How :func:`load_pack` stages the data (see the module docstring). ``threads``: reader
-    threads; ``chunk_bytes``: bytes per read and per host-to-device copy (one pinned buffer);
+    threads; ``chunk_bytes``: bytes per read and per host-to-device copy (one pinned buffer; with
+    ``verify``, rounded down to whole hash blocks of the pack, at least one);
     ``buffers_per_thread``: pipeline depth of each reader (pinned memory is ``threads *
     buffers_per_thread * chunk_bytes`` at most); ``copy_streams``: CUDA streams the readers issue
     their copies on (reader ``k`` uses stream ``k % copy_streams``)."""
@@ -72,24 +87,23 @@ def load_pack(
     rank: int,
     device: str | torch.device = "cpu",
     expected: Expected | None = None,
-    verify: bool = False,
+    verify: bool = True,
     options: LoadOptions | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load rank ``rank`` of the pack in ``pack_dir`` onto ``device``; returns ``{name: tensor}``.
 
     ``expected``: ``{name: (shape, dtype)}`` of the model's parameters (dtype as ``torch.dtype`` or its
-    name); the pack must match it exactly. ``verify``: also check sha256 of every file. Raises
-    :class:`~kiln.weights.index.PackError` naming the file and tensor at fault.
+    name); the pack must match it exactly. ``verify``: check every header and data block against
+    the xxh3 hashes in pack.json while loading (see the module docstring); ``False`` checks sizes
+    and headers only. Raises :class:`~kiln.weights.index.PackError` naming the file and tensor at fault.
     """
     pack_dir = Path(pack_dir)
     opts = options or LoadOptions()
     index = PackIndex.load(pack_dir)
     ri = index.rank(rank)
-    check_rank_files(pack_dir, ri)
+    check_rank_files(pack_dir, ri, verify)
     if expected is not None:
         check_expected(ri, expected)
-    if verify:
-        verify_rank(pack_dir, ri, opts.threads)
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -98,8 +112,11 @@ def load_pack(
     if staging == "auto":
         staging = "pinned" if dev.type == "cuda" else "direct"
     if staging == "pinned":  # on a CPU device: the same pipeline with plain buffers (tests)
-        return _load_staged(pack_dir, tensors, dev, opts)
+        checks = file_checks(pack_dir, ri, index.block_bytes) if verify else None
+        return _load_staged(pack_dir, tensors, dev, opts, checks)
     if staging == "direct":
+        if verify:
+            verify_blocks(pack_dir, ri, index.block_bytes, opts.threads)
         return (
             _load_cpu(pack_dir, tensors, opts.threads)
             if dev.type == "cpu"
@@ -116,15 +133,6 @@ def _bytes_of(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1).view(torch.uint8)
 
 
-def _pread_into(fd: int, out: memoryview, offset: int, path: Path) -> None:
-    got = 0
-    while got < len(out):
-        n = os.preadv(fd, [out[got:]], offset + got)
-        if n <= 0:
-            raise PackError(f"{path}: unexpected end of file at byte {offset + got}; the file is truncated.")
-        got += n
-
-
 def _open_all(pack_dir: Path, tensors: list[PackTensor]) -> dict[str, int]:
     return {f: os.open(pack_dir / f, os.O_RDONLY) for f in sorted({t.file for t in tensors})}
 
@@ -137,7 +145,7 @@ def _load_cpu(pack_dir: Path, tensors: list[PackTensor], threads: int) -> dict[s
         def read(t: PackTensor) -> None:
             if t.nbytes:
                 mv = memoryview(_bytes_of(out[t.name]).numpy()).cast("B")
-                _pread_into(fds[t.file], mv, t.offset, pack_dir / t.file)
+                pread_exact(fds[t.file], mv, t.offset, pack_dir / t.file)
 
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
             list(pool.map(read, tensors))
@@ -193,9 +201,11 @@ class StagingPlan:
         return min(self.chunk_bytes, max(self.extents(), default=0))
 
     def chunks(self) -> Iterator[Chunk]:
-        """Each file range cut every ``chunk_bytes`` regardless of tensor boundaries; a chunk's
-        runs are the maximal pieces contiguous in both the file and the arena. A generator: the
-        reader threads pull from it, so a large pack's chunk list is never built up front."""
+        """Each file range cut every ``chunk_bytes`` from its start, regardless of tensor boundaries
+        (the tensors of a pack file tile its data, so a file's chunks start at ``data_start + k *
+        chunk_bytes``: the block grid the integrity check needs); a chunk's runs are the maximal
+        pieces contiguous in both the file and the arena. A generator: the reader threads pull from
+        it, so a large pack's chunk list is never built up front."""
         cb = self.chunk_bytes
         cur: list | None = None  # [file, begin, end, runs] of the chunk being filled
         for f, fbegin, abegin, n in self.segments:
@@ -241,10 +251,24 @@ def plan_staging(tensors: list[PackTensor], chunk_bytes: int) -> StagingPlan:
     return StagingPlan(pos, offsets, [tuple(x) for x in segs], max(1, chunk_bytes))
 
 
+def staged_chunk_bytes(chunk_bytes: int, checks: dict[str, FileCheck] | None) -> int:
+    """``chunk_bytes`` as the staged load uses it: with checks, whole blocks (at least one)."""
+    if not checks:
+        return max(1, chunk_bytes)
+    block = next(iter(checks.values())).block_bytes
+    return max(1, chunk_bytes // block) * block
+
+
 def _load_staged(
-    pack_dir: Path, tensors: list[PackTensor], dev: torch.device, opts: LoadOptions
+    pack_dir: Path,
+    tensors: list[PackTensor],
+    dev: torch.device,
+    opts: LoadOptions,
+    checks: dict[str, FileCheck] | None = None,
 ) -> dict[str, torch.Tensor]:
-    plan = plan_staging(tensors, opts.chunk_bytes)
+    """The pipeline of the module docstring; ``checks`` (file name -> its expected block hashes):
+    each chunk's blocks are checked in the reader thread before its copy is issued."""
+    plan = plan_staging(tensors, staged_chunk_bytes(opts.chunk_bytes, checks))
     arena = torch.empty(max(plan.arena_bytes, 1), dtype=torch.uint8, device=dev)
     out = {
         t.name: arena[o : o + t.nbytes].view(DTYPE_NAMES[t.dtype]).view(t.shape)
@@ -292,7 +316,10 @@ def _load_staged(
                     elif cuda:
                         events[s].synchronize()
                     f, begin, end, runs = c
-                    _pread_into(fds[f], views[s][: end - begin], begin, pack_dir / f)
+                    view = views[s][: end - begin]
+                    pread_exact(fds[f], view, begin, pack_dir / f)
+                    if checks is not None:
+                        checks[f].check(view, begin)  # before the copy: bad bytes never reach the arena
                     b = bufs[s]
                     for src, dst, n in runs:
                         arena[dst : dst + n].copy_(b[src : src + n], non_blocking=cuda)

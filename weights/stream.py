@@ -89,7 +89,8 @@ class CheckpointStream:
         return sum(i.nbytes for i in self.infos.values())
 
     def fingerprint(self, model_dir: Path) -> dict[str, Any]:
-        """sha256 over config.json and every weight file's name, size and header (cheap, not the data)."""
+        """sha256 over config.json and every weight file's name, size and header (cheap, not the data),
+        and the files' names and sizes; no path, so a copy of the checkpoint gives the same dict."""
         h = hashlib.sha256()
         cfg = model_dir / "config.json"
         if cfg.is_file():
@@ -101,7 +102,7 @@ class CheckpointStream:
             files.append({"name": p.name, "bytes": size})
             h.update(f"{p.name}\0{size}\0".encode())
             h.update(headers.get(p, b""))
-        return {"dir": str(model_dir.resolve()), "fingerprint": h.hexdigest(), "files": files}
+        return {"fingerprint": h.hexdigest(), "files": files}
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.files.format == "pt":

@@ -1,6 +1,8 @@
 """Checks of a weight pack against pack.json and against the model: file sizes and headers
-(always), sha256 of every file (``verify``), completeness (``expected``). Every error names the file
-and the tensor at fault and says how to fix it."""
+(always), the xxh3 hash of each header (``verify``; the data blocks are checked by the loader as it
+reads them, or by :func:`~kiln.weights.integrity.verify_blocks`), completeness (``expected``), and
+for :func:`verify_pack` every block and the sha256 of every file. Every error names the file and
+the tensor at fault and says how to fix it."""
 
 from __future__ import annotations
 
@@ -9,18 +11,19 @@ from pathlib import Path
 
 import torch
 
-from kiln.weights.index import PackError, PackIndex, PackTensor, RankIndex
+from kiln.weights.index import PackError, PackIndex, RankIndex
+from kiln.weights.integrity import CORRUPT, by_file, check_header, verify_blocks
 from kiln.weights.st_format import SafetensorsError, dtype_name, read_header
 from kiln.weights.writer import crc32_range, sha256_file
 
 Expected = dict[str, tuple[tuple[int, ...], "torch.dtype | str"]]
 
 
-def check_rank_files(pack_dir: Path, ri: RankIndex) -> None:
-    """Sizes and headers of rank ``ri``'s files against pack.json (see the module docstring)."""
-    by_file: dict[str, list[PackTensor]] = {}
-    for t in ri.tensors.values():
-        by_file.setdefault(t.file, []).append(t)
+def check_rank_files(pack_dir: Path, ri: RankIndex, verify: bool = False) -> None:
+    """Sizes and headers of rank ``ri``'s files against pack.json (see the module docstring); with
+    ``verify`` each header's bytes against its recorded xxh3 first (a header altered in a way the
+    other checks would not see, or would report as a disagreement rather than as corruption)."""
+    files = by_file(ri)
     for f in ri.files:
         path = pack_dir / f.name
         if not path.is_file():
@@ -29,9 +32,7 @@ def check_rank_files(pack_dir: Path, ri: RankIndex) -> None:
             )
         size = path.stat().st_size
         if size != f.bytes:
-            past = sorted(
-                (t for t in by_file.get(f.name, []) if t.offset + t.nbytes > size), key=lambda t: t.offset
-            )
+            past = sorted((t for t in files[f.name] if t.offset + t.nbytes > size), key=lambda t: t.offset)
             what = (
                 f"truncated; tensors past the end: {', '.join(t.name for t in past)}"
                 if size < f.bytes
@@ -40,11 +41,17 @@ def check_rank_files(pack_dir: Path, ri: RankIndex) -> None:
             raise PackError(
                 f"{path} is {size} bytes but pack.json records {f.bytes}: {what}. Re-run `kiln pack`."
             )
+        if verify:
+            check_header(path, f, files[f.name])
         try:
             hdr = read_header(path)
         except SafetensorsError as e:
             raise PackError(f"{e}. Re-run `kiln pack`.") from e
-        mine = {t.name: t for t in by_file.get(f.name, [])}
+        if hdr.data_start != f.data_start:
+            raise PackError(
+                f"{path}: the header ends at byte {hdr.data_start} but pack.json says {f.data_start}. {CORRUPT}"
+            )
+        mine = {t.name: t for t in files[f.name]}
         if set(hdr.tensors) != set(mine):
             extra = sorted(set(hdr.tensors) - set(mine))
             lost = sorted(set(mine) - set(hdr.tensors))
@@ -79,7 +86,7 @@ def check_expected(ri: RankIndex, expected: Expected) -> None:
             )
 
 
-def verify_rank(pack_dir: Path, ri: RankIndex, threads: int = 8) -> None:
+def check_sha256(pack_dir: Path, ri: RankIndex, threads: int = 8) -> None:
     """sha256 of every file of the rank; on a mismatch, name the tensors whose bytes changed."""
     paths = [pack_dir / f.name for f in ri.files]
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(paths)))) as pool:
@@ -92,18 +99,23 @@ def verify_rank(pack_dir: Path, ri: RankIndex, threads: int = 8) -> None:
             for t in ri.tensors.values()
             if t.file == f.name and t.crc32 and crc32_range(path, t.offset, t.offset + t.nbytes) != t.crc32
         ]
-        where = f"changed tensor(s): {', '.join(bad[:10])}" if bad else "the header bytes changed"
+        where = (
+            f"changed tensor(s): {', '.join(bad[:10])}"
+            if bad
+            else "no tensor's crc32 differs: the header changed, or pack.json"
+        )
         raise PackError(
-            f"{path}: sha256 {got[:16]}... does not match pack.json ({f.sha256[:16]}...); {where}. "
-            "The file is corrupt: re-run `kiln pack` or copy it again."
+            f"{path}: sha256 {got[:16]}... does not match pack.json ({f.sha256[:16]}...); {where}. {CORRUPT}"
         )
 
 
 def verify_pack(pack_dir: str | Path, threads: int = 8) -> PackIndex:
-    """Check every rank's files: sizes, headers and sha256. Returns the index."""
+    """Check every rank's files: sizes, headers (and their xxh3), every data block's xxh3 (a
+    mismatch names the byte range and tensors), then sha256. Returns the index."""
     pack_dir = Path(pack_dir)
     index = PackIndex.load(pack_dir)
     for ri in index.ranks:
-        check_rank_files(pack_dir, ri)
-        verify_rank(pack_dir, ri, threads)
+        check_rank_files(pack_dir, ri, verify=True)
+        verify_blocks(pack_dir, ri, index.block_bytes, threads)
+        check_sha256(pack_dir, ri, threads)
     return index

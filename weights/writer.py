@@ -95,7 +95,8 @@ class TensorWriter:
         self.peak_inflight = 0
         self.cv = threading.Condition()
         self.futures: list[Future[None]] = []
-        self.crc32: dict[str, str] = {}  # tensor name -> crc32 (hex) of its bytes
+        # (file, tensor name) -> crc32 (hex) of its bytes; by file, as every rank has the same names
+        self.crc32: dict[tuple[str, str], str] = {}
         self.written = 0
 
     def submit(self, name: str, t: torch.Tensor, slot: Slot) -> None:
@@ -114,7 +115,7 @@ class TensorWriter:
     def _job(self, name: str, t: torch.Tensor, slot: Slot, n: int) -> None:
         try:
             mv = tensor_bytes(t)
-            self.crc32[name] = f"{zlib.crc32(mv):08x}"
+            self.crc32[(slot.file, name)] = f"{zlib.crc32(mv):08x}"
             pwrite_all(slot.fd, mv, slot.offset)
             del mv, t
         finally:

@@ -5,7 +5,6 @@ The same for the FP8 GEMM library of ``--quant fp8`` (``--fp8-cutlass``)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import stat
 import subprocess
@@ -17,6 +16,7 @@ import torch
 from tiny_models import make_checkpoint, rel_err
 from tiny_moe_models import make_moe_checkpoint
 
+from kiln.artifact_format import HASH_KEY, bytes_digest
 from kiln.compiler import cutlass_build as cb
 from kiln.compiler.build import CompileOptions, compile_model
 from kiln.compiler.moe_tune import MoEShape, candidates, force_backend, moe_tuning, tune
@@ -199,10 +199,10 @@ def test_loader_loads_the_library_the_manifest_names(tmp_path, monkeypatch):
     lib = tmp_path / "kernels" / cb.LIB_NAME
     lib.parent.mkdir()
     lib.write_bytes(b"library bytes")
-    sha = hashlib.sha256(b"library bytes").hexdigest()
+    digest = bytes_digest(b"library bytes")
     table = json.loads(force_backend(mg.moe_tuning_table(8, 32, 32, 2, 64), "cutlass", 16))
     moe = {"backend": "cutlass", "table": table, "cutlass": {"library": f"kernels/{cb.LIB_NAME}"}}
-    files = {f"kernels/{cb.LIB_NAME}": {"sha256": sha, "size": 13}}
+    files = {f"kernels/{cb.LIB_NAME}": {HASH_KEY: digest, "size": 13}}
     loaded = []
     monkeypatch.setattr(moe_cutlass, "load_library", lambda p: loaded.append(str(p)))
     art = Artifact(tmp_path, {"kernel_choices": {"moe": moe}, "files": files})
@@ -214,9 +214,13 @@ def test_loader_loads_the_library_the_manifest_names(tmp_path, monkeypatch):
     )
     assert load_moe_library(triton_only, torch.device("cuda")) is None
     bad = Artifact(
-        tmp_path, {"kernel_choices": {"moe": moe}, "files": {f"kernels/{cb.LIB_NAME}": {"sha256": "0" * 64}}}
+        tmp_path,
+        {
+            "kernel_choices": {"moe": moe},
+            "files": {f"kernels/{cb.LIB_NAME}": {HASH_KEY: "0" * 32, "size": 13}},
+        },
     )
-    with pytest.raises(ArtifactError, match=f"kernels/{cb.LIB_NAME} fails its sha256 check"):
+    with pytest.raises(ArtifactError, match=f"kernels/{cb.LIB_NAME} fails its hash check"):
         load_moe_library(bad, torch.device("cuda"))
     unnamed = Artifact(tmp_path, {"kernel_choices": {"moe": moe | {"cutlass": {}}}, "files": files})
     with pytest.raises(ArtifactError, match=r"'kernel_choices\.moe\.cutlass\.library'.*kiln compile"):
@@ -328,7 +332,7 @@ def test_loader_loads_the_fp8_library_the_manifest_names(tmp_path, monkeypatch):
     lib.parent.mkdir()
     lib.write_bytes(b"fp8 library")
     rel = f"kernels/{cb.FP8.name}"
-    files = {rel: {"sha256": hashlib.sha256(b"fp8 library").hexdigest(), "size": 11}}
+    files = {rel: {HASH_KEY: bytes_digest(b"fp8 library"), "size": 11}}
     loaded = []
     monkeypatch.setattr(fp8_cutlass, "load_library", lambda p: loaded.append(str(p)))
     art = Artifact(tmp_path, {"kernel_choices": {"fp8": {"library": rel}}, "files": files})

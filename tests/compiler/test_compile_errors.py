@@ -84,3 +84,11 @@ def test_compile_forgets_kernels_the_process_already_loaded():
     assert not fn.device_caches and not mod.wrapped.fn.device_caches
     assert forget_loaded_kernels([mod]) == 0
     forget_loaded_kernels()  # the default (every kiln.ops module) runs under any Triton mode
+
+
+def test_tensor_parallel_compile_is_refused_before_any_work(ckpt, tmp_path):
+    # the runtime runs tp 1 only: a tp 2 artifact used to build and then fail with an IndexError
+    p = compile_cli(ckpt, "-o", tmp_path / "art", "--device", "cpu", "--tp", "2")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "tensor parallelism needs the multi-GPU runtime (not built yet); compile with --tp 1" in p.stderr
+    assert not (tmp_path / "art").exists()

@@ -32,7 +32,7 @@ def test_tampered_source_is_refused(demo_artifact, tmp_path):
     src = py.read_text()
     py.write_text(src.replace("torch.ops.kiln.", "torch.ops.kilN.", 1)[: len(src)].ljust(len(src)))
     art = open_artifact(art_dir, "cpu")  # same size: only the hash tells
-    with pytest.raises(GraphCodeError, match="sha256"):
+    with pytest.raises(GraphCodeError, match="does not match its hash"):
         load_graphs(art, "python")
     assert not isinstance(load_graphs(art, "pt2")["model"], CodeGraph)  # the .pt2 still loads
 

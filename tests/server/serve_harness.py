@@ -18,10 +18,9 @@ import httpx
 
 class LiveServer:
     def __init__(self, artifact: Path, **opts: Any):
-        import uvicorn
-
         from kiln.runtime.engine import Engine, EngineOptions
         from kiln.runtime.server import ServerOptions, create_app
+        from kiln.runtime.server_run import uvicorn_server
 
         engine_keys = {"max_running", "kv_memory_gib"}
         eng_opts = {k: opts.pop(k) for k in list(opts) if k in engine_keys}
@@ -34,8 +33,9 @@ class LiveServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(self.app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(cfg)
+        self.server = uvicorn_server(
+            self.app, log_level="warning", access_log=False, timeout_graceful_shutdown=2
+        )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

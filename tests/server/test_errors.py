@@ -169,19 +169,21 @@ def test_body_limit(gated):
 
 
 def test_queue_full(gated):
-    """One running slot and no queue: a second request while one runs gets 429, and so does n=2."""
+    """One running slot and no queue: a second request while one runs gets 429; n=2 can never be
+    admitted, so it gets a 400 naming n (a 429 would ask the client to retry it forever)."""
     c = gated.client(api_key=KEY)
-    with pytest.raises(openai.RateLimitError) as e:
+    with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model=gated.model, prompt="x", max_tokens=1, n=2)
-    assert e.value.code == "queue_full"
+    assert e.value.param == "n" and "at most 1 at once" in e.value.message
     before = gated.call(lambda e: e.status())["generated_tokens"]
     stream = c.completions.create(
         model=gated.model, prompt="x", max_tokens=1000, stream=True, extra_body={"ignore_eos": True}
     )
     first = next(iter(stream))  # the long request is running
     assert first.choices
-    with pytest.raises(openai.RateLimitError):
+    with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(model=gated.model, prompt="y", max_tokens=1)
+    assert e.value.code == "queue_full"
     stream.close()  # the client leaves: its request is aborted and the slot frees
     s = gated.wait_idle(timeout=5)
     assert s["generated_tokens"] - before < 1000

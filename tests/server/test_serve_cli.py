@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_serve_options(demo_artifact, monkeypatch):
-    """Loopback by default; the key comes from KILN_API_KEY; queue, name and body limit pass through."""
-    import kiln.runtime.server as server
+    """Loopback by default; the key comes from KILN_API_KEY; queue, name, body limit, sequences per
+    request, watchdog and shutdown timeout pass through; each new option has its --help line."""
+    import kiln.runtime.server_run as server
 
     seen = {}
     monkeypatch.setattr(
@@ -38,6 +39,12 @@ def test_serve_options(demo_artifact, monkeypatch):
             "demo",
             "--max-body-mb",
             "1",
+            "--max-sequences-per-request",
+            "64",
+            "--watchdog-seconds",
+            "0",
+            "--shutdown-timeout",
+            "7.5",
             "--device",
             "cpu",
         ],
@@ -48,9 +55,23 @@ def test_serve_options(demo_artifact, monkeypatch):
     assert seen["host"] == "127.0.0.1" and seen["port"] == 8000
     o = seen["opts"]
     assert (o.api_key, o.max_queue, o.model_name, o.max_body_bytes) == ("sk-env", 3, "demo", 1 << 20)
+    assert (o.max_sequences_per_request, o.watchdog_seconds, o.shutdown_timeout) == (64, 0.0, 7.5)
+    r = CliRunner().invoke(cli, ["serve", str(demo_artifact), "--device", "cpu"], catch_exceptions=False)
+    o = seen["opts"]  # the defaults
+    assert (o.max_queue, o.max_sequences_per_request, o.watchdog_seconds, o.shutdown_timeout) == (
+        None,
+        256,
+        60.0,
+        30.0,
+    )
+    help_text = " ".join(CliRunner().invoke(cli, ["serve", "--help"]).output.split())
+    for flag in ("--max-queue", "--max-sequences-per-request", "--watchdog-seconds", "--shutdown-timeout"):
+        assert flag in help_text
+    assert "8 x the engine's --max-running" in help_text
     assert seen["engine"].device.type == "cpu"
-    r = CliRunner().invoke(cli, ["serve", str(demo_artifact), "--max-queue", "-1"])
-    assert r.exit_code != 0 and "max-queue" in r.output
+    for flag in ("--max-queue", "--max-sequences-per-request", "--watchdog-seconds", "--shutdown-timeout"):
+        r = CliRunner().invoke(cli, ["serve", str(demo_artifact), flag, "-1"])
+        assert r.exit_code != 0 and flag in r.output, (flag, r.output)
 
 
 def test_bench_serve_smoke(demo_artifact, tmp_path):

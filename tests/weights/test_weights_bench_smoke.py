@@ -43,4 +43,13 @@ def test_weights_load_bench_smoke(tmp_path):
     r = json.loads(out.read_text())
     assert r["pack"]["bytes"] > 0 and r["pack"]["peak_anon_bytes"] > 0
     assert r["ceilings"]["page_cache_read_gbps"] > 0 and r["loads"]["default"]["gbps"] > 0
+    # --verify both (the default): every configuration timed with the check on and off
+    assert r["loads"]["default"]["verify"] and not r["loads"]["default no-verify"]["verify"]
+    assert set(r["verify_cost"]) == {
+        "default",
+        "pinned t2 c1MiB d2 s1",
+        "pinned t2 c1MiB d3 s1",
+        "direct (preadv)",
+    }
+    assert r["verify_cost"]["default"]["on_median_s"] > 0 and r["ceilings"]["xxh3_gbps_one_core"] > 0
     assert not (tmp_path / "w").exists()  # cleaned up without --keep

@@ -16,7 +16,10 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("opts", [LoadOptions(), LoadOptions("pinned", 3, 4096, 2), LoadOptions("direct")])
 def test_cuda_load_equals_cpu_load(checkpoint, tmp_path, quant, opts):
     d = checkpoint("qwen3_moe")
-    pack(d, tmp_path / "p", tp=2, ep=2, dtype="bfloat16", quant=quant, max_file_bytes=50_000)
+    # 2 KiB hash blocks: the 4 KiB staged chunks hold two, checked in the reader threads
+    pack(
+        d, tmp_path / "p", tp=2, ep=2, dtype="bfloat16", quant=quant, max_file_bytes=50_000, block_bytes=2048
+    )
     for r in range(2):
         want = load_pack(tmp_path / "p", r)
         got = load_pack(tmp_path / "p", r, "cuda", verify=True, options=opts)
