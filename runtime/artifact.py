@@ -8,7 +8,7 @@
   (``versions.kernel_sources``), for another GPU architecture, torch or triton;
 * a file that is missing or has another size (always), or whose bytes do not hash to the recorded
   xxh3 (``verify``, the default of the engine: every file but the weight data, which the pack loader
-  checks block by block while it streams them; a few ms for the demo artifact).
+  checks; :func:`check_hashes`, which the loader runs on a thread while the weights stream in).
 """
 
 from __future__ import annotations
@@ -180,14 +180,21 @@ def open_artifact(path: str | Path, device: str | torch.device = "cpu", verify: 
         )
     if m["dtype"] not in ("float32", "bfloat16", "float16"):
         raise ArtifactError(f"manifest field 'dtype' is {m['dtype']!r}, not a dtype kiln compiles; {RECOPY}.")
-    files = m["files"]
-    for rel, info in files.items():
+    for rel, info in m["files"].items():
         check_size(root, rel, info)
+    art = Artifact(root, m)
     if verify:
-        hashed = [rel for rel, info in files.items() if fmt.HASH_KEY in info]
-        for rel, got in fmt.file_digests(root, hashed).items():
-            _compare(rel, files[rel], got)
-    return Artifact(root, m)
+        check_hashes(art)
+    return art
+
+
+def check_hashes(art: Artifact) -> None:
+    """Raise unless every file the manifest hashes (all but the weight data) has its recorded
+    xxh3; the loader runs this on a thread beside the weight stream."""
+    files = art.manifest["files"]
+    hashed = [rel for rel, info in files.items() if fmt.HASH_KEY in info]
+    for rel, got in fmt.file_digests(art.root, hashed).items():
+        _compare(rel, files[rel], got)
 
 
 def one_line(err: BaseException, limit: int = 300) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kiln.artifact_format import HASH_KEY
+from kiln.errors import KilnError
 from kiln.kernel_cache import use_kernel_cache, user_cache_dir
 from kiln.runtime.artifact import (
     REBUILD,
@@ -34,6 +35,7 @@ from kiln.runtime.artifact import (
     Artifact,
     ArtifactError,
     check_file,
+    check_hashes,
     one_line,
     open_artifact,
 )
@@ -191,6 +193,27 @@ def check_vocab(art: Artifact, weights: dict[str, torch.Tensor]) -> None:
         )
 
 
+class _Background:
+    """``fn(*args)`` on a daemon thread; :meth:`result` joins it and re-raises its error."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as e:  # re-raised by result()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name=f"kiln-{fn.__name__}", daemon=True)
+        self._thread.start()
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 def load_model(
     path: str,
     device: str | torch.device = "cpu",
@@ -219,7 +242,11 @@ def load_model(
         if log:
             print(f"[kiln] {name}: {phases[name]:.2f} s", flush=True)
 
-    art = open_artifact(path, dev, verify=verify)
+    art = open_artifact(path, dev)  # sizes; the hashes on a thread below
+    # The file hashes (kernels, tokenizer, graphs: all but the weight data, which load_pack checks)
+    # are read beside the weight stream and joined before anything runs: the code files the load
+    # executes (graph sources, CUTLASS libraries) are also checked by their own loaders first.
+    hashes = _Background(check_hashes, art) if verify else None
     use_artifact_kernels(art, kernel_cache_dir)
     load_moe_library(art, dev)
     load_fp8_library(art, dev)
@@ -253,8 +280,14 @@ def load_model(
         if while_weights_load is not None:
             while_weights_load(art)
             mark("tokenizer")
+    except KilnError:  # a file that does not parse: say it was altered, if its hash says so
+        if hashes is not None:
+            hashes.result()
+        raise
     finally:
         worker.join()  # an error above re-raises once the reader thread is done
+    if hashes is not None:
+        hashes.result()
     if "error" in loaded:
         raise loaded["error"]
     weights = loaded["weights"]
