@@ -6,21 +6,23 @@ memory beyond the page cache), then from a warm page cache measure the two ceili
 
 Ceilings, measured in the same run: (1) pinned host-to-device copy bandwidth (1 GiB, CUDA events);
 (2) reading the pack files from the page cache (``preadv`` into 16 MiB buffers, 1..16 threads, the
-best); for information, the same read with each buffer hashed by xxh3 (the integrity check's work
-without the copies) and xxh3 alone on one core. Target (issue 3): ``load_pack`` to CUDA >= 80% of
-the lower ceiling; packing < 4 GB of anonymous memory. Without CUDA it runs as a smoke test
-(``--tiny``: a small config, CPU loads).
+best). Target (issue 3): ``load_pack`` to CUDA >= 80% of the lower ceiling; packing < 4 GB of
+anonymous memory. Without CUDA it runs as a smoke test (``--tiny``: a small config, CPU loads).
+
+The integrity check's own cost (``checksum``): the numpy wsum64 reference on in-memory data, one
+thread and ``--threads``' largest (what the packer and CPU loads run), and on CUDA the checksum
+kernel alone over a loaded arena (CUDA events, median of ``--reps``: ms and GB/s) and the whole
+device check as ``load_pack`` runs it (table upload, kernel, read-back of the sums; wall time). The
+kernel is compiled before the first timed load, as an artifact's cache holds it precompiled.
 
 Loads: ``LoadOptions()`` (the default) first, so its ``first_s`` is a fresh process's first load
 (pinned staging buffers allocated), then the sweep ``--threads`` x ``--chunks-mib`` x ``--depths``
 (pinned buffers per reader) x ``--streams`` (CUDA copy streams); each entry records its options.
 ``--verify`` (``both`` by default) says which integrity settings each configuration is timed
-with: ``on`` (the product default: every block checked in the reader threads), ``off``, or
-``both``, alternating on/off within each repetition so drift hits both alike; then
-``verify_cost`` records, per configuration, the median load with and without the check and the
-difference (issue 25: start-up may grow by at most 5%). The pack's hash blocks are
-``--block-mib`` (8, the default of ``kiln pack``); with verify a chunk is rounded down to whole
-blocks, and each entry records the chunk size used.
+with: ``on`` (the product default: every tensor's wsum64 checked where it landed, on a GPU by one
+kernel after the copies), ``off``, or ``both``, alternating on/off within each repetition so drift
+hits both alike; then ``verify_cost`` records, per configuration, the median load with and
+without the check and the difference (issue 25: start-up may grow by at most 5%).
 """
 
 from __future__ import annotations
@@ -61,14 +63,14 @@ from kiln.compiler.parallel import ParallelConfig
 from kiln.compiler.mappings import all_rank_specs, skip_patterns
 from kiln.weights import pack_checkpoint
 from kiln.weights.memory import PeakAnonMemory, rss_kib
-src, out, block = sys.argv[1], sys.argv[2], int(sys.argv[3])
+src, out = sys.argv[1], sys.argv[2]
 cfg = load_config(src)
 specs = all_rank_specs(cfg, ParallelConfig(tp=1))
 t = time.perf_counter()
 with PeakAnonMemory(interval=0.005) as mem:
     idx = pack_checkpoint(src, out, specs, 1, 1, "bfloat16", None, progress=True, skip=skip_patterns(cfg),
-                          force=True, block_bytes=block)
-print(json.dumps({"seconds": time.perf_counter() - t, "bytes": idx.nbytes, "block_bytes": idx.block_bytes, "peak_anon_bytes": mem.peak,
+                          force=True)
+print(json.dumps({"seconds": time.perf_counter() - t, "bytes": idx.nbytes, "peak_anon_bytes": mem.peak,
                   "anon_before_bytes": mem.baseline, "vm_hwm_bytes": rss_kib().get("VmHWM", 0) * 1024}))
 """
 
@@ -90,11 +92,8 @@ def h2d_ceiling(nbytes: int = 1 << 30, reps: int = 5) -> float:
     return statistics.median(rates)
 
 
-def read_rate(files: list[Path], threads: int, chunk: int = 16 * MIB, hash_blocks: bool = False) -> float:
-    """Bytes of ``files`` read from the page cache per second (GB/s), ``threads`` readers; with
-    ``hash_blocks`` each buffer is hashed (xxh3) after its read, as the verifying loader does."""
-    import xxhash
-
+def read_rate(files: list[Path], threads: int, chunk: int = 16 * MIB) -> float:
+    """Bytes of ``files`` read from the page cache per second (GB/s), ``threads`` readers."""
     jobs = [
         (f, off, min(chunk, f.stat().st_size - off))
         for f in files
@@ -114,8 +113,6 @@ def read_rate(files: list[Path], threads: int, chunk: int = 16 * MIB, hash_block
             got = 0
             while got < n:
                 got += os.preadv(fds[f], [buf[got:n]], off + got)
-            if hash_blocks:
-                xxhash.xxh3_64_intdigest(buf[:n])
 
     t = time.perf_counter()
     ths = [threading.Thread(target=reader) for _ in range(threads)]
@@ -129,18 +126,54 @@ def read_rate(files: list[Path], threads: int, chunk: int = 16 * MIB, hash_block
     return sum(n for _, _, n in jobs) / dt / GB
 
 
-def xxh3_core_rate(nbytes: int = 256 * MIB, block: int = 8 * MIB) -> float:
-    """xxh3 of in-memory ``block``-byte blocks on one core, GB/s (best of 3)."""
-    import xxhash
+def numpy_wsum_rate(threads: int, nbytes: int = 512 * MIB) -> float:
+    """The numpy wsum64 reference on ``threads`` threads over in-memory buffers, GB/s (best of 3)."""
+    import numpy as np
 
-    mv = memoryview(bytearray(os.urandom(block)) * (nbytes // block))
+    from kiln.weights.checksum import wsum64_many
+
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    bufs = [data[i : i + 32 * MIB] for i in range(0, nbytes, 32 * MIB)]
     best = 0.0
     for _ in range(3):
         t = time.perf_counter()
-        for off in range(0, len(mv), block):
-            xxhash.xxh3_64_intdigest(mv[off : off + block])
-        best = max(best, len(mv) / (time.perf_counter() - t) / GB)
+        wsum64_many(bufs, threads)
+        best = max(best, nbytes / (time.perf_counter() - t) / GB)
     return best
+
+
+def time_kernel(pack_dir: Path, reps: int) -> dict:
+    """The checksum kernel alone over a loaded rank's arena (CUDA events), and the whole device check
+    as load_pack runs it (wall time, ends with the sums on the host)."""
+    from kiln.weights import load_pack
+    from kiln.weights.checksum import arena_of, device_wsum64, launch, program_table
+
+    w = load_pack(pack_dir, 0, "cuda", verify=False)
+    buf, offsets, sizes = arena_of(list(w.values()))
+    rows = torch.from_numpy(program_table(offsets, sizes)).cuda()
+    sums = torch.zeros(len(sizes), dtype=torch.int64, device="cuda")
+    launch(buf, rows, sums)
+    kernel, check = [], []
+    for _ in range(reps):
+        sums.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        launch(buf, rows, sums)
+        b.record()
+        b.synchronize()
+        kernel.append(a.elapsed_time(b) * 1e-3)
+        t = time.perf_counter()
+        device_wsum64(buf, offsets, sizes)
+        check.append(time.perf_counter() - t)
+    nbytes = sum(sizes)
+    return {
+        "bytes": nbytes,
+        "tensors": len(sizes),
+        "programs": len(rows),
+        "kernel_ms": statistics.median(kernel) * 1e3,
+        "kernel_gbps": nbytes / statistics.median(kernel) / GB,
+        "check_ms": statistics.median(check) * 1e3,
+    }
 
 
 def time_load(pack_dir: Path, device: str, opts, reps: int, verify: tuple[bool, ...] = (True,)) -> dict:
@@ -203,7 +236,6 @@ def main(argv: list[str] | None = None) -> int:
         default="both",
         help="time each load with the integrity check on, off, or both side by side",
     )
-    ap.add_argument("--block-mib", type=int, default=8, help="hash block size of the pack (MiB)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and pack")
     ap.add_argument("--no-sync", action="store_true", help="skip os.sync() after writing (slow disks)")
     a = ap.parse_args(argv)
@@ -235,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     res["checkpoint"]["sync_seconds"] = time.perf_counter() - t
     print(f"checkpoint: {size / GB:.2f} GB in {res['checkpoint']['seconds']:.1f} s", flush=True)
     child = subprocess.run(
-        [sys.executable, "-c", PACK_CHILD, str(ckpt), str(out), str(a.block_mib * MIB)],
+        [sys.executable, "-c", PACK_CHILD, str(ckpt), str(out)],
         stdout=subprocess.PIPE,
         text=True,
         check=True,
@@ -255,11 +287,18 @@ def main(argv: list[str] | None = None) -> int:
     read_rate(files, 8)  # warm the page cache
     reads = {th: read_rate(files, th) for th in (1, 4, 8, 16)}
     res["ceilings"] = {"page_cache_read_gbps_by_threads": reads, "page_cache_read_gbps": max(reads.values())}
-    hashed = {th: read_rate(files, th, a.block_mib * MIB, hash_blocks=True) for th in (1, 16)}
-    res["ceilings"]["page_cache_read_xxh3_gbps_by_threads"] = hashed  # information, not a ceiling
-    res["ceilings"]["xxh3_gbps_one_core"] = xxh3_core_rate(block=a.block_mib * MIB)
+    top = max(int(x) for x in a.threads.split(","))
+    sample = (64 if a.tiny else 512) * MIB
+    res["checksum"] = {
+        "numpy_gbps_one_thread": numpy_wsum_rate(1, sample),
+        f"numpy_gbps_{top}_threads": numpy_wsum_rate(top, sample),
+    }
     if cuda:
         res["ceilings"]["h2d_pinned_gbps"] = h2d_ceiling()
+        from kiln.weights.checksum import device_wsum64
+
+        device_wsum64(torch.zeros(256, dtype=torch.uint8, device="cuda"), [0], [9])  # compiled here
+        res["checksum"]["device"] = time_kernel(out, max(3, a.reps))
     loads: dict = {}
     cost: dict = {}
 
@@ -280,21 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     timed = time_load(out, dev, LoadOptions(), a.reps, verify)
     record(loads, cost, "default", timed, dataclasses.asdict(LoadOptions()))
     show("default", timed, f"default {dataclasses.asdict(LoadOptions())}")
-    block = res["pack"]["block_bytes"]
     for th, ch, dp, st in itertools.product(
         *([int(x) for x in v.split(",")] for v in (a.threads, a.chunks_mib, a.depths, a.streams))
     ):
         opts = LoadOptions("pinned", th, ch * MIB, dp, st)
         name = f"pinned t{th} c{ch}MiB d{dp} s{st}"
         timed = time_load(out, dev, opts, a.reps, verify)
-        # with verify the loader reads whole blocks: record the chunk it used
-        record(
-            loads,
-            cost,
-            name,
-            timed,
-            {**dataclasses.asdict(opts), "verified_chunk_bytes": max(1, ch * MIB // block) * block},
-        )
+        record(loads, cost, name, timed, dataclasses.asdict(opts))
         show(name, timed)
     name = "direct (safetensors)" if cuda else "direct (preadv)"
     timed = time_load(out, dev, LoadOptions("direct"), 1, verify)
@@ -342,11 +373,24 @@ def main(argv: list[str] | None = None) -> int:
         ),
         ("direct baseline", f"{direct['gbps']:.1f} GB/s"),
         (
-            "xxh3",
-            f"{c['xxh3_gbps_one_core']:.1f} GB/s a core; page-cache read + xxh3: "
-            + ", ".join(f"{k} thread(s) {v:.1f} GB/s" for k, v in hashed.items()),
+            "wsum64 (numpy)",
+            ", ".join(
+                f"{k.removeprefix('numpy_gbps_')} {v:.1f} GB/s"
+                for k, v in res["checksum"].items()
+                if k != "device"
+            ),
         ),
     ]
+    if cuda:
+        k = res["checksum"]["device"]
+        rows.append(
+            (
+                "wsum64 kernel",
+                f"{k['kernel_ms']:.2f} ms = {k['kernel_gbps']:.0f} GB/s over {k['bytes'] / GB:.2f} GB "
+                f"({k['tensors']} tensors, {k['programs']} programs); the check as load_pack runs it "
+                f"{k['check_ms']:.2f} ms",
+            )
+        )
     if "default" in cost:
         dc = cost["default"]
         rows.append(

@@ -305,6 +305,9 @@ def compile_model(
             )
             _warm_up_sampler(cfg.vocab_size, device)
             if device.type == "cuda":
+                from kiln.weights.checksum import warm_up as warm_up_checksum
+
+                warm_up_checksum(weights)  # the check a verified load_pack runs on the arena
                 _build_driver_utils(kernels_dir)
         for name, ep in programs.items():
             torch.export.save(ep, out / "graphs" / f"{name}.pt2")

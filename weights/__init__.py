@@ -3,8 +3,9 @@
 Stages (one file each): :mod:`.discover` (which files), :mod:`.stream` (``(name, tensor)`` over
 mmapped shards, optional bounded read-ahead), :mod:`.mapping` (names -> packed tensors, skip rules,
 FP8 scale names), :mod:`.spec` (sharding and placement, frozen per tensor), :mod:`.pack`
-(post-processing and the streaming writer), :mod:`.verify` (checks), :mod:`.integrity` (xxh3
-block hashes, checked while loading) and :mod:`.reader` (loading). The per-architecture
+(post-processing and the streaming writer), :mod:`.verify` (checks), :mod:`.integrity` (what is
+recorded and checked), :mod:`.checksum` (wsum64, per tensor: numpy, and a Triton kernel that checks
+a rank on the GPU after its load) and :mod:`.reader` (loading). The per-architecture
 declarations live in ``kiln.compiler.mappings``.
 """
 

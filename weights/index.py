@@ -8,22 +8,20 @@ Layout of a pack directory::
 
 ``pack.json`` (format ``kiln-pack``, :data:`FORMAT_VERSION`)::
 
-    {"format": "kiln-pack", "version": 2, "kiln_version": "...",
+    {"format": "kiln-pack", "version": 3, "kiln_version": "...",
      "source": {"fingerprint": sha256 hex, "files": [{"name", "bytes"}]},
      "tp": N, "ep": N, "dtype": "bfloat16", "quant": null | "fp8", "model": {...},
-     "block_bytes": 8388608,
      "ranks": [{"rank": 0,
-                "files": [{"name", "bytes", "sha256", "data_start", "header_xxh3", "blocks_xxh3": [hex]}],
-                "tensors": {name: {"shape", "dtype", "file", "offset", "nbytes", "crc32",
+                "files": [{"name", "bytes", "sha256", "data_start", "header_xxh3"}],
+                "tensors": {name: {"shape", "dtype", "file", "offset", "nbytes", "wsum64",
                                    "placement"}}}]}
 
 Integrity (:mod:`weights.integrity`): a file is its safetensors header, bytes ``[0, data_start)``,
-then its tensor data. ``header_xxh3`` is the xxh3-64 (16 hex digits) of the header bytes;
-``blocks_xxh3[k]`` that of data bytes ``[data_start + k * block_bytes, data_start + (k + 1) *
-block_bytes)`` (the last block is shorter). The loader checks each block right after reading it,
-in its reader threads; ``sha256`` of the whole file is kept for external tools and ``kiln pack
---verify``. ``offset`` is the absolute byte offset of a tensor's data in its file; ``crc32`` (hex)
-of its bytes tells which of the tensors a bad block overlaps changed.
+then its tensor data. ``header_xxh3`` is the xxh3-64 (16 hex digits) of the header bytes, checked
+before a load reads any data. ``offset`` is the absolute byte offset of a tensor's data in its
+file; ``wsum64`` (16 hex digits) the checksum of its ``nbytes`` bytes (:mod:`weights.checksum`),
+checked after a load where the data landed (on a GPU by one kernel over all of a rank's tensors).
+``sha256`` of the whole file is kept for external tools and ``kiln pack --verify``.
 
 The file is reproducible: the same checkpoint, options and kiln version give the same bytes (no
 timestamp, no absolute path; keys in a fixed order). How one pack was made (when, from which
@@ -31,8 +29,10 @@ directory, peak memory) is :class:`PackProvenance`, returned with the index and 
 here. The source fingerprint hashes config.json and every weight file's name, size and safetensors
 header (not the data).
 
-Version history: 1 had no block hashes and recorded ``created`` and ``source.dir``; this kiln
-refuses it with the re-pack command.
+Version history (this kiln refuses older versions with the re-pack command): 1 had no hashes but
+sha256 and crc32, and recorded ``created`` and ``source.dir``; 2 had the xxh3 of every 8 MiB data
+block (``block_bytes``, ``blocks_xxh3``; checked by the loader's reader threads as they read, which
+cost start-up time) and a crc32 per tensor instead of ``wsum64``.
 """
 
 from __future__ import annotations
@@ -46,9 +46,8 @@ from typing import Any
 from kiln.errors import KilnError
 
 FORMAT = "kiln-pack"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 INDEX_NAME = "pack.json"
-DEFAULT_BLOCK_BYTES = 8 * 1024 * 1024  # the loader's default chunk: one chunk read = one block checked
 REPACK = "re-pack with this kiln (`kiln pack`, or `kiln compile` for an artifact)"
 
 
@@ -58,17 +57,13 @@ class PackError(KilnError, ValueError):
 
 @dataclass(frozen=True)
 class PackFile:
-    """One file of a rank: its size, sha256 and xxh3 hashes (see the module docstring)."""
+    """One file of a rank: its size, sha256 and header hash (see the module docstring)."""
 
     name: str
     bytes: int
     sha256: str
     data_start: int  # first byte of tensor data (= length of the safetensors header)
     header_xxh3: str
-    blocks_xxh3: tuple[str, ...]
-
-    def num_blocks(self, block_bytes: int) -> int:
-        return -(-(self.bytes - self.data_start) // block_bytes)
 
 
 @dataclass(frozen=True)
@@ -79,7 +74,7 @@ class PackTensor:
     file: str
     offset: int
     nbytes: int
-    crc32: str
+    wsum64: str  # 16 hex digits (weights/checksum.py)
     placement: str = ""
 
 
@@ -120,7 +115,6 @@ class PackIndex:
     ranks: list[RankIndex]
     model: dict[str, Any] = field(default_factory=dict)
     kiln_version: str = ""
-    block_bytes: int = DEFAULT_BLOCK_BYTES
     version: int = FORMAT_VERSION
     # How this pack was made; set by ``pack_checkpoint``, never written to pack.json (None once loaded).
     provenance: PackProvenance | None = field(default=None, compare=False)
@@ -140,11 +134,10 @@ class PackIndex:
             "dtype": self.dtype,
             "quant": self.quant,
             "model": self.model,
-            "block_bytes": self.block_bytes,
             "ranks": [
                 {
                     "rank": r.rank,
-                    "files": [{**asdict(f), "blocks_xxh3": list(f.blocks_xxh3)} for f in r.files],
+                    "files": [asdict(f) for f in r.files],
                     "tensors": {
                         n: {k: (list(v) if k == "shape" else v) for k, v in asdict(t).items() if k != "name"}
                         for n, t in r.tensors.items()
@@ -185,7 +178,7 @@ class PackIndex:
             ranks = [
                 RankIndex(
                     rank=int(r["rank"]),
-                    files=[PackFile(**{**f, "blocks_xxh3": tuple(f["blocks_xxh3"])}) for f in r["files"]],
+                    files=[PackFile(**f) for f in r["files"]],
                     tensors={
                         n: PackTensor(name=n, **{**t, "shape": tuple(t["shape"])})
                         for n, t in r["tensors"].items()
@@ -202,7 +195,6 @@ class PackIndex:
                 ranks=ranks,
                 model=dict(doc.get("model") or {}),
                 kiln_version=str(doc.get("kiln_version", "")),
-                block_bytes=int(doc["block_bytes"]),
                 version=int(doc["version"]),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -211,15 +203,18 @@ class PackIndex:
         return index
 
     def _check_hash_fields(self, path: Path) -> None:
-        if self.block_bytes <= 0:
-            raise PackError(f"{path}: 'block_bytes' is {self.block_bytes}; re-run `kiln pack`.")
         for r in self.ranks:
             for f in r.files:
-                want = f.num_blocks(self.block_bytes)
-                if not 0 < f.data_start <= f.bytes or len(f.blocks_xxh3) != want:
+                if not 0 < f.data_start <= f.bytes or not _is_hex64(f.header_xxh3):
                     raise PackError(
                         f"{path}: file {f.name} records data_start {f.data_start} of {f.bytes} bytes and "
-                        f"{len(f.blocks_xxh3)} block hash(es), expected {want}; re-run `kiln pack`."
+                        f"header_xxh3 {f.header_xxh3!r}; re-run `kiln pack`."
+                    )
+            for t in r.tensors.values():
+                if not _is_hex64(t.wsum64):
+                    raise PackError(
+                        f"{path}: tensor {t.name} of rank {r.rank} records wsum64 {t.wsum64!r}, not 16 hex "
+                        "digits; re-run `kiln pack`."
                     )
 
     def summary(self) -> str:
@@ -246,3 +241,7 @@ class PackIndex:
                 f"rank {r} is not in this pack (it has ranks 0..{len(self.ranks) - 1}, tp={self.tp})."
             )
         return self.ranks[r]
+
+
+def _is_hex64(s: object) -> bool:
+    return isinstance(s, str) and len(s) == 16 and all(c in "0123456789abcdef" for c in s)

@@ -1,43 +1,38 @@
-"""xxh3 block hashes of pack files: computed once at pack time, checked at every load.
+"""Pack integrity: what the packer records and the loader checks (:mod:`weights.index` lists the
+fields).
 
-A pack file is its safetensors header, bytes ``[0, data_start)``, then its tensor data, cut into
-``block_bytes`` blocks from ``data_start`` (the last one shorter). ``pack.json`` records the xxh3-64
-of the header and of every block (:mod:`weights.index`). xxh3 runs at 10-20 GB/s a core and
-releases the GIL, so the loader's reader threads check each block right after reading it, in
-parallel, for a small fraction of the read's cost (``kiln.weights.reader``).
+* Each file's header, bytes ``[0, data_start)``: ``header_xxh3``, checked before any data is read
+  (:func:`check_header`; a mismatch names the tensors whose header entries changed).
+* Each tensor's data: its wsum64 (:mod:`weights.checksum`), computed by the packer's writer threads
+  as it writes the tensor, and checked after a load where the data landed: on a CUDA device by one
+  kernel over the loader's arena, on the CPU by numpy on threads (:func:`check_sums` compares; a
+  mismatch names each tensor, its file and byte range). :func:`file_sums` computes them from the
+  files themselves (the CUDA ``direct`` path, ``kiln pack --verify``).
+* Each whole file: ``sha256`` (:func:`hash_file`, for external tools and ``kiln pack --verify``).
 
-Here: :func:`hash_file` (the packer: sha256 of the whole file and the xxh3 hashes, in one pass),
-:class:`FileCheck` (one file's expected hashes; checks a buffer holding whole blocks and names the
-byte range and tensors of a bad one), :func:`check_header` and :func:`verify_blocks` (a threaded
-pass over every block of a rank, for the loads that do not stream through staging buffers, and
-for ``kiln pack --verify``). Every mismatch is a :class:`~kiln.weights.index.PackError` naming the
-file, the byte range and the tensors, and saying the file is corrupt.
+Every mismatch is a :class:`~kiln.weights.index.PackError` saying the file is corrupt and how to
+replace it.
 """
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
 import struct
-import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
+from kiln.weights.checksum import hex64, wsum64_many
 from kiln.weights.index import PackError, PackFile, PackTensor, RankIndex
 from kiln.weights.st_format import DTYPE_NAMES, TORCH_TO_ST
-from kiln.weights.writer import HASH_CHUNK, crc32_range
+from kiln.weights.writer import HASH_CHUNK
 
-xxh3 = xxhash.xxh3_64_intdigest  # releases the GIL
 CORRUPT = "The file is corrupt: copy it again, or re-run `kiln pack` / `kiln compile`."
-
-
-def hex64(x: int) -> str:
-    return f"{x:016x}"
 
 
 @dataclass(frozen=True)
@@ -46,7 +41,6 @@ class FileHashes:
 
     sha256: str
     header_xxh3: str
-    blocks_xxh3: tuple[str, ...]
 
 
 def pread_exact(fd: int, out: memoryview, offset: int, path: Path) -> None:
@@ -58,86 +52,47 @@ def pread_exact(fd: int, out: memoryview, offset: int, path: Path) -> None:
         got += n
 
 
-def hash_file(path: str | Path, data_start: int, block_bytes: int) -> FileHashes:
-    """sha256 of the whole file and xxh3 of its header and of each data block, reading it once in
-    1 MiB pieces (both hashes release the GIL, so files hash in parallel on threads)."""
+def hash_file(path: str | Path, data_start: int) -> FileHashes:
+    """sha256 of the whole file and xxh3 of its header, reading it once in 1 MiB pieces (hashlib
+    releases the GIL, so files hash in parallel on threads)."""
     path = Path(path)
     sha = hashlib.sha256()
     buf = memoryview(bytearray(HASH_CHUNK))
-
-    def feed(fd: int, begin: int, end: int) -> str:
-        h = xxhash.xxh3_64()
-        for pos in range(begin, end, HASH_CHUNK):
-            view = buf[: min(HASH_CHUNK, end - pos)]
-            pread_exact(fd, view, pos, path)
-            sha.update(view)
-            h.update(view)
-        return hex64(h.intdigest())
-
     fd = os.open(path, os.O_RDONLY)
     try:
+        header = bytearray()
         size = os.fstat(fd).st_size
-        header = feed(fd, 0, data_start)
-        blocks = tuple(feed(fd, b, min(b + block_bytes, size)) for b in range(data_start, size, block_bytes))
+        for pos in range(0, size, HASH_CHUNK):
+            view = buf[: min(HASH_CHUNK, size - pos)]
+            pread_exact(fd, view, pos, path)
+            sha.update(view)
+            if pos < data_start:
+                header += view[: data_start - pos]
     finally:
         os.close(fd)
-    return FileHashes(sha.hexdigest(), header, blocks)
+    return FileHashes(sha.hexdigest(), hex64(xxhash.xxh3_64_intdigest(header)))
 
 
-class FileCheck:
-    """One file's expected block hashes and the tensors it holds (sorted by offset), to check
-    buffers as they are read and to say what a bad block holds."""
+def check_sums(pack_dir: Path, tensors: Sequence[PackTensor], got: Sequence[int]) -> None:
+    """``got[i]`` (wsum64 of the data loaded for ``tensors[i]``) against pack.json; raises naming
+    every tensor that differs, with its file and byte range."""
+    bad = [t for t, g in zip(tensors, got) if hex64(g) != t.wsum64]
+    if not bad:
+        return
+    where = "; ".join(
+        f"tensor {t.name} ({pack_dir / t.file} bytes [{t.offset}, {t.offset + t.nbytes}))" for t in bad[:8]
+    )
+    more = f"; and {len(bad) - 8} more" if len(bad) > 8 else ""
+    raise PackError(
+        f"weight data does not match the wsum64 checksum pack.json records: {where}{more}. {CORRUPT}"
+    )
 
-    def __init__(self, path: Path, f: PackFile, tensors: list[PackTensor], block_bytes: int) -> None:
-        self.path = path
-        self.file = f
-        self.block_bytes = block_bytes
-        self.expected = [int(h, 16) for h in f.blocks_xxh3]
-        self.tensors = sorted((t for t in tensors if t.nbytes), key=lambda t: t.offset)
-        self._starts = [t.offset for t in self.tensors]
 
-    def check(self, buf: memoryview, begin: int) -> None:
-        """``buf`` holds file bytes ``[begin, begin + len(buf))``: whole blocks (the last one may
-        end at the end of the file). Raises on the first block whose hash differs."""
-        rel = begin - self.file.data_start
-        if rel < 0 or rel % self.block_bytes:
-            raise AssertionError(
-                f"{self.path}: byte {begin} is not on the {self.block_bytes}-byte block grid"
-            )
-        k = rel // self.block_bytes
-        for off in range(0, len(buf), self.block_bytes):
-            if xxh3(buf[off : off + self.block_bytes]) != self.expected[k]:
-                raise self.failure(k)
-            k += 1
-
-    def block_range(self, k: int) -> tuple[int, int]:
-        begin = self.file.data_start + k * self.block_bytes
-        return begin, min(begin + self.block_bytes, self.file.bytes)
-
-    def failure(self, k: int) -> PackError:
-        """The error for block ``k``: its byte range, the tensors it overlaps and, by their crc32,
-        which of them changed (read again here: an error path)."""
-        begin, end = self.block_range(k)
-        i = max(0, bisect.bisect_right(self._starts, begin) - 1)
-        held = []
-        for t in self.tensors[i:]:
-            if t.offset >= end:
-                break
-            if t.offset + t.nbytes > begin:
-                held.append(t)
-        changed = [
-            t.name
-            for t in held
-            if t.crc32 and crc32_range(self.path, t.offset, t.offset + t.nbytes) != t.crc32
-        ]
-        names = ", ".join(t.name for t in held[:10]) + (
-            f" and {len(held) - 10} more" if len(held) > 10 else ""
-        )
-        what = f"; changed: {', '.join(changed[:10])}" if changed else ""
-        return PackError(
-            f"{self.path}: bytes [{begin}, {end}) (block {k} of {len(self.expected)}) do not match the xxh3 "
-            f"hash pack.json records; they hold tensor(s) {names}{what}. {CORRUPT}"
-        )
+def file_sums(pack_dir: Path, tensors: Sequence[PackTensor], threads: int = 8) -> list[int]:
+    """wsum64 of each tensor's bytes as they are in its file (memory-mapped: the page cache, no
+    copy), on ``threads`` threads."""
+    maps = {f: np.memmap(pack_dir / f, dtype=np.uint8, mode="r") for f in sorted({t.file for t in tensors})}
+    return wsum64_many([maps[t.file][t.offset : t.offset + t.nbytes] for t in tensors], threads)
 
 
 def check_header(path: Path, f: PackFile, tensors: list[PackTensor]) -> None:
@@ -145,7 +100,7 @@ def check_header(path: Path, f: PackFile, tensors: list[PackTensor]) -> None:
     whose header entries differ from pack.json."""
     with open(path, "rb", buffering=0) as fh:
         raw = fh.read(f.data_start)
-    if len(raw) == f.data_start and hex64(xxh3(raw)) == f.header_xxh3:
+    if len(raw) == f.data_start and hex64(xxhash.xxh3_64_intdigest(raw)) == f.header_xxh3:
         return
     raise PackError(
         f"{path}: header bytes [0, {f.data_start}) do not match the xxh3 hash pack.json records "
@@ -191,45 +146,3 @@ def by_file(ri: RankIndex) -> dict[str, list[PackTensor]]:
     for t in ri.tensors.values():
         out.setdefault(t.file, []).append(t)
     return out
-
-
-def file_checks(pack_dir: Path, ri: RankIndex, block_bytes: int) -> dict[str, FileCheck]:
-    files = by_file(ri)
-    return {f.name: FileCheck(pack_dir / f.name, f, files[f.name], block_bytes) for f in ri.files}
-
-
-def verify_blocks(pack_dir: Path, ri: RankIndex, block_bytes: int, threads: int = 8) -> None:
-    """Read and check every data block of rank ``ri``'s files on ``threads`` threads; raises for
-    the first bad block found (the other threads then stop)."""
-    checks = file_checks(pack_dir, ri, block_bytes)
-    jobs = [(c, k) for c in checks.values() for k in range(len(c.expected))]
-    if not jobs:
-        return
-    local = threading.local()
-    failed = threading.Event()  # the other threads stop early
-    fds: dict[str, int] = {}
-    try:
-        for name in checks:
-            fds[name] = os.open(pack_dir / name, os.O_RDONLY)
-
-        def one(job: tuple[FileCheck, int]) -> None:
-            c, k = job
-            if failed.is_set():
-                return
-            if not hasattr(local, "buf"):
-                local.buf = memoryview(bytearray(block_bytes))
-            begin, end = c.block_range(k)
-            view = local.buf[: end - begin]
-            try:
-                pread_exact(fds[c.file.name], view, begin, c.path)
-                c.check(view, begin)
-            except BaseException:
-                failed.set()
-                raise
-
-        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(jobs)))) as pool:
-            for _ in pool.map(one, jobs):
-                pass
-    finally:
-        for fd in fds.values():
-            os.close(fd)

@@ -3,10 +3,9 @@
 Every checkpoint tensor is read once (all ranks are served from the same read); each piece a spec
 declares is copied into that rank's staging buffer for the packed tensor (converting the dtype on
 the way); when a packed tensor's last piece arrives it is quantized if asked (FP8 e4m3 per output
-channel, ``kiln.ops.quant``), hashed and written at its offset, and freed. Once every tensor is
-written, each file is read back once (from the page cache) for its sha256 and the xxh3 hashes of
-its header and data blocks (:mod:`weights.integrity`; blocks span tensors written out of order, so
-they are hashed after the fact).
+channel, ``kiln.ops.quant``), checksummed (its wsum64, :mod:`weights.checksum`, which every load
+checks) and written at its offset, and freed. Once every tensor is written, each file is read back
+once (from the page cache) for its sha256 and the xxh3 of its header (:mod:`weights.integrity`).
 
 **Reproducible**: the same checkpoint, options and kiln version give byte-identical files and
 pack.json (layout, headers and metadata are functions of the specs; nothing time- or
@@ -37,7 +36,6 @@ from tqdm.auto import tqdm
 import kiln
 from kiln.weights.discover import discover_weights
 from kiln.weights.index import (
-    DEFAULT_BLOCK_BYTES,
     INDEX_NAME,
     PackError,
     PackFile,
@@ -91,7 +89,6 @@ def pack_checkpoint(
     workers: int = 4,
     write_budget_bytes: int = 1 << 30,
     model_info: dict[str, Any] | None = None,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> PackIndex:
     """Pack ``model_dir``'s checkpoint into ``out_dir`` for ``tp`` ranks; returns the written index,
     with ``index.provenance`` (when, from where, peak memory: not in pack.json) set.
@@ -105,7 +102,6 @@ def pack_checkpoint(
         readahead: shards read ahead by worker threads (0: mmap; see :mod:`weights.stream`).
         max_file_bytes: a rank's data is split into several files past this size.
         model_info: written to pack.json's ``model``; keep it deterministic.
-        block_bytes: the data blocks hashed for the loader's check (its chunks are whole blocks).
     """
     t0 = time.perf_counter()
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -114,8 +110,6 @@ def pack_checkpoint(
         raise PackError(f"dtype must be one of {', '.join(ACT_DTYPES)}, got {dtype!r}.")
     if quant not in (None, "fp8"):
         raise PackError(f"quant must be None or 'fp8', got {quant!r}.")
-    if block_bytes <= 0:
-        raise PackError(f"block_bytes must be positive, got {block_bytes}.")
     if len(specs_per_rank) != tp:
         raise PackError(f"got specs for {len(specs_per_rank)} ranks but tp={tp}.")
     quantized = {s.name for specs in specs_per_rank for s in specs if s.quant}
@@ -199,7 +193,7 @@ def pack_checkpoint(
         writer.close()  # waits for queued writes, on the error path too
         for rf in ranks:
             rf.close()
-    index = _build_index(model_dir, stream, ranks, specs_per_rank, writer, tp, ep, dtype, quant, block_bytes)
+    index = _build_index(model_dir, stream, ranks, specs_per_rank, writer, tp, ep, dtype, quant)
     index.model = {
         **(model_info or {}),
         "skipped_tensors": skipped,
@@ -265,16 +259,13 @@ def _build_index(
     ep: int,
     dtype: str,
     quant: str | None,
-    block_bytes: int,
 ) -> PackIndex:
     paths = [p for rf in ranks for p in rf.paths]
     headers = {p: read_header(p) for p in paths}
 
     def hashes(p: Path) -> PackFile:
-        h = hash_file(p, headers[p].data_start, block_bytes)
-        return PackFile(
-            p.name, headers[p].file_size, h.sha256, headers[p].data_start, h.header_xxh3, h.blocks_xxh3
-        )
+        h = hash_file(p, headers[p].data_start)
+        return PackFile(p.name, headers[p].file_size, h.sha256, headers[p].data_start, h.header_xxh3)
 
     with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(paths)))) as pool:
         files = dict(zip(paths, pool.map(hashes, paths)))
@@ -286,7 +277,6 @@ def _build_index(
         source=stream.fingerprint(model_dir),
         ranks=[],
         kiln_version=kiln.__version__,
-        block_bytes=block_bytes,
     )
     for r, (rf, specs) in enumerate(zip(ranks, specs_per_rank)):
         placement = {n: s.placement for s in specs for n, *_ in s.packed(dtype)}
@@ -301,7 +291,7 @@ def _build_index(
                     path.name,
                     info.begin,
                     info.nbytes,
-                    writer.crc32.get((path.name, name), ""),
+                    writer.sums[(path.name, name)],
                     placement.get(name, ""),
                 )
         index.ranks.append(ri)

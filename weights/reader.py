@@ -6,18 +6,20 @@ end); every safetensors header agrees with ``pack.json`` (names, shapes, dtypes,
 ``expected``, the pack holds exactly the parameters the model declares with their shapes and
 dtypes (missing and unexpected names listed).
 
-Integrity (``verify=True``, the default; :mod:`weights.integrity`): every byte loaded is checked
-against the xxh3 hashes ``pack.json`` records. Each header's hash is checked with the headers,
-before any data is read. On the staged path (every CUDA load by default) the data is checked as
-part of the read, not in a pass before it: the chunks are whole hash blocks (``chunk_bytes`` is
-rounded down to a multiple of the pack's ``block_bytes``, at least one block; with the defaults one
-chunk is one 8 MiB block), cut on each file's block grid, so a reader thread hashes the chunk it
-has just read (xxh3 releases the GIL: the threads hash in parallel while other chunks are read and
-copied) and only then issues its copy. The other paths (CPU, ``staging="direct"``) first check
-every block in a threaded pass (:func:`~kiln.weights.integrity.verify_blocks`). A mismatch raises
-:class:`PackError` naming the file, the byte range and the tensors it holds; no tensor of a failed
-load is returned (the side streams are synchronized before the arena is freed). ``verify=False``:
-sizes and headers only.
+Integrity (``verify=True``, the default; :mod:`weights.integrity`): every tensor loaded is checked
+against the wsum64 checksum ``pack.json`` records (:mod:`weights.checksum`), where it landed, after
+the load; each header's xxh3 is checked with the headers, before any data is read. Nothing hashes
+on the reader threads (they are the bottleneck of a load: any work there costs its time).
+
+* Staged on CUDA: once the copies are done (the caller's stream waits for the copy streams), one
+  Triton kernel sums every tensor of the arena (milliseconds: it reads the device's memory at
+  terabytes a second), then one small device-to-host read brings the sums back to compare. The
+  kernel comes from the artifact's precompiled cache (``kiln compile`` warms it up).
+* CPU (staged or direct): numpy sums the loaded tensors on ``threads`` threads.
+* CUDA ``staging="direct"``: numpy sums the tensors in the files (memory-mapped) before the load.
+
+A mismatch raises :class:`PackError` naming each tensor that differs, its file and byte range; no
+tensor of a failed load is returned. ``verify=False``: sizes and headers only.
 
 Loading:
 
@@ -28,14 +30,14 @@ Loading:
   (:func:`plan_staging`). Each file's data is cut into ``chunk_bytes`` chunks from its first data
   byte, regardless of tensor boundaries. ``threads`` reader threads take chunks in turn; each one
   owns a ring of ``buffers_per_thread`` pinned buffers: it ``preadv``-s a chunk into the next
-  buffer, checks its blocks' hashes (``verify``), issues the host-to-device copy of the whole
-  chunk itself (one copy per chunk, more only where a tensor's alignment padding falls inside it)
-  on one of ``copy_streams`` side streams, records an event, and moves on; a buffer is refilled
-  once its event is done. No central thread hands buffers around and nothing synchronizes the
-  device in the loop, so reads from the page cache and PCIe transfers overlap with up to
-  ``threads * buffers_per_thread`` chunks in flight. On return the caller's
-  current stream waits for the side streams (no host synchronization): use the tensors on that
-  stream or synchronize first.
+  buffer, issues the host-to-device copy of the whole chunk itself (one copy per chunk, more only
+  where a tensor's alignment padding falls inside it) on one of ``copy_streams`` side streams,
+  records an event, and moves on; a buffer is refilled once its event is done. No central thread
+  hands buffers around and nothing synchronizes the device in the loop, so reads from the page
+  cache and PCIe transfers overlap with up to ``threads * buffers_per_thread`` chunks in flight.
+  On return the caller's current stream waits for the side streams: use the tensors on that
+  stream or synchronize first (with ``verify`` the host has already waited for the check, which
+  follows the copies on that stream; without it nothing waits on the host).
 * CUDA, ``staging="direct"``: ``safetensors.safe_open(device=...)`` (the baseline).
 
 The returned tensors are views into the arena: usable like any tensor, but resizing one (``resize_``,
@@ -55,20 +57,20 @@ from pathlib import Path
 
 import torch
 
+from kiln.weights.checksum import ALIGN, as_bytes, device_wsum64, wsum64_many
 from kiln.weights.index import PackIndex, PackTensor
-from kiln.weights.integrity import FileCheck, file_checks, pread_exact, verify_blocks
+from kiln.weights.integrity import check_sums, file_sums, pread_exact
 from kiln.weights.st_format import DTYPE_NAMES
 from kiln.weights.verify import Expected, check_expected, check_rank_files
 
-DEVICE_ALIGN = 256
+DEVICE_ALIGN = ALIGN  # 256: the checksum kernel's wide loads rely on it
 
 
 @dataclass(frozen=True)
 class LoadOptions:
     """How :func:`load_pack` stages the data (see the module docstring). ``threads``: reader
-    threads; ``chunk_bytes``: bytes per read and per host-to-device copy (one pinned buffer; with
-    ``verify``, rounded down to whole hash blocks of the pack, at least one);
-    ``buffers_per_thread``: pipeline depth of each reader (pinned memory is ``threads *
+    threads (also the checksum threads of CPU loads); ``chunk_bytes``: bytes per read and per
+    host-to-device copy (one pinned buffer); ``buffers_per_thread``: pipeline depth of each reader (pinned memory is ``threads *
     buffers_per_thread * chunk_bytes`` at most); ``copy_streams``: CUDA streams the readers issue
     their copies on (reader ``k`` uses stream ``k % copy_streams``)."""
 
@@ -93,9 +95,9 @@ def load_pack(
     """Load rank ``rank`` of the pack in ``pack_dir`` onto ``device``; returns ``{name: tensor}``.
 
     ``expected``: ``{name: (shape, dtype)}`` of the model's parameters (dtype as ``torch.dtype`` or its
-    name); the pack must match it exactly. ``verify``: check every header and data block against
-    the xxh3 hashes in pack.json while loading (see the module docstring); ``False`` checks sizes
-    and headers only. Raises :class:`~kiln.weights.index.PackError` naming the file and tensor at fault.
+    name); the pack must match it exactly. ``verify``: check every header's xxh3 and every
+    tensor's wsum64 against pack.json (see the module docstring); ``False`` checks sizes and
+    headers only. Raises :class:`~kiln.weights.index.PackError` naming the file and tensor at fault.
     """
     pack_dir = Path(pack_dir)
     opts = options or LoadOptions()
@@ -111,18 +113,21 @@ def load_pack(
     staging = opts.staging
     if staging == "auto":
         staging = "pinned" if dev.type == "cuda" else "direct"
+    if staging not in ("pinned", "direct"):
+        raise ValueError(f"staging must be auto, pinned or direct, got {opts.staging!r}")
     if staging == "pinned":  # on a CPU device: the same pipeline with plain buffers (tests)
-        checks = file_checks(pack_dir, ri, index.block_bytes) if verify else None
-        return _load_staged(pack_dir, tensors, dev, opts, checks)
-    if staging == "direct":
+        out, arena, offsets = _load_staged(pack_dir, tensors, dev, opts)
+        if verify and dev.type == "cuda":
+            check_sums(pack_dir, tensors, device_wsum64(arena, offsets, [t.nbytes for t in tensors]))
+    elif dev.type == "cpu":
+        out = _load_cpu(pack_dir, tensors, opts.threads)
+    else:
         if verify:
-            verify_blocks(pack_dir, ri, index.block_bytes, opts.threads)
-        return (
-            _load_cpu(pack_dir, tensors, opts.threads)
-            if dev.type == "cpu"
-            else _load_direct(pack_dir, tensors, dev)
-        )
-    raise ValueError(f"staging must be auto, pinned or direct, got {opts.staging!r}")
+            check_sums(pack_dir, tensors, file_sums(pack_dir, tensors, opts.threads))
+        out = _load_direct(pack_dir, tensors, dev)
+    if verify and dev.type == "cpu":
+        check_sums(pack_dir, tensors, wsum64_many([as_bytes(out[t.name]) for t in tensors], opts.threads))
+    return out
 
 
 def _empty(t: PackTensor, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -203,7 +208,7 @@ class StagingPlan:
     def chunks(self) -> Iterator[Chunk]:
         """Each file range cut every ``chunk_bytes`` from its start, regardless of tensor boundaries
         (the tensors of a pack file tile its data, so a file's chunks start at ``data_start + k *
-        chunk_bytes``: the block grid the integrity check needs); a chunk's runs are the maximal
+        chunk_bytes``); a chunk's runs are the maximal
         pieces contiguous in both the file and the arena. A generator: the reader threads pull from
         it, so a large pack's chunk list is never built up front."""
         cb = self.chunk_bytes
@@ -251,24 +256,14 @@ def plan_staging(tensors: list[PackTensor], chunk_bytes: int) -> StagingPlan:
     return StagingPlan(pos, offsets, [tuple(x) for x in segs], max(1, chunk_bytes))
 
 
-def staged_chunk_bytes(chunk_bytes: int, checks: dict[str, FileCheck] | None) -> int:
-    """``chunk_bytes`` as the staged load uses it: with checks, whole blocks (at least one)."""
-    if not checks:
-        return max(1, chunk_bytes)
-    block = next(iter(checks.values())).block_bytes
-    return max(1, chunk_bytes // block) * block
-
-
 def _load_staged(
     pack_dir: Path,
     tensors: list[PackTensor],
     dev: torch.device,
     opts: LoadOptions,
-    checks: dict[str, FileCheck] | None = None,
-) -> dict[str, torch.Tensor]:
-    """The pipeline of the module docstring; ``checks`` (file name -> its expected block hashes):
-    each chunk's blocks are checked in the reader thread before its copy is issued."""
-    plan = plan_staging(tensors, staged_chunk_bytes(opts.chunk_bytes, checks))
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]:
+    """The pipeline of the module docstring; returns the tensors, the arena and their offsets in it."""
+    plan = plan_staging(tensors, opts.chunk_bytes)
     arena = torch.empty(max(plan.arena_bytes, 1), dtype=torch.uint8, device=dev)
     out = {
         t.name: arena[o : o + t.nbytes].view(DTYPE_NAMES[t.dtype]).view(t.shape)
@@ -276,7 +271,7 @@ def _load_staged(
     }
     nchunks = plan.num_chunks()
     if not nchunks:
-        return out
+        return out, arena, plan.offsets
     cuda = dev.type == "cuda"
     buf_bytes = plan.max_chunk_bytes()
     nthreads = max(1, min(opts.threads, nchunks))
@@ -318,8 +313,6 @@ def _load_staged(
                     f, begin, end, runs = c
                     view = views[s][: end - begin]
                     pread_exact(fds[f], view, begin, pack_dir / f)
-                    if checks is not None:
-                        checks[f].check(view, begin)  # before the copy: bad bytes never reach the arena
                     b = bufs[s]
                     for src, dst, n in runs:
                         arena[dst : dst + n].copy_(b[src : src + n], non_blocking=cuda)
@@ -350,4 +343,4 @@ def _load_staged(
         for s in streams:
             cur.wait_stream(s)
             arena.record_stream(s)
-    return out
+    return out, arena, plan.offsets

@@ -1,8 +1,8 @@
 """Checks of a weight pack against pack.json and against the model: file sizes and headers
-(always), the xxh3 hash of each header (``verify``; the data blocks are checked by the loader as it
-reads them, or by :func:`~kiln.weights.integrity.verify_blocks`), completeness (``expected``), and
-for :func:`verify_pack` every block and the sha256 of every file. Every error names the file and
-the tensor at fault and says how to fix it."""
+(always), the xxh3 hash of each header (``verify``; the tensor data is checked by the loader once
+it has landed, :mod:`weights.integrity`), completeness (``expected``), and for :func:`verify_pack`
+every tensor's wsum64 and the sha256 of every file. Every error names the file and the tensor at
+fault and says how to fix it."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 
+from kiln.weights.checksum import hex64
 from kiln.weights.index import PackError, PackIndex, RankIndex
-from kiln.weights.integrity import CORRUPT, by_file, check_header, verify_blocks
+from kiln.weights.integrity import CORRUPT, by_file, check_header, check_sums, file_sums
 from kiln.weights.st_format import SafetensorsError, dtype_name, read_header
-from kiln.weights.writer import crc32_range, sha256_file
+from kiln.weights.writer import sha256_file
 
 Expected = dict[str, tuple[tuple[int, ...], "torch.dtype | str"]]
 
@@ -87,22 +88,20 @@ def check_expected(ri: RankIndex, expected: Expected) -> None:
 
 
 def check_sha256(pack_dir: Path, ri: RankIndex, threads: int = 8) -> None:
-    """sha256 of every file of the rank; on a mismatch, name the tensors whose bytes changed."""
+    """sha256 of every file of the rank; on a mismatch, name the tensors whose bytes changed (by
+    their wsum64)."""
     paths = [pack_dir / f.name for f in ri.files]
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(paths)))) as pool:
         digests = list(pool.map(sha256_file, paths))
     for f, path, got in zip(ri.files, paths, digests):
         if got == f.sha256:
             continue
-        bad = [
-            t.name
-            for t in ri.tensors.values()
-            if t.file == f.name and t.crc32 and crc32_range(path, t.offset, t.offset + t.nbytes) != t.crc32
-        ]
+        mine = [t for t in ri.tensors.values() if t.file == f.name]
+        bad = [t.name for t, s in zip(mine, file_sums(pack_dir, mine, threads)) if hex64(s) != t.wsum64]
         where = (
             f"changed tensor(s): {', '.join(bad[:10])}"
             if bad
-            else "no tensor's crc32 differs: the header changed, or pack.json"
+            else "no tensor's wsum64 differs: the header changed, or pack.json"
         )
         raise PackError(
             f"{path}: sha256 {got[:16]}... does not match pack.json ({f.sha256[:16]}...); {where}. {CORRUPT}"
@@ -110,12 +109,13 @@ def check_sha256(pack_dir: Path, ri: RankIndex, threads: int = 8) -> None:
 
 
 def verify_pack(pack_dir: str | Path, threads: int = 8) -> PackIndex:
-    """Check every rank's files: sizes, headers (and their xxh3), every data block's xxh3 (a
-    mismatch names the byte range and tensors), then sha256. Returns the index."""
+    """Check every rank's files: sizes, headers (and their xxh3), every tensor's wsum64 read from
+    its file (a mismatch names the tensor and byte range), then sha256. Returns the index."""
     pack_dir = Path(pack_dir)
     index = PackIndex.load(pack_dir)
     for ri in index.ranks:
         check_rank_files(pack_dir, ri, verify=True)
-        verify_blocks(pack_dir, ri, index.block_bytes, threads)
+        tensors = list(ri.tensors.values())
+        check_sums(pack_dir, tensors, file_sums(pack_dir, tensors, threads))
         check_sha256(pack_dir, ri, threads)
     return index

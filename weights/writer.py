@@ -1,5 +1,6 @@
 """The streaming side of packing: one rank's output files, laid out before any data exists, and
-a small thread pool that checksums and writes finished tensors at their offsets.
+a small thread pool that checksums (wsum64, :mod:`weights.checksum`) and writes finished tensors at
+their offsets.
 
 Because every packed tensor's name, shape and dtype are known from the specs, each file's
 safetensors header is written first and the file is sized up front; a tensor is written the
@@ -12,13 +13,13 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kiln.weights.checksum import hex64, wsum64
 from kiln.weights.st_format import plan_layout, pwrite_all, tensor_bytes
 
 HASH_CHUNK = 1024 * 1024
@@ -86,7 +87,7 @@ class RankFiles:
 
 
 class TensorWriter:
-    """CRC32 and ``pwrite`` tensors on ``workers`` threads, at most ``budget_bytes`` queued at once."""
+    """wsum64 and ``pwrite`` tensors on ``workers`` threads, at most ``budget_bytes`` queued at once."""
 
     def __init__(self, workers: int = 4, budget_bytes: int = 1 << 30) -> None:
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kiln-write")
@@ -95,8 +96,8 @@ class TensorWriter:
         self.peak_inflight = 0
         self.cv = threading.Condition()
         self.futures: list[Future[None]] = []
-        # (file, tensor name) -> crc32 (hex) of its bytes; by file, as every rank has the same names
-        self.crc32: dict[tuple[str, str], str] = {}
+        # (file, tensor name) -> wsum64 (hex) of its bytes; by file, as every rank has the same names
+        self.sums: dict[tuple[str, str], str] = {}
         self.written = 0
 
     def submit(self, name: str, t: torch.Tensor, slot: Slot) -> None:
@@ -115,7 +116,7 @@ class TensorWriter:
     def _job(self, name: str, t: torch.Tensor, slot: Slot, n: int) -> None:
         try:
             mv = tensor_bytes(t)
-            self.crc32[(slot.file, name)] = f"{zlib.crc32(mv):08x}"
+            self.sums[(slot.file, name)] = hex64(wsum64(mv))
             pwrite_all(slot.fd, mv, slot.offset)
             del mv, t
         finally:
@@ -158,18 +159,3 @@ def sha256_file(path: str | Path, begin: int = 0, end: int | None = None) -> str
             h.update(mv[:n])
             left -= n
     return h.hexdigest()
-
-
-def crc32_range(path: str | Path, begin: int, end: int) -> str:
-    """crc32 (hex) of ``path[begin:end]``."""
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        f.seek(begin)
-        left = end - begin
-        while left > 0:
-            b = f.read(min(HASH_CHUNK, left))
-            if not b:
-                break
-            crc = zlib.crc32(b, crc)
-            left -= len(b)
-    return f"{crc:08x}"

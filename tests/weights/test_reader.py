@@ -1,7 +1,7 @@
 """The staged loader (``load_pack`` with ``staging="pinned"``): the arena plan (one copy per chunk
 when tensors are 256-byte multiples, split runs where alignment padding falls inside a chunk,
-every byte copied once, chunks on each file's block grid), the per-thread rings on CPU with every
-option combination, with and without the block-hash check, errors raised from reader threads, and
+every byte copied once), the per-thread rings on CPU with every option combination, with and
+without the checksum check, errors raised from reader threads, and
 (GPU-marked) the same on CUDA with several copy streams."""
 
 from __future__ import annotations
@@ -15,11 +15,8 @@ from weights_helpers import CONFIGS, pack
 import kiln.weights.reader as reader
 from kiln.compiler.synth import make_checkpoint
 from kiln.weights import LoadOptions, PackError, load_pack
-from kiln.weights.index import PackIndex, PackTensor
-from kiln.weights.integrity import file_checks
-from kiln.weights.reader import DEVICE_ALIGN, plan_staging, staged_chunk_bytes
-
-BLOCK = 256  # the pack's hash blocks: several per file, so verified chunks hold several
+from kiln.weights.index import PackTensor
+from kiln.weights.reader import DEVICE_ALIGN, plan_staging
 
 
 def _tensors(sizes: list[tuple[str, int]], start: int = 64) -> list[PackTensor]:
@@ -84,24 +81,6 @@ def test_plan_odd_chunks(cb):
     _check_plan(_tensors([("a", 3), ("a", 300), ("a", 256), ("b", 1000), ("b", 2), ("c", 0)]), cb)
 
 
-@pytest.mark.parametrize("cb", [BLOCK, 3 * BLOCK, 1 << 30])
-def test_chunks_lie_on_the_block_grid(packed, cb):
-    """With verify, a staged load's chunks are whole blocks of the pack, cut from each file's data
-    start: the check hashes exactly the bytes each recorded hash covers."""
-    index = PackIndex.load(packed)
-    for ri in index.ranks:
-        checks = file_checks(packed, ri, index.block_bytes)
-        assert staged_chunk_bytes(cb + 5, checks) == cb and staged_chunk_bytes(BLOCK - 1, checks) == BLOCK
-        plan = plan_staging(sorted(ri.tensors.values(), key=lambda t: (t.file, t.offset)), cb)
-        seen = {f.name: 0 for f in ri.files}
-        for f, begin, end, _ in plan.chunks():
-            c = checks[f]
-            assert (begin - c.file.data_start) % BLOCK == 0
-            assert (end - begin) % BLOCK == 0 or end == c.file.bytes
-            seen[f] += -(-(end - begin) // BLOCK)
-        assert seen == {f.name: len(f.blocks_xxh3) for f in ri.files}
-
-
 def test_plan_empty():
     plan = plan_staging(_tensors([("a", 0)]), 1024)
     assert plan.num_chunks() == 0 and list(plan.chunks()) == [] and plan.max_chunk_bytes() == 0
@@ -117,11 +96,11 @@ def packed(tmp_path_factory):
         dtype="float32",
     )
     out = tmp_path_factory.mktemp("p") / "pack"
-    pack(d, out, tp=2, max_file_bytes=60_000, block_bytes=BLOCK)
+    pack(d, out, tp=2, max_file_bytes=60_000)
     return out
 
 
-@pytest.mark.parametrize("verify", [True, False])  # with verify: chunks of whole BLOCK-byte blocks
+@pytest.mark.parametrize("verify", [True, False])
 @pytest.mark.parametrize(
     "opts",
     [

@@ -51,5 +51,6 @@ def test_weights_load_bench_smoke(tmp_path):
         "pinned t2 c1MiB d3 s1",
         "direct (preadv)",
     }
-    assert r["verify_cost"]["default"]["on_median_s"] > 0 and r["ceilings"]["xxh3_gbps_one_core"] > 0
+    assert r["verify_cost"]["default"]["on_median_s"] > 0
+    assert r["checksum"]["numpy_gbps_one_thread"] > 0 and r["checksum"]["numpy_gbps_2_threads"] > 0
     assert not (tmp_path / "w").exists()  # cleaned up without --keep

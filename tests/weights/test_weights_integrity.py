@@ -1,8 +1,9 @@
-"""Integrity on by default (issue 25): pack.json records xxh3 hashes of each file's header and data
-blocks; ``load_pack`` checks every block as it reads it (staged path: in the reader threads;
-CPU / direct: a threaded pass first) and refuses a flipped byte naming the file, the byte range and
-the tensor; ``verify=False`` skips the check. Packs are byte-identical across runs and directories;
-a pack of the previous format version is refused with the re-pack command."""
+"""Integrity on by default (issue 25): pack.json records the xxh3 of each file's header and the
+wsum64 of each tensor; ``load_pack`` checks the headers before reading and every tensor after it
+has landed (on a GPU: one kernel over the arena; here: numpy, on the staged pipeline and the CPU
+path) and refuses a flipped byte naming the tensor, its file and byte range; ``verify=False`` skips
+the check. Packs are byte-identical across runs and directories; a pack of the previous format
+version is refused with the re-pack command."""
 
 from __future__ import annotations
 
@@ -10,23 +11,19 @@ import hashlib
 import json
 import os
 import shutil
-import threading
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 import xxhash
-from weights_helpers import pack
+from weights_helpers import pack, wsum64_definition
 
-import kiln.weights.integrity as integrity
-from kiln.weights import LoadOptions, PackError, PackIndex, load_pack, verify_pack
-from kiln.weights.index import PackTensor
+import kiln.weights.reader as reader
+from kiln.weights import LoadOptions, PackError, load_pack, verify_pack
 
-BLOCK = 4096  # small blocks: the tiny pack has several per file, each overlapping few tensors
 # The staged pipeline on a CPU device (the path CUDA loads take) and the CPU direct path.
 PATHS = {
-    "staged": LoadOptions("pinned", threads=3, chunk_bytes=3 * BLOCK + 100, buffers_per_thread=2),
+    "staged": LoadOptions("pinned", threads=3, chunk_bytes=3 * 4096 + 100, buffers_per_thread=2),
     "cpu": LoadOptions("direct", threads=3),
 }
 
@@ -34,7 +31,7 @@ PATHS = {
 @pytest.fixture
 def packed(checkpoint, tmp_path):
     out = tmp_path / "pack"
-    index, _ = pack(checkpoint("llama"), out, tp=2, max_file_bytes=60_000, block_bytes=BLOCK)
+    index, _ = pack(checkpoint("llama"), out, tp=2, max_file_bytes=60_000)
     return out, index
 
 
@@ -46,30 +43,31 @@ def flip(path: Path, pos: int, mask: int = 0x40) -> None:
         f.write(bytes([b[0] ^ mask]))
 
 
-def block_of(t: PackTensor, index: PackIndex, pos: int) -> tuple[int, int]:
-    f = next(f for r in index.ranks for f in r.files if f.name == t.file)
-    begin = f.data_start + (pos - f.data_start) // BLOCK * BLOCK
-    return begin, min(begin + BLOCK, f.bytes)
-
-
-def test_pack_json_records_block_hashes(packed):
+def test_pack_json_records_header_hashes_and_tensor_checksums(packed):
     out, _ = packed
     doc = json.loads((out / "pack.json").read_text())
-    assert doc["version"] == 2 and doc["block_bytes"] == BLOCK
+    assert doc["version"] == 3 and "block_bytes" not in doc
     for rank in doc["ranks"]:
         for f in rank["files"]:
             data = (out / f["name"]).read_bytes()
             ds = f["data_start"]
             assert ds == 8 + int.from_bytes(data[:8], "little")
             assert f["header_xxh3"] == xxhash.xxh3_64_hexdigest(data[:ds])
-            assert f["blocks_xxh3"] == [
-                xxhash.xxh3_64_hexdigest(data[b : b + BLOCK]) for b in range(ds, len(data), BLOCK)
-            ]
-            assert len(f["blocks_xxh3"]) > 2 and f["sha256"] == hashlib.sha256(data).hexdigest()
-        # Each rank's own crc32 of each tensor (both ranks have the same names, sharded differently).
+            assert f["sha256"] == hashlib.sha256(data).hexdigest()
+            assert set(f) == {"name", "bytes", "sha256", "data_start", "header_xxh3"}
+        # Each rank's own checksum of each tensor (both ranks have the same names, sharded differently).
         for name, t in rank["tensors"].items():
             data = (out / t["file"]).read_bytes()[t["offset"] : t["offset"] + t["nbytes"]]
-            assert t["crc32"] == f"{zlib.crc32(data):08x}", (rank["rank"], name)
+            assert t["wsum64"] == f"{wsum64_definition(data):016x}", (rank["rank"], name)
+
+
+def _refused(out: Path, rank: int, opts: LoadOptions, t) -> str:
+    with pytest.raises(PackError) as e:
+        load_pack(out, rank, options=opts)
+    msg = str(e.value)
+    assert f"tensor {t.name} ({out / t.file} bytes [{t.offset}, {t.offset + t.nbytes}))" in msg, msg
+    assert "wsum64" in msg and "corrupt" in msg and "copy it again" in msg and "kiln pack" in msg, msg
+    return msg
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -79,18 +77,45 @@ def test_flipped_data_byte_is_refused_by_default(packed, path):
     pos = t.offset + t.nbytes // 2
     good = load_pack(out, 1, options=PATHS[path])[t.name].clone()
     flip(out / t.file, pos)
-    with pytest.raises(PackError) as e:
-        load_pack(out, 1, options=PATHS[path])
-    msg = str(e.value)
-    begin, end = block_of(t, index, pos)
-    assert str(out / t.file) in msg and f"bytes [{begin}, {end})" in msg, msg
-    assert f"changed: {t.name}" in msg and "corrupt" in msg and "kiln pack" in msg, msg
+    msg = _refused(out, 1, PATHS[path], t)
+    assert msg.count("tensor ") == 1  # only the altered one
     # The check is what refuses it: without it the altered tensor loads.
     bad = load_pack(out, 1, verify=False, options=PATHS[path])[t.name]
     assert bad.shape == good.shape and not torch.equal(bad, good)
     load_pack(out, 0, options=PATHS[path])  # the other rank is intact
-    with pytest.raises(PackError, match=rf"bytes \[{begin}, {end}\).*{t.name}"):
+    with pytest.raises(PackError, match=rf"tensor {t.name} .*bytes \[{t.offset}, {t.offset + t.nbytes}\)"):
         verify_pack(out)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_flipped_byte_in_any_tensor_is_refused(packed, path):
+    """Each tensor of a rank in turn, its first and its last byte (partial last words, which no
+    tensor of a real pack has, are in test_weights_checksum.py)."""
+    out, index = packed
+    for t in index.ranks[0].tensors.values():
+        for pos in (t.offset, t.offset + t.nbytes - 1):
+            flip(out / t.file, pos, 0x01)
+            _refused(out, 0, PATHS[path], t)
+            flip(out / t.file, pos, 0x01)
+    load_pack(out, 0, options=PATHS[path])
+
+
+def test_the_check_covers_the_data_where_it_landed(packed, monkeypatch):
+    """A byte altered after the file read (a bad host-to-device copy, memory): the check runs on the
+    loaded arena, so it is refused too; a check of the file bytes alone would pass it."""
+    out, index = packed
+    t = index.ranks[0].tensors["layers.0.attn.qkv.weight"]
+    clean = load_pack(out, 0, options=PATHS["staged"])[t.name]
+    real = reader._load_staged
+
+    def corrupting(pack_dir, tensors, dev, opts):
+        got, arena, offsets = real(pack_dir, tensors, dev, opts)
+        got[t.name].view(-1).view(torch.uint8)[5] ^= 0x10
+        return got, arena, offsets
+
+    monkeypatch.setattr(reader, "_load_staged", corrupting)
+    _refused(out, 0, PATHS["staged"], t)
+    assert not torch.equal(load_pack(out, 0, verify=False, options=PATHS["staged"])[t.name], clean)
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -130,34 +155,6 @@ def test_truncated_file_is_refused(packed, path):
         load_pack(out, 0, options=PATHS[path])
 
 
-def test_staged_load_checks_every_block_once(packed, monkeypatch):
-    """Chunks of 3 blocks (chunk_bytes rounded down to whole blocks), cut on each file's block grid:
-    every block of the rank is hashed exactly once, by the reader threads."""
-    out, index = packed
-    calls: list[tuple[int, str]] = []
-    lock = threading.Lock()
-    real = integrity.xxh3
-
-    def counting(buf):
-        with lock:
-            calls.append((len(buf), threading.current_thread().name))
-        return real(buf)
-
-    monkeypatch.setattr(integrity, "xxh3", counting)
-    load_pack(out, 0, options=PATHS["staged"])
-    files = index.ranks[0].files
-    data = [len(f.blocks_xxh3) for f in files]
-    headers = len(files)  # one header hash per file, on the calling thread
-    assert len(calls) == sum(data) + headers
-    readers = [n for _, n in calls if n.startswith("kiln-load-")]
-    assert len(readers) == sum(data)
-    sizes = sorted(n for n, name in calls if name.startswith("kiln-load-"))
-    want = sorted(
-        min(BLOCK, f.bytes - f.data_start - k * BLOCK) for f in files for k in range(len(f.blocks_xxh3))
-    )
-    assert sizes == want
-
-
 def test_packs_are_byte_identical(checkpoint, tmp_path):
     """Two packs of the same checkpoint, from two copies of it at different paths, into two output
     directories: every file is byte-identical (pack.json included); the run-specific facts are
@@ -186,28 +183,27 @@ def test_packs_are_byte_identical(checkpoint, tmp_path):
 
 
 def test_previous_format_version_is_refused(packed):
-    """A version-1 pack.json (no block hashes; created and source.dir recorded) over intact files."""
+    """A version-2 pack.json (xxh3 data blocks, crc32 per tensor) over intact files."""
     out, _ = packed
     doc = json.loads((out / "pack.json").read_text())
-    doc["version"] = 1
-    doc["created"] = "2026-01-01T00:00:00+00:00"
-    doc["source"]["dir"] = "/somewhere"
-    doc.pop("block_bytes", None)
+    doc["version"] = 2
+    doc["block_bytes"] = 8 << 20
     for rank in doc["ranks"]:
         for f in rank["files"]:
-            for k in ("data_start", "header_xxh3", "blocks_xxh3"):
-                f.pop(k, None)
+            f["blocks_xxh3"] = ["0" * 16]
+        for t in rank["tensors"].values():
+            t["crc32"] = f"{int(t.pop('wsum64'), 16) & 0xFFFFFFFF:08x}"
     (out / "pack.json").write_text(json.dumps(doc, indent=1))
     with pytest.raises(
-        PackError, match=r"pack format version 1 but this kiln reads version 2; re-pack.*`kiln pack`"
+        PackError, match=r"pack format version 2 but this kiln reads version 3; re-pack.*`kiln pack`"
     ):
         load_pack(out, 0)
 
 
-def test_malformed_block_list_is_refused(packed):
+def test_malformed_checksum_is_refused(packed):
     out, _ = packed
     doc = json.loads((out / "pack.json").read_text())
-    doc["ranks"][0]["files"][0]["blocks_xxh3"].pop()
+    doc["ranks"][0]["tensors"]["norm.weight"]["wsum64"] = "12ab"
     (out / "pack.json").write_text(json.dumps(doc, indent=1))
-    with pytest.raises(PackError, match=r"block hash\(es\), expected"):
+    with pytest.raises(PackError, match=r"tensor norm\.weight of rank 0 records wsum64 '12ab', not 16 hex"):
         load_pack(out, 0)

@@ -116,6 +116,17 @@ CONFIGS: dict[str, dict] = {
 }
 
 
+def wsum64_definition(data: bytes) -> int:
+    """wsum64 as weights/checksum.py defines it, in plain Python integers (slow; small inputs)."""
+    n = len(data)
+    data = bytes(data) + bytes(-n % 8)
+    total = 0
+    for i in range(len(data) // 8):
+        w = int.from_bytes(data[8 * i : 8 * i + 8], "little")
+        total += (w ^ (w >> 32)) * (2 * i + 1)
+    return (total + n * 0x9E3779B97F4A7C15) % 2**64
+
+
 def hf_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors checkpoint, by name (tiny checkpoints only)."""
     out: dict[str, torch.Tensor] = {}
