@@ -4,8 +4,7 @@
   + q + out, reported as a fraction of the measured read bandwidth (targets on H200: >= 75% at
   batch 32 / 8k, >= 50% at batch 1 / 32k); plus batch 1 at 512 and 8k tokens with ``num_splits``
   sized for a 32k bucket (``cap``), as the runtime's batch-1 graph runs them, where the kernels are
-  latency bound. ``triton`` is the fused split-merge (one launch), ``triton_separate`` the
-  two-kernel path (``KILN_ATTN_MERGE``);
+  latency bound. ``triton``: the split kernel and, with more than one split, the merge kernel;
 * extend of 4096 new tokens over a 0 and a 4k prefix: ``flops`` = 4 * Hq * D * (visible keys
   summed over queries), as a fraction of the measured bf16 matmul rate (target >= 50% over 4k).
 
@@ -116,8 +115,7 @@ def _decode_case(batch: int, ctx: int):
     return q, k_cache, v_cache, bt, rows, lens, slots, nbytes
 
 
-DECODE_IMPLS = ["triton", "triton_separate", "sdpa", "compiled"]
-_DECODE_MERGE = {"triton": "fused", "triton_separate": "separate"}
+DECODE_IMPLS = ["triton", "sdpa", "compiled"]
 # (batch, ctx, cap): num_splits is chosen for a bucket of ``cap`` tokens, as the runtime sizes it
 # for the block table's capacity; ``cap > ctx`` leaves most splits without keys
 DECODE_CASES = pick(
@@ -131,22 +129,19 @@ DECODE_CASES = pick(
 @pytest.mark.parametrize("batch, ctx, cap", DECODE_CASES)
 def test_decode(measure, batch, ctx, cap, impl):
     _skip_impl(impl)
-    if cap != ctx and impl not in _DECODE_MERGE:
+    if cap != ctx and impl != "triton":
         pytest.skip("the baselines do not split: same as the cap == ctx case")
     q, k_cache, v_cache, bt, rows, lens, slots, nbytes = _decode_case(batch, ctx)
     scale = D**-0.5
     splits = choose_num_splits(batch, cap, HKV)
-    merge = _DECODE_MERGE.get(impl)
-    if merge:
-        fn = lambda: decode_attention_triton(
-            q, k_cache, v_cache, bt, rows, lens, scale, PAGE, splits, merge=merge
-        )
+    if impl == "triton":
+        fn = lambda: decode_attention_triton(q, k_cache, v_cache, bt, rows, lens, scale, PAGE, splits)
     else:
         base = _sdpa if impl == "sdpa" else _compiled
         fn = lambda: base(q[:, None], k_cache, v_cache, slots, scale, ctx - 1)
     out = fn()
     assert out.shape[-1] == D and not out.isnan().any()
-    measure(_graphed(fn), bytes=nbytes, impl=impl, batch=batch, ctx=ctx, num_splits=splits, merge=merge)
+    measure(_graphed(fn), bytes=nbytes, impl=impl, batch=batch, ctx=ctx, num_splits=splits)
 
 
 @pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")

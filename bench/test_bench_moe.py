@@ -30,7 +30,7 @@ Sweeps (GPU only, ``-k sweep``), to pick ``DEFAULT_TABLE``'s entries in one run:
 
 * ``test_moe_gemm_sweep[GEMM-Ntok-CFG]``: one GEMM alone (w13 with the fused SiLU-and-mul; w2 with
   the routing weight and the top-k sum: the combine kernel after the grouped GEMM, the GEMV's own
-  with ``gemvsum``, or its last-arrival sum with one pair per program, ``KILN_MOE_COMBINE``)
+  with ``gemvsum``, or its last-arrival sum with one pair per program)
   for each candidate launch config at 1, 8 and 4096 tokens; the alignment is done outside the
   timing. Decode sizes report ``frac_bw``
   (bytes: the hit experts' weights of that GEMM and its activations), 4096 tokens ``frac_mm``.
@@ -295,7 +295,7 @@ def test_moe_gemm_sweep(measure, gemm, t, cfg):
     fused_sum = gemv and gemm == "w2" and cfg["GROUP_M"] > 1  # the w2 GEMV writes the top-k sum
     y = torch.empty(p, cols, device=DEV, dtype=torch.bfloat16)  # per-pair rows
     out = torch.empty(t, cols, device=DEV, dtype=torch.bfloat16)  # w2: the top-k sum
-    last_sum = gemv and gemm == "w2" and not fused_sum and moe.combine_mode() == "fused"
+    last_sum = gemv and gemm == "w2" and not fused_sum
     counters = moe.COUNTERS.get(a.device, t * triton.cdiv(cols, cfg["BLOCK_N"])) if last_sum else None
     if gemv:  # w2, one pair per program: the last arrival's top-k sum as the op runs it (default)
         run = lambda: mg.moe_gemv_launch(

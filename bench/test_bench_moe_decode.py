@@ -6,13 +6,12 @@ op). Here ``LAYERS`` copies with distinct weights run back to back in one CUDA g
 of a decode step do, and every figure is per layer (``ms`` and ``bytes`` are for the chain, so
 ``frac_bw`` is the per-layer fraction of read bandwidth).
 
-* ``test_moe_decode_chain[T-MODE]``: ``kiln.fused_moe`` at Qwen3-30B-A3B shapes (E=128, top-8,
-  H=2048, I=768) for ``T`` tokens, the w2 GEMV's top-k sum ``fused`` (last arrival, default) or
-  ``separate`` (the combine kernel), with the default launch table or ``KILN_MOE_TUNING``'s (as
-  bench/test_bench_moe.py reads it). Bytes: the hit experts' weights and the activations.
-* ``test_moe_route_chain[VARIANT]``: the router (``[128, 2048]`` weights) and top-k at batch 1:
-  ``separate`` (router GEMV, then the top-k kernel) or the fused kernel with a launch variant
-  ``eBLOCK_E-kBLOCK_K-wWARPS`` (``fused``: ops/moe_route.py's defaults).
+* ``test_moe_decode_chain[T]``: ``kiln.fused_moe`` at Qwen3-30B-A3B shapes (E=128, top-8,
+  H=2048, I=768) for ``T`` tokens (the w2 GEMV's top-k sum by the last arrival), with the default
+  launch table or ``KILN_MOE_TUNING``'s (as bench/test_bench_moe.py reads it). Bytes: the hit
+  experts' weights and the activations.
+* ``test_moe_route_chain``: the router (``[128, 2048]`` weights) and top-k at batch 1
+  (``kiln.moe_route``: the router GEMV, then the top-k kernel).
 
 Smoke mode (CPU): tiny shapes through the interpreter, two layers, one round.
 """
@@ -24,19 +23,9 @@ import torch
 from conftest import graphed, pick
 from test_bench_moe import DEV, TUNING, E, H, I, K, random_experts
 
-from kiln.ops import moe_route
-
 pytestmark = pytest.mark.usefixtures("kernels_on_cpu")
 
 LAYERS = pick(8, 2)  # the shapes: bench/test_bench_moe.py's (Qwen3-30B-A3B on a GPU)
-ROUTE_VARIANTS = {
-    "separate": None,
-    "fused": {},
-    "e1-k2048-w1": dict(block_e=1, block_k=2048, num_warps=1),
-    "e2-k2048-w2": dict(block_e=2, block_k=2048, num_warps=2),
-    "e4-k512-w1": dict(block_e=4, block_k=512, num_warps=1),
-    "e2-k1024-w4": dict(block_e=2, block_k=1024, num_warps=4),
-}
 
 
 @functools.lru_cache(maxsize=1)
@@ -50,10 +39,8 @@ def _route(x, router, max_t=1):
     return torch.ops.kiln.moe_route(x, router, None, K, True, "softmax", 1, 1, 1.0, "bfloat16", max_t)
 
 
-@pytest.mark.parametrize("mode", ["separate", "fused"])
 @pytest.mark.parametrize("t", pick([1, 2, 4], [2]))
-def test_moe_decode_chain(measure, monkeypatch, t, mode):
-    monkeypatch.setenv("KILN_MOE_COMBINE", mode)  # read at capture
+def test_moe_decode_chain(measure, t):
     layers = _layers()
     x = torch.randn(t, H, device=DEV).to(torch.bfloat16)
     routes = [_route(x, r, max_t=0) for _, _, r in layers]  # per layer: (weights, ids)
@@ -63,28 +50,19 @@ def test_moe_decode_chain(measure, monkeypatch, t, mode):
         for (w13, w2, _), (w, ids) in zip(layers, routes, strict=True):
             torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, TUNING)
 
-    info = dict(t=t, mode=mode, layers=LAYERS, E=E, top_k=K, H=H, I=I, experts_hit_per_layer=hit / LAYERS)
+    info = dict(t=t, layers=LAYERS, E=E, top_k=K, H=H, I=I, experts_hit_per_layer=hit / LAYERS)
     info["tuning"] = "KILN_MOE_TUNING" if TUNING else "default"
     measure(graphed(chain), bytes=hit * 3 * H * I * 2 + LAYERS * 2 * t * H * 2, **info)
 
 
-@pytest.mark.parametrize("variant", list(ROUTE_VARIANTS))
-def test_moe_route_chain(measure, monkeypatch, variant):
+def test_moe_route_chain(measure):
     layers = _layers()
     x = torch.randn(1, H, device=DEV).to(torch.bfloat16)
-    kw = ROUTE_VARIANTS[variant]
-    if kw is None:
-        monkeypatch.setenv("KILN_MOE_ROUTE", "separate")  # router GEMV, then the top-k kernel
-        fn = lambda r: _route(x, r)
-    else:
-        counters = moe_route.COUNTERS.get(x.device, 1)
-        args = (None, K, True, "softmax", 1, 1, 1.0, "bfloat16", counters)
-        fn = lambda r: moe_route.moe_route_launch(x, r, *args, **kw)
     ref = _route(x, layers[0][2], max_t=0)  # router linear + top-k kernel (or reference)
-    assert torch.equal(torch.sort(fn(layers[0][2])[1]).values, torch.sort(ref[1]).values), variant
+    assert torch.equal(torch.sort(_route(x, layers[0][2])[1]).values, torch.sort(ref[1]).values)
 
     def chain():
         for _, _, r in layers:
-            fn(r)
+            _route(x, r)
 
-    measure(graphed(chain), bytes=LAYERS * E * H * 2, variant=variant, layers=LAYERS, E=E, H=H, top_k=K)
+    measure(graphed(chain), bytes=LAYERS * E * H * 2, layers=LAYERS, E=E, H=H, top_k=K)

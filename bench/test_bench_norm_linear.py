@@ -1,14 +1,15 @@
-"""RMSNorm fused into the GEMV behind it (ops/norm_linear.py) against the two launches it replaces.
+"""RMSNorm fused into the GEMV behind it (ops/norm_linear.py), as the folded batch-1 decode graph
+runs it (the norm weight folded into the linear's, compiler/models/base.py), against two launches.
 
 Batch 1, chained over ``LAYERS`` distinct weights in one CUDA graph as a decode step runs them;
 figures per layer (``frac_bw``: the weight and activation bytes of one layer over its time).
 
-* ``test_norm_linear_chain[SHAPE-VARIANT]``: ``separate`` = ``fused_add_rmsnorm`` then
-  ``kiln::linear`` / ``kiln::linear_silu_mul`` (what a layer ran before); ``fused`` =
-  ``kiln::rmsnorm_linear`` with its default launch; ``nBLOCK_N-kBLOCK_K-wWARPS`` = the fused GEMV
-  with that launch (what ``gemv(norm=..., block_n=...)`` overrides would give). Shapes: Qwen3-30B-A3B's qkv
-  (5120 x 2048) and router (128 x 2048, the normalized row written for the experts), Llama-3.1-8B's
-  qkv (6144 x 4096) and gate_up + SiLU (2 x 14336 x 4096).
+* ``test_norm_linear_chain[SHAPE-VARIANT]``: ``separate`` = ``rmsnorm`` (unit weight) then
+  ``kiln::linear`` / ``kiln::linear_silu_mul``; ``fused`` = ``kiln::rmsnorm_linear`` (``folded``)
+  with its default launch; ``nBLOCK_N-kBLOCK_K-wWARPS`` = the fused GEMV with that launch (what
+  ``gemv(norm=..., block_n=...)`` overrides would give). Shapes: Qwen3-30B-A3B's qkv (5120 x 2048)
+  and router (128 x 2048, the normalized row written for the experts), Llama-3.1-8B's qkv
+  (6144 x 4096) and gate_up + SiLU (2 x 14336 x 4096).
 
 Smoke mode (CPU): tiny shapes through the interpreter, two layers, one round.
 """
@@ -51,7 +52,7 @@ def _gemv_on(kernels_on_cpu, monkeypatch):
 def _layers(n, k):
     g = torch.Generator(DEV).manual_seed(0)
     rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device=DEV) * scale).to(torch.bfloat16)
-    return [(rnd(n, k, scale=k**-0.5), 1.0 + rnd(k, scale=0.1), rnd(1, k)) for _ in range(LAYERS)]
+    return [rnd(n, k, scale=k**-0.5) for _ in range(LAYERS)]  # the norm weight folded in
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -63,26 +64,24 @@ def test_norm_linear_chain(measure, shape, variant):
         kw = dict(kw, block_k=min(kw["block_k"], 32))
     layers = _layers(n, k)
     x = torch.randn(1, k, device=DEV).to(torch.bfloat16)
-    h, xn = torch.empty_like(x), torch.empty_like(x)
+    ones, xn = torch.ones(k, device=DEV, dtype=x.dtype), torch.empty_like(x)
     lin = torch.ops.kiln.linear_silu_mul if gate_up else torch.ops.kiln.linear
 
-    def one(w, nw, r):
+    def one(w):
         if kw is None:
-            return lin(torch.ops.kiln.fused_add_rmsnorm(x, r, nw, EPS), w, None, 1)
+            return lin(torch.ops.kiln.rmsnorm(x, ones, EPS), w, None, 1)
         if not kw:
-            return torch.ops.kiln.rmsnorm_linear(x, r, nw, EPS, w, None, 1, gate_up, normed)[0]
-        spec = G.NormIn(nw, EPS, r, h, xn if normed else None)
+            return torch.ops.kiln.rmsnorm_linear(x, None, ones, EPS, w, None, 1, gate_up, normed, True)[0]
+        spec = G.NormIn(None, EPS, xn_out=xn if normed else None)
         return G.gemv(x, w, gate_up=gate_up, norm=spec, **kw)
 
-    w0, nw0, r0 = layers[0]
-    ref = lin(torch.ops.kiln.rmsnorm(((x.float() + r0.float()).to(x.dtype)), nw0, EPS), w0, None, 1)
-    if kw is not None:  # the fused result against the two launches on the current r0 (the
-        # separate variant's replays add x into the residuals in place, so r0 drifts between cases)
-        torch.testing.assert_close(one(w0, nw0, r0).float(), ref.float(), rtol=2**-5, atol=2e-2)
+    ref = lin(torch.ops.kiln.rmsnorm(x, ones, EPS), layers[0], None, 1)
+    if kw is not None:  # the fused result against the two launches
+        torch.testing.assert_close(one(layers[0]).float(), ref.float(), rtol=2**-5, atol=2e-2)
 
     def chain():
-        for w, nw, r in layers:
-            one(w, nw, r)
+        for w in layers:
+            one(w)
 
-    nbytes = LAYERS * (n * k * 2 + 4 * k * 2 + (n // 2 if gate_up else n) * 2)
+    nbytes = LAYERS * (n * k * 2 + 2 * k * 2 + (n // 2 if gate_up else n) * 2)
     measure(graphed(chain), bytes=nbytes, shape=shape, variant=variant, layers=LAYERS, N=n, K=k)

@@ -64,35 +64,23 @@ class RMSNorm(nn.Module):
         return torch.ops.kiln.fused_add_rmsnorm(x, residual, self.weight, self.eps)
 
 
-def fused_norm_m(norm: RMSNorm, role: str, quant: str | None) -> int:
-    """The ``max_m`` of ``kiln::rmsnorm_linear`` for ``norm`` feeding a linear of GEMV-plan ``role``
-    with weights of ``quant`` (0: run them apart): the plan has the ``norm`` role and ``role``, and
-    neither side is FP8."""
-    plan = gemv_plan()
-    if not plan.get("norm") or norm.quant_out or quant == "fp8":
-        return 0
-    return plan.get(role, 0)
-
-
 def norm_linear(
     norm: RMSNorm,
     x: torch.Tensor,
-    residual: torch.Tensor | None,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     max_m: int,
     gate_up: bool = False,
     normed: bool = False,
-    folded: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``norm`` (adding ``residual`` first) fused into the linear ``weight`` (ops/norm_linear.py):
-    ``(y [T, N], the new residual [T, H], the normalized x [T, H] if normed)``. ``folded``: the
-    norm's weight is folded into ``weight`` (weights/fold.py; ``norm.weight`` is then ones), so the
-    one-token GEMV does not load it (the residual-stream layout, compiler/models/base.py)."""
-    y, h, xn = torch.ops.kiln.rmsnorm_linear(
-        x, residual, norm.weight, norm.eps, weight, bias, max_m, gate_up, normed, folded
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm`` fused into the linear ``weight`` (ops/norm_linear.py), its weight folded into
+    ``weight`` (weights/fold.py; ``norm.weight`` is then ones), so the one-token GEMV does not load
+    it (the residual-stream layout, compiler/models/base.py): ``(y [T, N], the normalized x [T, H]
+    if normed)``."""
+    y, _, xn = torch.ops.kiln.rmsnorm_linear(
+        x, None, norm.weight, norm.eps, weight, bias, max_m, gate_up, normed, True
     )
-    return y, (x if residual is None else h), xn
+    return y, xn
 
 
 class Linear(nn.Module):
@@ -184,24 +172,14 @@ class Attention(nn.Module):
         ctx: ForwardContext,
         qkv: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
-        rope_in_attn: bool = False,
     ) -> torch.Tensor:
         # qkv: the projection when a norm fused into it computed it (x is then unused);
-        # residual [T, H]: added by the o projection (the residual stream, compiler/models/base.py);
-        # rope_in_attn: QK-norm + RoPE + KV write inside the decode attention kernel (a graph of
-        # decode steps only, T == B: ops/decode_rope.py)
+        # residual [T, H]: added by the o projection (the residual stream, compiler/models/base.py)
         if qkv is None:
             qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
         k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]  # [S, Hkv, D]
         qn = self.q_norm.weight if self.q_norm is not None else None
         kn = self.k_norm.weight if self.k_norm is not None else None
-        if rope_in_attn:
-            o = torch.ops.kiln.decode_rope_attention(
-                qkv, ctx.positions, ctx.cos_sin, k_cache, v_cache, ctx.out_slots, ctx.block_table,
-                ctx.req_rows, ctx.seq_lens, self.hq, self.hkv, self.d, self.rotary_dim, self.is_neox, qn, kn,
-                self.eps, self.scale, ctx.page_size, ctx.num_splits, self.sliding_window, 0.0,
-            )  # fmt: skip
-            return self.o(o.flatten(1), residual)  # [T, H]
         q = torch.ops.kiln.qkv_rope_kvwrite(
             qkv,
             ctx.positions,

@@ -12,14 +12,12 @@ post-attention norm emits the activation dtype and ``fused_moe`` quantizes per t
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
 from kiln.compiler.config import ModelConfig
-from kiln.compiler.layers import FP8, MLP, fused_norm_m, norm_linear
+from kiln.compiler.layers import FP8, MLP, norm_linear
 from kiln.compiler.models.base import DecoderLayer
 from kiln.ops.gemv import gemv_plan
 
@@ -91,48 +89,19 @@ class FusedMoE(nn.Module):
             self.scale,
             self.round_to,  # HF's cast of the weights to the activation dtype, fused
         )
-        router_m = gemv_plan().get("router", 0)
-        routed = topk_in_w13(self)
-        fused_res = None if routed or self.shared is not None else residual  # added by fused_moe
-        if routed:
-            if logits is None:  # the router GEMV, then the top-k inside the experts' w13 GEMV
-                logits = torch.ops.kiln.linear(x, self.router.weight, None, router_m)
-            y = torch.ops.kiln.fused_moe_routed(
-                x,
-                logits,
-                self.w13,
-                self.w2,
-                self.top_k,
-                self.renormalize,
-                self.scale,
-                self.round_to,
-                self.tuning,
-            )  # [T, H]
-        else:
-            if logits is not None:
-                w, ids = torch.ops.kiln.moe_topk(logits, bias, *routing)
-            else:  # T up to the plan's router max: the router GEMV, then the top-k kernel
-                w, ids = torch.ops.kiln.moe_route(x, self.router.weight, bias, *routing, router_m)
-            # w, ids: [T, k] f32, [T, k] int32
-            y = torch.ops.kiln.fused_moe(
-                x, self.w13, self.w2, w, ids, None, self.w13_scale, self.w2_scale, self.tuning, fused_res
-            )  # [T, H]
+        fused_res = None if self.shared is not None else residual  # added by fused_moe
+        if logits is not None:
+            w, ids = torch.ops.kiln.moe_topk(logits, bias, *routing)
+        else:  # T up to the plan's router max: the router GEMV, then the top-k kernel
+            router_m = gemv_plan().get("router", 0)
+            w, ids = torch.ops.kiln.moe_route(x, self.router.weight, bias, *routing, router_m)
+        # w, ids: [T, k] f32, [T, k] int32
+        y = torch.ops.kiln.fused_moe(
+            x, self.w13, self.w2, w, ids, None, self.w13_scale, self.w2_scale, self.tuning, fused_res
+        )  # [T, H]
         if self.shared is not None:
             y = y + self.shared(x)
         return y if residual is None or fused_res is not None else residual + y
-
-
-def topk_in_w13(moe: FusedMoE) -> bool:
-    """``KILN_MOE_TOPK_IN_W13=1`` when tracing: this layer's top-k runs inside the experts' w13
-    GEMV (``kiln::fused_moe_routed``) where it can (experts in the activation dtype, softmax routing
-    without bias or expert groups); opt-in until measured end to end."""
-    return (
-        os.environ.get("KILN_MOE_TOPK_IN_W13", "0") == "1"
-        and moe.w13_scale is None  # not FP8 experts
-        and moe.scoring == "softmax"
-        and moe.router.bias is None
-        and moe.num_groups == 1
-    )
 
 
 class MoEDecoderLayer(DecoderLayer):
@@ -150,20 +119,6 @@ class MoEDecoderLayer(DecoderLayer):
     def mlp(self) -> nn.Module:  # DecoderLayer.feed_forward reads self.mlp
         return self._modules["moe"]
 
-    def feed_forward(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """post_attn_norm -> MoE: with the plan's ``norm`` role the norm runs inside the router GEMV,
-        which also writes the normalized x for the experts (softmax routing: sigmoid routes on
-        float32 logits the GEMV does not make)."""
-        moe = self.mlp
-        assert isinstance(moe, FusedMoE)
-        m = fused_norm_m(self.post_attn_norm, "router", None) if moe.scoring != "sigmoid" else 0
-        if not m:
-            return moe(self.post_attn_norm(h, residual)), residual
-        logits, residual, x = norm_linear(
-            self.post_attn_norm, h, residual, moe.router.weight, None, m, normed=True
-        )
-        return moe(x, logits), residual
-
     def stream_feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         """``h + moe(post_attn_norm(h))`` (the residual-stream layout, compiler/models/base.py): the
         norm inside the router GEMV, which writes the normalized row for the experts (sigmoid
@@ -173,7 +128,5 @@ class MoEDecoderLayer(DecoderLayer):
         if moe.scoring == "sigmoid":
             return moe(self.post_attn_norm(h), residual=h)
         m = gemv_plan().get("router", 0)
-        logits, _, x = norm_linear(
-            self.post_attn_norm, h, None, moe.router.weight, None, m, normed=True, folded=True
-        )
+        logits, x = norm_linear(self.post_attn_norm, h, moe.router.weight, None, m, normed=True)
         return moe(x, logits, residual=h)

@@ -172,7 +172,27 @@ class ArrivalCounters:
     are ordered anyway, but separate buffers keep one family's bug out of the other.
 
     ``user`` names the family and ``fallback`` the path its callers take without counters, for the
-    warning ``get`` gives when it returns None."""
+    warning ``get`` gives when it returns None.
+
+    The kernels' protocol (``tl.debug_barrier()``, then one scalar ``tl.atomic_add(cnt, 1,
+    sem="acq_rel", scope="gpu")``; the program that reads ``arrivals - 1`` resets the counter with a
+    relaxed ``atomic_xchg`` and loads the others' results with ``cache_modifier=".cg"``) is correct
+    under the PTX memory model (sm_70+):
+
+    * release: every thread's stores precede the barrier in program order; ``bar.sync`` orders them
+      before the thread that performs the scalar atomic, and that atomic's acq_rel release at gpu
+      scope is cumulative, so it publishes the whole CTA's stores, not just its own thread's;
+    * acquire: the program that reads ``arrivals - 1`` comes after every other arrival's release in
+      the counter's modification order, so its acquire makes their stores visible to the atomic's
+      thread; Triton broadcasts a scalar atomic's result to the CTA through shared memory behind a
+      ``bar.sync``, which carries that ordering to every thread, and ``.cg`` loads read L2, not a
+      stale L1 line (L1 is not coherent across SMs);
+    * no program waits for another (the last one reduces, the others exit), so the pattern needs no
+      co-residency and cannot deadlock however CTAs are scheduled;
+    * reset: every arrival of the launch has happened when the last one reads ``arrivals - 1``, so
+      nothing touches the counter after its reset to 0; the next launch on the stream (or graph
+      replay) starts after this one ends and sees 0. Launches that share a buffer must therefore not
+      run concurrently (two streams, or two graphs replayed side by side)."""
 
     def __init__(
         self, min_size: int, user: str = "a kernel", fallback: str = "its path without arrival counters"

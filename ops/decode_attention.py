@@ -18,34 +18,16 @@ bucket's ``num_splits`` is sized for the block table's capacity, so a short requ
 others exit at once and write nothing. A request with at most one active split (and every request
 when ``num_splits == 1``) is written straight to ``out`` by its split 0, zeros for
 ``seq_lens[b] == 0``. Otherwise each active split writes a partial output ``[B, Hq, num_splits, Dv]``
-and its log-sum-exp (base 2, ``[B, Hq, num_splits]``, float32), merged by one of two paths:
-
-* ``separate`` (default): a second kernel, grid ``(B, Hq, cdiv(Dv, 64))``, merges each head's
-  active partials (it recomputes the active count from ``seq_lens`` with the same ``_split_plan``).
-* ``fused``: one launch. Each ``(b, kv_head)`` owns an int32 arrival counter; a split
-  bumps it after writing its partial, and the last to arrive merges the active partials of its
-  group and writes the output rows, then resets the counter to 0. The counters are one zeroed
-  buffer per device, allocated on first use and reused (always left at zero), so a call adds no
-  allocation or memset and is CUDA-graph capturable. Calls that share a device must not run
-  concurrently (two streams, or two graphs replayed side by side), as they share the counters.
-  Measured slower than ``separate`` on the H200 at every batch and context of the benchmark
-  (bench/results/2026-11-29_h200_decode_attention_merge.json: 12.5 vs 11.4 us at batch 1 and 512
-  tokens, 71.9 vs 25.5 us at 8k tokens, where one program merges 128 splits serially) and -4.5%
-  tokens/s in batch-1 Llama-3.1-8B decode, so it is opt-in.
-
-Rope mode (``kiln::decode_rope_attention``, ops/decode_rope.py): ``decode_attention_triton(...,
-rope=...)`` takes the qkv projection ``[B, (Hq + 2 Hkv) * D]`` as ``q``; the split kernel's ``ROPE``
-path computes each group's q rows (QK-norm, RoPE) from it, and the last active split of each
-``(b, kv head)`` writes the new token's k and v to the caches before its key loop reads them.
-
-``KILN_ATTN_MERGE=fused|separate`` picks the path at call time; ``decode_attention_triton(...,
-merge=...)`` overrides it (benchmarks compare both). Accumulation is float32 throughout.
+and its log-sum-exp (base 2, ``[B, Hq, num_splits]``, float32), and a second kernel, grid
+``(B, Hq, cdiv(Dv, 64))``, merges each head's active partials (it recomputes the active count from
+``seq_lens`` with the same ``_split_plan``). (A merge by the last split to arrive, in the split
+kernel, measured slower on the H200 and was removed: docs/decode_budget.md, "Removed variants".)
+Accumulation is float32 throughout.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +36,6 @@ import triton.language as tl
 
 from kiln.ops.attention_ref import decode_attention_ref
 from kiln.ops.common import (
-    ArrivalCounters,
     interpreting,
     kiln_op,
     next_pow2,
@@ -64,7 +45,6 @@ from kiln.ops.common import (
     prewait,
     use_triton,
 )
-from kiln.ops.qkv_rope import _normed, _rne_bf16
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
 MAX_SPLITS = 128
@@ -124,7 +104,7 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _split_plan(seq_len, num_splits, sliding_window, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """How one request's keys are dealt to the splits; shared by the split kernel and both merges
+    """How one request's keys are dealt to the splits; shared by the split kernel and the merge
     so that they agree on which splits wrote a partial.
 
     Keys ``[lo, seq_len)`` are visible. Split ``s`` takes ``[base + s * chunk, min(base + (s + 1) *
@@ -152,7 +132,7 @@ def _merge_splits(
     """Merges the partials of splits ``0..active-1`` of ``H`` heads, columns ``dv``: ``rows [H]``
     (int64) is each head's first partial row (``(b * Hq + h) * num_splits``), ``hmask [H]`` its
     validity. Returns ``[H, BLOCK_DV]`` float32, zeros where no split had keys. Partials are read
-    with ``.cg`` (from L2, not L1): in the fused path other CTAs wrote them during this launch."""
+    with ``.cg`` (from L2, not L1)."""
     m = tl.full([H], -1.0e30, tl.float32)  # finite sentinel: -inf lse (masked) weighs 0
     l = tl.zeros([H], tl.float32)
     acc = tl.zeros([H, BLOCK_DV], tl.float32)
@@ -177,42 +157,6 @@ def _merge_splits(
 
 
 @triton.jit
-def _roped_heads(
-    row, heads, hmask, d, cs_row, w_ptr, eps,
-    D: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, HAS_N: tl.constexpr, ROUND_N: tl.constexpr,
-    RNE: tl.constexpr,
-):  # fmt: skip
-    """Heads ``heads [H]`` (``hmask``) of one token's projection row (head ``h`` at ``row + h * D``)
-    after Qwen3's per-head RMSNorm (``HAS_N``) and RoPE, float32 ``[H, BLOCK_D]``: the values
-    ops/qkv_rope.py computes, whole rows here (each dim's rotation partner loaded beside it)."""
-    HALF: tl.constexpr = ROT // 2
-    dmask = d < D
-    rot = d < ROT
-    if IS_NEOX:  # pairs (i, i + rot/2)
-        first = d < HALF
-        partner = tl.where(first, d + HALF, d - HALF)  # [BLOCK_D]: the dim each one pairs with
-        ci = tl.where(first, d, d - HALF)  # [BLOCK_D]: its pair's cos / sin column
-    else:  # pairs (2i, 2i + 1)
-        first = d % 2 == 0
-        partner = d ^ 1
-        ci = d // 2
-    partner = tl.where(rot, partner, d)
-    ci = tl.where(rot, ci, 0)
-    m = hmask[:, None] & dmask[None, :]
-    base = row + heads[:, None].to(tl.int64) * D
-    x = tl.load(base + d[None, :], mask=m, other=0.0).to(tl.float32)  # [H, BLOCK_D]
-    xp = tl.load(base + partner[None, :], mask=m, other=0.0).to(tl.float32)
-    if HAS_N:
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # [H]
-        x = _normed(x, rstd, row, w_ptr, d, dmask, hmask, ROUND_N, RNE)
-        xp = _normed(xp, rstd, row, w_ptr, partner, dmask, hmask, ROUND_N, RNE)
-    cos = tl.load(cs_row + ci, mask=rot, other=1.0).to(tl.float32)[None, :]
-    sin = tl.load(cs_row + HALF + ci, mask=rot, other=0.0).to(tl.float32)[None, :]
-    y = tl.where(first[None, :], x * cos - xp * sin, x * cos + xp * sin)
-    return tl.where(rot[None, :], y, x)
-
-
-@triton.jit
 def _cache_rows(base, slot, stride, cols, rmask, NCOLS: tl.constexpr):
     """Rows ``slot`` ``[BLOCK_N]`` of one head of a K or V cache, ``[BLOCK_N, len(cols)]``; rows off
     ``rmask`` and columns from ``NCOLS`` read 0."""
@@ -233,25 +177,18 @@ def _block_slots(bt_row, offs, end, PAGE: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, cnt_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
     stride_ob, stride_oh, num_q_heads, num_splits, sm_scale, logit_cap, sliding_window,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_M: tl.constexpr, D: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, MERGE_TILE: tl.constexpr, HAS_CAP: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr,
-    ROPE: tl.constexpr = False,  # q_ptr is the qkv projection: norm + RoPE here (decode_rope.py)
-    pos_ptr=None, cs_ptr=None, slot_ptr=None, qw_ptr=None, kw_ptr=None, stride_cs=0, eps=0.0,
-    HQ: tl.constexpr = 1, HKV: tl.constexpr = 1, ROT: tl.constexpr = 0, IS_NEOX: tl.constexpr = True,
-    HAS_QN: tl.constexpr = False, HAS_KN: tl.constexpr = False, ROUND_QN: tl.constexpr = False,
-    ROUND_KN: tl.constexpr = False, RNE: tl.constexpr = False, RNE_K: tl.constexpr = False,
-    RNE_V: tl.constexpr = False,
     PREWAIT: tl.constexpr = False,  # step inputs and the first block's cached K/V before the wait
 ):  # fmt: skip
     # programmatic dependent launch (ops/common.py): wait before any access, except PREWAIT's
     # loads of what nothing in the graph writes (the step inputs, keys cached by earlier steps)
-    tl.static_assert(not (PREWAIT and ROPE), "PREWAIT: the new key comes from the kernel before")
     pdl_trigger(PDL)
     if not PREWAIT:
         pdl_wait(PDL)
@@ -288,41 +225,11 @@ def _decode_split_kernel(
         new0 = kmask0 & (offs0 == seq_len - 1)  # [BLOCK_N]: the row the kernel before wrote
         k_pre = tl.where(new0[:, None], _cache_rows(k_base, slot0, stride_ks, d, new0, D), k_pre)
         v_pre = tl.where(new0[:, None], _cache_rows(v_base, slot0, stride_vs, dv, new0, DV), v_pre)
-    if ROPE:  # q from the projection row; the last split first writes this token's k and v
-        qkv_row = q_ptr + b.to(tl.int64) * stride_qb
-        cs_row = cs_ptr + tl.load(pos_ptr + b).to(tl.int64) * stride_cs
-        in_ty = q_ptr.dtype.element_ty
-        q = _roped_heads(
-            qkv_row, heads, hmask, d, cs_row, qw_ptr, eps, D, ROT, IS_NEOX, HAS_QN, ROUND_QN, RNE
-        )
-        q = _rne_bf16(q, RNE).to(in_ty)  # q: [GROUP_PAD, BLOCK_D], as qkv_rope_kvwrite stores it
-        if split == active - 1:
-            one = g == 0
-            kh = HQ + kvh + g * 0  # [GROUP_PAD], row 0 used
-            k_new = _roped_heads(  # [GROUP_PAD, BLOCK_D]: row 0, the new key
-                qkv_row, kh, one, d, cs_row, kw_ptr, eps, D, ROT, IS_NEOX, HAS_KN, ROUND_KN, RNE
-            )
-            slot = tl.load(slot_ptr + b).to(tl.int64)
-            k_dst = k_ptr + slot * stride_ks + kvh * stride_kh + d[None, :]
-            k_ty = k_ptr.dtype.element_ty
-            tl.store(
-                k_dst + g[:, None] * 0, _rne_bf16(k_new, RNE_K).to(k_ty), mask=one[:, None] & (d[None, :] < D)
-            )
-            v_new = tl.load(
-                qkv_row + (kh + HKV)[:, None] * D + dv[None, :], mask=one[:, None] & (dv[None, :] < DV)
-            )
-            v_dst = v_ptr + slot * stride_vs + kvh * stride_vh + dv[None, :] + g[:, None] * 0
-            v_ty = v_ptr.dtype.element_ty
-            tl.store(
-                v_dst, _rne_bf16(v_new.to(tl.float32), RNE_V).to(v_ty), mask=one[:, None] & (dv[None, :] < DV)
-            )
-            tl.debug_barrier()  # the CTA's loads below see the row it just wrote
-    else:
-        q = tl.load(
-            q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
-            mask=hmask[:, None] & (d[None, :] < D),
-            other=0.0,
-        )  # q: [GROUP_PAD, BLOCK_D]
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=hmask[:, None] & (d[None, :] < D),
+        other=0.0,
+    )  # q: [GROUP_PAD, BLOCK_D]
     qk_scale = sm_scale * 1.4426950408889634  # log2(e) folded in: softmax runs on exp2
 
     m_i = tl.full([GROUP_PAD], -1.0e30, tl.float32)  # finite: exp2(m_i - m_new) never NaN
@@ -374,40 +281,6 @@ def _decode_split_kernel(
         first = (b.to(tl.int64) * num_q_heads + heads) * num_splits  # [GROUP_PAD]
         tl.store(mid_lse_ptr + first + split, lse, mask=hmask)
         tl.store(mid_o_ptr + (first + split)[:, None] * DV + dv[None, :], o, mask=omask)
-        if FUSED:
-            # Last-arrival merge. Memory ordering (PTX memory model, sm_70+):
-            # * release: every thread's partial stores above precede the barrier in program
-            #   order; bar.sync orders them before the thread that performs the (scalar) atomic,
-            #   and that atomic's acq_rel release at gpu scope is cumulative, so it publishes
-            #   the whole CTA's stores, not just its own thread's.
-            # * acquire: the program that reads old == active - 1 comes after all active splits'
-            #   releases in the counter's modification order, so its acquire makes their
-            #   partials visible to the atomic's thread; Triton broadcasts a scalar atomic's
-            #   result to the CTA through shared memory behind a bar.sync, which carries that
-            #   ordering to every thread, and the merge loads use .cg so that no stale L1 line
-            #   is read (L1 is not coherent across SMs).
-            # * no program waits for another (the last one merges, the others exit), so the
-            #   pattern needs no co-residency and cannot deadlock however CTAs are scheduled.
-            # * reset: all ``active`` arrivals of this launch have happened when the last reads
-            #   old == active - 1, so nothing touches the counter after its reset to 0; the next
-            #   launch on the stream (or graph replay) starts after this one ends and sees 0.
-            tl.debug_barrier()
-            cnt = cnt_ptr + b * tl.num_programs(1) + kvh
-            old = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if old == active - 1:
-                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-                gm = tl.arange(0, GROUP_M)
-                mheads = kvh * GROUP + gm
-                merged = _merge_splits(
-                    mid_o_ptr, mid_lse_ptr, (b.to(tl.int64) * num_q_heads + mheads) * num_splits,
-                    gm < GROUP, dv, active, GROUP_M, DV, BLOCK_DV, MERGE_TILE,
-                )  # fmt: skip
-                m_ptrs = out_ptr + b.to(tl.int64) * stride_ob + mheads[:, None] * stride_oh + dv[None, :]
-                tl.store(
-                    m_ptrs,
-                    merged.to(out_ptr.dtype.element_ty),
-                    mask=(gm < GROUP)[:, None] & (dv[None, :] < DV),
-                )
 
 
 @triton.jit
@@ -456,21 +329,6 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_s
         raise ValueError(f"attention: page_size must be >= 1, got {page_size}.")
 
 
-MERGE_MODES = ("fused", "separate")
-MERGE_TILE_ELEMS = 4096  # partial elements the fused merge loads per step ([splits, heads, Dv])
-# 64 KiB first: enough for B * Hkv of any decode bucket
-COUNTERS = ArrivalCounters(1 << 14, "decode_attention's fused merge", "the separate merge")
-
-
-def merge_mode(merge: str | None = None) -> str:
-    """The split-merge path: ``merge`` if given, else ``KILN_ATTN_MERGE`` (read at call time),
-    else ``"separate"``."""
-    mode = merge if merge is not None else (os.environ.get("KILN_ATTN_MERGE") or "separate")
-    if mode not in MERGE_MODES:
-        raise ValueError(f"decode_attention: merge must be one of {MERGE_MODES}, got {mode!r}.")
-    return mode
-
-
 def decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -484,23 +342,14 @@ def decode_attention_triton(
     sliding_window: int = -1,
     logit_cap: float = 0.0,
     config: DecodeConfig | None = None,
-    merge: str | None = None,
-    rope: dict | None = None,
 ) -> torch.Tensor:
     """Launch the Triton kernels (shapes as in the module docstring); ``config`` overrides the
-    block size and launch parameters (benchmarks sweep it); ``merge`` (``"fused"`` /
-    ``"separate"``) overrides ``KILN_ATTN_MERGE``. ``rope``: the split kernel's rope arguments
-    (ops/decode_rope.py), ``q`` then being the qkv projection ``[B, (Hq + 2 Hkv) * D]``."""
-    if rope is None:
-        _check(q, k_cache, v_cache, page_size)
-        bsz, hq, d = q.shape
-        stride_qb, stride_qh = q.stride(0), q.stride(1)
-    else:
-        bsz, hq, d = q.shape[0], rope["HQ"], k_cache.shape[2]
-        stride_qb, stride_qh = q.stride(0), d
+    block size and launch parameters (benchmarks sweep it)."""
+    _check(q, k_cache, v_cache, page_size)
+    bsz, hq, d = q.shape
+    stride_qb, stride_qh = q.stride(0), q.stride(1)
     if num_splits < 0:
         raise ValueError(f"decode_attention: num_splits must be >= 0 (0 = auto), got {num_splits}.")
-    mode = merge_mode(merge)
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     if num_splits == 0:  # auto: from the batch and the block table's context capacity
         num_splits = choose_num_splits(max(bsz, 1), block_table.shape[1] * page_size, hkv)
@@ -510,34 +359,27 @@ def decode_attention_triton(
     if bsz == 0:
         return out
     direct = num_splits == 1
-    counters = None
     if direct:
         mid_o = mid_lse = out  # unused
     else:
         mid_o = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
-        if mode == "fused":
-            counters = COUNTERS.get(q.device, bsz * hkv)  # None inside a capture that would allocate
-    fused = counters is not None
     block_table = block_table.to(torch.int32)
     block_dv = max(16, next_pow2(dv))
-    group_m = next_pow2(group)
     pdl = pdl_args(q)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, block_table, req_rows, seq_lens, out, mid_o, mid_lse,
-        counters if fused else seq_lens,
         stride_qb, stride_qh, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), hq, num_splits,
         float(sm_scale), float(logit_cap), int(sliding_window),
-        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), GROUP_M=group_m, D=d,
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), D=d,
         BLOCK_D=max(16, next_pow2(d)), DV=dv, BLOCK_DV=block_dv, PAGE=page_size,
         BLOCK_N=cfg.block_n,
-        MERGE_TILE=max(1, min(next_pow2(num_splits), MERGE_TILE_ELEMS // (group_m * block_dv))),
-        HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, DIRECT=direct, FUSED=fused,
+        HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, DIRECT=direct,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
-        PREWAIT=rope is None and prewait("attn"), **(rope or {}),
+        PREWAIT=prewait("attn"),
     )  # fmt: skip
-    if not direct and not fused:
+    if not direct:
         block_dv = min(64, block_dv)
         _decode_merge_kernel[(bsz, hq, triton.cdiv(dv, block_dv))](
             mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1), hq, num_splits,

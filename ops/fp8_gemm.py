@@ -312,8 +312,8 @@ def _fp8_gemm_kernel(
         slice_size = M.to(tl.int64) * N
         tl.store(P + pid_k * slice_size + part, acc, mask=mask)
         if FUSED:
-            # Last-arrival reduction, the ordering argument of ops/decode_attention.py's fused
-            # merge: bar.sync + the atomic's gpu-scope release publish this CTA's partial; the
+            # Last-arrival reduction, the ordering argument of ops/common.py ArrivalCounters:
+            # bar.sync + the atomic's gpu-scope release publish this CTA's partial; the
             # slice that reads old == SPLIT_K - 1 acquires all of them, loads them with .cg (L1 is
             # not coherent across SMs), resets the counter and sums the slices in order 0..S-1,
             # the separate reduce kernel's order, so both paths give the same bits.

@@ -23,8 +23,8 @@ row-major, ``bias [N]`` or None:
 
 Switches: the GEMV plan (``gemv_plan``) says, per linear role (``attn``: qkv and o; ``mlp``:
 gate_up and down; ``router``: the MoE router, compiler/moe_layer.py), up to which T a decode call
-takes the GEMV; ``norm`` in the plan fuses the RMSNorm in front of qkv, gate_up and the router into
-those GEMVs (ops/norm_linear.py, one token). When compiling, ``KILN_GEMV``
+takes the GEMV (and, in the folded batch-1 graph, runs the RMSNorm in front of qkv, gate_up and
+the router inside that GEMV: ops/norm_linear.py). When compiling, ``KILN_GEMV``
 (``0``, ``1``/``all``, or ``attn:1,mlp:2``-style lists; unset: ``DEFAULT_PLAN``) sets it; the
 roles left out trace plain ``aten.linear`` (cuBLAS), the others ``kiln::linear`` with their
 ``max_m``, and the manifest records the plan (``kernel_choices.gemv``). At run time (read at call
@@ -104,9 +104,8 @@ FMA_MAX_M = 4  # the CUDA-core kernel keeps one accumulator per x row, up to 4
 REDUCE_BLOCK = 256
 
 
-# qkv and o; gate_up and down (compiler/layers.py); MoE router; "norm": the RMSNorm in front of a
-# GEMV role runs inside it (ops/norm_linear.py), for one token, where that role takes the GEMV
-ROLES = ("attn", "mlp", "router", "norm")
+# qkv and o; gate_up and down (compiler/layers.py); MoE router (compiler/moe_layer.py)
+ROLES = ("attn", "mlp", "router")
 # The plan a compile uses when KILN_GEMV is unset: every role at T = 1, cuBLAS from T = 2. On the
 # H200 the tuned GEMV beats cuBLAS on each Llama-3.1-8B and Qwen3-30B-A3B projection at T = 1 when
 # launched back to back as in a decode step (``TUNED`` below; 8-19% per launch, 30-42% for the o

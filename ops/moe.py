@@ -33,15 +33,14 @@ A config with ``BLOCK_M`` 1 (decode-sized ``T``, see ops/moe_gemm.py) runs the d
 no alignment; the w2 GEMV also writes the top-k sum itself (no combine kernel): with a w2
 ``GROUP_M`` above 1 each program gathers a token's ``k`` experts, with ``GROUP_M`` 1 (one pair per
 program) the last program of a token to finish a column block sums the ``k`` rows, in pair order,
-from the per-pair output (``KILN_MOE_COMBINE=separate``: the combine kernel does instead).
+from the per-pair output (the combine kernel does instead inside a CUDA-graph capture that
+would have to allocate the arrival counters: ``COUNTERS`` below).
 Intermediates: ``[T * k, I]`` (``[T * k, 2I]`` for FP8) and ``[T * k, H]`` (but with a w2
 ``GROUP_M`` above 1) in the activation dtype. The kernels here and in ops/moe_align.py and
 ops/moe_gemm.py are launched with PDL (ops/common.py).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -62,8 +61,6 @@ from kiln.ops.common import (
 )
 from kiln.ops.moe_align import moe_align_run
 from kiln.ops.moe_gemm import (
-    EARLY_BLOCK_N,
-    EARLY_MAX_K,
     check_config,
     moe_gemm_launch,
     moe_gemv_launch,
@@ -260,20 +257,15 @@ def fused_moe_triton(
 
 
 def _fused_moe_gemv(
-    x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, c1, c2, out, route=None,
-    residual=None,
+    x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, c1, c2, out, residual=None
 ):  # fmt: skip
     """The decode variant (``BLOCK_M`` 1): w13 GEMV per pair, then w2 GEMV per pair whose
-    last-arriving program per token sums the top-k (``combine_mode`` "fused"; "separate": the
-    combine kernel after it), or (w2 ``GROUP_M`` > 1) w2 GEMV + top-k sum per token. ``route``
-    (not with FP8 experts): the w13 GEMV routes from the logits itself and fills ``topk_weights`` /
-    ``topk_ids`` for the w2 GEMV (ops/moe_routed.py)."""
-    if route is not None and w13.dtype == FP8_DTYPE:
-        raise ValueError("fused_moe: routing inside the w13 GEMV takes bf16/fp16/fp32 experts")
+    last-arriving program per token sums the top-k (the combine kernel after it inside a capture
+    that would have to allocate the counters), or (w2 ``GROUP_M`` > 1) w2 GEMV + top-k sum per
+    token."""
     t, h = x.shape
     i, k = w2.shape[2], topk_ids.shape[1]
     ids, emap = topk_ids, expert_map
-    early = False
     if w13.dtype == FP8_DTYPE:
         xq, xs = quantize_rows(x)
         gu = x.new_empty((t * k, 2 * i))
@@ -283,14 +275,7 @@ def _fused_moe_gemv(
         activation.silu_and_mul_launch(gu, None, activation.QUANT_DYNAMIC, a, a_scale)
     else:
         a, a_scale = x.new_empty((t * k, i)), None
-        # w2 streams its weights before its wait (KILN_MOE_EARLY_W2): w13 triggers after its own
-        early = early_w2() and c2["GROUP_M"] == 1 and i <= EARLY_MAX_K and route is None
-        if early:  # its own w2 tile: the slab (BLOCK_N x K) sits in registers through the wait
-            c2 = dict(c2, BLOCK_N=EARLY_BLOCK_N)
-        moe_gemv_launch(
-            x, None, w13, None, a, None, ids, emap, c1, a_div=k, fuse_silu=True, late_trigger=early,
-            route=route,
-        )  # fmt: skip
+        moe_gemv_launch(x, None, w13, None, a, None, ids, emap, c1, a_div=k, fuse_silu=True)
     if c2["GROUP_M"] > 1:  # the top-k sum in the w2 GEMV
         out = x.new_empty((t, h)) if out is None else out
         moe_gemv_launch(
@@ -299,41 +284,21 @@ def _fused_moe_gemv(
         )  # fmt: skip
         return out
     y2 = x.new_empty((t * k, h))
-    counters = None
-    if combine_mode() == "fused":  # None inside a capture that would have to allocate them
-        counters = COUNTERS.get(x.device, t * triton.cdiv(h, c2["BLOCK_N"]))
+    # None inside a capture that would have to allocate them: the combine kernel sums instead
+    counters = COUNTERS.get(x.device, t * triton.cdiv(h, c2["BLOCK_N"]))
     if counters is not None:  # the last-arriving pair of each token sums its k rows
         out = x.new_empty((t, h)) if out is None else out
         moe_gemv_launch(
             a, a_scale, w2, w2_scale, y2, topk_weights, ids, emap, c2, a_div=1, sum_out=out,
-            counters=counters, early=early, residual=residual,
+            counters=counters, residual=residual,
         )  # fmt: skip
         return out
-    moe_gemv_launch(a, a_scale, w2, w2_scale, y2, topk_weights, ids, emap, c2, a_div=1, early=early)
+    moe_gemv_launch(a, a_scale, w2, w2_scale, y2, topk_weights, ids, emap, c2, a_div=1)
     return moe_combine(y2, topk_ids, expert_map, out, residual)
 
 
-def early_w2() -> bool:
-    """``KILN_MOE_EARLY_W2=1`` (read at call time, so at capture for decode graphs): the decode w2
-    GEMV loads each pair's weight slab before its PDL wait (ops/moe_gemm.py ``moe_gemv_launch``'s
-    ``early``), overlapping the w13 GEMV's tail, with ``EARLY_BLOCK_N`` rows per program whatever
-    the table says. Off by default."""
-    return os.environ.get("KILN_MOE_EARLY_W2", "0") == "1"
-
-
-COMBINE_MODES = ("fused", "separate")
 # one per (token, w2 column block) of a decode GEMV
 COUNTERS = ArrivalCounters(1 << 12, "fused_moe's last-arrival top-k sum", "the combine kernel")
-
-
-def combine_mode() -> str:
-    """The decode GEMV's top-k sum with one pair per program: ``KILN_MOE_COMBINE`` (read at call
-    time, so at capture for decode graphs), ``"fused"`` (default: the w2 GEMV's last-arriving
-    program of each token sums) or ``"separate"`` (the combine kernel)."""
-    mode = os.environ.get("KILN_MOE_COMBINE") or "fused"
-    if mode not in COMBINE_MODES:
-        raise ValueError(f"KILN_MOE_COMBINE must be one of {COMBINE_MODES}, got {mode!r}")
-    return mode
 
 
 # ---- custom op ------------------------------------------------------------------------------------
@@ -392,7 +357,6 @@ def fused_moe(
             f"fused_moe: residual must be {tuple(x.shape)} {x.dtype}, "
             f"got {tuple(residual.shape)} {residual.dtype}"
         )
-    combine_mode()  # a bad KILN_MOE_COMBINE fails on every path, not only where it is read
     if use_triton(x):
         if pick_backend(tuning, x.shape[0]) == "cutlass" and moe_cutlass.supports(x, w13, w2):
             y = moe_cutlass.fused_moe_cutlass(x, w13, w2, topk_weights, topk_ids, expert_map)

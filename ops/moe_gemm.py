@@ -31,8 +31,8 @@ Variants (``BLOCK_M`` of the launch config picks one):
   activation rows) and writes the top-k sum straight to ``out [T, H]`` (the w2 GEMM and
   ops/moe.py's combine in one kernel). ``GROUP_M`` picks that for the w2 GEMV: 1 = one pair per
   program, the last to finish of a token's ``k`` programs on a column block summing their rows
-  (``sum_out``; ``KILN_MOE_COMBINE=separate``: the combine kernel after it); above 1 = ``combine``
-  (w13 ignores it).
+  (``sum_out``; the combine kernel after it where the arrival counters cannot be had, ops/moe.py);
+  above 1 = ``combine`` (w13 ignores it).
 
 The launch table (``DEFAULT_TABLE``) is a tuple of ``TableRow``: by the average rows each expert
 receives (``tokens * top_k / E``), the ``BLOCK_M`` of both GEMMs and one tile per GEMM.
@@ -53,7 +53,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -62,13 +61,8 @@ import triton.language as tl
 
 from kiln.ops.activation import NARROW_ROWS
 from kiln.ops.common import FP8_DTYPE, interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
-from kiln.ops.moe_routing import rank_route, round_route
 from kiln.ops.quant import tl_add_row, tl_round
 
-EARLY_MAX_K = 1024  # moe_gemv_launch(early=True): the widest K slab a program holds in registers
-# fused_moe's w2 rows per program with the early slab (KILN_MOE_EARLY_W2): 16 x 768 at Qwen3-30B-A3B,
-# 25.7 us per layer in the 8-layer chain at 1 token vs 28.0 with the table's 32 (28.5 without early)
-EARLY_BLOCK_N = 16
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 BACKENDS = ("triton", "cutlass")  # a tuning entry's optional "backend"
 
@@ -81,16 +75,6 @@ class Tile(NamedTuple):
     group_m: int
     num_warps: int
     num_stages: int
-
-
-class RouteIn(NamedTuple):
-    """The softmax top-k a w13 decode GEMV runs itself (``moe_gemv_launch(route=...)``)."""
-
-    logits: torch.Tensor  # [T, E] router logits (unit last stride)
-    renormalize: bool
-    scale: float
-    round_code: int  # 0: none, 1: bf16, 2: fp16 (ops/moe_routing.py _ROUND_CODE)
-    w_out: torch.Tensor  # [T, k] f32: the weights, written by column block 0
 
 
 class TableRow(NamedTuple):
@@ -373,7 +357,7 @@ def sum_last(
     counter): sum their rows of ``C`` in pair order in float32 (other ranks' pairs left out), round
     once into ``OUT[tok]``.
 
-    Memory ordering as ops/decode_attention.py's fused merge: the barrier puts every thread's
+    Memory ordering as ops/common.py ``ArrivalCounters`` argues it: the barrier puts every thread's
     stores of ``C`` before the scalar acq_rel atomic (cumulative release at gpu scope); the
     program that reads ``SUM_K - 1`` acquires all of them and loads with ``.cg`` (L1 is not
     coherent across SMs); it resets the counter, which no other arrival of this launch touches."""
@@ -398,35 +382,13 @@ def _moe_gemv_kernel(
     FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, ROUND_IN_F32: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
     SUM_K: tl.constexpr = 0,
-    EARLY: tl.constexpr = False,  # GROUP 1: the pair's whole [BLOCK_N, K] weight slab before the wait
-    KP: tl.constexpr = 1,  # EARLY: next_pow2(K)
-    LATE_TRIGGER: tl.constexpr = False,  # trigger the next launch after the wait, not before
-    LOGITS=None,  # ROUTE_K: [T, E] router logits
-    stride_lg=0,
-    E_LG=0,
-    route_scale=1.0,
-    ROUTE_K: tl.constexpr = 0,  # > 0: top-k here (softmax): each pair's expert from LOGITS (GROUP 1)
-    E_PAD: tl.constexpr = 1,
-    RENORM: tl.constexpr = False,
-    ROUND_W: tl.constexpr = 0,
-    ROUTE_ROUNDS: tl.constexpr = False,  # ROUTE_K: round_route (selection rounds), not rank_route
     Z=None,  # ADD_Z: [T, N] residual added to each token's top-k sum (SUM_K, or GROUP k); else any pointer
     stride_zm=0,
     ADD_Z: tl.constexpr = False,
 ):  # fmt: skip
-    # The expert comes from topk_ids (the router's output): no weight is known before the wait,
-    # except with EARLY, which the launch before (LATE_TRIGGER) lets run only once the routing is
-    # final (see moe_gemv_launch).
-    tl.static_assert(not EARLY or (GROUP == 1 and not LATE_TRIGGER), "EARLY: one pair per program")
-    tl.static_assert(
-        ROUTE_K == 0 or (GROUP == 1 and not EARLY and not HAS_MAP), "ROUTE_K: one pair per program"
-    )
-    if not LATE_TRIGGER:
-        pdl_trigger(PDL)
-    if not EARLY:
-        pdl_wait(PDL)
-    if LATE_TRIGGER:
-        pdl_trigger(PDL)
+    # The expert comes from topk_ids (the router's output): no weight is known before the wait.
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     # Program (g, n): pairs g * GROUP .. + GROUP (GROUP 1: one pair; GROUP k: a token's k pairs,
     # summed into C[g]) x BLOCK_N output columns (N: I when FUSE_SILU, the up rows start at row N).
     # Its tile rows r = j * BLOCK_N + c: pair slot j, column c (2-D tiles only).
@@ -438,35 +400,9 @@ def _moe_gemv_kernel(
     nmask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     if GROUP == 1:
-        if EARLY:  # before the wait: the routing kernel (two launches back) wrote these, read past L1
-            e0 = tl.load(IDS + g, cache_modifier=".cg")
-            if HAS_MAP:
-                e0 = tl.load(MAP + e0, cache_modifier=".cg")
-        elif ROUTE_K > 0:  # the routing of this pair's token, here; column block 0 records it for w2
-            offs_e = tl.arange(0, E_PAD)
-            lg = tl.load(LOGITS + (g // ROUTE_K) * stride_lg + offs_e, mask=offs_e < E_LG, other=0.0)
-            if ROUTE_ROUNDS:
-                e0, w_route = round_route(lg.to(tl.float32), offs_e, offs_e < E_LG, g % ROUTE_K,
-                                          tl.program_id(1) == 0, route_scale, ROUTE_K, RENORM, ROUND_W)  # fmt: skip
-            else:
-                e0, w_route = rank_route(lg.to(tl.float32), offs_e, offs_e < E_LG, g % ROUTE_K, route_scale,
-                                         ROUTE_K, RENORM, ROUND_W)  # fmt: skip
-            if tl.program_id(1) == 0:
-                tl.store(IDS + g, e0)
-                tl.store(TOPK_W + g, w_route)
-        else:
-            e0 = tl.load(IDS + g)
-            if HAS_MAP:
-                e0 = tl.load(MAP + e0)
-        if EARLY:  # stream the slab, then wait for the activations
-            offs_kp = tl.arange(0, KP)
-            slab = (
-                W + tl.maximum(e0, 0).to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-                + offs_kp[None, :]
-            )  # fmt: skip
-            smask = (nmask & (offs_n * 0 + e0 >= 0))[:, None] & (offs_kp < K)[None, :]
-            w_slab = tl.load(slab, mask=smask, other=0.0)  # [BLOCK_N, KP]
-            pdl_wait(PDL)
+        e0 = tl.load(IDS + g)
+        if HAS_MAP:
+            e0 = tl.load(MAP + e0)
         if SUM_K == 0 and e0 < 0:
             return  # another rank's expert: the combine skips this pair (SUM_K: it still arrives)
         e = tl.zeros([P_PAD * BLOCK_N], dtype=tl.int32) + e0
@@ -482,10 +418,7 @@ def _moe_gemv_kernel(
     w_ptr = W + e64[:, None] * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros([P_PAD * BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([P_PAD * BLOCK_N], dtype=tl.float32)
-    if EARLY:
-        a_row = tl.load(A + (g // A_DIV) * stride_am + offs_kp, mask=offs_kp < K, other=0.0).to(tl.float32)
-        acc = tl.sum(w_slab.to(tl.float32) * a_row[None, :], axis=1)
-    for k0 in tl.range(0, 0 if EARLY else K, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         kmask = offs_k[None, :] < K - k0
         if GROUP == 1:
             a = tl.load(a_ptr, mask=kmask, other=0.0).to(tl.float32)
@@ -541,17 +474,6 @@ def _moe_gemv_kernel(
 
 
 # ---- launchers ------------------------------------------------------------------------------------
-
-
-def route_select() -> str:
-    """``KILN_MOE_ROUTE_SELECT`` (read at call time, so at capture): how a w13 GEMV that routes its
-    own pairs (``moe_gemv_launch(route=...)``, ``KILN_MOE_TOPK_IN_W13=1``) finds its expert:
-    ``rank`` (the default) the rank matrix of ``rank_route``, ``rounds`` the selection rounds of
-    ``round_route`` (ops/moe_routing.py)."""
-    v = os.environ.get("KILN_MOE_ROUTE_SELECT", "rank")
-    if v not in ("rank", "rounds"):
-        raise ValueError(f"KILN_MOE_ROUTE_SELECT must be 'rank' or 'rounds', got {v!r}")
-    return v
 
 
 def moe_gemm_launch(
@@ -613,9 +535,6 @@ def moe_gemv_launch(
     combine: bool = False,
     sum_out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
-    early: bool = False,
-    late_trigger: bool = False,
-    route: RouteIn | None = None,
     residual: torch.Tensor | None = None,
 ) -> None:
     """Run the decode GEMV (no alignment; see the module docstring) into ``c``.
@@ -627,16 +546,6 @@ def moe_gemv_launch(
     token's ``k`` pairs also writes their sum there, as the combine kernel would; ``counters``:
     zeroed int32, at least ``T * cdiv(N, BLOCK_N)`` (ops/common.py ``ArrivalCounters``).
     ``a_div`` and ``topk_weights`` as for ``moe_gemm_launch``; ``cfg["BLOCK_M"]`` must be 1.
-
-    ``early`` (one pair per program, ``K <= EARLY_MAX_K``): each program loads its pair's whole
-    ``[BLOCK_N, K]`` weight slab before the PDL wait, so the w2 GEMV streams its weights while the
-    w13 GEMV drains. It reads ``topk_ids`` before the wait, which is safe only when the launch
-    just before it was made with ``late_trigger`` (its programs trigger after their own wait, so
-    this grid starts once the routing kernel before them has completed). Not with FP8 ``a``.
-
-    ``route`` (:class:`RouteIn`, one pair per program, no expert map): the top-k runs here, each
-    program working out its own pair's expert from the router logits (``rank_route``); the
-    programs of column block 0 write ``topk_ids`` and ``route.w_out`` for the launch after.
 
     ``residual`` ``[T, N]`` (with ``combine`` or ``sum_out``): added to each token's rounded sum,
     rounded again (the residual stream's add after the MoE block).
@@ -666,13 +575,6 @@ def moe_gemv_launch(
             f"moe_gemv: sum_out must be [T={t}, N={n_out}] with a unit last stride, for one pair per "
             f"program without fuse_silu, with at least {t * grid[1]} int32 counters"
         )
-    kdim = w.shape[2]
-    if early and (combine or fuse_silu or kdim > EARLY_MAX_K):
-        raise ValueError(f"moe_gemv: early takes one pair per program, no fuse_silu, K <= {EARLY_MAX_K}")
-    if route is not None and (combine or early or expert_map is not None or route.logits.shape[0] != t):
-        raise ValueError(
-            "moe_gemv: route takes one pair per program, [T, E] logits, no expert map, not early"
-        )
     if residual is not None and (
         not (combine or sum_out is not None) or residual.shape != (t, n_out) or residual.stride(1) != 1
         or residual.dtype != c.dtype
@@ -682,19 +584,10 @@ def moe_gemv_launch(
             "combine or sum_out"
         )
     z = dict(Z=a) if residual is None else dict(Z=residual, stride_zm=residual.stride(0), ADD_Z=True)
-    # placeholders without a route (passed, not defaulted: the default launch stays as GPU-tested)
-    rt: dict = dict(LOGITS=a, stride_lg=0, E_LG=1, route_scale=1.0)
-    if route is not None:
-        lg = route.logits
-        rt = dict(
-            LOGITS=lg, stride_lg=lg.stride(0), E_LG=lg.shape[1], route_scale=float(route.scale), ROUTE_K=k,
-            E_PAD=next_pow2(lg.shape[1]), RENORM=route.renormalize, ROUND_W=route.round_code,
-            ROUTE_ROUNDS=route_select() == "rounds",
-        )  # fmt: skip
     pdl = pdl_args(a)
     _moe_gemv_kernel[grid](
         a, a_scale if fp8 else a, w, w_scale if fp8 else w, c,
-        topk_weights if topk_weights is not None else (route.w_out if route is not None else c),
+        topk_weights if topk_weights is not None else c,
         topk_ids, expert_map if expert_map is not None else topk_ids,
         n_out, w.shape[2],
         a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0) if fp8 else 0, c.stride(0),
@@ -703,8 +596,7 @@ def moe_gemv_launch(
         A_DIV=a_div, GROUP=group, P_PAD=next_pow2(group), HAS_MAP=expert_map is not None,
         FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None, FP8=fp8, ROUND_IN_F32=interpreting(),
         BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        SUM_K=k if sum_out is not None else 0, EARLY=early, KP=next_pow2(kdim) if early else 1,
-        LATE_TRIGGER=late_trigger, **rt, **z, **pdl,
+        SUM_K=k if sum_out is not None else 0, **z, **pdl,
     )  # fmt: skip
 
 
@@ -713,9 +605,7 @@ def specialization(
 ) -> tuple:
     """What selects ``fused_moe``'s kernel specializations at ``tokens``: both configs, and for the
     grouped GEMM the one-program vs chunked alignment (the decode GEMV has no alignment); for the
-    CUTLASS backend only the SiLU-and-mul's block (ops/activation.py: ``NARROW_ROWS`` or more).
-    ``KILN_MOE_COMBINE`` also selects kernels (the w2 GEMV's last-arrival sum, or the combine
-    kernel after it): a warm-up compiles those of the mode it runs with."""
+    CUTLASS backend only the SiLU-and-mul's block (ops/activation.py: ``NARROW_ROWS`` or more)."""
     from kiln.ops.moe_align import CHUNK
 
     if backend == "cutlass":

@@ -178,50 +178,6 @@ def _topk_row(
 
 
 @triton.jit
-def rank_route(x, offs, valid, j, scale, K: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr):
-    """Softmax routing of one token, for its ``j``-th pair only: ``(expert, weight)`` as
-    :func:`_topk_row` would write them at position ``j`` (no bias, no groups). From float32
-    logits ``x [E_PAD]``: each expert's rank among the probabilities (higher first, lower index on
-    ties) in one comparison matrix, instead of ``j + 1`` rounds of selection."""
-    x = tl.where(valid & (x == x), x, float("-inf"))
-    p = _softmax(x, valid)
-    pv = tl.where(valid & (p == p), p, float("-inf"))
-    better = (pv[None, :] > pv[:, None]) | ((pv[None, :] == pv[:, None]) & (offs[None, :] < offs[:, None]))
-    rank = tl.sum(better.to(tl.int32), axis=1)  # [E_PAD]: experts ahead of each
-    expert = tl.min(tl.where(rank == j, offs, offs.shape[0]), axis=0)
-    w = tl.sum(tl.where(offs == expert, p, 0.0), axis=0)
-    if RENORM:
-        w = w / tl.sum(tl.where(valid & (rank < K), p, 0.0), axis=0)
-    return expert.to(tl.int32), _scale_round(w, scale, ROUND)
-
-
-@triton.jit
-def round_route(x, offs, valid, j, full, scale, K: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr):
-    """:func:`rank_route` by selection rounds instead of the rank matrix: ``j + 1`` picks of the
-    largest probability left (as :func:`_topk_row` makes them), all ``K`` when ``full`` (the
-    program that stores the weight, which the renormalization needs every pick for). A program of
-    slot 0 makes one pick before its weight loads, one of slot ``K - 1`` makes ``K``; the matrix
-    costs every program ``E_PAD x E_PAD`` comparisons (``KILN_MOE_ROUTE_SELECT``, ops/moe_gemm.py)."""
-    x = tl.where(valid & (x == x), x, float("-inf"))
-    p = _softmax(x, valid)
-    pv = tl.where(valid & (p == p), p, float("-inf"))
-    avail = valid
-    expert = tl.min(offs, axis=0) * 0
-    wj = 0.0
-    total = 0.0
-    for r in range(0, tl.where(full, K, j + 1)):
-        i, _ = _pick(pv, avail, offs, offs.shape[0])
-        pi = tl.sum(tl.where(offs == i, p, 0.0), axis=0)
-        expert = tl.where(r == j, i, expert)
-        wj = tl.where(r == j, pi, wj)
-        total += pi
-        avail = avail & (offs != i)
-    if RENORM:
-        wj = wj / total
-    return expert.to(tl.int32), _scale_round(wj, scale, ROUND)
-
-
-@triton.jit
 def _moe_topk_kernel(
     L,  # [T, E] router logits
     BIAS,  # [E] f32 correction bias (HAS_BIAS)

@@ -29,15 +29,14 @@ Paths, picked at call time like ``kiln::linear``:
 
 In the MoE layer the router logits come from the unrounded normalized row while the experts get
 the rounded one (as prefill's router does), so a near-tie in the top-k may pick differently from the
-two-launch path; and the router is the GEMV then ``moe_topk``, whatever ``KILN_MOE_ROUTE`` says.
-Measured on the H200 (bench/results/2026-11-30_h200_s8b_norm_linear.json): no faster end to end
-than the two launches at Qwen3-30B-A3B shapes, so the default plan leaves ``norm`` out.
+two-launch path.
 
-Whether a graph calls this op is decided at compile time by the GEMV plan's ``norm`` role
-(ops/gemv.py ``gemv_plan``: ``KILN_GEMV=...,norm:1``); the manifest records the plan. Graphs of the
-residual-stream layout (``KILN_FOLD_NORMS``, compiler/models/base.py) call it with no residual
-(the projection before added it) and ``folded``: the norm weight is folded into ``w`` at load
-time, so the one-token GEMV loads only ``x`` and accumulates ``sum(x * x)`` beside the product.
+The graphs of the residual-stream layout (``KILN_FOLD_NORMS``, compiler/models/base.py) call it,
+with no residual (the projection before added it) and ``folded``: the norm weight is folded into
+``w`` at load time, so the one-token GEMV loads only ``x`` and accumulates ``sum(x * x)`` beside
+the product. (The unfolded layers' use, the GEMV plan's ``norm`` role, measured no faster on the
+H200 and was removed: docs/decode_budget.md, "Removed variants"; the op still takes a residual
+and an unfolded weight.)
 """
 
 from __future__ import annotations

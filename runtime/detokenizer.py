@@ -9,7 +9,7 @@ incremental UTF-8 decoder (an incomplete character is held until complete, inval
 U+FFFD as ``decode`` does); ``<0xNN>`` tokens are gathered until a non-byte token closes the
 group. Each token id is checked against ``decode([id])`` the first time it is met; a request
 that meets an id the table gets wrong goes on with the window path below, emitting the same
-text. ``KILN_FAST_DETOK=0`` (or ``fast=False``) turns the table path off.
+text. ``fast=False`` turns the table path off (tests and bench/detok_cost.py compare the two).
 
 Otherwise it decodes a short sliding window of the generated ids (Hugging Face's decode, via the
 fast tokenizer's Rust backend) and emits only what cannot change any more:
@@ -30,7 +30,6 @@ boundaries. On a match the text stops just before the stop string (OpenAI semant
 
 from __future__ import annotations
 
-import os
 import re
 from codecs import utf_8_decode as _utf8
 from collections.abc import Sequence
@@ -99,8 +98,8 @@ class IncrementalDetokenizer:
         prompt_ids: the request's prompt. The text is that of the generated ids alone, as
             ``decode(output_ids)`` gives; the prompt is kept for callers (``echo``), not decoded.
         skip_special_tokens: leave special tokens out of the text.
-        fast: use the token table when the tokenizer has one (default: unless the environment
-            sets ``KILN_FAST_DETOK=0``); False always decodes windows.
+        fast: use the token table when the tokenizer has one (default); False always decodes
+            windows.
     """
 
     def __init__(
@@ -108,7 +107,7 @@ class IncrementalDetokenizer:
         tokenizer: Any,
         prompt_ids: Sequence[int],
         skip_special_tokens: bool = True,
-        fast: bool | None = None,
+        fast: bool = True,
     ) -> None:
         self.prompt_ids = prompt_ids
         self.skip_special_tokens = skip_special_tokens
@@ -133,8 +132,6 @@ class IncrementalDetokenizer:
         self._prefix_chars = 0  # len(decode(ids[_prefix:_read]))
         self._strip = False  # the next non-empty piece loses a leading space (Strip decoder)
         self._stripped = 0  # 1 once that space was removed
-        if fast is None:
-            fast = os.environ.get("KILN_FAST_DETOK", "1") != "0"
         self._table = table = decode_table(tokenizer) if fast else None
         if table is not None:
             skip = bool(skip_special_tokens)

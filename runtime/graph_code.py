@@ -6,16 +6,15 @@ code) before they are executed, and they run with exactly the names the compiler
 failure is a one-line :class:`GraphCodeError` naming the file. Loading takes milliseconds where ``torch.export.load`` takes
 seconds.
 
-By default the graph's ``torch.ops.kiln.*`` calls go straight to the ops' Python bodies
+The graph's ``torch.ops.kiln.*`` calls go straight to the ops' Python bodies
 (``kiln.ops.common.DIRECT``), not through the dispatcher: the dispatcher's first custom-op call
 imports ``torch._dynamo`` (6 s of start-up on the H200 host) and each call costs Python overhead in
-the eager (prefill) steps. ``KILN_OP_DISPATCH=torch`` keeps the dispatcher.
+the eager (prefill) steps. An op without a body in ``DIRECT`` goes through the dispatcher.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -78,14 +77,6 @@ def _direct_torch() -> _Through:
     return _Through(torch, ops=_Through(torch.ops, kiln=_KilnOps()))
 
 
-def direct_dispatch() -> bool:
-    """Whether loaded graphs call the ops' bodies directly (default) or via the dispatcher."""
-    mode = os.environ.get("KILN_OP_DISPATCH", "direct")
-    if mode not in ("direct", "torch"):
-        raise ValueError(f"KILN_OP_DISPATCH must be 'direct' or 'torch', got {mode!r}")
-    return mode == "direct"
-
-
 class GraphCodeError(ArtifactError, RuntimeError):
     pass
 
@@ -104,9 +95,7 @@ class CodeGraph:
         return self.forward(None, *[weights[k] for k in self.weight_keys], *inputs)[0]
 
 
-def load_graph_code(
-    path: Path, layout: Mapping[str, Any], digest: str | None, direct: bool | None = None
-) -> CodeGraph:
+def load_graph_code(path: Path, layout: Mapping[str, Any], digest: str | None) -> CodeGraph:
     """The graph in ``path`` (``layout``: the manifest's ``graphs.NAME.python``), after checking its
     bytes against ``digest`` (xxh3-128 hex from the manifest's file table; None: unchecked)."""
     try:
@@ -121,9 +110,7 @@ def load_graph_code(
         )
     if layout.get("output") != "tensor":
         raise GraphCodeError(f"{path}: unsupported graph output {layout.get('output')!r}; {RECOPY}.")
-    namespace = dict(GLOBALS)
-    if direct_dispatch() if direct is None else direct:
-        namespace["torch"] = _direct_torch()
+    namespace = dict(GLOBALS, torch=_direct_torch())
     try:
         exec(compile(src, str(path), "exec"), namespace)  # the compiler's own output, hash-checked above
         forward = namespace["forward"]

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Source on the GPU machine (from the repo root) to import kiln from this working tree without
 # installing it (kiln/__init__.py maps the subpackages onto the top-level folders).
 export PYTHONPATH="$PWD:$PWD/tests:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}"

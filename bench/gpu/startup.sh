@@ -1,35 +1,61 @@
 #!/bin/bash
-# Start-up and artifact checks on the GPU machine, for one model shape:
-#   1. GPU_TESTS="paths ..." (optional): those GPU tests first (-> gpu_tests.log);
-#   2. a checkpoint of PRESET (random weights, LAYERS layers if set) and `kiln compile` of it;
-#   3. `kiln bench startup --compare-verify`: fresh processes alternating the artifact check on and
-#      off (-> startup_verify.json: ready and first-token times of each, their ratio);
-#   4. REPRO=1: a second compile into another directory, then every file's bytes compared but
-#      build-log.json (-> repro.json: the files that differ, if any).
-# Everything lands in OUTDIR, bundled into OUTDIR/startup_PRESET.json for bench/results/.
-# Usage (repo root): PRESET=llama-3.1-8b [LAYERS=N] [RUNS=3] [REPRO=1] bash bench/gpu/startup.sh OUTDIR
+# Start-up and artifact checks for one model shape on the GPU machine: optionally the GPU tests
+# first, a random-weight checkpoint of PRESET, `kiln compile`, then `kiln bench startup
+# --compare-verify` (fresh processes alternating the load-time hash check on and off: ready and
+# first-token times of each, their ratio), and with REPRO=1 a second compile into another folder
+# and every file's bytes compared (but build-log.json). Conventions (DEST, BUDGET, WORK, DRY,
+# COMMIT, .whl): bench/gpu/lib.sh.
+#
+# Usage (repo root, GPU machine): [VAR=VALUE ...] bash bench/gpu/startup.sh DEST
+#   PRESET=llama-3.1-8b LAYERS= DTYPE=bfloat16 QUANT= COMPILE_ARGS=   the shape, as in bench/gpu/e2e.sh
+#   RUNS=3               fresh processes per setting
+#   REPRO=               1: the reproducible-compile check (a second artifact: disk for two)
+#   LOAD_SWEEP=          1: first bench/weights_load.py for the shape (its own checkpoint and pack,
+#                        deleted after: packing memory, page-cache and pinned-copy ceilings,
+#                        `load_pack` over a sweep of options), with LOAD_ARGS (its flags, e.g.
+#                        "--threads 8,16 --chunks-mib 8,16 --reps 2")
+#   GPU_TESTS=           pytest paths run first with -m gpu
+# Writes DEST/startup_<shape>.json holding compile.log, startup_verify.json (`kiln bench startup
+# --json`), repro.json (the files that differ, if any), weights_load.json, tests.log, stamps.
 set -o pipefail
-DEST=${1:-/tmp/out}; OUT=/tmp/raw_startup; mkdir -p "$DEST" "$OUT"
-source bench/gpu/env.sh
-PRESET=${PRESET:-llama-3.1-8b}; RUNS=${RUNS:-3}
-NAME=$PRESET${LAYERS:+-L$LAYERS}; CK=/tmp/ckpt-$NAME; ART=/tmp/art-$NAME
-T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/stamps.txt"; }
+source bench/gpu/lib.sh
+PRESET=${PRESET:-llama-3.1-8b}; LAYERS=${LAYERS:-}; DTYPE=${DTYPE:-bfloat16}; RUNS=${RUNS:-3}
+NAME=$(shape_name "$PRESET" "$LAYERS" "$DTYPE" "$QUANT")
+CK=$WORK/ckpt-$(shape_name "$PRESET" "$LAYERS" "$DTYPE" ""); ART=$WORK/art-$NAME
+call_begin "startup_$NAME" "$1"
+HERE=$PWD
+
 if [ -n "$GPU_TESTS" ]; then
-  timeout "${TESTS_TIMEOUT:-300}" python -m pytest -q -m gpu $GPU_TESTS -p no:cacheprovider -rf \
-    > "$OUT/gpu_tests.log" 2>&1
-  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -8; stamp tests
+  # shellcheck disable=SC2086  # paths, split on purpose
+  gpu_tests tests.log 300 $GPU_TESTS
+  stamp tests
 fi
-[ -f $CK/config.json ] || python bench/make_checkpoint.py --preset $PRESET ${LAYERS:+--num-layers $LAYERS} \
-  -o $CK > "$OUT/checkpoint.log" 2>&1
+free_work "$CK" "$ART"
+if [ -n "$LOAD_SWEEP" ]; then
+  # shellcheck disable=SC2086  # flags, split on purpose
+  step weights_load.log 400 python bench/weights_load.py --preset "$PRESET" ${LAYERS:+--num-layers "$LAYERS"} \
+    --workdir "$WORK/weights-load" --json "$RAW/weights_load.json" $LOAD_ARGS
+  show weights_load.log "." 12
+  [ -z "$DRY" ] && rm -rf "$WORK/weights-load"  # left behind when cut short
+  stamp weights_load
+fi
+make_checkpoint "$PRESET" "$LAYERS" "$DTYPE" "$CK" || { call_end startup.sh PRESET LAYERS; exit 1; }
 stamp checkpoint
-timeout 600 python -m kiln compile $CK -o $ART --force 2>&1 | grep -v "it/s\]" > "$OUT/compile.log"
-tail -1 "$OUT/compile.log"; stamp compile
-python -m kiln bench startup $ART --compare-verify --runs "$RUNS" --json "$OUT/startup_verify.json" 2>&1 \
-  | tail -3 | tee "$OUT/startup_summary.txt"
+# shellcheck disable=SC2086
+compile_in "$HERE" compile.log "$CK" "$ART" --dtype "$DTYPE" ${QUANT:+--quant "$QUANT"} $COMPILE_ARGS
+stamp compile
+step startup.log 300 python -m kiln bench startup "$ART" --compare-verify --runs "$RUNS" \
+  --json "$RAW/startup_verify.json"
+show startup.log "." 3
 stamp startup
+
 if [ -n "$REPRO" ]; then
-  timeout 600 python -m kiln compile $CK -o $ART-2 --force > "$OUT/compile2.log" 2>&1
-  python - "$ART" "$ART-2" "$OUT/repro.json" <<'PY' | tee "$OUT/repro_summary.txt"
+  # shellcheck disable=SC2086
+  compile_in "$HERE" compile2.log "$CK" "$ART-2" --dtype "$DTYPE" ${QUANT:+--quant "$QUANT"} $COMPILE_ARGS
+  if [ -n "$DRY" ]; then
+    echo "+ (python: compare the bytes of every file of $ART and $ART-2 but build-log.json) > \$RAW/repro.json"
+  else
+    python - "$ART" "$ART-2" "$RAW/repro.json" <<'PY' | tee "$RAW/repro_summary.txt"
 import json, pathlib, sys, xxhash
 a, b = map(pathlib.Path, sys.argv[1:3])
 def files(root):
@@ -40,8 +66,8 @@ differ = sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))
 json.dump({"files": len(fa), "differ": differ}, open(sys.argv[3], "w"), indent=1)
 print(f"reproducible compile: {len(fa)} files, {len(differ)} differ {differ[:8]}")
 PY
-  rm -rf "$ART-2"; stamp repro
+    rm -rf "$ART-2"
+  fi
+  stamp repro
 fi
-python bench/gpu/bundle.py "$OUT" "$DEST/startup_$NAME.json" \
-  "PRESET=$PRESET LAYERS=$LAYERS RUNS=$RUNS REPRO=$REPRO GPU_TESTS='$GPU_TESTS' bash bench/gpu/startup.sh OUT (commit: ${KILN_COMMIT:-?})"
-cat "$OUT/startup_summary.txt" "$OUT"/repro_summary.txt 2>/dev/null
+call_end startup.sh PRESET LAYERS DTYPE QUANT COMPILE_ARGS RUNS REPRO LOAD_SWEEP LOAD_ARGS GPU_TESTS BUDGET

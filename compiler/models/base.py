@@ -29,13 +29,10 @@ from kiln.compiler.layers import (
     Act,
     Attention,
     Embedding,
-    Linear,
     LMHead,
     RMSNorm,
-    fused_norm_m,
     norm_linear,
 )
-from kiln.ops.decode_rope import rope_in_attention
 from kiln.ops.gemv import gemv_plan
 
 LayerFactory = Callable[[int], nn.Module]
@@ -93,28 +90,13 @@ class DecoderLayer(nn.Module):
         return self.feed_forward(h, residual)
 
     def feed_forward(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """post_attn_norm (adding ``residual``) -> mlp: ``(mlp output, residual)``, the norm inside
-        the gate_up GEMV when the plan fuses it."""
-        mlp = self.mlp
-        m = fused_norm_m(self.post_attn_norm, "mlp", mlp.quant) if isinstance(mlp, MLP) else 0
-        if m:
-            gu = mlp.gate_up
-            act, residual, _ = norm_linear(
-                self.post_attn_norm, h, residual, gu.weight, gu.bias, m, gate_up=True
-            )
-            return mlp(h, act), residual
-        return mlp(self.post_attn_norm(h, residual)), residual
+        """post_attn_norm (adding ``residual``) -> mlp: ``(mlp output, residual)``."""
+        return self.mlp(self.post_attn_norm(h, residual)), residual
 
     def attention(
         self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_norm (adding ``residual``) -> attention: ``(attention output, residual)``, the norm
-        inside the qkv GEMV when the plan fuses it."""
-        qkv = getattr(self.attn, "qkv", None)
-        m = fused_norm_m(self.input_norm, "attn", qkv.quant) if isinstance(qkv, Linear) else 0
-        if m:
-            y, residual, _ = norm_linear(self.input_norm, h, residual, qkv.weight, qkv.bias, m)
-            return self.attn(h, ctx, qkv=y), residual
+        """input_norm (adding ``residual``) -> attention: ``(attention output, residual)``."""
         if residual is None:
             residual = h
             x: Act = self.input_norm(h)
@@ -126,11 +108,8 @@ class DecoderLayer(nn.Module):
         """The residual-stream layout (module docstring): ``h [T, H]`` in, ``h`` after the layer out."""
         assert isinstance(self.attn, Attention)
         qkv = self.attn.qkv
-        y, _, _ = norm_linear(
-            self.input_norm, h, None, qkv.weight, qkv.bias, gemv_plan().get("attn", 0), folded=True
-        )
-        # [T, H]: h + o(attention); KILN_ROPE_IN_ATTN=1: the rope inside the attention kernel
-        h = self.attn(h, ctx, qkv=y, residual=h, rope_in_attn=rope_in_attention())
+        y, _ = norm_linear(self.input_norm, h, qkv.weight, qkv.bias, gemv_plan().get("attn", 0))
+        h = self.attn(h, ctx, qkv=y, residual=h)  # [T, H]: h + o(attention)
         return self.stream_feed_forward(h)
 
     def stream_feed_forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -138,9 +117,7 @@ class DecoderLayer(nn.Module):
         assert isinstance(self.mlp, MLP)
         gu = self.mlp.gate_up
         m = gemv_plan().get("mlp", 0)
-        act, _, _ = norm_linear(
-            self.post_attn_norm, h, None, gu.weight, gu.bias, m, gate_up=True, folded=True
-        )
+        act, _ = norm_linear(self.post_attn_norm, h, gu.weight, gu.bias, m, gate_up=True)
         return self.mlp(h, act, residual=h)
 
 

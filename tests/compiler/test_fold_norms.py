@@ -19,7 +19,6 @@ from tiny_moe_models import make_moe_checkpoint
 from kiln.compiler.build import CompileOptions, compile_model
 from kiln.compiler.norm_folds import norm_folds
 from kiln.compiler.registry import model_class
-from kiln.ops import decode_rope as DR
 from kiln.ops import gemv as G
 from kiln.ops import moe
 from kiln.ops import norm_linear as NL
@@ -73,13 +72,11 @@ def test_dense_folded_matches_hf_and_generates_its_greedy_tokens(tmp_path, monke
     assert out[0].token_ids == hf_greedy(hf, [prompt], 32)[0]
 
 
-@pytest.mark.parametrize("rope_in_attn", ["0", "1"])  # KILN_ROPE_IN_ATTN: ops/decode_rope.py
-def test_moe_folded_decode_runs_the_fused_kernels_and_matches_hf(tmp_path, monkeypatch, rope_in_attn):
+def test_moe_folded_decode_runs_the_fused_kernels_and_matches_hf(tmp_path, monkeypatch):
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
     monkeypatch.setenv("KILN_FOLD_NORMS", "1")
     monkeypatch.setenv("KILN_GEMV", "1")
-    monkeypatch.setenv("KILN_ROPE_IN_ATTN", rope_in_attn)
     hf = make_moe_checkpoint(tmp_path / "hf", "qwen3-moe")
     manifest = compile_model(tmp_path / "hf", tmp_path / "art", CompileOptions(**OPTS), verbose=False)
     folds = manifest["norm_folds"]
@@ -101,16 +98,9 @@ def test_moe_folded_decode_runs_the_fused_kernels_and_matches_hf(tmp_path, monke
         calls.append(("moe", kw.get("residual") is not None))
         return real_moe(*a, **kw)
 
-    real_attn = DR.decode_attention_triton
-
-    def spy_attn(*a, **kw):
-        calls.append(("rope_attn", True))
-        return real_attn(*a, **kw)
-
     monkeypatch.setattr(G, "gemv", spy_gemv)
     monkeypatch.setattr(NL, "gemv", spy_gemv)
     monkeypatch.setattr(moe, "fused_moe_triton", spy_moe)
-    monkeypatch.setattr(DR, "decode_attention_triton", spy_attn)
     runner = DirectRunner(str(tmp_path / "art"), device="cpu", num_slots=128)
     check_against_hf(runner, hf, [[5, 6, 7, 8, 9, 10, 11]], decode_steps=2)
     layers, steps = hf.config.num_hidden_layers, 2
@@ -121,7 +111,6 @@ def test_moe_folded_decode_runs_the_fused_kernels_and_matches_hf(tmp_path, monke
     # down on the GEMV, the experts' last kernel, each adding the residual
     assert calls.count(("moe", True)) == moe_layers * steps
     assert calls.count(("res", True)) == (2 * layers - moe_layers) * steps
-    assert calls.count(("rope_attn", True)) == (layers * steps if rope_in_attn == "1" else 0)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -6,10 +6,8 @@ Tolerances: relative error ||out - ref|| / ||ref|| below 1e-5 in float32 (the in
 and below 1e-2 in bfloat16 (the kernel rounds the softmax weights to bf16 before P @ V, as flash
 attention does; that alone costs a few 1e-3).
 
-Both split-merge paths (``KILN_ATTN_MERGE=fused|separate``, the ``merge`` fixture) run every
-split case. The interpreter runs a grid's programs one after another, so in the fused path the
-last arrival is always the highest active split; the GPU tests cover real concurrency. Interpreter
-cost is about 2 ms per program even for a split that exits at once, so the grids here stay small.
+Interpreter cost is about 2 ms per program even for a split that exits at once, so the grids
+here stay small.
 """
 
 import random
@@ -19,7 +17,6 @@ import torch
 
 from kiln.ops import decode_attention as dec
 from kiln.ops.attention_ref import decode_attention_ref, random_block_table
-from kiln.ops.common import ArrivalCounters
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -46,18 +43,6 @@ def triton_on_cpu(monkeypatch):
     monkeypatch.setattr(torch, "empty", nan_empty)
 
 
-@pytest.fixture(params=dec.MERGE_MODES)
-def merge(request, monkeypatch):
-    """Runs a test under each split-merge path (read by the op at call time)."""
-    monkeypatch.setenv("KILN_ATTN_MERGE", request.param)
-    return request.param
-
-
-def counters_are_zero(device="cpu") -> bool:
-    buf = dec.COUNTERS.buffers.get(torch.device(device))
-    return buf is None or not buf.any().item()
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
@@ -80,7 +65,6 @@ def check(seed, seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype, window=-
     assert not out.isnan().any(), f"seed {seed}: NaN in output (unwritten or 0/0)"
     err = rel_err(out, ref)
     assert err < TOL[dtype], f"seed {seed}: relative error {err:.2e}"
-    assert counters_are_zero(device), f"seed {seed}: arrival counters left non-zero"
     return out
 
 
@@ -97,10 +81,8 @@ def check(seed, seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype, window=-
     ],
 )
 def test_decode_matches_reference(
-    triton_on_cpu, merge, seed, seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype
+    triton_on_cpu, seed, seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype
 ):
-    if num_splits == 1 and merge != "fused":
-        pytest.skip("num_splits == 1 writes the output directly: no merge to switch")
     check(seed, seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype)
 
 
@@ -113,17 +95,16 @@ def test_decode_matches_reference(
         (500, 0.0, torch.float32),
     ],
 )
-def test_decode_window_and_softcap(triton_on_cpu, merge, seed, window, cap, dtype):
+def test_decode_window_and_softcap(triton_on_cpu, seed, window, cap, dtype):
     check(seed, [3, 41, 66], 8, 2, 64, 64, 16, 3, dtype, window=window, cap=cap)
 
 
 def test_decode_long_context(triton_on_cpu, seed):
-    # positions far into a long context, over many scattered pages (default merge: the loop over
-    # keys dominates the interpreter's time and is the same in both paths)
+    # positions far into a long context, over many scattered pages
     check(seed, [3000, 2500], 4, 1, 64, 64, 16, 4, torch.bfloat16)
 
 
-def test_decode_empty_sequence_gives_zeros(triton_on_cpu, merge, seed):
+def test_decode_empty_sequence_gives_zeros(triton_on_cpu, seed):
     q, k, v, bt, rows, _ = make_inputs([1, 40], 8, 2, 64, 64, 16, torch.float32)
     lens = torch.tensor([0, 40], dtype=torch.int32)
     out = torch.ops.kiln.decode_attention(q, k, v, bt, rows, lens, 0.125, 16, 4, -1, 0.0)
@@ -145,17 +126,17 @@ MIXED = [0, 1, 16, 17, 32, 150]
         (8, 1, 256, torch.float32),  # GQA 8, head_dim 256
     ],
 )
-def test_decode_mixed_lengths_many_splits(triton_on_cpu, merge, seed, hq, hkv, d, dtype):
+def test_decode_mixed_lengths_many_splits(triton_on_cpu, seed, hq, hkv, d, dtype):
     check(seed, MIXED, hq, hkv, d, d, 16, 16, dtype)
 
 
-def test_decode_splits_far_above_active(triton_on_cpu, merge, seed):
+def test_decode_splits_far_above_active(triton_on_cpu, seed):
     # a bucket sized for a long context (128 splits) serving 40 tokens: 3 active splits
     check(seed, [40, 1], 4, 1, 64, 64, 16, 128, torch.float32)
 
 
 @pytest.mark.parametrize("window, cap", [(20, 30.0), (33, 0.0)])
-def test_decode_window_softcap_many_splits(triton_on_cpu, merge, seed, window, cap):
+def test_decode_window_softcap_many_splits(triton_on_cpu, seed, window, cap):
     # the window moves the first key block (base > 0) and so which splits are active
     check(seed, [0, 1, 37, 100], 8, 1, 64, 64, 16, 32, torch.float32, window=window, cap=cap)
 
@@ -171,55 +152,16 @@ class _LaunchSpy:
         return self.kernel[grid]
 
 
-def test_decode_counters_left_at_zero(triton_on_cpu, seed, monkeypatch):
+def test_decode_merge_launches(triton_on_cpu, seed, monkeypatch):
+    # split partials are merged by a second kernel; with one split the split kernel writes the output
     q, k, v, bt, rows, lens = make_inputs([0, 1, 17, 50], 8, 2, 64, 64, 16, torch.float32)
     ref = decode_attention_ref(q, k, v, bt, rows, lens, 0.125, 16)
-    for mode, merge_launches in (("fused", 0), ("separate", 1)):
+    for splits, merge_launches in ((4, 1), (1, 0)):
         spy = _LaunchSpy(dec._decode_merge_kernel)
         monkeypatch.setattr(dec, "_decode_merge_kernel", spy)
-        out = dec.decode_attention_triton(q, k, v, bt, rows, lens, 0.125, 16, 4, merge=mode)
-        assert spy.launches == merge_launches, mode
-        assert rel_err(out, ref) < 1e-5, f"seed {seed}, {mode}"
-        counters = dec.COUNTERS.buffers[torch.device("cpu")]
-        assert counters.dtype == torch.int32 and counters.numel() >= 4 * 2
-        assert not counters.any(), f"seed {seed}, {mode}: counters {counters.nonzero().flatten()}"
-
-
-def test_decode_twice_gives_identical_results(triton_on_cpu, seed, monkeypatch):
-    # a counter not reset by the first call would leave the second call's outputs unwritten (NaN)
-    q, k, v, bt, rows, lens = make_inputs([3, 70, 45], 8, 2, 64, 64, 16, torch.float32)
-    args = (q, k, v, bt, rows, lens, 0.125, 16, 8)
-    first = dec.decode_attention_triton(*args, merge="fused")
-    second = dec.decode_attention_triton(*args, merge="fused")
-    assert not first.isnan().any() and torch.equal(first, second), f"seed {seed}"
-    monkeypatch.setenv("KILN_ATTN_MERGE", "separate")
-    separate = dec.decode_attention_triton(*args)  # the same partials, merged by the other path
-    assert rel_err(separate, first) < 1e-6, f"seed {seed}"
-
-
-def test_decode_counters_grow(triton_on_cpu, seed, monkeypatch):
-    # a bigger B * Hkv gets a bigger buffer; the outgrown one is kept (a CUDA graph may use it)
-    monkeypatch.setenv("KILN_ATTN_MERGE", "fused")
-    monkeypatch.setattr(dec, "COUNTERS", ArrivalCounters(2))
-    small = check(seed, [20], 4, 2, 64, 64, 16, 2, torch.float32)
-    first = dec.COUNTERS.buffers[torch.device("cpu")]
-    assert first.numel() == 2 and small is not None
-    check(seed, [20, 9, 33], 4, 2, 64, 64, 16, 2, torch.float32)  # B * Hkv = 6
-    grown = dec.COUNTERS.buffers[torch.device("cpu")]
-    assert grown.numel() == 8 and dec.COUNTERS.retired == [first]
-    check(seed, [20], 4, 2, 64, 64, 16, 2, torch.float32)  # a smaller call reuses the big one
-    assert dec.COUNTERS.buffers[torch.device("cpu")] is grown
-
-
-def test_merge_mode_switch(monkeypatch):
-    monkeypatch.delenv("KILN_ATTN_MERGE", raising=False)
-    assert dec.merge_mode() == "separate"
-    monkeypatch.setenv("KILN_ATTN_MERGE", "fused")
-    assert dec.merge_mode() == "fused"
-    assert dec.merge_mode("separate") == "separate"  # the keyword wins over the environment
-    monkeypatch.setenv("KILN_ATTN_MERGE", "both")
-    with pytest.raises(ValueError, match="merge must be one of"):
-        dec.merge_mode()
+        out = dec.decode_attention_triton(q, k, v, bt, rows, lens, 0.125, 16, splits)
+        assert spy.launches == merge_launches, splits
+        assert rel_err(out, ref) < 1e-5, f"seed {seed}, {splits} splits"
 
 
 def test_choose_num_splits():
@@ -255,7 +197,7 @@ def test_bad_shapes_are_named(seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_decode_gpu_llama_shapes(merge, seed, dtype, page_size):
+def test_decode_gpu_llama_shapes(seed, dtype, page_size):
     lens = [1, 17, 1000, 4097, 8192, 300, 2048, 65]
     splits = dec.choose_num_splits(len(lens), 8192, 8)
     check(seed, lens, 32, 8, 128, 128, page_size, splits, dtype, device="cuda")
@@ -267,9 +209,8 @@ def test_decode_gpu_llama_shapes(merge, seed, dtype, page_size):
 
 
 @pytest.mark.gpu
-def test_decode_gpu_cuda_graph_replay(merge, seed):
-    """One capture serves other sequence lengths: lengths are read on the device; in the fused path
-    every replay also relies on the previous one having left the arrival counters at zero."""
+def test_decode_gpu_cuda_graph_replay(seed):
+    """One capture serves other sequence lengths: lengths are read on the device."""
     q, k, v, bt, rows, lens = make_inputs([4096] * 4, 32, 8, 128, 128, 16, torch.bfloat16, "cuda")
     lens.copy_(torch.tensor([5, 100, 2000, 4000], dtype=torch.int32))
     splits = dec.choose_num_splits(4, 4096, 8)
@@ -285,24 +226,3 @@ def test_decode_gpu_cuda_graph_replay(merge, seed):
         graph.replay()
         ref = decode_attention_ref(q, k, v, bt, rows, lens, 128**-0.5, 16)
         assert not out.isnan().any() and rel_err(out, ref) < 1e-2, f"seed {seed}, lens {new}"
-        assert counters_are_zero("cuda"), f"seed {seed}, lens {new}"
-
-
-@pytest.mark.gpu
-def test_decode_gpu_first_call_in_capture_falls_back(seed, monkeypatch):
-    """A fused call whose counter buffer would first be allocated inside a capture takes the
-    separate merge for that capture (with a warning) instead of capturing the buffer's memset."""
-    q, k, v, bt, rows, lens = make_inputs([300, 2000], 32, 8, 128, 128, 16, torch.bfloat16, "cuda")
-    args = (q, k, v, bt, rows, lens, 128**-0.5, 16, 64)
-    for mode in dec.MERGE_MODES:  # compile both paths outside the capture
-        dec.decode_attention_triton(*args, merge=mode)
-    torch.cuda.synchronize()
-    monkeypatch.setattr(dec, "COUNTERS", ArrivalCounters(1 << 14, "decode_attention", "the separate merge"))
-    graph = torch.cuda.CUDAGraph()
-    with pytest.warns(UserWarning, match="separate merge"), torch.cuda.graph(graph):
-        out = dec.decode_attention_triton(*args, merge="fused")
-    assert dec.COUNTERS.buffers == {}
-    out.fill_(float("nan"))
-    graph.replay()
-    ref = decode_attention_ref(q, k, v, bt, rows, lens, 128**-0.5, 16)
-    assert not out.isnan().any() and rel_err(out, ref) < 1e-2, f"seed {seed}"

@@ -220,9 +220,8 @@ def test_linear_dispatch(kernel_on_cpu, count_gemv, monkeypatch):
     [
         ("", {}),
         ("0", {}),
-        ("1", {"attn": 8, "mlp": 8, "router": 8, "norm": 8}),
-        ("all", {"attn": 8, "mlp": 8, "router": 8, "norm": 8}),
-        ("attn:1,norm:1", {"attn": 1, "norm": 1}),
+        ("1", {"attn": 8, "mlp": 8, "router": 8}),
+        ("all", {"attn": 8, "mlp": 8, "router": 8}),
         ("attn", {"attn": 8}),
         ("attn:1", {"attn": 1}),
         ("attn:1, mlp:4", {"attn": 1, "mlp": 4}),
@@ -233,7 +232,7 @@ def test_gemv_plan(spec, plan):
     assert G.gemv_plan(spec) == plan
 
 
-@pytest.mark.parametrize("spec", ["qkv", "attn:x", "attn:-1", "attn;mlp"])
+@pytest.mark.parametrize("spec", ["qkv", "attn:x", "attn:-1", "attn;mlp", "attn:1,norm:1"])
 def test_gemv_plan_rejects_bad_specs(spec):
     with pytest.raises(ValueError, match="KILN_GEMV: bad entry"):
         G.gemv_plan(spec)
@@ -289,7 +288,7 @@ def test_compiled_model_decode_runs_gemv_and_matches_hf(tmp_path, monkeypatch):
 
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
-    monkeypatch.setenv("KILN_GEMV", "attn,mlp")  # norms apart (tests/ops/test_norm_linear.py fuses them)
+    monkeypatch.setenv("KILN_GEMV", "attn,mlp")
     hf = make_checkpoint(tmp_path / "hf", "qwen2-bias")  # qkv bias: the GEMV's bias path too
     opts = CompileOptions(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64, chunk_size=32)
     compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)

@@ -2,6 +2,7 @@
 references (interpreter on CPU, compiled on the GPU) in bf16/fp16/fp32 and FP8, the reference
 against Hugging Face's expert block, expert maps, the launch table and recorded tuning tables."""
 
+import contextlib
 import json
 
 import pytest
@@ -129,35 +130,6 @@ def test_gemv_matches_per_pair_reference(kernel_on_cpu, dtype, mode):
     assert_rel(c, ref, TOL[dtype])
 
 
-@pytest.mark.parametrize("sum_last", [False, True], ids=["rows", "sum_last"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gemv_early_slab_matches_the_k_loop(kernel_on_cpu, dtype, sum_last):
-    """``early``: the w2 GEMV's whole weight slab loaded before the wait, one product over K (no K
-    loop): the per-pair rows and their sum as the K loop computes them, up to summation order;
-    a pair of another rank's expert (expert map -1) still arrives and writes nothing."""
-    t, h, i, e, k = 3, 48, 40, 8, 3  # I = 40: the slab is padded to 64 and masked
-    _, _, w2, w, ids, _, _ = make_moe(t, h, i, e, k, dtype, seed=12)
-    emap = torch.arange(e, dtype=torch.int32)
-    emap[ids[1, 0]] = -1  # one pair of token 1 lives on another rank
-    a = torch.randn(t * k, i).to(dtype)
-    cfg = dict(GEMV, BLOCK_N=8)
-    outs = []
-    for early in (False, True):
-        c = torch.full((t * k, h), -7.0, dtype=dtype)
-        out = torch.full((t, h), float("nan"), dtype=dtype) if sum_last else None
-        cnt = torch.zeros(t * 6, dtype=torch.int32) if sum_last else None
-        mg.moe_gemv_launch(a, None, w2, None, c, w, ids, emap, cfg, 1, sum_out=out, counters=cnt, early=early)
-        outs.append(out if sum_last else c)
-        if sum_last:
-            assert not cnt.any()
-    assert_rel(outs[1], outs[0], TOL[dtype])
-    if not sum_last:
-        skipped = (emap[ids.reshape(-1).long()] < 0).nonzero().flatten()
-        assert skipped.numel() == 1 and (outs[1][skipped] == -7.0).all()
-    with pytest.raises(ValueError, match="early takes"):
-        mg.moe_gemv_launch(a, None, w2, None, c, w, ids, None, cfg, 1, combine=True, early=True)
-
-
 def test_gemv_sum_out_is_checked(kernel_on_cpu):
     t, h, i, e, k = 2, 32, 16, 4, 2
     _, _, w2, w, ids, _, _ = make_moe(t, h, i, e, k, torch.float32, seed=8)
@@ -231,20 +203,31 @@ def test_fused_moe_fp8_matches_reference(kernel_on_cpu, case, variant):
     assert_rel(out, moe.fused_moe_ref(*args[:5], None, *args[5:]), FP8_TOL)
 
 
+def _capturing_counters() -> ArrivalCounters:
+    """A counter pool that reports a CUDA-graph capture (CPU stand-in): the one-pair-per-program
+    w2 GEMV then leaves the top-k sum to the combine kernel."""
+    capturing = type("Capturing", (ArrivalCounters,), {"_capturing": staticmethod(lambda device: True)})
+    return capturing(1, "fused_moe", "the combine kernel")
+
+
 @pytest.mark.parametrize(
-    "variant, combine", [("grouped", "fused"), ("gemv", "fused"), ("gemv", "separate"), ("gemv_sum", "fused")]
-)  # the combine mode matters to the one-pair-per-program GEMV only
+    "variant, no_counters", [("grouped", False), ("gemv", False), ("gemv", True), ("gemv_sum", False)]
+)  # the counters matter to the one-pair-per-program GEMV only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_residual_is_added_by_the_last_kernel(kernel_on_cpu, monkeypatch, dtype, variant, combine):
+def test_residual_is_added_by_the_last_kernel(kernel_on_cpu, monkeypatch, dtype, variant, no_counters):
     """``residual``: the op's output plus the residual, rounded again, exactly as a separate add
     after it (every path that writes the top-k sum: last arrival, token group, combine kernel)."""
-    monkeypatch.setenv("KILN_MOE_COMBINE", combine)
+    if no_counters:
+        monkeypatch.setattr(moe, "COUNTERS", _capturing_counters())
     t, h, i, e, k = 3, 64, 32, 16, 4
     args = make_moe(t, h, i, e, k, dtype, seed=11)
     res = torch.randn(t, h + 16, dtype=torch.float32).to(dtype)[:, :h]  # a row stride of its own
-    plain = run_fused(*args, cfg=VARIANTS[variant])
     out = torch.full(res.shape, float("nan"), dtype=dtype)
-    moe.fused_moe_triton(*args[:5], None, *args[5:], configs=(VARIANTS[variant],) * 2, out=out, residual=res)
+    with pytest.warns(UserWarning, match="the combine kernel") if no_counters else contextlib.nullcontext():
+        plain = run_fused(*args, cfg=VARIANTS[variant])
+        moe.fused_moe_triton(
+            *args[:5], None, *args[5:], configs=(VARIANTS[variant],) * 2, out=out, residual=res
+        )
     assert torch.equal(out, moe.add_rounded(plain, res))
 
 
@@ -269,23 +252,13 @@ def test_decode_sizes_run_the_gemv_by_default(kernel_on_cpu, monkeypatch):
     assert launched == ["moe_gemv_launch", "moe_gemv_launch"]  # no alignment, the sum in the w2 GEMV
     ref = moe.fused_moe_ref(*args[:5], None, *args[5:])
     assert_rel(out, ref, TOL[torch.bfloat16])
-    launched.clear()
-    monkeypatch.setenv("KILN_MOE_COMBINE", "separate")  # the combine kernel: the same sum, same bits
-    assert torch.equal(torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], ""), out)
-    assert launched == ["moe_gemv_launch", "moe_gemv_launch", "moe_combine"]
-    monkeypatch.setenv("KILN_MOE_COMBINE", "nope")
-    with pytest.raises(ValueError, match="KILN_MOE_COMBINE"):
-        torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], "")
-    monkeypatch.delenv("KILN_MOE_COMBINE")
     launched.clear()  # counters that would be allocated inside a capture: the combine kernel, warned
-    capturing = type("Capturing", (ArrivalCounters,), {"_capturing": staticmethod(lambda device: True)})
-    monkeypatch.setattr(moe, "COUNTERS", capturing(1, "fused_moe", "the combine kernel"))
+    real_counters = moe.COUNTERS
+    monkeypatch.setattr(moe, "COUNTERS", _capturing_counters())
     with pytest.warns(UserWarning, match="inside a CUDA-graph capture"):
-        assert torch.equal(torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], ""), out)
+        assert torch.equal(torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], ""), out)  # same bits
     assert launched == ["moe_gemv_launch", "moe_gemv_launch", "moe_combine"]
-    monkeypatch.setenv("KILN_MOE_EARLY_W2", "1")  # w2 slabs before the wait: the same sums
-    assert_rel(torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], ""), out, TOL[torch.bfloat16])
-    monkeypatch.delenv("KILN_MOE_EARLY_W2")
+    monkeypatch.setattr(moe, "COUNTERS", real_counters)
     launched.clear()  # a w2 GROUP_M above 1: the top-k sum in the GEMV, no combine kernel either
     table = json.dumps({"4": {"w13": GEMV, "w2": GEMV_SUM}})
     assert torch.equal(torch.ops.kiln.fused_moe(*args[:5], None, *args[5:], table), out)
@@ -518,32 +491,19 @@ def _new_inputs(t: int, seed: int, x, w, ids) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 4])
-def test_gpu_early_w2_under_replay(compiled_gpu, monkeypatch, t):
-    """``KILN_MOE_EARLY_W2``: the w2 GEMV reads the routing and its weights before its PDL wait
-    (w13 triggering after its own), captured and replayed with new routing each time: a stale
-    expert id would show as a wrong sum."""
-    monkeypatch.setenv("KILN_MOE_EARLY_W2", "1")
-    (x, w13, w2, w, ids), g, out = _captured_decode_moe(t)
-    for i in range(40):
-        _new_inputs(t, 200 + i, x, w, ids)
-        out.fill_(float("nan"))
-        g.replay()
-        assert_rel(out, moe.fused_moe_ref(x, w13, w2, w, ids), TOL[torch.bfloat16])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 4])
 def test_gpu_sum_last_equals_combine_kernel_under_replay(compiled_gpu, monkeypatch, t):
     """The w2 GEMV's last-arrival top-k sum against the combine kernel, bit for bit, over many
     replays of one captured graph with new inputs each time (an ordering bug would show as a stale
     or partial sum)."""
-    monkeypatch.setenv("KILN_MOE_COMBINE", "fused")
+    counters, no_counters = moe.COUNTERS, _capturing_counters()
     (x, w13, w2, w, ids), g, out = _captured_decode_moe(t)
     for i in range(60):
         _new_inputs(t, 100 + i, x, w, ids)
-        monkeypatch.setenv("KILN_MOE_COMBINE", "separate")
-        ref = torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")  # eager, combine kernel
+        monkeypatch.setattr(moe, "COUNTERS", no_counters)  # eager, the combine kernel
+        with pytest.warns(UserWarning, match="the combine kernel"):
+            ref = torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, None, None, "")
+        monkeypatch.setattr(moe, "COUNTERS", counters)
         out.fill_(float("nan"))
         g.replay()
         assert torch.equal(out, ref), f"replay {i}"
-    assert not moe.COUNTERS.buffers[x.device].any(), "the counters are back at zero"
+    assert not counters.buffers[x.device].any(), "the counters are back at zero"

@@ -15,10 +15,9 @@ import triton
 from kiln.ops import moe, sampling
 from kiln.ops import moe_align as ma
 from kiln.ops import moe_gemm as mg
-from kiln.ops import moe_route as mrt
 from kiln.ops import moe_routing as mr
 
-MODULES = (ma, mg, moe, mr, mrt, sampling)
+MODULES = (ma, mg, moe, mr, sampling)
 # loads allowed before the wait: weights only (no kernel of a step writes them)
 WEIGHT_LOADS: dict[str, tuple[str, ...]] = {}  # none in these modules (the bias is cast each step)
 
@@ -33,7 +32,7 @@ def kernels():
 
 
 def test_all_kernels_found():
-    assert len(kernels()) == 12  # align 4, GEMM 2, quantize + combine, top-k, router, sampling 2
+    assert len(kernels()) == 11  # align 4, GEMM 2, quantize + combine, top-k, sampling 2
 
 
 @pytest.mark.parametrize("name", [n for _, n, _ in kernels()])
@@ -68,19 +67,6 @@ def test_cpu_launch_sites_pass_pdl_off(kernel_on_cpu, monkeypatch):
     logits = torch.randn(t, e)
     w, ids = mr.moe_topk(logits, torch.zeros(e), k, True, "sigmoid", 2, 2, 1.0)
     mr.moe_topk(logits, None, k, True, "softmax", 1, 1, 1.0)
-    mrt.moe_route_launch(
-        torch.randn(t, 16),
-        torch.randn(e, 16),
-        None,
-        k,
-        True,
-        "softmax",
-        1,
-        1,
-        1.0,
-        "",
-        torch.zeros(t, dtype=torch.int32),
-    )
     ma.moe_align_run(torch.randint(0, e, (200, k), dtype=torch.int32), None, e, 16)  # chunked
     x = torch.randn(t, h)
     w13, w2 = torch.randn(e, 2 * i, h), torch.randn(e, h, i)

@@ -144,9 +144,8 @@ def test_gemv_fused_norm_before_the_wait(kernels_on_cpu, monkeypatch):
         ([90], 3, 16, 24),  # a sliding window: the first block masked below lo
     ],
 )
-@pytest.mark.parametrize("merge", dec.MERGE_MODES)
 def test_split_kernel_cached_keys_before_the_wait(
-    kernels_on_cpu, monkeypatch, seq_lens, num_splits, page, window, merge
+    kernels_on_cpu, monkeypatch, seq_lens, num_splits, page, window
 ):
     g = torch.Generator().manual_seed(sum(seq_lens))
     bt, rows, slots = random_block_table(seq_lens, page, "cpu")
@@ -159,7 +158,7 @@ def test_split_kernel_cached_keys_before_the_wait(
 
     def run():
         return dec.decode_attention_triton(
-            q, k, v, bt, rows, lens, d**-0.5, page, num_splits, window, config=cfg, merge=merge
+            q, k, v, bt, rows, lens, d**-0.5, page, num_splits, window, config=cfg
         )
 
     off, on = both(monkeypatch, "attn", run)

@@ -384,14 +384,9 @@ def test_unknown_decoder_has_no_table(fallback_tok, decoder):
     assert "".join(detok.add(t) for t in ids) + detok.flush() == backend.decode(ids, True)
 
 
-def test_fast_switch(tok, monkeypatch):
+def test_fast_switch(tok):
     assert IncrementalDetokenizer(tok, [], True).fast
     assert not IncrementalDetokenizer(tok, [], True, fast=False).fast
-    monkeypatch.setenv("KILN_FAST_DETOK", "0")
-    assert not IncrementalDetokenizer(tok, [], True).fast
-    assert IncrementalDetokenizer(tok, [], True, fast=True).fast
-    monkeypatch.setenv("KILN_FAST_DETOK", "1")
-    assert IncrementalDetokenizer(tok, [], True).fast
     ids = tok.encode(TEXTS[2], add_special_tokens=False)
     slow = IncrementalDetokenizer(tok, [], True, fast=False)
     assert "".join(slow.add(t) for t in ids) + slow.flush() == TEXTS[2]

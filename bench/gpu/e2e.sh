@@ -1,0 +1,94 @@
+#!/bin/bash
+# One model shape end to end on the GPU machine: a random-weight checkpoint of PRESET
+# (bench/make_checkpoint.py) -> `kiln compile` -> `kiln bench latency`, once per variant and round
+# on the same artifact (alternating, so variants compare inside one call); on request the GPU
+# tests first, start-up, offline throughput, the per-kernel decode profile and a CUDA-graph
+# replay's timeline. Conventions (DEST, BUDGET, WORK, DRY, COMMIT, .whl): bench/gpu/lib.sh.
+#
+# Usage (repo root, GPU machine): [VAR=VALUE ...] bash bench/gpu/e2e.sh DEST
+#   PRESET=llama-3.1-8b  a bundled config (compiler/configs: llama-3.1-8b, qwen3-30b-a3b, ...)
+#   LAYERS=              keep the shapes, this many layers (qwen3-30b-a3b: 16, for the 64 GB disk)
+#   DTYPE=bfloat16       checkpoint dtype and `kiln compile --dtype`
+#   QUANT=               fp8: `kiln compile --quant fp8`
+#   COMPILE_ARGS=        more `kiln compile` flags, e.g. "--max-batch-size 64 --page-size 16"
+#   REUSE=               1: use the artifact a warm machine holds from an earlier call of this shape
+#   BATCHES=1,8,64 INLEN=512 OUTLEN=64 KV=40   `kiln bench latency` batch sizes, lengths, KV GiB
+#   LAT_ARGS=            more `kiln bench latency` flags for every run, e.g. --no-overlap
+#   HF=                  1: the first latency run also runs Hugging Face transformers (--compare-hf)
+#   VARIANTS=default:    "NAME:WORDS;NAME:WORDS;...", a latency run each per round; WORDS are
+#                        VAR=VALUE (the run's environment) or latency flags, e.g.
+#                        "default:;no_overlap:--no-overlap;no_pdl:KILN_PDL=0"
+#   ROUNDS=1             rounds over the variants
+#   NPROMPTS=0           >0: `kiln bench throughput` over that many prompts of TP_INLEN=256:1024
+#                        tokens, TP_OUTLEN=64:256 out; TP_HF=N: HF on the first N at batch 64
+#   STARTUP=0            >0: `kiln bench startup --runs N` (process start to first token, by phase)
+#   PROFILE=             batch sizes, e.g. 1,64: bench/gpu/profile_decode.py (GPU time per kernel)
+#   TIMELINE=            a batch size, e.g. 1: bench/gpu/replay_timeline.py (a replay's critical path)
+#   GPU_TESTS=           pytest paths run first with -m gpu (see bench/gpu/tests.sh for tests/server)
+# Writes DEST/e2e_<shape>.json (shape: PRESET[-L<LAYERS>][-<DTYPE>][-<QUANT>]) holding compile.log,
+# latency_<shape>_<variant>_r<N>.json (per batch: tok/s, ITL, host ms, TTFT, roofline; HF),
+# latency_table.json (the runs side by side, also printed), throughput.json, startup.json,
+# profile.json, timeline.json, tests.log when asked, stamps (seconds at each step's end).
+# Time on an H200 (bench/results stamps): Llama-3.1-8B checkpoint ~20 s, compile 35-60 s;
+# Qwen3-30B-A3B L16 checkpoint 20-30 s, compile 65-90 s; a latency run (start-up included) 12-20 s.
+set -o pipefail
+source bench/gpu/lib.sh
+PRESET=${PRESET:-llama-3.1-8b}; LAYERS=${LAYERS:-}; DTYPE=${DTYPE:-bfloat16}
+BATCHES=${BATCHES:-1,8,64}; INLEN=${INLEN:-512}; OUTLEN=${OUTLEN:-64}; KV=${KV:-40}
+VARIANTS=${VARIANTS:-default:}; ROUNDS=${ROUNDS:-1}; NPROMPTS=${NPROMPTS:-0}; STARTUP=${STARTUP:-0}
+TP_INLEN=${TP_INLEN:-256:1024}; TP_OUTLEN=${TP_OUTLEN:-64:256}
+NAME=$(shape_name "$PRESET" "$LAYERS" "$DTYPE" "$QUANT")
+CK=$WORK/ckpt-$(shape_name "$PRESET" "$LAYERS" "$DTYPE" ""); ART=$WORK/art-$NAME
+call_begin "e2e_$NAME" "$1"
+HERE=$PWD
+
+if [ -n "$GPU_TESTS" ]; then
+  # shellcheck disable=SC2086  # paths, split on purpose
+  gpu_tests tests.log 300 $GPU_TESTS
+  stamp tests
+fi
+
+free_work "$CK" "$ART"
+make_checkpoint "$PRESET" "$LAYERS" "$DTYPE" "$CK" || { call_end e2e.sh PRESET LAYERS; exit 1; }
+stamp checkpoint
+if [ -n "$REUSE" ] && [ -f "$ART/manifest.json" ]; then
+  echo "artifact $ART: kept from an earlier call (REUSE=1)"
+else
+  # shellcheck disable=SC2086
+  compile_in "$HERE" compile.log "$CK" "$ART" --dtype "$DTYPE" ${QUANT:+--quant "$QUANT"} $COMPILE_ARGS
+  stamp compile
+fi
+
+hf=${HF:+--compare-hf $CK}
+for ((r = 1; r <= ROUNDS; r++)); do
+  IFS=';' read -ra vs <<< "$VARIANTS"
+  for v in "${vs[@]}"; do
+    [ -z "$v" ] && continue
+    # shellcheck disable=SC2086  # WORDS and flags, split on purpose
+    latency_in "$HERE" "$NAME" "${v%%:*}" "$r" "$ART" ${v#*:} $LAT_ARGS $hf
+    hf=
+  done
+done
+stamp latency
+latency_table
+
+if [ "$NPROMPTS" -gt 0 ]; then
+  step throughput.log 400 python -m kiln bench throughput "$ART" --num-prompts "$NPROMPTS" --input-len "$TP_INLEN" \
+    --output-len "$TP_OUTLEN" --kv-memory "$KV" ${TP_HF:+--compare-hf "$CK" --hf-num-prompts "$TP_HF"} \
+    --json "$RAW/throughput.json"
+  show throughput.log "prompts in|HF transformers" 2; stamp throughput
+fi
+if [ "$STARTUP" -gt 0 ]; then
+  step startup.log 200 python -m kiln bench startup "$ART" --runs "$STARTUP" --json "$RAW/startup.json"
+  show startup.log "ready|first token|phases" 4; stamp startup
+fi
+if [ -n "$PROFILE" ]; then
+  step profile.log 200 python bench/gpu/profile_decode.py "$ART" --batch-sizes "$PROFILE" --json "$RAW/profile.json"
+  show profile.log "." 30; stamp profile
+fi
+if [ -n "$TIMELINE" ]; then
+  step timeline.log 120 python bench/gpu/replay_timeline.py "$ART" --batch "$TIMELINE" --json "$RAW/timeline.json"
+  show timeline.log "." 24; stamp timeline
+fi
+call_end e2e.sh PRESET LAYERS DTYPE QUANT COMPILE_ARGS REUSE BATCHES INLEN OUTLEN KV LAT_ARGS HF VARIANTS ROUNDS \
+  NPROMPTS TP_INLEN TP_OUTLEN TP_HF STARTUP PROFILE TIMELINE GPU_TESTS BUDGET
