@@ -265,8 +265,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     proc = None
     if args.artifact:
-        manifest = json.loads((Path(args.artifact) / "manifest.json").read_text())
-        vocab = int(manifest["vocab_size"])
+        from kiln.manifest import Manifest
+
+        vocab = Manifest.load(args.artifact).vocab_size
         log_path = Path(args.json_path + ".server.log" if args.json_path else "serve-bench.server.log")
         t = time.perf_counter()
         proc, url = start_server(args, log_path)

@@ -2,8 +2,8 @@
 
 Phases: config (normalize, validate) -> weights (pack per rank) -> trace (export every graph) ->
 kernels (run every graph once on the target device so every Triton kernel of every bucket is
-compiled into ``kernels/``) -> tokenizer -> manifest (versions, GPU arch, a hash of every file;
-``kiln.artifact_format``) -> build log (``build-log.json``: timings, source path, time, host).
+compiled into ``kernels/``) -> tokenizer -> manifest (a typed ``kiln.manifest.Manifest``: versions,
+GPU arch, a hash of every file) -> build log (``build-log.json``: timings, source path, time, host).
 
 Reproducible: the same checkpoint, options and versions give the same bytes in every file but the
 build log (what would differ, timings and measurements, goes there). Triton's kernels compile into
@@ -26,17 +26,17 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kiln.artifact_format import gpu_arch, write_build_log
 from kiln.compiler.config import ModelConfig, load_config
 from kiln.compiler.context import GRAPH_INPUTS
 from kiln.compiler.cutlass_build import check_request, cutlass_backend, drop_unused, fp8_library
 from kiln.compiler.graph_code import emit_graph_code
-from kiln.compiler.manifest import gpu_arch, versions, write_build_log, write_manifest
 from kiln.compiler.moe_layer import FusedMoE
 from kiln.compiler.moe_tune import MoEShape, moe_tuning
 from kiln.compiler.norm_folds import fold_norms_requested, norm_folds
@@ -45,6 +45,18 @@ from kiln.compiler.registry import model_class
 from kiln.compiler.trace import CacheSpec, example_inputs, export_graph, strip_example_inputs
 from kiln.errors import KilnError
 from kiln.kernel_cache import kernel_cache
+from kiln.manifest import (
+    GraphCode,
+    GraphEntry,
+    KernelChoices,
+    KVSpec,
+    LibraryRecord,
+    Manifest,
+    MoEChoice,
+    RopeSpec,
+    Versions,
+    file_table,
+)
 from kiln.ops.common import FP8_DTYPE
 from kiln.ops.gemv import gemv_plan
 from kiln.weights.fold import apply_norm_folds
@@ -75,7 +87,7 @@ class CompileOptions:
     dtype: str = "bfloat16"
     quant: str | None = None
     tp: int = 1
-    max_batch_size: int = 256
+    max_batch_size: int = 256  # the largest decode bucket (decode_buckets)
     max_seq_len: int | None = None  # default: min(max_position_embeddings, 32768)
     chunk_size: int = 4096  # largest extend (prefill chunk) in tokens
     page_size: int = 1
@@ -88,11 +100,16 @@ class CompileOptions:
     fp8_cutlass: bool = True  # quant fp8 on an sm90 GPU: build the CUTLASS FP8 GEMM library (fp8_library)
     force: bool = False
 
-    def buckets(self) -> list[int]:
-        b = [x for x in DEFAULT_BUCKETS if x <= self.max_batch_size]
-        if not b or b[-1] != self.max_batch_size:
-            b.append(self.max_batch_size)
-        return b
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens one call of the shared graph takes: a prefill chunk or a decode batch."""
+        return max(self.chunk_size, self.max_batch_size)
+
+    @property
+    def decode_buckets(self) -> tuple[int, ...]:
+        """The batch sizes decode runs at (the artifact's graphs and CUDA graphs): the
+        ``DEFAULT_BUCKETS`` below ``max_batch_size``, then ``max_batch_size``."""
+        return (*(b for b in DEFAULT_BUCKETS if b < self.max_batch_size), self.max_batch_size)
 
 
 @dataclass
@@ -190,21 +207,43 @@ def _norm_folds(model: torch.nn.Module, verbose: bool) -> dict[str, list[str]]:
     return folds
 
 
-def _cache_spec(cfg: ModelConfig, opts: CompileOptions) -> CacheSpec:
-    return CacheSpec(
-        cfg.num_layers,
-        cfg.kv_heads_per_rank(opts.tp),
-        cfg.head_dim,
-        cfg.v_head_dim,
-        DTYPES[opts.dtype],
-        opts.page_size,
+def _graph_entry(name: str, batch: int | None, **kw: Any) -> GraphEntry:
+    return GraphEntry(file=f"graphs/{name}.pt2", inputs=tuple(GRAPH_INPUTS), batch=batch, **kw)
+
+
+def _kv_spec(cfg: ModelConfig, opts: CompileOptions) -> KVSpec:
+    """The KV cache the graphs are traced for (per rank), as the manifest records it."""
+    return KVSpec(
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.kv_heads_per_rank(opts.tp),
+        head_dim=cfg.head_dim,
+        v_head_dim=cfg.v_head_dim,
+        dtype=opts.dtype,
+        page_size=opts.page_size,
+        bytes_per_token=cfg.kv_bytes_per_token(opts.dtype, opts.tp),
     )
+
+
+def _rope_spec(cfg: ModelConfig) -> RopeSpec:
+    # HF falls back to max_position_embeddings when scaling has no original length
+    original = cfg.rope_scaling.original_max_position or cfg.max_position_embeddings
+    scaling = asdict(cfg.rope_scaling) | {"original_max_position": original}
+    return RopeSpec(rotary_dim=cfg.rotary_dim, base=cfg.rope_theta, scaling=scaling, is_neox=cfg.rope_is_neox)
+
+
+def _eos_token_ids(cfg: ModelConfig, model_dir: Path) -> tuple[int, ...]:
+    """The config's EOS ids, else generation_config.json's ``eos_token_id`` (an id or a list)."""
+    if cfg.eos_token_ids:
+        return tuple(cfg.eos_token_ids)
+    path = model_dir / "generation_config.json"
+    eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    return (eos,) if isinstance(eos, int) else tuple(eos or ())
 
 
 def compile_model(
     model_dir: str | Path, out_dir: str | Path, opts: CompileOptions, verbose: bool = True
-) -> dict[str, Any]:
-    """Build the artifact for ``model_dir`` into ``out_dir``; returns the manifest."""
+) -> Manifest:
+    """Build the artifact for ``model_dir`` into ``out_dir``; returns its manifest."""
     from kiln.compiler.mappings import all_rank_specs, skip_patterns
     from kiln.weights import load_pack, pack_checkpoint
 
@@ -258,11 +297,14 @@ def compile_model(
         _check_pack_matches(model, weights)
         folds = _norm_folds(model, verbose)
         apply_norm_folds(weights, folds)  # as the runtime will, before the warm-up runs the graphs
-        cache = _cache_spec(cfg, opts)
-        graphs: dict[str, dict[str, Any]] = {}
+        kv = _kv_spec(cfg, opts)
+        cache = CacheSpec(
+            kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.v_head_dim, DTYPES[kv.dtype], kv.page_size
+        )
+        graphs: dict[str, GraphEntry] = {}
         (out / "graphs").mkdir()
-        buckets = opts.buckets()
-        max_blocks = -(-max_seq // opts.page_size)  # the runtime's block-table width
+        buckets = opts.decode_buckets
+        max_blocks = kv.pages_for(max_seq)  # the block-table width: Manifest.max_blocks at run time
         programs: dict[str, Any] = {}
         # The shared graph: dynamic tokens and requests; serves prefill and (captured per bucket) decode.
         ex = example_inputs(2, 8, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
@@ -271,10 +313,10 @@ def compile_model(
             weights,
             ex,
             opts.page_size,
-            max_tokens=max(opts.chunk_size, buckets[-1]),
-            max_batch=max(buckets[-1], 2),
+            max_tokens=opts.max_tokens,
+            max_batch=max(opts.max_batch_size, 2),
         )
-        graphs["model"] = {"batch": None, "max_tokens": max(opts.chunk_size, buckets[-1])}
+        graphs["model"] = _graph_entry("model", None, max_tokens=opts.max_tokens)
         # Static decode graphs: every bucket's with "per-bucket"; with folded norms, batch 1's in the
         # residual-stream layout (the shared graph keeps the add+norm kernels, faster from batch 2:
         # bench/results/2026-11-30_h200_s9d_fold_step.json).
@@ -285,7 +327,7 @@ def compile_model(
                 ex = example_inputs(b, b, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
                 programs[f"decode_b{b}"] = export_graph(model, weights, ex, opts.page_size, static_batch=True)
                 kind = "residual_stream" if model.fold_norms else "add_norm"
-                graphs[f"decode_b{b}"] = {"batch": b, "layout": kind}
+                graphs[f"decode_b{b}"] = _graph_entry(f"decode_b{b}", b, layout=kind)
         finally:
             model.fold_norms = False
     with timer.phase("kernels"):
@@ -308,82 +350,54 @@ def compile_model(
                 warm_up_checksum(weights)  # the check a verified load_pack runs on the arena
                 _build_driver_utils(kernels_dir)
         for name, ep in programs.items():
-            torch.export.save(ep, out / "graphs" / f"{name}.pt2")
-            graphs[name]["file"] = f"graphs/{name}.pt2"
-            graphs[name]["inputs"] = list(GRAPH_INPUTS)
+            torch.export.save(ep, out / graphs[name].file)
             layout = emit_graph_code(
                 modules[name], out / "graphs" / f"{name}.py", list(weights), len(GRAPH_INPUTS)
             )
             if layout is not None:
-                graphs[name]["python"] = {"file": f"graphs/{name}.py", **layout}
+                code = GraphCode.from_json({"file": f"graphs/{name}.py", **layout}, f"graphs.{name}.python")
+                graphs[name] = replace(graphs[name], python=code)
     with timer.phase("tokenizer"):
         tok_files = _copy_tokenizer(model_dir, out)
     with timer.phase("manifest"):
-        gen_cfg = (
-            json.loads((model_dir / "generation_config.json").read_text())
-            if (model_dir / "generation_config.json").is_file()
-            else {}
-        )
-        kernel_choices = {
-            "attention": "triton",
-            "page_size": opts.page_size,
-            "decode_graphs": opts.decode_graphs,
-            "decode_num_splits": {str(b): _decode_splits(cfg, b, max_seq, opts.tp) for b in buckets},
-            "gemv": plan,  # role -> largest T on the GEMV kernel (ops/gemv.py)
-        }
-        if moe_choice:
-            kernel_choices["moe"] = moe_choice | {"table": json.loads(moe_choice["table"])}
-        if fp8_choice:
-            kernel_choices["fp8"] = fp8_choice
-        kernel_choices, measured = split_build_facts(kernel_choices)
-        eos = list(cfg.eos_token_ids) or (
-            [gen_cfg["eos_token_id"]]
-            if isinstance(gen_cfg.get("eos_token_id"), int)
-            else list(gen_cfg.get("eos_token_id") or [])
-        )
-        manifest = write_manifest(
-            out,
+        records, measured = split_build_facts(
             {
-                "model": cfg.to_dict(),
-                "dtype": opts.dtype,
-                "quant": opts.quant,
-                "tp": opts.tp,
-                "device": device.type,
-                "gpu_arch": gpu_arch(opts.device),
-                "versions": versions(),
-                "max_seq_len": max_seq,
-                "max_batch_size": opts.max_batch_size,
-                "chunk_size": opts.chunk_size,
-                "decode_buckets": buckets,
-                "graphs": graphs,
-                "kv": {
-                    "num_layers": cfg.num_layers,
-                    "num_kv_heads": cache.num_kv_heads,
-                    "head_dim": cfg.head_dim,
-                    "v_head_dim": cfg.v_head_dim,
-                    "dtype": opts.dtype,
-                    "page_size": opts.page_size,
-                    "bytes_per_token": cfg.kv_bytes_per_token(opts.dtype, opts.tp),
-                },
-                "rope": {
-                    "rotary_dim": cfg.rotary_dim,
-                    "base": cfg.rope_theta,
-                    # HF falls back to max_position_embeddings when scaling has no original length
-                    "scaling": asdict(cfg.rope_scaling)
-                    | {
-                        "original_max_position": cfg.rope_scaling.original_max_position
-                        or cfg.max_position_embeddings
-                    },
-                    "is_neox": cfg.rope_is_neox,
-                },
-                "vocab_size": cfg.vocab_size,
-                "eos_token_ids": eos,
-                "bos_token_id": cfg.bos_token_id,
-                "tokenizer_files": tok_files,
-                "norm_folds": folds,  # weights/fold.py: the runtime folds these after loading
-                "kernel_choices": kernel_choices,
-            },
+                "moe": moe_choice | {"table": json.loads(moe_choice["table"])} if moe_choice else {},
+                "fp8": fp8_choice,
+            }
         )
+        choices = KernelChoices(
+            attention="triton",
+            decode_graphs=opts.decode_graphs,
+            decode_num_splits={b: _decode_splits(cfg, b, max_seq, opts.tp) for b in buckets},
+            gemv=plan,  # role -> largest T on the GEMV kernel (ops/gemv.py)
+            moe=MoEChoice.from_json(records["moe"], "kernel_choices.moe") if records["moe"] else None,
+            fp8=LibraryRecord.from_json(records["fp8"], "kernel_choices.fp8") if records["fp8"] else None,
+        )
+        manifest = Manifest(
+            model=json.loads(json.dumps(cfg.to_dict())),  # as load returns it (lists, not tuples)
+            dtype=opts.dtype,
+            quant=opts.quant,
+            tp=opts.tp,
+            device=device.type,
+            gpu_arch=gpu_arch(opts.device),
+            versions=Versions.current(),
+            max_seq_len=max_seq,
+            max_batch_size=opts.max_batch_size,
+            chunk_size=opts.chunk_size,
+            decode_buckets=buckets,
+            graphs=graphs,
+            kv=kv,
+            rope=_rope_spec(cfg),
+            vocab_size=cfg.vocab_size,
+            eos_token_ids=_eos_token_ids(cfg, model_dir),
+            bos_token_id=cfg.bos_token_id,
+            tokenizer_files=tuple(tok_files),
+            norm_folds={norm: tuple(consumers) for norm, consumers in folds.items()},  # weights/fold.py
+            kernel_choices=choices,
+            files=file_table(out),
+        )
+        manifest.save(out)
     write_build_log(
         out,
         {
@@ -395,7 +409,7 @@ def compile_model(
         },
     )
     if verbose:
-        size = sum(f["size"] for f in manifest["files"].values())
+        size = sum(f.size for f in manifest.files.values())
         print(
             f"[kiln compile] artifact {out} ({size / 2**30:.2f} GiB) in "
             f"{sum(timer.times.values()):.1f} s: "
@@ -426,12 +440,12 @@ EXTEND_WARMUP = (
 
 def _warm_up(
     modules: dict[str, Any],
-    graphs: dict[str, dict[str, Any]],
+    graphs: dict[str, GraphEntry],
     weights: dict[str, torch.Tensor],
     cache: CacheSpec,
     cfg: ModelConfig,
     device: torch.device,
-    buckets: list[int],
+    buckets: tuple[int, ...],
     max_blocks: int,
     chunk: int,
     moe_table: str = "",
@@ -482,7 +496,7 @@ def _moe_choice(cfg: ModelConfig, opts: CompileOptions, device: torch.device, ou
     m = cfg.moe
     assert m is not None
     shape = MoEShape(m.num_experts, -(-m.intermediate_size // opts.tp), cfg.hidden_size, m.top_k)
-    max_tokens = max(opts.chunk_size, opts.buckets()[-1])
+    max_tokens = opts.max_tokens
     measure = opts.moe_tune and opts.quant is None
     backend, lib = cutlass_backend(opts.moe_backend, device, opts.dtype, opts.quant, measure, out / "kernels")
     choice = moe_tuning(

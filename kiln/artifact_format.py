@@ -1,5 +1,7 @@
-"""The artifact's on-disk format, shared by the compiler (which writes it) and the runtime (which
-reads it); neither imports the other, both import this module.
+"""The artifact's on-disk format below the manifest's fields: file names, the schema version, the
+hashes, the build log and the error every refusal raises. Shared by the compiler (which writes an
+artifact) and the runtime (which reads it); neither imports the other, both import this module and
+:mod:`kiln.manifest` (the typed fields of ``manifest.json``).
 
 ``manifest.json`` (schema :data:`SCHEMA_VERSION`) holds, besides the model facts:
 
@@ -25,17 +27,20 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from kiln.errors import KilnError
+
 # 2: kiln::linear takes max_m; kernels carry PDL. 3: norm_folds, the residual arguments of
 # kiln::linear / kiln::fused_moe and rmsnorm_linear's folded. 4: versions.kiln and
-# versions.kernel_sources, xxh3 file table, manifest_xxh3_128, build-log.json (older artifacts: rebuild)
-SCHEMA_VERSION = 4
+# versions.kernel_sources, xxh3 file table, manifest_xxh3_128, build-log.json. 5: typed
+# (kiln.manifest), kernel_choices.page_size dropped (kv.page_size is the one). Older artifacts: rebuild.
+SCHEMA_VERSION = 5
 MANIFEST = "manifest.json"
 BUILD_LOG = "build-log.json"
 HASH_KEY = "xxh3_128"  # per-file hash in ``files``
@@ -44,6 +49,13 @@ PACK_INDEX = "weights/pack.json"
 MANIFEST_HASH_KEY = "manifest_xxh3_128"
 KERNEL_SOURCE_SUFFIXES = (".py", ".cu", ".cuh", ".h", ".cpp")
 _PARALLEL_FROM = 16  # files: below this, hashing in threads costs more than it saves
+REBUILD = "rebuild it on this machine with `kiln compile MODEL_DIR -o ART --force`"
+RECOPY = f"copy it again or {REBUILD}"
+
+
+class ArtifactError(KilnError):
+    """An artifact that cannot be used here: missing, altered, damaged or built for another machine
+    (the message names the file or field and ends with the fix)."""
 
 
 def kiln_version() -> str:
@@ -116,114 +128,19 @@ def is_weight_data(rel: str) -> bool:
     return rel.startswith("weights/") and rel.endswith(".safetensors")
 
 
-def gpu_arch_of(capability: tuple[int, int] | None) -> str:
-    """``sm_90`` style for a CUDA device's compute capability, ``cpu`` for None."""
-    return "cpu" if capability is None else f"sm_{capability[0]}{capability[1]}"
+def gpu_arch(device: Any) -> str:
+    """``sm_90`` style for a CUDA device (a ``torch.device`` or a string such as ``"cuda:0"``),
+    ``cpu`` otherwise: what the compiler records and the runtime compares (imports torch)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(dev)
+    return f"sm_{major}{minor}"
 
 
-# What the runtime reads, with its type: checked before any field is used, so a manifest that lacks
-# one or holds the wrong type is refused naming the field (not a KeyError deep in the loader).
-_INT, _STR, _BOOL, _NUM, _DICT, _LIST = (
-    "an integer",
-    "a string",
-    "a boolean",
-    "a number",
-    "an object",
-    "a list",
-)
-FIELDS: dict[str, str] = {
-    "schema_version": _INT,
-    MANIFEST_HASH_KEY: _STR,
-    "versions": _DICT,
-    "versions.torch": _STR,
-    "versions.triton": _STR,
-    "versions.kiln": _STR,
-    "versions.kernel_sources": _STR,
-    "gpu_arch": _STR,
-    "dtype": _STR,
-    "tp": _INT,
-    "model": _DICT,
-    "max_seq_len": _INT,
-    "max_batch_size": _INT,
-    "chunk_size": _INT,
-    "decode_buckets": _LIST,
-    "graphs": _DICT,
-    "graphs.model": _DICT,
-    "kv": _DICT,
-    "kv.num_layers": _INT,
-    "kv.num_kv_heads": _INT,
-    "kv.head_dim": _INT,
-    "kv.v_head_dim": _INT,
-    "kv.page_size": _INT,
-    "kv.bytes_per_token": _INT,
-    "kv.dtype": _STR,
-    "rope": _DICT,
-    "rope.rotary_dim": _INT,
-    "rope.base": _NUM,
-    "rope.scaling": _DICT,
-    "rope.is_neox": _BOOL,
-    "vocab_size": _INT,
-    "eos_token_ids": _LIST,
-    "tokenizer_files": _LIST,
-    "norm_folds": _DICT,
-    "kernel_choices": _DICT,
-    "files": _DICT,
-}
-
-
-def _is(value: Any, kind: str) -> bool:
-    if kind == _INT:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == _NUM:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    return isinstance(value, {_STR: str, _BOOL: bool, _DICT: dict, _LIST: list}[kind])
-
-
-def _get(doc: dict[str, Any], parts: Iterable[str]) -> tuple[bool, Any]:
-    cur: Any = doc
-    for part in parts:
-        if not isinstance(cur, dict) or part not in cur:
-            return False, None
-        cur = cur[part]
-    return True, cur
-
-
-def _kind_name(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)  # fmt: skip
-
-
-def _checks(m: dict[str, Any]) -> Iterator[tuple[str, tuple[bool, Any], str]]:
-    """``(field name, (found, value), expected kind)`` of every field the runtime reads."""
-    for dotted, kind in FIELDS.items():
-        yield dotted, _get(m, dotted.split(".")), kind
-    graphs = m.get("graphs") if isinstance(m.get("graphs"), dict) else {}
-    for name, g in graphs.items():
-        yield f"graphs.{name}", (True, g), _DICT
-        yield f"graphs.{name}.file", _get(m, ("graphs", name, "file")), _STR
-        if isinstance(g, dict) and "python" in g:
-            for key, kind in (("file", _STR), ("weight_keys", _LIST), ("num_inputs", _INT), ("output", _STR)):
-                yield f"graphs.{name}.python.{key}", _get(m, ("graphs", name, "python", key)), kind
-    files = m.get("files") if isinstance(m.get("files"), dict) else {}
-    for rel, info in files.items():
-        yield f"files.{rel}", (True, info), _DICT
-        yield f"files.{rel}.size", _get(m, ("files", rel, "size")), _INT
-        key = CHECKED_BY_KEY if is_weight_data(rel) else HASH_KEY
-        yield f"files.{rel}.{key}", _get(m, ("files", rel, key)), _STR
-
-
-def field_problem(manifest: dict[str, Any]) -> str | None:
-    """The first field the runtime reads that is missing or of the wrong type, as ``"'kv.page_size'
-    is missing"`` or ``"'tp' is a string, not an integer"``; None when every one is usable."""
-    for name, (found, value), kind in _checks(manifest):
-        if not found:
-            return f"'{name}' is missing"
-        if not _is(value, kind):
-            return f"'{name}' is {_kind_name(value)}, not {kind}"
-    if not manifest["decode_buckets"] or not all(_is(b, _INT) and b > 0 for b in manifest["decode_buckets"]):
-        return "'decode_buckets' must be a non-empty list of positive integers"
-    if not all(_is(t, _INT) for t in manifest["eos_token_ids"]):
-        return "'eos_token_ids' must be a list of integers"
-    if not all(isinstance(t, str) for t in manifest["tokenizer_files"]):
-        return "'tokenizer_files' must be a list of strings"
-    return None
+def write_build_log(root: Path, log: dict[str, Any]) -> None:
+    """Write ``root/build-log.json``: what differs between two compiles of the same inputs (timings,
+    source path, time, host, build-cache hits, measured timings). No check reads it."""
+    (root / BUILD_LOG).write_text(json.dumps(log, indent=2, sort_keys=True, default=str) + "\n")

@@ -91,9 +91,7 @@ class LatencyResult:
 def weight_bytes_per_step(llm: LLM, batch: int = 1) -> int:
     """Bytes of weights a decode step of ``batch`` tokens reads (:func:`weight_bytes`) for a loaded
     artifact."""
-    moe = llm.engine.artifact.manifest.get("model", {}).get("moe")
-    experts = (moe["top_k"], moe["num_experts"]) if moe else None
-    return weight_bytes(llm.engine.model.weights, experts, batch)
+    return weight_bytes(llm.engine.model.weights, llm.engine.artifact.manifest.routed_experts, batch)
 
 
 def weight_bytes(weights: dict[str, torch.Tensor], experts: tuple[int, int] | None, batch: int = 1) -> int:
@@ -121,7 +119,7 @@ def kiln_latency(
 ) -> LatencyResult:
     eng = llm.engine
     eng.reset_prefix_cache()
-    prompts = random_prompts(batch, input_len, eng.artifact.vocab_size, seed)
+    prompts = random_prompts(batch, input_len, eng.vocab_size, seed)
     sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for p in prompts:
         eng.add_request(p, sp)
@@ -152,7 +150,7 @@ def kiln_latency(
     t_end = time.perf_counter()
     breakdown = {k: 1e3 * v / max(len(step_times), 1) for k, v in parts.items()}  # ms per decode step
     decode_s = t_end - first_done
-    kv_per_tok = eng.artifact.kv["bytes_per_token"]
+    kv_per_tok = eng.artifact.manifest.kv.bytes_per_token
     mean_ctx = input_len + output_len / 2
     nbytes = weight_bytes_per_step(llm, batch) + batch * mean_ctx * kv_per_tok
     roof = batch / (nbytes / (read_gbps * 1e9)) if read_gbps == read_gbps else float("nan")
@@ -350,14 +348,21 @@ def startup(artifact: str, runs: int = 2, verify: bool = True) -> dict[str, Any]
 def startup_verify_cost(artifact: str, runs: int = 3) -> dict[str, Any]:
     """Start-up with the artifact check on and off, side by side: one warm-up process, then
     ``runs`` pairs alternating on/off (so page-cache state and machine drift hit both alike);
-    the best of each and the ratio of their ready times."""
+    the best of each and the ratio of their ready times; ``load_ratio`` compares what follows the
+    imports (ready minus import: the part the check can change; the import time of a fresh process
+    varies by a second or more between runs on the H200 host)."""
     _startup_once(artifact, True)
     pairs = [(_startup_once(artifact, True), _startup_once(artifact, False)) for _ in range(runs)]
     on = min((a for a, _ in pairs), key=lambda r: r["ready_s"])
     off = min((b for _, b in pairs), key=lambda r: r["ready_s"])
+
+    def load(r: dict[str, Any]) -> float:
+        return r["ready_s"] - r["import_s"]
+
     return {
         "runs": [r for pair in pairs for r in pair],
         "verify": on,
         "no_verify": off,
         "ready_ratio": on["ready_s"] / off["ready_s"],
+        "load_ratio": min(load(a) for a, _ in pairs) / min(load(b) for _, b in pairs),
     }

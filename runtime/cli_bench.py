@@ -66,7 +66,7 @@ def latency_cmd(
     batches = [int(b) for b in batch_sizes.split(",")]
     report: dict[str, Any] = {"env": environment(), "artifact": artifact}
     if hf_dir:  # first, so its memory is back before kiln sizes its KV pool
-        vocab = open_artifact(artifact, "cuda").vocab_size
+        vocab = open_artifact(artifact, "cuda").manifest.vocab_size
         report["hf"] = {
             str(b): v for b, v in hf_latency(hf_dir, batches, input_len, output_len, vocab).items()
         }
@@ -174,7 +174,9 @@ def throughput_cmd(
 
     device = kw.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     art = open_artifact(artifact, device)
-    prompts, lens = throughput_workload(num_prompts, _range(input_len), _range(output_len), art.vocab_size)
+    prompts, lens = throughput_workload(
+        num_prompts, _range(input_len), _range(output_len), art.manifest.vocab_size
+    )
     report: dict[str, Any] = {"env": environment(), "artifact": artifact}
     if hf_dir:  # first, so its memory is back before kiln sizes its KV pool
         n = hf_num_prompts or num_prompts
@@ -221,7 +223,10 @@ def startup_cmd(artifact: str, runs: int, verify: bool, compare_verify: bool, js
         c = startup_verify_cost(artifact, runs)
         click.echo(f"verify on:  {line(c['verify'])}")
         click.echo(f"verify off: {line(c['no_verify'])}")
-        click.echo(f"ready with the check / without: {c['ready_ratio']:.3f}")
+        click.echo(
+            f"ready with the check / without: {c['ready_ratio']:.3f}; "
+            f"after the imports: {c['load_ratio']:.3f}"
+        )
         _write({"env": environment(), "artifact": artifact, "startup_verify_cost": c}, json_path)
         return
     r = startup(artifact, runs, verify)

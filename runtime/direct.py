@@ -20,25 +20,15 @@ class DirectRunner:
         artifact: str,
         device: str = "cpu",
         num_slots: int = 4096,
-        max_requests: int = 8,
+        max_running: int = 8,
         cuda_graph: bool = False,
         model: LoadedModel | None = None,
     ):
         self.model = model or load_model(artifact, device)
-        art = self.model.artifact
-        kv = art.kv
-        P = kv["page_size"]
-        self.pool = KVPool(
-            kv["num_layers"],
-            num_slots - num_slots % P,
-            kv["num_kv_heads"],
-            kv["head_dim"],
-            kv["v_head_dim"],
-            art.dtype,
-            self.model.device,
-            P,
-        )
-        self.bt = BlockTable(max_requests, -(-art.max_seq_len // P), self.model.device, P)
+        m = self.model.artifact.manifest
+        page_size = m.kv.page_size
+        self.pool = KVPool.for_spec(m.kv, num_slots - num_slots % page_size, self.model.device)
+        self.bt = BlockTable(max_running, m.max_blocks, self.model.device, page_size)
         self.runner = ModelRunner(self.model, self.pool, self.bt, cuda_graph=cuda_graph)
         self.rows: list[int] = []
         self.lens: list[int] = []
@@ -62,7 +52,7 @@ class DirectRunner:
         slots: list[int] = []
         for i, p in enumerate(prompts):
             row = self.bt.alloc_row()
-            assert row is not None, "too many sequences for max_requests"
+            assert row is not None, "too many sequences for max_running"
             self.rows.append(row)
             self.lens.append(0)
             self._grow(i, len(p))

@@ -24,7 +24,7 @@ from kiln.runtime.sampler import Sampler, resolve_seed
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler, SchedulerConfig
 from kiln.runtime.staging import HostStager
-from kiln.runtime.stepper import PLACEHOLDER, Launched, Stepper
+from kiln.runtime.stepper import PLACEHOLDER, Launched, StepParts, Stepper
 from kiln.runtime.tokenizer import RequestText, load_tokenizer
 
 GIB = 1024**3
@@ -48,7 +48,7 @@ class EngineOptions:
     # work of a step hides behind the GPU. 13-27% more decode tok/s on the H200 (bench/results,
     # latency_run5 vs latency_run5_overlap); same tokens as sequential (tests/runtime).
     overlap: bool = True
-    max_running: int | None = None  # default: the largest decode bucket
+    max_running: int | None = None  # default (and at most): the artifact's max_batch_size
     chunk_size: int | None = None  # default: the artifact's chunk size
     activation_reserve_gib: float = 4.0
     gpu_memory_fraction: float = 0.90
@@ -81,9 +81,7 @@ class Engine:
         tokenizer: list[Any] = [None]
 
         def load_text(art: Any) -> None:  # runs while the weights stream in
-            has_tok = {"tokenizer.json", "tokenizer.model", "vocab.json"} & set(
-                art.manifest.get("tokenizer_files", [])
-            )
+            has_tok = {"tokenizer.json", "tokenizer.model", "vocab.json"} & set(art.manifest.tokenizer_files)
             if has_tok:
                 tokenizer[0] = load_tokenizer(art.tokenizer_dir)
                 prepare_detokenizer(tokenizer[0])  # shared tables built here, not on first use
@@ -100,23 +98,17 @@ class Engine:
         art = self.model.artifact
         self.artifact = art
         self.device = self.model.device
-        kv, P = art.kv, art.kv["page_size"]
-        self.max_seq_len = art.max_seq_len
-        max_running = min(opts.max_running or art.decode_buckets[-1], art.decode_buckets[-1])
+        m = art.manifest  # typed fields, read here once
+        kv, page_size = m.kv, m.kv.page_size
+        self.max_seq_len = m.max_seq_len
+        # Requests running at once: the option, at most the largest decode bucket (max_batch_size).
+        self.max_running = min(opts.max_running or m.max_batch_size, m.max_batch_size)
         t = time.perf_counter()
-        want = _kv_bytes(opts, self.device, kv["bytes_per_token"], max_running * self.max_seq_len + P)
-        num_slots = size_for_memory(want, kv["bytes_per_token"], P)
-        self.pool = KVPool(
-            kv["num_layers"],
-            num_slots,
-            kv["num_kv_heads"],
-            kv["head_dim"],
-            kv["v_head_dim"],
-            art.dtype,
-            self.device,
-            P,
+        want = _kv_bytes(
+            opts, self.device, kv.bytes_per_token, self.max_running * self.max_seq_len + page_size
         )
-        self.bt = BlockTable(max_running, -(-self.max_seq_len // P), self.device, P)
+        self.pool = KVPool.for_spec(kv, size_for_memory(want, kv.bytes_per_token, page_size), self.device)
+        self.bt = BlockTable(self.max_running, m.max_blocks, self.device, page_size)
         # Per-step copies: persistent pinned rings with overlap (no host syncs), fresh pinned
         # tensors otherwise (the path measured on the H200 without overlap).
         self.stager = HostStager(self.device, ring=opts.overlap)
@@ -125,33 +117,38 @@ class Engine:
         t = time.perf_counter()
         self.runner = ModelRunner(self.model, self.pool, self.bt, cuda_graph=opts.cuda_graph)
         self.model.phases["cuda_graphs"] = time.perf_counter() - t
-        self.radix = RadixCache(P, disabled=not opts.radix_cache)
-        chunk = min(opts.chunk_size or art.chunk_size, art.chunk_size)
+        self.radix = RadixCache(page_size, disabled=not opts.radix_cache)
+        chunk = min(opts.chunk_size or m.chunk_size, m.chunk_size)
         self.scheduler = Scheduler(
-            SchedulerConfig(max_running=max_running, chunk_size=chunk, max_seq_len=self.max_seq_len),
+            SchedulerConfig(max_running=self.max_running, chunk_size=chunk, max_seq_len=self.max_seq_len),
             self.pool,
             self.bt,
             self.radix,
         )
-        self.sampler = Sampler(art.vocab_size, self.bt.num_rows, self.device)
-        self.eos_ids = set(art.eos_token_ids)
+        self.vocab_size = m.vocab_size
+        self.sampler = Sampler(self.vocab_size, self.bt.num_rows, self.device)
+        self.eos_ids = frozenset(m.eos_token_ids)
         self.requests: dict[str, Req] = {}
         self._ids = itertools.count()
-        self._sampler_rows: dict[str, int] = {}
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0}
-        self.last_step_mode = ""
-        # Cumulative seconds per part of a step. Host work: "schedule" (the scheduler, step inputs,
-        # bookkeeping), "launch" (ModelRunner.forward), "sample", "outputs" (stop checks, text,
-        # RequestOutputs); "wait" is the sync on the device. All but "wait" add up to the step's
-        # host time (last_step_host_s).
-        self.host_breakdown = dict.fromkeys(("schedule", "launch", "sample", "wait", "outputs"), 0.0)
-        self.last_step_host_s = 0.0
-        self.stepper = Stepper(self, overlap=opts.overlap)
+        parts = StepParts(
+            self.scheduler,
+            self.runner,
+            self.sampler,
+            self.stager,
+            self.device,
+            self.eos_ids,
+            self.stats,
+            self._outputs,
+        )
+        self.stepper = Stepper(parts, overlap=opts.overlap)
+        self.host_breakdown = self.stepper.host_breakdown  # seconds per part of a step (Stepper)
         self.startup_seconds = time.perf_counter() - t0
         if opts.log:
             print(
                 f"[kiln] KV pool: {self.pool.capacity_tokens:,} tokens "
-                f"({self.pool.nbytes / GIB:.2f} GiB, page size {P}); ready in {self.startup_seconds:.2f} s "
+                f"({self.pool.nbytes / GIB:.2f} GiB, page size {page_size}); "
+                f"ready in {self.startup_seconds:.2f} s "
                 f"({', '.join(f'{k} {v:.2f}s' for k, v in self.model.phases.items())})",
                 flush=True,
             )
@@ -181,7 +178,7 @@ class Engine:
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise RequestError("prompt", "the prompt is empty")
-        vocab = self.artifact.vocab_size
+        vocab = self.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise RequestError("prompt", f"token ids must be in [0, {vocab})")
         if len(ids) >= self.max_seq_len:
@@ -231,14 +228,19 @@ class Engine:
         """Run one step (see ``runtime/stepper.py``); returns the requests' new outputs."""
         return self.stepper.step()
 
-    def _finish(self, launched: Launched, launch_host_s: float) -> list[RequestOutput]:
-        """Read back a launched step's tokens, apply stop conditions and build the outputs.
-        ``launch_host_s``: host seconds this ``step()`` call spent launching (for the report)."""
-        t0 = time.perf_counter()
-        if launched.event is not None:
-            launched.event.synchronize()
-        t_synced = time.perf_counter()
-        self.host_breakdown["wait"] += t_synced - t0
+    @property
+    def last_step_mode(self) -> str:
+        """``decode`` or ``extend``: the mode of the step launched last."""
+        return self.stepper.last_step_mode
+
+    @property
+    def last_step_host_s(self) -> float:
+        """Host seconds of the last ``step()`` call: launching plus finishing, not the device wait."""
+        return self.stepper.last_step_host_s
+
+    def _outputs(self, launched: Launched) -> list[RequestOutput]:
+        """The stepper's ``outputs`` callback: apply a finished step's tokens (on the host now) to
+        its requests (stop conditions, text) and build their outputs."""
         h = launched.host
         next_ids = h["ids"].tolist()
         lp = h["logprobs"].tolist() if "logprobs" in h else None
@@ -277,7 +279,6 @@ class Engine:
                 req.finish_time = now
                 self.scheduler.finish(req)
                 self.requests.pop(req.rid, None)
-                self._sampler_rows.pop(req.rid, None)
             # RequestOutput's fields in order (positional: a third of the keyword call's cost):
             # rid, new_text, new_token_ids, token_ids, text, finished, finish_reason,
             # num_output_tokens, num_prompt_tokens, num_cached_tokens, new_logprobs, ttft, latency.
@@ -299,10 +300,6 @@ class Engine:
                 )
             )
         self.stats["generated_tokens"] += generated
-        t_end = time.perf_counter()
-        self.host_breakdown["outputs"] += t_end - t_synced
-        # Host time of this step() call: launching plus finishing, not waiting for the device.
-        self.last_step_host_s = launch_host_s + (t_end - t_synced)
         return outputs
 
     def _check_stop(self, req: Req, p: SamplingParams, tok: int, n_out: int) -> str:

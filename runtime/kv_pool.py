@@ -5,11 +5,12 @@
     k_cache: [L, S, H_kv, D]    v_cache: [L, S, H_kv, Dv]
 
 Slots come in pages of ``page_size`` consecutive slots; page ``p`` holds slots
-``p * P .. p * P + P - 1``. Page 0 (so slot 0) is the padding sink: padded batch rows write their
-K/V there, and the allocator never hands it out. The allocator is plain Python (a free list plus
-an ownership bitmap that catches double frees and foreign pages); nothing here syncs the device.
+``p * page_size .. (p + 1) * page_size - 1``. Page 0 (so slot 0) is the padding sink: padded batch
+rows write their K/V there, and the allocator never hands it out. The allocator is plain Python (a
+free list plus an ownership bitmap that catches double frees and foreign pages); nothing here syncs
+the device.
 
-``BlockTable`` is the persistent ``[R, max_blocks]`` int32 device table that maps a request's
+``BlockTable`` is the persistent ``[max_running + 1, max_blocks]`` int32 device table that maps a request's
 block index to its page, plus plain-Python bookkeeping per row. Changes are collected on the host
 and written to the device by ``flush()``, one small copy per step boundary, never per token.
 Row 0 is the padding row (all zeros, so every lookup through it lands on the sink page).
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from kiln.errors import KilnError
+from kiln.manifest import KVSpec
 
 
 class KVPoolError(KilnError, RuntimeError):
@@ -38,8 +40,6 @@ def size_for_memory(memory_bytes: int, kv_bytes_per_token: int, page_size: int =
     """
     if kv_bytes_per_token <= 0:
         raise KVPoolError(f"kv_bytes_per_token must be positive, got {kv_bytes_per_token}")
-    if page_size < 1:
-        raise KVPoolError(f"page_size must be >= 1, got {page_size}")
     slots = int(memory_bytes) // int(kv_bytes_per_token)
     slots -= slots % page_size
     if slots < 2 * page_size:
@@ -56,7 +56,8 @@ class KVPool:
     Args:
         num_layers: L.  num_slots: S, a multiple of ``page_size`` (includes the sink page).
         num_kv_heads: H_kv per rank.  head_dim: D of K.  v_head_dim: Dv of V (may be 0).
-        dtype, device: of both caches.  page_size: P, slots per page (1 or 16 in practice).
+        dtype, device: of both caches.  page_size: slots per page (1 or 16 in practice; checked
+        here, the runtime's one check besides the manifest's ``kv.page_size``).
 
     Attributes:
         k_cache: ``[L, S, H_kv, D]`` dtype.  v_cache: ``[L, S, H_kv, Dv]`` dtype.
@@ -91,6 +92,14 @@ class KVPool:
             num_layers, num_slots, num_kv_heads, v_head_dim, dtype=dtype, device=device
         )
         self.reset()
+
+    @classmethod
+    def for_spec(cls, kv: KVSpec, num_slots: int, device: torch.device | str) -> KVPool:
+        """The pool of ``num_slots`` slots for an artifact's KV spec (``manifest.kv``)."""
+        dtype = getattr(torch, kv.dtype)
+        return cls(
+            kv.num_layers, num_slots, kv.num_kv_heads, kv.head_dim, kv.v_head_dim, dtype, device, kv.page_size
+        )
 
     def reset(self) -> None:
         """Mark every page but the sink free (the tensors keep their contents)."""
@@ -153,34 +162,36 @@ class KVPool:
         return 0 < page < self.num_pages and bool(self._owned[page])
 
     def slots_of(self, pages: Iterable[int]) -> list[int]:
-        """The slots of ``pages`` in order: page ``p`` gives ``p*P .. p*P + P - 1``."""
-        P = self.page_size
-        if P == 1:
+        """The slots of ``pages`` in order: page ``p`` gives ``p * page_size + i``, ``i < page_size``."""
+        page_size = self.page_size
+        if page_size == 1:
             return list(pages)
-        return [p * P + i for p in pages for i in range(P)]
+        return [p * page_size + i for p in pages for i in range(page_size)]
 
 
 class BlockTable:
     """The persistent ``[R, max_blocks]`` int32 block table and its per-row host bookkeeping.
 
-    ``R = max_requests + 1``: row 0 is the padding row, never handed out and always all zeros, so
-    a padded batch entry (``req_rows = 0``) only ever reads and writes the sink page. Rows
-    ``1..max_requests`` belong to running requests (``alloc_row``). ``assign``/``append``/``release``
+    ``num_rows = max_running + 1``: row 0 is the padding row, never handed out and always all zeros,
+    so a padded batch entry (``req_rows = 0``) only ever reads and writes the sink page. Rows
+    ``1..max_running`` belong to running requests (``alloc_row``). ``assign``/``append``/``release``
     update the host lists immediately and queue the device writes; ``flush()`` (once per step,
     before the step's kernels read the table) applies all queued writes with one copy and one
     ``index_put_``. A released row is zeroed on the device at the next flush.
 
-    Token position ``p`` of row ``r`` lives at slot ``table[r, p // P] * P + p % P``.
+    Token position ``p`` of row ``r`` lives at slot
+    ``table[r, p // page_size] * page_size + p % page_size``.
     """
 
     PAD_ROW = 0
 
-    def __init__(self, max_requests: int, max_blocks: int, device: torch.device | str, page_size: int = 1):
-        if max_requests < 1 or max_blocks < 1:
+    def __init__(self, max_running: int, max_blocks: int, device: torch.device | str, page_size: int = 1):
+        if max_running < 1 or max_blocks < 1:
             raise KVPoolError(
-                f"BlockTable needs max_requests >= 1 and max_blocks >= 1, got {max_requests}, {max_blocks}"
+                f"BlockTable needs max_running >= 1 and max_blocks >= 1, got {max_running}, {max_blocks}"
             )
-        self.num_rows = max_requests + 1
+        self.max_running = max_running
+        self.num_rows = max_running + 1  # the padding row, then one per running request
         self.max_blocks = max_blocks
         self.page_size = page_size
         self.device = torch.device(device)
@@ -274,20 +285,20 @@ class BlockTable:
 
     def slots(self, row: int, start: int, end: int) -> list[int]:
         """Slots of token positions ``start..end-1`` of ``row`` (for ``out_slots``)."""
-        P, pages = self.page_size, self._pages[row]
-        if end > len(pages) * P:
-            raise KVPoolError(f"row {row} holds {len(pages) * P} slots; positions up to {end} asked")
-        if P == 1:
+        page_size, pages = self.page_size, self._pages[row]
+        if end > len(pages) * page_size:
+            raise KVPoolError(f"row {row} holds {len(pages) * page_size} slots; positions up to {end} asked")
+        if page_size == 1:
             return pages[start:end]
-        return [pages[p // P] * P + p % P for p in range(start, end)]
+        return [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
 
     def slot_each(self, rows: Sequence[int], positions: Sequence[int]) -> list[int]:
         """The slot of position ``positions[i]`` of row ``rows[i]`` for every ``i`` (a decode
         step's ``out_slots``; the rows' pages must cover the positions)."""
-        P, tables = self.page_size, self._pages
-        if P == 1:
+        page_size, tables = self.page_size, self._pages
+        if page_size == 1:
             return [tables[row][k] for row, k in zip(rows, positions)]
-        return [tables[row][k // P] * P + k % P for row, k in zip(rows, positions)]
+        return [tables[row][k // page_size] * page_size + k % page_size for row, k in zip(rows, positions)]
 
     # device -----------------------------------------------------------------------------------
     @property

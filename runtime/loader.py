@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from kiln.artifact_format import HASH_KEY
 from kiln.errors import KilnError
 from kiln.kernel_cache import use_kernel_cache, user_cache_dir
+from kiln.manifest import FileEntry
 from kiln.runtime.artifact import (
     REBUILD,
     RECOPY,
@@ -63,7 +63,7 @@ def _load_cutlass(
 ) -> str:
     """Check (size and hash, verify or not: it is executable code) and load one of the artifact's
     CUTLASS libraries."""
-    info = art.manifest.get("files", {}).get(rel or "")
+    info = art.manifest.files.get(rel or "")
     if not rel or info is None:
         raise ArtifactError(
             f"manifest field '{field_name}' must name a file listed in 'files' (it is {rel!r}): {REBUILD}."
@@ -83,13 +83,12 @@ def load_moe_library(art: Artifact, device: torch.device) -> str | None:
     """Load the CUTLASS grouped-GEMM library into this process (ops/moe_cutlass.py) when a rung of
     the artifact's MoE table runs CUTLASS (``manifest.kernel_choices.moe``) and the device is CUDA.
     Returns its path (None: not needed)."""
-    moe = art.manifest.get("kernel_choices", {}).get("moe") or {}
-    table = moe.get("table") or {}
-    if device.type != "cuda" or not any(e.get("backend") == "cutlass" for e in table.values()):
+    moe = art.manifest.kernel_choices.moe
+    if device.type != "cuda" or moe is None or not moe.uses_cutlass:
         return None
     from kiln.ops import moe_cutlass
 
-    rel = (moe.get("cutlass") or {}).get("library")
+    rel = moe.cutlass.library if moe.cutlass is not None else None
     field_name = "kernel_choices.moe.cutlass.library"
     return _load_cutlass(art, rel, field_name, "CUTLASS MoE", moe_cutlass.load_library)
 
@@ -98,7 +97,8 @@ def load_fp8_library(art: Artifact, device: torch.device) -> str | None:
     """Load the CUTLASS FP8 GEMM library (ops/fp8_cutlass.py) when the artifact carries one
     (``manifest.kernel_choices.fp8.library``) and the device is CUDA; fp8_linear's ``auto`` backend
     then runs it where its table has the shape. Returns its path (None: none)."""
-    rel = (art.manifest.get("kernel_choices", {}).get("fp8") or {}).get("library")
+    fp8 = art.manifest.kernel_choices.fp8
+    rel = fp8.library if fp8 is not None else None
     if device.type != "cuda" or rel is None:
         return None
     from kiln.ops import fp8_cutlass
@@ -158,25 +158,24 @@ def load_graphs(art: Artifact, fmt: str | None = None) -> dict[str, Any]:
     Python source when the artifact has one (and ``fmt`` is python), else the ``.pt2``."""
     fmt = fmt or graph_format()
     graphs: dict[str, Any] = {}
-    for name, g in art.graphs.items():
-        code = g.get("python")
+    for name, g in art.manifest.graphs.items():
+        code = g.python
         if fmt == "python" and code is not None:
-            graphs[name] = load_graph_code(
-                art.root / code["file"], code, _listed(art, code["file"])[HASH_KEY]
-            )
+            digest = _listed(art, code.file).xxh3_128
+            graphs[name] = load_graph_code(art.root / code.file, code.to_json(), digest)
             continue
-        check_file(art.root, g["file"], _listed(art, g["file"]))  # it is code: checked verify or not
+        check_file(art.root, g.file, _listed(art, g.file))  # it is code: checked verify or not
         try:
             with _fast_deserialize():
-                graphs[name] = torch.export.load(art.root / g["file"]).module()
+                graphs[name] = torch.export.load(art.root / g.file).module()
         except Exception as e:  # a file the hash check passed that this torch cannot read
-            raise ArtifactError(f"graph file {g['file']} does not load ({one_line(e)}); {RECOPY}.") from None
+            raise ArtifactError(f"graph file {g.file} does not load ({one_line(e)}); {RECOPY}.") from None
     return graphs
 
 
-def _listed(art: Artifact, rel: str) -> dict[str, Any]:
-    info = art.manifest["files"].get(rel)
-    if info is None or HASH_KEY not in info:
+def _listed(art: Artifact, rel: str) -> FileEntry:
+    info = art.manifest.files.get(rel)
+    if info is None or info.xxh3_128 is None:
         raise ArtifactError(f"graph file {rel} named in the manifest is not in its file table; {RECOPY}.")
     return info
 
@@ -186,9 +185,10 @@ def check_vocab(art: Artifact, weights: dict[str, torch.Tensor]) -> None:
     embedding when they are tied): the sampler and the graphs' logits are sized by each."""
     name = "lm_head.weight" if "lm_head.weight" in weights else "embed.weight"
     rows = weights[name].shape[0] if name in weights else None
-    if rows != art.vocab_size:
+    vocab = art.manifest.vocab_size
+    if rows != vocab:
         raise ArtifactError(
-            f"manifest field 'vocab_size' is {art.vocab_size} but the weight pack's {name} has {rows} rows "
+            f"manifest field 'vocab_size' is {vocab} but the weight pack's {name} has {rows} rows "
             f"(weights/pack.json): the manifest and the weights disagree; {RECOPY}."
         )
 
@@ -263,7 +263,8 @@ def load_model(
     def load_weights() -> None:
         try:
             weights = load_pack(art.root / "weights", rank, dev, verify=verify)
-            apply_norm_folds(weights, art.manifest.get("norm_folds"))  # what the graphs expect
+            folds = {norm: list(consumers) for norm, consumers in art.manifest.norm_folds.items()}
+            apply_norm_folds(weights, folds)  # what the graphs expect
             loaded["weights"] = weights
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -294,7 +295,7 @@ def load_model(
     check_vocab(art, weights)
     mark("weights (overlapped)")
     phases["weights_load"] = loaded["seconds"]
-    r = art.rope
-    cos_sin = rope_cos_sin_cache(r["rotary_dim"], art.max_seq_len, r["base"], r["scaling"], device=dev)
+    r = art.manifest.rope
+    cos_sin = rope_cos_sin_cache(r.rotary_dim, art.manifest.max_seq_len, r.base, r.scaling, device=dev)
     mark("rope")
     return LoadedModel(art, dev, weights, graphs, cos_sin, phases)

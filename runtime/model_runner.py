@@ -58,10 +58,12 @@ class ModelRunner:
         self.pool = pool
         self.bt = block_table
         self.device = model.device
-        self.buckets = sorted(model.artifact.decode_buckets)
+        m = model.artifact.manifest
+        self.decode_buckets = m.decode_buckets  # ascending (checked at load)
+        self.max_batch_size = m.max_batch_size  # the largest bucket
         self.use_cuda_graph = cuda_graph and self.device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        bmax = self.buckets[-1]
+        bmax = self.max_batch_size
         # Static decode inputs, sliced per bucket: ids/positions/slots int64, rows/lens int32, and
         # the constant request layout of a decode step (one token each): qo_indptr and logits rows.
         # Both live in one device buffer so that a step's inputs go up in one copy (bmax a multiple
@@ -85,7 +87,7 @@ class ModelRunner:
         self._h32np = [h[self._n64 :].numpy().view(np.int32).reshape(2, bmax) for h in self._hbuf]
         self._flip = 0
         self.graph_greedy = os.environ.get("KILN_GRAPH_GREEDY", "1") != "0"  # module docstring
-        self.vocab_size = model.artifact.vocab_size
+        self.vocab_size = m.vocab_size
         self.last_ids: torch.Tensor | None = None  # [n] int64: the last decode step's argmax ids
         self.ids_in_place = 0  # decode steps whose input ids the previous graph left in place
         self.capture_seconds = 0.0
@@ -94,10 +96,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ decode
     def bucket_for(self, batch: int) -> int:
-        i = bisect.bisect_left(self.buckets, batch)
-        if i == len(self.buckets):
-            raise ValueError(f"decode batch {batch} exceeds the largest bucket {self.buckets[-1]}")
-        return self.buckets[i]
+        i = bisect.bisect_left(self.decode_buckets, batch)
+        if i == len(self.decode_buckets):
+            raise ValueError(f"decode batch {batch} exceeds the largest bucket {self.max_batch_size}")
+        return self.decode_buckets[i]
 
     def _decode_args(self, b: int) -> tuple:
         m = self.m
@@ -133,7 +135,7 @@ class ModelRunner:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for b in reversed(self.buckets):  # largest first so smaller graphs reuse its memory
+            for b in reversed(self.decode_buckets):  # largest first so smaller graphs reuse its memory
                 for _ in range(2):  # warm up: allocator and any lazy init outside the capture
                     self._run_decode_graph(b)
                 g = torch.cuda.CUDAGraph()
@@ -195,7 +197,7 @@ class ModelRunner:
         assert step.extend_lens is not None
         ids, pos, slots = step.input_ids, step.positions, step.out_slots
         rows, lens, ext = step.req_rows, step.seq_lens, step.extend_lens
-        if len(rows) <= self.buckets[-1] and all(e == 1 for e in ext):
+        if len(rows) <= self.max_batch_size and all(e == 1 for e in ext):
             return self.decode(StepInputs("decode", ids, pos, slots, rows, lens))
         n_req = len(rows)
         indptr = [0]

@@ -4,15 +4,16 @@ The tree maps token prefixes to the KV slots that hold them, so a request whose 
 with a cached prefix skips recomputing it. Everything is plain Python: keys are lists of token
 ids, values the matching lists of slot ids; no device tensors live in the tree.
 
-Page granularity (``page_size`` P): only whole pages are inserted and matched; keys are compared
-page by page, and children are keyed by their first page (a tuple of P token ids). Node keys
-always hold a whole number of pages, and the slots of each page are P consecutive slots starting
-at a multiple of P, so ``slot // P`` names the page. Eviction hands page ids to ``free_fn``.
+Page granularity (``page_size``): only whole pages are inserted and matched; keys are compared
+page by page, and children are keyed by their first page (a tuple of ``page_size`` token ids).
+Node keys always hold a whole number of pages, and the slots of each page are ``page_size``
+consecutive slots starting at a multiple of it, so ``slot // page_size`` names the page. Eviction
+hands page ids to ``free_fn``.
 
-How the scheduler uses it (token counts below are always multiples of P):
+How the scheduler uses it (token counts below are always multiples of ``page_size``):
 
 * admit: ``slots, node = match_prefix(tokens)``; ``lock(node)``; the request reuses the pages of
-  ``slots`` (``slots[::P] // P``) and allocates pages for the rest.
+  ``slots`` (``slots[::page_size] // page_size``) and allocates pages for the rest.
 * finish or abort: ``finish_request(tokens, pages, prefix_len, node, free_fn)``, which inserts
   the request's whole pages, frees its duplicates of pages another request cached meanwhile,
   frees the pages past the cached part, and unlocks ``node``.
@@ -63,8 +64,6 @@ class RadixCache:
     """
 
     def __init__(self, page_size: int = 1, disabled: bool = False) -> None:
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.disabled = disabled
         self.reset()
@@ -91,18 +90,18 @@ class RadixCache:
         """
         if self.disabled:
             return [], self.root
-        P = self.page_size
-        limit = (len(tokens) - 1) // P * P if tokens else 0
+        page_size = self.page_size
+        limit = (len(tokens) - 1) // page_size * page_size if tokens else 0
         node, slots = self._walk(tokens, limit)
         return slots, node
 
     def _walk(self, tokens: Sequence[int], limit: int) -> tuple[TreeNode, list[int]]:
-        P = self.page_size
+        page_size = self.page_size
         node, pos, slots = self.root, 0, []
         self._clock += 1
         node.last_access = self._clock
         while pos < limit:
-            child = node.children.get(tuple(tokens[pos : pos + P]))
+            child = node.children.get(tuple(tokens[pos : pos + page_size]))
             if child is None:
                 break
             n = self._common(child.key, tokens, pos, limit)
@@ -115,51 +114,51 @@ class RadixCache:
         return node, slots
 
     def _common(self, key: list[int], tokens: Sequence[int], pos: int, limit: int) -> int:
-        """Tokens of ``key`` that equal ``tokens[pos:limit]``, cut to whole pages (>= P here)."""
-        P = self.page_size
+        """Tokens of ``key`` equal to ``tokens[pos:limit]``, cut to whole pages (>= page_size here)."""
+        page_size = self.page_size
         end = min(len(key), limit - pos)
         if list(tokens[pos : pos + end]) == key[:end]:
-            return end - end % P
-        n = P  # the first page matched (it is the child's dict key)
-        while n + P <= end and list(tokens[pos + n : pos + n + P]) == key[n : n + P]:
-            n += P
+            return end - end % page_size
+        n = page_size  # the first page matched (it is the child's dict key)
+        while n + page_size <= end and list(tokens[pos + n : pos + n + page_size]) == key[n : n + page_size]:
+            n += page_size
         return n
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Split ``child`` after ``n`` tokens; return the new upper node (which ends there)."""
-        P = self.page_size
+        page_size = self.page_size
         parent = child.parent
         upper = TreeNode(child.key[:n], child.value[:n], parent)
         upper.lock_ref = child.lock_ref  # every lock through child passes through upper
         upper.last_access = child.last_access
-        parent.children[tuple(child.key[:P])] = upper
+        parent.children[tuple(child.key[:page_size])] = upper
         child.key = child.key[n:]
         child.value = child.value[n:]
         child.parent = upper
-        upper.children[tuple(child.key[:P])] = child
+        upper.children[tuple(child.key[:page_size])] = child
         return upper
 
     # --------------------------------------------------------------------------------- insert
     def insert(self, tokens: Sequence[int], slots: Sequence[int]) -> int:
-        """Cache ``tokens[:n]`` with ``slots[:n]``, ``n = len(tokens) // P * P``.
+        """Cache ``tokens[:n]`` with ``slots[:n]``, ``n = len(tokens) // page_size * page_size``.
 
-        Returns how many leading tokens were already cached (a multiple of P). Those slots stay
-        the tree's; the caller frees its own duplicate pages for that part (except the prefix it
-        got from ``match_prefix``, which are the tree's own). ``slots[num_cached:n]`` now belong to
-        the tree. Disabled: caches nothing and returns 0.
+        Returns how many leading tokens were already cached (a multiple of ``page_size``). Those
+        slots stay the tree's; the caller frees its own duplicate pages for that part (except the
+        prefix it got from ``match_prefix``, which are the tree's own). ``slots[num_cached:n]``
+        now belong to the tree. Disabled: caches nothing and returns 0.
         """
         if self.disabled:
             return 0
         if len(slots) < len(tokens):
             raise ValueError(f"insert: {len(tokens)} tokens but only {len(slots)} slots")
-        P = self.page_size
-        n = len(tokens) // P * P
+        page_size = self.page_size
+        n = len(tokens) // page_size * page_size
         node, matched = self._walk(tokens, n)
         pos = len(matched)
         if pos < n:
             leaf = TreeNode(list(tokens[pos:n]), list(slots[pos:n]), node)
             leaf.last_access = self._clock
-            node.children[tuple(tokens[pos : pos + P])] = leaf
+            node.children[tuple(tokens[pos : pos + page_size])] = leaf
             self.evictable_size += n - pos  # a new leaf is unlocked
         return pos
 
@@ -203,14 +202,14 @@ class RadixCache:
         heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
-        P = self.page_size
+        page_size = self.page_size
         while freed < num_tokens and heap:
             node = heapq.heappop(heap)
-            free_fn([s // P for s in node.value[::P]])
+            free_fn([s // page_size for s in node.value[::page_size]])
             freed += len(node.key)
             self.evictable_size -= len(node.key)
             parent = node.parent
-            del parent.children[tuple(node.key[:P])]
+            del parent.children[tuple(node.key[:page_size])]
             node.parent = None
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
@@ -223,18 +222,19 @@ class RadixCache:
         """Hand a finished (or aborted) request's KV to the cache and unlock its prefix.
 
         ``tokens``: the token ids whose K/V are in the cache (prompt + generated, those computed).
-        ``pages``: the request's block-table pages, ``pages[:prefix_len // P]`` from ``match_prefix``.
+        ``pages``: the request's block-table pages (``pages[:prefix_len // page_size]`` from
+        ``match_prefix``).
         ``prefix_len``/``node``: what ``match_prefix`` gave (and ``lock`` took) at admission.
         Every page not kept by the tree goes to ``free_fn``.
         """
-        P = self.page_size
-        n = 0 if self.disabled else len(tokens) // P * P
+        page_size = self.page_size
+        n = 0 if self.disabled else len(tokens) // page_size * page_size
         if n:
             cached = self.insert(tokens[:n], self._slots(pages, n))
-            dup = pages[prefix_len // P : cached // P]
+            dup = pages[prefix_len // page_size : cached // page_size]
             if dup:
                 free_fn(list(dup))
-        rest = pages[n // P :]  # past the cached part: partial page, unused pages
+        rest = pages[n // page_size :]  # past the cached part: partial page, unused pages
         if rest:
             free_fn(list(rest))
         self.unlock(node)
@@ -250,27 +250,29 @@ class RadixCache:
         """
         if self.disabled:
             return list(pages), prefix_len, node
-        P = self.page_size
-        n = len(tokens) // P * P
+        page_size = self.page_size
+        n = len(tokens) // page_size * page_size
         if n <= prefix_len:
             return list(pages), prefix_len, node
         cached = self.insert(tokens[:n], self._slots(pages, n))
-        dup = pages[prefix_len // P : cached // P]
+        dup = pages[prefix_len // page_size : cached // page_size]
         if dup:
             free_fn(list(dup))
         new_node, slots = self._walk(tokens, n)
         assert len(slots) == n, "cache_unfinished: inserted prefix not found"
         self.lock(new_node)
         self.unlock(node)
-        return [s // P for s in slots[::P]] + list(pages[n // P :]), n, new_node
+        return [s // page_size for s in slots[::page_size]] + list(pages[n // page_size :]), n, new_node
 
     def _slots(self, pages: Sequence[int], n: int) -> list[int]:
-        P = self.page_size
-        if n > len(pages) * P:
-            raise ValueError(f"{n} tokens to cache but the request holds only {len(pages)} pages of {P}")
-        if P == 1:
+        page_size = self.page_size
+        if n > len(pages) * page_size:
+            raise ValueError(
+                f"{n} tokens to cache but the request holds only {len(pages)} pages of {page_size}"
+            )
+        if page_size == 1:
             return list(pages[:n])
-        return [pages[i // P] * P + i % P for i in range(n)]
+        return [pages[i // page_size] * page_size + i % page_size for i in range(n)]
 
     # ---------------------------------------------------------------------------- inspection
     def _nodes(self) -> list[TreeNode]:
@@ -283,42 +285,42 @@ class RadixCache:
 
     def all_pages(self) -> list[int]:
         """Page ids held by the tree (free them before ``reset()`` to return them to the pool)."""
-        P = self.page_size
-        return [s // P for node in self._nodes() for s in node.value[::P]]
+        page_size = self.page_size
+        return [s // page_size for node in self._nodes() for s in node.value[::page_size]]
 
     def check_integrity(self, is_allocated: Callable[[int], bool] | None = None) -> None:
         """Raise ``AssertionError`` unless the tree is consistent.
 
-        Checks: sizes add up; no page in two nodes; every page's slots are its P consecutive
-        slots; lock counts equal own locks plus the children's; children keyed by their first
+        Checks: sizes add up; no page in two nodes; every page's slots are its ``page_size``
+        consecutive slots; lock counts equal own locks plus the children's; children keyed by their first
         page; parent links; with ``is_allocated`` (e.g. ``KVPool.is_allocated``), every page held.
         """
-        P = self.page_size
+        page_size = self.page_size
         evictable = protected = 0
         seen: set[int] = set()
         if self.disabled:
             assert not self.root.children and self.total_size == 0, "disabled cache holds tokens"
             return
         for node in self._nodes():
-            assert node.key and len(node.key) % P == 0, (
+            assert node.key and len(node.key) % page_size == 0, (
                 f"{node!r}: key of {len(node.key)} tokens, not whole pages"
             )
             assert len(node.key) == len(node.value), (
                 f"{node!r}: {len(node.key)} keys, {len(node.value)} slots"
             )
             parent = node.parent
-            assert parent is not None and parent.children.get(tuple(node.key[:P])) is node, (
+            assert parent is not None and parent.children.get(tuple(node.key[:page_size])) is node, (
                 f"{node!r} is not its parent's child under its first page"
             )
             want = node.held + sum(c.lock_ref for c in node.children.values())
             assert node.lock_ref == want, f"{node!r}: lock_ref {node.lock_ref}, locks below sum to {want}"
             assert node.held >= 0
-            for i in range(0, len(node.value), P):
+            for i in range(0, len(node.value), page_size):
                 first = node.value[i]
-                assert first % P == 0 and node.value[i : i + P] == list(range(first, first + P)), (
-                    f"{node!r}: slots {node.value[i : i + P]} are not one page"
-                )
-                page = first // P
+                assert first % page_size == 0 and node.value[i : i + page_size] == list(
+                    range(first, first + page_size)
+                ), f"{node!r}: slots {node.value[i : i + page_size]} are not one page"
+                page = first // page_size
                 assert page != 0, f"{node!r} holds the sink page 0"
                 assert page not in seen, f"page {page} is held by two nodes"
                 seen.add(page)

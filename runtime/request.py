@@ -26,6 +26,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     row: int = -1  # block-table row while running
+    sampler_row: int = -1  # the row the sampler was last reset for this request (runtime/stepper.py)
     pages: list[int] = field(default_factory=list)  # KV pages, in order
     kv_len: int = 0  # tokens of fill_ids whose K/V are in the pool
     cached_len: int = 0  # leading tokens whose pages belong to the radix cache (locked)

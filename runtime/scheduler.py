@@ -34,7 +34,7 @@ from kiln.runtime.request import Req, Status
 
 @dataclass
 class SchedulerConfig:
-    max_running: int = 256  # also capped by the largest decode bucket
+    max_running: int = 256  # the engine's max_running (at most the artifact's max_batch_size)
     chunk_size: int = 4096  # extend token budget per step
     max_seq_len: int = 32768
     fcfs_threshold: int = 128  # longer queues are served first-come-first-served
@@ -59,7 +59,7 @@ class Scheduler:
         self.pool = pool
         self.bt = block_table
         self.radix = radix
-        self.P = pool.page_size
+        self.page_size = pool.page_size
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._last_mode = "decode"
@@ -93,12 +93,12 @@ class Scheduler:
     # ----------------------------------------------------------------- memory
     def _pages_needed(self, req: Req, upto: int) -> int:
         """Extra pages ``req`` needs so that tokens ``0..upto-1`` have slots."""
-        return max(0, -(-upto // self.P) - len(self.bt.pages(req.row)))
+        return max(0, -(-upto // self.page_size) - len(self.bt.pages(req.row)))
 
     def _alloc(self, n: int) -> list[int] | None:
         pages = self.pool.alloc_pages(n)
         if pages is None and self.radix.evictable_size > 0:
-            self.radix.evict(n * self.P, self.pool.free_pages)
+            self.radix.evict(n * self.page_size, self.pool.free_pages)
             pages = self.pool.alloc_pages(n)
         return pages
 
@@ -118,12 +118,13 @@ class Scheduler:
         """Give back ``req``'s row and pages, caching what it computed."""
         self._cache_prefix(req)
         pages = self.bt.release(req.row)
-        own = pages[req.cached_len // self.P :]
+        own = pages[req.cached_len // self.page_size :]
         if own:
             self.pool.free_pages(own)
         if req.last_node is not None:
             self.radix.unlock(req.last_node)
         req.row, req.last_node, req.cached_len, req.kv_len = -1, None, 0, 0
+        req.sampler_row = -1  # a resumed request's sampler row starts over, even in the same row
 
     def _retract_one(self, protect: set[int]) -> bool:
         """Preempt the most recently admitted running request not in ``protect``."""
@@ -169,10 +170,12 @@ class Scheduler:
             return None
         slots, node = self.radix.match_prefix(req.fill_ids)
         n_cached = len(slots)
-        prefix_pages = [s // self.P for s in slots[:: self.P]] if self.P > 1 else list(slots)
+        prefix_pages = (
+            [s // self.page_size for s in slots[:: self.page_size]] if self.page_size > 1 else list(slots)
+        )
         self.radix.lock(node)
         n = min(req.seq_len - n_cached, budget)
-        extra = -(-(n_cached + n) // self.P) - len(prefix_pages)
+        extra = -(-(n_cached + n) // self.page_size) - len(prefix_pages)
         pages = self._alloc(extra)
         if pages is None:
             self.radix.unlock(node)
@@ -224,8 +227,8 @@ class Scheduler:
     def _rows_starting_a_page(self, reqs: list[Req]) -> list[int]:
         """Rows of ``reqs`` whose next token (position ``kv_len``) needs a new page: their pages
         always cover the ``kv_len`` computed tokens, so it is one page, iff they end there."""
-        P, tables = self.P, self.bt.row_pages
-        return [r.row for r in reqs if len(tables[r.row]) * P <= r.kv_len]
+        page_size, tables = self.page_size, self.bt.row_pages
+        return [r.row for r in reqs if len(tables[r.row]) * page_size <= r.kv_len]
 
     def _schedule_decode(self, ready: list[Req] | None = None) -> ScheduledBatch | None:
         reqs = self.decode_ready() if ready is None else ready
@@ -380,9 +383,9 @@ class Scheduler:
         """Pool, block table and radix cache agree (tests and idle loops call this)."""
         self.radix.check_integrity()
         for r in self.running:  # a request's pages cover the tokens whose K/V it computed
-            assert len(self.bt.pages(r.row)) * self.P >= r.kv_len, f"{r.rid}: KV without slots"
-        held = sum(len(self.bt.pages(r.row)) - r.cached_len // self.P for r in self.running)
-        cached_pages = self.radix.total_size // self.P
+            assert len(self.bt.pages(r.row)) * self.page_size >= r.kv_len, f"{r.rid}: KV without slots"
+        held = sum(len(self.bt.pages(r.row)) - r.cached_len // self.page_size for r in self.running)
+        cached_pages = self.radix.total_size // self.page_size
         free = self.pool.num_free_pages
         assert held + cached_pages + free == self.pool.capacity_pages, (
             f"page accounting: running {held} + cached {cached_pages} + free {free} "

@@ -82,8 +82,8 @@ class OpenAIServer:
         # prompt + max_tokens of one request: the context or, when smaller, the KV pool
         self.max_request_tokens = min(engine.max_request_tokens, self.context)
         self.chars_per_token = chars_per_token_bound(self.tokenizer) if self.tokenizer is not None else None
-        self.vocab_size = engine.artifact.vocab_size
-        self.max_running = engine.scheduler.cfg.max_running
+        self.vocab_size = engine.vocab_size
+        self.max_running = engine.max_running
         self.max_queue = QUEUE_PER_SLOT * self.max_running if opts.max_queue is None else opts.max_queue
         self.metrics = ServerMetrics()
         self.worker = EngineWorker(engine, self.metrics)

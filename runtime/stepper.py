@@ -10,20 +10,28 @@ of finishing (detokenizing, stop checks) and of forming the next step runs while
 Overlap is used only between pure decode steps with enough free KV pages (no admission, no
 retraction); anything else finishes the step in flight first. A request that finishes in the step
 being finished was already included in the next launched step: that extra token is discarded.
+
+The stepper sees its engine only through :class:`StepParts` (the scheduler, the model runner, the
+sampler, the host stager, the EOS ids, the shared counters and the ``outputs`` callback that turns a
+finished step's tokens into the step's ``RequestOutput`` list); the engine builds it.
+It keeps the host-time accounting of the steps itself (:attr:`Stepper.host_breakdown`).
 """
 
 from __future__ import annotations
 
 import operator
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kiln.runtime.request import Req
-from kiln.runtime.sampler import SampleOutput, SamplingBatch
-from kiln.runtime.scheduler import ScheduledBatch
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.request import Req, RequestOutput
+from kiln.runtime.sampler import SampleOutput, Sampler, SamplingBatch
+from kiln.runtime.scheduler import ScheduledBatch, Scheduler
+from kiln.runtime.staging import HostStager
 
 PLACEHOLDER = -1  # an output token sampled on the device, not read back yet
 
@@ -45,14 +53,47 @@ class Launched:
         return {r.rid: j for j, r in enumerate(self.reqs)}
 
 
-class Stepper:
-    """Owns the launch/finish cycle for an :class:`~kiln.runtime.engine.Engine`."""
+@dataclass(frozen=True)
+class StepParts:
+    """What a :class:`Stepper` uses of its engine, handed over once when the engine is built.
 
-    def __init__(self, engine: Any, overlap: bool):
-        self.e = engine
+    ``stats``: the engine's counters; the stepper adds ``steps`` and ``cached_tokens``.
+    ``outputs(launched)``: called once the step's sampled tokens are on the host
+    (``launched.host``); applies them to the requests (stop conditions, text) and returns the
+    step's outputs."""
+
+    scheduler: Scheduler
+    runner: ModelRunner
+    sampler: Sampler
+    stager: HostStager
+    device: torch.device
+    eos_token_ids: frozenset[int]
+    stats: dict[str, int]
+    outputs: Callable[[Launched], list[RequestOutput]]
+
+
+class Stepper:
+    """Owns the launch/finish cycle of an engine's steps (module docstring)."""
+
+    def __init__(self, parts: StepParts, overlap: bool):
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.sampler = parts.sampler
+        self.stager = parts.stager
+        self.device = parts.device
+        self.eos_token_ids = tuple(sorted(parts.eos_token_ids))  # as SamplingBatch.build takes them
+        self.stats = parts.stats
+        self.outputs = parts.outputs
         self.overlap = overlap
         self.inflight: Launched | None = None
         self.overlapped = 0  # decode steps launched while the previous one was in flight
+        self.last_step_mode = ""
+        # Cumulative seconds per part of a step. Host work: "schedule" (the scheduler, step inputs,
+        # bookkeeping), "launch" (ModelRunner.forward), "sample", "outputs" (stop checks, text,
+        # RequestOutputs); "wait" is the sync on the device. All but "wait" add up to the step's
+        # host time (last_step_host_s).
+        self.host_breakdown = dict.fromkeys(("schedule", "launch", "sample", "wait", "outputs"), 0.0)
+        self.last_step_host_s = 0.0
 
     # ------------------------------------------------------------------ launching
     def launch(
@@ -60,19 +101,19 @@ class Stepper:
     ) -> Launched | None:
         """Launch ``batch``; ``sched_s``: host seconds the scheduler spent forming it (counted
         in the step's host time and its "schedule" part)."""
-        e = self.e
         t0 = time.perf_counter()
-        e.stats["steps"] += 1
-        e.last_step_mode = batch.mode
+        stats = self.stats
+        stats["steps"] += 1
+        self.last_step_mode = batch.mode
         # Newly admitted (or resumed) requests get a fresh sampler row. Admission happens only in
         # extend steps, so a decode step's requests all went through here already.
         for req in batch.reqs if batch.mode != "decode" else ():
-            if e._sampler_rows.get(req.rid) != req.row:
-                e.sampler.reset_row(req.row, req.prompt_ids, req.output_ids)
-                e._sampler_rows[req.rid] = req.row
+            if req.sampler_row != req.row:
+                self.sampler.reset_row(req.row, req.prompt_ids, req.output_ids)
+                req.sampler_row = req.row
                 if req.kv_len == req.cached_len and not req.num_preemptions:
-                    e.stats["cached_tokens"] += req.cached_len
-        step = e.scheduler.step_inputs(batch)
+                    stats["cached_tokens"] += req.cached_len
+        step = self.scheduler.step_inputs(batch)
         subst = None
         reqs = batch.reqs
         if (  # the steady state: the same requests in the same order, all waiting for their ids
@@ -87,19 +128,20 @@ class Stepper:
             dst = [i for i, r in enumerate(batch.reqs) if r.output_ids and r.output_ids[-1] == PLACEHOLDER]
             src = [pos[batch.reqs[i].rid] for i in dst]
             if dst:  # a pageable torch.tensor(..., device=) here would wait for the step in flight
-                idx = e.stager.to_device([dst, src], torch.int64)  # [2, k]
+                idx = self.stager.to_device([dst, src], torch.int64)  # [2, k]
                 subst = (idx[0], prev.ids.index_select(0, idx[1]))
         t1 = time.perf_counter()
-        logits = e.runner.forward(step, subst)  # [B, V]
+        logits = self.runner.forward(step, subst)  # [B, V]
         t2 = time.perf_counter()
-        e.host_breakdown["launch"] += t2 - t1
+        hb = self.host_breakdown
+        hb["launch"] += t2 - t1
         # A decode step completes every request; an extend step those whose chunk reaches the end.
         done = None if batch.mode == "decode" else [i for i in range(len(batch.reqs)) if batch.completes(i)]
-        e.scheduler.after_step(batch)
+        self.scheduler.after_step(batch)
         t3 = time.perf_counter()
-        e.host_breakdown["schedule"] += sched_s + (t1 - t0) + (t3 - t2)
+        hb["schedule"] += sched_s + (t1 - t0) + (t3 - t2)
         if done is not None and not done:
-            e.last_step_host_s = sched_s + t3 - t0
+            self.last_step_host_s = sched_s + t3 - t0
             return None
         t2 = t3
         every = done is None or len(done) == len(batch.reqs)
@@ -108,32 +150,33 @@ class Stepper:
         else:
             reqs = [batch.reqs[i] for i in done]
             rows = [r.row for r in reqs]
-            logits = logits[e.stager.to_device(done, torch.int64)]
-        need_rows = e.sampler.counts is not None
+            logits = logits[self.stager.to_device(done, torch.int64)]
+        sampler = self.sampler
+        need_rows = sampler.counts is not None
         greedy = prev.greedy if subst is not None and subst[0] is None else None
         if greedy is not None and greedy.row_list == rows and (greedy.rows.numel() > 0) == need_rows:
             # The steady state: the previous step's requests (so params) and rows, all plain
             # greedy: its argmax-only batch again (nothing in it depends on the step).
             sb = greedy
         elif SamplingBatch.plain_greedy(params := [r.params for r in reqs]):  # argmax only
-            sb = greedy = SamplingBatch.greedy_batch(rows, e.device, e.stager, need_rows=need_rows)
+            sb = greedy = SamplingBatch.greedy_batch(rows, self.device, self.stager, need_rows=need_rows)
         else:
             greedy = None
             sb = SamplingBatch.build(
                 params,
                 rows,
-                e.device,
+                self.device,
                 seeds=[r.seed for r in reqs],
                 steps=[len(r.output_ids) for r in reqs],
-                eos_token_ids=sorted(e.eos_ids),
+                eos_token_ids=self.eos_token_ids,
             )
-        if sb is greedy and every and e.runner.last_ids is not None:
+        if sb is greedy and every and self.runner.last_ids is not None:
             # the decode graph's argmax (KILN_GRAPH_GREEDY), one per row of the step: not for an
             # extend step (run as decode: one token each) that leaves some prompts unfinished
-            out = SampleOutput(next_ids=e.runner.last_ids)
+            out = SampleOutput(next_ids=self.runner.last_ids)
         else:
-            out = e.sampler.sample(logits, sb)
-        e.sampler.observe(sb.rows, out.next_ids)
+            out = sampler.sample(logits, sb)
+        sampler.observe(sb.rows, out.next_ids)
         index = []  # each request's new token goes where its placeholder is appended now
         for r in reqs:
             ids = r.output_ids
@@ -141,34 +184,50 @@ class Stepper:
             ids.append(PLACEHOLDER)
         launched = Launched(batch, reqs, index, out.next_ids)
         launched.greedy = greedy  # a plain greedy batch: the next step may reuse it
-        launched.host["ids"] = e.stager.to_host(out.next_ids)
+        launched.host["ids"] = self.stager.to_host(out.next_ids)
         if out.logprobs is not None:
             for k in ("logprobs", "top_ids", "top_logprobs"):
-                launched.host[k] = e.stager.to_host(getattr(out, k))
+                launched.host[k] = self.stager.to_host(getattr(out, k))
         if out.next_ids.device.type == "cuda":
             launched.event = torch.cuda.Event()
             launched.event.record()
         t4 = time.perf_counter()
-        e.host_breakdown["sample"] += t4 - t2
+        hb["sample"] += t4 - t2
         launched.host_s = sched_s + t4 - t0
         return launched
 
+    # ------------------------------------------------------------------ finishing
+    def finish(self, launched: Launched, launch_host_s: float) -> list[RequestOutput]:
+        """Wait for ``launched``'s tokens, then hand them to ``outputs``. ``launch_host_s``: host
+        seconds this ``step()`` call spent launching (for the step's host time)."""
+        t0 = time.perf_counter()
+        if launched.event is not None:
+            launched.event.synchronize()
+        t_synced = time.perf_counter()
+        hb = self.host_breakdown
+        hb["wait"] += t_synced - t0
+        outs = self.outputs(launched)
+        t_end = time.perf_counter()
+        hb["outputs"] += t_end - t_synced
+        # Host time of this step() call: launching plus finishing, not waiting for the device.
+        self.last_step_host_s = launch_host_s + (t_end - t_synced)
+        return outs
+
     # ------------------------------------------------------------------ the loop
-    def step(self) -> list[Any]:
-        e = self.e
+    def step(self) -> list[RequestOutput]:
         if self.inflight is not None:
             prev, self.inflight = self.inflight, None
             nxt = None
             t0 = time.perf_counter()
             if self.overlap:
-                batch = e.scheduler.schedule_decode_all()
+                batch = self.scheduler.schedule_decode_all()
                 nxt = self.launch(batch, prev, time.perf_counter() - t0) if batch is not None else None
                 self.overlapped += nxt is not None
-            outs = e._finish(prev, launch_host_s=nxt.host_s if nxt else 0.0)
+            outs = self.finish(prev, nxt.host_s if nxt else 0.0)
             self.inflight = nxt
             return outs
         t0 = time.perf_counter()
-        batch = e.scheduler.schedule()
+        batch = self.scheduler.schedule()
         if batch is None:
             return []
         launched = self.launch(batch, sched_s=time.perf_counter() - t0)
@@ -176,6 +235,6 @@ class Stepper:
             return []
         if self.overlap and batch.mode == "decode":
             self.inflight = launched
-            e.last_step_host_s = launched.host_s
+            self.last_step_host_s = launched.host_s
             return []
-        return e._finish(launched, launch_host_s=launched.host_s)
+        return self.finish(launched, launched.host_s)

@@ -55,7 +55,7 @@ def test_bench_commands(demo_artifact, tmp_path):
     cmp = tmp_path / "verify.json"
     out = run("startup", demo_artifact, "--compare-verify", "--runs", "1", "--json", cmp)
     c = json.loads(cmp.read_text())["startup_verify_cost"]
-    assert [r["verify"] for r in c["runs"]] == [True, False] and c["ready_ratio"] > 0
+    assert [r["verify"] for r in c["runs"]] == [True, False] and c["ready_ratio"] > 0 and c["load_ratio"] > 0
     assert "ready with the check / without" in out
     png, rep = tmp_path / "p.png", tmp_path / "rep.json"
     run("report", "--latency", lat, "--throughput", tp, "--startup", st, "--json", rep, "--plot", png)
@@ -84,7 +84,7 @@ def test_throughput_beside_hf_on_the_same_workload(demo_artifact, tmp_path, monk
               "--device", "cpu")  # fmt: skip
     rep = json.loads(tp.read_text())
     prompts, outs, batch, device, dtype = calls[0][1:]
-    vocab = open_artifact(demo_artifact).vocab_size
+    vocab = open_artifact(demo_artifact).manifest.vocab_size
     want_p, want_o = benchmark.throughput_workload(5, (3, 9), (2, 5), vocab)
     assert (len(prompts), batch, device, dtype) == (4, 2, "cpu", torch.float32)
     assert prompts == want_p[:4] and outs == want_o[:4]
@@ -117,7 +117,7 @@ def test_roofline_counts_only_the_experts_a_batch_hits():
         "layers.0.moe.w13": torch.zeros(E + 1, 6, 4),  # one shared expert fused as expert E
         "layers.0.moe.w2": torch.zeros(E + 1, 4, 3),
     }
-    manifest = {"model": {"moe": {"num_experts": E, "top_k": k}}}
+    manifest = SimpleNamespace(routed_experts=(k, E))  # (top_k, num_experts): Manifest.routed_experts
     llm = SimpleNamespace(
         engine=SimpleNamespace(model=SimpleNamespace(weights=w), artifact=SimpleNamespace(manifest=manifest))
     )
@@ -127,5 +127,5 @@ def test_roofline_counts_only_the_experts_a_batch_hits():
         hit = 1 - (1 - k / E) ** b
         assert weight_bytes_per_step(llm, b) == int(dense + per_expert * (E * hit + 1))
     assert weight_bytes_per_step(llm, 1) == dense + per_expert * (k + 1)
-    manifest["model"]["moe"] = None  # dense model: every weight
+    manifest.routed_experts = None  # dense model: every weight
     assert weight_bytes_per_step(llm, 5) == dense + per_expert * (E + 1)

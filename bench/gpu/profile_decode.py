@@ -59,7 +59,7 @@ def profile_decode_steps(eng, batch: int, context: int, steps: int, warm: int, a
     """``batch`` greedy requests of ``context`` random tokens, prefilled, ``warm`` decode steps,
     then ``steps`` decode steps under torch.profiler (``activities``): the profiler, finished.
     The requests are left running (``eng.run_until_done()`` ends them)."""
-    for p in random_prompts(batch, context, eng.artifact.vocab_size):
+    for p in random_prompts(batch, context, eng.vocab_size):
         eng.add_request(p, SamplingParams(max_tokens=steps + warm + 8, temperature=0.0, ignore_eos=True))
     while any(r.prefilling for r in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()

@@ -9,6 +9,7 @@ import json
 import stat
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,11 @@ import torch
 from tiny_models import make_checkpoint, rel_err
 from tiny_moe_models import make_moe_checkpoint
 
-from kiln.artifact_format import HASH_KEY, bytes_digest
+from kiln.artifact_format import bytes_digest
 from kiln.compiler import cutlass_build as cb
 from kiln.compiler.build import CompileOptions, compile_model
 from kiln.compiler.moe_tune import MoEShape, candidates, force_backend, moe_tuning, tune
+from kiln.manifest import FileEntry, LibraryRecord, Manifest, MoEChoice
 from kiln.ops import fp8_cutlass, moe_cutlass
 from kiln.ops import moe_gemm as mg
 from kiln.runtime.artifact import Artifact, ArtifactError
@@ -195,34 +197,38 @@ def test_cli_flags_and_clean_error(tmp_path):
 # ---- the manifest record, read by the runtime loader ------------------------------------------------
 
 
-def test_loader_loads_the_library_the_manifest_names(tmp_path, monkeypatch):
+def _artifact(
+    root: Path,
+    base: Manifest,
+    files: dict[str, FileEntry],
+    moe: MoEChoice | None = None,
+    fp8: LibraryRecord | None = None,
+) -> Artifact:
+    """The demo artifact's manifest with these kernel choices and this file table, at ``root``."""
+    choices = replace(base.kernel_choices, moe=moe, fp8=fp8)
+    return Artifact(root, replace(base, kernel_choices=choices, files=files))
+
+
+def test_loader_loads_the_library_the_manifest_names(demo_artifact, tmp_path, monkeypatch):
+    base = Manifest.load(demo_artifact)
     lib = tmp_path / "kernels" / cb.LIB_NAME
     lib.parent.mkdir()
     lib.write_bytes(b"library bytes")
     digest = bytes_digest(b"library bytes")
     table = json.loads(force_backend(mg.moe_tuning_table(8, 32, 32, 2, 64), "cutlass", 16))
-    moe = {"backend": "cutlass", "table": table, "cutlass": {"library": f"kernels/{cb.LIB_NAME}"}}
-    files = {f"kernels/{cb.LIB_NAME}": {HASH_KEY: digest, "size": 13}}
+    moe = MoEChoice("cutlass", "default", table, cutlass=LibraryRecord(library=f"kernels/{cb.LIB_NAME}"))
+    files = {f"kernels/{cb.LIB_NAME}": FileEntry(size=13, xxh3_128=digest)}
     loaded = []
     monkeypatch.setattr(moe_cutlass, "load_library", lambda p: loaded.append(str(p)))
-    art = Artifact(tmp_path, {"kernel_choices": {"moe": moe}, "files": files})
+    art = _artifact(tmp_path, base, files, moe)
     assert load_moe_library(art, torch.device("cpu")) is None and not loaded  # CPU: the reference runs
     assert load_moe_library(art, torch.device("cuda")) == str(lib) and loaded == [str(lib)]
-    triton_only = Artifact(
-        tmp_path,
-        {"kernel_choices": {"moe": moe | {"table": json.loads(mg.moe_tuning_table(8, 32, 32, 2, 64))}}},
-    )
-    assert load_moe_library(triton_only, torch.device("cuda")) is None
-    bad = Artifact(
-        tmp_path,
-        {
-            "kernel_choices": {"moe": moe},
-            "files": {f"kernels/{cb.LIB_NAME}": {HASH_KEY: "0" * 32, "size": 13}},
-        },
-    )
+    triton_only = replace(moe, table=json.loads(mg.moe_tuning_table(8, 32, 32, 2, 64)))
+    assert load_moe_library(_artifact(tmp_path, base, {}, triton_only), torch.device("cuda")) is None
+    bad = _artifact(tmp_path, base, {f"kernels/{cb.LIB_NAME}": FileEntry(size=13, xxh3_128="0" * 32)}, moe)
     with pytest.raises(ArtifactError, match=f"kernels/{cb.LIB_NAME} fails its hash check"):
         load_moe_library(bad, torch.device("cuda"))
-    unnamed = Artifact(tmp_path, {"kernel_choices": {"moe": moe | {"cutlass": {}}}, "files": files})
+    unnamed = _artifact(tmp_path, base, files, replace(moe, cutlass=LibraryRecord()))
     with pytest.raises(ArtifactError, match=r"'kernel_choices\.moe\.cutlass\.library'.*kiln compile"):
         load_moe_library(unnamed, torch.device("cuda"))
 
@@ -244,10 +250,10 @@ def test_gpu_cutlass_artifact_matches_its_triton_configs(compiled_gpu, tmp_path,
         m = compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
     except cb.CutlassBuildError as err:
         pytest.skip(f"no CUTLASS toolchain here: {err}")
-    moe = m["kernel_choices"]["moe"]
-    lib = moe["cutlass"]["library"]
-    assert moe["backend"] == "cutlass" and lib in m["files"] and (tmp_path / "art" / lib).is_file()
-    table = json.dumps(moe["table"])
+    moe = m.kernel_choices.moe
+    lib = moe.cutlass.library
+    assert moe.backend == "cutlass" and lib in m.files and (tmp_path / "art" / lib).is_file()
+    table = json.dumps(moe.table)
     assert mg.pick_backend(table, 8) == "cutlass" and mg.pick_backend(table, 7) == "triton"
     calls, real = [], moe_cutlass.fused_moe_cutlass
     monkeypatch.setattr(moe_cutlass, "fused_moe_cutlass", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -327,20 +333,21 @@ def test_fp8_library_that_does_not_load_is_left_out_with_a_warning(tmp_path, mon
     assert "does not load" in rec["note"] and not (tmp_path / "kernels" / cb.FP8.name).exists()
 
 
-def test_loader_loads_the_fp8_library_the_manifest_names(tmp_path, monkeypatch):
+def test_loader_loads_the_fp8_library_the_manifest_names(demo_artifact, tmp_path, monkeypatch):
+    base = Manifest.load(demo_artifact)
     lib = tmp_path / "kernels" / cb.FP8.name
     lib.parent.mkdir()
     lib.write_bytes(b"fp8 library")
     rel = f"kernels/{cb.FP8.name}"
-    files = {rel: {HASH_KEY: bytes_digest(b"fp8 library"), "size": 11}}
+    files = {rel: FileEntry(size=11, xxh3_128=bytes_digest(b"fp8 library"))}
     loaded = []
     monkeypatch.setattr(fp8_cutlass, "load_library", lambda p: loaded.append(str(p)))
-    art = Artifact(tmp_path, {"kernel_choices": {"fp8": {"library": rel}}, "files": files})
+    art = _artifact(tmp_path, base, files, fp8=LibraryRecord(library=rel))
     assert load_fp8_library(art, torch.device("cpu")) is None and not loaded
     assert load_fp8_library(art, torch.device("cuda")) == str(lib) and loaded == [str(lib)]
-    noted = Artifact(tmp_path, {"kernel_choices": {"fp8": {"note": "no CUTLASS FP8 GEMM library"}}})
+    noted = _artifact(tmp_path, base, {}, fp8=LibraryRecord(note="no CUTLASS FP8 GEMM library"))
     assert load_fp8_library(noted, torch.device("cuda")) is None
-    unlisted = Artifact(tmp_path, {"kernel_choices": {"fp8": {"library": rel}}, "files": {}})
+    unlisted = _artifact(tmp_path, base, {}, fp8=LibraryRecord(library=rel))
     with pytest.raises(ArtifactError, match=r"'kernel_choices\.fp8\.library'.*kiln compile"):
         load_fp8_library(unlisted, torch.device("cuda"))
 
@@ -374,17 +381,17 @@ def test_gpu_fp8_artifact_runs_cutlass_for_prefill(compiled_gpu, tmp_path, monke
         device="cuda", dtype="bfloat16", quant="fp8", max_batch_size=4, max_seq_len=256, chunk_size=128
     )
     m = compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
-    fp8 = m["kernel_choices"]["fp8"]
-    if "note" in fp8:
-        pytest.skip(f"no CUTLASS toolchain here: {fp8['note']}")
-    assert fp8["library"] in m["files"] and (tmp_path / "art" / fp8["library"]).is_file()
+    fp8 = m.kernel_choices.fp8
+    if fp8.note is not None:
+        pytest.skip(f"no CUTLASS toolchain here: {fp8.note}")
+    assert fp8.library in m.files and (tmp_path / "art" / fp8.library).is_file()
     calls, real = [], fp8_cutlass.launch
     monkeypatch.setattr(fp8_cutlass, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(fp8_cutlass, "_LIB", None)  # the compile loaded it: the loader must load it again
     monkeypatch.setattr(fp8_cutlass, "_LIB_PATH", None)
     prompts = [list(range(5, 65)), list(range(100, 140))]  # 100 tokens
     out = DirectRunner(str(tmp_path / "art"), device="cuda", num_slots=512).prefill(prompts)
-    assert calls and fp8_cutlass.library_path() == (tmp_path / "art" / fp8["library"]).resolve()
+    assert calls and fp8_cutlass.library_path() == (tmp_path / "art" / fp8.library).resolve()
     monkeypatch.setenv("KILN_FP8_GEMM", "cublas")
     n = len(calls)
     ref = DirectRunner(str(tmp_path / "art"), device="cuda", num_slots=512).prefill(prompts)

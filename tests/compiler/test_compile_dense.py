@@ -13,6 +13,7 @@ import torch
 from tiny_models import CONFIGS, check_against_hf, make_checkpoint
 
 from kiln.compiler.build import CompileOptions, compile_model
+from kiln.manifest import Manifest
 from kiln.runtime.direct import DirectRunner
 
 
@@ -38,8 +39,9 @@ def test_compile_is_reproducible_to_the_byte(compiled, tmp_path):
     bytes, but build-log.json (timings, source path, time, host), which no table lists."""
     _, root = compiled
     opts = CompileOptions(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=128, chunk_size=64)
-    compile_model(root / "hf", tmp_path / "again", opts, verbose=False)
+    manifest = compile_model(root / "hf", tmp_path / "again", opts, verbose=False)
     a, b = root / "art", tmp_path / "again"
+    assert Manifest.load(b) == manifest  # the typed record compile_model returns is the file's
     names = sorted(p.relative_to(a).as_posix() for p in a.rglob("*"))
     assert names == sorted(p.relative_to(b).as_posix() for p in b.rglob("*"))
     differ = [n for n in names if (a / n).is_file() and (a / n).read_bytes() != (b / n).read_bytes()]
@@ -49,10 +51,10 @@ def test_compile_is_reproducible_to_the_byte(compiled, tmp_path):
         "trace",
         "kernels",
     }
-    manifest = json.loads((b / "manifest.json").read_text())
-    assert "build-log.json" not in manifest["files"] and not {"source", "compile_seconds"} & set(manifest)
+    on_disk = json.loads((b / "manifest.json").read_text())
+    assert "build-log.json" not in on_disk["files"] and not {"source", "compile_seconds"} & set(on_disk)
     listed = sorted(n for n in names if (a / n).is_file() and n not in ("manifest.json", "build-log.json"))
-    assert sorted(manifest["files"]) == listed
+    assert sorted(on_disk["files"]) == listed
 
 
 @pytest.mark.gpu

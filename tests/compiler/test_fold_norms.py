@@ -44,11 +44,11 @@ def test_dense_folded_matches_hf_and_generates_its_greedy_tokens(tmp_path, monke
     hf = make_checkpoint(tmp_path / "hf", name, eos=None)
     manifest = compile_model(tmp_path / "hf", tmp_path / "art", CompileOptions(**OPTS), verbose=False)
     layers = hf.config.num_hidden_layers
-    assert manifest["norm_folds"]["layers.0.input_norm.weight"] == ["layers.0.attn.qkv.weight"]
-    assert manifest["norm_folds"]["layers.0.post_attn_norm.weight"] == ["layers.0.mlp.gate_up.weight"]
-    assert len(manifest["norm_folds"]) == 2 * layers
+    assert manifest.norm_folds["layers.0.input_norm.weight"] == ("layers.0.attn.qkv.weight",)
+    assert manifest.norm_folds["layers.0.post_attn_norm.weight"] == ("layers.0.mlp.gate_up.weight",)
+    assert len(manifest.norm_folds) == 2 * layers
     # batch-1 decode: the residual-stream layout; the shared graph (prefill, batch 2..): add+norm
-    assert manifest["graphs"]["decode_b1"]["layout"] == "residual_stream"
+    assert manifest.graphs["decode_b1"].layout == "residual_stream"
     targets = _targets(tmp_path / "art", "decode_b1")
     assert "kiln.fused_add_rmsnorm.default" not in targets  # the producers add the residual
     assert targets.count("kiln.rmsnorm_linear.default") == 2 * layers
@@ -79,12 +79,12 @@ def test_moe_folded_decode_runs_the_fused_kernels_and_matches_hf(tmp_path, monke
     monkeypatch.setenv("KILN_GEMV", "1")
     hf = make_moe_checkpoint(tmp_path / "hf", "qwen3-moe")
     manifest = compile_model(tmp_path / "hf", tmp_path / "art", CompileOptions(**OPTS), verbose=False)
-    folds = manifest["norm_folds"]
+    folds = manifest.norm_folds
     moe_layer = next(i for i in range(hf.config.num_hidden_layers) if f"layers.{i}.moe.w13" in str(folds))
-    assert folds[f"layers.{moe_layer}.post_attn_norm.weight"] == [
+    assert folds[f"layers.{moe_layer}.post_attn_norm.weight"] == (
         f"layers.{moe_layer}.moe.router.weight",
         f"layers.{moe_layer}.moe.w13",
-    ]
+    )
     monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
     calls: list[tuple[bool, bool]] = []  # (norm inside, without its weight) / (residual added)
     real_gemv, real_moe = G.gemv, moe.fused_moe_triton
@@ -181,5 +181,5 @@ def test_switched_off_means_no_fold(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_FOLD_NORMS", "0")
     make_checkpoint(tmp_path / "hf", "llama-tied")
     manifest = compile_model(tmp_path / "hf", tmp_path / "art", CompileOptions(**OPTS), verbose=False)
-    assert manifest["norm_folds"] == {} and "decode_b1" not in manifest["graphs"]
+    assert manifest.norm_folds == {} and "decode_b1" not in manifest.graphs
     assert "kiln.fused_add_rmsnorm.default" in _targets(tmp_path / "art")

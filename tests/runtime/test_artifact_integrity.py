@@ -134,7 +134,17 @@ def test_manifest_that_is_not_json_is_one_line(art):
             lambda m: m["files"]["graphs/model.py"].pop("xxh3_128"),
             r"field 'files\.graphs/model\.py\.xxh3_128'",
         ),
-        (lambda m: m.update(decode_buckets=[]), "'decode_buckets' must be a non-empty list"),
+        (lambda m: m.update(decode_buckets=[]), "'decode_buckets' must be a non-empty ascending list"),
+        (lambda m: m["kv"].update(page_size=0), r"field 'kv\.page_size' is 0, not a positive integer"),
+        (lambda m: m.update(dtype="int8"), r"field 'dtype' is 'int8', not one of float32"),
+        (
+            lambda m: m["kernel_choices"].update(page_size=1),
+            r"field 'kernel_choices\.page_size' is not a field",
+        ),
+        (
+            lambda m: m["graphs"]["model"]["python"]["weight_keys"].append(7),
+            r"field 'graphs\.model\.python\.weight_keys\[\d+\]' is an integer, not a string",
+        ),
     ],
 )
 def test_missing_or_wrong_typed_field_is_named(art, edit, match):
@@ -177,7 +187,7 @@ def test_kernel_source_hash_follows_every_source_byte(tmp_path):
 def test_verify_off_checks_sizes_only(art):
     flip_byte(art / "weights" / "rank0.safetensors")
     flip_byte(art / "tokenizer" / "special_tokens_map.json", at=0)  # read by nothing on this path
-    assert load_model(str(art), "cpu", verify=False).artifact.vocab_size == 4096
+    assert load_model(str(art), "cpu", verify=False).artifact.manifest.vocab_size == 4096
     with pytest.raises(ArtifactError, match=r"special_tokens_map\.json fails its hash check"):
         open_artifact(art, "cpu", verify=True)
 

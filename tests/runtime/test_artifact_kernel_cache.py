@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from kiln.artifact_format import MANIFEST_HASH_KEY
-from kiln.compiler.manifest import write_manifest
 from kiln.kernel_cache import CacheDirs, active_dirs, kernel_cache, reset_kernel_cache
+from kiln.manifest import Manifest, file_table
 from kiln.runtime.artifact import ArtifactError, open_artifact
 
 
@@ -150,10 +150,9 @@ def test_a_flipped_byte_in_a_kernel_file_is_refused(demo_artifact, tmp_path):
     art = copy_artifact(demo_artifact, tmp_path / "art")
     assert not any((art / "kernels").rglob("*"))  # a CPU compile has no Triton kernels: add one
     _compile(16, art / "kernels")
-    body = json.loads((art / "manifest.json").read_text())
-    for key in ("schema_version", "files", MANIFEST_HASH_KEY):
-        body.pop(key)
-    files = write_manifest(art, body)["files"]  # the file table a GPU compile would write
+    manifest = replace(Manifest.load(art), files=file_table(art))  # the table a GPU compile would write
+    manifest.save(art)
+    files = manifest.files
     cubin = next(rel for rel in files if rel.startswith("kernels/") and rel.endswith(".cubin"))
     open_artifact(art, "cpu", verify=True)  # intact: accepted
     flip_byte(art / cubin)

@@ -130,3 +130,48 @@ def test_prompt_too_long_is_rejected(setup):
     llm = LLM(str(art), device="cpu")
     with pytest.raises(ValueError, match="context is 128"):
         llm.generate([[5] * 200], GREEDY)
+
+
+def test_batch_limits_derive_from_the_artifact(setup):
+    """One name per value: the artifact's max_batch_size (the largest decode bucket) caps the engine's
+    max_running; the block table has max_running + 1 rows (row 0 pads) of manifest.max_blocks pages."""
+    _, art, _, _ = setup
+    for asked, running in ((None, 4), (9, 4), (2, 2)):
+        eng = LLM(str(art), device="cpu", max_running=asked).engine
+        m = eng.artifact.manifest
+        assert (m.max_batch_size, m.decode_buckets, eng.max_running) == (4, (1, 2, 4), running)
+        assert eng.scheduler.cfg.max_running == running and eng.bt.max_running == running
+        assert eng.bt.num_rows == running + 1 == eng.sampler.max_rows
+        assert eng.bt.max_blocks == m.max_blocks == 128 and eng.runner.decode_buckets == m.decode_buckets
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stepper_runs_on_its_parts_alone(setup, overlap):
+    """The stepper reaches the engine only through StepParts: a second stepper built from the
+    engine's parts, with its own counters and outputs callback, runs the engine's requests to the
+    same tokens and counts its steps in its own stats, not in the engine's."""
+    from kiln.runtime.stepper import StepParts, Stepper
+
+    _, art, prompts, expect = setup
+    eng = LLM(str(art), device="cpu", overlap=overlap).engine
+    stats = dict.fromkeys(eng.stats, 0)
+    seen = []
+
+    def outputs(launched):
+        seen.append(len(launched.reqs))
+        return eng._outputs(launched)
+
+    parts = StepParts(
+        eng.scheduler, eng.runner, eng.sampler, eng.stager, eng.device, eng.eos_ids, stats, outputs
+    )
+    stepper = Stepper(parts, overlap=overlap)
+    reqs = [eng.add_request(p, GREEDY) for p in prompts]
+    while eng.scheduler.has_work() or stepper.inflight is not None:
+        stepper.step()
+    assert [r.output_ids for r in reqs] == expect
+    assert stats["steps"] > 0 and eng.stats["steps"] == 0
+    # each request's tokens went through the callback (with overlap, a request that finishes was
+    # already in the next launched step: that extra token is discarded there)
+    assert sum(seen) == len(prompts) * NEW or (overlap and sum(seen) > len(prompts) * NEW)
+    assert (stepper.overlapped > 0) == overlap and stepper.host_breakdown["outputs"] > 0
+    eng.check_integrity()

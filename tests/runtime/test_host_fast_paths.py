@@ -28,7 +28,7 @@ def setup(tmp_path_factory):
 
 
 def test_request_output_field_order():
-    # Engine._finish builds RequestOutput positionally in this order.
+    # Engine._outputs builds RequestOutput positionally in this order.
     assert [f.name for f in dataclasses.fields(RequestOutput)] == [
         "rid",
         "new_text",

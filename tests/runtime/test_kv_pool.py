@@ -85,7 +85,7 @@ def test_bad_pool_sizes():
 
 def test_block_table_flush_matches_host_model():
     rng = random.Random(1)
-    bt = BlockTable(max_requests=5, max_blocks=8, device="cpu", page_size=4)
+    bt = BlockTable(max_running=5, max_blocks=8, device="cpu", page_size=4)
     assert bt.table.shape == (6, 8) and bt.table.dtype == torch.int32
     model: dict[int, list[int]] = {}
     for step in range(200):
@@ -120,8 +120,8 @@ def test_block_table_flush_matches_host_model():
 
 def test_block_table_append_each_equals_append():
     rng = random.Random(2)
-    a = BlockTable(max_requests=6, max_blocks=5, device="cpu", page_size=4)
-    b = BlockTable(max_requests=6, max_blocks=5, device="cpu", page_size=4)
+    a = BlockTable(max_running=6, max_blocks=5, device="cpu", page_size=4)
+    b = BlockTable(max_running=6, max_blocks=5, device="cpu", page_size=4)
     rows = [a.alloc_row() for _ in range(6)]
     assert rows == [b.alloc_row() for _ in range(6)]
     for step in range(12):
@@ -148,7 +148,7 @@ def test_block_table_append_each_equals_append():
 
 
 def test_block_table_one_write_per_flush(monkeypatch):
-    bt = BlockTable(max_requests=2, max_blocks=4, device="cpu", page_size=1)
+    bt = BlockTable(max_running=2, max_blocks=4, device="cpu", page_size=1)
     row = bt.alloc_row()
     bt.assign(row, [7, 8])
     bt.append(row, [9])
@@ -164,7 +164,7 @@ def test_block_table_one_write_per_flush(monkeypatch):
 
 
 def test_block_table_slots_and_limits():
-    bt = BlockTable(max_requests=1, max_blocks=3, device="cpu", page_size=4)
+    bt = BlockTable(max_running=1, max_blocks=3, device="cpu", page_size=4)
     row = bt.alloc_row()
     assert bt.alloc_row() is None
     bt.assign(row, [5, 2])
@@ -182,7 +182,7 @@ def test_block_table_slots_and_limits():
 
 @pytest.mark.gpu
 def test_block_table_flush_on_gpu_without_sync():
-    bt = BlockTable(max_requests=8, max_blocks=16, device="cuda", page_size=16)
+    bt = BlockTable(max_running=8, max_blocks=16, device="cuda", page_size=16)
     rows = [bt.alloc_row() for _ in range(8)]
     for i, r in enumerate(rows):
         bt.assign(r, list(range(10 * i + 1, 10 * i + 1 + i)))

@@ -104,6 +104,23 @@ def test_mixed_requests_under_retraction_match_hf(tiny, overlap, radix):
     eng.check_integrity()
 
 
+def test_retraction_keeps_penalized_sampling_exact(tiny):
+    """Penalties count each request's own tokens: a request retracted and resumed, perhaps into a
+    row another request used meanwhile, samples exactly as it does in a pool large enough that
+    nothing is retracted."""
+    _, art = tiny
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (44, 8, 37, 12, 29, 5)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5)
+    outs = []
+    for tokens in (80, 2000):
+        llm = small_pool_llm(art, tokens, overlap=False)
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+        retracted = llm.engine.scheduler.num_preemptions
+        assert (retracted > 0) == (tokens == 80), retracted
+    assert outs[0] == outs[1]
+
+
 def test_no_hit_request_is_not_starved(tiny):
     """With one running slot, a request with no cached prefix waits while requests that hit the
     cache keep arriving; it is admitted after at most ``max_overtakes`` of them."""
@@ -176,9 +193,12 @@ def test_blocked_prefills_retract_and_go_on(radix):
         assert sched._admit(r, budget=5) == 5
         r.kv_len += 5
     assert sched.pool.num_free_pages == 4 and all(r.prefilling for r in sched.running)
+    b.sampler_row = b.row  # as the stepper leaves it
     batch = sched.schedule()
     assert batch is not None and batch.reqs == [a] and batch.extend_lens == [7]
     assert b in sched.waiting and sched.num_preemptions == 1
+    # resumed, possibly into the same row after another request used it: its sampler row restarts
+    assert b.row == -1 and b.sampler_row == -1
     rng = random.Random(0)
     sched.after_step(batch)
     a.output_ids.append(1)

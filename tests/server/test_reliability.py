@@ -4,7 +4,6 @@ limit, the bound on sequences per request, and the length check before tokenizat
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -13,11 +12,13 @@ import openai
 import pytest
 from serve_harness import LiveServer, assert_error
 
+from kiln.manifest import Manifest
+
 
 @pytest.fixture(scope="module")
 def small(demo_artifact):
     """A server whose KV pool (about 512 tokens) is smaller than the context, with 2 running slots."""
-    bytes_per_token = json.loads((demo_artifact / "manifest.json").read_text())["kv"]["bytes_per_token"]
+    bytes_per_token = Manifest.load(demo_artifact).kv.bytes_per_token
     s = LiveServer(demo_artifact, kv_memory_gib=512 * bytes_per_token / 2**30, max_running=2)
     assert 500 < s.kiln.max_request_tokens == s.engine.pool.capacity_tokens < s.kiln.context
     yield s

@@ -27,6 +27,8 @@ import httpx
 import pytest
 from serve_harness import LiveServer
 
+from kiln.manifest import Manifest
+
 ROUNDS = int(os.environ.get("KILN_SOAK_ROUNDS", "3"))
 SEED = int(os.environ.get("KILN_SOAK_SEED", "0"))
 N_CLIENTS = 64
@@ -38,7 +40,7 @@ WORDS = ["the", "kiln", "fires", "clay", "into", "stone", "while", "the", "potte
 
 @pytest.fixture(scope="module")
 def soak(demo_artifact):
-    bytes_per_token = json.loads((demo_artifact / "manifest.json").read_text())["kv"]["bytes_per_token"]
+    bytes_per_token = Manifest.load(demo_artifact).kv.bytes_per_token
     s = LiveServer(demo_artifact, kv_memory_gib=KV_TOKENS * bytes_per_token / 2**30)
     yield s
     s.stop()
