@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kiln import settings
+
 SMOKE = not torch.cuda.is_available()
 if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -51,7 +53,7 @@ def _clean_flush() -> None:
 def _median_ms(fn: Callable[[], object]) -> float:
     import triton.testing
 
-    if os.environ.get("KILN_BENCH_FLUSH", "clean") == "dirty":
+    if settings.value("bench_flush") == "dirty":  # KILN_BENCH_FLUSH
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
     fn()
     _clean_flush()
@@ -109,9 +111,7 @@ def measure(benchmark, ceilings):
             return
         ms = _median_ms(fn)
         s = ms * 1e-3
-        benchmark.extra_info.update(
-            ms=ms, bytes=bytes, flops=flops, l2_flush=os.environ.get("KILN_BENCH_FLUSH", "clean")
-        )
+        benchmark.extra_info.update(ms=ms, bytes=bytes, flops=flops, l2_flush=settings.value("bench_flush"))
         if bytes:
             benchmark.extra_info.update(gbps=bytes / s / 1e9, frac_bw=bytes / s / 1e9 / ceilings.read_gbps)
         if flops:

@@ -5,12 +5,13 @@ GPU call for Qwen3-30B-A3B-shaped weights). Here the model definition (compiler/
 random weights made on the GPU, called as the exported graph calls it (``functional_call`` with the
 weights dict and a ``ForwardContext``) and captured in one CUDA graph per case. The kernels and their
 order are those of a decode step. Sampling, the host work and the aten glue are not included.
-Switches read while tracing (the GEMV plan ``KILN_GEMV``, ``KILN_FOLD_NORMS``) and at capture
-(``KILN_PDL``, ``KILN_PREWAIT``, ...) are set per case, so step-level A/B comparisons need
-no recompile. Chains of one op do not predict these (docs/decode_budget.md). ``fold_norms`` (the
-residual-stream layout) is set as the compiler traces it (batch 1, ``KILN_FOLD_NORMS`` on unless
-``0``), on the same random weights: the kernels are those of a folded artifact, the values are
-not. (``bench/results/2026-11-30_h200_s9d_fold_step.json`` traced the layout at every batch.)
+Settings (kiln/settings.py) are set per case: the compile's ``fold_norms`` while tracing, the
+run-time ones (``pdl``, ``prewait``, ``gemv``, ...) as overrides around the capture, so step-level
+A/B comparisons need no recompile. The model is built with the default GEMV plan. Chains of one op
+do not predict these (docs/decode_budget.md). ``fold_norms`` (the residual-stream layout) is set as
+the compiler traces it (batch 1, unless the case turns it off), on the same random weights: the
+kernels are those of a folded artifact, the values are not.
+(``bench/results/2026-11-30_h200_s9d_fold_step.json`` traced the layout at every batch.)
 
 * ``test_decode_step[PRESET-B-VARIANT]``: Qwen3-30B-A3B- or Llama-3.1-8B-shaped with ``LAYERS``
   layers (16, as the MoE end-to-end runs), ``B`` requests each at ``CONTEXT`` tokens of KV.
@@ -30,10 +31,11 @@ import pytest
 import torch
 from conftest import SMOKE, graphed, pick
 
+from kiln import settings
 from kiln.compiler.cli_inspect import bundled_configs
 from kiln.compiler.config import normalize_config
 from kiln.compiler.context import ForwardContext
-from kiln.compiler.norm_folds import fold_norms_requested, norm_folds
+from kiln.compiler.norm_folds import norm_folds
 from kiln.compiler.registry import model_class
 from kiln.ops.decode_attention import choose_num_splits
 from kiln.ops.rope import rope_cos_sin_cache
@@ -46,20 +48,20 @@ MAX_SEQ = pick(32768, 64)  # CompileOptions' default for this config: the decode
 TINY = dict(hidden_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
             moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, vocab_size=256,
             max_position_embeddings=512)  # fmt: skip
-VARIANTS = {
+VARIANTS = {  # settings (kiln/settings.py) per case: fold_norms at trace, the others at capture
     "default": {},
-    "unfolded": {"KILN_FOLD_NORMS": "0"},  # the add+norm kernels of the layout before folded norms
-    "pdl_off": {"KILN_PDL": "0"},
-    "gemv_off": {"KILN_GEMV": "0"},
-    # graph-constant loads before the PDL wait (ops/common.py KILN_PREWAIT; default: all parts)
-    "prewait_off": {"KILN_PREWAIT": "none"},
-    "prewait_noslab": {"KILN_PREWAIT": "gemv,attn,rope"},  # the default before the slab parts
-    "prewait_gemv": {"KILN_PREWAIT": "gemv"},
-    "prewait_attn": {"KILN_PREWAIT": "attn"},
-    "prewait_rope": {"KILN_PREWAIT": "rope"},
-    "prewait_slab": {"KILN_PREWAIT": "all"},  # plus the whole-slab first step, every one-row GEMV
-    "slab_plain": {"KILN_PREWAIT": "gemv,attn,rope,slab"},  # without a fused norm: o
-    "slab_norm": {"KILN_PREWAIT": "gemv,attn,rope,slab_norm"},  # with one: qkv, router, gate_up
+    "unfolded": {"fold_norms": False},  # the add+norm kernels of the layout before folded norms
+    "pdl_off": {"pdl": False},
+    "gemv_off": {"gemv": False},
+    # graph-constant loads before the PDL wait (ops/common.py, the prewait setting; default: all parts)
+    "prewait_off": {"prewait": "none"},
+    "prewait_noslab": {"prewait": "gemv,attn,rope"},  # the default before the slab parts
+    "prewait_gemv": {"prewait": "gemv"},
+    "prewait_attn": {"prewait": "attn"},
+    "prewait_rope": {"prewait": "rope"},
+    "prewait_slab": {"prewait": "all"},  # plus the whole-slab first step, every one-row GEMV
+    "slab_plain": {"prewait": "gemv,attn,rope,slab"},  # without a fused norm: o
+    "slab_norm": {"prewait": "gemv,attn,rope,slab_norm"},  # with one: qkv, router, gate_up
 }
 
 
@@ -121,16 +123,22 @@ def _bytes(cfg, weights, batch: int) -> float:
 @pytest.mark.parametrize("batch", pick([1, 8], [1]))
 @pytest.mark.parametrize("preset", MODELS)
 def test_decode_step(measure, monkeypatch, preset, batch, variant):
-    for name, value in VARIANTS[variant].items():
-        monkeypatch.setenv(name, value)
+    run = dict(VARIANTS[variant])
+    fold = run.pop("fold_norms", True)  # a compile setting: how the graph is traced
     cfg, model, weights = _model(preset)
-    folded = batch == 1 and fold_norms_requested() and bool(norm_folds(model)[0])  # as the compiler traces
+    folded = batch == 1 and fold and bool(norm_folds(model)[0])  # as the compiler traces
     monkeypatch.setattr(model, "fold_norms", folded)
     ids, ctx = _context(cfg, batch)
     step = lambda: torch.func.functional_call(model, weights, (ids, ctx), strict=True)
-    logits = step()
-    assert logits.shape == (batch, cfg.vocab_size) and torch.isfinite(logits).all(), variant
     info = dict(
-        model=preset, batch=batch, variant=variant, num_layers=LAYERS, context=CONTEXT, env=VARIANTS[variant]
+        model=preset,
+        batch=batch,
+        variant=variant,
+        num_layers=LAYERS,
+        context=CONTEXT,
+        settings=VARIANTS[variant],
     )
-    measure(graphed(step), bytes=_bytes(cfg, weights, batch), **info)
+    with settings.overridden(**run):  # the run-time ones, read at capture
+        logits = step()
+        assert logits.shape == (batch, cfg.vocab_size) and torch.isfinite(logits).all(), variant
+        measure(graphed(step), bytes=_bytes(cfg, weights, batch), **info)

@@ -25,14 +25,13 @@ a CUDA graph and replayed.
 ``KILN_FP8_SWEEP_CHAIN`` also the same per launch in a chain of distinct weights (see below).
 """
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import SMOKE, _median_ms, graphed, pick
 from triton.runtime.errors import OutOfResources
 
+from kiln import settings
 from kiln.ops import fp8_cutlass as fc
 from kiln.ops import fp8_gemm as fg
 from kiln.ops import fp8_linear as fl
@@ -44,8 +43,8 @@ DEV = "cpu" if SMOKE else "cuda"
 IMPLS = ["fp8", "fp8_fast_accum", "fp8_triton", "fp8_triton_fast_accum", "fp8_cutlass", "bf16", "ref_eager",
          "ref_compile"]  # fmt: skip
 SMOKE_SKIPS = ("ref_compile", "fp8_fast_accum", "fp8_triton_fast_accum", "fp8_cutlass")
-if not SMOKE and os.environ.get("KILN_CUTLASS_FP8_LIB"):
-    fc.load_library(os.environ["KILN_CUTLASS_FP8_LIB"])
+if not SMOKE and settings.value("cutlass_fp8_lib"):  # KILN_CUTLASS_FP8_LIB
+    fc.load_library(settings.value("cutlass_fp8_lib"))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -94,7 +93,7 @@ def test_fp8_linear(measure, monkeypatch, m, n, k, impl):
 # KILN_FP8_SWEEP_CHAIN=MB: also time each candidate over distinct weight copies of at least MB
 # megabytes of FP8 weights, back to back in one graph (as a prefill step runs its linears: cold
 # weights, no launch gap between kernels); ``chain_*`` fields are per launch.
-CHAIN_MB = int(os.environ.get("KILN_FP8_SWEEP_CHAIN", "0"))
+CHAIN_MB = settings.value("fp8_sweep_chain")
 _BASELINES: dict[tuple[int, int, int], dict[str, float]] = {}
 
 
@@ -111,10 +110,10 @@ def _per_launch_ms(fns) -> float:
 
 
 @pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")
-@pytest.mark.parametrize("accum", os.environ.get("KILN_SWEEP_ACCUM", "precise,fast").split(","))
+@pytest.mark.parametrize("accum", settings.value("fp8_sweep_accum"))  # KILN_SWEEP_ACCUM
 @pytest.mark.parametrize("cfg", fg.SWEEP_CONFIGS)
 @pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)], ids=str)
-@pytest.mark.parametrize("m", [int(x) for x in os.environ.get("KILN_SWEEP_M", "256,512").split(",")])
+@pytest.mark.parametrize("m", settings.value("fp8_sweep_m"))  # KILN_SWEEP_M
 def test_fp8_gemm_sweep(measure, m, n, k, cfg, accum):
     copies = max(1, -(-CHAIN_MB * 10**6 // (n * k))) if CHAIN_MB else 1
     x, xq, xs, ws, qs = _case(m, n, k, copies)

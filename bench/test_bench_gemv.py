@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import triton
 from conftest import SMOKE, _median_ms, graphed, pick
 
+from kiln import settings
 from kiln.ops import gemv as G
 from kiln.ops.activation import silu_and_mul_ref
 from kiln.ops.common import next_pow2
@@ -154,11 +155,11 @@ SWEEP_SHAPES = {  # name: (N_out, K, gate_up); moe_*: Qwen3-30B-A3B's attention 
     "down": (4096, 14336, False), "lm_head": (128256, 4096, False),
     "moe_qkv": (5120, 2048, False), "moe_o": (2048, 4096, False),
 }  # fmt: skip
-SWEEP_MS = [int(v) for v in os.environ.get("KILN_GEMV_SWEEP_M", "1,8").split(",")]
+SWEEP_MS = list(settings.value("gemv_sweep_m"))  # KILN_GEMV_SWEEP_M
 # KILN_GEMV_SWEEP_CHAIN=MB: each timed graph launches the GEMV over distinct weight copies of at
 # least MB megabytes in all, back to back, as a decode step does layer after layer (the single-launch
 # timing adds a graph launch's fixed cost to every row); ``ms`` is per launch.
-CHAIN_MB = int(os.environ.get("KILN_GEMV_SWEEP_CHAIN", "0"))
+CHAIN_MB = settings.value("gemv_sweep_chain")
 
 
 def _copies(n_w: int, k: int) -> int:
@@ -210,7 +211,7 @@ def _precompiled(request):
             n, k, gate_up = SWEEP_SHAPES[p["name"]]
             jobs.append((p["m"], n, k, gate_up, _resolve(p["name"], p["m"], p["cfg"])))
     jobs = list(dict.fromkeys(jobs))
-    if not jobs or os.environ.get("KILN_GEMV_SWEEP_PRECOMPILE", "1") == "0":
+    if not jobs or not settings.value("gemv_sweep_precompile"):  # KILN_GEMV_SWEEP_PRECOMPILE
         return {}
     workers = max(1, min(16, (os.cpu_count() or 2) - 1, len(jobs)))
     ctx = multiprocessing.get_context("spawn")

@@ -46,7 +46,6 @@ and ``mBM_nBN_kBK_gGROUP_wWARPS_sSTAGES``;
 
 import functools
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -54,6 +53,7 @@ import torch
 import triton
 from conftest import SMOKE, graphed, pick
 
+from kiln import settings
 from kiln.ops import moe, moe_cutlass
 from kiln.ops import moe_gemm as mg
 from kiln.ops.moe_align import moe_align_run
@@ -69,7 +69,7 @@ IMPLS = ["triton", "triton_fp8", "cutlass_sm90", "cutlass", "eager", "routing", 
 
 def _tuning() -> str:
     """``KILN_MOE_TUNING``: a recorded table (JSON, or a path to one), or "" for the default table."""
-    v = os.environ.get("KILN_MOE_TUNING", "").strip()
+    v = settings.value("moe_tuning").strip()
     if v and not v.startswith("{"):
         v = Path(v).read_text()
     if v:
@@ -82,7 +82,7 @@ TUNING = _tuning()
 
 def _cutlass_unavailable(x, w13, w2) -> str | None:
     """Why the ``cutlass_sm90`` row cannot run (None: it can); loads ``KILN_CUTLASS_LIB``."""
-    path = os.environ.get("KILN_CUTLASS_LIB")
+    path = settings.value("cutlass_lib")
     if moe_cutlass.library_path() is None and path:
         moe_cutlass.load_library(path)
     if moe_cutlass.library_path() is None:

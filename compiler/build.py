@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from kiln import settings
 from kiln.artifact_format import gpu_arch, write_build_log
 from kiln.compiler.config import ModelConfig, load_config
 from kiln.compiler.context import GRAPH_INPUTS
@@ -39,7 +40,7 @@ from kiln.compiler.cutlass_build import check_request, cutlass_backend, drop_unu
 from kiln.compiler.graph_code import emit_graph_code
 from kiln.compiler.moe_layer import FusedMoE
 from kiln.compiler.moe_tune import MoEShape, moe_tuning
-from kiln.compiler.norm_folds import fold_norms_requested, norm_folds
+from kiln.compiler.norm_folds import norm_folds
 from kiln.compiler.parallel import ParallelConfig, validate_parallel
 from kiln.compiler.registry import model_class
 from kiln.compiler.trace import CacheSpec, example_inputs, export_graph, strip_example_inputs
@@ -81,8 +82,13 @@ class CompileError(KilnError):
     pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompileOptions:
+    """``kiln compile``'s options, one field per flag. The graph-changing settings of
+    kiln/settings.py (``gemv_plan``, ``fold_norms``) are fields here and nowhere else: the model
+    build gets them explicitly and the manifest records them (``kernel_choices.gemv``,
+    ``norm_folds``); the environment does not change them."""
+
     device: str = "cuda"
     dtype: str = "bfloat16"
     quant: str | None = None
@@ -98,6 +104,11 @@ class CompileOptions:
     moe_backend: str = "triton"  # "cutlass" / "auto": the CUTLASS grouped GEMM (compiler/cutlass_build.py)
     moe_cutlass_min_tokens: int = 2048  # moe_backend "cutlass": rungs from this many tokens on use it
     fp8_cutlass: bool = True  # quant fp8 on an sm90 GPU: build the CUTLASS FP8 GEMM library (fp8_library)
+    # --gemv-plan: which bf16 linears trace the GEMV, up to which T (ops/gemv.py gemv_plan)
+    gemv_plan: str = settings.SETTINGS["gemv_plan"].default
+    # --fold-norms/--no-fold-norms: fold the norm weights into their consumers where possible
+    # (compiler/norm_folds.py) and trace batch 1's decode graph in the residual-stream layout
+    fold_norms: bool = True
     force: bool = False
 
     @property
@@ -169,10 +180,10 @@ def _decode_splits(cfg: ModelConfig, batch: int, max_seq_len: int, tp: int) -> i
     return choose_num_splits(batch, max_seq_len, cfg.kv_heads_per_rank(tp))
 
 
-def _model(cfg: ModelConfig, opts: CompileOptions) -> torch.nn.Module:
+def _model(cfg: ModelConfig, opts: CompileOptions, plan: dict[str, int]) -> torch.nn.Module:
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
-        return cls(cfg, DTYPES[opts.dtype], tp=opts.tp, quant=opts.quant)
+        return cls(cfg, DTYPES[opts.dtype], tp=opts.tp, quant=opts.quant, gemv_plan=plan)
 
 
 def _check_pack_matches(model: torch.nn.Module, pack: dict[str, torch.Tensor]) -> None:
@@ -194,12 +205,13 @@ def _check_pack_matches(model: torch.nn.Module, pack: dict[str, torch.Tensor]) -
             )
 
 
-def _norm_folds(model: torch.nn.Module, verbose: bool) -> dict[str, list[str]]:
+def _norm_folds(model: torch.nn.Module, fold: bool, verbose: bool) -> dict[str, list[str]]:
     """The norm weights to fold into their consumers' weights (weights/fold.py), or {} when not asked
-    for or not possible (said on stderr). Every graph is correct on folded weights (the norm
-    weights become ones); the batch-1 decode graph is traced in the residual-stream layout that
-    needs no norm kernel (``model.fold_norms``, compiler/models/base.py)."""
-    if not fold_norms_requested():
+    for (``fold``: ``CompileOptions.fold_norms``) or not possible (said on stderr). Every graph is
+    correct on folded weights (the norm weights become ones); the batch-1 decode graph is traced in
+    the residual-stream layout that needs no norm kernel (``model.fold_norms``,
+    compiler/models/base.py)."""
+    if not fold:
         return {}
     folds, why = norm_folds(model)
     if not folds and verbose:
@@ -253,9 +265,11 @@ def compile_model(
     if opts.dtype not in DTYPES:
         raise CompileError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}.")
     try:
-        plan = gemv_plan()  # a bad KILN_GEMV fails here, before any work
+        plan = gemv_plan(opts.gemv_plan)  # a bad --gemv-plan fails here, before any work
     except ValueError as err:
         raise CompileError(str(err)) from None
+    for line in settings.environment_warnings("compile"):  # variables that no longer change a compile
+        warnings.warn(f"kiln compile: {line}", stacklevel=2)
     timer = PhaseTimer(verbose=verbose)
     with timer.phase("config"):
         cfg = load_config(model_dir)
@@ -288,14 +302,14 @@ def compile_model(
         with timer.phase("moe_tune" if opts.moe_tune else "moe_table"):
             moe_choice = _moe_choice(cfg, opts, device, out)
     with timer.phase("trace"):
-        model = _model(cfg, opts)
+        model = _model(cfg, opts, plan)
         if moe_choice is not None:  # the graphs pass the recorded table to kiln::fused_moe
             for mod in model.modules():
                 if isinstance(mod, FusedMoE):
                     mod.tuning = moe_choice["table"]
         weights = load_pack(out / "weights", 0, device, verify=False)  # hashed as it was written
         _check_pack_matches(model, weights)
-        folds = _norm_folds(model, verbose)
+        folds = _norm_folds(model, opts.fold_norms, verbose)
         apply_norm_folds(weights, folds)  # as the runtime will, before the warm-up runs the graphs
         kv = _kv_spec(cfg, opts)
         cache = CacheSpec(

@@ -1,10 +1,14 @@
-"""``kiln compile MODEL_DIR -o ART``."""
+"""``kiln compile MODEL_DIR -o ART``. The flags of the compile settings (``--gemv-plan``,
+``--fold-norms``) are built from their declarations in kiln/settings.py."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import click
 import torch
 
+from kiln import settings
 from kiln.compiler.build import DTYPES, CompileOptions, compile_model
 
 
@@ -72,7 +76,7 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
     default="shared",
     show_default=True,
     help="shared: the one dynamic-shape graph also serves decode (CUDA graphs are still captured "
-    "per bucket), but for batch 1's static graph when the norms are folded (KILN_FOLD_NORMS, on by "
+    "per bucket), but for batch 1's static graph when the norms are folded (--fold-norms, on by "
     "default); per-bucket: a static graph per decode bucket.",
 )
 @click.option(
@@ -104,6 +108,7 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
     "the nvidia-cutlass headers; one to three minutes, cached) for prefill-sized FP8 linears. "
     "Without it (or when it cannot be built: a warning) they run Triton and cuBLAS.",
 )
+@settings.click_options("compile")
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 def compile_cmd(
     model_dir: str,
@@ -122,6 +127,7 @@ def compile_cmd(
     moe_cutlass_min_tokens: int,
     fp8_cutlass: bool,
     force: bool,
+    **kw: Any,
 ) -> None:
     """Compile the Hugging Face checkpoint in MODEL_DIR into an artifact directory: weight packs
     (fused, sharded, optionally FP8), the decode graph (CUDA graphs are captured per batch bucket
@@ -153,5 +159,7 @@ def compile_cmd(
         moe_cutlass_min_tokens=moe_cutlass_min_tokens,
         fp8_cutlass=fp8_cutlass,
         force=force,
+        # --gemv-plan, --fold-norms: given ones only (the others keep CompileOptions' defaults)
+        **{k: v for k, v in settings.pop_options(kw, "compile").items() if v is not None},
     )
     compile_model(model_dir, out, opts)

@@ -6,13 +6,14 @@
 
 ``build_library(dest, lib=MOE)`` compiles the source with nvcc for ``sm_90a`` against the CUTLASS
 headers into ``dest/lib.name`` (one to three minutes; static cudart, so it loads without a CUDA
-toolkit). Where things come from, first match wins:
+toolkit). Where things come from, first match wins (the variables are compile settings of
+kiln/settings.py, read through it):
 
 * the library: ``lib.env`` (``KILN_CUTLASS_LIB`` or ``KILN_CUTLASS_FP8_LIB``: a prebuilt file,
   copied as is), else the build cache
   ``KILN_CUTLASS_CACHE`` (default ``~/.cache/kiln/cutlass``, keyed by the source, the flags, the
   nvcc version and the CUTLASS version), else nvcc;
-* nvcc: ``KILN_NVCC``, ``$CUDA_HOME/bin/nvcc``, then ``PATH``;
+* nvcc: ``KILN_NVCC``, ``$CUDA_HOME/bin/nvcc`` (or ``$CUDA_PATH``), then ``PATH``;
 * the headers: ``KILN_CUTLASS_DIR`` (a folder holding ``include/cutlass/cutlass.h``: a CUTLASS
   checkout), else the ``cutlass_library`` package (:data:`CUTLASS_MODULE`) of the ``nvidia-cutlass``
   wheel (:data:`CUTLASS_DISTRIBUTION`, what ``pip install 'kiln[cutlass]'`` installs; its
@@ -41,6 +42,7 @@ from typing import Any
 
 import torch
 
+from kiln import settings
 from kiln.errors import KilnError
 
 ARCH = "sm_90a"
@@ -58,14 +60,19 @@ CUTLASS_MODULE = "cutlass_library"
 class CutlassLib:
     source: str  # under ops/cutlass/
     name: str  # the built file
-    env: str  # a prebuilt file to copy instead of building
+    setting: str  # kiln/settings.py: a prebuilt file to copy instead of building
     what: str  # for messages
     fallback: str  # the compile flag that does without it
 
+    @property
+    def env(self) -> str:
+        """The environment variable of ``setting`` (for messages)."""
+        return str(settings.SETTINGS[self.setting].env)
 
-MOE = CutlassLib("sm90_grouped.cu", "cutlass_moe_sm90.so", "KILN_CUTLASS_LIB", "MoE grouped-GEMM",
+
+MOE = CutlassLib("sm90_grouped.cu", "cutlass_moe_sm90.so", "cutlass_lib", "MoE grouped-GEMM",
                  "--moe-backend triton")  # fmt: skip
-FP8 = CutlassLib("sm90_fp8_gemm.cu", "cutlass_fp8_sm90.so", "KILN_CUTLASS_FP8_LIB", "FP8 GEMM",
+FP8 = CutlassLib("sm90_fp8_gemm.cu", "cutlass_fp8_sm90.so", "cutlass_fp8_lib", "FP8 GEMM",
                  "--no-fp8-cutlass")  # fmt: skip
 LIB_NAME = MOE.name
 
@@ -82,7 +89,7 @@ def source_file(lib: CutlassLib = MOE) -> Path:
 
 def cutlass_dir(lib: CutlassLib = MOE) -> Path:
     """The CUTLASS source folder (``include/`` and ``tools/util/include/`` under it)."""
-    env = os.environ.get("KILN_CUTLASS_DIR")
+    env = settings.value("cutlass_dir")
     if env:
         root = Path(env)
         if not (root / "include" / "cutlass" / "cutlass.h").is_file():
@@ -105,9 +112,9 @@ def cutlass_dir(lib: CutlassLib = MOE) -> Path:
 
 
 def find_nvcc(lib: CutlassLib = MOE) -> str:
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")  # the toolkit's own, process-level
     for cand in (
-        os.environ.get("KILN_NVCC"),
+        settings.value("nvcc"),
         home and os.path.join(home, "bin", "nvcc"),
         shutil.which("nvcc"),
     ):
@@ -140,14 +147,14 @@ def build_library(dest: str | Path, verbose: bool = False, lib: CutlassLib = MOE
     dest.mkdir(parents=True, exist_ok=True)
     out = dest / lib.name
     t0 = time.perf_counter()
-    prebuilt = os.environ.get(lib.env)
+    prebuilt = settings.value(lib.setting)
     if prebuilt:
         if not os.path.isfile(prebuilt):
             raise CutlassBuildError(f"{lib.env}={prebuilt} does not exist; unset it to build with nvcc")
         shutil.copyfile(prebuilt, out)
         return {"path": str(out), "source": "prebuilt", "seconds": time.perf_counter() - t0}
     nvcc, cutlass = find_nvcc(lib), cutlass_dir(lib)
-    cache = Path(os.environ.get("KILN_CUTLASS_CACHE") or Path.home() / ".cache" / "kiln" / "cutlass")
+    cache = Path(settings.value("cutlass_cache")).expanduser()
     cached = cache / f"{Path(lib.name).stem}-{_cache_key(nvcc, cutlass, lib)}.so"
     origin = "cache"
     if not cached.is_file():

@@ -11,6 +11,7 @@ with per-token scales (the fused norm+quant of the design card).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -18,7 +19,6 @@ from torch import nn
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
 from kiln.compiler.context import ForwardContext
-from kiln.ops.gemv import gemv_plan
 
 FP8 = torch.float8_e4m3fn
 
@@ -86,11 +86,11 @@ def norm_linear(
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with W ``[out, in]``; FP8 weights carry ``weight_scale [out]``.
 
-    Non-FP8 weights: ``F.linear`` (cuBLAS). When the GEMV plan (ops/gemv.py ``gemv_plan``, from
-    ``KILN_GEMV`` at compile time) has this linear's ``role``, it traces ``kiln::linear`` instead:
-    at decode-sized T (<= the plan's max T for the role) the GEMV kernel of ops/gemv.py, otherwise
-    cuBLAS, decided inside the op at run time (T is dynamic in the exported graph;
-    ``KILN_GEMV=0`` at run time sends it to cuBLAS).
+    Non-FP8 weights: ``F.linear`` (cuBLAS). When the GEMV plan (``kiln compile --gemv-plan``, which
+    the model build passes on: :func:`use_gemv_plan`) has this linear's ``role``, ``max_m`` is the
+    plan's max T for it and the linear traces ``kiln::linear`` instead: at decode-sized T (<=
+    ``max_m``) the GEMV kernel of ops/gemv.py, otherwise cuBLAS, decided inside the op at run time
+    (T is dynamic in the exported graph; the run-time ``gemv`` setting off sends it to cuBLAS).
     """
 
     def __init__(
@@ -109,14 +109,14 @@ class Linear(nn.Module):
             self.weight_scale = _param(out_features, dtype=torch.float32)
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self.role: str | None = None  # "attn" / "mlp": the GEMV plan's role of this linear
+        self.max_m = 0  # the plan's largest T on the GEMV for ``role`` (0: not in the plan)
 
     def forward(self, x: Act, residual: torch.Tensor | None = None) -> torch.Tensor:
         # residual [T, out]: returns residual + x W^T, the add in the GEMV's epilogue (or one addmm)
         if self.quant != "fp8":
             assert isinstance(x, torch.Tensor)
-            max_m = gemv_plan().get(self.role or "", 0)
-            if max_m or residual is not None:
-                return torch.ops.kiln.linear(x, self.weight, self.bias, max_m, residual)
+            if self.max_m or residual is not None:
+                return torch.ops.kiln.linear(x, self.weight, self.bias, self.max_m, residual)
             return nn.functional.linear(x, self.weight, self.bias)
         assert residual is None, "FP8 linears take no residual (the residual stream is not for --quant fp8)"
         q = x if isinstance(x, QuantAct) else quantize_per_token(x)
@@ -239,7 +239,7 @@ class MLP(nn.Module):
         if self.quant == "fp8":
             gu = self.gate_up(x)  # [T, 2I]
             return self.down(QuantAct(*torch.ops.kiln.silu_and_mul_quant(gu, None)))
-        max_m = gemv_plan().get("mlp", 0)
+        max_m = self.gate_up.max_m
         if max_m:
             assert isinstance(x, torch.Tensor)
             act = torch.ops.kiln.linear_silu_mul(x, self.gate_up.weight, self.gate_up.bias, max_m)  # [T, I]
@@ -260,3 +260,13 @@ class LMHead(nn.Module):
         w = embed_weight if self.weight is None else self.weight
         logits = nn.functional.linear(h, w)  # [B, V_rank]
         return logits[:, : self.vocab].float()
+
+
+def use_gemv_plan(model: nn.Module, plan: Mapping[str, int]) -> None:
+    """Give every module of ``model`` with a GEMV ``role`` (the linears, the MoE router) its
+    ``max_m`` from ``plan`` (ops/gemv.py ``gemv_plan``: role -> the largest T on the GEMV; a role
+    left out: 0, cuBLAS). The layers read their own ``max_m`` while tracing."""
+    for mod in model.modules():
+        role = getattr(mod, "role", None)  # Linear, moe_layer.Router
+        if role is not None:
+            mod.max_m = int(plan.get(role, 0))  # type: ignore[assignment]

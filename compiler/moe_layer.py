@@ -19,7 +19,6 @@ import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
 from kiln.compiler.config import ModelConfig
 from kiln.compiler.layers import FP8, MLP, norm_linear
 from kiln.compiler.models.base import DecoderLayer
-from kiln.ops.gemv import gemv_plan
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -33,6 +32,8 @@ class Router(nn.Module):
         super().__init__()
         self.weight = _param(num_experts, hidden, dtype=dtype)
         self.bias = _param(num_experts, dtype=dtype) if bias else None
+        self.role = "router"  # the GEMV plan's role (compiler/layers.py use_gemv_plan)
+        self.max_m = 0  # the plan's largest T on the router GEMV (0: cuBLAS)
 
 
 class FusedMoE(nn.Module):
@@ -93,8 +94,7 @@ class FusedMoE(nn.Module):
         if logits is not None:
             w, ids = torch.ops.kiln.moe_topk(logits, bias, *routing)
         else:  # T up to the plan's router max: the router GEMV, then the top-k kernel
-            router_m = gemv_plan().get("router", 0)
-            w, ids = torch.ops.kiln.moe_route(x, self.router.weight, bias, *routing, router_m)
+            w, ids = torch.ops.kiln.moe_route(x, self.router.weight, bias, *routing, self.router.max_m)
         # w, ids: [T, k] f32, [T, k] int32
         y = torch.ops.kiln.fused_moe(
             x, self.w13, self.w2, w, ids, None, self.w13_scale, self.w2_scale, self.tuning, fused_res
@@ -127,6 +127,6 @@ class MoEDecoderLayer(DecoderLayer):
         assert isinstance(moe, FusedMoE)
         if moe.scoring == "sigmoid":
             return moe(self.post_attn_norm(h), residual=h)
-        m = gemv_plan().get("router", 0)
+        m = moe.router.max_m
         logits, x = norm_linear(self.post_attn_norm, h, moe.router.weight, None, m, normed=True)
         return moe(x, logits, residual=h)

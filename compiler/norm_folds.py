@@ -5,24 +5,20 @@ A norm folds when every reader of its normalized row is a known linear weight: p
 ``input_norm`` into the qkv projection and ``post_attn_norm`` into the dense gate_up, or into the
 MoE router, the stacked experts' ``w13`` and a shared expert's gate_up. Exact block types only:
 a subclass could read the row somewhere this list does not know.
+
+A compile folds them where :func:`norm_folds` allows it unless ``kiln compile --no-fold-norms``
+(``CompileOptions.fold_norms``, kiln/settings.py). Measured on the H200
+(bench/results/2026-11-30_h200_s9c_fold_e2e.json): batch-1 decode 943.5 vs 922.0 tok/s at
+Qwen3-30B-A3B shapes.
 """
 
 from __future__ import annotations
-
-import os
 
 from torch import nn
 
 from kiln.compiler.layers import MLP, Attention
 from kiln.compiler.models.base import DecoderLayer, DecoderOnlyLM
 from kiln.compiler.moe_layer import FusedMoE, MoEDecoderLayer
-
-
-def fold_norms_requested() -> bool:
-    """Whether a compile folds the norms where :func:`norm_folds` allows it: on unless
-    ``KILN_FOLD_NORMS=0``. Measured on the H200 (bench/results/2026-11-30_h200_s9c_fold_e2e.json):
-    batch-1 decode 943.5 vs 922.0 tok/s at Qwen3-30B-A3B shapes."""
-    return os.environ.get("KILN_FOLD_NORMS", "1") != "0"
 
 
 def norm_folds(model: nn.Module) -> tuple[dict[str, list[str]], str]:

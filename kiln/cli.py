@@ -41,6 +41,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kiln.compiler.cli_pack:pack_cmd",
         "Shard, fuse and optionally FP8-quantize a checkpoint into per-rank weight packs.",
     ),
+    "settings": (
+        "kiln.settings:settings_cmd",
+        "List every switch: its flag, environment variable, default, allowed values, when it is read.",
+    ),
 }
 
 

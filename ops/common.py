@@ -5,9 +5,10 @@ Every op in this package is a ``torch.library.custom_op`` in the ``kiln`` namesp
 implementation at call time:
 
 * CUDA tensors: the Triton kernel.
-* CPU tensors: the plain-torch reference, unless ``KILN_TRITON_ON_CPU=1`` and
-  ``TRITON_INTERPRET=1`` are both set, in which case the Triton kernel runs in the interpreter
-  (how the tests exercise the real kernels without a GPU).
+* CPU tensors: the plain-torch reference, unless the ``triton_on_cpu`` setting
+  (``KILN_TRITON_ON_CPU=1``, kiln/settings.py) and ``TRITON_INTERPRET=1`` are both set, in which
+  case the Triton kernel runs in the interpreter (how the tests exercise the real kernels without a
+  GPU).
 
 Rules every kernel follows so that it can sit inside a CUDA graph: no host synchronisation, no
 ``.item()``, per-batch metadata read from device tensors, grids computed from tensor shapes only.
@@ -21,12 +22,14 @@ still read it), and every program waits on every path, so a grid never completes
 predecessor (a later kernel's wait then covers all earlier ones). Inside a CUDA graph the launch
 becomes a programmatic edge, which lets kernel N+1 launch and stream its weights while kernel N
 drains: 1.55 -> 1.05 us per one-row kernel and 11.9 -> 9.6 us per 4096 x 4096 GEMV in a chain on
-the H200 (bench/results/2026-11-29_h200_pdl_probe.json). ``KILN_PDL=0`` turns it off (read at
-call time, so at capture time for CUDA graphs).
+the H200 (bench/results/2026-11-29_h200_pdl_probe.json). The ``pdl`` setting turns it off
+(``--no-pdl``, ``EngineOptions.pdl``, ``KILN_PDL=0``: kiln/settings.py; read at call time, so at
+capture time for CUDA graphs).
 
-Pre-wait loads (``KILN_PREWAIT``: a comma list of ``gemv``, ``attn``, ``rope``, ``slab``,
-``slab_norm``, or ``all``, or ``none`` / ``0``; unset: all; read at call time, so at capture): the
-kernels named load, before ``pdl_wait``, what nothing in the running CUDA graph writes:
+Pre-wait loads (the ``prewait`` setting: ``--prewait``, ``EngineOptions.prewait``,
+``KILN_PREWAIT``; a comma list of ``gemv``, ``attn``, ``rope``, ``slab``, ``slab_norm``, or ``all``,
+or ``none`` / ``0``; default all; read at call time, so at capture): the kernels named load, before
+``pdl_wait``, what nothing in the running CUDA graph writes:
 
 * ``gemv``: the GEMV its first weight step (peeled off the K loop, so no tile stays live across it);
 * ``slab`` / ``slab_norm`` (with ``gemv``): a one-row GEMV whose whole ``[BLOCK_N, K]`` weight
@@ -66,6 +69,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln import settings
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 FP8_MIN_SCALE = 1e-12  # guards all-zero rows against division by zero
@@ -76,14 +81,14 @@ class CutlassUnavailable(RuntimeError):
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's own, process-level
 
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether an op called on ``t`` should launch its Triton kernel (see the module docstring)."""
     if t.is_cuda:
         return True
-    return interpreting() and os.environ.get("KILN_TRITON_ON_CPU", "0") == "1"
+    return interpreting() and settings.value("triton_on_cpu")
 
 
 @functools.cache
@@ -108,7 +113,7 @@ def sm_count(device: torch.device, off_gpu: int) -> int:
 
 def pdl_enabled(t: torch.Tensor) -> bool:
     """Whether kernels launched for ``t`` use programmatic dependent launch (module docstring)."""
-    if not t.is_cuda or interpreting() or os.environ.get("KILN_PDL", "1") == "0":
+    if not t.is_cuda or interpreting() or not settings.value("pdl"):
         return False
     return _cuda_props(t.device).major >= 9
 
@@ -119,32 +124,14 @@ def pdl_args(t: torch.Tensor) -> dict[str, bool]:
     return {"PDL": True, "launch_pdl": True} if pdl_enabled(t) else {"PDL": False}
 
 
-PREWAIT_PARTS = ("gemv", "attn", "rope", "slab", "slab_norm")
-PREWAIT_DEFAULT = PREWAIT_PARTS  # KILN_PREWAIT unset: all
+PREWAIT_PARTS = settings.SETTINGS["prewait"].choices  # ("gemv", "attn", "rope", "slab", "slab_norm")
 
 
 def prewait(part: str) -> bool:
-    """Whether kernel family ``part`` loads its graph-constant inputs before ``pdl_wait``
-    (``KILN_PREWAIT``, module docstring). A bad value fails naming the variable."""
-    return part in _prewait_parts(os.environ.get("KILN_PREWAIT") or ",".join(PREWAIT_DEFAULT))
-
-
-@functools.cache
-def _prewait_parts(raw: str) -> frozenset[str]:
-    """``KILN_PREWAIT``'s parts (parsed once per value: the GEMV asks on every eager launch)."""
-    raw = raw.strip()
-    if raw in ("none", "0"):
-        return frozenset()
-    parts = (
-        frozenset(PREWAIT_PARTS)
-        if raw == "all"
-        else frozenset(p.strip() for p in raw.split(",") if p.strip())
-    )
-    if parts - set(PREWAIT_PARTS):
-        raise ValueError(
-            f"KILN_PREWAIT must be 'none', 'all' or a comma list of {PREWAIT_PARTS}, got {raw!r}"
-        )
-    return parts
+    """Whether kernel family ``part`` loads its graph-constant inputs before ``pdl_wait`` (the
+    ``prewait`` setting, module docstring; parsed once per value: the GEMV asks on every eager
+    launch). A bad value fails naming the variable."""
+    return part in settings.value("prewait")
 
 
 @triton.jit

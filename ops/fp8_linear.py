@@ -15,14 +15,16 @@ other output dtypes are computed in bf16 and cast there. Shapes ``_scaled_mm`` c
 not a multiple of 16) and older GPUs use the dequantizing reference, with a one-time warning that
 says how to fix it. CPU: the reference (dequantize to float32, matmul).
 
-Backends (``fp8_linear_forward(..., backend=...)``; the op reads ``KILN_FP8_GEMM`` at call time, so
-at CUDA-graph capture for decode graphs): ``cublas`` is the above; ``triton`` runs ops/fp8_gemm.py's
+Backends (``fp8_linear_forward(..., backend=...)``; the op reads the ``fp8_gemm`` setting at call
+time, so at CUDA-graph capture for decode graphs: ``--fp8-gemm``, ``EngineOptions.fp8_gemm``,
+``KILN_FP8_GEMM``, kiln/settings.py): ``cublas`` is the above; ``triton`` runs ops/fp8_gemm.py's
 kernel on CUDA GPUs of compute capability >= 8.9 (any N and K; others fall back to the cuBLAS rules)
 and, with ``KILN_TRITON_ON_CPU=1`` under ``TRITON_INTERPRET=1``, on CPU tensors; ``cutlass`` runs
 ops/fp8_cutlass.py's warp-specialized CUTLASS kernels (sm90, bf16 output, N and K multiples of 16;
 the library must be loaded: an FP8 artifact compiled on an H100/H200 carries it and the loader loads
 it; others fall back to the cuBLAS rules). ``auto`` (default) takes, in this order, ops/gemv.py's GEMV with FP8 operands for
-decode-sized products (1 <= M <= ``FP8_GEMV_MAX_M``, Triton devices, ``KILN_GEMV=0`` turns it off),
+decode-sized products (1 <= M <= ``FP8_GEMV_MAX_M``, Triton devices, ``--no-gemv`` / ``KILN_GEMV=0``
+turns it off),
 ``cutlass`` where
 the library is loaded and ``fp8_cutlass.config_for`` has an instantiation (M >= 65),
 ``triton`` where ``fp8_gemm.TABLE`` holds a measured launch config (M of 129..512 at Llama-3.1-8B's
@@ -32,7 +34,8 @@ and 1.68-1.93x at M = 512 and 1024, against the Triton kernel's 1.41-1.71x at M 
 
 Accumulation: FP8 tensor cores sum each MMA's products at reduced precision. Fast accumulation
 leaves it at that; precise accumulation promotes the sum into float32 every 128 products.
-``KILN_FP8_FAST_ACCUM``: ``auto`` (default) is fast in the Triton kernel and precise in cuBLAS;
+The ``fp8_fast_accum`` setting (``--fp8-fast-accum``, ``KILN_FP8_FAST_ACCUM``): ``auto`` (default)
+is fast in the Triton kernel and precise in cuBLAS;
 ``1`` is fast in both; ``0`` is precise in both. The CUTLASS kernels always accumulate fast (under
 ``0``, ``auto`` does not pick them). cuBLAS stays precise under ``auto`` for two reasons.
 It has no fast row-wise kernel for some shapes: ``CUBLAS_STATUS_NOT_SUPPORTED`` at M <= 7, N = 4096,
@@ -54,11 +57,11 @@ about 3e-2, ten times more. Precise accumulation costs the Triton kernel 10-30% 
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
+from kiln import settings
 from kiln.ops import fp8_cutlass
 from kiln.ops.common import FP8_DTYPE, capability, kiln_op, use_triton
 from kiln.ops.fp8_gemm import fp8_gemm, tuned
@@ -70,24 +73,22 @@ from kiln.ops.gemv import gemv, gemv_enabled
 # (bench/results/2026-11-29_h200_fp8_gemv_sweep.json; 8B decode at batch 4: 662 vs 761 tok/s).
 FP8_GEMV_MAX_M = 2
 
-ACCUM_MODES = ("auto", "0", "1")
+ACCUM_MODES = settings.SETTINGS["fp8_fast_accum"].choices  # ("auto", "0", "1")
 
 
 def use_fast_accum(backend: str) -> bool:
-    """Whether ``backend`` (``cublas`` or ``triton``) accumulates fast under ``KILN_FP8_FAST_ACCUM``
-    (read at call time; see the module docstring)."""
-    mode = os.environ.get("KILN_FP8_FAST_ACCUM", "auto")
-    if mode not in ACCUM_MODES:
-        raise ValueError(f"fp8_linear: KILN_FP8_FAST_ACCUM must be one of {ACCUM_MODES}, got {mode!r}")
+    """Whether ``backend`` (``cublas`` or ``triton``) accumulates fast under the ``fp8_fast_accum``
+    setting (read at call time; see the module docstring)."""
+    mode = settings.value("fp8_fast_accum")
     return mode == "1" or (mode == "auto" and backend == "triton")
 
 
-BACKENDS = ("auto", "cublas", "triton", "cutlass")
+BACKENDS = settings.SETTINGS["fp8_gemm"].choices  # ("auto", "cutlass", "triton", "cublas")
 
 
 def fp8_backend(backend: str | None = None) -> str:
-    """``backend``, else ``KILN_FP8_GEMM`` (default ``auto``), checked."""
-    b = backend if backend is not None else os.environ.get("KILN_FP8_GEMM", "auto")
+    """``backend``, else the ``fp8_gemm`` setting (default ``auto``), checked."""
+    b = backend if backend is not None else settings.value("fp8_gemm")
     if b not in BACKENDS:
         raise ValueError(f"fp8_linear: backend must be one of {BACKENDS} (KILN_FP8_GEMM), got {b!r}")
     return b
@@ -203,7 +204,7 @@ def auto_backend(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> st
         return "gemv"
     if (
         fp8_cutlass.config_for(m, n, k) is not None
-        and use_fast_accum("triton")  # checks KILN_FP8_FAST_ACCUM; False only for "0"
+        and use_fast_accum("triton")  # the fp8_fast_accum setting; False only for "0"
         and fp8_cutlass.supports(x, w, out_dtype)
     ):
         return "cutlass"

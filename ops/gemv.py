@@ -24,13 +24,15 @@ row-major, ``bias [N]`` or None:
 Switches: the GEMV plan (``gemv_plan``) says, per linear role (``attn``: qkv and o; ``mlp``:
 gate_up and down; ``router``: the MoE router, compiler/moe_layer.py), up to which T a decode call
 takes the GEMV (and, in the folded batch-1 graph, runs the RMSNorm in front of qkv, gate_up and
-the router inside that GEMV: ops/norm_linear.py). When compiling, ``KILN_GEMV``
-(``0``, ``1``/``all``, or ``attn:1,mlp:2``-style lists; unset: ``DEFAULT_PLAN``) sets it; the
-roles left out trace plain ``aten.linear`` (cuBLAS), the others ``kiln::linear`` with their
-``max_m``, and the manifest records the plan (``kernel_choices.gemv``). At run time (read at call
-time, so at CUDA-graph capture for decode graphs) ``KILN_GEMV=0`` sends every call to cuBLAS. On
-CPU the ops run cuBLAS's stand-in ``F.linear`` unless ``KILN_TRITON_ON_CPU=1`` with
-``TRITON_INTERPRET=1`` (ops/common.py), so CPU artifacts are unchanged.
+the router inside that GEMV: ops/norm_linear.py). ``kiln compile --gemv-plan``
+(``CompileOptions.gemv_plan``: ``0``, ``1``/``all``, or ``attn:1,mlp:2``-style lists; default
+``DEFAULT_PLAN``) sets it; the model build passes it to the layers, the roles left out trace plain
+``aten.linear`` (cuBLAS), the others ``kiln::linear`` with their ``max_m``, and the manifest records
+the plan (``kernel_choices.gemv``). At run time (read at call time, so at CUDA-graph capture for
+decode graphs) the ``gemv`` setting off (``--no-gemv``, ``EngineOptions.gemv``, ``KILN_GEMV=0``:
+kiln/settings.py) sends every call to cuBLAS. On CPU the ops run cuBLAS's stand-in ``F.linear``
+unless ``KILN_TRITON_ON_CPU=1`` with ``TRITON_INTERPRET=1`` (ops/common.py), so CPU artifacts are
+unchanged.
 
 Kernels, picked by ``use_dot``:
 
@@ -68,12 +70,12 @@ Triton then compiles at run time, once, into the artifact's cache.)
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kiln import settings
 from kiln.ops import common
 from kiln.ops.common import (
     DIRECT,
@@ -106,23 +108,21 @@ REDUCE_BLOCK = 256
 
 # qkv and o; gate_up and down (compiler/layers.py); MoE router (compiler/moe_layer.py)
 ROLES = ("attn", "mlp", "router")
-# The plan a compile uses when KILN_GEMV is unset: every role at T = 1, cuBLAS from T = 2. On the
+# The plan a compile uses by default (kiln/settings.py gemv_plan): every role at T = 1, cuBLAS from
+# T = 2. On the
 # H200 the tuned GEMV beats cuBLAS on each Llama-3.1-8B and Qwen3-30B-A3B projection at T = 1 when
 # launched back to back as in a decode step (``TUNED`` below; 8-19% per launch, 30-42% for the o
 # projections); from T = 2 the tensor-core path is untuned and lost at T = 8. The MoE router
 # ([E, H], 128 x 2048 for Qwen3-30B-A3B) took 4.9 us per cuBLAS launch in the batch-1 profile.
-DEFAULT_PLAN = "attn:1,mlp:1,router:1"
+DEFAULT_PLAN = settings.SETTINGS["gemv_plan"].default  # "attn:1,mlp:1,router:1"
 
 
-def gemv_plan(spec: str | None = None) -> dict[str, int]:
-    """The compile-time plan: role -> the largest T whose call takes the GEMV (roles left out: the
-    graph traces plain ``aten.linear``, cuBLAS at every T).
+def gemv_plan(spec: str = DEFAULT_PLAN) -> dict[str, int]:
+    """The compile-time plan (``kiln compile --gemv-plan``): role -> the largest T whose call takes
+    the GEMV (roles left out: the graph traces plain ``aten.linear``, cuBLAS at every T).
 
-    ``spec`` (default: ``KILN_GEMV``, else ``DEFAULT_PLAN``): ``0`` or empty, no role; ``1`` or
-    ``all``, every role up to ``DEFAULT_MAX_M``; or a comma list of ``ROLE`` (up to
-    ``DEFAULT_MAX_M``) or ``ROLE:M``, e.g. ``attn:1``."""
-    if spec is None:
-        spec = os.environ.get("KILN_GEMV", DEFAULT_PLAN)
+    ``spec``: ``0`` or empty, no role; ``1`` or ``all``, every role up to ``DEFAULT_MAX_M``; or a
+    comma list of ``ROLE`` (up to ``DEFAULT_MAX_M``) or ``ROLE:M``, e.g. ``attn:1``."""
     spec = spec.strip()
     if spec in ("", "0"):
         return {}
@@ -133,7 +133,7 @@ def gemv_plan(spec: str | None = None) -> dict[str, int]:
         role, _, m = part.strip().partition(":")
         if role not in ROLES or (m and not m.isdigit()):
             raise ValueError(
-                f"KILN_GEMV: bad entry {part!r} in {spec!r}; use 0, 1/all, or a comma list of "
+                f"--gemv-plan: bad entry {part!r} in {spec!r}; use 0, 1/all, or a comma list of "
                 f"ROLE or ROLE:MAX_T with ROLE one of {', '.join(ROLES)} (e.g. attn:1,mlp:1)."
             )
         if max_t := int(m or DEFAULT_MAX_M):
@@ -142,9 +142,9 @@ def gemv_plan(spec: str | None = None) -> dict[str, int]:
 
 
 def gemv_enabled() -> bool:
-    """Run-time switch: ``KILN_GEMV=0`` sends every ``kiln::linear`` call to cuBLAS whatever the
-    graph's ``max_m``; any other value (or none) follows the graph."""
-    return os.environ.get("KILN_GEMV", "") != "0"
+    """The run-time ``gemv`` setting (kiln/settings.py): off (``--no-gemv``, ``KILN_GEMV=0``) sends
+    every ``kiln::linear`` call to cuBLAS whatever the graph's ``max_m``; on follows the graph."""
+    return settings.value("gemv")
 
 
 # ---- torch references -----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ tuning, residual=None) -> y [T, H]`` (dtype of ``x``):
 * ``residual``: ``[T, H]`` or None; given, the op returns ``residual + y`` (``y`` rounded, then the
   sum rounded, as a separate add would), added by the kernel that writes the top-k sum (the w2
   GEMV's last arrival, its token-group store, or the combine kernel): the residual stream of
-  ``KILN_FOLD_NORMS`` graphs (compiler/models/base.py).
+  folded-norm graphs (``kiln compile --fold-norms``, compiler/models/base.py).
 
 ``y[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e][:I] @ x[t]) * (w13[e][I:] @ x[t]))`` over
 the local experts ``e = topk_ids[t, j]``, rounded as Hugging Face's expert MLP rounds (see

@@ -31,7 +31,6 @@ outside a capture (the runtime's and the benchmarks' warm-up runs are).
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln import settings
 from kiln.ops import activation
 from kiln.ops.common import (
     CutlassUnavailable,
@@ -113,8 +113,9 @@ def _library() -> ctypes.CDLL:
 def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the CUTLASS backend runs this call: bf16 activations and experts on an sm90 GPU
     (compiled kernels, not the interpreter), contiguous experts, H and I multiples of ``ALIGN``,
-    and not switched off (``KILN_MOE_CUTLASS=0``, read at call time: the entry's Triton configs run)."""
-    if not x.is_cuda or interpreting() or os.environ.get("KILN_MOE_CUTLASS", "1") == "0":
+    and not switched off (the ``moe_cutlass`` setting: ``--no-moe-cutlass``, ``KILN_MOE_CUTLASS=0``;
+    read at call time: the entry's Triton configs run)."""
+    if not x.is_cuda or interpreting() or not settings.value("moe_cutlass"):
         return False
     if capability(x.device)[0] != 9:
         return False

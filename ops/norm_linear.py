@@ -16,8 +16,8 @@ row while some of them write ``h``, so ``h`` is a new tensor.
 
 Paths, picked at call time like ``kiln::linear``:
 
-* ``T == 1`` where ``kiln::linear`` would take the GEMV (``1 <= T <= max_m``, ``KILN_GEMV`` not
-  ``0``, a device that runs Triton): ops/gemv.py's CUDA-core kernel with ``norm`` (``NormIn``). Its
+* ``T == 1`` where ``kiln::linear`` would take the GEMV (``1 <= T <= max_m``, the ``gemv`` setting
+  on, a device that runs Triton): ops/gemv.py's CUDA-core kernel with ``norm`` (``NormIn``). Its
   programs accumulate ``sum(h * h)`` beside ``W @ (norm_w * h)`` in the same K loop and scale by
   ``rstd`` at the end, so the norm costs extra loads of two ``K`` rows from L2 but no pass and no
   launch; each program then writes a ``cdiv(K, programs)`` chunk of ``h`` (and ``xn``). The
@@ -31,7 +31,7 @@ In the MoE layer the router logits come from the unrounded normalized row while 
 the rounded one (as prefill's router does), so a near-tie in the top-k may pick differently from the
 two-launch path.
 
-The graphs of the residual-stream layout (``KILN_FOLD_NORMS``, compiler/models/base.py) call it,
+The graphs of the residual-stream layout (``kiln compile --fold-norms``, compiler/models/base.py) call it,
 with no residual (the projection before added it) and ``folded``: the norm weight is folded into
 ``w`` at load time, so the one-token GEMV loads only ``x`` and accumulates ``sum(x * x)`` beside
 the product. (The unfolded layers' use, the GEMV plan's ``norm`` role, measured no faster on the

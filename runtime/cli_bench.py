@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from kiln import settings
 from kiln.runtime.cli_generate import engine_options, options_from
 
 
@@ -74,7 +75,12 @@ def latency_cmd(
     bw = read_bandwidth_gbps(llm.engine.device)
     kiln_latency(llm, 1, min(input_len, 32), 4, bw)  # warm-up
     rows = [kiln_latency(llm, b, input_len, output_len, bw) for b in batches]
-    report |= {"read_gbps": bw, "kiln": [asdict(r) for r in rows], "startup_phases": llm.engine.model.phases}
+    report |= {
+        "read_gbps": bw,
+        "kiln": [asdict(r) for r in rows],
+        "startup_phases": llm.engine.model.phases,
+        "settings": settings.snapshot("run"),  # the run-time settings in effect (kiln/settings.py)
+    }
     click.echo(f"\nread bandwidth {bw:.0f} GB/s; input {input_len}, output {output_len}")
     click.echo(
         f"{'batch':>6} {'tok/s':>10} {'roofline':>9} {'ITL ms':>8} {'host ms':>8} {'TTFT s':>7}"
@@ -184,6 +190,7 @@ def throughput_cmd(
     llm = LLM(artifact, log=True, **options_from(kw))
     r = kiln_throughput(llm, prompts, lens)
     report["kiln"] = r
+    report["settings"] = settings.snapshot("run")  # the run-time settings in effect (kiln/settings.py)
     click.echo(
         f"{num_prompts} prompts in {r['seconds']:.1f} s: input {r['input_tok_s']:.0f} tok/s, output "
         f"{r['output_tok_s']:.0f} tok/s, {r['requests_s']:.2f} req/s, preemptions {r['preemptions']}"

@@ -7,10 +7,13 @@ import time
 
 import click
 
+from kiln import settings
 from kiln.runtime.sampling_params import SamplingParams
 
 
 def engine_options(f):  # shared by generate, serve and bench
+    """The ``EngineOptions`` flags: the engine's own, then one per run-time setting of
+    kiln/settings.py (built from its declarations; not given: the environment, then the default)."""
     opts = [
         click.option(
             "--device",
@@ -49,13 +52,16 @@ def engine_options(f):  # shared by generate, serve and bench
             "CUTLASS libraries, being code, are checked either way).",
         ),
     ]
+    f = settings.click_options("run")(f)
     for o in reversed(opts):
         f = o(f)
     return f
 
 
 def options_from(kw: dict) -> dict:
+    """``EngineOptions`` keyword arguments from a command's (popped from ``kw``)."""
     return dict(
+        **settings.pop_options(kw, "run"),
         device=kw.pop("device"),
         kv_memory_gib=kw.pop("kv_memory"),
         cuda_graph=not kw.pop("no_cuda_graph"),

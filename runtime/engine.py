@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from kiln import settings
 from kiln.errors import KilnError
 from kiln.runtime.detokenizer import prepare as prepare_detokenizer
 from kiln.runtime.kv_pool import BlockTable, KVPool, size_for_memory
@@ -38,8 +40,13 @@ class RequestError(KilnError, ValueError):
         self.param = param
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineOptions:
+    """How an engine runs an artifact. The fields after ``log`` are the run-time settings of
+    kiln/settings.py (one per setting, same name; flags of serve / generate / bench): None takes the
+    environment variable, then the default. The engine applies them process-wide when it starts
+    (the ops read them through ``kiln.settings``)."""
+
     device: str | None = None  # default: the artifact's device kind
     kv_memory_gib: float | None = None  # default: free device memory after weights and a reserve
     cuda_graph: bool = True
@@ -59,6 +66,19 @@ class EngineOptions:
     # kiln/kernel_cache.py); default ~/.cache/kiln/triton.
     kernel_cache_dir: str | None = None
     log: bool = True
+    # ---- run-time settings (kiln/settings.py; None: KILN_* in the environment, else the default)
+    gemv: bool | None = None  # kiln::linear on the GEMV where the graph's plan says (off: cuBLAS)
+    pdl: bool | None = None  # programmatic dependent launch (sm_90+)
+    prewait: str | None = None  # pre-wait loads: comma list of parts, "all" or "none"
+    graph_greedy: bool | None = None  # the greedy argmax captured in each decode graph
+    graph_format: str | None = None  # "python" or "pt2"
+    fp8_gemm: str | None = None  # "auto", "cutlass", "triton" or "cublas"
+    fp8_fast_accum: str | None = None  # "auto", "0" or "1"
+    moe_cutlass: bool | None = None  # MoE rungs recorded for CUTLASS run it (off: their Triton configs)
+
+    def setting_values(self) -> dict[str, Any]:
+        """``{run-time setting name: this option's value or None}`` (for :func:`kiln.settings.apply`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in settings.SETTINGS}
 
 
 def _kv_bytes(opts: EngineOptions, device: torch.device, kv_bytes_per_token: int, max_tokens: int) -> int:
@@ -77,6 +97,11 @@ class Engine:
         opts = options or EngineOptions()
         self.opts = opts
         t0 = time.perf_counter()
+        # the run-time settings, process-wide, before anything reads them (load, capture, ops);
+        # a bad value in the environment fails here in one line
+        self.settings = settings.apply("run", opts.setting_values())
+        for line in settings.environment_warnings("run"):
+            warnings.warn(f"kiln: {line}", stacklevel=2)
         dev = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
         tokenizer: list[Any] = [None]
 
@@ -93,6 +118,7 @@ class Engine:
             log=opts.log,
             while_weights_load=load_text,
             kernel_cache_dir=opts.kernel_cache_dir,
+            graph_format=self.settings["graph_format"],
         )
         self.tokenizer = tokenizer[0]
         art = self.model.artifact
@@ -115,7 +141,13 @@ class Engine:
         self.bt.stager = self.stager
         self.model.phases["kv_pool"] = time.perf_counter() - t
         t = time.perf_counter()
-        self.runner = ModelRunner(self.model, self.pool, self.bt, cuda_graph=opts.cuda_graph)
+        self.runner = ModelRunner(
+            self.model,
+            self.pool,
+            self.bt,
+            cuda_graph=opts.cuda_graph,
+            graph_greedy=self.settings["graph_greedy"],
+        )
         self.model.phases["cuda_graphs"] = time.perf_counter() - t
         self.radix = RadixCache(page_size, disabled=not opts.radix_cache)
         chunk = min(opts.chunk_size or m.chunk_size, m.chunk_size)

@@ -14,7 +14,6 @@ artifact's ``kernels/`` and compiles anything it lacks into a per-user cache (``
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 import types
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kiln import settings
 from kiln.errors import KilnError
 from kiln.kernel_cache import use_kernel_cache, user_cache_dir
 from kiln.manifest import FileEntry
@@ -146,17 +146,18 @@ def _fast_deserialize() -> Iterator[None]:
 
 def graph_format() -> str:
     """``python`` (default: the graphs' generated source, milliseconds) or ``pt2``
-    (``torch.export.load``, seconds), from ``KILN_GRAPH_FORMAT``."""
-    fmt = os.environ.get("KILN_GRAPH_FORMAT", "python")
-    if fmt not in ("python", "pt2"):
-        raise ValueError(f"KILN_GRAPH_FORMAT must be 'python' or 'pt2', got {fmt!r}")
-    return fmt
+    (``torch.export.load``, seconds): the ``graph_format`` setting (``--graph-format``,
+    ``EngineOptions.graph_format``, ``KILN_GRAPH_FORMAT``)."""
+    return settings.value("graph_format")
 
 
 def load_graphs(art: Artifact, fmt: str | None = None) -> dict[str, Any]:
     """Load every graph of the artifact as a callable ``graph(weights, *inputs)``: its generated
-    Python source when the artifact has one (and ``fmt`` is python), else the ``.pt2``."""
+    Python source when the artifact has one (and ``fmt``, default :func:`graph_format`, is
+    python), else the ``.pt2``."""
     fmt = fmt or graph_format()
+    if fmt not in settings.SETTINGS["graph_format"].choices:
+        raise settings.SettingError(f"graph format {fmt!r}: use one of python, pt2")
     graphs: dict[str, Any] = {}
     for name, g in art.manifest.graphs.items():
         code = g.python
@@ -222,12 +223,14 @@ def load_model(
     log: bool = False,
     while_weights_load: Callable[[Artifact], None] | None = None,
     kernel_cache_dir: str | Path | None = None,
+    graph_format: str | None = None,
 ) -> LoadedModel:
     """Load the artifact at ``path`` (module docstring). ``verify``: hash every file against the
     manifest (the weight data in the pack loader's threads as it streams); False: sizes only.
     ``while_weights_load(artifact)``: host work to run on this thread while the weights stream in
     (the engine loads its tokenizer there); timed as the ``tokenizer`` phase. ``kernel_cache_dir``:
-    where Triton compiles kernels the artifact lacks (default ``~/.cache/kiln/triton``)."""
+    where Triton compiles kernels the artifact lacks (default ``~/.cache/kiln/triton``).
+    ``graph_format``: ``python`` or ``pt2`` (None: the ``graph_format`` setting)."""
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -276,7 +279,7 @@ def load_model(
     worker = threading.Thread(target=load_weights, name="kiln-load-weights")
     worker.start()
     try:
-        graphs = load_graphs(art)
+        graphs = load_graphs(art, graph_format)
         mark("graphs")
         if while_weights_load is not None:
             while_weights_load(art)

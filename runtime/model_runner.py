@@ -5,8 +5,9 @@ CUDA-graph replay (``cuda_graph=False`` runs the graph module directly). Extend 
 prefill) run the extend graph, whose token and request dimensions are dynamic. Host work per step
 is O(batch): the step's integers go to the device in one copy.
 
-Greedy ids inside the decode graph (``KILN_GRAPH_GREEDY``, read when the runner is built; default
-on, ``0`` turns it off; +0.3% at batch 1 on the H200, ``bench/results/2026-12-03_h200_s14a_*``): the
+Greedy ids inside the decode graph (the ``graph_greedy`` setting: ``--graph-greedy``,
+``EngineOptions.graph_greedy``, ``KILN_GRAPH_GREEDY``; read when the runner is built; default on;
++0.3% at batch 1 on the H200, ``bench/results/2026-12-03_h200_s14a_*``): the
 decode graph also takes each row's argmax over the vocabulary and writes it into its own input-ids
 row. A plain-greedy step (runtime/stepper.py) takes those ids instead of launching the sampler, and
 the next step, when it decodes the same requests, finds its input ids in place: its input copy
@@ -20,7 +21,6 @@ for one argmax they ignore.
 from __future__ import annotations
 
 import bisect
-import os
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -28,6 +28,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from kiln import settings
 from kiln.ops.sampling import argmax_rows
 from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import LoadedModel
@@ -53,7 +54,15 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, pool: KVPool, block_table: BlockTable, cuda_graph: bool = True):
+    def __init__(
+        self,
+        model: LoadedModel,
+        pool: KVPool,
+        block_table: BlockTable,
+        cuda_graph: bool = True,
+        graph_greedy: bool | None = None,
+    ):
+        """``graph_greedy``: the module docstring's switch (None: the ``graph_greedy`` setting)."""
         self.m = model
         self.pool = pool
         self.bt = block_table
@@ -86,7 +95,7 @@ class ModelRunner:
         self._h64np = [h[: self._n64].numpy().view(np.int64).reshape(3, bmax) for h in self._hbuf]
         self._h32np = [h[self._n64 :].numpy().view(np.int32).reshape(2, bmax) for h in self._hbuf]
         self._flip = 0
-        self.graph_greedy = os.environ.get("KILN_GRAPH_GREEDY", "1") != "0"  # module docstring
+        self.graph_greedy = settings.value("graph_greedy") if graph_greedy is None else graph_greedy
         self.vocab_size = m.vocab_size
         self.last_ids: torch.Tensor | None = None  # [n] int64: the last decode step's argmax ids
         self.ids_in_place = 0  # decode steps whose input ids the previous graph left in place

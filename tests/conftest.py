@@ -25,6 +25,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _no_setting_overrides():
+    """An engine applies its options' run-time settings process-wide (kiln/settings.py): a test's
+    engine must not leave them to the next test."""
+    yield
+    from kiln import settings
+
+    settings.clear_overrides()
+
+
 @pytest.fixture(scope="session")
 def demo_artifact(tmp_path_factory):
     """The built-in demo model (``kiln demo``'s), compiled for the CPU once per test session."""

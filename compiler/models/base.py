@@ -10,14 +10,18 @@ down (or MoE w2) projections add their output to it in their epilogue; each RMSN
 the linear behind it with its weight folded into that linear's weights at load time
 (weights/fold.py). At one token a layer is then qkv GEMV (norm inside) -> RoPE -> attention ->
 o GEMV (+h) -> router GEMV (norm inside, writes the normalized row) -> top-k -> experts (+h),
-with no norm kernel. Where a linear is not on the GEMV (its role missing from the plan,
-``KILN_GEMV=0``, the CPU) the norm kernel (unit weight) runs before it and cuBLAS ``addmm`` adds
-the residual.
+with no norm kernel. Where a linear is not on the GEMV (its role missing from the plan, the
+run-time ``gemv`` setting off, the CPU) the norm kernel (unit weight) runs before it and cuBLAS
+``addmm`` adds the residual.
+
+The GEMV plan (``kiln compile --gemv-plan``, ops/gemv.py ``gemv_plan``) is a constructor argument
+(default: ops/gemv.py ``DEFAULT_PLAN``); each linear and router keeps its role's ``max_m``
+(compiler/layers.py ``use_gemv_plan``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -32,8 +36,9 @@ from kiln.compiler.layers import (
     LMHead,
     RMSNorm,
     norm_linear,
+    use_gemv_plan,
 )
-from kiln.ops.gemv import gemv_plan
+from kiln.ops.gemv import gemv_plan as parse_gemv_plan
 
 LayerFactory = Callable[[int], nn.Module]
 
@@ -108,7 +113,7 @@ class DecoderLayer(nn.Module):
         """The residual-stream layout (module docstring): ``h [T, H]`` in, ``h`` after the layer out."""
         assert isinstance(self.attn, Attention)
         qkv = self.attn.qkv
-        y, _ = norm_linear(self.input_norm, h, qkv.weight, qkv.bias, gemv_plan().get("attn", 0))
+        y, _ = norm_linear(self.input_norm, h, qkv.weight, qkv.bias, qkv.max_m)
         h = self.attn(h, ctx, qkv=y, residual=h)  # [T, H]: h + o(attention)
         return self.stream_feed_forward(h)
 
@@ -116,13 +121,19 @@ class DecoderLayer(nn.Module):
         """``h + mlp(post_attn_norm(h))``, the norm inside gate_up, the add inside down."""
         assert isinstance(self.mlp, MLP)
         gu = self.mlp.gate_up
-        m = gemv_plan().get("mlp", 0)
-        act, _ = norm_linear(self.post_attn_norm, h, gu.weight, gu.bias, m, gate_up=True)
+        act, _ = norm_linear(self.post_attn_norm, h, gu.weight, gu.bias, gu.max_m, gate_up=True)
         return self.mlp(h, act, residual=h)
 
 
 class DecoderOnlyLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, make_layer: LayerFactory, dtype: torch.dtype, tp: int = 1):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        make_layer: LayerFactory,
+        dtype: torch.dtype,
+        tp: int = 1,
+        gemv_plan: Mapping[str, int] | None = None,
+    ):
         super().__init__()
         self.cfg = cfg
         v_rank = vocab_per_rank(cfg, tp)
@@ -132,6 +143,9 @@ class DecoderOnlyLM(nn.Module):
         self.lm_head = LMHead(cfg.vocab_size, v_rank, cfg.hidden_size, dtype, cfg.tie_word_embeddings)
         self.tp = tp
         self.fold_norms = False  # the residual-stream layout (module docstring); the compiler sets it
+        # role -> the largest T on the GEMV (None: the default plan)
+        self.gemv_plan = dict(parse_gemv_plan() if gemv_plan is None else gemv_plan)
+        use_gemv_plan(self, self.gemv_plan)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] int64 -> logits [B, V] f32 at the rows ``ctx.logits_indices``."""

@@ -6,6 +6,8 @@ normalized ModelConfig already carries, so one thin definition serves all of the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from kiln.compiler.config import ModelConfig
@@ -13,9 +15,16 @@ from kiln.compiler.models.base import DecoderLayer, DecoderOnlyLM, dense_mlp, ll
 
 
 class LlamaForCausalLM(DecoderOnlyLM):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: int = 1, quant: str | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        tp: int = 1,
+        quant: str | None = None,
+        gemv_plan: Mapping[str, int] | None = None,
+    ):
         def make_layer(i: int) -> DecoderLayer:
             attn = llama_attention(cfg, i, dtype, tp, quant)
             return DecoderLayer(cfg, attn, dense_mlp(cfg, dtype, tp, quant), dtype, quant)
 
-        super().__init__(cfg, make_layer, dtype, tp)
+        super().__init__(cfg, make_layer, dtype, tp, gemv_plan)

@@ -7,6 +7,8 @@ config keeps dense (Qwen3-MoE ``mlp_only_layers`` / ``decoder_sparse_step``) get
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from kiln.compiler.config import ModelConfig
@@ -15,7 +17,14 @@ from kiln.compiler.moe_layer import FusedMoE, MoEDecoderLayer
 
 
 class MoEForCausalLM(DecoderOnlyLM):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: int = 1, quant: str | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        tp: int = 1,
+        quant: str | None = None,
+        gemv_plan: Mapping[str, int] | None = None,
+    ):
         # Hugging Face's Qwen3-MoE router rounds its weights to the activation dtype; Mixtral's does not.
         round_weights = cfg.architecture.startswith("Qwen3Moe")
 
@@ -26,4 +35,4 @@ class MoEForCausalLM(DecoderOnlyLM):
                 return MoEDecoderLayer(cfg, attn, moe, dtype, quant)
             return DecoderLayer(cfg, attn, dense_mlp(cfg, dtype, tp, quant), dtype, quant)
 
-        super().__init__(cfg, make_layer, dtype, tp)
+        super().__init__(cfg, make_layer, dtype, tp, gemv_plan)

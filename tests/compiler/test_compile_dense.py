@@ -114,11 +114,12 @@ def test_python_graphs_match_pt2(compiled, monkeypatch):
 
 
 @pytest.mark.parametrize("roles", ["attn:1", "1"])
-def test_gemv_roles_pick_the_traced_linears(compiled, tmp_path, monkeypatch, roles):
-    # KILN_GEMV=attn:1: only qkv and o trace kiln::linear, for T = 1 (cuBLAS is weakest there)
+def test_gemv_roles_pick_the_traced_linears(compiled, tmp_path, roles):
+    # --gemv-plan attn:1: only qkv and o trace kiln::linear, for T = 1 (cuBLAS is weakest there)
     hf, root = compiled
-    monkeypatch.setenv("KILN_GEMV", roles)
-    opts = CompileOptions(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=128, chunk_size=64)
+    opts = CompileOptions(
+        device="cpu", dtype="float32", max_batch_size=2, max_seq_len=128, chunk_size=64, gemv_plan=roles
+    )
     compile_model(root / "hf", tmp_path / "g", opts, verbose=False)
     src = (tmp_path / "g" / "graphs" / "model.py").read_text()
     layers = hf.config.num_hidden_layers

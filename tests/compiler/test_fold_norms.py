@@ -1,4 +1,4 @@
-"""Folded norms (on by default; ``KILN_FOLD_NORMS=0`` turns them off): the RMSNorm weights folded
+"""Folded norms (on by default; ``kiln compile --no-fold-norms`` turns them off): the RMSNorm weights folded
 into the linears behind them (compiler/norm_folds.py, weights/fold.py) and the residual-stream
 layout of the batch-1 decode graph (compiler/models/base.py).
 
@@ -36,13 +36,13 @@ def _targets(art, graph: str = "model") -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["llama-tied", "qwen2-bias"])
-def test_dense_folded_matches_hf_and_generates_its_greedy_tokens(tmp_path, monkeypatch, name):
+def test_dense_folded_matches_hf_and_generates_its_greedy_tokens(tmp_path, name):
     """Tied embeddings (the final norm is not folded into the shared table) and a qkv bias."""
     from kiln import LLM, SamplingParams
 
-    monkeypatch.setenv("KILN_FOLD_NORMS", "1")
     hf = make_checkpoint(tmp_path / "hf", name, eos=None)
-    manifest = compile_model(tmp_path / "hf", tmp_path / "art", CompileOptions(**OPTS), verbose=False)
+    opts = CompileOptions(**OPTS, fold_norms=True)
+    manifest = compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
     layers = hf.config.num_hidden_layers
     assert manifest.norm_folds["layers.0.input_norm.weight"] == ("layers.0.attn.qkv.weight",)
     assert manifest.norm_folds["layers.0.post_attn_norm.weight"] == ("layers.0.mlp.gate_up.weight",)
@@ -75,10 +75,9 @@ def test_dense_folded_matches_hf_and_generates_its_greedy_tokens(tmp_path, monke
 def test_moe_folded_decode_runs_the_fused_kernels_and_matches_hf(tmp_path, monkeypatch):
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
-    monkeypatch.setenv("KILN_FOLD_NORMS", "1")
-    monkeypatch.setenv("KILN_GEMV", "1")
     hf = make_moe_checkpoint(tmp_path / "hf", "qwen3-moe")
-    manifest = compile_model(tmp_path / "hf", tmp_path / "art", CompileOptions(**OPTS), verbose=False)
+    opts = CompileOptions(**OPTS, fold_norms=True, gemv_plan="1")  # every role on the GEMV
+    manifest = compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
     folds = manifest.norm_folds
     moe_layer = next(i for i in range(hf.config.num_hidden_layers) if f"layers.{i}.moe.w13" in str(folds))
     assert folds[f"layers.{moe_layer}.post_attn_norm.weight"] == (
@@ -177,9 +176,9 @@ def test_norm_folds_of_moe_models(tmp_path, name):
         assert not folds and "layer 0" in why
 
 
-def test_switched_off_means_no_fold(tmp_path, monkeypatch):
-    monkeypatch.setenv("KILN_FOLD_NORMS", "0")
+def test_switched_off_means_no_fold(tmp_path):
     make_checkpoint(tmp_path / "hf", "llama-tied")
-    manifest = compile_model(tmp_path / "hf", tmp_path / "art", CompileOptions(**OPTS), verbose=False)
+    opts = CompileOptions(**OPTS, fold_norms=False)
+    manifest = compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
     assert manifest.norm_folds == {} and "decode_b1" not in manifest.graphs
     assert "kiln.fused_add_rmsnorm.default" in _targets(tmp_path / "art")

@@ -234,7 +234,7 @@ def test_gemv_plan(spec, plan):
 
 @pytest.mark.parametrize("spec", ["qkv", "attn:x", "attn:-1", "attn;mlp", "attn:1,norm:1"])
 def test_gemv_plan_rejects_bad_specs(spec):
-    with pytest.raises(ValueError, match="KILN_GEMV: bad entry"):
+    with pytest.raises(ValueError, match="--gemv-plan: bad entry"):
         G.gemv_plan(spec)
 
 
@@ -288,9 +288,10 @@ def test_compiled_model_decode_runs_gemv_and_matches_hf(tmp_path, monkeypatch):
 
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
-    monkeypatch.setenv("KILN_GEMV", "attn,mlp")
     hf = make_checkpoint(tmp_path / "hf", "qwen2-bias")  # qkv bias: the GEMV's bias path too
-    opts = CompileOptions(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64, chunk_size=32)
+    opts = CompileOptions(
+        device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64, chunk_size=32, gemv_plan="attn,mlp"
+    )
     compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
     ep = torch.export.load(tmp_path / "art" / "graphs" / "model.pt2")
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]

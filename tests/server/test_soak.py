@@ -27,10 +27,11 @@ import httpx
 import pytest
 from serve_harness import LiveServer
 
+from kiln import settings
 from kiln.manifest import Manifest
 
-ROUNDS = int(os.environ.get("KILN_SOAK_ROUNDS", "3"))
-SEED = int(os.environ.get("KILN_SOAK_SEED", "0"))
+ROUNDS = settings.value("soak_rounds")  # KILN_SOAK_ROUNDS
+SEED = settings.value("soak_seed")  # KILN_SOAK_SEED
 N_CLIENTS = 64
 KV_TOKENS = 640  # under the 1024-token context: running requests outgrow it and are retracted
 RSS_MARGIN = 64 << 20
