@@ -38,6 +38,7 @@ from kiln.compiler.config import ModelConfig, load_config
 from kiln.compiler.context import GRAPH_INPUTS
 from kiln.compiler.cutlass_build import check_request, cutlass_backend, drop_unused, fp8_library
 from kiln.compiler.graph_code import emit_graph_code
+from kiln.compiler.models.base import DecoderOnlyLM
 from kiln.compiler.moe_layer import FusedMoE
 from kiln.compiler.moe_tune import MoEShape, moe_tuning
 from kiln.compiler.norm_folds import norm_folds
@@ -180,7 +181,7 @@ def _decode_splits(cfg: ModelConfig, batch: int, max_seq_len: int, tp: int) -> i
     return choose_num_splits(batch, max_seq_len, cfg.kv_heads_per_rank(tp))
 
 
-def _model(cfg: ModelConfig, opts: CompileOptions, plan: dict[str, int]) -> torch.nn.Module:
+def _model(cfg: ModelConfig, opts: CompileOptions, plan: dict[str, int]) -> DecoderOnlyLM:
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
         return cls(cfg, DTYPES[opts.dtype], tp=opts.tp, quant=opts.quant, gemv_plan=plan)
@@ -611,9 +612,11 @@ BUILD_FACTS = {
 
 def split_build_facts(kernel_choices: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(kernel_choices without the BUILD_FACTS, those facts at the same paths)``."""
-    kept, facts = copy.deepcopy(kernel_choices), {}
+    kept = copy.deepcopy(kernel_choices)
+    facts: dict[str, Any] = {}
     for path, keys in BUILD_FACTS.items():
-        src, dst = kept, facts
+        src: Any = kept
+        dst = facts
         for part in path.split("."):
             src = src.get(part) if isinstance(src, dict) else None
         if not isinstance(src, dict):

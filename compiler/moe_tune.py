@@ -97,7 +97,7 @@ def tune(
     ``time_cutlass(tokens)``: also time the CUTLASS backend; a rung it wins gets ``"backend":
     "cutlass"`` beside its fastest Triton pair."""
     rungs = [t for t in ladder if t < max_tokens] + [max_tokens]
-    table: dict[str, dict[str, Config]] = {}
+    table: dict[str, dict[str, Any]] = {}  # rung -> {"w13": Config, "w2": Config[, "backend"]}
     report = []
     for t in rungs:
         timed = []
@@ -112,7 +112,12 @@ def tune(
         best_s, best = min(timed, key=lambda x: x[0])
         default_s = timed[0][0] if timed[0][1] == cands[0] else float("nan")
         table[str(t)] = {"w13": best[0], "w2": best[1]}
-        row = {"tokens": t, "best_us": best_s * 1e6, "default_us": default_s * 1e6, "tried": len(timed)}
+        row: dict[str, Any] = {
+            "tokens": t,
+            "best_us": best_s * 1e6,
+            "default_us": default_s * 1e6,
+            "tried": len(timed),
+        }
         if time_cutlass is not None:
             try:
                 row["cutlass_us"] = time_cutlass(t) * 1e6
@@ -141,7 +146,7 @@ def force_backend(table: str, backend: str, min_tokens: int) -> str:
     return json.dumps(out)
 
 
-def cuda_timer(s: MoEShape, dtype: torch.dtype, device: torch.device) -> Callable[[int, Pair], float]:
+def cuda_timer(s: MoEShape, dtype: torch.dtype, device: torch.device) -> Callable[[int, Pair | None], float]:
     """``time_pair`` on the device: the whole ``fused_moe`` on random experts of the model's
     shapes and uniform random routing (median of CUDA-event timings of a CUDA-graph replay of the op,
     ``triton.testing.do_bench``);

@@ -14,6 +14,8 @@ Qwen3-30B-A3B shapes.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from kiln.compiler.layers import MLP, Attention
@@ -30,7 +32,8 @@ def norm_folds(model: nn.Module) -> tuple[dict[str, list[str]], str]:
     names = {id(p): n for n, p in model.named_parameters()}
     folds: dict[str, list[str]] = {}
     for i, layer in enumerate(model.layers):
-        attn, ffn = getattr(layer, "attn", None), getattr(layer, "mlp", None)
+        attn: Any = getattr(layer, "attn", None)
+        ffn: Any = getattr(layer, "mlp", None)
         if type(layer) not in (DecoderLayer, MoEDecoderLayer) or type(attn) is not Attention:
             return {}, f"layer {i}: not a Llama-style decoder layer"
         if (

@@ -148,6 +148,7 @@ def kiln_latency(
         if first_done is None and got_first == batch:
             first_done = te
     t_end = time.perf_counter()
+    assert first_done is not None, "the batch never produced its first tokens"
     breakdown = {k: 1e3 * v / max(len(step_times), 1) for k, v in parts.items()}  # ms per decode step
     decode_s = t_end - first_done
     kv_per_tok = eng.artifact.manifest.kv.bytes_per_token
@@ -210,7 +211,8 @@ def _hf_model(model_dir: str, dtype: torch.dtype, device: str = "cuda") -> Any:
     from transformers import AutoModelForCausalLM
 
     if importlib.util.find_spec("accelerate") is None:  # device_map needs it: load, then move
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        return model.to(device).eval()
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device).eval()
 
 

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import re
 from codecs import utf_8_decode as _utf8
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 from tokenizers import Tokenizer
 
@@ -114,10 +114,11 @@ class IncrementalDetokenizer:
         backend = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
         # _dec(ids, skip_special_tokens): the fast backend's own method, called positionally (a
         # partial with keyword arguments costs about half a decode more per call).
+        self._dec: Callable[[Sequence[int], bool], str]
         if isinstance(backend, Tokenizer):
             self._dec = backend.decode
         else:  # a slow transformers tokenizer
-            self._dec = lambda ids, skip: backend.decode(
+            self._dec = lambda ids, skip: backend.decode(  # type: ignore[misc]
                 ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
             )
         self._tokenizer = tokenizer
@@ -132,7 +133,9 @@ class IncrementalDetokenizer:
         self._prefix_chars = 0  # len(decode(ids[_prefix:_read]))
         self._strip = False  # the next non-empty piece loses a leading space (Strip decoder)
         self._stripped = 0  # 1 once that space was removed
-        self._table = table = decode_table(tokenizer) if fast else None
+        # None on the window path; the table paths read it per token (no None check there)
+        self._table: Any = decode_table(tokenizer) if fast else None
+        table = self._table
         if table is not None:
             skip = bool(skip_special_tokens)
             self._n, self._state, self._text = table.n, table.state[skip], table.text[skip]
@@ -140,7 +143,7 @@ class IncrementalDetokenizer:
                 self._raw, self._pending = table.raw[skip], b""
                 self._add, self._flush = self._add_bytes, self._flush_bytes
             else:
-                self._byte, self._group = table.byte[skip], []
+                self._byte, self._group = table.byte[skip], cast(list[int], [])
                 self._strip = table.strip
                 self._add, self._flush = self._add_tokens, self._flush_tokens
         else:

@@ -279,7 +279,7 @@ class Engine:
         top_ids = h["top_ids"].tolist() if "top_ids" in h else None
         top_lp = h["top_logprobs"].tolist() if "top_logprobs" in h else None
         now = time.perf_counter()
-        outputs = []
+        outputs: list[RequestOutput] = []
         append = outputs.append
         generated = 0
         finished = Status.FINISHED
@@ -299,7 +299,7 @@ class Engine:
                 entry = {
                     "token_id": tok,
                     "logprob": lp[j],
-                    "top": list(zip(top_ids[j][:n], top_lp[j][:n])) if top_ids else [],
+                    "top": list(zip(top_ids[j][:n], top_lp[j][:n])) if top_ids and top_lp else [],
                 }
                 req.logprobs.append(entry)
                 new_lp.append(entry)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kiln.runtime.engine import Engine, EngineOptions
 from kiln.runtime.request import RequestOutput
@@ -74,7 +74,7 @@ class LLM:
         """Generate for every prompt (strings or token-id lists); one output per completion, in
         prompt order (n > 1 gives n consecutive outputs for that prompt)."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
-        plist: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        plist: list[Prompt] = [cast(Prompt, prompts)] if single else list(cast(Sequence[Prompt], prompts))
         params = _params_list(sampling_params, len(plist))
         subs = self._submit(plist, params)
         finals: dict[str, RequestOutput] = {}

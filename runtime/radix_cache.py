@@ -49,6 +49,12 @@ class TreeNode:
         self.last_access = 0
         self.id = next(TreeNode._ids)
 
+    @property
+    def up(self) -> TreeNode:
+        """The parent of a node in the tree (every node but the root has one)."""
+        assert self.parent is not None, f"{self!r} is the root or detached"
+        return self.parent
+
     def __lt__(self, other: TreeNode) -> bool:  # heap order: LRU first, then oldest node
         return (self.last_access, self.id) < (other.last_access, other.id)
 
@@ -127,7 +133,7 @@ class RadixCache:
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Split ``child`` after ``n`` tokens; return the new upper node (which ends there)."""
         page_size = self.page_size
-        parent = child.parent
+        parent = child.up
         upper = TreeNode(child.key[:n], child.value[:n], parent)
         upper.lock_ref = child.lock_ref  # every lock through child passes through upper
         upper.last_access = child.last_access
@@ -173,7 +179,7 @@ class RadixCache:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
             node.lock_ref += 1
-            node = node.parent
+            node = node.up
 
     def unlock(self, node: TreeNode) -> None:
         """Undo one ``lock(node)``."""
@@ -187,7 +193,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.evictable_size += len(node.key)
                 self.protected_size -= len(node.key)
-            node = node.parent
+            node = node.up
 
     # -------------------------------------------------------------------------------- evict
     def evict(self, num_tokens: int, free_fn: FreeFn) -> int:
@@ -199,7 +205,7 @@ class RadixCache:
         """
         if self.disabled or num_tokens <= 0:
             return 0
-        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heap: list[TreeNode] = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
         page_size = self.page_size
@@ -208,7 +214,7 @@ class RadixCache:
             free_fn([s // page_size for s in node.value[::page_size]])
             freed += len(node.key)
             self.evictable_size -= len(node.key)
-            parent = node.parent
+            parent = node.up
             del parent.children[tuple(node.key[:page_size])]
             node.parent = None
             if parent is not self.root and not parent.children and parent.lock_ref == 0:

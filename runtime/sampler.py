@@ -310,15 +310,17 @@ class Sampler:
             orow += [r] * len(output)
             ot += output
             self._ready.add(r)
+        counts, mask = self.counts, self.prompt_mask
+        assert counts is not None and mask is not None
         idx = _h2d(todo, torch.int64, self.device)
-        self.counts[idx] = 0
-        self.prompt_mask[idx] = False
+        counts[idx] = 0
+        mask[idx] = False
         if pt:
             t = _h2d([pr, pt], torch.int64, self.device)
-            self.prompt_mask[t[0], t[1]] = True
+            mask[t[0], t[1]] = True
         if ot:
             t = _h2d([orow, ot], torch.int64, self.device)
-            self.counts.index_put_((t[0], t[1]), torch.ones_like(t[0], dtype=torch.int32), accumulate=True)
+            counts.index_put_((t[0], t[1]), torch.ones_like(t[0], dtype=torch.int32), accumulate=True)
 
     # --------------------------------------------------------------------------- sample
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
@@ -351,6 +353,7 @@ class Sampler:
         """Repetition (prompt + generated), frequency and presence (generated) penalties.
         x: [B, V] f32 -> new [B, V] f32. Rows without penalties come back unchanged."""
         self._materialize(batch.row_list)
+        assert self.counts is not None and self.prompt_mask is not None  # made by _materialize
         counts = self.counts[batch.rows]  # [B, V] int32
         seen = self.prompt_mask[batch.rows] | (counts > 0)  # [B, V] bool
         x = torch.where(seen, torch.where(x > 0, x / batch.rep, x * batch.rep), x)

@@ -337,7 +337,7 @@ def create_app(engine: Any, opts: ServerOptions | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        err: dict[str, Any] = dict(e.errors()[0]) if e.errors() else {"loc": (), "msg": "invalid request"}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
             msg = f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}"

@@ -148,12 +148,13 @@ class Stepper:
         if every:
             reqs, rows = batch.reqs, step.req_rows
         else:
+            assert done is not None  # an extend step, some requests finished their prompt
             reqs = [batch.reqs[i] for i in done]
             rows = [r.row for r in reqs]
             logits = logits[self.stager.to_device(done, torch.int64)]
         sampler = self.sampler
         need_rows = sampler.counts is not None
-        greedy = prev.greedy if subst is not None and subst[0] is None else None
+        greedy = prev.greedy if prev is not None and subst is not None and subst[0] is None else None
         if greedy is not None and greedy.row_list == rows and (greedy.rows.numel() > 0) == need_rows:
             # The steady state: the previous step's requests (so params) and rows, all plain
             # greedy: its argmax-only batch again (nothing in it depends on the step).

@@ -149,7 +149,7 @@ def _load_cpu(pack_dir: Path, tensors: list[PackTensor], threads: int) -> dict[s
 
         def read(t: PackTensor) -> None:
             if t.nbytes:
-                mv = memoryview(_bytes_of(out[t.name]).numpy()).cast("B")
+                mv = _bytes_of(out[t.name]).numpy().data.cast("B")
                 pread_exact(fds[t.file], mv, t.offset, pack_dir / t.file)
 
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
@@ -305,7 +305,7 @@ def _load_staged(
                     i += 1
                     if s == len(bufs):
                         bufs.append(torch.empty(buf_bytes, dtype=torch.uint8, pin_memory=cuda))
-                        views.append(memoryview(bufs[s].numpy()).cast("B"))
+                        views.append(bufs[s].numpy().data.cast("B"))
                         if cuda:
                             events.append(torch.cuda.Event(blocking=True))
                     elif cuda:

@@ -117,20 +117,20 @@ def read_header(path: str | Path, check_size: bool = True) -> Header:
     meta = doc.pop("__metadata__", None) or {}
     data_start = 8 + n
     infos: list[TensorInfo] = []
-    for name, e in doc.items():
+    for name, entry in doc.items():
         try:
-            dt = ST_DTYPES[e["dtype"]]
-            shape = tuple(int(s) for s in e["shape"])
-            b, en = (int(x) for x in e["data_offsets"])
+            dt = ST_DTYPES[entry["dtype"]]
+            shape = tuple(int(s) for s in entry["shape"])
+            b, en = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as err:
-            raise SafetensorsError(f"{p}: tensor {name!r} has a malformed header entry {e!r}") from err
+            raise SafetensorsError(f"{p}: tensor {name!r} has a malformed header entry {entry!r}") from err
         numel = 1
         for s in shape:
             numel *= s
         if en - b != numel * dt.itemsize or b < 0:
             raise SafetensorsError(
                 f"{p}: tensor {name!r} has data_offsets {[b, en]} but shape {list(shape)} x "
-                f"{e['dtype']} needs {numel * dt.itemsize} bytes"
+                f"{entry['dtype']} needs {numel * dt.itemsize} bytes"
             )
         infos.append(TensorInfo(name, dt, shape, data_start + b, data_start + en))
     infos.sort(key=lambda t: (t.begin, t.end))
@@ -200,7 +200,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     assert t.is_contiguous() and t.device.type == "cpu"
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def write_tensor_file(

@@ -128,7 +128,7 @@ class CheckpointStream:
     def _load_whole(self, h: Header) -> torch.Tensor:
         buf = torch.empty(h.file_size, dtype=torch.uint8)
         with open(h.path, "rb") as f:
-            mv = memoryview(buf.numpy()).cast("B")
+            mv = buf.numpy().data.cast("B")
             got = 0
             while got < h.file_size:
                 n = f.readinto(mv[got:])

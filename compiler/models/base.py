@@ -150,13 +150,14 @@ class DecoderOnlyLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] int64 -> logits [B, V] f32 at the rows ``ctx.logits_indices``."""
         h = self.embed(input_ids)  # [T, H]
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         if self.fold_norms:
-            for layer in self.layers:
+            for layer in layers:
                 h = layer.stream(h, ctx)
             h = self.norm(h)  # [T, H]
         else:
             residual: torch.Tensor | None = None
-            for layer in self.layers:
+            for layer in layers:
                 h, residual = layer(h, residual, ctx)
             h = self.norm(h, residual)  # [T, H]
         h = h.index_select(0, ctx.logits_indices)  # [B, H]
