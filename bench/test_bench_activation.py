@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import SMOKE, graphed, pick
 
-from kiln.ops import activation
+from kiln.ops.activation import silu_and_mul as activation
 
 I = pick(14336, 256)
 TOKENS = pick([1, 8, 64, 256, 4096], [3])

@@ -12,7 +12,7 @@ Each beside ``sdpa`` (torch eager: gather K/V by slot, then scaled_dot_product_a
 a GPU, ``compiled`` (torch.compile of the dense reference math). On a GPU every variant is timed
 as a CUDA-graph replay, as the runtime runs it, so host dispatch does not count. The ``*_sweep``
 benchmarks time kernel configurations at the target shapes, to retune the defaults in
-ops/decode_attention.py and ops/extend_attention.py.
+ops/attention/decode.py and ops/attention/extend.py.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from conftest import SMOKE, pick
 
-from kiln.ops.attention_ref import random_block_table, request_slots
-from kiln.ops.decode_attention import DecodeConfig, choose_num_splits, decode_attention_triton
-from kiln.ops.extend_attention import ExtendConfig, extend_attention_triton
+from kiln.ops.attention.decode import DecodeConfig, choose_num_splits, decode_attention_triton
+from kiln.ops.attention.extend import ExtendConfig, extend_attention_triton
+from kiln.ops.attention.reference import random_block_table, request_slots
 
 HQ, HKV, D = pick(32, 4), pick(8, 2), pick(128, 32)
 PAGE = 16

@@ -37,8 +37,8 @@ from kiln.compiler.config import normalize_config
 from kiln.compiler.context import ForwardContext
 from kiln.compiler.norm_folds import norm_folds
 from kiln.compiler.registry import model_class
-from kiln.ops.decode_attention import choose_num_splits
-from kiln.ops.rope import rope_cos_sin_cache
+from kiln.ops.attention.decode import choose_num_splits
+from kiln.ops.attention.rope import rope_cos_sin_cache
 from kiln.runtime.benchmark import weight_bytes
 
 DEV = "cpu" if SMOKE else "cuda"
@@ -53,7 +53,7 @@ VARIANTS = {  # settings (kiln/settings.py) per case: fold_norms at trace, the o
     "unfolded": {"fold_norms": False},  # the add+norm kernels of the layout before folded norms
     "pdl_off": {"pdl": False},
     "gemv_off": {"gemv": False},
-    # graph-constant loads before the PDL wait (ops/common.py, the prewait setting; default: all parts)
+    # graph-constant loads before the PDL wait (ops/common/launch.py, the prewait setting; default: all parts)
     "prewait_off": {"prewait": "none"},
     "prewait_noslab": {"prewait": "gemv,attn,rope"},  # the default before the slab parts
     "prewait_gemv": {"prewait": "gemv"},

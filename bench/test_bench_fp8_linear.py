@@ -9,9 +9,9 @@ F.linear, and the dequantizing reference eager and through torch.compile. Rows (
 * ``fp8``: the op as models run it (``KILN_FP8_GEMM``, default ``auto``: the Triton kernel where
   ``fp8_gemm.TABLE`` has the shape, else cuBLAS; accumulation per ``KILN_FP8_FAST_ACCUM``);
 * ``fp8_fast_accum``: cuBLAS ``_scaled_mm`` with fast accumulation;
-* ``fp8_triton``: ops/fp8_gemm.py's kernel (``KILN_FP8_GEMM=triton``) with its table's configuration
+* ``fp8_triton``: ops/linear/fp8_gemm.py's kernel (``KILN_FP8_GEMM=triton``) with its table's configuration
   and the default accumulation (fast, under ``auto``), so equal to ``fp8_triton_fast_accum`` then;
-* ``fp8_cutlass``: ops/fp8_cutlass.py's CUTLASS kernels (``KILN_FP8_GEMM=cutlass``, the instantiation
+* ``fp8_cutlass``: ops/linear/fp8_cutlass.py's CUTLASS kernels (``KILN_FP8_GEMM=cutlass``, the instantiation
   ``fp8_cutlass.config_for`` picks), when ``KILN_CUTLASS_FP8_LIB`` names the built library (it is
   loaded at import, so ``fp8`` runs it too where ``auto`` picks it); skipped otherwise.
 
@@ -32,10 +32,10 @@ from conftest import SMOKE, _median_ms, graphed, pick
 from triton.runtime.errors import OutOfResources
 
 from kiln import settings
-from kiln.ops import fp8_cutlass as fc
-from kiln.ops import fp8_gemm as fg
-from kiln.ops import fp8_linear as fl
-from kiln.ops.quant import quantize_fp8_per_channel, quantize_fp8_per_token
+from kiln.ops.common.quant import quantize_fp8_per_channel, quantize_fp8_per_token
+from kiln.ops.linear import fp8_cutlass as fc
+from kiln.ops.linear import fp8_gemm as fg
+from kiln.ops.linear import fp8_linear as fl
 
 MS = pick([1, 16, 256, 1024, 4096], [2])
 SHAPES = pick([(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)], [(32, 64)])

@@ -1,4 +1,4 @@
-"""Decode GEMV (ops/gemv.py) against cuBLAS (``F.linear``) at Llama-3.1-8B shapes, bf16.
+"""Decode GEMV (ops/linear/gemv.py) against cuBLAS (``F.linear``) at Llama-3.1-8B shapes, bf16.
 
 Shapes ``[N, K]`` per layer: qkv [6144, 4096], o [4096, 4096], gate_up [28672, 4096] (gate rows, then
 up rows), down [4096, 14336]; lm_head [128256, 4096]. ``frac_bw`` counts weight + activation + output
@@ -16,7 +16,7 @@ comes from HBM as it does in a decode step (every layer's weights evict the prev
   (``KILN_GEMV_SWEEP_M=1,2,4,8`` for more); the candidates are compiled first in parallel
   processes (``KILN_GEMV_SWEEP_PRECOMPILE=0``: one by one inside the tests instead). Each row is checked against cuBLAS and records ``ms``, ``frac_bw``, ``cublas_ms`` (the
   speedup is ``cublas_ms / ms``; for gate_up cuBLAS + ``silu_and_mul``) and ``tuned_entry``, the line
-  to paste into ``ops/gemv.py: TUNED`` for the winner of its (shape, M);
+  to paste into ``ops/linear/gemv.py: TUNED`` for the winner of its (shape, M);
   ``python bench/test_bench_gemv.py RAW.json`` prints the best configs and the ``TUNED`` block.
   Config ids: ``fma_nBN_kBK_wWARPS_splitS`` / ``dot_nBN_kBK_wWARPS_sSTAGES_splitS``; ``heuristic``
   is the current default.
@@ -35,9 +35,9 @@ import triton
 from conftest import SMOKE, _median_ms, graphed, pick
 
 from kiln import settings
-from kiln.ops import gemv as G
-from kiln.ops.activation import silu_and_mul_ref
-from kiln.ops.common import next_pow2
+from kiln.ops.activation.silu_and_mul import silu_and_mul_ref
+from kiln.ops.common.launch import next_pow2
+from kiln.ops.linear import gemv as G
 
 pytestmark = pytest.mark.usefixtures("kernels_on_cpu")
 

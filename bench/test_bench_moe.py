@@ -4,10 +4,10 @@ E=128 experts, top-8, H=2048, I=768, for 1 to 4096 tokens.
 Rows of ``test_fused_moe`` (``impl``):
 
 * ``triton`` / ``triton_fp8``: ``kiln.fused_moe`` (bf16 / FP8 experts), captured in a CUDA graph,
-  with the default launch table (ops/moe_gemm.py: ``DEFAULT_TABLE``) or the recorded table in
+  with the default launch table (ops/moe/gemm.py: ``DEFAULT_TABLE``) or the recorded table in
   ``KILN_MOE_TUNING`` (the JSON ``moe_tuning_table`` writes, or a path to it): how a retuned table
   is checked before it becomes the default;
-* ``cutlass_sm90``: kiln's CUTLASS backend (ops/moe_cutlass.py: sort, gather, the sm90 grouped GEMM
+* ``cutlass_sm90``: kiln's CUTLASS backend (ops/moe/cutlass.py: sort, gather, the sm90 grouped GEMM
   library for both GEMMs, SiLU-and-mul, weighted un-sort), captured in a CUDA graph; skipped without
   the library (``KILN_CUTLASS_LIB``, built by compiler/cutlass_build.py) or off sm90;
 * ``cutlass``: the same MoE with both GEMMs in ``torch._grouped_mm``, PyTorch's CUTLASS grouped
@@ -54,10 +54,11 @@ import triton
 from conftest import SMOKE, graphed, pick
 
 from kiln import settings
-from kiln.ops import moe, moe_cutlass
-from kiln.ops import moe_gemm as mg
-from kiln.ops.moe_align import moe_align_run
-from kiln.ops.quant import quantize_fp8_per_channel
+from kiln.ops.common.quant import quantize_fp8_per_channel
+from kiln.ops.moe import cutlass as moe_cutlass
+from kiln.ops.moe import fused as moe
+from kiln.ops.moe import gemm as mg
+from kiln.ops.moe.align import moe_align_run
 
 pytestmark = pytest.mark.usefixtures("kernels_on_cpu")
 

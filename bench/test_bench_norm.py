@@ -19,8 +19,8 @@ import pytest
 import torch
 from conftest import SMOKE, graphed, pick
 
-from kiln.ops import norm
-from kiln.ops.common import FP8_DTYPE
+from kiln.ops.common.quant import FP8_DTYPE
+from kiln.ops.norm import rmsnorm as norm
 
 H = pick(4096, 256)
 TOKENS = pick([1, 8, 64, 256, 4096], [3])

@@ -1,4 +1,4 @@
-"""RMSNorm fused into the GEMV behind it (ops/norm_linear.py), as the folded batch-1 decode graph
+"""RMSNorm fused into the GEMV behind it (ops/linear/norm_linear.py), as the folded batch-1 decode graph
 runs it (the norm weight folded into the linear's, compiler/models/base.py), against two launches.
 
 Batch 1, chained over ``LAYERS`` distinct weights in one CUDA graph as a decode step runs them;
@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import SMOKE, graphed, pick
 
-from kiln.ops import gemv as G
+from kiln.ops.linear import gemv as G
 
 DEV = "cpu" if SMOKE else "cuda"
 LAYERS = pick(8, 2)

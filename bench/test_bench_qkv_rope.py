@@ -4,7 +4,7 @@
 Bytes counted: read qkv, write q, write k and v, read one cos/sin row, read positions and slots
 per token. ``frac_bw`` is that over the same session's measured read bandwidth. Target on an
 H200: >= 0.70 at 4096 tokens. ``test_block_h_sweep`` times the kernel's launch choices so the
-heuristic in ``ops/qkv_rope.py:_pick_block_h`` can be checked against the best one.
+heuristic in ``ops/attention/qkv_rope.py:_pick_block_h`` can be checked against the best one.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import SMOKE, pick
 
-from kiln.ops.qkv_rope import qkv_rope_kvwrite_ref, qkv_rope_kvwrite_triton
-from kiln.ops.rope import rope_cos_sin_cache
+from kiln.ops.attention.qkv_rope import qkv_rope_kvwrite_ref, qkv_rope_kvwrite_triton
+from kiln.ops.attention.rope import rope_cos_sin_cache
 
 HQ, HKV, D = pick(32, 4), pick(8, 2), pick(128, 64)
 MAX_POS = pick(131072, 2048)

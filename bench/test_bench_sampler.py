@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import SMOKE, graphed, pick
 
-from kiln.ops.sampling import argmax_rows, gumbel_argmax, gumbel_argmax_ref, row_keys
+from kiln.ops.sampling.gumbel import argmax_rows, gumbel_argmax, gumbel_argmax_ref, row_keys
 from kiln.runtime.sampler import Sampler, SamplingBatch
 from kiln.runtime.sampling_params import SamplingParams as SP
 

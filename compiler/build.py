@@ -59,8 +59,8 @@ from kiln.manifest import (
     Versions,
     file_table,
 )
-from kiln.ops.common import FP8_DTYPE
-from kiln.ops.gemv import gemv_plan
+from kiln.ops.common.quant import FP8_DTYPE
+from kiln.ops.linear.gemv import gemv_plan
 from kiln.weights.fold import apply_norm_folds
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -105,7 +105,7 @@ class CompileOptions:
     moe_backend: str = "triton"  # "cutlass" / "auto": the CUTLASS grouped GEMM (compiler/cutlass_build.py)
     moe_cutlass_min_tokens: int = 2048  # moe_backend "cutlass": rungs from this many tokens on use it
     fp8_cutlass: bool = True  # quant fp8 on an sm90 GPU: build the CUTLASS FP8 GEMM library (fp8_library)
-    # --gemv-plan: which bf16 linears trace the GEMV, up to which T (ops/gemv.py gemv_plan)
+    # --gemv-plan: which bf16 linears trace the GEMV, up to which T (ops/linear/gemv.py gemv_plan)
     gemv_plan: str = settings.SETTINGS["gemv_plan"].default
     # --fold-norms/--no-fold-norms: fold the norm weights into their consumers where possible
     # (compiler/norm_folds.py) and trace batch 1's decode graph in the residual-stream layout
@@ -176,7 +176,7 @@ def _copy_tokenizer(model_dir: Path, out: Path) -> list[str]:
 
 
 def _decode_splits(cfg: ModelConfig, batch: int, max_seq_len: int, tp: int) -> int:
-    from kiln.ops.decode_attention import choose_num_splits
+    from kiln.ops.attention.decode import choose_num_splits
 
     return choose_num_splits(batch, max_seq_len, cfg.kv_heads_per_rank(tp))
 
@@ -385,7 +385,7 @@ def compile_model(
             attention="triton",
             decode_graphs=opts.decode_graphs,
             decode_num_splits={b: _decode_splits(cfg, b, max_seq, opts.tp) for b in buckets},
-            gemv=plan,  # role -> largest T on the GEMV kernel (ops/gemv.py)
+            gemv=plan,  # role -> largest T on the GEMV kernel (ops/linear/gemv.py)
             moe=MoEChoice.from_json(records["moe"], "kernel_choices.moe") if records["moe"] else None,
             fp8=LibraryRecord.from_json(records["fp8"], "kernel_choices.fp8") if records["fp8"] else None,
         )
@@ -472,7 +472,7 @@ def _warm_up(
     # T == B never reaches the extend graph: the runner sends one-token-each extends to decode
     runs += [("model", b, t) for t, b in EXTEND_WARMUP if t <= chunk and b <= buckets[-1] and t != b]
     if cfg.moe is not None:  # each block-size choice of the grouped GEMM, as one request's prefill
-        from kiln.ops.moe_gemm import moe_warmup_tokens
+        from kiln.ops.moe.gemm import moe_warmup_tokens
 
         m = cfg.moe
         sizes = moe_warmup_tokens(
@@ -480,9 +480,9 @@ def _warm_up(
         )
         runs += [("model", 1, t) for t in sizes if t > 1]
     if device.type == "cuda" and any(w.dtype == FP8_DTYPE for w in weights.values()):
-        # FP8 linears pick a launch config (or cuBLAS) per M bucket (ops/fp8_gemm.py): one prefill
+        # FP8 linears pick a launch config (or cuBLAS) per M bucket (ops/linear/fp8_gemm.py): one prefill
         # per bucket, so that prefill chunks of any length find their kernels compiled
-        from kiln.ops.fp8_gemm import warmup_tokens
+        from kiln.ops.linear.fp8_gemm import warmup_tokens
 
         runs += [("model", 1, t) for t in warmup_tokens(chunk) if t > 1]
     if device.type == "cpu":  # no Triton kernels to compile: a finiteness check per graph suffices
@@ -527,7 +527,7 @@ def _warm_up_sampler(vocab: int, device: torch.device) -> None:
     graph captures under ``KILN_GRAPH_GREEDY``, on the same ``[rows, V]`` float32 rows)."""
     if device.type != "cuda":
         return
-    from kiln.ops.sampling import argmax_rows, gumbel_argmax
+    from kiln.ops.sampling.gumbel import argmax_rows, gumbel_argmax
 
     for rows in (1, 2, 16):
         x = torch.randn(rows, vocab, device=device)

@@ -206,7 +206,7 @@ def fp8_library(
     if quant != "fp8":
         return {}
     why = "--no-fp8-cutlass" if not enabled else _not_sm90(device)
-    from kiln.ops import fp8_cutlass
+    from kiln.ops.linear import fp8_cutlass
 
     if why is None:
         try:
@@ -258,7 +258,7 @@ def cutlass_backend(
             raise
         warnings.warn(f"kiln compile: --moe-backend auto keeps Triton: {err}", stacklevel=2)
         return "triton", {"note": str(err)[:500]}
-    from kiln.ops import moe_cutlass
+    from kiln.ops.moe import cutlass as moe_cutlass
 
     moe_cutlass.load_library(built["path"])
     rel = Path(built["path"]).resolve().relative_to(kernels_dir.resolve().parent).as_posix()

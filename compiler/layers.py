@@ -73,7 +73,7 @@ def norm_linear(
     gate_up: bool = False,
     normed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``norm`` fused into the linear ``weight`` (ops/norm_linear.py), its weight folded into
+    """``norm`` fused into the linear ``weight`` (ops/linear/norm_linear.py), its weight folded into
     ``weight`` (weights/fold.py; ``norm.weight`` is then ones), so the one-token GEMV does not load
     it (the residual-stream layout, compiler/models/base.py): ``(y [T, N], the normalized x [T, H]
     if normed)``."""
@@ -89,7 +89,7 @@ class Linear(nn.Module):
     Non-FP8 weights: ``F.linear`` (cuBLAS). When the GEMV plan (``kiln compile --gemv-plan``, which
     the model build passes on: :func:`use_gemv_plan`) has this linear's ``role``, ``max_m`` is the
     plan's max T for it and the linear traces ``kiln::linear`` instead: at decode-sized T (<=
-    ``max_m``) the GEMV kernel of ops/gemv.py, otherwise cuBLAS, decided inside the op at run time
+    ``max_m``) the GEMV kernel of ops/linear/gemv.py, otherwise cuBLAS, decided inside the op at run time
     (T is dynamic in the exported graph; the run-time ``gemv`` setting off sends it to cuBLAS).
     """
 
@@ -264,7 +264,7 @@ class LMHead(nn.Module):
 
 def use_gemv_plan(model: nn.Module, plan: Mapping[str, int]) -> None:
     """Give every module of ``model`` with a GEMV ``role`` (the linears, the MoE router) its
-    ``max_m`` from ``plan`` (ops/gemv.py ``gemv_plan``: role -> the largest T on the GEMV; a role
+    ``max_m`` from ``plan`` (ops/linear/gemv.py ``gemv_plan``: role -> the largest T on the GEMV; a role
     left out: 0, cuBLAS). The layers read their own ``max_m`` while tracing."""
     for mod in model.modules():
         role = getattr(mod, "role", None)  # Linear, moe_layer.Router

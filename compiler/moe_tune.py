@@ -6,7 +6,7 @@ block sizes from the artifact and never chooses or tunes. With ``CompileOptions.
 GPU, the compiler times candidate (w13, w2) configs of the whole op at a ladder of token counts
 on random experts of the model's shapes and records the fastest per rung instead.
 
-Backends (``--moe-backend``, ops/moe_cutlass.py): with "auto" (and the measurement) each rung also
+Backends (``--moe-backend``, ops/moe/cutlass.py): with "auto" (and the measurement) each rung also
 times the CUTLASS grouped GEMM path and takes it (``"backend": "cutlass"`` in the rung's entry, its
 Triton configs kept for calls CUTLASS cannot run) when it beats the rung's fastest Triton pair;
 "cutlass" puts every rung from ``cutlass_min_tokens`` tokens on CUTLASS (``force_backend``).
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kiln.ops import moe_gemm as mg
+from kiln.ops.moe import gemm as mg
 
 Config = dict[str, int]
 Pair = tuple[Config, Config]  # (w13, w2)
@@ -150,11 +150,11 @@ def cuda_timer(s: MoEShape, dtype: torch.dtype, device: torch.device) -> Callabl
     """``time_pair`` on the device: the whole ``fused_moe`` on random experts of the model's
     shapes and uniform random routing (median of CUDA-event timings of a CUDA-graph replay of the op,
     ``triton.testing.do_bench``);
-    ``pair`` None times the CUTLASS backend (ops/moe_cutlass.py; its library loaded)."""
+    ``pair`` None times the CUTLASS backend (ops/moe/cutlass.py; its library loaded)."""
     import triton.testing
 
-    from kiln.ops.moe import fused_moe_triton
-    from kiln.ops.moe_cutlass import fused_moe_cutlass
+    from kiln.ops.moe.cutlass import fused_moe_cutlass
+    from kiln.ops.moe.fused import fused_moe_triton
 
     g = torch.Generator(device).manual_seed(0)
     w13 = (torch.randn(s.num_experts, 2 * s.inter, s.hidden, generator=g, device=device) / s.hidden**0.5).to(

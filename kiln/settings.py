@@ -55,7 +55,7 @@ class Setting:
     ``kind``: ``bool`` (``0``/``1``, also off/on, false/true, no/yes), ``choice`` (one of
     ``choices``), ``parts`` (a set of ``choices``: a comma list, ``all`` or ``none``), ``list`` (a
     comma list of ``choices``, in order), ``plan`` (the GEMV plan; checked by the compiler:
-    ops/gemv.py ``gemv_plan``), ``path``, ``int`` (>= 0), ``ints`` (a comma list of positive
+    ops/linear/gemv.py ``gemv_plan``), ``path``, ``int`` (>= 0), ``ints`` (a comma list of positive
     integers) or ``str``."""
 
     name: str  # the one name: the option field, the flag (with dashes) and this registry's key
@@ -185,7 +185,7 @@ _ALL: tuple[Setting, ...] = (
        "Launch the decode kernels with programmatic dependent launch (sm_90+).", env="KILN_PDL",
        flag=True, when="per call: at capture for CUDA graphs"),
     _s("prewait", "run", "parts", "all",
-       "Kernels that load what nothing in the CUDA graph writes before their PDL wait (ops/common.py): "
+       "Kernels that load what nothing in the CUDA graph writes before their PDL wait (ops/common/launch.py): "
        "gemv (first weight step), attn, rope, slab / slab_norm (a one-row GEMV's whole weight slab).",
        env="KILN_PREWAIT", flag=True, choices=("gemv", "attn", "rope", "slab", "slab_norm"),
        when="per call: at capture for CUDA graphs"),

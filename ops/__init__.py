@@ -1,23 +1,11 @@
-"""Fused kernels. One file per op: a torch reference, the Triton kernel(s) and a ``torch.library``
-op (namespace ``kiln``) whose CUDA implementation launches the kernel and whose CPU
-implementation is the reference.
+"""Fused kernels, in families (one subpackage each): ``attention`` (paged decode and extend
+attention, RoPE, the fused QKV+RoPE+KV write), ``linear`` (GEMV, norm+linear, FP8 GEMMs),
+``moe`` (routing, alignment, grouped GEMMs, the fused MoE), ``norm`` (RMSNorm family),
+``activation`` (SiLU-and-mul), ``sampling`` (greedy and seeded sampling) and ``common`` (the one
+way to define an op, launch plumbing, FP8 helpers). docs/ops.md says how to add an op.
 
 Importing this package registers every ``torch.ops.kiln.*`` op (needed before exported graphs
 that call them are deserialized).
 """
 
-from kiln.ops import (  # noqa: F401  (imported to register the ops)
-    activation,
-    attention,
-    decode_attention,
-    extend_attention,
-    fp8_linear,
-    gemv,
-    moe,
-    moe_align,
-    moe_route,
-    moe_routing,
-    norm,
-    norm_linear,
-    qkv_rope,
-)
+from kiln.ops import activation, attention, linear, moe, norm, sampling  # noqa: F401  (registers the ops)

@@ -24,7 +24,7 @@ import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 
 from kiln.artifact_format import bytes_digest
-from kiln.ops.common import DIRECT
+from kiln.ops.common.op import DIRECT
 from kiln.runtime.artifact import RECOPY, ArtifactError, one_line
 
 GLOBALS: dict[str, Any] = {

@@ -80,13 +80,13 @@ def _load_cutlass(
 
 
 def load_moe_library(art: Artifact, device: torch.device) -> str | None:
-    """Load the CUTLASS grouped-GEMM library into this process (ops/moe_cutlass.py) when a rung of
+    """Load the CUTLASS grouped-GEMM library into this process (ops/moe/cutlass.py) when a rung of
     the artifact's MoE table runs CUTLASS (``manifest.kernel_choices.moe``) and the device is CUDA.
     Returns its path (None: not needed)."""
     moe = art.manifest.kernel_choices.moe
     if device.type != "cuda" or moe is None or not moe.uses_cutlass:
         return None
-    from kiln.ops import moe_cutlass
+    from kiln.ops.moe import cutlass as moe_cutlass
 
     rel = moe.cutlass.library if moe.cutlass is not None else None
     field_name = "kernel_choices.moe.cutlass.library"
@@ -94,14 +94,14 @@ def load_moe_library(art: Artifact, device: torch.device) -> str | None:
 
 
 def load_fp8_library(art: Artifact, device: torch.device) -> str | None:
-    """Load the CUTLASS FP8 GEMM library (ops/fp8_cutlass.py) when the artifact carries one
+    """Load the CUTLASS FP8 GEMM library (ops/linear/fp8_cutlass.py) when the artifact carries one
     (``manifest.kernel_choices.fp8.library``) and the device is CUDA; fp8_linear's ``auto`` backend
     then runs it where its table has the shape. Returns its path (None: none)."""
     fp8 = art.manifest.kernel_choices.fp8
     rel = fp8.library if fp8 is not None else None
     if device.type != "cuda" or rel is None:
         return None
-    from kiln.ops import fp8_cutlass
+    from kiln.ops.linear import fp8_cutlass
 
     return _load_cutlass(art, rel, "kernel_choices.fp8.library", "CUTLASS FP8 GEMM", fp8_cutlass.load_library)
 
@@ -254,7 +254,7 @@ def load_model(
     load_moe_library(art, dev)
     load_fp8_library(art, dev)
     import kiln.ops  # noqa: F401  (registers torch.ops.kiln.* before graphs deserialize)
-    from kiln.ops.rope import rope_cos_sin_cache
+    from kiln.ops.attention.rope import rope_cos_sin_cache
     from kiln.weights import load_pack
     from kiln.weights.fold import apply_norm_folds
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kiln import settings
-from kiln.ops.sampling import argmax_rows
+from kiln.ops.sampling.gumbel import argmax_rows
 from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import LoadedModel
 

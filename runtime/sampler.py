@@ -10,7 +10,7 @@ HF semantics over prompt + generated tokens; frequency/presence: OpenAI semantic
 tokens), min_tokens masking of EOS/stop ids, then greedy rows take ``argmax`` (ties: lowest id);
 sampled rows divide by temperature, keep top-k, then top-p (on the top-k renormalized
 distribution), then min-p (``p >= min_p * p_max``), and draw by Gumbel-max with noise hashed from
-(seed, step, token id) (``ops/sampling.py``): the same seed gives the same tokens whatever
+(seed, step, token id) (``ops/sampling/gumbel.py``): the same seed gives the same tokens whatever
 else is in the batch. Unseeded requests should get a seed at admission (``resolve_seed``).
 
 Logprobs are ``log_softmax`` of the raw logits (before penalties and temperature), as vLLM and
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kiln.ops.sampling import argmax_rows, derive_seed, gumbel_argmax, row_keys
+from kiln.ops.sampling.gumbel import argmax_rows, derive_seed, gumbel_argmax, row_keys
 from kiln.runtime.sampling_params import SamplingParams
 
 _rng = random.SystemRandom()
@@ -241,7 +241,7 @@ class SamplingBatch:
         )
 
 
-# Greedy picks of up to this many rows take the Triton argmax (ops/sampling.py: 7 us against
+# Greedy picks of up to this many rows take the Triton argmax (ops/sampling/gumbel.py: 7 us against
 # torch.argmax's 41 us at batch 1 on the H200), larger batches torch.argmax: its two launches cost
 # ~0.13 ms more host time per step through Triton's launcher (measured at batch 64, where the host
 # path is the budget), while a small batch's step waits on the GPU anyway.

@@ -46,7 +46,7 @@ def demo_artifact(tmp_path_factory):
 @pytest.fixture
 def compiled_gpu():
     """Guards GPU tests against an interpreter left on (they must run the compiled kernels)."""
-    from kiln.ops.common import interpreting
+    from kiln.ops.common.launch import interpreting
 
     if interpreting():
         pytest.fail("GPU kernel tests must run compiled: run them with TRITON_INTERPRET=0")

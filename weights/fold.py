@@ -3,7 +3,7 @@
 ``rmsnorm(h) @ W^T = (h * rstd(h)) @ (W diag(g))^T``: a norm's weight ``g [H]`` can live in the
 columns of every weight that reads the normalized row. A decode step's fused kernels then need
 neither a norm kernel nor a load of ``g``: the one-token GEMV behind the norm accumulates
-``sum(h * h)`` beside its product and scales by ``rstd`` at the end (ops/norm_linear.py,
+``sum(h * h)`` beside its product and scales by ``rstd`` at the end (ops/linear/norm_linear.py,
 ``folded``).
 
 The compiler decides which norms are folded (compiler/norm_folds.py) and records

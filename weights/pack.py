@@ -223,7 +223,7 @@ def _direct(spec: ParamSpec, tg: Any, t: torch.Tensor, dtype: str) -> bool:
 
 def _finish(spec: ParamSpec, buf: torch.Tensor, slots: dict[str, Any], writer: TensorWriter) -> None:
     if spec.quant == "fp8":
-        from kiln.ops.quant import quantize_fp8_per_channel
+        from kiln.ops.common.quant import quantize_fp8_per_channel
 
         w, s = quantize_fp8_per_channel(buf)  # w: [..., N, K] fp8, s: [..., N] f32
         writer.submit(spec.name, w, slots[spec.name])

@@ -385,8 +385,8 @@ def gpu_run(which: str, cppgen, sm90) -> dict:
     def kiln_triton(t):
         """kiln's Triton grouped GEMM (or decode GEMV) for the same product, no epilogue; its A is
         the token rows for w13 (a_div = top-k), the pair rows for w2, as fused_moe runs them."""
-        from kiln.ops.moe_align import moe_align_run
-        from kiln.ops.moe_gemm import moe_gemm_launch, moe_gemv_launch, pick_configs
+        from kiln.ops.moe.align import moe_align_run
+        from kiln.ops.moe.gemm import moe_gemm_launch, moe_gemv_launch, pick_configs
 
         ids = route_ids(t)
         inter, hid = (n // 2, k) if which == "w13" else (k, n)

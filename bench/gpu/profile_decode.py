@@ -4,7 +4,7 @@
 
 Runs the decode graph eagerly (no CUDA graph) under torch.profiler so each kernel is recorded;
 kernel durations are what the CUDA-graph replay runs too, without the launch gaps. With PDL
-(ops/common.py) a kernel starts before its predecessor ends, so its duration includes its wait:
+(ops/common/launch.py) a kernel starts before its predecessor ends, so its duration includes its wait:
 ``KILN_PDL=0`` gives each kernel's own time. ``--sequence N`` also lists the first N kernels of
 the last profiled step in launch order (duration and the gap or overlap to the previous kernel's
 end), which tells one layer's GEMVs (qkv, o, router) apart.

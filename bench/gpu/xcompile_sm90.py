@@ -14,9 +14,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kiln.ops import gemv as G
-from kiln.ops import moe as M
-from kiln.ops import moe_gemm as MG
+from kiln.ops.linear import gemv as G
+from kiln.ops.moe import fused as M
+from kiln.ops.moe import gemm as MG
 
 BF16, F32, I32 = "*bf16", "*fp32", "*i32"
 
@@ -94,7 +94,7 @@ xc(MG._moe_gemv_kernel, moe_types, w2)
 xc(MG._moe_gemv_kernel, moe_types, w2 | dict(GROUP=8, P_PAD=8, SUM_K=0, BLOCK_N=8, ADD_Z=True))
 xc(M._combine_kernel, moe_types, dict(HAS_MAP=False, BLOCK_H=1024, RF=False, PDL=True, ADD_Z=True))
 
-from kiln.ops import decode_attention as DA  # noqa: E402
+from kiln.ops.attention import decode as DA  # noqa: E402
 
 attn_types = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr", "qw_ptr", "kw_ptr"), BF16)
 attn_types |= {"bt_ptr": I32, "rows_ptr": I32, "lens_ptr": I32, "cnt_ptr": I32, "mid_o_ptr": F32}

@@ -14,8 +14,8 @@ with no norm kernel. Where a linear is not on the GEMV (its role missing from th
 run-time ``gemv`` setting off, the CPU) the norm kernel (unit weight) runs before it and cuBLAS
 ``addmm`` adds the residual.
 
-The GEMV plan (``kiln compile --gemv-plan``, ops/gemv.py ``gemv_plan``) is a constructor argument
-(default: ops/gemv.py ``DEFAULT_PLAN``); each linear and router keeps its role's ``max_m``
+The GEMV plan (``kiln compile --gemv-plan``, ops/linear/gemv.py ``gemv_plan``) is a constructor argument
+(default: ops/linear/gemv.py ``DEFAULT_PLAN``); each linear and router keeps its role's ``max_m``
 (compiler/layers.py ``use_gemv_plan``).
 """
 
@@ -38,7 +38,7 @@ from kiln.compiler.layers import (
     norm_linear,
     use_gemv_plan,
 )
-from kiln.ops.gemv import gemv_plan as parse_gemv_plan
+from kiln.ops.linear.gemv import gemv_plan as parse_gemv_plan
 
 LayerFactory = Callable[[int], nn.Module]
 

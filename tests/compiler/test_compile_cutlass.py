@@ -22,8 +22,9 @@ from kiln.compiler import cutlass_build as cb
 from kiln.compiler.build import CompileOptions, compile_model
 from kiln.compiler.moe_tune import MoEShape, candidates, force_backend, moe_tuning, tune
 from kiln.manifest import FileEntry, LibraryRecord, Manifest, MoEChoice
-from kiln.ops import fp8_cutlass, moe_cutlass
-from kiln.ops import moe_gemm as mg
+from kiln.ops.linear import fp8_cutlass
+from kiln.ops.moe import cutlass as moe_cutlass
+from kiln.ops.moe import gemm as mg
 from kiln.runtime.artifact import Artifact, ArtifactError
 from kiln.runtime.loader import load_fp8_library, load_moe_library
 

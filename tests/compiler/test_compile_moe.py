@@ -56,7 +56,7 @@ def test_graph_calls_moe_ops_and_pack_stacks_experts(compiled):
 
 def test_triton_kernels_in_the_graph_match_hf(compiled, monkeypatch):
     """The same artifact with every op running its Triton kernel (interpreter) for a prefill."""
-    from kiln.ops.common import interpreting
+    from kiln.ops.common.launch import interpreting
 
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
@@ -75,8 +75,8 @@ def test_triton_kernels_in_the_graph_match_hf(compiled, monkeypatch):
 def test_triton_decode_gemv_matches_hf(compiled, monkeypatch):
     """One request decoding with every op's Triton kernel (interpreter): T = 1 token takes the
     MoE decode GEMV (no alignment) on these configs, the path a batch-1 decode runs on the GPU."""
-    from kiln.ops import moe_gemm
-    from kiln.ops.common import interpreting
+    from kiln.ops.common.launch import interpreting
+    from kiln.ops.moe import gemm as moe_gemm
 
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
@@ -137,7 +137,7 @@ def _blocks():
 def test_moe_layer_exports_and_matches_hf_block(monkeypatch, which, triton_on_cpu):
     from kiln.compiler.config import normalize_config
     from kiln.compiler.moe_layer import FusedMoE
-    from kiln.ops.common import interpreting
+    from kiln.ops.common.launch import interpreting
 
     if triton_on_cpu == "1" and not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1")
@@ -163,7 +163,8 @@ def test_moe_layer_exports_and_matches_hf_block(monkeypatch, which, triton_on_cp
 def test_fp8_artifact_kernels_match_reference_path(tmp_path, monkeypatch):
     """``--quant fp8``: FP8 experts with per-channel scales in the pack; the graph's Triton kernels
     (interpreter) agree with the ops' reference path, and both stay near the float32 model."""
-    from kiln.ops.common import FP8_DTYPE, interpreting
+    from kiln.ops.common.launch import interpreting
+    from kiln.ops.common.quant import FP8_DTYPE
 
     hf = make_moe_checkpoint(tmp_path / "hf", "qwen3-moe")
     compile_model(tmp_path / "hf", tmp_path / "art", CompileOptions(**OPTS, quant="fp8"), verbose=False)
@@ -186,7 +187,7 @@ def test_artifact_records_the_moe_table_its_graphs_use(compiled):
     import ast
     import json
 
-    from kiln.ops import moe_gemm as mg
+    from kiln.ops.moe import gemm as mg
 
     hf, root = compiled
     manifest = json.loads((root / "art" / "manifest.json").read_text())
@@ -213,7 +214,7 @@ def test_artifact_records_the_moe_table_its_graphs_use(compiled):
 
 def test_tuner_records_the_fastest_candidate_per_rung():
     from kiln.compiler.moe_tune import MoEShape, candidates, tune
-    from kiln.ops import moe_gemm as mg
+    from kiln.ops.moe import gemm as mg
 
     s = MoEShape(num_experts=16, inter=64, hidden=128, top_k=2)
     picked = {}

@@ -19,10 +19,10 @@ from tiny_moe_models import make_moe_checkpoint
 from kiln.compiler.build import CompileOptions, compile_model
 from kiln.compiler.norm_folds import norm_folds
 from kiln.compiler.registry import model_class
-from kiln.ops import gemv as G
-from kiln.ops import moe
-from kiln.ops import norm_linear as NL
-from kiln.ops.common import interpreting
+from kiln.ops.common.launch import interpreting
+from kiln.ops.linear import gemv as G
+from kiln.ops.linear import norm_linear as NL
+from kiln.ops.moe import fused as moe
 from kiln.runtime.direct import DirectRunner
 from kiln.weights import load_pack
 from kiln.weights.fold import FoldError, apply_norm_folds

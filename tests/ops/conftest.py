@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.ops.common import interpreting
+from kiln.ops.common.launch import interpreting
 
 
 @pytest.fixture

@@ -1,13 +1,13 @@
-"""SiLU-and-mul ops (ops/activation.py): the Triton kernel against the torch reference (interpreter
+"""SiLU-and-mul ops (ops/activation/silu_and_mul.py): the Triton kernel against the torch reference (interpreter
 on CPU, compiled on the GPU), the reference against Hugging Face's MLP activation, quantization
 modes, edge cases and torch.export."""
 
 import pytest
 import torch
 
-from kiln.ops import activation as act
-from kiln.ops.common import FP8_DTYPE, FP8_MIN_SCALE, interpreting
-from kiln.ops.quant import dequantize_fp8
+from kiln.ops.activation import silu_and_mul as act
+from kiln.ops.common.launch import interpreting
+from kiln.ops.common.quant import FP8_DTYPE, FP8_MIN_SCALE, dequantize_fp8
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 FP8_TOL = 1e-2  # dequantized FP8 outputs: a rounding flip moves one element by one e4m3 ulp

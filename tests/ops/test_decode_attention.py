@@ -15,8 +15,8 @@ import random
 import pytest
 import torch
 
-from kiln.ops import decode_attention as dec
-from kiln.ops.attention_ref import decode_attention_ref, random_block_table
+from kiln.ops.attention import decode as dec
+from kiln.ops.attention.reference import decode_attention_ref, random_block_table
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 

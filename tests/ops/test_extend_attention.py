@@ -13,9 +13,9 @@ import random
 import pytest
 import torch
 
-from kiln.ops import decode_attention as _dec  # noqa: F401  (registers kiln::decode_attention)
-from kiln.ops.attention_ref import decode_attention_ref, extend_attention_ref, random_block_table
-from kiln.ops.extend_attention import ExtendConfig, _resolve_pack, extend_attention_triton
+from kiln.ops.attention import decode as _dec  # noqa: F401  (registers kiln::decode_attention)
+from kiln.ops.attention.extend import ExtendConfig, _resolve_pack, extend_attention_triton
+from kiln.ops.attention.reference import decode_attention_ref, extend_attention_ref, random_block_table
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 

@@ -1,4 +1,4 @@
-"""The CUTLASS FP8 GEMM backend of ``fp8_linear`` (ops/fp8_cutlass.py, ops/cutlass/sm90_fp8_gemm.cu).
+"""The CUTLASS FP8 GEMM backend of ``fp8_linear`` (ops/linear/fp8_cutlass.py, ops/cutlass/sm90_fp8_gemm.cu).
 
 CPU: the tables name instantiations the default build has, the ``auto`` backend's choice, the
 errors without a library. GPU (``-m gpu``): the library (``KILN_CUTLASS_FP8_LIB``, else built with
@@ -15,10 +15,10 @@ import pytest
 import torch
 from test_fp8_gemm import check_graph_replay, make_case, rel_err
 
-from kiln.ops import fp8_cutlass as fc
-from kiln.ops import fp8_gemm as fg
-from kiln.ops import fp8_linear as fl
-from kiln.ops.common import CutlassUnavailable
+from kiln.ops.common.launch import CutlassUnavailable
+from kiln.ops.linear import fp8_cutlass as fc
+from kiln.ops.linear import fp8_gemm as fg
+from kiln.ops.linear import fp8_linear as fl
 
 LLAMA_NK = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]
 

@@ -1,17 +1,16 @@
-"""Triton FP8 GEMM (ops/fp8_gemm.py): the kernel against plain torch (interpreter on CPU, compiled
+"""Triton FP8 GEMM (ops/linear/fp8_gemm.py): the kernel against plain torch (interpreter on CPU, compiled
 on the GPU) over shapes that are not multiples of the blocks, M = 1, split-K, per-token and
 per-tensor scales, bias and output dtypes; the configuration table; the ``fp8_linear`` backend
-switch (ops/fp8_linear.py)."""
+switch (ops/linear/fp8_linear.py)."""
 
 import math
 
 import pytest
 import torch
 
-from kiln.ops import fp8_gemm as fg
-from kiln.ops import fp8_linear as fl
-from kiln.ops.common import FP8_DTYPE
-from kiln.ops.quant import quantize_fp8_per_channel, quantize_fp8_per_token
+from kiln.ops.common.quant import FP8_DTYPE, quantize_fp8_per_channel, quantize_fp8_per_token
+from kiln.ops.linear import fp8_gemm as fg
+from kiln.ops.linear import fp8_linear as fl
 
 # Interpreter: e4m3 products are exact in float32, so only the summation order differs from torch.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}

@@ -1,4 +1,4 @@
-"""fp8_linear (ops/fp8_linear.py): the dequantizing reference on CPU, argument checks, export, and on
+"""fp8_linear (ops/linear/fp8_linear.py): the dequantizing reference on CPU, argument checks, export, and on
 the GPU ``torch._scaled_mm`` against the dequantized reference."""
 
 import warnings
@@ -6,9 +6,8 @@ import warnings
 import pytest
 import torch
 
-from kiln.ops import fp8_linear as fl
-from kiln.ops.common import FP8_DTYPE
-from kiln.ops.quant import dequantize_fp8, quantize_fp8_per_channel, quantize_fp8_per_token
+from kiln.ops.common.quant import FP8_DTYPE, dequantize_fp8, quantize_fp8_per_channel, quantize_fp8_per_token
+from kiln.ops.linear import fp8_linear as fl
 
 
 def rel_err(out, ref) -> float:

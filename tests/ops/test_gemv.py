@@ -1,4 +1,4 @@
-"""Skinny GEMM / GEMV (ops/gemv.py): both kernels (CUDA-core FMA, tensor-core swap-AB) against the
+"""Skinny GEMM / GEMV (ops/linear/gemv.py): both kernels (CUDA-core FMA, tensor-core swap-AB) against the
 float32 reference through the interpreter, with bias, split-K, the fused gate_up epilogue and shapes
 that are not multiples of the blocks; the launch heuristic; the ``kiln::linear`` /
 ``kiln::linear_silu_mul`` dispatch and switches; torch.export; and a tiny compiled model whose decode
@@ -7,9 +7,9 @@ steps run the GEMV against Hugging Face."""
 import pytest
 import torch
 
-from kiln.ops import gemv as G
-from kiln.ops.activation import silu_and_mul_ref
-from kiln.ops.common import interpreting, next_pow2
+from kiln.ops.activation.silu_and_mul import silu_and_mul_ref
+from kiln.ops.common.launch import interpreting, next_pow2
+from kiln.ops.linear import gemv as G
 
 # Launch overrides per path. Blocks are small so the interpreter stays quick and every program
 # sees several K steps, a ragged last step and (split-K) uneven slices.
@@ -384,7 +384,7 @@ def test_gpu_cuda_graph_replay(compiled_gpu, monkeypatch):
 
 
 def test_pdl_is_off_without_a_gpu(monkeypatch):
-    from kiln.ops.common import pdl_args, pdl_enabled
+    from kiln.ops.common.launch import pdl_args, pdl_enabled
 
     monkeypatch.delenv("KILN_PDL", raising=False)
     assert not pdl_enabled(torch.zeros(1))

@@ -1,4 +1,4 @@
-"""The GEMV with FP8 operands (ops/gemv.py, ``x_scale`` / ``w_scale``): the CUDA-core kernel against
+"""The GEMV with FP8 operands (ops/linear/gemv.py, ``x_scale`` / ``w_scale``): the CUDA-core kernel against
 the float32 reference of the FP8 product through the interpreter (per-token and per-tensor scales,
 bias, split-K, M = 1..4, ragged K), its errors, and ``fp8_linear``'s ``auto`` choosing it for
 decode-sized products; on the GPU the same at Llama-3.1-8B shapes and inside a CUDA graph."""
@@ -7,9 +7,9 @@ import pytest
 import torch
 from test_fp8_gemm import check_graph_replay, make_case, rel_err
 
-from kiln.ops import fp8_linear as fl
-from kiln.ops import gemv as G
-from kiln.ops.fp8_gemm import fp8_gemm_ref
+from kiln.ops.linear import fp8_linear as fl
+from kiln.ops.linear import gemv as G
+from kiln.ops.linear.fp8_gemm import fp8_gemm_ref
 
 PATHS = {
     "default": {},

@@ -1,12 +1,12 @@
-"""MoE alignment (ops/moe_align.py): the Triton kernels against the reference (interpreter on CPU,
+"""MoE alignment (ops/moe/align.py): the Triton kernels against the reference (interpreter on CPU,
 compiled on the GPU), the layout invariants the grouped GEMM relies on, expert maps, fixed output
 sizes and torch.export."""
 
 import pytest
 import torch
 
-from kiln.ops import moe_align as ma
-from kiln.ops.common import interpreting
+from kiln.ops.common.launch import interpreting
+from kiln.ops.moe import align as ma
 
 
 def routed(t, k, e, seed, device="cpu", hot=None):

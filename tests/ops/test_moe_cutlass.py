@@ -1,4 +1,4 @@
-"""The CUTLASS backend of the fused MoE op (ops/moe_cutlass.py, ops/moe_permute.py) and its dispatch.
+"""The CUTLASS backend of the fused MoE op (ops/moe/cutlass.py, ops/moe/permute.py) and its dispatch.
 
 CPU (Triton interpreter): the sort / gather / weighted un-sort kernels and the GEMM argument kernel
 against their torch references, the whole pipeline with a torch grouped GEMM in place of CUTLASS
@@ -17,8 +17,10 @@ import pytest
 import torch
 from test_moe_gemm import GEMV, SMALL, TOL, assert_rel, make_moe
 
-from kiln.ops import moe, moe_cutlass, moe_permute
-from kiln.ops import moe_gemm as mg
+from kiln.ops.moe import cutlass as moe_cutlass
+from kiln.ops.moe import fused as moe
+from kiln.ops.moe import gemm as mg
+from kiln.ops.moe import permute as moe_permute
 
 # (T, k, E, E_global or None, hot expert or None): several chunks of 128 pairs, experts with no rows
 SORT_CASES = [(1, 1, 4, None, None), (7, 3, 8, None, None), (100, 4, 16, None, 3), (50, 4, 8, 16, None)]

@@ -1,4 +1,4 @@
-"""Grouped GEMM, decode GEMV and the fused MoE op (ops/moe_gemm.py, ops/moe.py): kernels against the
+"""Grouped GEMM, decode GEMV and the fused MoE op (ops/moe/gemm.py, ops/moe/fused.py): kernels against the
 references (interpreter on CPU, compiled on the GPU) in bf16/fp16/fp32 and FP8, the reference
 against Hugging Face's expert block, expert maps, the launch table and recorded tuning tables."""
 
@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from kiln.ops import moe
-from kiln.ops import moe_align as ma
-from kiln.ops import moe_gemm as mg
-from kiln.ops.common import FP8_DTYPE, ArrivalCounters, interpreting
-from kiln.ops.quant import quantize_fp8_per_channel
+from kiln.ops.common.launch import ArrivalCounters, interpreting
+from kiln.ops.common.quant import FP8_DTYPE, quantize_fp8_per_channel
+from kiln.ops.moe import align as ma
+from kiln.ops.moe import fused as moe
+from kiln.ops.moe import gemm as mg
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 FP8_TOL = 1e-2
@@ -75,7 +75,7 @@ def test_grouped_gemm_matches_per_pair_reference(kernel_on_cpu, dtype, mode):
         mg.moe_gemm_launch(x, None, w13, None, c, None, *align, SMALL, a_div=k, fuse_silu=fuse)
         ref = torch.stack([(x[p // k].float() @ w13[flat[p]].float().t()).to(dtype) for p in range(t * k)])
         if fuse:
-            from kiln.ops.activation import silu_and_mul_ref
+            from kiln.ops.activation.silu_and_mul import silu_and_mul_ref
 
             ref = silu_and_mul_ref(ref)
     assert_rel(c, ref, TOL[dtype])
@@ -124,7 +124,7 @@ def test_gemv_matches_per_pair_reference(kernel_on_cpu, dtype, mode):
         mg.moe_gemv_launch(x, None, w13, None, c, None, ids, None, cfg, a_div=k, fuse_silu=fuse)
         ref = torch.stack([(x[p // k].float() @ w13[flat[p]].float().t()).to(dtype) for p in range(t * k)])
         if fuse:
-            from kiln.ops.activation import silu_and_mul_ref
+            from kiln.ops.activation.silu_and_mul import silu_and_mul_ref
 
             ref = silu_and_mul_ref(ref)
     assert_rel(c, ref, TOL[dtype])

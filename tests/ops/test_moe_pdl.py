@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (ops/common.py) in the MoE and sampling kernels: on CPU every
+"""Programmatic dependent launch (ops/common/launch.py) in the MoE and sampling kernels: on CPU every
 launch site passes ``PDL=False`` and no ``launch_pdl`` (the interpreter takes none), and every
 kernel triggers, then waits before any store, early return or load other than a weight's. The GPU
 tests (``gpu``) check the results with PDL on."""
@@ -12,10 +12,11 @@ import pytest
 import torch
 import triton
 
-from kiln.ops import moe, sampling
-from kiln.ops import moe_align as ma
-from kiln.ops import moe_gemm as mg
-from kiln.ops import moe_routing as mr
+from kiln.ops.moe import align as ma
+from kiln.ops.moe import fused as moe
+from kiln.ops.moe import gemm as mg
+from kiln.ops.moe import topk as mr
+from kiln.ops.sampling import gumbel as sampling
 
 MODULES = (ma, mg, moe, mr, sampling)
 # loads allowed before the wait: weights only (no kernel of a step writes them)

@@ -1,4 +1,4 @@
-"""The decode router op (ops/moe_route.py): router GEMV (or linear) + top-k kernel against the router
+"""The decode router op (ops/moe/router.py): router GEMV (or linear) + top-k kernel against the router
 linear + ``moe_topk`` reference (interpreter on CPU, compiled on the GPU), its argument checks, and
 its capture under a CUDA graph."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from test_moe_routing import by_id
 
-from kiln.ops import moe_route as mrt
-from kiln.ops import moe_routing as mr
+from kiln.ops.moe import router as mrt
+from kiln.ops.moe import topk as mr
 
 # (T, H, E, k, renormalize, scoring, groups, topk_groups, scale, round_to)
 CASES = [
@@ -39,7 +39,7 @@ def reference(x, w, bias, case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_op_matches_reference(kernel_on_cpu, case, dtype):
-    """At ``T <= max_t`` the router GEMV (ops/gemv.py; sigmoid: the float32 linear), then the top-k
+    """At ``T <= max_t`` the router GEMV (ops/linear/gemv.py; sigmoid: the float32 linear), then the top-k
     kernel; above it the linear, then the top-k kernel."""
     x, w, bias = make(case, dtype, seed=len(case) + case[2])
     ref_w, ref_ids = reference(x, w, bias, case)

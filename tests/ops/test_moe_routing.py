@@ -1,4 +1,4 @@
-"""MoE routing (ops/moe_routing.py): the reference against Hugging Face's Qwen3-MoE, Mixtral and
+"""MoE routing (ops/moe/topk.py): the reference against Hugging Face's Qwen3-MoE, Mixtral and
 DeepSeek-V3 routers, the Triton kernel against the reference (interpreter on CPU, compiled on the
 GPU), ties and NaN rows, argument checks and torch.export."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import transformers
 
-from kiln.ops import moe_routing as mr
-from kiln.ops.common import interpreting
+from kiln.ops.common.launch import interpreting
+from kiln.ops.moe import topk as mr
 
 
 def by_id(w, ids):

@@ -1,4 +1,4 @@
-"""RMSNorm ops (ops/norm.py): the Triton kernel against the torch reference (interpreter on CPU,
+"""RMSNorm ops (ops/norm/rmsnorm.py): the Triton kernel against the torch reference (interpreter on CPU,
 compiled on the GPU), the reference against Hugging Face, in-place residual, quantization modes,
 edge cases, and torch.export."""
 
@@ -7,9 +7,9 @@ import io
 import pytest
 import torch
 
-from kiln.ops import norm
-from kiln.ops.common import FP8_DTYPE, FP8_MIN_SCALE, interpreting
-from kiln.ops.quant import dequantize_fp8
+from kiln.ops.common.launch import interpreting
+from kiln.ops.common.quant import FP8_DTYPE, FP8_MIN_SCALE, dequantize_fp8
+from kiln.ops.norm import rmsnorm as norm
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 FP8_TOL = 1e-2  # dequantized FP8 outputs: a rounding flip moves one element by one e4m3 ulp

@@ -1,4 +1,4 @@
-"""RMSNorm fused into the GEMV (ops/norm_linear.py, ``gemv(norm=...)``): the kernel through the
+"""RMSNorm fused into the GEMV (ops/linear/norm_linear.py, ``gemv(norm=...)``): the kernel through the
 interpreter against float32 references (with and without residual, bias, gate_up, the normalized
 row out, ragged N and K), the op's unfused paths against the two-launch computation, its checks,
 and torch.export."""
@@ -6,10 +6,10 @@ and torch.export."""
 import pytest
 import torch
 
-from kiln.ops import gemv as G
-from kiln.ops import norm_linear as NL
-from kiln.ops.common import interpreting
-from kiln.ops.norm import rmsnorm_ref
+from kiln.ops.common.launch import interpreting
+from kiln.ops.linear import gemv as G
+from kiln.ops.linear import norm_linear as NL
+from kiln.ops.norm.rmsnorm import rmsnorm_ref
 
 EPS = 1e-6
 
@@ -64,7 +64,7 @@ def test_kernel_matches_reference(kernel_on_cpu, launch, dtype, residual):
     hr = x if r is None else (x.float() + r.float()).to(dtype)
     if residual:
         assert torch.equal(h, hr)  # every chunk written, with the residual add's rounding
-    # the normalized row with ops/norm.py's roundings; rstd summed in another order: one ulp at most
+    # the normalized row with ops/norm/rmsnorm.py's roundings; rstd summed in another order: one ulp at most
     close(xn, rmsnorm_ref(hr, nw, EPS))
 
 

@@ -1,4 +1,4 @@
-"""KILN_PREWAIT (ops/common.py): the GEMV, the decode split kernel and the RoPE kernel loading their
+"""KILN_PREWAIT (ops/common/launch.py): the GEMV, the decode split kernel and the RoPE kernel loading their
 graph-constant inputs before the PDL wait compute exactly what they compute without it.
 
 On CPU (interpreter) the wait is a no-op, so these tests check the restructured kernels' arithmetic
@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.ops import common
-from kiln.ops import decode_attention as dec
-from kiln.ops import gemv as G
-from kiln.ops.attention_ref import decode_attention_ref, random_block_table
-from kiln.ops.common import next_pow2
-from kiln.ops.qkv_rope import qkv_rope_kvwrite_ref, qkv_rope_kvwrite_triton
-from kiln.ops.rope import rope_cos_sin_cache
+from kiln.ops.attention import decode as dec
+from kiln.ops.attention.qkv_rope import qkv_rope_kvwrite_ref, qkv_rope_kvwrite_triton
+from kiln.ops.attention.reference import decode_attention_ref, random_block_table
+from kiln.ops.attention.rope import rope_cos_sin_cache
+from kiln.ops.common import launch as common
+from kiln.ops.common.launch import next_pow2
+from kiln.ops.linear import gemv as G
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kiln.ops.qkv_rope import qkv_rope_kvwrite_ref, qkv_rope_kvwrite_triton  # registers kiln::
-from kiln.ops.rope import rope_cos_sin_cache
+from kiln.ops.attention.qkv_rope import qkv_rope_kvwrite_ref, qkv_rope_kvwrite_triton  # registers kiln::
+from kiln.ops.attention.rope import rope_cos_sin_cache
 
 MAX_POS = 131072
 PAGE = 16

@@ -1,4 +1,4 @@
-"""FP8 helpers (ops/quant.py): round-trip error bound, scale shapes, zero rows, and the Triton-side
+"""FP8 helpers (ops/common/quant.py): round-trip error bound, scale shapes, zero rows, and the Triton-side
 rounding helpers the fused kernels use (checked bit for bit against torch's casts)."""
 
 import pytest
@@ -6,8 +6,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, interpreting
-from kiln.ops.quant import (
+from kiln.ops.common.launch import interpreting
+from kiln.ops.common.quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    FP8_MIN_SCALE,
     dequantize_fp8,
     fp8_error_bound,
     quantize_fp8_per_channel,

@@ -1,4 +1,4 @@
-"""ops/rope.py against transformers: the cos/sin table of every scaling type, the reference
+"""ops/attention/rope.py against transformers: the cos/sin table of every scaling type, the reference
 rotation in NeoX style (transformers' apply_rotary_pos_emb) and GPT-J style (DeepSeek's complex
 formulation)."""
 
@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from kiln.compiler.config import RopeScaling
-from kiln.ops.rope import apply_rope_ref, rope_cos_sin_cache, rope_inv_freq
+from kiln.ops.attention.rope import apply_rope_ref, rope_cos_sin_cache, rope_inv_freq
 
 MAX_POS = 131072
 POSITIONS = [0, 1, 17, 4095, 8191, 8192, 32768, 65537, 100_000, MAX_POS - 1]

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from kiln.ops.sampling import argmax_rows, gumbel_argmax, gumbel_argmax_ref, row_keys
+from kiln.ops.sampling.gumbel import argmax_rows, gumbel_argmax, gumbel_argmax_ref, row_keys
 from kiln.runtime.sampler import Sampler, SamplingBatch, resolve_seed
 from kiln.runtime.sampling_params import SamplingParams as SP
 

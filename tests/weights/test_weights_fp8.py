@@ -12,7 +12,7 @@ import torch
 from weights_helpers import check_dense, hf_tensors, load_ranks, pack
 
 from kiln.compiler.config import load_config
-from kiln.ops.quant import dequantize_fp8, fp8_error_bound
+from kiln.ops.common.quant import dequantize_fp8, fp8_error_bound
 from kiln.weights.st_format import write_tensor_file
 
 

@@ -1,6 +1,6 @@
 """FP8 GEMM in Triton: ``y [M, N] = (x [M, K] @ w [N, K]^T) * x_scale * w_scale (+ bias)``.
 
-``fp8_gemm(x, x_scale, w, w_scale, bias, out_dtype)`` takes what ``fp8_linear`` takes (ops/fp8_linear.py
+``fp8_gemm(x, x_scale, w, w_scale, bias, out_dtype)`` takes what ``fp8_linear`` takes (ops/linear/fp8_linear.py
 routes there with ``KILN_FP8_GEMM=triton``):
 
 * ``x``: ``[M, K]`` float8_e4m3fn, unit last stride; ``x_scale``: ``[M, 1]`` (per token) or ``[1]``
@@ -46,8 +46,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kiln.ops.common import FP8_DTYPE, ArrivalCounters, interpreting, sm_count
-from kiln.ops.quant import tl_round
+from kiln.ops.common.launch import ArrivalCounters, interpreting, sm_count
+from kiln.ops.common.quant import FP8_DTYPE, tl_round
 
 DEFAULT_SMS = 132  # H100/H200; used where no device can be asked (the interpreter)
 REDUCE_BLOCK_M, REDUCE_BLOCK_N = 16, 256
@@ -312,7 +312,7 @@ def _fp8_gemm_kernel(
         slice_size = M.to(tl.int64) * N
         tl.store(P + pid_k * slice_size + part, acc, mask=mask)
         if FUSED:
-            # Last-arrival reduction, the ordering argument of ops/common.py ArrivalCounters:
+            # Last-arrival reduction, the ordering argument of ops/common/launch.py ArrivalCounters:
             # bar.sync + the atomic's gpu-scope release publish this CTA's partial; the
             # slice that reads old == SPLIT_K - 1 acquires all of them, loads them with .cg (L1 is
             # not coherent across SMs), resets the counter and sums the slices in order 0..S-1,

@@ -17,7 +17,7 @@ plain-torch reference on CPU (the kernels under the interpreter when ``KILN_TRIT
 (``torch.argmax`` over a 128k vocabulary runs one block per row: 27 us at batch 1 on the H200,
 against two short launches here.) Both return the lowest index among equal maxima, as
 ``torch.argmax`` does. No host sync, fixed grid per shape: fits in a CUDA graph. Both kernels are
-launched with PDL (ops/common.py) and wait at their top (logits and keys come from earlier work).
+launched with PDL (ops/common/launch.py) and wait at their top (logits and keys come from earlier work).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
+from kiln.ops.common.launch import next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
 
 M32 = 0xFFFFFFFF
 M64 = 0xFFFFFFFFFFFFFFFF

@@ -1,5 +1,5 @@
 """MoE pairs sorted by expert without padding, for grouped GEMMs that take one contiguous row range
-per expert (ops/moe_cutlass.py): sort, gather the token rows, and the weighted un-sort + top-k sum.
+per expert (ops/moe/cutlass.py): sort, gather the token rows, and the weighted un-sort + top-k sum.
 
 Pair ``p = t * k + j`` is token ``t``'s ``j``-th expert choice (``topk_ids [T, k]`` int32, global
 ids; ``expert_map [E_global]`` int32 global -> local slot or -1, or None when ids are local).
@@ -12,14 +12,14 @@ ids; ``expert_map [E_global]`` int32 global -> local slot or -1, or None when id
   ``n_local ..`` are left unwritten).
 * ``unsort_combine(y [P, H], dst, topk_weights [T, k] f32, out [T, H])``:
   ``out[t] = round(sum_j round(y[dst[t * k + j]] * topk_weights[t, j]))`` over the local pairs, the
-  sum in float32 and rounded once to ``out``'s dtype: the rounding of ops/moe.py's w2 epilogue
+  sum in float32 and rounded once to ``out``'s dtype: the rounding of ops/moe/fused.py's w2 epilogue
   (the routing weight multiplies the rounded down projection) and combine.
 
 Kernels (no host sync, shapes from ``T``, ``k``, ``E`` only, so all of it is CUDA-graph safe): per
 chunk of pairs a per-expert count (``moe_align``'s count kernel), one program scanning the counts
 over chunks into per-chunk offsets, ``counts`` and ``starts``, then per chunk each pair's rank in
 its expert placed at ``starts[e] + chunk offset + rank``; the gather and the combine are one
-program per (row, column block). Every kernel is launched with PDL (ops/common.py) and waits first.
+program per (row, column block). Every kernel is launched with PDL (ops/common/launch.py) and waits first.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
-from kiln.ops.moe_align import CHUNK, SCAN_ROWS, _count_kernel, _scan_counts, _sorted_rows
-from kiln.ops.quant import tl_round
+from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
+from kiln.ops.common.quant import tl_round
+from kiln.ops.moe.align import CHUNK, SCAN_ROWS, _count_kernel, _scan_counts, _sorted_rows
 
 # ---- torch references -----------------------------------------------------------------------------
 

@@ -17,12 +17,12 @@ says how to fix it. CPU: the reference (dequantize to float32, matmul).
 
 Backends (``fp8_linear_forward(..., backend=...)``; the op reads the ``fp8_gemm`` setting at call
 time, so at CUDA-graph capture for decode graphs: ``--fp8-gemm``, ``EngineOptions.fp8_gemm``,
-``KILN_FP8_GEMM``, kiln/settings.py): ``cublas`` is the above; ``triton`` runs ops/fp8_gemm.py's
+``KILN_FP8_GEMM``, kiln/settings.py): ``cublas`` is the above; ``triton`` runs ops/linear/fp8_gemm.py's
 kernel on CUDA GPUs of compute capability >= 8.9 (any N and K; others fall back to the cuBLAS rules)
 and, with ``KILN_TRITON_ON_CPU=1`` under ``TRITON_INTERPRET=1``, on CPU tensors; ``cutlass`` runs
-ops/fp8_cutlass.py's warp-specialized CUTLASS kernels (sm90, bf16 output, N and K multiples of 16;
+ops/linear/fp8_cutlass.py's warp-specialized CUTLASS kernels (sm90, bf16 output, N and K multiples of 16;
 the library must be loaded: an FP8 artifact compiled on an H100/H200 carries it and the loader loads
-it; others fall back to the cuBLAS rules). ``auto`` (default) takes, in this order, ops/gemv.py's GEMV with FP8 operands for
+it; others fall back to the cuBLAS rules). ``auto`` (default) takes, in this order, ops/linear/gemv.py's GEMV with FP8 operands for
 decode-sized products (1 <= M <= ``FP8_GEMV_MAX_M``, Triton devices, ``--no-gemv`` / ``KILN_GEMV=0``
 turns it off),
 ``cutlass`` where
@@ -62,12 +62,14 @@ import warnings
 import torch
 
 from kiln import settings
-from kiln.ops import fp8_cutlass
-from kiln.ops.common import FP8_DTYPE, capability, kiln_op, use_triton
-from kiln.ops.fp8_gemm import fp8_gemm, tuned
-from kiln.ops.gemv import gemv, gemv_enabled
+from kiln.ops.common.launch import capability, use_triton
+from kiln.ops.common.op import kiln_op
+from kiln.ops.common.quant import FP8_DTYPE
+from kiln.ops.linear import fp8_cutlass
+from kiln.ops.linear.fp8_gemm import fp8_gemm, tuned
+from kiln.ops.linear.gemv import gemv, gemv_enabled
 
-# ``auto`` runs decode-sized products (1 <= M <= this) on ops/gemv.py's CUDA-core GEMV with FP8
+# ``auto`` runs decode-sized products (1 <= M <= this) on ops/linear/gemv.py's CUDA-core GEMV with FP8
 # operands: a pass over the FP8 weight, where cuBLAS's FP8 GEMMs are tile kernels. On the H200 it
 # beat cuBLAS at M = 1 and 2 on all four Llama-3.1-8B products and lost at M = 4 on gate_up
 # (bench/results/2026-11-29_h200_fp8_gemv_sweep.json; 8B decode at batch 4: 662 vs 761 tok/s).
@@ -133,7 +135,7 @@ def scaled_mm_supported(x: torch.Tensor, w: torch.Tensor) -> str | None:
 
 
 def triton_fp8_supported(x: torch.Tensor) -> str | None:
-    """None if ops/fp8_gemm.py's kernel can run on ``x``'s device, else the reason it cannot."""
+    """None if ops/linear/fp8_gemm.py's kernel can run on ``x``'s device, else the reason it cannot."""
     if not x.is_cuda:
         return None if use_triton(x) else "not a CUDA tensor (and the Triton interpreter is off)"
     cap = capability(x.device)

@@ -34,10 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.attention_ref import decode_attention_ref
-from kiln.ops.common import (
+from kiln.ops.attention.reference import decode_attention_ref
+from kiln.ops.common.launch import (
     interpreting,
-    kiln_op,
     next_pow2,
     pdl_args,
     pdl_trigger,
@@ -45,6 +44,7 @@ from kiln.ops.common import (
     prewait,
     use_triton,
 )
+from kiln.ops.common.op import kiln_op
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
 MAX_SPLITS = 128
@@ -187,7 +187,7 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr, PDL: tl.constexpr,
     PREWAIT: tl.constexpr = False,  # step inputs and the first block's cached K/V before the wait
 ):  # fmt: skip
-    # programmatic dependent launch (ops/common.py): wait before any access, except PREWAIT's
+    # programmatic dependent launch (ops/common/launch.py): wait before any access, except PREWAIT's
     # loads of what nothing in the graph writes (the step inputs, keys cached by earlier steps)
     pdl_trigger(PDL)
     if not PREWAIT:
@@ -199,7 +199,7 @@ def _decode_split_kernel(
     lo, base, chunk, active = _split_plan(seq_len, num_splits, sliding_window, BLOCK_N, HAS_WINDOW)
     if split >= tl.maximum(active, 1):
         if PREWAIT:
-            pdl_wait(PDL)  # every program waits (ops/common.py)
+            pdl_wait(PDL)  # every program waits (ops/common/launch.py)
         return  # no keys here: write nothing (split 0 stays to write an empty request's zeros)
     row = tl.load(rows_ptr + b).to(tl.int64)
     start = base + split * chunk  # this program takes keys [start, end)
@@ -299,7 +299,7 @@ def _decode_merge_kernel(
     seq_len = tl.load(lens_ptr + b)
     _lo, _base, _chunk, active = _split_plan(seq_len, num_splits, sliding_window, BLOCK_N, HAS_WINDOW)
     if PREWAIT:
-        pdl_wait(PDL)  # on every path (ops/common.py)
+        pdl_wait(PDL)  # on every path (ops/common/launch.py)
     if active <= 1:
         return  # the split kernel wrote this request's output directly
     dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)

@@ -7,7 +7,7 @@
   ``w [N, K]`` (``[2I, K]`` gate rows then up rows with ``gate_up``), ``bias [N]`` or None; one
   bf16/fp16/fp32 dtype.
 * ``h = x + residual`` rounded (the next residual; ``[0, K]`` when ``residual`` is None, the caller
-  keeps ``x``), ``xn = rmsnorm(h) * norm_w`` with ops/norm.py's roundings, ``y = linear(xn, w, bias)``
+  keeps ``x``), ``xn = rmsnorm(h) * norm_w`` with ops/norm/rmsnorm.py's roundings, ``y = linear(xn, w, bias)``
   (``silu(gate) * up`` with ``gate_up``, as ``kiln::linear_silu_mul``). ``xn`` is returned only with
   ``normed`` (``[0, K]`` otherwise): the MoE router's GEMV hands it to the experts.
 
@@ -17,7 +17,7 @@ row while some of them write ``h``, so ``h`` is a new tensor.
 Paths, picked at call time like ``kiln::linear``:
 
 * ``T == 1`` where ``kiln::linear`` would take the GEMV (``1 <= T <= max_m``, the ``gemv`` setting
-  on, a device that runs Triton): ops/gemv.py's CUDA-core kernel with ``norm`` (``NormIn``). Its
+  on, a device that runs Triton): ops/linear/gemv.py's CUDA-core kernel with ``norm`` (``NormIn``). Its
   programs accumulate ``sum(h * h)`` beside ``W @ (norm_w * h)`` in the same K loop and scale by
   ``rstd`` at the end, so the norm costs extra loads of two ``K`` rows from L2 but no pass and no
   launch; each program then writes a ``cdiv(K, programs)`` chunk of ``h`` (and ``xn``). The
@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.common import DIRECT, kiln_op
-from kiln.ops.gemv import NormIn, gemv, use_gemv
+from kiln.ops.common.op import DIRECT, kiln_op
+from kiln.ops.linear.gemv import NormIn, gemv, use_gemv
 
 
 def rmsnorm_linear_ref(
@@ -57,8 +57,8 @@ def rmsnorm_linear_ref(
     gate_up: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The two-launch computation in torch: ``(y, h, xn)`` with ``h = x`` when there is no residual."""
-    from kiln.ops.gemv import gate_up_ref, gemv_ref
-    from kiln.ops.norm import rmsnorm_ref
+    from kiln.ops.linear.gemv import gate_up_ref, gemv_ref
+    from kiln.ops.norm.rmsnorm import rmsnorm_ref
 
     h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
     xn = rmsnorm_ref(h, norm_w, eps)

@@ -1,13 +1,13 @@
-"""Shared plumbing for the ops: when to launch Triton, FP8 constants, small launch helpers.
+"""Launch plumbing shared by every family: when to launch Triton, device properties, PDL and
+pre-wait switches, arrival counters.
 
-Every op in this package is a ``torch.library.custom_op`` in the ``kiln`` namespace with a fake
-(meta) implementation, so that ``torch.export`` records it as one opaque node. Its body picks the
-implementation at call time:
+Every op (ops/common/op.py ``kiln_op``) picks its implementation at call time with
+:func:`use_triton`:
 
-* CUDA tensors: the Triton kernel.
+* CUDA tensors: the launch (Triton kernels, or the backend it picks).
 * CPU tensors: the plain-torch reference, unless the ``triton_on_cpu`` setting
   (``KILN_TRITON_ON_CPU=1``, kiln/settings.py) and ``TRITON_INTERPRET=1`` are both set, in which
-  case the Triton kernel runs in the interpreter (how the tests exercise the real kernels without a
+  case the Triton kernels run in the interpreter (how the tests exercise the real kernels without a
   GPU).
 
 Rules every kernel follows so that it can sit inside a CUDA graph: no host synchronisation, no
@@ -34,7 +34,7 @@ or ``none`` / ``0``; default all; read at call time, so at capture): the kernels
 * ``gemv``: the GEMV its first weight step (peeled off the K loop, so no tile stays live across it);
 * ``slab`` / ``slab_norm`` (with ``gemv``): a one-row GEMV whose whole ``[BLOCK_N, K]`` weight
   slab is at most ``SLAB_MAX_ELEMS`` elements a thread takes it as that first step, so each
-  resident program loads all its weights before the wait (ops/gemv.py ``slab_block_k``); ``slab``
+  resident program loads all its weights before the wait (ops/linear/gemv.py ``slab_block_k``); ``slab``
   for GEMVs without a fused RMSNorm (the o projection, after the latency-bound attention kernels;
   only with a grid of at most ``SLAB_MAX_PER_SM`` programs a SM), ``slab_norm`` for those with one
   (qkv, router, gate_up);
@@ -50,11 +50,6 @@ took the Qwen3-30B-A3B-shaped batch-1 step from 1.010 to 0.926 ms (956.6 -> 1040
 bench latency``) and the Llama-3.1-8B-shaped step bench from 2183 to 2007 us; batch 8 within 0.3%.
 The slab parts (default since ``..._s13d_*``) took the Qwen step from 1019-1027 to 1047-1053 tok/s
 (``..._s13a_*``, ``..._s13b_*``).
-
-``kiln_op`` registers an op and also records its Python body in ``DIRECT``: the runtime calls the
-bodies straight from the graphs it loads (``runtime/graph_code.py``), skipping the dispatcher,
-whose first custom-op call imports ``torch._dynamo`` (seconds on a slow host) and whose every call
-costs tens of microseconds of Python in eager steps.
 """
 
 from __future__ import annotations
@@ -62,7 +57,6 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -71,13 +65,9 @@ import triton.language as tl
 
 from kiln import settings
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
-FP8_MIN_SCALE = 1e-12  # guards all-zero rows against division by zero
-
 
 class CutlassUnavailable(RuntimeError):
-    """A CUTLASS backend (ops/moe_cutlass.py, ops/fp8_cutlass.py) was asked for without its library."""
+    """A CUTLASS backend (ops/moe/cutlass.py, ops/linear/fp8_cutlass.py) was asked for without its library."""
 
 
 def interpreting() -> bool:
@@ -216,17 +206,3 @@ class ArrivalCounters:
             return False
         with torch.cuda.device(device):
             return torch.cuda.is_current_stream_capturing()
-
-
-DIRECT: dict[str, Callable[..., Any]] = {}  # op name (no namespace) -> its Python body
-
-
-def kiln_op(name: str, mutates_args: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Any]:
-    """``torch.library.custom_op(f"kiln::{name}", mutates_args)`` that also records the body in
-    ``DIRECT`` (the same function the dispatcher ends up calling for every device)."""
-
-    def register(fn: Callable[..., Any]) -> Any:
-        DIRECT[name] = fn
-        return torch.library.custom_op(f"kiln::{name}", mutates_args=tuple(mutates_args))(fn)
-
-    return register

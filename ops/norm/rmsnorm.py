@@ -9,7 +9,7 @@ Ops (``torch.ops.kiln.*``), ``x: [T, H]`` bf16/fp16/fp32, ``w: [H]``, ``eps: flo
 
 Quantization: ``scale`` ``[1]`` float32 is static (``s`` is a copy of it); ``scale=None`` is dynamic
 per token, ``s: [T, 1]`` float32 ``= max(row amax / 448, FP8_MIN_SCALE)``, the amax taken over the
-normalized, weighted row. ``y_fp8 = clamp(y / s, +-448)`` (see ops/quant.py).
+normalized, weighted row. ``y_fp8 = clamp(y / s, +-448)`` (see ops/common/quant.py).
 
 Rounding follows Hugging Face's LlamaRMSNorm exactly: the residual sum is rounded to the activation
 dtype, the statistics are float32, ``normalized`` is rounded to the activation dtype before the
@@ -20,7 +20,7 @@ of ``H <= MAX_BLOCK`` stays in registers: one read of x and residual, one write 
 of ``y`` (and of the row's scale), whatever the quantization; a longer row is walked in chunks (sum
 of squares, [amax,] then normalize and store). Quantizing costs no division per element: one IEEE
 reciprocal per scale, then a multiply and one FMA refinement per element, which returns exactly the
-IEEE quotient ``y / s`` (``ops/quant.py: tl_quantize_fp8_rcp``).
+IEEE quotient ``y / s`` (``ops/common/quant.py: tl_quantize_fp8_rcp``).
 
 Two launches of the same kernel (``Launch`` / ``launch_config``):
 
@@ -50,11 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import (
-    FP8_DTYPE,
-    FP8_MIN_SCALE,
+from kiln.ops.common.launch import (
     interpreting,
-    kiln_op,
     next_pow2,
     pdl_args,
     pdl_trigger,
@@ -62,7 +59,10 @@ from kiln.ops.common import (
     sm_count,
     use_triton,
 )
-from kiln.ops.quant import (
+from kiln.ops.common.op import kiln_op
+from kiln.ops.common.quant import (
+    FP8_DTYPE,
+    FP8_MIN_SCALE,
     quantize_fp8_per_token,
     quantize_fp8_static,
     tl_dynamic_scale,
@@ -361,7 +361,7 @@ def _rmsnorm_kernel(
     PREFETCH: tl.constexpr,  # persistent, NUM_CHUNKS == 1, STAGES == 1: next block's x/r in registers
     ROUND_IN_F32: tl.constexpr,
     MIN_SCALE: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (ops/common.py)
+    PDL: tl.constexpr,  # programmatic dependent launch (ops/common/launch.py)
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)

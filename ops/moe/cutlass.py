@@ -1,16 +1,16 @@
 """CUTLASS grouped-GEMM backend of the fused MoE op: bf16 experts on sm90 (H100/H200).
 
 ``fused_moe_cutlass(x, w13, w2, topk_weights, topk_ids, expert_map, out=None) -> out [T, H]`` computes
-what ``kiln.fused_moe`` does (ops/moe.py; same arguments, bf16 only, no FP8 scales):
+what ``kiln.fused_moe`` does (ops/moe/fused.py; same arguments, bf16 only, no FP8 scales):
 
-    moe_sort (ops/moe_permute.py)      dst [P], counts [E], starts [E]       P = T * k
+    moe_sort (ops/moe/permute.py)      dst [P], counts [E], starts [E]       P = T * k
     gather_rows                        a   [P, H]   token rows sorted by expert
     CUTLASS grouped GEMM with w13      gu  [P, 2I]  rows a[starts[e] : + counts[e]] @ w13[e]^T
-    silu_and_mul (ops/activation.py)   h   [P, I]
+    silu_and_mul (ops/activation/silu_and_mul.py)   h   [P, I]
     CUTLASS grouped GEMM with w2       y   [P, H]
     unsort_combine                     out [T, H]   sum_j round(y[dst[t * k + j]] * topk_weights[t, j])
 
-with ops/moe_gemm.py's rounding (each GEMM result rounded to bf16, silu rounded, product rounded,
+with ops/moe/gemm.py's rounding (each GEMM result rounded to bf16, silu rounded, product rounded,
 the down projection rounded before the float32 routing weight, the k terms summed in float32 and
 rounded once). Pairs of other ranks' experts (``expert_map`` -1) contribute nothing. Rows of ``gu``,
 ``h`` and ``y`` past the local pairs are never written nor read.
@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from kiln import settings
-from kiln.ops import activation
-from kiln.ops.common import (
+from kiln.ops.activation import silu_and_mul as activation
+from kiln.ops.common.launch import (
     CutlassUnavailable,
     capability,
     interpreting,
@@ -51,7 +51,7 @@ from kiln.ops.common import (
     pdl_wait,
     sm_count,
 )
-from kiln.ops.moe_permute import gather_rows, moe_sort, unsort_combine
+from kiln.ops.moe.permute import gather_rows, moe_sort, unsort_combine
 
 ABI = 1  # kg_abi() of the library this module drives
 ALIGN = 8  # N and K must be multiples of 8 elements (16-byte TMA rows)
@@ -105,7 +105,7 @@ def _library() -> ctypes.CDLL:
             'fused_moe: the MoE tuning table asks for the CUTLASS backend (an entry with "backend": '
             '"cutlass") but no CUTLASS library is loaded in this process: load the artifact with '
             "kiln's loader (it loads manifest kernel_choices.moe.cutlass.library), call "
-            "kiln.ops.moe_cutlass.load_library(path), or rebuild with `kiln compile --moe-backend triton`"
+            "kiln.ops.moe.cutlass.load_library(path), or rebuild with `kiln compile --moe-backend triton`"
         )
     return _LIB
 

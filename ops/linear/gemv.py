@@ -24,14 +24,14 @@ row-major, ``bias [N]`` or None:
 Switches: the GEMV plan (``gemv_plan``) says, per linear role (``attn``: qkv and o; ``mlp``:
 gate_up and down; ``router``: the MoE router, compiler/moe_layer.py), up to which T a decode call
 takes the GEMV (and, in the folded batch-1 graph, runs the RMSNorm in front of qkv, gate_up and
-the router inside that GEMV: ops/norm_linear.py). ``kiln compile --gemv-plan``
+the router inside that GEMV: ops/linear/norm_linear.py). ``kiln compile --gemv-plan``
 (``CompileOptions.gemv_plan``: ``0``, ``1``/``all``, or ``attn:1,mlp:2``-style lists; default
 ``DEFAULT_PLAN``) sets it; the model build passes it to the layers, the roles left out trace plain
 ``aten.linear`` (cuBLAS), the others ``kiln::linear`` with their ``max_m``, and the manifest records
 the plan (``kernel_choices.gemv``). At run time (read at call time, so at CUDA-graph capture for
 decode graphs) the ``gemv`` setting off (``--no-gemv``, ``EngineOptions.gemv``, ``KILN_GEMV=0``:
 kiln/settings.py) sends every call to cuBLAS. On CPU the ops run cuBLAS's stand-in ``F.linear``
-unless ``KILN_TRITON_ON_CPU=1`` with ``TRITON_INTERPRET=1`` (ops/common.py), so CPU artifacts are
+unless ``KILN_TRITON_ON_CPU=1`` with ``TRITON_INTERPRET=1`` (ops/common/launch.py), so CPU artifacts are
 unchanged.
 
 Kernels, picked by ``use_dot``:
@@ -76,19 +76,10 @@ import triton
 import triton.language as tl
 
 from kiln import settings
-from kiln.ops import common
-from kiln.ops.common import (
-    DIRECT,
-    FP8_DTYPE,
-    interpreting,
-    kiln_op,
-    next_pow2,
-    pdl_args,
-    pdl_trigger,
-    pdl_wait,
-    use_triton,
-)
-from kiln.ops.quant import add_rounded, tl_add_row, tl_round
+from kiln.ops.common import launch
+from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
+from kiln.ops.common.op import DIRECT, kiln_op
+from kiln.ops.common.quant import FP8_DTYPE, add_rounded, tl_add_row, tl_round
 
 DEFAULT_MAX_M = 8
 # KILN_PREWAIT=slab: the W elements a thread may hold for a whole-slab first step. At 64 the
@@ -160,7 +151,7 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None)
 
 def gate_up_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``silu_and_mul(gemv_ref(x, w, bias))``: ``[M, 2I] -> [M, I]`` with the activation's roundings."""
-    from kiln.ops.activation import silu_and_mul_ref
+    from kiln.ops.activation.silu_and_mul import silu_and_mul_ref
 
     return silu_and_mul_ref(gemv_ref(x, w, bias))
 
@@ -264,7 +255,7 @@ def _norm_chunk(X, R, G, H, XN, K, rstd, pid, HAS_RES: tl.constexpr, WRITE_H: tl
                 WRITE_XN: tl.constexpr, CHUNK: tl.constexpr, ROUND_IN_F32: tl.constexpr,
                 HAS_G: tl.constexpr):  # fmt: skip
     """A NORM program's share of ``h`` and of the normalized row (elements ``pid * CHUNK ..``), with
-    ops/norm.py's roundings: ``h`` and ``h * rstd`` rounded to x's dtype, times the weight (``HAS_G``),
+    ops/norm/rmsnorm.py's roundings: ``h`` and ``h * rstd`` rounded to x's dtype, times the weight (``HAS_G``),
     rounded."""
     DT: tl.constexpr = X.dtype.element_ty
     offs = pid * CHUNK + tl.arange(0, CHUNK)
@@ -306,7 +297,7 @@ def _gemv_fma_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # every split is a whole number of BLOCK_K steps inside K: no K masks
     ROUND_IN_F32: tl.constexpr,  # the interpreter: round bf16 by hand
-    PDL: tl.constexpr,  # programmatic dependent launch (ops/common.py)
+    PDL: tl.constexpr,  # programmatic dependent launch (ops/common/launch.py)
     XS,  # SCALED: [M] float32 x scales (stride_xs 1) or [1] (stride_xs 0); else any pointer
     WS,  # SCALED: [N_OUT] float32 w scales; else any pointer
     stride_xs,
@@ -314,9 +305,9 @@ def _gemv_fma_kernel(
     R,  # NORM with HAS_RES: [K] residual row; else any pointer
     G,  # NORM: [K] RMSNorm weight; else any pointer
     H,  # WRITE_H: [K] out, x (+ residual) rounded; else any pointer
-    XN,  # WRITE_XN: [K] out, the normalized row (ops/norm.py's rounding); else any pointer
+    XN,  # WRITE_XN: [K] out, the normalized row (ops/norm/rmsnorm.py's rounding); else any pointer
     eps,
-    NORM: tl.constexpr = False,  # x is the RMSNorm's input (one row, no split-K; ops/norm_linear.py)
+    NORM: tl.constexpr = False,  # x is the RMSNorm's input (one row, no split-K; ops/linear/norm_linear.py)
     HAS_RES: tl.constexpr = False,
     WRITE_H: tl.constexpr = False,
     WRITE_XN: tl.constexpr = False,
@@ -647,7 +638,7 @@ TUNED: dict[tuple[int, int, int, bool, int], GemvConfig] = {
 
 
 def sm_count(device: torch.device) -> int:
-    return common.sm_count(device, DEFAULT_SMS)
+    return launch.sm_count(device, DEFAULT_SMS)
 
 
 def heuristic_config(
@@ -699,7 +690,7 @@ def gemv_config(
 
 @dataclasses.dataclass(frozen=True)
 class NormIn:
-    """The RMSNorm a :func:`gemv` runs on its x row first (ops/norm_linear.py): ``x`` is then the
+    """The RMSNorm a :func:`gemv` runs on its x row first (ops/linear/norm_linear.py): ``x`` is then the
     norm's input ``[1, K]`` and ``y = rmsnorm(x (+ residual)) @ w^T``, the weight and ``rstd``
     applied around the product. ``h_out`` gets ``x + residual`` (the next residual) and ``xn_out``
     the normalized row, each ``[1, K]`` of x's dtype, when given. ``weight`` None: a unit weight
@@ -757,7 +748,7 @@ def slab_block_k(
     slab). A GEMV without a norm also needs a grid of at most ``SLAB_MAX_PER_SM`` programs per SM
     (``n_out`` outputs, ``sms`` SMs): most of its programs are then resident early."""
     part = "slab_norm" if norm else "slab"
-    if cfg.use_dot or bm != 1 or cfg.split_k != 1 or not (common.prewait(part) and common.prewait("gemv")):
+    if cfg.use_dot or bm != 1 or cfg.split_k != 1 or not (launch.prewait(part) and launch.prewait("gemv")):
         return cfg.block_k
     if not norm and triton.cdiv(n_out, cfg.block_n) > SLAB_MAX_PER_SM * sms:
         return cfg.block_k
@@ -909,7 +900,7 @@ def gemv(
             **meta,
             **_norm_meta(norm, x, w, grid[0]),
             **zk,
-            PREWAIT=common.prewait("gemv"),
+            PREWAIT=launch.prewait("gemv"),
         )
     if splits > 1:
         _splitk_reduce_kernel[(m, triton.cdiv(n_out, REDUCE_BLOCK))](
@@ -997,7 +988,7 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     gu = torch.nn.functional.linear(x, w, bias)
     if use_triton(gu) and gu.dim() == 2:
         return DIRECT["silu_and_mul"](gu)
-    from kiln.ops.activation import silu_and_mul_ref
+    from kiln.ops.activation.silu_and_mul import silu_and_mul_ref
 
     return silu_and_mul_ref(gu.reshape(-1, gu.shape[-1])).reshape(*gu.shape[:-1], -1).contiguous()
 

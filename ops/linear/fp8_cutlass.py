@@ -1,7 +1,7 @@
 """CUTLASS backend of ``fp8_linear`` on sm90 (H100/H200): ops/cutlass/sm90_fp8_gemm.cu through ctypes.
 
 ``fp8_gemm_cutlass(x, x_scale, w, w_scale, bias, out_dtype, config)`` computes what
-``fp8_gemm`` (ops/fp8_gemm.py) computes with fast accumulation:
+``fp8_gemm`` (ops/linear/fp8_gemm.py) computes with fast accumulation:
 
 * ``x``: ``[M, K]`` float8_e4m3fn, contiguous; ``x_scale``: ``[M, 1]`` or ``[1]`` float32;
 * ``w``: ``[N, K]`` float8_e4m3fn, contiguous; ``w_scale``: ``[N]`` float32;
@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
-from kiln.ops.common import FP8_DTYPE, CutlassUnavailable, capability, sm_count
-from kiln.ops.fp8_gemm import m_bucket
+from kiln.ops.common.launch import CutlassUnavailable, capability, sm_count
+from kiln.ops.common.quant import FP8_DTYPE
+from kiln.ops.linear.fp8_gemm import m_bucket
 
 ABI = 1  # kf_abi() of the library this module drives
 ALIGN = 16  # N, K: 16-byte rows of FP8 operands for TMA
@@ -116,7 +117,7 @@ def _library() -> ctypes.CDLL:
     if _LIB is None:
         raise CutlassUnavailable(
             "fp8_linear: the CUTLASS FP8 GEMM backend was asked for but no library is loaded in this "
-            "process: call kiln.ops.fp8_cutlass.load_library(path)"
+            "process: call kiln.ops.linear.fp8_cutlass.load_library(path)"
         )
     return _LIB
 

@@ -20,24 +20,24 @@ tuning, residual=None) -> y [T, H]`` (dtype of ``x``):
 
 ``y[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e][:I] @ x[t]) * (w13[e][I:] @ x[t]))`` over
 the local experts ``e = topk_ids[t, j]``, rounded as Hugging Face's expert MLP rounds (see
-ops/moe_gemm.py); the ``k`` terms are summed in float32 and rounded once.
+ops/moe/gemm.py); the ``k`` terms are summed in float32 and rounded once.
 
-Backend: a recorded table's entry for ``T`` may name ``"backend": "cutlass"`` (ops/moe_gemm.py
-``pick_backend``): bf16 experts on an sm90 GPU then run ops/moe_cutlass.py's CUTLASS grouped GEMMs
+Backend: a recorded table's entry for ``T`` may name ``"backend": "cutlass"`` (ops/moe/gemm.py
+``pick_backend``): bf16 experts on an sm90 GPU then run ops/moe/cutlass.py's CUTLASS grouped GEMMs
 (its library must be loaded); anything else (FP8, fp16/fp32, CPU, the interpreter) runs the Triton
 kernels below with the entry's configs.
 
 The block sizes are chosen here from the concrete ``T`` (the op is one opaque node of the exported
 graph, so each decode bucket captured and each prefill chunk gets the table's entry for its size).
-A config with ``BLOCK_M`` 1 (decode-sized ``T``, see ops/moe_gemm.py) runs the decode GEMV instead:
+A config with ``BLOCK_M`` 1 (decode-sized ``T``, see ops/moe/gemm.py) runs the decode GEMV instead:
 no alignment; the w2 GEMV also writes the top-k sum itself (no combine kernel): with a w2
 ``GROUP_M`` above 1 each program gathers a token's ``k`` experts, with ``GROUP_M`` 1 (one pair per
 program) the last program of a token to finish a column block sums the ``k`` rows, in pair order,
 from the per-pair output (the combine kernel does instead inside a CUDA-graph capture that
 would have to allocate the arrival counters: ``COUNTERS`` below).
 Intermediates: ``[T * k, I]`` (``[T * k, 2I]`` for FP8) and ``[T * k, H]`` (but with a w2
-``GROUP_M`` above 1) in the activation dtype. The kernels here and in ops/moe_align.py and
-ops/moe_gemm.py are launched with PDL (ops/common.py).
+``GROUP_M`` above 1) in the activation dtype. The kernels here and in ops/moe/align.py and
+ops/moe/gemm.py are launched with PDL (ops/common/launch.py).
 """
 
 from __future__ import annotations
@@ -46,29 +46,20 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops import activation, moe_cutlass
-from kiln.ops.common import (
-    FP8_DTYPE,
-    FP8_MIN_SCALE,
+from kiln.ops.activation import silu_and_mul as activation
+from kiln.ops.common.launch import (
     ArrivalCounters,
     interpreting,
-    kiln_op,
     next_pow2,
     pdl_args,
     pdl_trigger,
     pdl_wait,
     use_triton,
 )
-from kiln.ops.moe_align import moe_align_run
-from kiln.ops.moe_gemm import (
-    check_config,
-    moe_gemm_launch,
-    moe_gemv_launch,
-    pair_sum,
-    pick_backend,
-    pick_configs,
-)
-from kiln.ops.quant import (
+from kiln.ops.common.op import kiln_op
+from kiln.ops.common.quant import (
+    FP8_DTYPE,
+    FP8_MIN_SCALE,
     add_rounded,
     dequantize_fp8,
     quantize_fp8_per_token,
@@ -76,6 +67,16 @@ from kiln.ops.quant import (
     tl_dynamic_scale,
     tl_quantize_fp8,
     tl_round,
+)
+from kiln.ops.moe import cutlass as moe_cutlass
+from kiln.ops.moe.align import moe_align_run
+from kiln.ops.moe.gemm import (
+    check_config,
+    moe_gemm_launch,
+    moe_gemv_launch,
+    pair_sum,
+    pick_backend,
+    pick_configs,
 )
 
 # ---- torch reference ------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ go to the lower expert index and NaN scores count as -inf.
 
 Kernel: one program per token, the ``E`` scores in registers; top-k by ``k`` rounds of
 (max, lowest index achieving it, exclude), group selection likewise over the group scores.
-Launched with PDL (ops/common.py), waiting before every load: the logits come from the router
+Launched with PDL (ops/common/launch.py), waiting before every load: the logits come from the router
 linear, and the graph casts the correction bias to float32 each step (compiler/moe_layer.py).
 """
 
@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import kiln_op, next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
+from kiln.ops.common.launch import next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
+from kiln.ops.common.op import kiln_op
 
 SCORINGS = ("softmax", "sigmoid")
 ROUND_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -195,7 +196,7 @@ def _moe_topk_kernel(
     G: tl.constexpr,  # expert groups (sigmoid mode)
     G_PAD: tl.constexpr,
     TOPK_G: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (ops/common.py)
+    PDL: tl.constexpr,  # programmatic dependent launch (ops/common/launch.py)
     ROUND: tl.constexpr = 0,  # 0: none, 1: to bf16, 2: to fp16 (values stay float32)
 ):
     pdl_trigger(PDL)

@@ -4,13 +4,13 @@ Op ``torch.ops.kiln.moe_route(x, weight, bias, top_k, renormalize, scoring, num_
 topk_groups, scale, round_to, max_t) -> (weights [T, k] float32, ids [T, k] int32)``:
 
 * ``x [T, H]`` bf16/fp16/fp32 (the normed activations), ``weight [E, H]`` (the router linear, in
-  ``x``'s dtype), the other arguments as ``kiln.moe_topk`` takes them (ops/moe_routing.py);
+  ``x``'s dtype), the other arguments as ``kiln.moe_topk`` takes them (ops/moe/topk.py);
 * the logits are what the model's router linear gives: ``F.linear(x, weight)`` rounded to ``x``'s
   dtype for softmax scoring (Qwen3-MoE, Mixtral), float32 for sigmoid scoring (DeepSeek-V3 routes
   on ``F.linear(x.float(), weight.float())``);
 * ``max_t``: a constant of the call site (the compile's GEMV plan, role ``router``): at
   ``1 <= T <= max_t`` on a device that runs Triton the router linear is ``kiln.linear``'s GEMV
-  (ops/gemv.py; sigmoid scoring: the float32 linear), then ``moe_topk``'s kernel; otherwise the
+  (ops/linear/gemv.py; sigmoid scoring: the float32 linear), then ``moe_topk``'s kernel; otherwise the
   router linear (cuBLAS), then ``moe_topk``'s kernel.
 
 (A kernel that ran the router GEMV and the top-k in one launch measured slower on the H200 and was
@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.common import DIRECT, kiln_op, use_triton
-from kiln.ops.moe_routing import check_routing, moe_topk_launch, moe_topk_ref, routing_outputs
+from kiln.ops.common.launch import use_triton
+from kiln.ops.common.op import DIRECT, kiln_op
+from kiln.ops.moe.topk import check_routing, moe_topk_launch, moe_topk_ref, routing_outputs
 
 
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, scoring: str) -> torch.Tensor:

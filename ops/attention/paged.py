@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.common import kiln_op
-from kiln.ops.decode_attention import decode_attention_any
-from kiln.ops.extend_attention import extend_attention_any
+from kiln.ops.attention.decode import decode_attention_any
+from kiln.ops.attention.extend import extend_attention_any
+from kiln.ops.common.op import kiln_op
 
 
 @kiln_op("paged_attention")

@@ -22,20 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import (
+from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
+from kiln.ops.common.op import kiln_op
+from kiln.ops.common.quant import (
     FP8_DTYPE,
     FP8_MIN_SCALE,
-    interpreting,
-    kiln_op,
-    next_pow2,
-    pdl_args,
-    pdl_trigger,
-    pdl_wait,
-    use_triton,
-)
-from kiln.ops.quant import (
-    quantize_fp8_per_token,
-    quantize_fp8_static,
+    quantize_fp8,
     tl_dynamic_scale,
     tl_quantize_fp8,
     tl_round,
@@ -57,10 +49,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_quant_ref(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    y = silu_and_mul_ref(x)
-    if scale is None:
-        return quantize_fp8_per_token(y)
-    return quantize_fp8_static(y, scale), scale.clone()
+    """``silu_and_mul_ref`` then FP8 (ops/common/quant.py ``quantize_fp8``)."""
+    return quantize_fp8(silu_and_mul_ref(x), scale)
 
 
 # ---- Triton kernel --------------------------------------------------------------------------------
@@ -90,7 +80,7 @@ def _silu_mul_kernel(
     NUM_CHUNKS: tl.constexpr,  # dynamic only: chunks per row
     ROUND_IN_F32: tl.constexpr,
     MIN_SCALE: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (ops/common.py)
+    PDL: tl.constexpr,  # programmatic dependent launch (ops/common/launch.py)
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)
@@ -174,10 +164,10 @@ def silu_and_mul_launch(
     )  # fmt: skip
 
 
-# ---- custom ops -----------------------------------------------------------------------------------
+# ---- ops -----------------------------------------------------------------------------------------
 
 
-def _check(x: torch.Tensor, scale: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, scale: torch.Tensor | None = None) -> None:
     if x.dim() != 2 or x.shape[1] % 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"silu_and_mul: x must be [T, 2I] bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
     if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32):
@@ -187,6 +177,7 @@ def _check(x: torch.Tensor, scale: torch.Tensor | None) -> None:
 
 
 def _run(x: torch.Tensor, scale: torch.Tensor | None, quant: int):
+    """Outputs allocated, then :func:`silu_and_mul_launch`."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     t, i = x.shape[0], x.shape[1] // 2
@@ -204,31 +195,15 @@ def _run(x: torch.Tensor, scale: torch.Tensor | None, quant: int):
     return (y, s) if fp8 else y
 
 
-@kiln_op("silu_and_mul")
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+@kiln_op("silu_and_mul", ref=silu_and_mul_ref, check=_check)
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     """``x [T, 2I] -> silu(x[:, :I]) * x[:, I:]`` ``[T, I]``."""
-    _check(x, None)
-    if use_triton(x):
-        return _run(x, None, QUANT_NONE)
-    return silu_and_mul_ref(x).contiguous()
+    return _run(x, None, QUANT_NONE)
 
 
-@silu_and_mul.register_fake
-def _(x):
-    return x.new_empty((x.shape[0], x.shape[1] // 2))
-
-
-@kiln_op("silu_and_mul_quant")
-def silu_and_mul_quant(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+@kiln_op("silu_and_mul_quant", ref=silu_and_mul_quant_ref, check=_check)
+def silu_and_mul_quant_triton(
+    x: torch.Tensor, scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``silu_and_mul`` then FP8: ``(y fp8 [T, I], s)``; ``s`` is ``[T, 1]`` (dynamic) or ``[1]`` (static)."""
-    _check(x, scale)
-    if use_triton(x):
-        return _run(x, scale, QUANT_DYNAMIC if scale is None else QUANT_STATIC)
-    return silu_and_mul_quant_ref(x, None if scale is None else scale.reshape(1))
-
-
-@silu_and_mul_quant.register_fake
-def _(x, scale):
-    y = x.new_empty((x.shape[0], x.shape[1] // 2), dtype=FP8_DTYPE)
-    s = x.new_empty((x.shape[0], 1), dtype=torch.float32) if scale is None else scale.new_empty((1,))
-    return y, s
+    return _run(x, scale, QUANT_DYNAMIC if scale is None else QUANT_STATIC)

@@ -17,7 +17,7 @@ scaled by ``a_scale[row] * w_scale[e, n]`` before rounding.
 Variants (``BLOCK_M`` of the launch config picks one):
 
 * grouped GEMM (``BLOCK_M`` 16..256, ``moe_gemm_launch``): fed by the sorted, block-padded pairs of
-  ops/moe_align.py; one program per (row block of one expert, ``BLOCK_N`` weight rows), grouped
+  ops/moe/align.py; one program per (row block of one expert, ``BLOCK_N`` weight rows), grouped
   ``GROUP_M`` row blocks at a time for L2 reuse; row blocks past ``num_padded`` exit at once (the
   grid is sized by the worst case, so shapes never depend on the routing). With ``fuse_silu`` a
   program holds the gate and the up accumulator (``BLOCK_N / 2`` columns each).
@@ -29,9 +29,9 @@ Variants (``BLOCK_M`` of the launch config picks one):
   programs. With ``combine`` a program takes all ``k`` pairs of one token (``BLOCK_N`` output
   columns of each: one gathered ``[k * BLOCK_N, BLOCK_K]`` weight tile per step, and as many
   activation rows) and writes the top-k sum straight to ``out [T, H]`` (the w2 GEMM and
-  ops/moe.py's combine in one kernel). ``GROUP_M`` picks that for the w2 GEMV: 1 = one pair per
+  ops/moe/fused.py's combine in one kernel). ``GROUP_M`` picks that for the w2 GEMV: 1 = one pair per
   program, the last to finish of a token's ``k`` programs on a column block summing their rows
-  (``sum_out``; the combine kernel after it where the arrival counters cannot be had, ops/moe.py);
+  (``sum_out``; the combine kernel after it where the arrival counters cannot be had, ops/moe/fused.py);
   above 1 = ``combine`` (w13 ignores it).
 
 The launch table (``DEFAULT_TABLE``) is a tuple of ``TableRow``: by the average rows each expert
@@ -40,10 +40,10 @@ receives (``tokens * top_k / E``), the ``BLOCK_M`` of both GEMMs and one tile pe
 writes the resolved table for one model as the JSON a compiler can record (and ``fused_moe``'s
 ``tuning`` argument reads back, ``parse_tuning``): ``{"<max tokens>": {"w13": cfg, "w2": cfg}}``,
 ``cfg`` the keys ``CONFIG_KEYS``. An entry may also name its ``"backend"``: ``"triton"`` (the
-default, these kernels) or ``"cutlass"`` (ops/moe_cutlass.py, for bf16 experts on sm90; elsewhere
+default, these kernels) or ``"cutlass"`` (ops/moe/cutlass.py, for bf16 experts on sm90; elsewhere
 the entry's Triton configs run), read with ``pick_backend``.
 
-Both kernels are launched with PDL (ops/common.py) and wait at their top: which expert's weights a
+Both kernels are launched with PDL (ops/common/launch.py) and wait at their top: which expert's weights a
 program reads comes from the routing (``topk_ids``, or the alignment), so no weight tile can be
 streamed before the wait.
 """
@@ -59,9 +59,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.activation import NARROW_ROWS
-from kiln.ops.common import FP8_DTYPE, interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
-from kiln.ops.quant import tl_add_row, tl_round
+from kiln.ops.activation.silu_and_mul import NARROW_ROWS
+from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
+from kiln.ops.common.quant import FP8_DTYPE, tl_add_row, tl_round
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 BACKENDS = ("triton", "cutlass")  # a tuning entry's optional "backend"
@@ -357,7 +357,7 @@ def sum_last(
     counter): sum their rows of ``C`` in pair order in float32 (other ranks' pairs left out), round
     once into ``OUT[tok]``.
 
-    Memory ordering as ops/common.py ``ArrivalCounters`` argues it: the barrier puts every thread's
+    Memory ordering as ops/common/launch.py ``ArrivalCounters`` argues it: the barrier puts every thread's
     stores of ``C`` before the scalar acq_rel atomic (cumulative release at gpu scope); the
     program that reads ``SUM_K - 1`` acquires all of them and loads with ``.cg`` (L1 is not
     coherent across SMs); it resets the counter, which no other arrival of this launch touches."""
@@ -544,7 +544,7 @@ def moe_gemv_launch(
     ``combine`` ``[T, N]``: row ``t`` = the sum over its local pairs (zeros when it has none).
     ``sum_out [T, N]`` (one pair per program, ``c`` per pair): the last-arriving program of each
     token's ``k`` pairs also writes their sum there, as the combine kernel would; ``counters``:
-    zeroed int32, at least ``T * cdiv(N, BLOCK_N)`` (ops/common.py ``ArrivalCounters``).
+    zeroed int32, at least ``T * cdiv(N, BLOCK_N)`` (ops/common/launch.py ``ArrivalCounters``).
     ``a_div`` and ``topk_weights`` as for ``moe_gemm_launch``; ``cfg["BLOCK_M"]`` must be 1.
 
     ``residual`` ``[T, N]`` (with ``combine`` or ``sum_out``): added to each token's rounded sum,
@@ -605,8 +605,8 @@ def specialization(
 ) -> tuple:
     """What selects ``fused_moe``'s kernel specializations at ``tokens``: both configs, and for the
     grouped GEMM the one-program vs chunked alignment (the decode GEMV has no alignment); for the
-    CUTLASS backend only the SiLU-and-mul's block (ops/activation.py: ``NARROW_ROWS`` or more)."""
-    from kiln.ops.moe_align import CHUNK
+    CUTLASS backend only the SiLU-and-mul's block (ops/activation/silu_and_mul.py: ``NARROW_ROWS`` or more)."""
+    from kiln.ops.moe.align import CHUNK
 
     if backend == "cutlass":
         return ("cutlass", tokens * top_k <= NARROW_ROWS)

@@ -24,7 +24,7 @@ Kernels (no host sync): (1) per chunk of pairs, a per-expert count (one-hot [CHU
 padded expert starts, ``num_padded``, ``block_expert`` and the sentinel fill; (3) per chunk, each
 pair's rank inside its expert (a cumulative sum of the one-hot) placed at ``start[e] + chunk offset
 + rank``. When every pair fits one chunk (decode: ``T * k <= 128``) a single program does all three
-(one launch instead of three). Every kernel is launched with PDL (ops/common.py) and waits at its
+(one launch instead of three). Every kernel is launched with PDL (ops/common/launch.py) and waits at its
 top: all it reads comes from the previous kernels.
 """
 
@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import kiln_op, next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
+from kiln.ops.common.launch import next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
+from kiln.ops.common.op import kiln_op
 
 CHUNK = 128  # pairs per program in the count and scatter kernels
 FILL = 1024  # entries per step of the sentinel fill

@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import (
+from kiln.ops.attention.rope import apply_rope_ref
+from kiln.ops.common.launch import (
     interpreting,
-    kiln_op,
     next_pow2,
     pdl_args,
     pdl_trigger,
@@ -39,7 +39,7 @@ from kiln.ops.common import (
     prewait,
     use_triton,
 )
-from kiln.ops.rope import apply_rope_ref
+from kiln.ops.common.op import kiln_op
 
 
 # --------------------------------------------------------------------------- reference
@@ -170,7 +170,7 @@ def _qkv_rope_kvwrite_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (ops/common.py)
+    PDL: tl.constexpr,  # programmatic dependent launch (ops/common/launch.py)
     PREWAIT: tl.constexpr = False,  # position, cos/sin row and slot before the wait (KILN_PREWAIT)
 ):
     # One program: token t, heads h of the concatenated q | k | v head list. Each head row of D

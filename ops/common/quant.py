@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
-
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+FP8_MIN_SCALE = 1e-12  # guards all-zero rows against division by zero
 FP8_REL_ERROR = 2.0**-4  # half an ulp of a 3-bit mantissa, relative to the value
 FP8_SUBNORMAL_ABS_ERROR = 2.0**-10  # half the subnormal spacing 2**-9, in scaled units
 
@@ -75,6 +76,16 @@ def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return _to_fp8(x.float() / scale.float())
 
 
+def quantize_fp8(y: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the fused quantizing ops return for their output ``y [T, N]``: ``scale`` None, dynamic
+    per token ``(y_fp8, s [T, 1])``; ``scale`` ``[1]`` float32, static ``(y_fp8, s [1])``, ``s`` a
+    copy of it."""
+    if scale is None:
+        return quantize_fp8_per_token(y)
+    scale = scale.reshape(1)
+    return quantize_fp8_static(y, scale), scale.clone()
+
+
 def dequantize_fp8(
     x_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
@@ -99,7 +110,7 @@ def fp8_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.maximum(FP8_REL_ERROR * x.float().abs(), FP8_SUBNORMAL_ABS_ERROR * s)
 
 
-# ---- Triton side: used by the fused kernels (norm.py, activation.py, moe.py) ----------------------
+# ---- Triton side: used by the fused kernels of every family ----------------------------------------
 
 
 @triton.jit

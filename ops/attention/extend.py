@@ -28,9 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.attention_ref import extend_attention_ref
-from kiln.ops.common import interpreting, kiln_op, next_pow2, use_triton
-from kiln.ops.decode_attention import _check, _dot, _softcap
+from kiln.ops.attention.decode import _check, _dot, _softcap
+from kiln.ops.attention.reference import extend_attention_ref
+from kiln.ops.common.launch import interpreting, next_pow2, use_triton
+from kiln.ops.common.op import kiln_op
 
 
 @dataclass(frozen=True)

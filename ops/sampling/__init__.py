@@ -1,0 +1,1 @@
+"""Sampling kernels: greedy argmax and seeded Gumbel-max sampling over the vocabulary (``gumbel``)."""
