@@ -87,7 +87,7 @@ class CompileError(KilnError):
 class CompileOptions:
     """``kiln compile``'s options, one field per flag. The graph-changing settings of
     kiln/settings.py (``gemv_plan``, ``fold_norms``) are fields here and nowhere else: the model
-    build gets them explicitly and the manifest records them (``kernel_choices.gemv``,
+    build gets them explicitly and the manifest records them (``kernel_choices.gemv_plan``,
     ``norm_folds``); the environment does not change them."""
 
     device: str = "cuda"
@@ -385,7 +385,7 @@ def compile_model(
             attention="triton",
             decode_graphs=opts.decode_graphs,
             decode_num_splits={b: _decode_splits(cfg, b, max_seq, opts.tp) for b in buckets},
-            gemv=plan,  # role -> largest T on the GEMV kernel (ops/linear/gemv.py)
+            gemv_plan=plan,  # role -> largest T on the GEMV kernel (ops/linear/gemv.py)
             moe=MoEChoice.from_json(records["moe"], "kernel_choices.moe") if records["moe"] else None,
             fp8=LibraryRecord.from_json(records["fp8"], "kernel_choices.fp8") if records["fp8"] else None,
         )

@@ -151,7 +151,7 @@ class KernelChoices(JsonRecord):
     attention: str  # "triton"
     decode_graphs: str  # --decode-graphs: "shared" or "per-bucket"
     decode_num_splits: dict[int, int]  # decode bucket -> split-KV factor at max_seq_len
-    gemv: dict[str, int]  # ops/linear/gemv.py's plan: role -> the largest T on the GEMV kernel
+    gemv_plan: dict[str, int]  # --gemv-plan parsed: role -> the largest T on the GEMV kernel
     moe: MoEChoice | None = None
     fp8: LibraryRecord | None = None  # --quant fp8: the CUTLASS FP8 GEMM library
 

@@ -77,7 +77,7 @@ def test_from_json_names_the_bad_field(doc, edit, message):
 
 def test_optional_records_are_left_out_when_none(doc, manifest):
     # moe and fp8 are absent from a dense float32 artifact's kernel_choices; bos_token_id is written null
-    assert set(doc["kernel_choices"]) == {"attention", "decode_graphs", "decode_num_splits", "gemv"}
+    assert set(doc["kernel_choices"]) == {"attention", "decode_graphs", "decode_num_splits", "gemv_plan"}
     table = {"64": {"w13": {"BLOCK_M": 16}, "w2": {"BLOCK_M": 16}, "backend": "cutlass"}}
     moe = MoEChoice("cutlass", "default", table, cutlass_min_tokens=64)
     with_moe = replace(manifest, kernel_choices=replace(manifest.kernel_choices, moe=moe))

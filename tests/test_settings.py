@@ -124,7 +124,7 @@ def art(tmp_path_factory):
 def test_compile_flags_not_the_environment_decide_the_graph(art):
     path, warned = art
     m = Manifest.load(path)
-    assert m.kernel_choices.gemv == {"attn": 1}  # the flag, not KILN_GEMV=0
+    assert m.kernel_choices.gemv_plan == {"attn": 1}  # the flag, not KILN_GEMV=0
     assert m.norm_folds and m.graphs["decode_b1"].layout == "residual_stream"  # not KILN_FOLD_NORMS=0
     src = (path / "graphs" / "model.py").read_text()
     assert src.count("torch.ops.kiln.linear.default(") == 2 * 2  # qkv and o of 2 layers; mlp on cuBLAS

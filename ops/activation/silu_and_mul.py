@@ -186,7 +186,7 @@ def _run(x: torch.Tensor, scale: torch.Tensor | None, quant: int):
     s = None
     if quant == QUANT_DYNAMIC:
         s = x.new_empty((t, 1), dtype=torch.float32)
-    elif quant == QUANT_STATIC:
+    elif quant == QUANT_STATIC and scale is not None:
         scale = scale.reshape(1)
         s = torch.empty_like(scale)
         if t == 0:

@@ -81,7 +81,7 @@ def kiln_op(
         body.__name__ = body.__qualname__ = name
         body.__module__ = launch.__module__
         body.__doc__ = launch.__doc__
-        body.__signature__ = signature  # type: ignore[attr-defined]  (the schema torch infers)
+        body.__signature__ = signature  # type: ignore[attr-defined]  # the schema torch infers
         op = torch.library.custom_op(f"kiln::{name}", body, mutates_args=tuple(mutates_args))
         op.register_fake(fake if fake is not None else ref)
         DIRECT[name] = body

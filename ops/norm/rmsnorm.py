@@ -35,7 +35,7 @@ Two launches of the same kernel (``Launch`` / ``launch_config``):
   no faster than one row per program at 4096 tokens, hence opt-in. At most ``MAX_STAGES`` (3).
   Chunked rows loop plainly (no pipelining, no prefetch).
 
-Both run the same per-row code (``_finish_rows`` / ``_chunked_rows``) and agree bit for bit in the
+Both run the same per-row code (``_row_block`` / ``_finish_rows``) and agree bit for bit in the
 interpreter (tests/ops/test_norm.py); compiled on the H200 they agree bit for bit except the FP8
 dynamic output of the persistent loop, which is held to one e4m3 code (see ``MAX_STAGES``). ``T`` is not specialized: one compiled kernel per mode and launch serves every T (the
 persistent loop bounds and the grid come from T at launch; CUDA-graph buckets capture their grid).
@@ -44,7 +44,7 @@ persistent loop bounds and the grid come from T at launch; CUDA-graph buckets ca
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -57,14 +57,12 @@ from kiln.ops.common.launch import (
     pdl_trigger,
     pdl_wait,
     sm_count,
-    use_triton,
 )
 from kiln.ops.common.op import kiln_op
 from kiln.ops.common.quant import (
     FP8_DTYPE,
     FP8_MIN_SCALE,
-    quantize_fp8_per_token,
-    quantize_fp8_static,
+    quantize_fp8,
     tl_dynamic_scale,
     tl_quantize_fp8_rcp,
     tl_round,
@@ -92,22 +90,18 @@ def fused_add_rmsnorm_ref(
     return rmsnorm_ref(residual, w, eps)
 
 
-def _quant_ref(y: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    if scale is None:
-        return quantize_fp8_per_token(y)
-    return quantize_fp8_static(y, scale), scale.clone()
-
-
 def rmsnorm_quant_ref(
     x: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quant_ref(rmsnorm_ref(x, w, eps), scale)
+    """``rmsnorm_ref`` then FP8 (ops/common/quant.py ``quantize_fp8``)."""
+    return quantize_fp8(rmsnorm_ref(x, w, eps), scale)
 
 
 def fused_add_rmsnorm_quant_ref(
     x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quant_ref(fused_add_rmsnorm_ref(x, residual, w, eps), scale)
+    """``fused_add_rmsnorm_ref`` (``residual`` updated in place) then FP8 (``quantize_fp8``)."""
+    return quantize_fp8(fused_add_rmsnorm_ref(x, residual, w, eps), scale)
 
 
 # ---- Triton kernel --------------------------------------------------------------------------------
@@ -224,66 +218,13 @@ def _finish_rows(
 
 
 @triton.jit
-def _chunked_rows(
-    x_base,  # [ROWS, 1] row pointers
-    r_base,
-    y_base,
-    s_ptrs,  # [ROWS, 1] dynamic scales out
-    rmask,  # [ROWS, 1]
-    W,
-    cols0,  # [1, BLOCK]
-    H,
-    eps,
-    s,
-    inv,
-    act: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    QUANT: tl.constexpr,
-    BLOCK: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
-    ROWS: tl.constexpr,
-    MASK_COLS: tl.constexpr,
-    MASKED: tl.constexpr,
-    RF: tl.constexpr,
-    MIN_SCALE: tl.constexpr,
-):
-    """Rows wider than one register block, walked in NUM_CHUNKS pieces of BLOCK."""
-    # Pass 1: sum of squares (the residual is written only in the last pass).
-    acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-    for c in range(NUM_CHUNKS):
-        cols = c * BLOCK + cols0
-        v = _load_sum(x_base + cols, r_base + cols, rmask & (cols < H), HAS_RES, False, MASKED, RF)
-        acc += v * v
-    rstd = (1.0 / tl.math.sqrt_rn(tl.sum(acc, axis=1) / H + eps))[:, None]  # [ROWS, 1]
-    if QUANT == 2:  # pass 2: amax of the normalized row
-        amax = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-        for c in range(NUM_CHUNKS):
-            cols = c * BLOCK + cols0
-            cmask = cols < H
-            v = _load_sum(x_base + cols, r_base + cols, rmask & cmask, HAS_RES, False, MASKED, RF)
-            y = _normalize(v, act, W + cols, cmask, rstd, MASK_COLS, RF)
-            amax = tl.maximum(amax, tl.abs(y))
-        s = tl_dynamic_scale(tl.max(amax, axis=1), MIN_SCALE)[:, None]  # [ROWS, 1]
-        _store(s_ptrs, s, rmask, ROWS > 1)
-        inv = tl.math.div_rn(tl.full([ROWS, 1], 1.0, tl.float32), s)
-    for c in range(NUM_CHUNKS):  # last pass: residual, normalize, store
-        cols = c * BLOCK + cols0
-        cmask = cols < H
-        mask = rmask & cmask
-        v = _load_sum(x_base + cols, r_base + cols, mask, HAS_RES, True, MASKED, RF)
-        y = _normalize(v, act, W + cols, cmask, rstd, MASK_COLS, RF)
-        if QUANT == 0:
-            _store(y_base + cols, y.to(y_base.dtype.element_ty), mask, MASKED)
-        else:
-            _store(y_base + cols, tl_quantize_fp8_rcp(y, s, inv, RF), mask, MASKED)
-
-
-@triton.jit
 def _row_block(
     blk,  # index of the block of ROWS rows to normalize
     X, R, Y, S, W,
     w,  # [1, BLOCK]: the weight's pointers (W_IS_PTRS) or, loaded once per program, its float32 values
-    cmask, cols0, T, H, stride_x, stride_r, stride_y, eps, s, inv,
+    cmask, cols0, T, H, stride_x, stride_r, stride_y, eps,
+    s,  # static: the scale (dynamic: computed per row here)
+    inv,  # static: 1 / s
     act: tl.constexpr,
     W_IS_PTRS: tl.constexpr,
     HAS_RES: tl.constexpr,
@@ -296,7 +237,10 @@ def _row_block(
     RF: tl.constexpr,
     MIN_SCALE: tl.constexpr,
 ):  # fmt: skip
-    """The rows ``blk * ROWS + [0, ROWS)``: load, add, normalize, [quantize,] store."""
+    """The rows ``blk * ROWS + [0, ROWS)``: load, add, normalize, [quantize,] store. A row of one
+    register block goes through :func:`_finish_rows`; a wider one is walked in NUM_CHUNKS pieces of
+    BLOCK: sum of squares, [amax,] then residual, normalize and store (the residual is written only
+    in the last pass)."""
     rows = blk * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS]
     rmask = rows[:, None] < T  # [ROWS, 1]
     x_base = X + rows[:, None] * stride_x  # [ROWS, 1] row pointers
@@ -310,10 +254,35 @@ def _row_block(
             act, W_IS_PTRS, QUANT, ROWS, MASK_COLS, MASKED, RF, MIN_SCALE,
         )  # fmt: skip
     else:
-        _chunked_rows(
-            x_base, r_base, y_base, S + rows[:, None], rmask, W, cols0, H, eps, s, inv,
-            act, HAS_RES, QUANT, BLOCK, NUM_CHUNKS, ROWS, MASK_COLS, MASKED, RF, MIN_SCALE,
-        )  # fmt: skip
+        s_ptrs = S + rows[:, None]  # [ROWS, 1] dynamic scales out
+        # pass 1: sum of squares
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
+            cols = c * BLOCK + cols0
+            v = _load_sum(x_base + cols, r_base + cols, rmask & (cols < H), HAS_RES, False, MASKED, RF)
+            acc += v * v
+        rstd = (1.0 / tl.math.sqrt_rn(tl.sum(acc, axis=1) / H + eps))[:, None]  # [ROWS, 1]
+        if QUANT == 2:  # pass 2: amax of the normalized row
+            amax = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+            for c in range(NUM_CHUNKS):
+                cols = c * BLOCK + cols0
+                cmask = cols < H
+                v = _load_sum(x_base + cols, r_base + cols, rmask & cmask, HAS_RES, False, MASKED, RF)
+                y = _normalize(v, act, W + cols, cmask, rstd, MASK_COLS, RF)
+                amax = tl.maximum(amax, tl.abs(y))
+            s = tl_dynamic_scale(tl.max(amax, axis=1), MIN_SCALE)[:, None]  # [ROWS, 1]
+            _store(s_ptrs, s, rmask, ROWS > 1)
+            inv = tl.math.div_rn(tl.full([ROWS, 1], 1.0, tl.float32), s)
+        for c in range(NUM_CHUNKS):  # last pass: residual, normalize, store
+            cols = c * BLOCK + cols0
+            cmask = cols < H
+            mask = rmask & cmask
+            v = _load_sum(x_base + cols, r_base + cols, mask, HAS_RES, True, MASKED, RF)
+            y = _normalize(v, act, W + cols, cmask, rstd, MASK_COLS, RF)
+            if QUANT == 0:
+                _store(y_base + cols, y.to(y_base.dtype.element_ty), mask, MASKED)
+            else:
+                _store(y_base + cols, tl_quantize_fp8_rcp(y, s, inv, RF), mask, MASKED)
 
 
 @triton.jit
@@ -574,21 +543,31 @@ def rmsnorm_launch(
     eps: float,
     scale: torch.Tensor | None,
     quant: int,
-    y: torch.Tensor,
-    s: torch.Tensor | None,
+    y: torch.Tensor | None = None,
+    s: torch.Tensor | None = None,
     max_block: int = MAX_BLOCK,
-    **launch: object,
-) -> None:
-    """Run the Triton kernel into preallocated outputs ``y`` (and ``s`` when quantizing).
+    **launch: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the Triton kernel into the outputs ``y`` (and ``s`` when quantizing), allocated here when
+    None; returns ``(y, s)``.
 
-    ``x``: [T, H] with unit last stride; ``residual`` like ``x`` or None; ``quant`` one of
-    QUANT_NONE / QUANT_STATIC (``scale`` [1] f32, ``s`` [1]) / QUANT_DYNAMIC (``s`` [T, 1] f32).
+    ``x``: [T, H], any row stride; ``residual`` like ``x`` (updated in place) or None; ``quant`` one
+    of QUANT_NONE / QUANT_STATIC (``scale`` [1] f32, ``s`` [1]) / QUANT_DYNAMIC (``s`` [T, 1] f32).
     ``launch``: ``launch_config``'s overrides (``rows_per_program``, ``num_warps``, ``persistent``,
     ``programs_per_sm``, ``stages``, ``prefetch``).
     """
+    x = x if x.stride(-1) == 1 else x.contiguous()  # [T, H]; any row stride
+    w = w.contiguous()  # [H]
+    scale = scale.reshape(1) if scale is not None else None
     t, h = x.shape
+    if y is None:
+        y = x.new_empty((t, h), dtype=FP8_DTYPE if quant != QUANT_NONE else x.dtype)
+    if s is None and quant == QUANT_DYNAMIC:
+        s = x.new_empty((t, 1), dtype=torch.float32)
+    elif s is None and quant == QUANT_STATIC and scale is not None:
+        s = scale.clone() if t == 0 else torch.empty_like(scale)  # else the kernel copies it
     if t == 0:
-        return
+        return y, s
     cfg = launch_config(h, max_block, quant, **launch)
     r = residual if residual is not None else x
     mask_cols = h != cfg.block * cfg.chunks
@@ -604,102 +583,68 @@ def rmsnorm_launch(
         ROUND_IN_F32=interpreting(), MIN_SCALE=FP8_MIN_SCALE, num_warps=cfg.num_warps,
         **pdl,
     )  # fmt: skip
+    return y, s
 
 
-# ---- custom ops -----------------------------------------------------------------------------------
+# ---- ops -----------------------------------------------------------------------------------------
 
 
-def _check(
-    x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor | None
-) -> None:
+def _check(x: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Tensor | None = None) -> None:
+    """The checks of ``rmsnorm`` and ``rmsnorm_quant`` (the op's arguments)."""
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"rmsnorm: x must be [T, H] bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
     if w.shape != (x.shape[1],):
         raise ValueError(f"rmsnorm: w must be [H={x.shape[1]}], got {tuple(w.shape)}")
-    if residual is not None:
-        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
-            raise ValueError(
-                f"fused_add_rmsnorm: residual must match x ({tuple(x.shape)} {x.dtype}), "
-                f"got {tuple(residual.shape)} {residual.dtype} on {residual.device}"
-            )
-        if residual.shape[0] > 0 and residual.stride(-1) != 1:
-            raise ValueError("fused_add_rmsnorm: residual is updated in place and needs a unit last stride")
     if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32):
         raise ValueError(f"rmsnorm_quant: scale must be [1] float32, got {tuple(scale.shape)} {scale.dtype}")
 
 
-def _forward(x, residual, w, eps, scale, quant):
-    """Shared body of the four ops: check, then the Triton kernel or the torch reference."""
-    _check(x, w, residual, scale)
-    x = x if x.stride(-1) == 1 else x.contiguous()  # [T, H]; any row stride
-    w = w.contiguous()  # [H]
-    scale = scale.reshape(1) if scale is not None else None
-    if not use_triton(x):
-        y = rmsnorm_ref(x, w, eps) if residual is None else fused_add_rmsnorm_ref(x, residual, w, eps)
-        return y if quant == QUANT_NONE else _quant_ref(y, scale)
-    y = x.new_empty(x.shape, dtype=FP8_DTYPE if quant != QUANT_NONE else x.dtype)
-    s = None
-    if quant == QUANT_DYNAMIC:
-        s = x.new_empty((x.shape[0], 1), dtype=torch.float32)
-    elif quant == QUANT_STATIC:
-        s = scale.clone() if x.shape[0] == 0 else torch.empty_like(scale)  # else the kernel copies it
-    rmsnorm_launch(x, residual, w, eps, scale, quant, y, s)
-    return y if quant == QUANT_NONE else (y, s)
+def _check_add(
+    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Tensor | None = None
+) -> None:
+    """The checks of ``fused_add_rmsnorm`` and ``fused_add_rmsnorm_quant``: :func:`_check`, and the
+    residual, updated in place, like ``x`` with a unit last stride."""
+    _check(x, w, eps, scale)
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(
+            f"fused_add_rmsnorm: residual must match x ({tuple(x.shape)} {x.dtype}), "
+            f"got {tuple(residual.shape)} {residual.dtype} on {residual.device}"
+        )
+    if residual.shape[0] > 0 and residual.stride(-1) != 1:
+        raise ValueError("fused_add_rmsnorm: residual is updated in place and needs a unit last stride")
 
 
-def _mode(scale: torch.Tensor | None) -> int:
+def _fp8_mode(scale: torch.Tensor | None) -> int:
     return QUANT_DYNAMIC if scale is None else QUANT_STATIC
 
 
-def _quant_fake(x, scale):
-    y = x.new_empty(x.shape, dtype=FP8_DTYPE)
-    s = x.new_empty((x.shape[0], 1), dtype=torch.float32) if scale is None else scale.new_empty((1,))
-    return y, s
-
-
-@kiln_op("rmsnorm")
-def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+@kiln_op("rmsnorm", ref=rmsnorm_ref, check=_check)
+def rmsnorm_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """``x [T, H] -> [T, H]`` RMSNorm (see the module docstring)."""
-    return _forward(x, None, w, eps, None, QUANT_NONE)
+    return rmsnorm_launch(x, None, w, eps, None, QUANT_NONE)[0]
 
 
-@rmsnorm.register_fake
-def _(x, w, eps):
-    return x.new_empty(x.shape)
-
-
-@kiln_op("fused_add_rmsnorm", mutates_args=("residual",))
-def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+@kiln_op("fused_add_rmsnorm", ref=fused_add_rmsnorm_ref, check=_check_add, mutates_args=("residual",))
+def fused_add_rmsnorm_triton(
+    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+) -> torch.Tensor:
     """``residual += x`` in place; returns ``rmsnorm(residual)`` ``[T, H]``."""
-    return _forward(x, residual, w, eps, None, QUANT_NONE)
+    return rmsnorm_launch(x, residual, w, eps, None, QUANT_NONE)[0]
 
 
-@fused_add_rmsnorm.register_fake
-def _(x, residual, w, eps):
-    return x.new_empty(x.shape)
-
-
-@kiln_op("rmsnorm_quant")
-def rmsnorm_quant(
+@kiln_op("rmsnorm_quant", ref=rmsnorm_quant_ref, check=_check)
+def rmsnorm_quant_triton(
     x: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm then FP8: ``(y fp8 [T, H], s)``; ``s`` is ``[T, 1]`` (dynamic) or ``[1]`` (static)."""
-    return _forward(x, None, w, eps, scale, _mode(scale))
+    return rmsnorm_launch(x, None, w, eps, scale, _fp8_mode(scale))  # type: ignore[return-value]
 
 
-@rmsnorm_quant.register_fake
-def _(x, w, eps, scale):
-    return _quant_fake(x, scale)
-
-
-@kiln_op("fused_add_rmsnorm_quant", mutates_args=("residual",))
-def fused_add_rmsnorm_quant(
+@kiln_op(
+    "fused_add_rmsnorm_quant", ref=fused_add_rmsnorm_quant_ref, check=_check_add, mutates_args=("residual",)
+)
+def fused_add_rmsnorm_quant_triton(
     x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual += x`` in place, then ``rmsnorm_quant(residual)``: ``(y fp8 [T, H], s)``."""
-    return _forward(x, residual, w, eps, scale, _mode(scale))
-
-
-@fused_add_rmsnorm_quant.register_fake
-def _(x, residual, w, eps, scale):
-    return _quant_fake(x, scale)
+    return rmsnorm_launch(x, residual, w, eps, scale, _fp8_mode(scale))  # type: ignore[return-value]

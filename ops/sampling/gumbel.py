@@ -104,10 +104,31 @@ def _tl_lowbias32(x):
 
 
 @triton.jit
+def _best(v, i, valid):
+    """(max, lowest index of it) over the ``valid`` lanes, NaN counting as the maximum (as in
+    ``torch.argmax``); NaN never enters ``tl.max``."""
+    nan = (v != v) & valid
+    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+    top = tl.max(tl.where(nan | ~valid, float("-inf"), v), axis=0)
+    pick = tl.where(any_nan, nan, (v == top) & valid)
+    idx = tl.min(tl.where(pick, i, 2147483647), axis=0)
+    return tl.where(any_nan, float("nan"), top), idx
+
+
+@triton.jit
 def _gumbel_argmax_kernel(
-    x_ptr, stride_x, keys_ptr, best_val_ptr, best_idx_ptr, V, num_chunks,
-    CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr, NOISE: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    x_ptr,  # [B, V] logits (f32), unit column stride
+    stride_x,  # row stride of x (may exceed V)
+    keys_ptr,  # [B, 2] int64 noise keys (NOISE), else any pointer
+    best_val_ptr,  # [B, num_chunks] f32 out: each chunk's maximum
+    best_idx_ptr,  # [B, num_chunks] i32 out: its lowest index
+    V,
+    num_chunks,
+    CHUNK_SIZE: tl.constexpr,  # tokens per program
+    BLOCK: tl.constexpr,  # tokens per step through the chunk
+    NOISE: tl.constexpr,  # add the Gumbel noise (sampling), or not (greedy)
+    PDL: tl.constexpr,  # programmatic dependent launch (ops/common/launch.py)
+):
     # grid (B, num_chunks): the best (value, lowest index) of one chunk of one row
     pdl_trigger(PDL)
     pdl_wait(PDL)
@@ -138,18 +159,6 @@ def _gumbel_argmax_kernel(
 
 
 @triton.jit
-def _best(v, i, valid):
-    """(max, lowest index of it) over the ``valid`` lanes, NaN counting as the maximum (as in
-    ``torch.argmax``); NaN never enters ``tl.max``."""
-    nan = (v != v) & valid
-    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
-    top = tl.max(tl.where(nan | ~valid, float("-inf"), v), axis=0)
-    pick = tl.where(any_nan, nan, (v == top) & valid)
-    idx = tl.min(tl.where(pick, i, 2147483647), axis=0)
-    return tl.where(any_nan, float("nan"), top), idx
-
-
-@triton.jit
 def _argmax_finish_kernel(
     best_val_ptr, best_idx_ptr, out_ptr, num_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
@@ -168,9 +177,12 @@ def _argmax_finish_kernel(
     tl.store(out_ptr + row, pick.to(tl.int64))
 
 
-def _argmax_launch(
+def argmax_launch(
     x: torch.Tensor, keys: torch.Tensor | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
+    """The two kernels: ``argmax(x + g)`` per row with ``keys`` (``[B, 2]`` int64), plain
+    ``argmax(x)`` without. ``x``: [B, V] float32 with unit column stride; ``out``: [B] int64 or
+    None (allocated). Returns ``out``."""
     B, V = x.shape
     assert x.stride(1) == 1, "argmax: rows must be contiguous"
     chunk = min(CHUNK, next_pow2(V))
@@ -193,6 +205,9 @@ def _argmax_launch(
     return out
 
 
+# ---- entry points: plain functions, not ops (the sampler calls them outside the graphs) ----------
+
+
 def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Sample one token per row: ``argmax(x + g)``.
 
@@ -201,7 +216,7 @@ def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """
     if not use_triton(x):
         return gumbel_argmax_ref(x, keys)
-    return _argmax_launch(x, keys)
+    return argmax_launch(x, keys)
 
 
 def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -212,4 +227,4 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         raise ValueError(f"argmax_rows: out must be [{x.shape[0]}] int64, got {tuple(out.shape)} {out.dtype}")
     if not use_triton(x) or x.dim() != 2 or x.stride(1) != 1:
         return torch.argmax(x, dim=-1, out=out) if out is not None else x.argmax(dim=-1)
-    return _argmax_launch(x, None, out)
+    return argmax_launch(x, None, out)

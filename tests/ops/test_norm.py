@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.ops.common.launch import interpreting
-from kiln.ops.common.quant import FP8_DTYPE, FP8_MIN_SCALE, dequantize_fp8
+from kiln.ops.common.quant import FP8_DTYPE, FP8_MIN_SCALE, dequantize_fp8, quantize_fp8
 from kiln.ops.norm import rmsnorm as norm
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
@@ -60,7 +60,7 @@ def check_case(t, h, dtype, mode, with_residual, device="cpu", max_block=norm.MA
         assert y.dtype == dtype
         assert_rel(y, ref, TOL[dtype])
     else:
-        ref_y, ref_s = norm._quant_ref(ref, scale)
+        ref_y, ref_s = quantize_fp8(ref, scale)
         assert y.dtype == FP8_DTYPE and s.shape == ref_s.shape
         assert_rel(s, ref_s, TOL[dtype], "scale")
         assert_rel(dequantize_fp8(y, s), dequantize_fp8(ref_y, ref_s), FP8_TOL, "dequantized fp8")
@@ -132,7 +132,7 @@ def test_partial_last_program_writes_nothing_past_the_last_row(kernel_on_cpu, la
     ref = norm.fused_add_rmsnorm_ref(x[:t], r_ref, w, EPS)
     assert torch.equal(r_buf[:t], r_ref)
     if quant:
-        ref_y, ref_s = norm._quant_ref(ref, scale)
+        ref_y, ref_s = quantize_fp8(ref, scale)
         s_out = s_buf[:t] if quant == norm.QUANT_DYNAMIC else s
         assert_rel(dequantize_fp8(y_buf[:t], s_out), dequantize_fp8(ref_y, ref_s), FP8_TOL)
 
