@@ -135,7 +135,7 @@ def test_fp8_gemm_sweep(measure, m, n, k, cfg, accum):
         y = runs[0]()  # compiles
     except OutOfResources as e:
         pytest.skip(f"{cfg} does not fit on this GPU: {e}")
-    ref = fg.fp8_gemm_ref(xq, xs, qs[0][0], qs[0][1], None, torch.float32)  # exact products, f32 sums
+    ref = fl.fp8_linear_ref(xq, xs, qs[0][0], qs[0][1], None, torch.float32)  # exact products, f32 sums
     err = ((y.float() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, f"{cfg} ({accum}): relative error {err:.2e} against the float32 reference"
     fn = graphed(runs[0])

@@ -213,15 +213,9 @@ def _workspace_bytes(idx: int, m: int, n: int, k: int, sms: int) -> int:
     return int(_library().kf_workspace(idx, m, n, k, sms))
 
 
-def launch(
-    x: torch.Tensor,
-    x_scale: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    config: str | None = None,
-) -> torch.Tensor:
+def launch(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+           bias: torch.Tensor | None, out_dtype: torch.dtype,
+           config: str | None = None) -> torch.Tensor:  # fmt: skip
     """``fp8_gemm_cutlass`` for a call ``supports`` accepts, unchecked."""
     (m, k), n = x.shape, w.shape[0]
     if m == 0:

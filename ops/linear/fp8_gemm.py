@@ -10,7 +10,8 @@ routes there with ``KILN_FP8_GEMM=triton``):
 * ``bias``: ``[N]`` (any float dtype) or None; ``out_dtype``: bf16, fp16 or fp32.
 
 The product accumulates in float32; the epilogue scales by ``x_scale[m] * w_scale[n]``, adds the
-bias and rounds once to ``out_dtype``, as ``torch._scaled_mm`` does. With ``fast_accum=False`` (this
+bias and rounds once to ``out_dtype``, as ``torch._scaled_mm`` does (and ``fp8_linear_ref``, the
+reference in torch). With ``fast_accum=False`` (this
 function's default) the tensor cores' reduced-precision FP8 accumulation is promoted into the float32 accumulator after every ``BLOCK_K`` products (``max_num_imprecise_acc``);
 ``fast_accum=True`` (``KILN_FP8_FAST_ACCUM=1``, fp8_linear's default: its docstring has the measured
 errors) leaves the promotion to the hardware (faster, less accurate over long K).
@@ -40,6 +41,7 @@ import dataclasses
 import functools
 import math
 import re
+from typing import Any
 
 import torch
 import triton
@@ -84,7 +86,8 @@ class Fp8GemmConfig:
         if m is None:
             raise ValueError(f"fp8_gemm: bad config string {text!r} (want e.g. 'm64n128k128g8w4s4k2tf')")
         *ints, tma, fused = m.groups()
-        return cls(*(int(v) for v in ints), tma=bool(tma), fused=bool(fused))
+        block_m, block_n, block_k, group_m, num_warps, num_stages, split_k = (int(v) for v in ints)
+        return cls(block_m, block_n, block_k, group_m, num_warps, num_stages, split_k, bool(tma), bool(fused))
 
     def check(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -190,7 +193,7 @@ def _parsed(entry: str) -> Fp8GemmConfig:
 
 
 def fp8_gemm_config(
-    m: int, n: int, k: int, sms: int = DEFAULT_SMS, config: Fp8GemmConfig | None = None, **overrides: int
+    m: int, n: int, k: int, sms: int = DEFAULT_SMS, config: Fp8GemmConfig | None = None, **overrides: Any
 ) -> Fp8GemmConfig:
     """The launch configuration for an ``[m, k] x [n, k]^T`` product (see the module docstring):
     ``config`` if given, else ``TABLE[(bucket, n, k)]``, else ``BUCKET_DEFAULTS[bucket]``; then the
@@ -348,18 +351,9 @@ def _splitk_reduce_kernel(
 # ---- launcher -------------------------------------------------------------------------------------
 
 
-def fp8_gemm(
-    x: torch.Tensor,
-    x_scale: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    *,
-    fast_accum: bool = False,
-    config: Fp8GemmConfig | None = None,
-    **overrides: int,
-) -> torch.Tensor:
+def fp8_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype, *, fast_accum: bool = False,
+             config: Fp8GemmConfig | None = None, **overrides: Any) -> torch.Tensor:  # fmt: skip
     """``[M, K] fp8 x [N, K] fp8 -> [M, N]`` ``out_dtype`` with the Triton kernel (see the module
     docstring; arguments as ``fp8_linear`` checks them). ``config`` / ``overrides``: see
     ``fp8_gemm_config``. Launches on CUDA, or in the interpreter (``TRITON_INTERPRET=1``)."""
@@ -407,20 +401,3 @@ def fp8_gemm(
             ROUND_IN_F32=interp, num_warps=4,
         )  # fmt: skip
     return y
-
-
-def fp8_gemm_ref(
-    x: torch.Tensor,
-    x_scale: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """What the kernel computes, in plain torch: the float32 product of the FP8 values, scaled per
-    row and per column, plus the bias, rounded once to ``out_dtype``."""
-    acc = x.float() @ w.float().t()  # [M, N]
-    y = acc * x_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(out_dtype)

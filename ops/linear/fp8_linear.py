@@ -12,8 +12,8 @@ operand row-major, the second column-major (so ``w.t()`` of a contiguous ``[N, K
 float32 ``[T, 1]`` and ``[1, N]`` contiguous, ``K`` and ``N`` divisible by 16. Where cuBLAS lacks
 row-wise scaling (before CUDA 12.9) torch falls back to a CUTLASS kernel that only writes bf16, so
 other output dtypes are computed in bf16 and cast there. Shapes ``_scaled_mm`` cannot take (K or N
-not a multiple of 16) and older GPUs use the dequantizing reference, with a one-time warning that
-says how to fix it. CPU: the reference (dequantize to float32, matmul).
+not a multiple of 16) and older GPUs use the reference, with a one-time warning that says how to fix
+it. CPU: the reference (``fp8_linear_ref``: the float32 product of the FP8 values, then the scales).
 
 Backends (``fp8_linear_forward(..., backend=...)``; the op reads the ``fp8_gemm`` setting at call
 time, so at CUDA-graph capture for decode graphs: ``--fp8-gemm``, ``EngineOptions.fp8_gemm``,
@@ -96,18 +96,11 @@ def fp8_backend(backend: str | None = None) -> str:
     return b
 
 
-def fp8_linear_ref(
-    x: torch.Tensor,
-    x_scale: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """Dequantize both operands to float32 and multiply: ``[T, K] x [N, K] -> [T, N]`` in ``out_dtype``."""
-    xf = x.float() * x_scale.float().reshape(-1, 1)  # [T, K]
-    wf = w.float() * w_scale.float().reshape(-1, 1)  # [N, K]
-    y = xf @ wf.t()  # [T, N]
+def fp8_linear_ref(x, x_scale, w, w_scale, bias, out_dtype) -> torch.Tensor:
+    """What every backend computes, in plain torch (the op on CPU; the tests' oracle): the float32
+    product of the FP8 values (exact products, float32 sums), ``[T, K] x [N, K] -> [T, N]``, scaled
+    per row by ``x_scale`` and per column by ``w_scale``, plus the bias, rounded once to ``out_dtype``."""
+    y = (x.float() @ w.float().t()) * x_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
@@ -144,16 +137,11 @@ def triton_fp8_supported(x: torch.Tensor) -> str | None:
     return None
 
 
-def scaled_mm_rowwise(
-    x: torch.Tensor,
-    x_scale: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    fast_accum: bool | None = None,
-) -> torch.Tensor:
-    """``torch._scaled_mm`` with row-wise scales; inputs as ``fp8_linear`` takes them (checked)."""
+def scaled_mm_rowwise(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                      bias: torch.Tensor | None, out_dtype: torch.dtype,
+                      fast_accum: bool | None = None) -> torch.Tensor:  # fmt: skip
+    """``torch._scaled_mm`` with row-wise scales; the op's arguments (checked), ``fast_accum`` None:
+    the ``fp8_fast_accum`` setting."""
     t, n = x.shape[0], w.shape[0]
     x = x.contiguous()  # row-major [T, K]
     w = w.contiguous()  # [N, K]; w.t() is the column-major [K, N] operand
@@ -162,8 +150,7 @@ def scaled_mm_rowwise(
     sb = w_scale.float().reshape(1, n).contiguous()  # [1, N]
     mm_dtype = out_dtype if out_dtype == torch.bfloat16 or _cublas_rowwise() else torch.bfloat16
     # cuBLAS takes a fused bias only with a 16-bit output; a float32 output adds it afterwards.
-    fused_bias = bias is not None and mm_dtype != torch.float32
-    b = bias.to(mm_dtype) if fused_bias else None
+    b = bias.to(mm_dtype) if bias is not None and mm_dtype != torch.float32 else None
     y = torch._scaled_mm(
         x,
         w.t(),
@@ -173,7 +160,7 @@ def scaled_mm_rowwise(
         out_dtype=mm_dtype,
         use_fast_accum=use_fast_accum("cublas") if fast_accum is None else fast_accum,
     )
-    if bias is not None and not fused_bias:
+    if bias is not None and b is None:
         y = y + bias.to(y.dtype)
     return y if mm_dtype == out_dtype else y.to(out_dtype)
 
@@ -213,6 +200,7 @@ def auto_backend(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> st
     return "triton" if tuned(m, n, k) else "cublas"
 
 
+@kiln_op("fp8_linear", ref=fp8_linear_ref, check=_check)
 def fp8_linear_forward(
     x: torch.Tensor,
     x_scale: torch.Tensor,
@@ -220,11 +208,13 @@ def fp8_linear_forward(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    *,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """The op's body: checks, then the backend (``backend`` or ``KILN_FP8_GEMM``, see the module
-    docstring), the cuBLAS rules or the reference."""
-    _check(x, x_scale, w, w_scale, bias, out_dtype)
+    """``[T, K] fp8 x [N, K] fp8 -> [T, N]`` ``out_dtype``, scaled per token and per channel (+ bias):
+    the op's launch on a device that runs Triton (unchecked: the op's body runs ``_check`` first).
+    The backend (``backend``, else the ``fp8_gemm`` setting; module docstring), the cuBLAS rules or
+    the reference."""
     if x.shape[0] == 0:
         return x.new_empty((0, w.shape[0]), dtype=out_dtype)
     b = requested = fp8_backend(backend)
@@ -247,26 +237,8 @@ def fp8_linear_forward(
         if why not in _warned:
             _warned.add(why)
             warnings.warn(
-                f"fp8_linear: {why}; using the slow dequantize-and-matmul path. Pad the weight's N and K "
+                f"fp8_linear: {why}; using the slow float32 reference path. Pad the weight's N and K "
                 "to multiples of 16 when packing (or quantize this layer to bf16) to get the FP8 GEMM.",
                 stacklevel=2,
             )
     return fp8_linear_ref(x, x_scale, w, w_scale, bias, out_dtype)
-
-
-@kiln_op("fp8_linear")
-def fp8_linear(
-    x: torch.Tensor,
-    x_scale: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """``[T, K] fp8 x [N, K] fp8 -> [T, N]`` ``out_dtype``, scaled per token and per channel (+ bias)."""
-    return fp8_linear_forward(x, x_scale, w, w_scale, bias, out_dtype)
-
-
-@fp8_linear.register_fake
-def _(x, x_scale, w, w_scale, bias, out_dtype):
-    return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)

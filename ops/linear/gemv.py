@@ -28,7 +28,7 @@ the router inside that GEMV: ops/linear/norm_linear.py). ``kiln compile --gemv-p
 (``CompileOptions.gemv_plan``: ``0``, ``1``/``all``, or ``attn:1,mlp:2``-style lists; default
 ``DEFAULT_PLAN``) sets it; the model build passes it to the layers, the roles left out trace plain
 ``aten.linear`` (cuBLAS), the others ``kiln::linear`` with their ``max_m``, and the manifest records
-the plan (``kernel_choices.gemv``). At run time (read at call time, so at CUDA-graph capture for
+the plan (``kernel_choices.gemv_plan``). At run time (read at call time, so at CUDA-graph capture for
 decode graphs) the ``gemv`` setting off (``--no-gemv``, ``EngineOptions.gemv``, ``KILN_GEMV=0``:
 kiln/settings.py) sends every call to cuBLAS. On CPU the ops run cuBLAS's stand-in ``F.linear``
 unless ``KILN_TRITON_ON_CPU=1`` with ``TRITON_INTERPRET=1`` (ops/common/launch.py), so CPU artifacts are
@@ -70,14 +70,16 @@ Triton then compiles at run time, once, into the artifact's cache.)
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from kiln import settings
+from kiln.ops.activation.silu_and_mul import silu_and_mul_ref
 from kiln.ops.common import launch
-from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
+from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
 from kiln.ops.common.op import DIRECT, kiln_op
 from kiln.ops.common.quant import FP8_DTYPE, add_rounded, tl_add_row, tl_round
 
@@ -151,8 +153,6 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None)
 
 def gate_up_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``silu_and_mul(gemv_ref(x, w, bias))``: ``[M, 2I] -> [M, I]`` with the activation's roundings."""
-    from kiln.ops.activation.silu_and_mul import silu_and_mul_ref
-
     return silu_and_mul_ref(gemv_ref(x, w, bias))
 
 
@@ -393,82 +393,13 @@ def _gemv_fma_kernel(
     _finish_row(g0, u0, 0, M, bg, bu, offs_n, n_mask, Y, P, pid_k, stride_ym, N_OUT, SPLIT_K, GATE_UP,
                 ROUND_IN_F32, XS, WS, stride_xs, SCALED, Z, stride_zm, ADD_Z)  # fmt: skip
     if BLOCK_M > 1:
-        _finish_row(
-            g1,
-            u1,
-            1,
-            M,
-            bg,
-            bu,
-            offs_n,
-            n_mask,
-            Y,
-            P,
-            pid_k,
-            stride_ym,
-            N_OUT,
-            SPLIT_K,
-            GATE_UP,
-            ROUND_IN_F32,
-            XS,
-            WS,
-            stride_xs,
-            SCALED,
-            Z,
-            stride_zm,
-            ADD_Z,
-        )
+        _finish_row(g1, u1, 1, M, bg, bu, offs_n, n_mask, Y, P, pid_k, stride_ym, N_OUT, SPLIT_K, GATE_UP,
+                    ROUND_IN_F32, XS, WS, stride_xs, SCALED, Z, stride_zm, ADD_Z)  # fmt: skip
     if BLOCK_M > 2:
-        _finish_row(
-            g2,
-            u2,
-            2,
-            M,
-            bg,
-            bu,
-            offs_n,
-            n_mask,
-            Y,
-            P,
-            pid_k,
-            stride_ym,
-            N_OUT,
-            SPLIT_K,
-            GATE_UP,
-            ROUND_IN_F32,
-            XS,
-            WS,
-            stride_xs,
-            SCALED,
-            Z,
-            stride_zm,
-            ADD_Z,
-        )
-        _finish_row(
-            g3,
-            u3,
-            3,
-            M,
-            bg,
-            bu,
-            offs_n,
-            n_mask,
-            Y,
-            P,
-            pid_k,
-            stride_ym,
-            N_OUT,
-            SPLIT_K,
-            GATE_UP,
-            ROUND_IN_F32,
-            XS,
-            WS,
-            stride_xs,
-            SCALED,
-            Z,
-            stride_zm,
-            ADD_Z,
-        )
+        _finish_row(g2, u2, 2, M, bg, bu, offs_n, n_mask, Y, P, pid_k, stride_ym, N_OUT, SPLIT_K, GATE_UP,
+                    ROUND_IN_F32, XS, WS, stride_xs, SCALED, Z, stride_zm, ADD_Z)  # fmt: skip
+        _finish_row(g3, u3, 3, M, bg, bu, offs_n, n_mask, Y, P, pid_k, stride_ym, N_OUT, SPLIT_K, GATE_UP,
+                    ROUND_IN_F32, XS, WS, stride_xs, SCALED, Z, stride_zm, ADD_Z)  # fmt: skip
 
 
 @triton.jit
@@ -842,17 +773,15 @@ def gemv(
         cfg = dataclasses.replace(cfg, split_k=1)  # rstd needs every program to see all of K
     if use_dot is not None and use_dot != cfg.use_dot:  # the other path's own defaults
         cfg = heuristic_config(m, n_out, k, gate_up, x.element_size(), sms, use_dot)
-    cfg = dataclasses.replace(
-        cfg,
-        **{
-            name: v
-            for name, v in (
-                ("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps),
-                ("num_stages", num_stages), ("split_k", split_k), ("use_dot", use_dot),
-            )
-            if v is not None
-        },
-    )  # fmt: skip
+    chosen: dict[str, Any] = {
+        name: v
+        for name, v in (
+            ("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps),
+            ("num_stages", num_stages), ("split_k", split_k), ("use_dot", use_dot),
+        )
+        if v is not None
+    }  # fmt: skip
+    cfg = dataclasses.replace(cfg, **chosen)
     bm = next_pow2(m)
     if block_k is None:
         cfg = dataclasses.replace(
@@ -934,7 +863,8 @@ def compile_for(
 
 
 def use_gemv(x: torch.Tensor, w: torch.Tensor, max_m: int) -> bool:
-    """Whether ``linear``/``linear_silu_mul`` take the GEMV for this call (see the module docstring)."""
+    """Whether a launch of ``linear``/``linear_silu_mul``/``rmsnorm_linear`` (a device that runs
+    Triton: the op's body has checked) takes the GEMV for this call (see the module docstring)."""
     return (
         1 <= x.shape[0] <= max_m
         and gemv_enabled()
@@ -943,12 +873,30 @@ def use_gemv(x: torch.Tensor, w: torch.Tensor, max_m: int) -> bool:
         and x.dtype == w.dtype
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and w.stride(1) == 1
-        and use_triton(x)
     )
 
 
-@kiln_op("linear")
-def linear(
+def linear_ref(x, w, bias, max_m, residual=None) -> torch.Tensor:
+    """``kiln::linear`` off the GEMV: cuBLAS (``F.linear``; on CPU the op's path, ``max_m`` unused).
+    With ``residual`` one ``addmm`` rounds the sum once (2-D ``x``, no bias), else ``F.linear`` then
+    an add."""
+    if residual is None:
+        return torch.nn.functional.linear(x, w, bias)
+    if bias is None and x.dim() == 2:
+        return torch.addmm(residual, x, w.t())
+    return residual + torch.nn.functional.linear(x, w, bias)
+
+
+def _check_linear(x: torch.Tensor, w: torch.Tensor, bias, max_m, residual=None) -> None:
+    if residual is not None and (residual.shape != (*x.shape[:-1], w.shape[0]) or residual.dtype != x.dtype):
+        raise ValueError(
+            f"linear: residual must be {(*x.shape[:-1], w.shape[0])} {x.dtype}, got "
+            f"{tuple(residual.shape)} {residual.dtype}"
+        )
+
+
+@kiln_op("linear", ref=linear_ref, check=_check_linear)
+def linear_forward(
     x: torch.Tensor,
     w: torch.Tensor,
     bias: torch.Tensor | None,
@@ -957,42 +905,35 @@ def linear(
 ) -> torch.Tensor:
     """``x [T, K] @ w [N, K]^T (+ bias)`` ``[T, N]``: the GEMV for ``1 <= T <= max_m``, else ``F.linear``.
     ``residual [T, N]``: ``residual + linear(x)``. The GEMV adds it in its epilogue after rounding
-    the product (two roundings, as a separate add); otherwise one ``addmm`` rounds the sum once
-    (without a bias) or ``F.linear`` then an add."""
-    if residual is not None and (residual.shape != (*x.shape[:-1], w.shape[0]) or residual.dtype != x.dtype):
-        raise ValueError(
-            f"linear: residual must be {(*x.shape[:-1], w.shape[0])} {x.dtype}, got "
-            f"{tuple(residual.shape)} {residual.dtype}"
-        )
+    the product (two roundings, as a separate add); otherwise :func:`linear_ref`."""
     if use_gemv(x, w, max_m) and (residual is None or residual.stride(-1) == 1):
         return gemv(x, w, bias, residual=residual)
-    if residual is None:
-        return torch.nn.functional.linear(x, w, bias)
-    if bias is None and x.dim() == 2:
-        return torch.addmm(residual, x, w.t())
-    return residual + torch.nn.functional.linear(x, w, bias)
+    return linear_ref(x, w, bias, max_m, residual)
 
 
-@linear.register_fake
-def _(x, w, bias, max_m, residual=None):
-    return x.new_empty((*x.shape[:-1], w.shape[0]))
+def _silu_mul_rows(gu: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul_ref`` over the last dimension of ``gu [..., 2I]`` (any leading dimensions)."""
+    return silu_and_mul_ref(gu.reshape(-1, gu.shape[-1])).reshape(*gu.shape[:-1], gu.shape[-1] // 2)
 
 
-@kiln_op("linear_silu_mul")
-def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, max_m: int) -> torch.Tensor:
-    """``silu_and_mul(x @ w^T (+ bias))`` ``[T, I]`` for ``w [2I, K]`` (gate rows, then up rows)."""
+def linear_silu_mul_ref(x, w, bias, max_m) -> torch.Tensor:
+    """``kiln::linear_silu_mul`` off the GEMV in torch: ``F.linear`` then ``silu_and_mul_ref`` (the
+    op on CPU; ``max_m`` unused)."""
+    return _silu_mul_rows(torch.nn.functional.linear(x, w, bias))
+
+
+def _check_gate_up(x: torch.Tensor, w: torch.Tensor, *_) -> None:
     if w.shape[0] % 2:
         raise ValueError(f"linear_silu_mul: w must have 2I rows, got {tuple(w.shape)}")
+
+
+@kiln_op("linear_silu_mul", ref=linear_silu_mul_ref, check=_check_gate_up)
+def linear_silu_mul_forward(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, max_m: int
+) -> torch.Tensor:
+    """``silu_and_mul(x @ w^T (+ bias))`` ``[T, I]`` for ``w [2I, K]`` (gate rows, then up rows): the
+    GEMV for ``1 <= T <= max_m``, else ``F.linear`` then ``kiln::silu_and_mul``."""
     if use_gemv(x, w, max_m):
         return gemv(x, w, bias, gate_up=True)
     gu = torch.nn.functional.linear(x, w, bias)
-    if use_triton(gu) and gu.dim() == 2:
-        return DIRECT["silu_and_mul"](gu)
-    from kiln.ops.activation.silu_and_mul import silu_and_mul_ref
-
-    return silu_and_mul_ref(gu.reshape(-1, gu.shape[-1])).reshape(*gu.shape[:-1], -1).contiguous()
-
-
-@linear_silu_mul.register_fake
-def _(x, w, bias, max_m):
-    return x.new_empty((*x.shape[:-1], w.shape[0] // 2))
+    return DIRECT["silu_and_mul"](gu) if gu.dim() == 2 else _silu_mul_rows(gu)

@@ -25,7 +25,8 @@ Paths, picked at call time like ``kiln::linear``:
   rounding only (the same at float32).
 * otherwise: ``fused_add_rmsnorm`` (on a copy of the residual) or ``rmsnorm``, then ``kiln::linear``
   / ``kiln::linear_silu_mul`` on ``xn``: what the layers ran before, plus the copy (a torch kernel,
-  not PDL-launched) at every prefill chunk and decode batch above 1.
+  not PDL-launched) at every prefill chunk and decode batch above 1. On a device that does not run
+  Triton (CPU): ``rmsnorm_linear_ref``, the same computation in torch.
 
 In the MoE layer the router logits come from the unrounded normalized row while the experts get
 the rounded one (as prefill's router does), so a near-tie in the top-k may pick differently from the
@@ -44,41 +45,29 @@ from __future__ import annotations
 import torch
 
 from kiln.ops.common.op import DIRECT, kiln_op
-from kiln.ops.linear.gemv import NormIn, gemv, use_gemv
+from kiln.ops.linear.gemv import NormIn, gemv, linear_ref, linear_silu_mul_ref, use_gemv
+from kiln.ops.norm.rmsnorm import rmsnorm_ref
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # of x, w, norm_w (one of them)
 
 
 def rmsnorm_linear_ref(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_w: torch.Tensor,
-    eps: float,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    gate_up: bool = False,
+    x, residual, norm_w, eps, w, bias, max_m, gate_up, normed, folded=False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The two-launch computation in torch: ``(y, h, xn)`` with ``h = x`` when there is no residual."""
-    from kiln.ops.linear.gemv import gate_up_ref, gemv_ref
-    from kiln.ops.norm.rmsnorm import rmsnorm_ref
+    """The unfused computation in torch (the op on CPU): ``h = x + residual`` rounded (``[0, K]``
+    without a residual), ``xn = rmsnorm_ref(h)`` (of ``x`` without a residual), ``y`` from
+    ``linear_ref`` / ``linear_silu_mul_ref`` (``gate_up``) on ``xn``; ``xn`` is returned only with
+    ``normed``. ``norm_w`` applies whatever ``folded`` says (module docstring)."""
+    k = x.shape[1]
+    h = x.new_empty((0, k)) if residual is None else (residual.float() + x.float()).to(residual.dtype)
+    xn = rmsnorm_ref(x if residual is None else h, norm_w, eps)
+    y = (linear_silu_mul_ref if gate_up else linear_ref)(xn, w, bias, max_m)
+    return y, h, xn if normed else x.new_empty((0, k))
 
-    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
-    xn = rmsnorm_ref(h, norm_w, eps)
-    y = gate_up_ref(xn, w, bias) if gate_up else gemv_ref(xn, w, bias)
-    return y, h, xn
 
-
-def _check(x, residual, norm_w, w, bias, gate_up) -> None:
+def _check(x: torch.Tensor, residual, norm_w, eps, w, bias, max_m, gate_up, *_) -> None:
     dt = x.dtype
-    if (
-        x.dim() != 2
-        or w.dim() != 2
-        or w.shape[1] != x.shape[1]
-        or dt
-        not in (
-            torch.bfloat16,
-            torch.float16,
-            torch.float32,
-        )
-    ):
+    if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1] or dt not in DTYPES:
         raise ValueError(
             f"rmsnorm_linear: need x [T, K] and w [N, K] (bf16/fp16/fp32), got {tuple(x.shape)} {dt} "
             f"and {tuple(w.shape)}"
@@ -96,8 +85,8 @@ def _check(x, residual, norm_w, w, bias, gate_up) -> None:
         raise ValueError(f"rmsnorm_linear: gate_up needs 2I weight rows, got {w.shape[0]}")
 
 
-@kiln_op("rmsnorm_linear")
-def rmsnorm_linear(
+@kiln_op("rmsnorm_linear", ref=rmsnorm_linear_ref, check=_check)
+def rmsnorm_linear_forward(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     norm_w: torch.Tensor,
@@ -112,8 +101,8 @@ def rmsnorm_linear(
     """``(linear(rmsnorm(x + residual)), x + residual, rmsnorm(x + residual))`` (see the module docstring).
     ``folded``: ``norm_w`` is all ones, its values folded into ``w``'s columns (weights/fold.py);
     the one-token GEMV then never loads it, while the other paths still multiply by it (so the two
-    agree only when it is ones, as the load-time fold makes it)."""
-    _check(x, residual, norm_w, w, bias, gate_up)
+    agree only when it is ones, as the load-time fold makes it). Off the GEMV: the norm op then
+    ``kiln::linear`` / ``kiln::linear_silu_mul`` (their bodies), as :func:`rmsnorm_linear_ref`."""
     t, k = x.shape
     if t == 1 and use_gemv(x, w, max_m):
         x = x if x.stride(1) == 1 else x.contiguous()
@@ -132,10 +121,3 @@ def rmsnorm_linear(
         xn = DIRECT["fused_add_rmsnorm"](x, h, norm_w, eps)  # h += x in place
     y = DIRECT["linear_silu_mul" if gate_up else "linear"](xn, w, bias, max_m)
     return y, h, xn if normed else x.new_empty((0, k))
-
-
-@rmsnorm_linear.register_fake
-def _(x, residual, norm_w, eps, w, bias, max_m, gate_up, normed, folded=False):
-    t, k = x.shape
-    y = x.new_empty((t, w.shape[0] // 2 if gate_up else w.shape[0]))
-    return y, x.new_empty((t if residual is not None else 0, k)), x.new_empty((t if normed else 0, k))

@@ -9,15 +9,14 @@ of any tile, bias and per-tensor scales, and inside a CUDA graph with new inputs
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 from test_fp8_gemm import check_graph_replay, make_case, rel_err
 
+from kiln.compiler import cutlass_build
 from kiln.ops.common.launch import CutlassUnavailable
 from kiln.ops.linear import fp8_cutlass as fc
-from kiln.ops.linear import fp8_gemm as fg
 from kiln.ops.linear import fp8_linear as fl
 
 LLAMA_NK = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]
@@ -25,7 +24,7 @@ LLAMA_NK = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]
 
 def built_configs(sweep: bool) -> list[str]:
     """The instantiation names of the .cu source's default list (and, with ``sweep``, KF_SWEEP's)."""
-    src = (Path(fc.__file__).parent / "cutlass" / "sm90_fp8_gemm.cu").read_text()
+    src = cutlass_build.source_file(cutlass_build.FP8).read_text()
     default = src[src.index("#define KF_CONFIGS(X)") :]
     names = re.findall(r'X\("(\w+)"', default)
     if sweep:
@@ -141,7 +140,7 @@ def fp8_library(tmp_path_factory):
 @pytest.mark.parametrize("m,n,k", [(1, 256, 512), (77, 4096, 4096), (256, 6144, 4096), (1000, 1024, 14336)])
 def test_gpu_every_instantiation_matches_reference(fp8_library, m, n, k):
     xq, xs, wq, ws, _ = make_case(m, n, k, "cuda", bias_dtype=None)
-    ref = fg.fp8_gemm_ref(xq, xs, wq, ws, None, torch.float32)
+    ref = fl.fp8_linear_ref(xq, xs, wq, ws, None, torch.float32)
     for name in fc.config_names():
         y = fc.fp8_gemm_cutlass(xq, xs, wq, ws, None, torch.bfloat16, name)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16
@@ -154,7 +153,7 @@ def test_gpu_every_instantiation_matches_reference(fp8_library, m, n, k):
 def test_gpu_bias_and_scales(fp8_library, per_tensor, bias_dtype):
     xq, xs, wq, ws, bias = make_case(300, 512, 1024, "cuda", per_tensor=per_tensor, bias_dtype=bias_dtype)
     y = fl.fp8_linear_forward(xq, xs, wq, ws, bias, torch.bfloat16, backend="cutlass")
-    assert rel_err(y, fg.fp8_gemm_ref(xq, xs, wq, ws, bias, torch.float32)) < 1e-2
+    assert rel_err(y, fl.fp8_linear_ref(xq, xs, wq, ws, bias, torch.float32)) < 1e-2
 
 
 @pytest.mark.gpu

@@ -1,32 +1,24 @@
-"""fp8_linear (ops/linear/fp8_linear.py): the dequantizing reference on CPU, argument checks, export, and on
-the GPU ``torch._scaled_mm`` against the dequantized reference."""
+"""fp8_linear (ops/linear/fp8_linear.py): the reference on CPU (the dequantized product), argument checks,
+export, and on the GPU ``torch._scaled_mm`` against the reference."""
 
 import warnings
 
 import pytest
 import torch
+from test_fp8_gemm import quantize_activations, rel_err
 
-from kiln.ops.common.quant import FP8_DTYPE, dequantize_fp8, quantize_fp8_per_channel, quantize_fp8_per_token
+from kiln.ops.common.quant import dequantize_fp8, quantize_fp8_per_channel
 from kiln.ops.linear import fp8_linear as fl
 
 
-def rel_err(out, ref) -> float:
-    out, ref = out.float(), ref.float()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def make_case(t, n, k, device="cpu", seed=0, per_tensor=False, with_bias=True):
+    """``(x, w, bias, xq, xs, wq, ws)``: activations, weights with rows of spread magnitudes, and
+    their FP8 forms."""
     g = torch.Generator(device).manual_seed(seed)
     x = torch.randn(t, k, generator=g, device=device)
     w = torch.randn(n, k, generator=g, device=device) * torch.logspace(-1, 1, n, device=device)[:, None]
     bias = torch.randn(n, generator=g, device=device).to(torch.bfloat16) if with_bias else None
-    if per_tensor:
-        xs = (x.abs().amax() / 448).reshape(1)
-        xq = (x / xs).to(FP8_DTYPE)
-    else:
-        xq, xs = quantize_fp8_per_token(x)
-    wq, ws = quantize_fp8_per_channel(w)
-    return x, w, bias, xq, xs, wq, ws
+    return (x, w, bias, *quantize_activations(x, per_tensor), *quantize_fp8_per_channel(w))
 
 
 @pytest.mark.parametrize("per_tensor", [False, True], ids=["per_token", "per_tensor"])

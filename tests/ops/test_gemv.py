@@ -247,6 +247,15 @@ def test_ops_without_triton_are_the_torch_ops(monkeypatch):
     assert torch.equal(torch.ops.kiln.linear_silu_mul(x, w, b, 8), silu_and_mul_ref(lin))
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_zero_tokens(monkeypatch, device):
+    """No tokens: the CPU path (the references) and, on meta tensors, the shape rule export uses."""
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "0")
+    x, w, b = (t.to(device) for t in make(0, 40, 72, torch.bfloat16, bias=True))
+    assert torch.ops.kiln.linear(x, w, b, 8).shape == (0, 40)
+    assert torch.ops.kiln.linear_silu_mul(x, w, b, 8).shape == (0, 20)
+
+
 class _Block(torch.nn.Module):
     def __init__(self, w1, b1, w2):
         super().__init__()

@@ -9,7 +9,6 @@ from test_fp8_gemm import check_graph_replay, make_case, rel_err
 
 from kiln.ops.linear import fp8_linear as fl
 from kiln.ops.linear import gemv as G
-from kiln.ops.linear.fp8_gemm import fp8_gemm_ref
 
 PATHS = {
     "default": {},
@@ -30,7 +29,7 @@ def test_fp8_gemv_matches_reference(kernel_on_cpu, m, path, per_tensor):
     xq, xs, wq, ws, bias = make_case(m, 40, 112, per_tensor=per_tensor)  # K not a multiple of the blocks
     for out_dtype in (torch.bfloat16, torch.float32):
         y = G.gemv(xq, wq, bias, x_scale=xs, w_scale=ws, out_dtype=out_dtype, **PATHS[path])
-        ref = fp8_gemm_ref(xq, xs, wq, ws, bias, torch.float32)
+        ref = fl.fp8_linear_ref(xq, xs, wq, ws, bias, torch.float32)
         assert y.dtype == out_dtype and y.shape == (m, 40)
         assert rel_err(y, ref) < (1e-2 if out_dtype == torch.bfloat16 else 1e-5), path
 
@@ -52,7 +51,7 @@ def test_auto_runs_the_gemv_for_decode_sizes(kernel_on_cpu, monkeypatch):
     for m in (1, fl.FP8_GEMV_MAX_M, fl.FP8_GEMV_MAX_M + 1):
         xq, xs, wq, ws, bias = make_case(m, 48, 64, seed=m)
         y = torch.ops.kiln.fp8_linear(xq, xs, wq, ws, bias, torch.bfloat16)
-        assert rel_err(y, fp8_gemm_ref(xq, xs, wq, ws, bias, torch.float32)) < 1e-2
+        assert rel_err(y, fl.fp8_linear_ref(xq, xs, wq, ws, bias, torch.float32)) < 1e-2
     assert calls == [1, fl.FP8_GEMV_MAX_M]  # above the limit: Triton GEMM / cuBLAS rules
     monkeypatch.setenv("KILN_GEMV", "0")  # the GEMV switch covers it
     torch.ops.kiln.fp8_linear(xq[:1], xs[:1], wq, ws, bias, torch.bfloat16)
@@ -68,7 +67,7 @@ def test_auto_runs_the_gemv_for_decode_sizes(kernel_on_cpu, monkeypatch):
 def test_gpu_fp8_gemv_matches_reference(compiled_gpu, m, n, k):
     xq, xs, wq, ws, _ = make_case(m, n, k, "cuda", bias_dtype=None)
     y = G.gemv(xq, wq, None, x_scale=xs, w_scale=ws)
-    assert rel_err(y, fp8_gemm_ref(xq, xs, wq, ws, None, torch.float32)) < 1e-2
+    assert rel_err(y, fl.fp8_linear_ref(xq, xs, wq, ws, None, torch.float32)) < 1e-2
 
 
 @pytest.mark.gpu

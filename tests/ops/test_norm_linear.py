@@ -108,7 +108,7 @@ def test_norm_launch_never_splits_k(kernel_on_cpu, monkeypatch):
 def test_op_fused_path(kernel_on_cpu, normed, residual):
     x, r, nw, w, b = make(48, 256, torch.bfloat16, residual, bias=True)
     y, h, xn = torch.ops.kiln.rmsnorm_linear(x, r, nw, EPS, w, b, 1, False, normed)
-    yr, hr, xnr = NL.rmsnorm_linear_ref(x, r, nw, EPS, w, b)
+    yr, hr, xnr = NL.rmsnorm_linear_ref(x, r, nw, EPS, w, b, 1, False, True)
     close(y, fused_ref(x, r, nw, w, b))
     # against the two-launch path: the normalized row's bf16 rounding (2^-9 relative per element)
     # adds about 2^-9 * |y| spread over K, a few 1e-3 at these magnitudes
@@ -140,7 +140,7 @@ def test_op_unfused_paths_are_the_two_launches(monkeypatch, case):
     y, h, xn = torch.ops.kiln.rmsnorm_linear(
         x, r, nw, EPS, w, None, 0 if case == "max_m_0" else 1, True, True
     )
-    yr, hr, xnr = NL.rmsnorm_linear_ref(x, r, nw, EPS, w, None, gate_up=True)
+    yr, hr, xnr = NL.rmsnorm_linear_ref(x, r, nw, EPS, w, None, 1, True, True)
     torch.testing.assert_close(y, yr, rtol=1e-6, atol=1e-6)
     assert torch.equal(h, hr) and torch.equal(xn, xnr) and torch.equal(r, r0)
 
@@ -162,6 +162,17 @@ def test_rejects_bad_input():
         G.gemv(x, w, norm=G.NormIn(nw, EPS), split_k=2)
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_zero_tokens(monkeypatch, device):
+    """No tokens: the CPU path (the reference) and, on meta tensors, the shape rule export uses."""
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "0")
+    x, r, nw, w = torch.zeros(0, 32), torch.zeros(0, 32), torch.ones(32), torch.zeros(16, 32)
+    y, h, xn = torch.ops.kiln.rmsnorm_linear(
+        *(t.to(device) for t in (x, r, nw)), EPS, w.to(device), None, 1, True, True
+    )
+    assert (y.shape, h.shape, xn.shape) == ((0, 8), (0, 32), (0, 32))
+
+
 def test_export_records_one_node():
     class M(torch.nn.Module):
         def forward(self, x, r, nw, w):
@@ -176,7 +187,7 @@ def test_export_records_one_node():
     assert len(calls) == 1
     y, h = ep.module()(x[:1], r[:1], nw, w)
     assert y.shape == (1, 16) and h.shape == (1, 32)
-    torch.testing.assert_close(y, NL.rmsnorm_linear_ref(x[:1], r[:1], nw, EPS, w, None)[0])
+    torch.testing.assert_close(y, NL.rmsnorm_linear_ref(x[:1], r[:1], nw, EPS, w, None, 1, False, False)[0])
 
 
 # ---- GPU: the compiled kernel at model sizes ----------------------------------------------------------
@@ -198,7 +209,7 @@ def test_gpu_matches_reference(compiled_gpu, n, k, gate_up, normed, residual):
     x, r, nw, w, _ = (t.cuda() if t is not None else None for t in make(n, k, torch.bfloat16, residual))
     y, h, xn = torch.ops.kiln.rmsnorm_linear(x, r, nw, EPS, w, None, 1, gate_up, normed)
     close(y, fused_ref(x, r, nw, w, None, gate_up), ulps=4 if gate_up else 1)
-    _, hr, xnr = NL.rmsnorm_linear_ref(x, r, nw, EPS, w, None, gate_up)
+    _, hr, xnr = NL.rmsnorm_linear_ref(x, r, nw, EPS, w, None, 1, gate_up, True)
     if residual:
         assert torch.equal(h, hr)
     if normed:
