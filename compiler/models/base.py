@@ -21,7 +21,7 @@ The GEMV plan (``kiln compile --gemv-plan``, ops/linear/gemv.py ``gemv_plan``) i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -39,8 +39,6 @@ from kiln.compiler.layers import (
     use_gemv_plan,
 )
 from kiln.ops.linear.gemv import gemv_plan as parse_gemv_plan
-
-LayerFactory = Callable[[int], nn.Module]
 
 
 def vocab_per_rank(cfg: ModelConfig, tp: int) -> int:
@@ -126,19 +124,23 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderOnlyLM(nn.Module):
+    """A decoder-only LM: embedding, ``cfg.num_layers`` layers from :meth:`make_layer`, final norm,
+    LM head. An architecture is a subclass that overrides :meth:`make_layer` (models/llama.py,
+    models/moe.py); the constructor's arguments are the same for all of them."""
+
     def __init__(
         self,
         cfg: ModelConfig,
-        make_layer: LayerFactory,
         dtype: torch.dtype,
         tp: int = 1,
+        quant: str | None = None,
         gemv_plan: Mapping[str, int] | None = None,
     ):
         super().__init__()
         self.cfg = cfg
         v_rank = vocab_per_rank(cfg, tp)
         self.embed = Embedding(v_rank, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(i, dtype, tp, quant) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = LMHead(cfg.vocab_size, v_rank, cfg.hidden_size, dtype, cfg.tie_word_embeddings)
         self.tp = tp
@@ -146,6 +148,12 @@ class DecoderOnlyLM(nn.Module):
         # role -> the largest T on the GEMV (None: the default plan)
         self.gemv_plan = dict(parse_gemv_plan() if gemv_plan is None else gemv_plan)
         use_gemv_plan(self, self.gemv_plan)
+
+    def make_layer(self, i: int, dtype: torch.dtype, tp: int, quant: str | None) -> DecoderLayer:
+        """Layer ``i`` (``self.cfg`` is set): Llama-style attention and the dense MLP."""
+        cfg = self.cfg
+        attn = llama_attention(cfg, i, dtype, tp, quant)
+        return DecoderLayer(cfg, attn, dense_mlp(cfg, dtype, tp, quant), dtype, quant)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] int64 -> logits [B, V] f32 at the rows ``ctx.logits_indices``."""
