@@ -135,7 +135,9 @@ def test_decode(measure, batch, ctx, cap, impl):
     scale = D**-0.5
     splits = choose_num_splits(batch, cap, HKV)
     if impl == "triton":
-        fn = lambda: decode_attention_triton(q, k_cache, v_cache, bt, rows, lens, scale, PAGE, splits)
+        fn = lambda: decode_attention_triton(
+            q, k_cache, v_cache, bt, rows, lens, scale, PAGE, splits, -1, 0.0
+        )
     else:
         base = _sdpa if impl == "sdpa" else _compiled
         fn = lambda: base(q[:, None], k_cache, v_cache, slots, scale, ctx - 1)
@@ -153,7 +155,7 @@ def test_decode_sweep(measure, batch, ctx, cfg, splits_factor):
     config = DecodeConfig(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
     splits = max(1, round(choose_num_splits(batch, ctx, HKV) * splits_factor))
     fn = lambda: decode_attention_triton(
-        q, k_cache, v_cache, bt, rows, lens, D**-0.5, PAGE, splits, config=config
+        q, k_cache, v_cache, bt, rows, lens, D**-0.5, PAGE, splits, -1, 0.0, config=config
     )
     measure(_graphed(fn), bytes=nbytes, batch=batch, ctx=ctx, num_splits=splits, config=str(config))
 
@@ -175,7 +177,9 @@ def test_extend(measure, prefix, impl):
     q, k_cache, v_cache, bt, rows, lens, indptr, slots, flops = _extend_case(new, prefix)
     scale = D**-0.5
     if impl == "triton":
-        fn = lambda: extend_attention_triton(q, k_cache, v_cache, bt, rows, lens, indptr, scale, PAGE)
+        fn = lambda: extend_attention_triton(
+            q, k_cache, v_cache, bt, rows, lens, indptr, scale, PAGE, -1, 0.0
+        )
     else:
         base = _sdpa if impl == "sdpa" else _compiled
         fn = lambda: base(q[None], k_cache, v_cache, slots, scale, prefix)
@@ -198,7 +202,7 @@ def test_extend_sweep(measure, prefix, cfg):
     q, k_cache, v_cache, bt, rows, lens, indptr, _, flops = _extend_case(4096, prefix)
     config = ExtendConfig(block_m=cfg[0], block_n=cfg[1], pack=cfg[2], num_warps=cfg[3], num_stages=cfg[4])
     fn = lambda: extend_attention_triton(
-        q, k_cache, v_cache, bt, rows, lens, indptr, D**-0.5, PAGE, config=config
+        q, k_cache, v_cache, bt, rows, lens, indptr, D**-0.5, PAGE, -1, 0.0, config=config
     )
     measure(_graphed(fn), flops=flops, prefix=prefix, config=str(config))
 

@@ -34,16 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.attention.reference import decode_attention_ref
-from kiln.ops.common.launch import (
-    interpreting,
-    next_pow2,
-    pdl_args,
-    pdl_trigger,
-    pdl_wait,
-    prewait,
-    use_triton,
-)
+from kiln.ops.attention.reference import check_attention, decode_attention_ref, empty_attention_out
+from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, prewait
 from kiln.ops.common.op import kiln_op
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
@@ -84,7 +76,7 @@ def default_config(head_dim: int, v_head_dim: int) -> DecodeConfig:
 
 
 @triton.jit
-def _softcap(s, cap):
+def tl_softcap(s, cap):
     # cap * tanh(s / cap), through exp of a non-positive argument (never overflows)
     x = s / cap
     e = tl.exp(-2.0 * tl.abs(x))
@@ -93,7 +85,7 @@ def _softcap(s, cap):
 
 
 @triton.jit
-def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def tl_dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
     # UPCAST: the Triton 3.9 interpreter multiplies bf16 tiles as their raw uint16 bits; the
     # tests run through it with float32 operands (same values: bf16 -> f32 is exact).
     if UPCAST:
@@ -250,9 +242,9 @@ def _decode_split_kernel(
         else:
             slot = _block_slots(bt_ptr + row * stride_bt, offs, end, PAGE)  # [BLOCK_N]
             k = _cache_rows(k_base, slot, stride_ks, d, kmask, D)  # k: [BLOCK_N, BLOCK_D]
-        s = _dot(q, tl.trans(k), PREC, UPCAST)  # [GROUP_PAD, BLOCK_N] f32
+        s = tl_dot(q, tl.trans(k), PREC, UPCAST)  # [GROUP_PAD, BLOCK_N] f32
         if HAS_CAP:
-            s = _softcap(s * sm_scale, logit_cap) * 1.4426950408889634
+            s = tl_softcap(s * sm_scale, logit_cap) * 1.4426950408889634
         else:
             s = s * qk_scale
         s = tl.where(kmask[None, :], s, float("-inf"))
@@ -267,7 +259,7 @@ def _decode_split_kernel(
                 v = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV)
         else:
             v = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV)  # v: [BLOCK_N, BLOCK_DV]
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
+        acc = acc * alpha[:, None] + tl_dot(p.to(v.dtype), v, PREC, UPCAST)
         m_i = m_new
 
     has = l_i > 0.0
@@ -310,46 +302,23 @@ def _decode_merge_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dv[None, :] < DV)
 
 
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int) -> None:
-    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
-        raise ValueError(
-            f"attention: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} and v_cache "
-            f"{tuple(v_cache.shape)} must be 3-D ([tokens, heads, dim], [slots, kv_heads, dim])."
-        )
-    hq, hkv = q.shape[1], k_cache.shape[1]
-    if hq % hkv or v_cache.shape[1] != hkv or q.shape[2] != k_cache.shape[2]:
-        raise ValueError(
-            f"attention: q heads ({hq}) must be a multiple of kv heads ({hkv}), v_cache must have "
-            f"{hkv} heads (has {v_cache.shape[1]}) and q/k head dims must agree "
-            f"({q.shape[2]} vs {k_cache.shape[2]})."
-        )
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("attention: q, k_cache and v_cache need a contiguous last dimension.")
-    if page_size < 1:
-        raise ValueError(f"attention: page_size must be >= 1, got {page_size}.")
-
-
-def decode_attention_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    req_rows: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    page_size: int,
-    num_splits: int,
-    sliding_window: int = -1,
-    logit_cap: float = 0.0,
-    config: DecodeConfig | None = None,
-) -> torch.Tensor:
-    """Launch the Triton kernels (shapes as in the module docstring); ``config`` overrides the
-    block size and launch parameters (benchmarks sweep it)."""
-    _check(q, k_cache, v_cache, page_size)
-    bsz, hq, d = q.shape
-    stride_qb, stride_qh = q.stride(0), q.stride(1)
+def check_decode(q, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size, num_splits, *_):
+    """``kiln::decode_attention``'s argument check (both paths)."""
+    check_attention(q, k_cache, v_cache, page_size)
     if num_splits < 0:
         raise ValueError(f"decode_attention: num_splits must be >= 0 (0 = auto), got {num_splits}.")
+
+
+@kiln_op("decode_attention", ref=decode_attention_ref, check=check_decode, fake=empty_attention_out)
+def decode_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    req_rows: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, page_size: int, num_splits: int,
+    sliding_window: int, logit_cap: float, *, config: DecodeConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Paged decode attention ``[B, Hq, D] -> [B, Hq, Dv]`` (the module docstring): the Triton
+    kernels. ``config`` overrides the block size and launch parameters (benchmarks sweep it)."""
+    bsz, hq, d = q.shape
+    stride_qb, stride_qh = q.stride(0), q.stride(1)
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     if num_splits == 0:  # auto: from the batch and the block table's context capacity
         num_splits = choose_num_splits(max(bsz, 1), block_table.shape[1] * page_size, hkv)
@@ -388,73 +357,3 @@ def decode_attention_triton(
             PREWAIT=prewait("attn"), **pdl,
         )  # fmt: skip
     return out
-
-
-def decode_attention_any(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    req_rows: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    page_size: int,
-    num_splits: int,
-    sliding_window: int,
-    logit_cap: float,
-) -> torch.Tensor:
-    """The op's body: the Triton kernels where ``use_triton`` says so, else the reference."""
-    if use_triton(q):
-        return decode_attention_triton(
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            req_rows,
-            seq_lens,
-            sm_scale,
-            page_size,
-            num_splits,
-            sliding_window,
-            logit_cap,
-        )
-    _check(q, k_cache, v_cache, page_size)
-    return decode_attention_ref(
-        q, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size, sliding_window, logit_cap
-    )
-
-
-@kiln_op("decode_attention")
-def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    req_rows: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    page_size: int,
-    num_splits: int,
-    sliding_window: int,
-    logit_cap: float,
-) -> torch.Tensor:
-    """Paged decode attention (see the module docstring): ``[B, Hq, D] -> [B, Hq, Dv]``."""
-    return decode_attention_any(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        req_rows,
-        seq_lens,
-        sm_scale,
-        page_size,
-        num_splits,
-        sliding_window,
-        logit_cap,
-    )
-
-
-@decode_attention.register_fake
-def _(q, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size, num_splits,
-      sliding_window, logit_cap):  # fmt: skip
-    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])

@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.attention.decode import _check, _dot, _softcap
-from kiln.ops.attention.reference import extend_attention_ref
-from kiln.ops.common.launch import interpreting, next_pow2, use_triton
+from kiln.ops.attention.decode import tl_dot, tl_softcap
+from kiln.ops.attention.reference import check_attention, empty_attention_out, extend_attention_ref
+from kiln.ops.common.launch import interpreting, next_pow2
 from kiln.ops.common.op import kiln_op
 
 
@@ -100,9 +100,9 @@ def _extend_step(
     else:
         k = tl.load(k_ptrs)  # unmasked phase: whole blocks of existing keys
     # k: [BLOCK_N, BLOCK_D]
-    s = _dot(q, tl.trans(k), PREC, UPCAST)  # [BLOCK_M, BLOCK_N] f32
+    s = tl_dot(q, tl.trans(k), PREC, UPCAST)  # [BLOCK_M, BLOCK_N] f32
     if HAS_CAP:
-        s = _softcap(s * sm_scale, logit_cap) * 1.4426950408889634
+        s = tl_softcap(s * sm_scale, logit_cap) * 1.4426950408889634
         qk_scale = 1.0
     else:
         qk_scale = sm_scale * 1.4426950408889634  # applied below in one FMA with the max
@@ -123,7 +123,7 @@ def _extend_step(
     else:
         v = tl.load(v_ptrs)
     # v: [BLOCK_N, BLOCK_DV]
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
+    acc = acc * alpha[:, None] + tl_dot(p.to(v.dtype), v, PREC, UPCAST)
     return acc, m_new, l_i
 
 
@@ -224,31 +224,29 @@ def _extend_kernel(
         )
 
 
+def check_extend(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size, *_):
+    """``kiln::extend_attention``'s argument check (both paths)."""
+    check_attention(q, k_cache, v_cache, page_size)
+    if qo_indptr.shape[0] != req_rows.shape[0] + 1:
+        raise ValueError(
+            f"extend_attention: qo_indptr has {qo_indptr.shape[0]} entries, expected B + 1 = "
+            f"{req_rows.shape[0] + 1}."
+        )
+
+
+@kiln_op("extend_attention", ref=extend_attention_ref, check=check_extend, fake=empty_attention_out)
 def extend_attention_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    req_rows: torch.Tensor,
-    seq_lens: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    sm_scale: float,
-    page_size: int,
-    sliding_window: int = -1,
-    logit_cap: float = 0.0,
-    config: ExtendConfig | None = None,
-) -> torch.Tensor:
-    """Launch the Triton kernel (shapes as in the module docstring); ``config`` overrides tile
-    sizes, GQA packing and launch parameters (benchmarks sweep it)."""
-    _check(q, k_cache, v_cache, page_size)
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    req_rows: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor, sm_scale: float, page_size: int,
+    sliding_window: int, logit_cap: float, *, config: ExtendConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Paged extend attention ``[T, Hq, D] -> [T, Hq, Dv]`` (the module docstring): the Triton
+    kernel. ``config`` overrides tile sizes, GQA packing and launch parameters (benchmarks sweep
+    it)."""
     t, hq, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     group = hq // hkv
     num_reqs = req_rows.shape[0]
-    if qo_indptr.shape[0] != num_reqs + 1:
-        raise ValueError(
-            f"extend_attention: qo_indptr has {qo_indptr.shape[0]} entries, expected B + 1 = {num_reqs + 1}."
-        )
     cfg = config or default_config(d, dv, q.dtype)
     pack = _resolve_pack(cfg, group)
     out = torch.empty(t, hq, dv, dtype=q.dtype, device=q.device)
@@ -269,72 +267,3 @@ def extend_attention_triton(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
-
-
-def extend_attention_any(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    req_rows: torch.Tensor,
-    seq_lens: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    sm_scale: float,
-    page_size: int,
-    sliding_window: int,
-    logit_cap: float,
-) -> torch.Tensor:
-    """The op's body: the Triton kernel where ``use_triton`` says so, else the reference."""
-    args = (
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        req_rows,
-        seq_lens,
-        qo_indptr,
-        sm_scale,
-        page_size,
-        sliding_window,
-        logit_cap,
-    )
-    if use_triton(q):
-        return extend_attention_triton(*args)
-    _check(q, k_cache, v_cache, page_size)
-    return extend_attention_ref(*args)
-
-
-@kiln_op("extend_attention")
-def extend_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    req_rows: torch.Tensor,
-    seq_lens: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    sm_scale: float,
-    page_size: int,
-    sliding_window: int,
-    logit_cap: float,
-) -> torch.Tensor:
-    """Paged extend attention (see the module docstring): ``[T, Hq, D] -> [T, Hq, Dv]``."""
-    return extend_attention_any(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        req_rows,
-        seq_lens,
-        qo_indptr,
-        sm_scale,
-        page_size,
-        sliding_window,
-        logit_cap,
-    )
-
-
-@extend_attention.register_fake
-def _(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
-      sliding_window, logit_cap):  # fmt: skip
-    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])

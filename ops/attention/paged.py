@@ -11,64 +11,48 @@ decode's ``num_splits``:
 Dispatch is on shapes only (capture-safe): ``T == B`` is a decode step (every request of a batch
 brings at least one new token, so ``T == B`` means exactly one each) and runs split-KV decode
 attention with ``num_splits`` (0 = chosen from the batch and the block table's width); otherwise
-extend attention (``num_splits`` unused).
+extend attention (``num_splits`` unused). The op's launch, reference and check are :func:`by_step`
+over decode's and extend's (ops/common/op.py ``kiln_op``); its fake is their shape rule.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from kiln.ops.attention.decode import decode_attention_any
-from kiln.ops.attention.extend import extend_attention_any
+from kiln.ops.attention.decode import check_decode, decode_attention_triton
+from kiln.ops.attention.extend import check_extend, extend_attention_triton
+from kiln.ops.attention.reference import decode_attention_ref, empty_attention_out, extend_attention_ref
 from kiln.ops.common.op import kiln_op
 
 
-@kiln_op("paged_attention")
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    req_rows: torch.Tensor,
-    seq_lens: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    sm_scale: float,
-    page_size: int,
-    num_splits: int,
-    sliding_window: int,
-    logit_cap: float,
-) -> torch.Tensor:
-    """Decode attention when ``T == B``, extend attention otherwise (see the module docstring)."""
-    if q.shape[0] == req_rows.shape[0]:
-        return decode_attention_any(
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            req_rows,
-            seq_lens,
-            sm_scale,
-            page_size,
-            num_splits,
-            sliding_window,
-            logit_cap,
-        )
-    return extend_attention_any(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        req_rows,
-        seq_lens,
-        qo_indptr,
-        sm_scale,
-        page_size,
-        sliding_window,
-        logit_cap,
-    )
+def by_step(decode: Callable[..., Any], extend: Callable[..., Any]) -> Callable[..., Any]:
+    """Paged attention's parameters over a decode and an extend function that take their ops'
+    (``kiln::decode_attention``'s, ``kiln::extend_attention``'s): ``decode`` when ``T == B``,
+    else ``extend``. The op's launch, reference and check are this over the two ops' launches,
+    references and checks."""
+
+    def paged_attention(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+        req_rows: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor, sm_scale: float,
+        page_size: int, num_splits: int, sliding_window: int, logit_cap: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """Decode attention when ``T == B``, extend attention otherwise (see the module docstring)."""
+        if q.shape[0] == req_rows.shape[0]:
+            return decode(q, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size,
+                          num_splits, sliding_window, logit_cap)  # fmt: skip
+        return extend(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
+                      sliding_window, logit_cap)  # fmt: skip
+
+    return paged_attention
 
 
-@paged_attention.register_fake
-def _(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size, num_splits,
-      sliding_window, logit_cap):  # fmt: skip
-    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+paged_attention_ref = by_step(decode_attention_ref, extend_attention_ref)
+paged_attention_forward = kiln_op(
+    "paged_attention",
+    ref=paged_attention_ref,
+    check=by_step(check_decode, check_extend),
+    fake=empty_attention_out,
+)(by_step(decode_attention_triton, extend_attention_triton))

@@ -30,15 +30,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.attention.rope import apply_rope_ref
-from kiln.ops.common.launch import (
-    interpreting,
-    next_pow2,
-    pdl_args,
-    pdl_trigger,
-    pdl_wait,
-    prewait,
-    use_triton,
-)
+from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, prewait
 from kiln.ops.common.op import kiln_op
 
 
@@ -52,23 +44,10 @@ def head_rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tens
     return w * y.to(x.dtype)
 
 
-def qkv_rope_kvwrite_ref(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out_slots: torch.Tensor,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    rotary_dim: int,
-    is_neox: bool,
-    q_norm_w: torch.Tensor | None,
-    k_norm_w: torch.Tensor | None,
-    eps: float,
-) -> torch.Tensor:
-    """Plain-torch composition with the op's contract (writes the caches, returns q)."""
+def qkv_rope_kvwrite_ref(qkv, positions, cos_sin, k_cache, v_cache, out_slots, num_q_heads, num_kv_heads,
+                         head_dim, rotary_dim, is_neox, q_norm_w, k_norm_w, eps):  # fmt: skip
+    """Plain-torch composition with the op's contract (writes the caches, returns q): the op's
+    reference, and, run on fake tensors, its shape rule."""
     t = qkv.shape[0]
     hq, hkv, d = num_q_heads, num_kv_heads, head_dim
     q = qkv[:, : hq * d].reshape(t, hq, d)  # q: [T, Hq, D]
@@ -253,18 +232,10 @@ def _pick_block_h(num_tokens: int, num_heads: int, head_dim: int) -> int:
     return max(1, min(next_pow2(num_heads), target // next_pow2(head_dim)))
 
 
-def _check(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out_slots: torch.Tensor,
-    hq: int,
-    hkv: int,
-    d: int,
-    rot: int,
-) -> None:
+def _check(qkv, positions, cos_sin, k_cache, v_cache, out_slots, num_q_heads, num_kv_heads, head_dim, rotary_dim,
+           *_):  # fmt: skip
+    """The op's argument check (both paths)."""
+    hq, hkv, d, rot = num_q_heads, num_kv_heads, head_dim, rotary_dim
     if positions.shape != qkv.shape[:1] or out_slots.shape != qkv.shape[:1]:
         raise ValueError(
             f"positions {list(positions.shape)} and out_slots {list(out_slots.shape)} must be [T] "
@@ -287,6 +258,8 @@ def _check(
         )
 
 
+# --------------------------------------------------------------------------- op
+@kiln_op("qkv_rope_kvwrite", ref=qkv_rope_kvwrite_ref, check=_check, mutates_args=("k_cache", "v_cache"))
 def qkv_rope_kvwrite_triton(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -302,11 +275,13 @@ def qkv_rope_kvwrite_triton(
     q_norm_w: torch.Tensor | None,
     k_norm_w: torch.Tensor | None,
     eps: float,
+    *,
     block_h: int | None = None,
     num_warps: int = 4,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch the fused kernel. ``out`` (``[T, Hq, D]``, contiguous, ``qkv.dtype``) receives q when
+    """The fused kernel (see the module docstring): returns ``q [T, Hq, D]`` in ``qkv.dtype``,
+    writes the caches. ``out`` (``[T, Hq, D]``, contiguous, ``qkv.dtype``) receives q when
     given (tests poison it); ``block_h``/``num_warps`` override the launch for benchmarks."""
     t = qkv.shape[0]
     q = out if out is not None else qkv.new_empty((t, num_q_heads, head_dim))  # q: [T, Hq, D]
@@ -360,36 +335,4 @@ def qkv_rope_kvwrite_triton(
     return q
 
 
-# --------------------------------------------------------------------------- op
-@kiln_op("qkv_rope_kvwrite", mutates_args=("k_cache", "v_cache"))
-def qkv_rope_kvwrite(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out_slots: torch.Tensor,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    rotary_dim: int,
-    is_neox: bool,
-    q_norm_w: torch.Tensor | None,
-    k_norm_w: torch.Tensor | None,
-    eps: float,
-) -> torch.Tensor:
-    """See the module docstring. Returns ``q [T, Hq, D]`` in ``qkv.dtype``; writes the caches."""
-    args = (qkv, positions, cos_sin, k_cache, v_cache, out_slots, num_q_heads, num_kv_heads, head_dim)
-    _check(*args, rotary_dim)
-    impl = qkv_rope_kvwrite_triton if use_triton(qkv) else qkv_rope_kvwrite_ref
-    return impl(*args, rotary_dim, is_neox, q_norm_w, k_norm_w, eps)
-
-
-@qkv_rope_kvwrite.register_fake
-def _(
-    qkv, positions, cos_sin, k_cache, v_cache, out_slots, num_q_heads, num_kv_heads, head_dim, *rest
-) -> torch.Tensor:
-    return qkv.new_empty((qkv.shape[0], num_q_heads, head_dim))
-
-
-__all__ = ["head_rmsnorm_ref", "qkv_rope_kvwrite", "qkv_rope_kvwrite_ref", "qkv_rope_kvwrite_triton"]
+__all__ = ["head_rmsnorm_ref", "qkv_rope_kvwrite_ref", "qkv_rope_kvwrite_triton"]

@@ -8,6 +8,13 @@ not meant to be fast.
 
 Masks: key ``j`` is visible to query position ``i`` iff ``j <= i`` and, with a sliding window
 ``W > 0``, ``i - j < W``. Soft-cap ``cap > 0``: ``s = cap * tanh(s / cap)`` on the scaled scores.
+
+The references take their ops' parameters (ops/common/op.py ``kiln_op``; the annotations are the
+launches'): ``extend_attention_ref`` is ``kiln::extend_attention``'s, ``decode_attention_ref``
+``kiln::decode_attention``'s (``num_splits`` only divides the kernel's work). Beside them, what
+the attention ops share: ``check_attention`` (their common argument check) and
+``empty_attention_out`` (their shape rule on fake tensors, where the references, which read
+lengths on the host, cannot run).
 """
 
 from __future__ import annotations
@@ -50,19 +57,8 @@ def _attend(
     return torch.matmul(p, vf).transpose(0, 1)  # [n, Hq, Dv]
 
 
-def extend_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    req_rows: torch.Tensor,
-    seq_lens: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    sm_scale: float,
-    page_size: int,
-    sliding_window: int = -1,
-    logit_cap: float = 0.0,
-) -> torch.Tensor:
+def extend_attention_ref(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
+                         sliding_window, logit_cap):  # fmt: skip
     """Extend attention, reference.
 
     q ``[T, Hq, D]``; k_cache ``[S, Hkv, D]``; v_cache ``[S, Hkv, Dv]``; block_table ``[R, M]``
@@ -86,38 +82,45 @@ def extend_attention_ref(
     return out.to(q.dtype)
 
 
-def decode_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    req_rows: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    page_size: int,
-    sliding_window: int = -1,
-    logit_cap: float = 0.0,
-) -> torch.Tensor:
+def decode_attention_ref(q, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size, num_splits,
+                         sliding_window, logit_cap):  # fmt: skip
     """Decode attention, reference: one query per request at position ``seq_lens[b] - 1``.
 
-    q ``[B, Hq, D]``; caches and metadata as in :func:`extend_attention_ref`. Returns
-    ``[B, Hq, Dv]`` in q's dtype (zeros for a request with ``seq_lens[b] == 0``).
+    q ``[B, Hq, D]``; caches and metadata as in :func:`extend_attention_ref`; ``num_splits`` is
+    unused. Returns ``[B, Hq, Dv]`` in q's dtype (zeros for a request with ``seq_lens[b] == 0``).
     """
-    b = q.shape[0]
-    qo_indptr = torch.arange(b + 1, dtype=torch.int32, device=q.device)
-    return extend_attention_ref(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        req_rows,
-        seq_lens,
-        qo_indptr,
-        sm_scale,
-        page_size,
-        sliding_window,
-        logit_cap,
-    )
+    qo_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return extend_attention_ref(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale,
+                                page_size, sliding_window, logit_cap)  # fmt: skip
+
+
+def check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int) -> None:
+    """The checks every attention op runs first: 3-D q and caches with agreeing heads and head dims,
+    contiguous last dimensions, ``page_size >= 1``."""
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
+        raise ValueError(
+            f"attention: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} and v_cache "
+            f"{tuple(v_cache.shape)} must be 3-D ([tokens, heads, dim], [slots, kv_heads, dim])."
+        )
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    if hq % hkv or v_cache.shape[1] != hkv or q.shape[2] != k_cache.shape[2]:
+        raise ValueError(
+            f"attention: q heads ({hq}) must be a multiple of kv heads ({hkv}), v_cache must have "
+            f"{hkv} heads (has {v_cache.shape[1]}) and q/k head dims must agree "
+            f"({q.shape[2]} vs {k_cache.shape[2]})."
+        )
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("attention: q, k_cache and v_cache need a contiguous last dimension.")
+    if page_size < 1:
+        raise ValueError(f"attention: page_size must be >= 1, got {page_size}.")
+
+
+def empty_attention_out(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *_: object
+) -> torch.Tensor:
+    """The attention ops' output for their arguments, uninitialized: ``[T, Hq, Dv]`` in q's dtype
+    (their fake implementation)."""
+    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
 
 
 def random_block_table(

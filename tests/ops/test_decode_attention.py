@@ -58,9 +58,9 @@ def make_inputs(seq_lens, hq, hkv, d, dv, page_size, dtype, device="cpu"):
 
 def check(seed, seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype, window=-1, cap=0.0, device="cpu"):
     q, k, v, bt, rows, lens = make_inputs(seq_lens, hq, hkv, d, dv, page_size, dtype, device)
-    scale = d**-0.5
-    out = torch.ops.kiln.decode_attention(q, k, v, bt, rows, lens, scale, page_size, num_splits, window, cap)
-    ref = decode_attention_ref(q, k, v, bt, rows, lens, scale, page_size, window, cap)
+    args = (q, k, v, bt, rows, lens, d**-0.5, page_size, num_splits, window, cap)
+    out = torch.ops.kiln.decode_attention(*args)
+    ref = decode_attention_ref(*args)
     assert out.shape == (len(seq_lens), hq, dv) and out.dtype == dtype
     assert not out.isnan().any(), f"seed {seed}: NaN in output (unwritten or 0/0)"
     err = rel_err(out, ref)
@@ -107,8 +107,9 @@ def test_decode_long_context(triton_on_cpu, seed):
 def test_decode_empty_sequence_gives_zeros(triton_on_cpu, seed):
     q, k, v, bt, rows, _ = make_inputs([1, 40], 8, 2, 64, 64, 16, torch.float32)
     lens = torch.tensor([0, 40], dtype=torch.int32)
-    out = torch.ops.kiln.decode_attention(q, k, v, bt, rows, lens, 0.125, 16, 4, -1, 0.0)
-    ref = decode_attention_ref(q, k, v, bt, rows, lens, 0.125, 16)
+    args = (q, k, v, bt, rows, lens, 0.125, 16, 4, -1, 0.0)
+    out = torch.ops.kiln.decode_attention(*args)
+    ref = decode_attention_ref(*args)
     assert torch.equal(out[0], torch.zeros_like(out[0])), f"seed {seed}"
     assert rel_err(out[1], ref[1]) < 1e-5, f"seed {seed}"
 
@@ -155,11 +156,11 @@ class _LaunchSpy:
 def test_decode_merge_launches(triton_on_cpu, seed, monkeypatch):
     # split partials are merged by a second kernel; with one split the split kernel writes the output
     q, k, v, bt, rows, lens = make_inputs([0, 1, 17, 50], 8, 2, 64, 64, 16, torch.float32)
-    ref = decode_attention_ref(q, k, v, bt, rows, lens, 0.125, 16)
+    ref = decode_attention_ref(q, k, v, bt, rows, lens, 0.125, 16, 1, -1, 0.0)
     for splits, merge_launches in ((4, 1), (1, 0)):
         spy = _LaunchSpy(dec._decode_merge_kernel)
         monkeypatch.setattr(dec, "_decode_merge_kernel", spy)
-        out = dec.decode_attention_triton(q, k, v, bt, rows, lens, 0.125, 16, splits)
+        out = dec.decode_attention_triton(q, k, v, bt, rows, lens, 0.125, 16, splits, -1, 0.0)
         assert spy.launches == merge_launches, splits
         assert rel_err(out, ref) < 1e-5, f"seed {seed}, {splits} splits"
 
@@ -183,14 +184,22 @@ def test_choose_num_splits():
 def test_cpu_path_is_reference(seed, monkeypatch):
     monkeypatch.delenv("KILN_TRITON_ON_CPU", raising=False)
     q, k, v, bt, rows, lens = make_inputs([7, 19], 8, 2, 64, 64, 16, torch.float32)
-    out = torch.ops.kiln.decode_attention(q, k, v, bt, rows, lens, 0.125, 16, 2, -1, 0.0)
-    assert torch.equal(out, decode_attention_ref(q, k, v, bt, rows, lens, 0.125, 16))
+    args = (q, k, v, bt, rows, lens, 0.125, 16, 2, -1, 0.0)
+    assert torch.equal(torch.ops.kiln.decode_attention(*args), decode_attention_ref(*args))
 
 
 def test_bad_shapes_are_named(seed):
     q, k, v, bt, rows, lens = make_inputs([4], 6, 4, 64, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="multiple of kv heads"):
         torch.ops.kiln.decode_attention(q, k, v, bt, rows, lens, 0.125, 16, 1, -1, 0.0)
+
+
+def test_negative_num_splits_is_named_on_both_paths(seed, monkeypatch):
+    q, k, v, bt, rows, lens = make_inputs([4], 8, 2, 64, 64, 16, torch.float32)
+    for kernel in ("1", "0"):  # the Triton launch, then the reference
+        monkeypatch.setenv("KILN_TRITON_ON_CPU", kernel)
+        with pytest.raises(ValueError, match="num_splits must be >= 0"):
+            torch.ops.kiln.decode_attention(q, k, v, bt, rows, lens, 0.125, 16, -1, -1, 0.0)
 
 
 # --------------------------------------------------------------------------- GPU, real sizes
@@ -224,5 +233,5 @@ def test_decode_gpu_cuda_graph_replay(seed):
         lens.copy_(torch.tensor(new, dtype=torch.int32))
         out.fill_(float("nan"))
         graph.replay()
-        ref = decode_attention_ref(q, k, v, bt, rows, lens, 128**-0.5, 16)
+        ref = decode_attention_ref(*args)
         assert not out.isnan().any() and rel_err(out, ref) < 1e-2, f"seed {seed}, lens {new}"

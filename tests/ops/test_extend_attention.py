@@ -8,41 +8,17 @@ bf16 before P @ V; observed ~5e-3).
 """
 
 import io
-import random
 
 import pytest
+import test_decode_attention as decode_tests
 import torch
+from test_decode_attention import TOL, rel_err
 
-from kiln.ops.attention import decode as _dec  # noqa: F401  (registers kiln::decode_attention)
+from kiln.ops.attention import paged  # noqa: F401  (registers the three attention ops)
 from kiln.ops.attention.extend import ExtendConfig, _resolve_pack, extend_attention_triton
 from kiln.ops.attention.reference import decode_attention_ref, extend_attention_ref, random_block_table
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-@pytest.fixture
-def seed():
-    s = random.randrange(2**31)
-    torch.manual_seed(s)
-    return s
-
-
-@pytest.fixture
-def triton_on_cpu(monkeypatch):
-    """Route the ops to the Triton kernels under the interpreter; poison ``torch.empty`` with NaN."""
-    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    real_empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+seed, triton_on_cpu = decode_tests.seed, decode_tests.triton_on_cpu  # the fixtures, shared
 
 
 def make_inputs(ext, prefix, pad, hq, hkv, d, dv, page_size, dtype, device="cpu"):
@@ -60,12 +36,12 @@ def make_inputs(ext, prefix, pad, hq, hkv, d, dv, page_size, dtype, device="cpu"
 def check(seed, ext, prefix, pad, hq, hkv, d, dv, page_size, dtype, window=-1, cap=0.0, config=None,
           device="cpu"):  # fmt: skip
     q, k, v, bt, rows, lens, indptr = make_inputs(ext, prefix, pad, hq, hkv, d, dv, page_size, dtype, device)
-    scale = d**-0.5
+    args = (q, k, v, bt, rows, lens, indptr, d**-0.5, page_size, window, cap)
     if config is None:
-        out = torch.ops.kiln.extend_attention(q, k, v, bt, rows, lens, indptr, scale, page_size, window, cap)
+        out = torch.ops.kiln.extend_attention(*args)
     else:
-        out = extend_attention_triton(q, k, v, bt, rows, lens, indptr, scale, page_size, window, cap, config)
-    ref = extend_attention_ref(q, k, v, bt, rows, lens, indptr, scale, page_size, window, cap)
+        out = extend_attention_triton(*args, config=config)
+    ref = extend_attention_ref(*args)
     assert out.shape == (q.shape[0], hq, dv) and out.dtype == dtype
     assert not out.isnan().any(), f"seed {seed}: NaN in output (unwritten rows?)"
     if pad:
@@ -134,8 +110,56 @@ def test_extend_long_prefix(triton_on_cpu, seed):
 def test_cpu_path_is_reference(seed, monkeypatch):
     monkeypatch.delenv("KILN_TRITON_ON_CPU", raising=False)
     q, k, v, bt, rows, lens, indptr = make_inputs([4, 9], [3, 0], 2, 8, 2, 64, 64, 16, torch.float32)
-    out = torch.ops.kiln.extend_attention(q, k, v, bt, rows, lens, indptr, 0.125, 16, -1, 0.0)
-    assert torch.equal(out, extend_attention_ref(q, k, v, bt, rows, lens, indptr, 0.125, 16))
+    args = (q, k, v, bt, rows, lens, indptr, 0.125, 16, -1, 0.0)
+    assert torch.equal(torch.ops.kiln.extend_attention(*args), extend_attention_ref(*args))
+
+
+@pytest.mark.parametrize("kernel", ["1", "0"])  # the Triton launches, then the references
+def test_paged_attention_is_decode_or_extend_by_shape(seed, monkeypatch, kernel):
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", kernel)
+    q, k, v, bt, rows, lens, indptr = make_inputs([4, 9], [3, 0], 2, 8, 2, 64, 64, 16, torch.float32)
+    out = torch.ops.kiln.paged_attention(q, k, v, bt, rows, lens, indptr, 0.125, 16, 2, -1, 0.0)
+    ref = extend_attention_ref(q, k, v, bt, rows, lens, indptr, 0.125, 16, -1, 0.0)
+    assert rel_err(out, ref) < 1e-5, f"seed {seed}"
+    # T == B: one token per request, whatever qo_indptr says (extend would read [0, 0, 2] as two
+    # tokens of request 1 and none of request 0)
+    uneven = torch.tensor([0, 0, 2], dtype=torch.int32)
+    out = torch.ops.kiln.paged_attention(q[:2], k, v, bt, rows, lens, uneven, 0.125, 16, 2, -1, 0.0)
+    ref = decode_attention_ref(q[:2], k, v, bt, rows, lens, 0.125, 16, 2, -1, 0.0)
+    assert rel_err(out, ref) < 1e-5, f"seed {seed}"
+
+
+def test_short_qo_indptr_is_named_on_both_paths(seed, monkeypatch):
+    q, k, v, bt, rows, lens, indptr = make_inputs([4, 9], [3, 0], 2, 8, 2, 64, 64, 16, torch.float32)
+    for kernel in ("1", "0"):  # the Triton launch, then the reference
+        monkeypatch.setenv("KILN_TRITON_ON_CPU", kernel)
+        for op in (torch.ops.kiln.extend_attention, torch.ops.kiln.paged_attention):
+            extra = (2,) if op is torch.ops.kiln.paged_attention else ()
+            with pytest.raises(ValueError, match="qo_indptr has 2 entries, expected B \\+ 1 = 3"):
+                op(q, k, v, bt, rows, lens, indptr[:2], 0.125, 16, *extra, -1, 0.0)
+
+
+def test_fake_shapes():
+    """Under fake tensors (torch.export's tracing) the ops give ``[T, Hq, Dv]`` in q's dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = torch.empty(7, 8, 64, dtype=torch.bfloat16), torch.empty(40, 2, 64), torch.empty(40, 2, 32)
+        bt, rows, lens = torch.empty(3, 4, dtype=torch.int32), *torch.empty(2, 2, dtype=torch.int32)
+        indptr = torch.empty(3, dtype=torch.int32)
+        meta = (0.125, 16, 2, -1, 0.0)
+        outs = [
+            torch.ops.kiln.extend_attention(q, k, v, bt, rows, lens, indptr, *meta[:2], *meta[3:]),
+            torch.ops.kiln.decode_attention(q[:2], k, v, bt, rows, lens, *meta),
+            torch.ops.kiln.paged_attention(q, k, v, bt, rows, lens, indptr, *meta),
+            torch.ops.kiln.paged_attention(q[:2], k, v, bt, rows, lens, indptr, *meta),
+        ]
+    assert [(tuple(o.shape), o.dtype) for o in outs] == [
+        ((7, 8, 32), torch.bfloat16),
+        ((2, 8, 32), torch.bfloat16),
+        ((7, 8, 32), torch.bfloat16),
+        ((2, 8, 32), torch.bfloat16),
+    ]
 
 
 class TinyAttention(torch.nn.Module):
@@ -163,8 +187,8 @@ def test_export_round_trip(triton_on_cpu, seed):
     torch.export.save(ep, buf)
     buf.seek(0)
     ext, dec = torch.export.load(buf).module()(*args)
-    ref_ext = extend_attention_ref(q, k, v, bt, rows, lens, indptr, 0.125, 16)
-    ref_dec = decode_attention_ref(q_dec, k, v, bt, rows.flip(0), lens.flip(0), 0.125, 16)
+    ref_ext = extend_attention_ref(q, k, v, bt, rows, lens, indptr, 0.125, 16, -1, 0.0)
+    ref_dec = decode_attention_ref(q_dec, k, v, bt, rows.flip(0), lens.flip(0), 0.125, 16, 2, -1, 0.0)
     assert rel_err(ext, ref_ext.flatten(1)) < 1e-5, f"seed {seed}"
     assert rel_err(dec, ref_dec.flatten(1)) < 1e-5, f"seed {seed}"
 

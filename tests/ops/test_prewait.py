@@ -158,12 +158,12 @@ def test_split_kernel_cached_keys_before_the_wait(
 
     def run():
         return dec.decode_attention_triton(
-            q, k, v, bt, rows, lens, d**-0.5, page, num_splits, window, config=cfg
+            q, k, v, bt, rows, lens, d**-0.5, page, num_splits, window, 0.0, config=cfg
         )
 
     off, on = both(monkeypatch, "attn", run)
     assert torch.equal(off, on)
-    ref = decode_attention_ref(q, k, v, bt, rows, lens, d**-0.5, page, window, 0.0)
+    ref = decode_attention_ref(q, k, v, bt, rows, lens, d**-0.5, page, num_splits, window, 0.0)
     torch.testing.assert_close(on, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -228,7 +228,7 @@ def test_gpu_graph_new_key_written_by_the_kernel_before(monkeypatch):
             qkv.copy_(tok)
             graph.replay()
             torch.cuda.synchronize()
-            ref = decode_attention_ref(q, k, v, bt, rows, lens, d**-0.5, page, -1, 0.0)
+            ref = decode_attention_ref(q, k, v, bt, rows, lens, d**-0.5, page, 0, -1, 0.0)
             torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
             outs[part, i] = out.clone()
     for i in range(len(tokens)):
