@@ -60,7 +60,7 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 def kiln_op(
     name: str,
     *,
-    ref: Callable[..., Any] | None = None,  # TRANSITION: None only until every op is converted
+    ref: Callable[..., Any],
     mutates_args: Sequence[str] = (),
     check: Callable[..., None] | None = None,
     fake: Callable[..., Any] | None = None,
@@ -68,9 +68,6 @@ def kiln_op(
     """Register the decorated launch as ``torch.ops.kiln.<name>`` (see the module docstring)."""
 
     def register(launch: F) -> F:
-        if ref is None:  # TRANSITION
-            DIRECT[name] = launch
-            return torch.library.custom_op(f"kiln::{name}", mutates_args=tuple(mutates_args))(launch)
         signature = op_signature(name, launch)
         names = list(signature.parameters)
         _require_same_parameters(name, launch, signature, ref)

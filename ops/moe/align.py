@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common.launch import next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
-from kiln.ops.common.op import kiln_op
+from kiln.ops.common.launch import next_pow2, pdl_args, pdl_trigger, pdl_wait
+from kiln.ops.common.op import DIRECT, kiln_op
 
 CHUNK = 128  # pairs per program in the count and scatter kernels
 FILL = 1024  # entries per step of the sentinel fill
@@ -136,9 +136,10 @@ def _rank(onehot):
 
 
 @triton.jit
-def _scan_counts(COUNTS, num_chunks, E, E_PAD: tl.constexpr, ROWS: tl.constexpr):
+def scan_counts(COUNTS, num_chunks, E, E_PAD: tl.constexpr, ROWS: tl.constexpr):
     """``COUNTS [C, E]`` per-chunk counts -> their exclusive prefix over chunks, in place; returns
-    the per-expert totals ``[E_PAD]`` (0 past ``E``)."""
+    ``(totals, experts, emask)``: the per-expert totals ``[E_PAD]`` (0 past ``E``), with the
+    expert offsets ``0 .. E_PAD - 1`` and their ``< E`` mask for the caller's stores."""
     experts = tl.arange(0, E_PAD)
     emask = experts < E
     run = tl.zeros([E_PAD], dtype=tl.int32)
@@ -149,11 +150,11 @@ def _scan_counts(COUNTS, num_chunks, E, E_PAD: tl.constexpr, ROWS: tl.constexpr)
         cnt = tl.load(ptr, mask=m, other=0)
         tl.store(ptr, run[None, :] + tl.cumsum(cnt, axis=0) - cnt, mask=m)
         run += tl.sum(cnt, axis=0)
-    return run
+    return run, experts, emask
 
 
 @triton.jit
-def _sorted_rows(
+def sorted_rows(
     IDS, MAP, COUNTS, STARTS, chunk, num_pairs, E,
     HAS_MAP: tl.constexpr, CHUNK_: tl.constexpr, E_PAD: tl.constexpr,
 ):  # fmt: skip
@@ -195,7 +196,7 @@ def _align_one_program_kernel(
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _count_kernel(
+def count_kernel(
     IDS, MAP, COUNTS, num_pairs, E,
     HAS_MAP: tl.constexpr, CHUNK_: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -218,22 +219,27 @@ def _offsets_kernel(
 ):  # fmt: skip
     pdl_trigger(PDL)
     pdl_wait(PDL)
-    experts = tl.arange(0, E_PAD)
-    emask = experts < E
-    run = _scan_counts(COUNTS, num_chunks, E, E_PAD, ROWS)
+    run, experts, emask = scan_counts(COUNTS, num_chunks, E, E_PAD, ROWS)
     starts = _layout(run, SORTED, BLOCK_EXPERT, NUM_PADDED, num_pairs, E, M, BLOCK_M, E_PAD, FILL_, BLOCKS)
     tl.store(STARTS + experts, starts, mask=emask)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _scatter_kernel(
-    IDS, MAP, COUNTS, STARTS, SORTED, num_pairs, E,
+def scatter_kernel(
+    IDS, MAP, COUNTS, STARTS, OUT, num_pairs, E,
     HAS_MAP: tl.constexpr, CHUNK_: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr,
+    TO_DST: tl.constexpr = False,
 ):  # fmt: skip
+    """Each pair's row in expert order (``sorted_rows``), written as ``OUT [M] sorted_ids``:
+    ``OUT[row] = pair`` (this file), or with ``TO_DST`` as ``OUT [P] dst``: ``OUT[pair] = row``, -1
+    for another rank's pair (ops/moe/permute.py)."""
     pdl_trigger(PDL)
     pdl_wait(PDL)
-    pair, ok, row = _sorted_rows(IDS, MAP, COUNTS, STARTS, tl.program_id(0), num_pairs, E, HAS_MAP, CHUNK_, E_PAD)  # fmt: skip
-    tl.store(SORTED + row, pair.to(tl.int32), mask=ok)
+    pair, ok, row = sorted_rows(IDS, MAP, COUNTS, STARTS, tl.program_id(0), num_pairs, E, HAS_MAP, CHUNK_, E_PAD)  # fmt: skip
+    if TO_DST:
+        tl.store(OUT + pair, tl.where(ok, row, -1), mask=pair < num_pairs)
+    else:
+        tl.store(OUT + row, pair.to(tl.int32), mask=ok)
 
 
 def moe_align_launch(
@@ -265,7 +271,7 @@ def moe_align_launch(
         return
     counts = topk_ids.new_empty((chunks, num_experts), dtype=torch.int32)
     starts = topk_ids.new_empty((num_experts,), dtype=torch.int32)
-    _count_kernel[(chunks,)](
+    count_kernel[(chunks,)](
         ids, emap, counts, p, num_experts,
         HAS_MAP=has_map, CHUNK_=CHUNK, E_PAD=e_pad, **pdl,
     )  # fmt: skip
@@ -274,7 +280,7 @@ def moe_align_launch(
         ROWS=min(SCAN_ROWS, max(1, 4096 // e_pad)),  # not from `chunks`: no specialization per T
         **pdl,
     )  # fmt: skip
-    _scatter_kernel[(chunks,)](
+    scatter_kernel[(chunks,)](
         ids, emap, counts, starts, sorted_ids, p, num_experts,
         HAS_MAP=has_map, CHUNK_=CHUNK, E_PAD=e_pad, **pdl,
     )  # fmt: skip
@@ -298,7 +304,10 @@ def _check(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts:
         )
 
 
-def _new_outputs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+def align_outputs(
+    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's outputs, uninitialized (its shape rule: the reference reads the counts on the host)."""
     m = align_rows(topk_ids.numel(), num_experts, block_m)
     return (
         topk_ids.new_empty((m,), dtype=torch.int32),
@@ -307,26 +316,14 @@ def _new_outputs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     )
 
 
-def moe_align_run(
-    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The op's body without the dispatcher (the fused MoE op calls it directly)."""
-    _check(topk_ids, expert_map, num_experts, block_m)
-    if use_triton(topk_ids):
-        out = _new_outputs(topk_ids, num_experts, block_m)
-        moe_align_launch(topk_ids.contiguous(), expert_map, num_experts, block_m, *out)
-        return out
-    return moe_align_ref(topk_ids, expert_map, num_experts, block_m)
-
-
-@kiln_op("moe_align")
-def moe_align(
+@kiln_op("moe_align", ref=moe_align_ref, check=_check, fake=align_outputs)
+def moe_align_triton(
     topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``topk_ids [T, k]`` -> ``(sorted_ids [M], block_expert [M / block_m], num_padded [1])`` int32."""
-    return moe_align_run(topk_ids, expert_map, num_experts, block_m)
+    out = align_outputs(topk_ids, expert_map, num_experts, block_m)
+    moe_align_launch(topk_ids.contiguous(), expert_map, num_experts, block_m, *out)
+    return out
 
 
-@moe_align.register_fake
-def _(topk_ids, expert_map, num_experts, block_m):
-    return _new_outputs(topk_ids, num_experts, block_m)
+moe_align_run = DIRECT["moe_align"]  # the op's body without the dispatcher (ops/moe/fused.py calls it)

@@ -54,7 +54,6 @@ from kiln.ops.common.launch import (
     pdl_args,
     pdl_trigger,
     pdl_wait,
-    use_triton,
 )
 from kiln.ops.common.op import kiln_op
 from kiln.ops.common.quant import (
@@ -100,8 +99,13 @@ def fused_moe_ref(
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(local[local >= 0]).tolist():
         tok, j = torch.where(local == e)
-        w13e = dequantize_fp8(w13[e], w13_scale[e]) if fp8 else w13[e].float()  # [2I, H]
-        w2e = dequantize_fp8(w2[e], w2_scale[e]) if fp8 else w2[e].float()  # [H, I]
+        if w13_scale is not None and w2_scale is not None and fp8:
+            w13e, w2e = (
+                dequantize_fp8(w13[e], w13_scale[e]),
+                dequantize_fp8(w2[e], w2_scale[e]),
+            )  # [2I, H], [H, I]
+        else:
+            w13e, w2e = w13[e].float(), w2[e].float()
         gu = (xin[tok] @ w13e.t()).to(act)  # [n, 2I]
         if fp8:
             h = dequantize_fp8(*activation.silu_and_mul_quant_ref(gu, None))  # [n, I] f32
@@ -110,6 +114,15 @@ def fused_moe_ref(
         y = (h @ w2e.t()).to(act).float() * topk_weights[tok, j].float()[:, None]  # [n, H]
         out.index_add_(0, tok, y.to(act).float())
     return out.to(act)
+
+
+def fused_moe_op_ref(
+    x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, tuning, residual=None
+) -> torch.Tensor:
+    """The op's reference (its parameters, typed on ``fused_moe_forward``): ``fused_moe_ref``, plus
+    ``residual`` as a separate add rounds it."""
+    y = fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
+    return y if residual is None else add_rounded(y, residual)
 
 
 # ---- Triton kernels: per-token FP8 quantization of x, top-k combine ---------------------------------
@@ -305,7 +318,9 @@ COUNTERS = ArrivalCounters(1 << 12, "fused_moe's last-arrival top-k sum", "the c
 # ---- custom op ------------------------------------------------------------------------------------
 
 
-def _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> None:
+def _check(
+    x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, tuning, residual=None
+) -> None:
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"fused_moe: x must be [T, H] bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
     t, h = x.shape
@@ -335,10 +350,20 @@ def _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> None:
         raise ValueError(
             f"fused_moe: topk_weights must be float32 shaped like topk_ids, got {tuple(topk_weights.shape)}"
         )
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"fused_moe: residual must be {tuple(x.shape)} {x.dtype}, "
+            f"got {tuple(residual.shape)} {residual.dtype}"
+        )
 
 
-@kiln_op("fused_moe")
-def fused_moe(
+def _fake(x: torch.Tensor, *_) -> torch.Tensor:
+    """The shape rule (``fused_moe_ref`` reads which experts were hit on the host)."""
+    return torch.empty_like(x)
+
+
+@kiln_op("fused_moe", ref=fused_moe_op_ref, check=_check, fake=_fake)
+def fused_moe_forward(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -351,25 +376,13 @@ def fused_moe(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts of a MoE layer, ``x [T, H] -> [T, H]`` (see the module docstring);
-    ``residual [T, H]``: ``residual + experts(x)``, the add done by the kernel that writes the sum."""
-    _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(
-            f"fused_moe: residual must be {tuple(x.shape)} {x.dtype}, "
-            f"got {tuple(residual.shape)} {residual.dtype}"
-        )
-    if use_triton(x):
-        if pick_backend(tuning, x.shape[0]) == "cutlass" and moe_cutlass.supports(x, w13, w2):
-            y = moe_cutlass.fused_moe_cutlass(x, w13, w2, topk_weights, topk_ids, expert_map)
-            return y if residual is None else add_rounded(y, residual)
-        res = residual if residual is None or residual.stride(1) == 1 else residual.contiguous()
-        return fused_moe_triton(
-            x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, tuning, residual=res
-        )
-    y = fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
-    return y if residual is None else add_rounded(y, residual)
-
-
-@fused_moe.register_fake
-def _(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, tuning, residual=None):
-    return torch.empty_like(x)
+    ``residual [T, H]``: ``residual + experts(x)``, the add done by the kernel that writes the sum.
+    The backend: CUTLASS where the tuning table names it and ``moe_cutlass.supports`` the call,
+    else ``fused_moe_triton``."""
+    if pick_backend(tuning, x.shape[0]) == "cutlass" and moe_cutlass.supports(x, w13, w2):
+        y = moe_cutlass.fused_moe_cutlass(x, w13, w2, topk_weights, topk_ids, expert_map)
+        return y if residual is None else add_rounded(y, residual)
+    res = residual if residual is None or residual.stride(1) == 1 else residual.contiguous()
+    return fused_moe_triton(
+        x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, tuning, residual=res
+    )

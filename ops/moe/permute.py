@@ -18,7 +18,8 @@ ids; ``expert_map [E_global]`` int32 global -> local slot or -1, or None when id
 Kernels (no host sync, shapes from ``T``, ``k``, ``E`` only, so all of it is CUDA-graph safe): per
 chunk of pairs a per-expert count (``moe_align``'s count kernel), one program scanning the counts
 over chunks into per-chunk offsets, ``counts`` and ``starts``, then per chunk each pair's rank in
-its expert placed at ``starts[e] + chunk offset + rank``; the gather and the combine are one
+its expert placed at ``starts[e] + chunk offset + rank`` (``moe_align``'s scatter kernel, writing
+``dst``); the gather and the combine are one
 program per (row, column block). Every kernel is launched with PDL (ops/common/launch.py) and waits first.
 """
 
@@ -30,7 +31,7 @@ import triton.language as tl
 
 from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
 from kiln.ops.common.quant import tl_round
-from kiln.ops.moe.align import CHUNK, SCAN_ROWS, _count_kernel, _scan_counts, _sorted_rows
+from kiln.ops.moe.align import CHUNK, SCAN_ROWS, count_kernel, scan_counts, scatter_kernel
 
 # ---- torch references -----------------------------------------------------------------------------
 
@@ -82,22 +83,9 @@ def _scan_kernel(
 ):  # fmt: skip
     pdl_trigger(PDL)
     pdl_wait(PDL)
-    experts = tl.arange(0, E_PAD)
-    emask = experts < E
-    run = _scan_counts(COUNTS, num_chunks, E, E_PAD, ROWS)
+    run, experts, emask = scan_counts(COUNTS, num_chunks, E, E_PAD, ROWS)
     tl.store(TOTAL + experts, run, mask=emask)
     tl.store(STARTS + experts, tl.cumsum(run, axis=0) - run, mask=emask)
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _dst_kernel(
-    IDS, MAP, COUNTS, STARTS, DST, num_pairs, E,
-    HAS_MAP: tl.constexpr, CHUNK_: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    pdl_trigger(PDL)
-    pdl_wait(PDL)
-    pair, ok, row = _sorted_rows(IDS, MAP, COUNTS, STARTS, tl.program_id(0), num_pairs, E, HAS_MAP, CHUNK_, E_PAD)  # fmt: skip
-    tl.store(DST + pair, tl.where(ok, row, -1), mask=pair < num_pairs)
 
 
 @triton.jit
@@ -158,12 +146,14 @@ def moe_sort(
     counts = ids.new_empty((chunks, num_experts), dtype=torch.int32)
     common = dict(HAS_MAP=expert_map is not None, CHUNK_=CHUNK, E_PAD=e_pad, **pdl_args(ids))
     warps = 8 if e_pad >= 128 else 4  # the [CHUNK, E_PAD] one-hot lives in registers
-    _count_kernel[(chunks,)](ids, emap, counts, p, num_experts, **common, num_warps=warps)
+    count_kernel[(chunks,)](ids, emap, counts, p, num_experts, **common, num_warps=warps)
     _scan_kernel[(1,)](
         counts, total, starts, chunks, num_experts,
         E_PAD=e_pad, ROWS=min(SCAN_ROWS, max(1, 4096 // e_pad)), **pdl_args(ids),
     )  # fmt: skip
-    _dst_kernel[(chunks,)](ids, emap, counts, starts, dst, p, num_experts, **common, num_warps=warps)
+    scatter_kernel[(chunks,)](
+        ids, emap, counts, starts, dst, p, num_experts, **common, TO_DST=True, num_warps=warps
+    )
     return dst, total, starts
 
 

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.common.launch import use_triton
 from kiln.ops.common.op import DIRECT, kiln_op
-from kiln.ops.moe.topk import check_routing, moe_topk_launch, moe_topk_ref, routing_outputs
+from kiln.ops.moe.topk import check_routing, moe_topk_ref, moe_topk_triton
 
 
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, scoring: str) -> torch.Tensor:
@@ -33,8 +32,31 @@ def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, scoring: str) -> to
     return torch.nn.functional.linear(x, weight)
 
 
-@kiln_op("moe_route")
-def moe_route(
+def moe_route_ref(
+    x, weight, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, round_to, max_t
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router linear, then ``moe_topk_ref`` (the op's parameters, typed on ``moe_route_forward``)."""
+    logits = router_logits_ref(x, weight, scoring)  # [T, E]
+    return moe_topk_ref(logits, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, round_to)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, *routing_and_max_t) -> None:
+    if (
+        x.dim() != 2
+        or weight.dim() != 2
+        or weight.shape[1] != x.shape[1]
+        or weight.dtype != x.dtype
+        or x.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+    ):
+        raise ValueError(
+            f"moe_route: need x [T, H] and weight [E, H] of one dtype (bf16/fp16/fp32), got "
+            f"{tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}"
+        )
+    check_routing(weight.shape[0], *routing_and_max_t[:-1])
+
+
+@kiln_op("moe_route", ref=moe_route_ref, check=_check)
+def moe_route_forward(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -48,37 +70,13 @@ def moe_route(
     max_t: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router linear + top-k routing, ``x [T, H] -> (weights [T, k] f32, ids [T, k] int32)``."""
-    if (
-        x.dim() != 2
-        or weight.dim() != 2
-        or weight.shape[1] != x.shape[1]
-        or weight.dtype != x.dtype
-        or x.dtype not in (torch.bfloat16, torch.float16, torch.float32)
-    ):
-        raise ValueError(
-            f"moe_route: need x [T, H] and weight [E, H] of one dtype (bf16/fp16/fp32), got "
-            f"{tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}"
-        )
-    t, e = x.shape[0], weight.shape[0]
-    check_routing(e, bias, top_k, scoring, num_groups, topk_groups, round_to)
-    args = (bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, round_to)
-    on_triton = use_triton(x)
-    if on_triton and 1 <= t <= max_t:
+    if 1 <= x.shape[0] <= max_t:
         x = x if x.stride(1) == 1 else x.contiguous()
         weight = weight if weight.stride(1) == 1 else weight.contiguous()
         gemv = scoring != "sigmoid"  # sigmoid routes on float32 logits
         logits = DIRECT["linear"](x, weight, None, max_t) if gemv else router_logits_ref(x, weight, scoring)
     else:
         logits = router_logits_ref(x, weight, scoring)  # [T, E]
-    if not on_triton:
-        return moe_topk_ref(logits, *args)
-    w, ids = routing_outputs(x, t, top_k)
-    moe_topk_launch(
-        logits, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, w, ids, round_to
+    return moe_topk_triton(
+        logits, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, round_to
     )
-    return w, ids
-
-
-@moe_route.register_fake
-def _(x, weight, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, round_to, max_t):
-    return routing_outputs(x, x.shape[0], top_k)

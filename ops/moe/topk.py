@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.common.launch import next_pow2, pdl_args, pdl_trigger, pdl_wait, use_triton
+from kiln.ops.common.launch import next_pow2, pdl_args, pdl_trigger, pdl_wait
 from kiln.ops.common.op import kiln_op
 
 SCORINGS = ("softmax", "sigmoid")
@@ -42,18 +42,11 @@ _ROUND_CODE = {"": 0, "bfloat16": 1, "float16": 2}
 
 
 def moe_topk_ref(
-    logits: torch.Tensor,
-    bias: torch.Tensor | None,
-    top_k: int,
-    renormalize: bool,
-    scoring: str,
-    num_groups: int = 1,
-    topk_groups: int = 1,
-    scale: float = 1.0,
-    round_to: str = "",
+    logits, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, round_to=""
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch, following Hugging Face's Qwen3-MoE / Mixtral routers and DeepSeek-V3's
-    published gate (sigmoid, correction bias, group-limited top-k). Returns ``(w f32, ids int32)``."""
+    published gate (sigmoid, correction bias, group-limited top-k). Returns ``(w f32, ids int32)``.
+    The op's parameters, typed on ``moe_topk_triton``."""
     t, e = logits.shape
     x = logits.float()  # [T, E]
     if scoring == "softmax":
@@ -211,49 +204,6 @@ def _moe_topk_kernel(
     )  # fmt: skip
 
 
-def moe_topk_launch(
-    logits: torch.Tensor,
-    bias: torch.Tensor | None,
-    top_k: int,
-    renormalize: bool,
-    scoring: str,
-    num_groups: int,
-    topk_groups: int,
-    scale: float,
-    w_out: torch.Tensor,
-    ids_out: torch.Tensor,
-    round_to: str = "",
-) -> None:
-    """Run the kernel into preallocated ``w_out [T, k] f32`` and ``ids_out [T, k] int32``."""
-    t, e = logits.shape
-    if t == 0:
-        return
-    meta = topk_meta(e, bias, top_k, renormalize, scoring, num_groups, topk_groups, round_to)
-    _moe_topk_kernel[(t,)](
-        logits, bias if bias is not None else logits, w_out, ids_out,
-        e, logits.stride(0), float(scale),
-        **meta, num_warps=1 if meta["E_PAD"] <= 256 else 4, **pdl_args(logits),
-    )  # fmt: skip
-
-
-def topk_meta(
-    e: int,
-    bias: torch.Tensor | None,
-    top_k: int,
-    renormalize: bool,
-    scoring: str,
-    num_groups: int,
-    topk_groups: int,
-    round_to: str,
-) -> dict[str, int | bool]:
-    """The constexprs of ``_topk_row`` for a kernel that routes over ``e`` experts."""
-    return dict(
-        K=top_k, K_PAD=next_pow2(top_k), E_PAD=next_pow2(e), SIGMOID=scoring == "sigmoid",
-        HAS_BIAS=bias is not None, RENORM=renormalize, G=num_groups, G_PAD=next_pow2(num_groups),
-        TOPK_G=topk_groups, ROUND=_ROUND_CODE[round_to],
-    )  # fmt: skip
-
-
 def routing_outputs(like: torch.Tensor, t: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialized ``(weights [t, k] f32, ids [t, k] int32)`` on ``like``'s device."""
     return like.new_empty((t, top_k), dtype=torch.float32), like.new_empty((t, top_k), dtype=torch.int32)
@@ -262,16 +212,11 @@ def routing_outputs(like: torch.Tensor, t: int, top_k: int) -> tuple[torch.Tenso
 # ---- custom op ------------------------------------------------------------------------------------
 
 
-def _check(logits, bias, top_k, scoring, num_groups, topk_groups, round_to="") -> None:
-    if logits.dim() != 2 or logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(
-            f"moe_topk: logits must be [T, E] bf16/fp16/fp32, got {tuple(logits.shape)} {logits.dtype}"
-        )
-    check_routing(logits.shape[1], bias, top_k, scoring, num_groups, topk_groups, round_to)
-
-
-def check_routing(e: int, bias, top_k, scoring, num_groups, topk_groups, round_to="") -> None:
-    """The routing arguments for ``e`` experts (``moe_topk`` and ``moe_route`` take the same)."""
+def check_routing(
+    e: int, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, round_to=""
+) -> None:
+    """The routing arguments (``moe_topk``'s after ``logits``, which ``moe_route`` takes too) for
+    ``e`` experts."""
     if round_to not in _ROUND_CODE:
         raise ValueError(f"moe_topk: round_to must be one of {sorted(_ROUND_CODE)}, got {round_to!r}")
     if not 1 <= top_k <= e:
@@ -293,8 +238,16 @@ def check_routing(e: int, bias, top_k, scoring, num_groups, topk_groups, round_t
         )
 
 
-@kiln_op("moe_topk")
-def moe_topk(
+def _check(logits: torch.Tensor, *routing) -> None:
+    if logits.dim() != 2 or logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(
+            f"moe_topk: logits must be [T, E] bf16/fp16/fp32, got {tuple(logits.shape)} {logits.dtype}"
+        )
+    check_routing(logits.shape[1], *routing)
+
+
+@kiln_op("moe_topk", ref=moe_topk_ref, check=_check)
+def moe_topk_triton(
     logits: torch.Tensor,
     bias: torch.Tensor | None,
     top_k: int,
@@ -304,19 +257,24 @@ def moe_topk(
     topk_groups: int,
     scale: float,
     round_to: str = "",
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits ``[T, E]`` -> ``(weights [T, k] f32, ids [T, k] int32)`` (see the module docstring)."""
-    _check(logits, bias, top_k, scoring, num_groups, topk_groups, round_to)
-    if use_triton(logits):
-        w, ids = routing_outputs(logits, logits.shape[0], top_k)
-        if logits.stride(-1) != 1:
-            logits = logits.contiguous()
-        launch_args = (top_k, renormalize, scoring, num_groups, topk_groups, scale)
-        moe_topk_launch(logits, bias, *launch_args, w, ids, round_to)
+    """Router logits ``[T, E]`` -> ``(weights [T, k] f32, ids [T, k] int32)`` (see the module
+    docstring), by the kernel; ``out``: preallocated ``(weights, ids)`` to write (tests)."""
+    t, e = logits.shape
+    w, ids = routing_outputs(logits, t, top_k) if out is None else out
+    if t == 0:
         return w, ids
-    return moe_topk_ref(logits, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, round_to)
-
-
-@moe_topk.register_fake
-def _(logits, bias, top_k, renormalize, scoring, num_groups, topk_groups, scale, round_to=""):
-    return routing_outputs(logits, logits.shape[0], top_k)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    e_pad = next_pow2(e)
+    _moe_topk_kernel[(t,)](
+        logits, bias if bias is not None else logits, w, ids,
+        e, logits.stride(0), float(scale),
+        K=top_k, K_PAD=next_pow2(top_k), E_PAD=e_pad, SIGMOID=scoring == "sigmoid",
+        HAS_BIAS=bias is not None, RENORM=renormalize, G=num_groups, G_PAD=next_pow2(num_groups),
+        TOPK_G=topk_groups, ROUND=_ROUND_CODE[round_to],
+        num_warps=1 if e_pad <= 256 else 4, **pdl_args(logits),
+    )  # fmt: skip
+    return w, ids

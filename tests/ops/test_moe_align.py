@@ -55,7 +55,7 @@ CASES = [  # (T, k, E, block_m, how)
 def test_kernel_matches_reference(kernel_on_cpu, case, device="cpu"):
     t, k, e, bm, how = case
     ids = routed(t, k, e, seed=t * 31 + e, device=device, hot=3 if how == "one-hot" else None)
-    outs = tuple(o.fill_(-77) for o in ma._new_outputs(ids, e, bm))  # poisoned
+    outs = tuple(o.fill_(-77) for o in ma.align_outputs(ids, None, e, bm))  # poisoned
     ma.moe_align_launch(ids, None, e, bm, *outs)
     ref = ma.moe_align_ref(ids, None, e, bm)
     for name, a, b in zip(("sorted_ids", "block_expert", "num_padded"), outs, ref):
@@ -66,7 +66,7 @@ def test_kernel_matches_reference(kernel_on_cpu, case, device="cpu"):
 def test_scan_over_chunks_in_several_steps(kernel_on_cpu, monkeypatch):
     monkeypatch.setattr(ma, "SCAN_ROWS", 2)  # 7 chunks: 4 steps of the offsets scan, the last partial
     ids = routed(100, 8, 8, seed=7)
-    outs = ma._new_outputs(ids, 8, 16)
+    outs = ma.align_outputs(ids, None, 8, 16)
     ma.moe_align_launch(ids, None, 8, 16, *outs)
     assert all(torch.equal(a, b) for a, b in zip(outs, ma.moe_align_ref(ids, None, 8, 16)))
 
@@ -125,7 +125,7 @@ def test_export_with_dynamic_tokens(kernel_on_cpu):
 )
 def test_gpu_matches_reference(compiled_gpu, t, k, e, bm):
     ids = routed(t, k, e, seed=t, device="cuda")
-    outs = tuple(o.fill_(-77) for o in ma._new_outputs(ids, e, bm))
+    outs = tuple(o.fill_(-77) for o in ma.align_outputs(ids, None, e, bm))
     ma.moe_align_launch(ids, None, e, bm, *outs)
     ref = ma.moe_align_ref(ids, None, e, bm)
     assert all(torch.equal(a, b) for a, b in zip(outs, ref))

@@ -66,8 +66,8 @@ def test_cpu_launch_sites_pass_pdl_off(kernel_on_cpu, monkeypatch):
         monkeypatch.setattr(mod, name, Spy(name))
     t, h, i, e, k = 2, 32, 16, 8, 2
     logits = torch.randn(t, e)
-    w, ids = mr.moe_topk(logits, torch.zeros(e), k, True, "sigmoid", 2, 2, 1.0)
-    mr.moe_topk(logits, None, k, True, "softmax", 1, 1, 1.0)
+    w, ids = torch.ops.kiln.moe_topk(logits, torch.zeros(e), k, True, "sigmoid", 2, 2, 1.0)
+    torch.ops.kiln.moe_topk(logits, None, k, True, "softmax", 1, 1, 1.0)
     ma.moe_align_run(torch.randint(0, e, (200, k), dtype=torch.int32), None, e, 16)  # chunked
     x = torch.randn(t, h)
     w13, w2 = torch.randn(e, 2 * i, h), torch.randn(e, h, i)

@@ -20,37 +20,39 @@ def run_kernel(logits, bias, k, renorm, scoring, groups=1, topk_groups=1, scale=
     t = logits.shape[0]
     w = torch.full((t, k), float("nan"), device=logits.device)
     ids = torch.full((t, k), -7, dtype=torch.int32, device=logits.device)
-    mr.moe_topk_launch(logits, bias, k, renorm, scoring, groups, topk_groups, scale, w, ids)
-    return w, ids
+    return mr.moe_topk_triton(logits, bias, k, renorm, scoring, groups, topk_groups, scale, out=(w, ids))
 
 
 # ---- reference vs Hugging Face --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("norm", [True, False])
-def test_reference_matches_hf_qwen3_moe_router(norm):
+def qwen3_moe_router(norm):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
     cfg = transformers.Qwen3MoeConfig(
         hidden_size=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=norm
     )
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+    return Qwen3MoeTopKRouter(cfg), 4, norm
 
-    router = Qwen3MoeTopKRouter(cfg)
+
+def mixtral_router(_norm):
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    cfg = transformers.MixtralConfig(hidden_size=32, num_local_experts=8, num_experts_per_tok=2)
+    return MixtralTopKRouter(cfg), 2, True  # Mixtral always renormalizes
+
+
+@pytest.mark.parametrize(
+    "make, norm",
+    [(qwen3_moe_router, True), (qwen3_moe_router, False), (mixtral_router, True)],
+    ids=["qwen3-norm", "qwen3", "mixtral"],
+)
+def test_reference_matches_hf_softmax_routers(make, norm):
+    router, k, renorm = make(norm)
     torch.nn.init.normal_(router.weight)
     x = torch.randn(7, 32)
     _, hw, hid = router(x)
-    w, ids = mr.moe_topk_ref(x @ router.weight.t(), None, 4, norm, "softmax")
-    torch.testing.assert_close(by_id(w, ids), by_id(hw, hid))
-
-
-def test_reference_matches_hf_mixtral_router():
-    cfg = transformers.MixtralConfig(hidden_size=32, num_local_experts=8, num_experts_per_tok=2)
-    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
-
-    router = MixtralTopKRouter(cfg)
-    torch.nn.init.normal_(router.weight)
-    x = torch.randn(9, 32)
-    _, hw, hid = router(x)
-    w, ids = mr.moe_topk_ref(x @ router.weight.t(), None, 2, True, "softmax")
+    w, ids = mr.moe_topk_ref(x @ router.weight.t(), None, k, renorm, "softmax", 1, 1, 1.0)
     torch.testing.assert_close(by_id(w, ids), by_id(hw, hid))
 
 
@@ -113,7 +115,7 @@ def test_negative_and_infinite_choices_keep_their_order(kernel_on_cpu):
     logits[2, :10] = float("-inf")  # sigmoid 0: row 2's choices there are the bias, tied at 0 ...
     bias[:10] = 0.0  # ... above every other choice (<= -1): its top 6 are experts 0..5
     w, ids = run_kernel(logits, bias, 6, True, "sigmoid")
-    rw, rids = mr.moe_topk_ref(logits, bias, 6, True, "sigmoid")
+    rw, rids = mr.moe_topk_ref(logits, bias, 6, True, "sigmoid", 1, 1, 1.0)
     assert torch.equal(ids[:2], rids[:2])
     torch.testing.assert_close(w[:2], rw[:2], rtol=1e-5, atol=1e-6)
     assert ids[2].tolist() == [0, 1, 2, 3, 4, 5] and torch.equal(w[2], torch.zeros(6))
@@ -145,7 +147,7 @@ def test_op_dispatch_and_strided_logits(monkeypatch, triton_on_cpu):
     wide = torch.randn(4, 40)
     logits = wide[:, :32]  # row stride 40
     w, ids = torch.ops.kiln.moe_topk(logits, None, 4, True, "softmax", 1, 1, 1.0)
-    rw, rids = mr.moe_topk_ref(logits, None, 4, True, "softmax")
+    rw, rids = mr.moe_topk_ref(logits, None, 4, True, "softmax", 1, 1, 1.0)
     assert ids.dtype == torch.int32 and w.dtype == torch.float32
     assert torch.equal(ids, rids)
     torch.testing.assert_close(w, rw)
@@ -212,7 +214,7 @@ def test_rounded_weights_equal_the_cast_of_the_reference(kernel_on_cpu, round_to
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(9, 64, generator=g)
     w, ids = torch.ops.kiln.moe_topk(logits, None, 8, True, "softmax", 1, 1, 1.0, round_to)
-    rw, rids = mr.moe_topk_ref(logits, None, 8, True, "softmax")
+    rw, rids = mr.moe_topk_ref(logits, None, 8, True, "softmax", 1, 1, 1.0)
     assert torch.equal(ids, rids)
     assert torch.equal(w, rw.to(getattr(torch, round_to)).float())
     assert not torch.equal(w, rw)  # the rounding did something
