@@ -281,6 +281,8 @@ def test_gpu_auto_times_both_backends(compiled_gpu, tmp_path):
         )
     except cb.CutlassBuildError as err:
         pytest.skip(f"no CUTLASS toolchain here: {err}")
+    if backend == "triton":  # auto keeps Triton (with a warning) where headers or nvcc are missing
+        pytest.skip(f"no CUTLASS toolchain here: {lib.get('note')}")
     assert backend == "auto" and lib["library"] == f"kernels/{cb.LIB_NAME}"
     s = MoEShape(num_experts=32, inter=256, hidden=512, top_k=4)
     timer = cuda_timer(s, torch.bfloat16, torch.device("cuda"))
