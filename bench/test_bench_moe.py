@@ -340,7 +340,7 @@ def test_fused_moe_sweep(measure, t, name):
     w13, w2, _ = _experts()
     x, weights, ids, hit = _batch(t)
     c1, c2 = (mg.clip_config(c, n, k) for c, n, k in zip(FUSED_SWEEP[name], (2 * I, H), (H, I), strict=True))
-    fn = lambda: moe.fused_moe_triton(x, w13, w2, weights, ids, None, None, None, configs=(c1, c2))
+    fn = lambda: moe.fused_moe_forward(x, w13, w2, weights, ids, None, None, None, "", configs=(c1, c2))
     out = _compiled(fn, name)
     ref = eager_moe(x.float(), w13.float(), w2.float(), weights, ids)
     assert _rel(out, ref) < 2e-2, name

@@ -154,7 +154,7 @@ def cuda_timer(s: MoEShape, dtype: torch.dtype, device: torch.device) -> Callabl
     import triton.testing
 
     from kiln.ops.moe.cutlass import fused_moe_cutlass
-    from kiln.ops.moe.fused import fused_moe_triton
+    from kiln.ops.moe.fused import fused_moe_forward
 
     g = torch.Generator(device).manual_seed(0)
     w13 = (torch.randn(s.num_experts, 2 * s.inter, s.hidden, generator=g, device=device) / s.hidden**0.5).to(
@@ -169,7 +169,7 @@ def cuda_timer(s: MoEShape, dtype: torch.dtype, device: torch.device) -> Callabl
             x = torch.randn(tokens, s.hidden, generator=g, device=device).to(dtype)
             ids = torch.rand(tokens, s.num_experts, generator=g, device=device).topk(s.top_k, dim=1).indices
             w = torch.full((tokens, s.top_k), 1.0 / s.top_k, device=device)
-            ref = fused_moe_triton(x, w13, w2, w, ids.to(torch.int32), None, None, None)
+            ref = fused_moe_forward(x, w13, w2, w, ids.to(torch.int32), None, None, None, "")
             inputs[tokens] = (x, w, ids.to(torch.int32), ref.float())
         x, w, ids, ref = inputs[tokens]
         out = torch.empty_like(x)
@@ -178,7 +178,7 @@ def cuda_timer(s: MoEShape, dtype: torch.dtype, device: torch.device) -> Callabl
             if pair is None:
                 fused_moe_cutlass(x, w13, w2, w, ids, None, out=out)
             else:
-                fused_moe_triton(x, w13, w2, w, ids, None, None, None, configs=pair, out=out)
+                fused_moe_forward(x, w13, w2, w, ids, None, None, None, "", configs=pair, out=out)
 
         run()  # compile (an OutOfResources config raises here and is skipped)
         err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()

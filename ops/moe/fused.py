@@ -217,59 +217,6 @@ def moe_combine(
     return out
 
 
-def fused_moe_triton(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    expert_map: torch.Tensor | None,
-    w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
-    tuning: str = "",
-    configs: tuple[dict[str, int], dict[str, int]] | None = None,
-    out: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The kernels in sequence; ``configs`` (w13, w2) overrides the table (tests, benchmarks);
-    ``out`` ``[T, H]`` receives the result (allocated when None); ``residual [T, H]`` (contiguous
-    rows) is added by the kernel that writes it."""
-    t, h = x.shape
-    e, i, k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
-    c1, c2 = configs or pick_configs(tuning, e, i, h, t, k)
-    if c1["BLOCK_M"] != c2["BLOCK_M"]:
-        raise ValueError(f"fused_moe: the two GEMM configs must share BLOCK_M, got {c1} and {c2}")
-    if configs:
-        check_config(c1, "fused_moe w13 config")
-        check_config(c2, "fused_moe w2 config")
-    x = x if x.stride(1) == 1 else x.contiguous()
-    topk_ids = topk_ids.contiguous()
-    topk_weights = topk_weights.contiguous()
-    if c1["BLOCK_M"] == 1:
-        return _fused_moe_gemv(
-            x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, c1, c2, out,
-            residual=residual,
-        )  # fmt: skip
-    sorted_ids, block_expert, num_padded = moe_align_run(topk_ids, expert_map, e, c1["BLOCK_M"])
-    align = (sorted_ids, block_expert, num_padded)
-    p = t * k
-    if w13.dtype == FP8_DTYPE:
-        xq, xs = quantize_rows(x)
-        gu = x.new_empty((p, 2 * i))
-        moe_gemm_launch(xq, xs, w13, w13_scale, gu, None, *align, c1, a_div=k)
-        hq = gu.new_empty((p, i), dtype=FP8_DTYPE)
-        hs = gu.new_empty((p, 1), dtype=torch.float32)
-        activation.silu_and_mul_launch(gu, None, activation.QUANT_DYNAMIC, hq, hs)
-        y2 = x.new_empty((p, h))
-        moe_gemm_launch(hq, hs, w2, w2_scale, y2, topk_weights, *align, c2, a_div=1)
-    else:
-        hid = x.new_empty((p, i))
-        moe_gemm_launch(x, None, w13, None, hid, None, *align, c1, a_div=k, fuse_silu=True)
-        y2 = x.new_empty((p, h))
-        moe_gemm_launch(hid, None, w2, None, y2, topk_weights, *align, c2, a_div=1)
-    return moe_combine(y2, topk_ids, expert_map, out, residual)
-
-
 def _fused_moe_gemv(
     x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, c1, c2, out, residual=None
 ):  # fmt: skip
@@ -374,15 +321,51 @@ def fused_moe_forward(
     w2_scale: torch.Tensor | None,
     tuning: str,
     residual: torch.Tensor | None = None,
+    *,
+    configs: tuple[dict[str, int], dict[str, int]] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts of a MoE layer, ``x [T, H] -> [T, H]`` (see the module docstring);
     ``residual [T, H]``: ``residual + experts(x)``, the add done by the kernel that writes the sum.
     The backend: CUTLASS where the tuning table names it and ``moe_cutlass.supports`` the call,
-    else ``fused_moe_triton``."""
+    else the Triton kernels in sequence (``tuning=""``: the default table's configs). Extras for
+    direct callers (tests, benchmarks, the tuner): ``configs`` (w13, w2) overrides the table;
+    ``out [T, H]`` receives the result (allocated when None)."""
     if pick_backend(tuning, x.shape[0]) == "cutlass" and moe_cutlass.supports(x, w13, w2):
         y = moe_cutlass.fused_moe_cutlass(x, w13, w2, topk_weights, topk_ids, expert_map)
         return y if residual is None else add_rounded(y, residual)
-    res = residual if residual is None or residual.stride(1) == 1 else residual.contiguous()
-    return fused_moe_triton(
-        x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, tuning, residual=res
-    )
+    residual = residual if residual is None or residual.stride(1) == 1 else residual.contiguous()
+    t, h = x.shape
+    e, i, k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
+    c1, c2 = configs or pick_configs(tuning, e, i, h, t, k)
+    if c1["BLOCK_M"] != c2["BLOCK_M"]:
+        raise ValueError(f"fused_moe: the two GEMM configs must share BLOCK_M, got {c1} and {c2}")
+    if configs:
+        check_config(c1, "fused_moe w13 config")
+        check_config(c2, "fused_moe w2 config")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    topk_ids = topk_ids.contiguous()
+    topk_weights = topk_weights.contiguous()
+    if c1["BLOCK_M"] == 1:
+        return _fused_moe_gemv(
+            x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, c1, c2, out,
+            residual=residual,
+        )  # fmt: skip
+    sorted_ids, block_expert, num_padded = moe_align_run(topk_ids, expert_map, e, c1["BLOCK_M"])
+    align = (sorted_ids, block_expert, num_padded)
+    p = t * k
+    if w13.dtype == FP8_DTYPE:
+        xq, xs = quantize_rows(x)
+        gu = x.new_empty((p, 2 * i))
+        moe_gemm_launch(xq, xs, w13, w13_scale, gu, None, *align, c1, a_div=k)
+        hq = gu.new_empty((p, i), dtype=FP8_DTYPE)
+        hs = gu.new_empty((p, 1), dtype=torch.float32)
+        activation.silu_and_mul_launch(gu, None, activation.QUANT_DYNAMIC, hq, hs)
+        y2 = x.new_empty((p, h))
+        moe_gemm_launch(hq, hs, w2, w2_scale, y2, topk_weights, *align, c2, a_div=1)
+    else:
+        hid = x.new_empty((p, i))
+        moe_gemm_launch(x, None, w13, None, hid, None, *align, c1, a_div=k, fuse_silu=True)
+        y2 = x.new_empty((p, h))
+        moe_gemm_launch(hid, None, w2, None, y2, topk_weights, *align, c2, a_div=1)
+    return moe_combine(y2, topk_ids, expert_map, out, residual)

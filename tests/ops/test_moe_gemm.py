@@ -49,7 +49,7 @@ def make_moe(t, h, i, e, k, dtype, fp8=False, device="cpu", seed=0, hot=None):
 
 def run_fused(x, w13, w2, w, ids, s13, s2, expert_map=None, cfg=SMALL):
     out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)  # poisoned
-    moe.fused_moe_triton(x, w13, w2, w, ids, expert_map, s13, s2, configs=(cfg, cfg), out=out)
+    moe.fused_moe_forward(x, w13, w2, w, ids, expert_map, s13, s2, "", configs=(cfg, cfg), out=out)
     return out
 
 
@@ -225,8 +225,8 @@ def test_residual_is_added_by_the_last_kernel(kernel_on_cpu, monkeypatch, dtype,
     out = torch.full(res.shape, float("nan"), dtype=dtype)
     with pytest.warns(UserWarning, match="the combine kernel") if no_counters else contextlib.nullcontext():
         plain = run_fused(*args, cfg=VARIANTS[variant])
-        moe.fused_moe_triton(
-            *args[:5], None, *args[5:], configs=(VARIANTS[variant],) * 2, out=out, residual=res
+        moe.fused_moe_forward(
+            *args[:5], None, *args[5:], "", configs=(VARIANTS[variant],) * 2, out=out, residual=res
         )
     assert torch.equal(out, moe.add_rounded(plain, res))
 
@@ -312,11 +312,11 @@ def test_op_dispatch_and_bad_arguments(monkeypatch):
         q13, q2 = w13.to(FP8_DTYPE), w2.to(FP8_DTYPE)
         torch.ops.kiln.fused_moe(x, q13, q2, w, ids, None, None, None, "")
     with pytest.raises(ValueError, match="share BLOCK_M"):
-        moe.fused_moe_triton(x, w13, w2, w, ids, None, None, None, configs=(SMALL, GEMV))
+        moe.fused_moe_forward(x, w13, w2, w, ids, None, None, None, "", configs=(SMALL, GEMV))
     with pytest.raises(ValueError, match=r"BLOCK_M 1 or 16\.\.256"):
-        moe.fused_moe_triton(x, w13, w2, w, ids, None, None, None, configs=(dict(SMALL, BLOCK_M=8),) * 2)
+        moe.fused_moe_forward(x, w13, w2, w, ids, None, None, None, "", configs=(dict(SMALL, BLOCK_M=8),) * 2)
     with pytest.raises(ValueError, match="positive ints"):
-        moe.fused_moe_triton(x, w13, w2, w, ids, None, None, None, configs=(dict(GEMV, SPLIT_K=2),) * 2)
+        moe.fused_moe_forward(x, w13, w2, w, ids, None, None, None, "", configs=(dict(GEMV, SPLIT_K=2),) * 2)
 
 
 # ---- block sizes ------------------------------------------------------------------------------------
@@ -418,7 +418,7 @@ def test_gpu_fused_moe_matches_reference(compiled_gpu, shape, t, fp8):
     args = make_moe(t, h, i, e, k, torch.bfloat16, fp8=fp8, device="cuda", seed=t)
     cfg = mg.pick_configs("", e, i, h, t, k)
     out = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device="cuda")
-    moe.fused_moe_triton(*args[:5], None, *args[5:], configs=cfg, out=out)
+    moe.fused_moe_forward(*args[:5], None, *args[5:], "", configs=cfg, out=out)
     assert_rel(out, moe.fused_moe_ref(*args[:5], None, *args[5:]), FP8_TOL if fp8 else TOL[torch.bfloat16])
 
 
@@ -433,7 +433,7 @@ def test_gpu_gemv_variants(compiled_gpu, t, w2_group, fp8):
     c2 = dict(mg.moe_config(e, h, i, 1, k, "w2"), GROUP_M=w2_group, BLOCK_N=8 if w2_group > 1 else 32)
     assert c1["BLOCK_M"] == c2["BLOCK_M"] == 1
     out = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device="cuda")
-    moe.fused_moe_triton(*args[:5], None, *args[5:], configs=(c1, c2), out=out)
+    moe.fused_moe_forward(*args[:5], None, *args[5:], "", configs=(c1, c2), out=out)
     assert_rel(out, moe.fused_moe_ref(*args[:5], None, *args[5:]), FP8_TOL if fp8 else TOL[torch.bfloat16])
 
 
@@ -444,8 +444,8 @@ def test_gpu_residual_matches_a_separate_add(compiled_gpu, t):
     args = make_moe(t, h, i, e, k, torch.bfloat16, device="cuda", seed=t + 5)
     cfg = mg.pick_configs("", e, i, h, t, k)
     res = torch.randn(t, h, device="cuda").to(torch.bfloat16)
-    plain = moe.fused_moe_triton(*args[:5], None, *args[5:], configs=cfg)
-    out = moe.fused_moe_triton(*args[:5], None, *args[5:], configs=cfg, residual=res)
+    plain = moe.fused_moe_forward(*args[:5], None, *args[5:], "", configs=cfg)
+    out = moe.fused_moe_forward(*args[:5], None, *args[5:], "", configs=cfg, residual=res)
     assert torch.equal(out, moe.add_rounded(plain, res))
 
 

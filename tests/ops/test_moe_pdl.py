@@ -77,8 +77,8 @@ def test_cpu_launch_sites_pass_pdl_off(kernel_on_cpu, monkeypatch):
     grouped = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
     gemv = dict(grouped, BLOCK_M=1)
     for cfg in (grouped, gemv, dict(gemv, GROUP_M=2)):
-        moe.fused_moe_triton(x, w13, w2, w, ids, None, None, None, configs=(cfg, cfg))
-        moe.fused_moe_triton(x, w13q, w2q, w, ids, None, s13, s2, configs=(cfg, cfg))
+        moe.fused_moe_forward(x, w13, w2, w, ids, None, None, None, "", configs=(cfg, cfg))
+        moe.fused_moe_forward(x, w13q, w2q, w, ids, None, s13, s2, "", configs=(cfg, cfg))
     sampling.argmax_rows(torch.randn(t, 5000))
     sampling.gumbel_argmax(torch.randn(t, 5000), torch.zeros(t, 2, dtype=torch.int64))
     assert set(seen) == names
