@@ -22,6 +22,8 @@ import triton.language as tl
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 FP8_MIN_SCALE = 1e-12  # guards all-zero rows against division by zero
+# a fused op's output quantization (its QUANT constexpr): none, static (one scale given), dynamic per row
+QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC = 0, 1, 2
 FP8_REL_ERROR = 2.0**-4  # half an ulp of a 3-bit mantissa, relative to the value
 FP8_SUBNORMAL_ABS_ERROR = 2.0**-10  # half the subnormal spacing 2**-9, in scaled units
 

@@ -59,6 +59,7 @@ from kiln.ops.common.op import kiln_op
 from kiln.ops.common.quant import (
     FP8_DTYPE,
     FP8_MIN_SCALE,
+    QUANT_DYNAMIC,
     add_rounded,
     dequantize_fp8,
     quantize_fp8_per_token,
@@ -233,7 +234,7 @@ def _fused_moe_gemv(
         moe_gemv_launch(xq, xs, w13, w13_scale, gu, None, ids, emap, c1, a_div=k)
         a = gu.new_empty((t * k, i), dtype=FP8_DTYPE)
         a_scale = gu.new_empty((t * k, 1), dtype=torch.float32)
-        activation.silu_and_mul_launch(gu, None, activation.QUANT_DYNAMIC, a, a_scale)
+        activation.silu_and_mul_launch(gu, None, QUANT_DYNAMIC, a, a_scale)
     else:
         a, a_scale = x.new_empty((t * k, i)), None
         moe_gemv_launch(x, None, w13, None, a, None, ids, emap, c1, a_div=k, fuse_silu=True)
@@ -360,7 +361,7 @@ def fused_moe_forward(
         moe_gemm_launch(xq, xs, w13, w13_scale, gu, None, *align, c1, a_div=k)
         hq = gu.new_empty((p, i), dtype=FP8_DTYPE)
         hs = gu.new_empty((p, 1), dtype=torch.float32)
-        activation.silu_and_mul_launch(gu, None, activation.QUANT_DYNAMIC, hq, hs)
+        activation.silu_and_mul_launch(gu, None, QUANT_DYNAMIC, hq, hs)
         y2 = x.new_empty((p, h))
         moe_gemm_launch(hq, hs, w2, w2_scale, y2, topk_weights, *align, c2, a_div=1)
     else:

@@ -62,6 +62,9 @@ from kiln.ops.common.op import kiln_op
 from kiln.ops.common.quant import (
     FP8_DTYPE,
     FP8_MIN_SCALE,
+    QUANT_DYNAMIC,
+    QUANT_NONE,
+    QUANT_STATIC,
     quantize_fp8,
     tl_dynamic_scale,
     tl_quantize_fp8_rcp,
@@ -70,7 +73,6 @@ from kiln.ops.common.quant import (
 
 MAX_BLOCK = 16384  # widest row kept in registers (16 warps, 32 floats per thread per operand)
 CHUNK = 4096  # piece width for wider rows
-QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC = 0, 1, 2
 
 # ---- torch references -----------------------------------------------------------------------------
 
