@@ -21,6 +21,7 @@ import torch
 
 from kiln.runtime.llm import LLM
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.step_stats import StepStatsSnapshot
 
 
 def read_bandwidth_gbps(device: torch.device) -> float:
@@ -287,15 +288,47 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def kiln_throughput(llm: LLM, prompts: list[list[int]], outs: list[int]) -> dict[str, float]:
-    """Offline throughput of a :func:`throughput_workload`: every prompt submitted at once."""
+def step_figures(snap: StepStatsSnapshot, seconds: float) -> dict[str, Any]:
+    """The engine's step figures over a run of ``seconds`` (runtime/step_stats.py), flat:
+    ``steps``, ``mean_running_batch`` (requests per step, weighted by steps), ``tokens_per_step``,
+    ``host_ms_per_step``; per kind (``prefill``, ``decode``, ``mixed``) ``{kind}_steps``,
+    ``{kind}_mean_batch``, ``{kind}_tokens_per_step``, ``{kind}_step_ms`` (mean wall time of a
+    step), ``{kind}_host_ms_per_step`` and ``{kind}_frac_wall`` (its steps' share of ``seconds``);
+    ``frac_wall_outside_steps``: the rest of ``seconds`` (submitting, the caller's loop). Means are
+    None where no step of the kind ran; ``step_stats``: the raw sums."""
+    total = snap.total
+    out: dict[str, Any] = {
+        "steps": total.steps,
+        "mean_running_batch": total.mean_batch,
+        "tokens_per_step": total.tokens_per_step,
+        "host_ms_per_step": total.host_ms_per_step,
+    }
+    for k in snap.kinds:
+        out |= {
+            f"{k.kind}_steps": k.steps,
+            f"{k.kind}_mean_batch": k.mean_batch,
+            f"{k.kind}_tokens_per_step": k.tokens_per_step,
+            f"{k.kind}_step_ms": k.step_ms,
+            f"{k.kind}_host_ms_per_step": k.host_ms_per_step,
+            f"{k.kind}_frac_wall": k.wall_s / seconds,
+        }
+    out["frac_wall_outside_steps"] = 1.0 - total.wall_s / seconds
+    out["step_stats"] = snap.as_dict()
+    return out
+
+
+def kiln_throughput(llm: LLM, prompts: list[list[int]], outs: list[int]) -> dict[str, Any]:
+    """Offline throughput of a :func:`throughput_workload`: every prompt submitted at once; with
+    the engine's step figures over the run (:func:`step_figures`)."""
     eng = llm.engine
     eng.reset_prefix_cache()
+    eng.reset_step_stats()
     num_prompts = len(prompts)
     t = time.perf_counter()
     res = llm.generate(
         prompts, [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs], use_tqdm=True
     )
+    eng.run_until_done()  # the step overlap leaves in flight (its tokens discarded): launched in the run
     dt = time.perf_counter() - t
     n_in, n_out = sum(map(len, prompts)), sum(len(r.token_ids) for r in res)
     return {
@@ -307,6 +340,7 @@ def kiln_throughput(llm: LLM, prompts: list[list[int]], outs: list[int]) -> dict
         "total_tok_s": (n_in + n_out) / dt,
         "requests_s": num_prompts / dt,
         "preemptions": eng.scheduler.num_preemptions,
+        **step_figures(eng.step_stats.snapshot(), dt),
     }
 
 

@@ -22,6 +22,32 @@ def _range(s: str) -> int | tuple[int, int]:
     return int(s)
 
 
+def _num(x: float | None, spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:>{width}{spec}}"
+
+
+def step_table(r: dict[str, Any]) -> list[str]:
+    """The step figures of a ``kiln bench throughput`` result (:func:`benchmark.step_figures`)
+    as a table: one row per step kind and one for all steps."""
+    lines = [
+        f"{'step kind':<9} {'steps':>7} {'mean batch':>10} {'tokens/step':>11} {'step ms':>8} "
+        f"{'host ms/step':>12} {'wall':>6}"
+    ]
+    for kind in ("prefill", "decode", "mixed", "all"):
+        raw = r["step_stats"][kind]
+        frac = raw["wall_s"] / r["seconds"]
+        lines.append(
+            f"{kind:<9} {raw['steps']:>7} {_num(raw['mean_batch'], '.2f', 10)} "
+            f"{_num(raw['tokens_per_step'], '.1f', 11)} {_num(raw['step_ms'], '.3f', 8)} "
+            f"{_num(raw['host_ms_per_step'], '.3f', 12)} {frac:>6.1%}"
+        )
+    lines.append(
+        f"outside steps {r['frac_wall_outside_steps']:.1%} of the wall time; "
+        f"tokens discarded by overlap {r['step_stats']['discarded_tokens']}"
+    )
+    return lines
+
+
 def _write(report: dict[str, Any], path: str | None) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -195,6 +221,8 @@ def throughput_cmd(
         f"{num_prompts} prompts in {r['seconds']:.1f} s: input {r['input_tok_s']:.0f} tok/s, output "
         f"{r['output_tok_s']:.0f} tok/s, {r['requests_s']:.2f} req/s, preemptions {r['preemptions']}"
     )
+    for line in step_table(r):
+        click.echo(line)
     if hf_dir:
         h = report["hf"]
         click.echo(

@@ -175,6 +175,7 @@ class Engine:
         )
         self.stepper = Stepper(parts, overlap=opts.overlap)
         self.host_breakdown = self.stepper.host_breakdown  # seconds per part of a step (Stepper)
+        self.step_stats = self.stepper.step_stats  # per-kind step figures (runtime/step_stats.py)
         self.startup_seconds = time.perf_counter() - t0
         if opts.log:
             print(
@@ -366,6 +367,17 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix not in use (for benchmarks that must start cold)."""
         self.radix.evict(self.radix.evictable_size, self.pool.free_pages)
+
+    def step_metrics(self) -> dict[str, Any]:
+        """The step figures since the engine started or :meth:`reset_step_stats`, as plain numbers:
+        ``{"prefill" | "decode" | "mixed" | "all": {steps, requests, prefill_tokens, decode_tokens,
+        wall_s, host_s, calls, batch_hist, mean_batch, tokens_per_step, step_ms, host_ms_per_step},
+        "discarded_tokens": n}`` (runtime/step_stats.py says what each figure means)."""
+        return self.step_stats.as_dict()
+
+    def reset_step_stats(self) -> None:
+        """Zero the step figures (for benchmarks that measure one run)."""
+        self.step_stats.reset()
 
     def status(self) -> dict[str, Any]:
         return {

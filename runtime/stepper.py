@@ -14,7 +14,9 @@ being finished was already included in the next launched step: that extra token 
 The stepper sees its engine only through :class:`StepParts` (the scheduler, the model runner, the
 sampler, the host stager, the EOS ids, the shared counters and the ``outputs`` callback that turns a
 finished step's tokens into the step's ``RequestOutput`` list); the engine builds it.
-It keeps the host-time accounting of the steps itself (:attr:`Stepper.host_breakdown`).
+It keeps the host-time accounting of the steps itself (:attr:`Stepper.host_breakdown`) and the
+per-kind step figures (:attr:`Stepper.step_stats`, runtime/step_stats.py: each step counted when
+launched, each ``step()`` call timed).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kiln.runtime.request import Req, RequestOutput
 from kiln.runtime.sampler import SampleOutput, Sampler, SamplingBatch
 from kiln.runtime.scheduler import ScheduledBatch, Scheduler
 from kiln.runtime.staging import HostStager
+from kiln.runtime.step_stats import StepStats
 
 PLACEHOLDER = -1  # an output token sampled on the device, not read back yet
 
@@ -48,6 +51,7 @@ class Launched:
     event: Any = None  # CUDA event after the host copies, None on CPU
     host_s: float = 0.0  # host seconds spent launching
     greedy: SamplingBatch | None = None  # the step's batch when plain greedy (argmax only)
+    kind: int = 0  # step_stats kind (PREFILL, DECODE, MIXED)
 
     def position(self) -> dict[str, int]:
         return {r.rid: j for j, r in enumerate(self.reqs)}
@@ -94,6 +98,8 @@ class Stepper:
         # host time (last_step_host_s).
         self.host_breakdown = dict.fromkeys(("schedule", "launch", "sample", "wait", "outputs"), 0.0)
         self.last_step_host_s = 0.0
+        self.step_stats = StepStats()
+        self.launched_kind = 0  # the step_stats kind of the step launched last
 
     # ------------------------------------------------------------------ launching
     def launch(
@@ -105,6 +111,12 @@ class Stepper:
         stats = self.stats
         stats["steps"] += 1
         self.last_step_mode = batch.mode
+        n = len(batch.reqs)  # a mixed batch will count its extend and decode rows apart
+        if batch.mode == "decode":
+            kind = self.step_stats.count(n, 0, n)
+        else:
+            kind = self.step_stats.count(n, sum(batch.extend_lens), 0)
+        self.launched_kind = kind
         # Newly admitted (or resumed) requests get a fresh sampler row. Admission happens only in
         # extend steps, so a decode step's requests all went through here already.
         for req in batch.reqs if batch.mode != "decode" else ():
@@ -183,7 +195,7 @@ class Stepper:
             ids = r.output_ids
             index.append(len(ids))
             ids.append(PLACEHOLDER)
-        launched = Launched(batch, reqs, index, out.next_ids)
+        launched = Launched(batch, reqs, index, out.next_ids, kind=kind)
         launched.greedy = greedy  # a plain greedy batch: the next step may reuse it
         launched.host["ids"] = self.stager.to_host(out.next_ids)
         if out.logprobs is not None:
@@ -209,6 +221,7 @@ class Stepper:
         hb["wait"] += t_synced - t0
         outs = self.outputs(launched)
         t_end = time.perf_counter()
+        self.step_stats.discarded_tokens += len(launched.reqs) - len(outs)  # one output per token kept
         hb["outputs"] += t_end - t_synced
         # Host time of this step() call: launching plus finishing, not waiting for the device.
         self.last_step_host_s = launch_host_s + (t_end - t_synced)
@@ -216,6 +229,16 @@ class Stepper:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
+        """Launch and/or finish steps (module docstring); the call's wall and host time go to
+        the kind of the step it waited for, else of the step it launched (runtime/step_stats.py)."""
+        t0 = time.perf_counter()
+        outs, kind = self._step()
+        if kind >= 0:
+            self.step_stats.time(kind, time.perf_counter() - t0, self.last_step_host_s)
+        return outs
+
+    def _step(self) -> tuple[list[RequestOutput], int]:
+        """One ``step()`` call: its outputs and the kind its time goes to (-1: no step ran)."""
         if self.inflight is not None:
             prev, self.inflight = self.inflight, None
             nxt = None
@@ -226,16 +249,16 @@ class Stepper:
                 self.overlapped += nxt is not None
             outs = self.finish(prev, nxt.host_s if nxt else 0.0)
             self.inflight = nxt
-            return outs
+            return outs, prev.kind
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
+            return [], -1
         launched = self.launch(batch, sched_s=time.perf_counter() - t0)
         if launched is None:
-            return []
+            return [], self.launched_kind
         if self.overlap and batch.mode == "decode":
             self.inflight = launched
             self.last_step_host_s = launched.host_s
-            return []
-        return self.finish(launched, launched.host_s)
+            return [], launched.kind
+        return self.finish(launched, launched.host_s), launched.kind

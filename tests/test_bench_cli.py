@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from kiln.cli import cli
@@ -33,7 +34,7 @@ def test_bench_commands(demo_artifact, tmp_path):
     rows = json.loads(lat.read_text())["kiln"]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["decode_tok_s"] > 0 for r in rows)
     assert set(rows[0]["extra"]["ms_per_step_by_part"]) == {"schedule", "launch", "sample", "wait", "outputs"}
-    run(
+    out = run(
         "throughput",
         demo_artifact,
         "--num-prompts",
@@ -49,6 +50,7 @@ def test_bench_commands(demo_artifact, tmp_path):
     )
     t = json.loads(tp.read_text())["kiln"]
     assert t["output_tokens"] >= 6 * 2 and t["input_tokens"] >= 6 * 3 and t["output_tok_s"] > 0
+    check_step_figures(t, out, num_prompts=6)
     run("startup", demo_artifact, "--runs", "1", "--json", st)
     s = json.loads(st.read_text())["startup"]
     assert 0 < s["ready_s"] <= s["first_token_s"] and "graphs" in s["phases"]
@@ -64,6 +66,36 @@ def test_bench_commands(demo_artifact, tmp_path):
         "throughput",
         "startup",
     }
+
+
+def check_step_figures(t, out, num_prompts):
+    """The step figures of a `kiln bench throughput` run (runtime/step_stats.py) in its JSON and its
+    printed table."""
+    kinds = ("prefill", "decode", "mixed")
+    per_kind = ("steps", "mean_batch", "tokens_per_step", "step_ms", "host_ms_per_step", "frac_wall")
+    want = {"steps", "mean_running_batch", "tokens_per_step", "host_ms_per_step", "frac_wall_outside_steps"}
+    assert set(t) >= want | {f"{k}_{f}" for k in kinds for f in per_kind} | {"step_stats"}
+    raw = t["step_stats"]
+    assert t["preemptions"] == 0 and t["mixed_steps"] == 0 and t["mixed_step_ms"] is None
+    assert t["steps"] == t["prefill_steps"] + t["decode_steps"] > t["prefill_steps"] > 0
+    # the measured run only (the bench resets the figures first): its prompts fed once, less any
+    # prefix the radix cache held; every token but each prompt's first sampled by a decode row
+    assert 0 < raw["prefill"]["prefill_tokens"] <= t["input_tokens"]
+    assert raw["decode"]["decode_tokens"] == t["output_tokens"] - num_prompts + raw["discarded_tokens"]
+    assert 1 <= t["decode_mean_batch"] <= num_prompts and 1 <= t["mean_running_batch"] <= num_prompts
+    tokens = raw["all"]["prefill_tokens"] + raw["all"]["decode_tokens"]
+    assert (
+        t["tokens_per_step"] == tokens / t["steps"] and t["decode_tokens_per_step"] == t["decode_mean_batch"]
+    )
+    assert t["host_ms_per_step"] > 0 and all(t[f"{k}_step_ms"] > 0 for k in kinds[:2])
+    fracs = [t[f"{k}_frac_wall"] for k in kinds] + [t["frac_wall_outside_steps"]]
+    assert all(0 <= f <= 1 for f in fracs) and sum(fracs) == pytest.approx(1.0)
+    lines = out.splitlines()
+    head = next(i for i, x in enumerate(lines) if x.startswith("step kind"))
+    rows = {x.split()[0]: x.split() for x in lines[head + 1 : head + 5]}
+    assert list(rows) == [*kinds, "all"]
+    assert int(rows["decode"][1]) == t["decode_steps"] and rows["mixed"][2:6] == ["-"] * 4
+    assert float(rows["all"][2]) == pytest.approx(t["mean_running_batch"], abs=0.006)
 
 
 def test_throughput_beside_hf_on_the_same_workload(demo_artifact, tmp_path, monkeypatch):
