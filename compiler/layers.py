@@ -38,10 +38,9 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 def quantize_per_token(x: torch.Tensor) -> QuantAct:
-    """Dynamic per-token FP8 quantization of an activation that no fused kernel produced."""
-    # x: [T, K]
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / 448.0).clamp_min(1e-12)  # [T, 1]
-    return QuantAct((x.float() / scale).clamp(-448.0, 448.0).to(FP8), scale)
+    """Dynamic per-token FP8 quantization of an activation that no fused kernel produced (the
+    attention output before ``o``): one kernel (ops/activation/quantize.py)."""
+    return QuantAct(*torch.ops.kiln.quantize_fp8_rows(x))
 
 
 class RMSNorm(nn.Module):

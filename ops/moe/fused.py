@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.activation import silu_and_mul as activation
+from kiln.ops.activation.quantize import quantize_fp8_rows_triton
 from kiln.ops.common.launch import (
     ArrivalCounters,
     interpreting,
@@ -58,14 +59,11 @@ from kiln.ops.common.launch import (
 from kiln.ops.common.op import kiln_op
 from kiln.ops.common.quant import (
     FP8_DTYPE,
-    FP8_MIN_SCALE,
     QUANT_DYNAMIC,
     add_rounded,
     dequantize_fp8,
     quantize_fp8_per_token,
     tl_add_row,
-    tl_dynamic_scale,
-    tl_quantize_fp8,
     tl_round,
 )
 from kiln.ops.moe import cutlass as moe_cutlass
@@ -130,26 +128,6 @@ def fused_moe_op_ref(
 
 
 @triton.jit
-def _quant_rows_kernel(
-    X, Q, S, H, stride_x, BLOCK: tl.constexpr, MIN_SCALE: tl.constexpr, RF: tl.constexpr, PDL: tl.constexpr
-):
-    pdl_trigger(PDL)
-    pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK):
-        v = tl.load(X + row * stride_x + h0 + offs, mask=h0 + offs < H, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    s = tl_dynamic_scale(tl.max(amax, axis=0), MIN_SCALE)
-    tl.store(S + row, s)
-    for h0 in range(0, H, BLOCK):
-        m = h0 + offs < H
-        v = tl.load(X + row * stride_x + h0 + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(Q + row * H + h0 + offs, tl_quantize_fp8(v, s, RF), mask=m)
-
-
-@triton.jit
 def _combine_kernel(
     Y2,
     IDS,
@@ -176,20 +154,6 @@ def _combine_kernel(
     out_ty = OUT.dtype.element_ty
     y = tl_add_row(tl_round(acc, out_ty, RF), Z, t, stride_zm, offs, hmask, ADD_Z, out_ty, RF)
     tl.store(OUT + t * stride_o + offs, y.to(out_ty), mask=hmask)
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token FP8 of ``x [T, H]`` (Triton): ``(q fp8 [T, H], s [T, 1] f32)``."""
-    t, h = x.shape
-    q = x.new_empty((t, h), dtype=FP8_DTYPE)
-    s = x.new_empty((t, 1), dtype=torch.float32)
-    if t:
-        block = min(next_pow2(h), 4096)
-        pdl = pdl_args(x)
-        _quant_rows_kernel[(t,)](
-            x, q, s, h, x.stride(0), BLOCK=block, MIN_SCALE=FP8_MIN_SCALE, RF=interpreting(), num_warps=max(1, min(8, block // 512)), **pdl,
-        )  # fmt: skip
-    return q, s
 
 
 def moe_combine(
@@ -229,7 +193,7 @@ def _fused_moe_gemv(
     i, k = w2.shape[2], topk_ids.shape[1]
     ids, emap = topk_ids, expert_map
     if w13.dtype == FP8_DTYPE:
-        xq, xs = quantize_rows(x)
+        xq, xs = quantize_fp8_rows_triton(x)
         gu = x.new_empty((t * k, 2 * i))
         moe_gemv_launch(xq, xs, w13, w13_scale, gu, None, ids, emap, c1, a_div=k)
         a = gu.new_empty((t * k, i), dtype=FP8_DTYPE)
@@ -356,7 +320,7 @@ def fused_moe_forward(
     align = (sorted_ids, block_expert, num_padded)
     p = t * k
     if w13.dtype == FP8_DTYPE:
-        xq, xs = quantize_rows(x)
+        xq, xs = quantize_fp8_rows_triton(x)
         gu = x.new_empty((p, 2 * i))
         moe_gemm_launch(xq, xs, w13, w13_scale, gu, None, *align, c1, a_div=k)
         hq = gu.new_empty((p, i), dtype=FP8_DTYPE)

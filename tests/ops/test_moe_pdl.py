@@ -1,6 +1,6 @@
-"""Programmatic dependent launch (ops/common/launch.py) in the MoE and sampling kernels: on CPU every
-launch site passes ``PDL=False`` and no ``launch_pdl`` (the interpreter takes none), and every
-kernel triggers, then waits before any store, early return or load other than a weight's. The GPU
+"""Programmatic dependent launch (ops/common/launch.py) in the MoE, its input quantization and the
+sampling kernels: on CPU every launch site passes ``PDL=False`` and no ``launch_pdl`` (the
+interpreter takes none), and every kernel triggers, then waits before any store, early return or load other than a weight's. The GPU
 tests (``gpu``) check the results with PDL on."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import pytest
 import torch
 import triton
 
+from kiln.ops.activation import quantize as quant_rows
 from kiln.ops.moe import align as ma
 from kiln.ops.moe import fused as moe
 from kiln.ops.moe import gemm as mg
 from kiln.ops.moe import topk as mr
 from kiln.ops.sampling import gumbel as sampling
 
-MODULES = (ma, mg, moe, mr, sampling)
+MODULES = (ma, mg, moe, mr, sampling, quant_rows)  # quant_rows: the experts' input quantization
 # loads allowed before the wait: weights only (no kernel of a step writes them)
 WEIGHT_LOADS: dict[str, tuple[str, ...]] = {}  # none in these modules (the bias is cast each step)
 
