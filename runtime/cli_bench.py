@@ -268,3 +268,39 @@ def startup_cmd(artifact: str, runs: int, verify: bool, compare_verify: bool, js
     click.echo(line(r))
     click.echo("phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in r["phases"].items()))
     _write({"env": environment(), "artifact": artifact, "startup": r}, json_path)
+
+
+@bench_cmd.command("accuracy")
+@click.argument("candidate", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--reference",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="The artifact to compare against, compiled from the same checkpoint (e.g. its bf16 build).",
+)
+@click.option("--num-seqs", default=16, show_default=True, help="Synthetic sequences of random tokens.")
+@click.option("--seq-len", default=256, show_default=True, help="Tokens per sequence (<= max_seq_len).")
+@click.option("--seed", default=0, show_default=True, help="Seed of the synthetic sequences.")
+@click.option("--device", default=None, help="cuda or cpu (default: cuda when there is one).")
+@click.option("--json", "json_path", default=None, help="Write the full report here.")
+def accuracy_cmd(
+    candidate: str,
+    reference: str,
+    num_seqs: int,
+    seq_len: int,
+    seed: int,
+    device: str | None,
+    json_path: str | None,
+) -> None:
+    """Teacher-forced accuracy of CANDIDATE against --reference (one checkpoint, two builds: FP8
+    weights against bf16, say): top-1 agreement, |logprob| difference at the reference's top-1
+    token and KL(reference || candidate), over every position of the same sequences."""
+    import torch
+
+    from kiln.runtime.accuracy import compare_artifacts, format_report
+    from kiln.runtime.benchmark import environment
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    r = compare_artifacts(candidate, reference, num_seqs=num_seqs, seq_len=seq_len, seed=seed, device=device)
+    click.echo(format_report(r))
+    _write({"env": environment(), "accuracy": r.to_dict()}, json_path)

@@ -53,6 +53,56 @@ class StepInputs:
         return len(self.req_rows)
 
 
+def run_extend_graph(
+    m: LoadedModel,
+    pool: KVPool,
+    bt: BlockTable,
+    ids: list[int],
+    pos: list[int],
+    slots: list[int],
+    rows: list[int],
+    lens: list[int],
+    indptr: list[int],
+    every_token: bool = False,
+) -> torch.Tensor:
+    """One run of the shared (extend) graph over ``len(rows)`` requests' new tokens (``ids``,
+    their ``pos``itions and KV ``slots``, request ``i``'s at ``indptr[i]:indptr[i + 1]``; ``lens``:
+    each request's length after them): float32 logits ``[B, V]`` at each request's last new token,
+    or with ``every_token`` ``[T, V]`` at every token (teacher-forced figures, runtime/accuracy.py).
+
+    One host->device copy per dtype. Every segment starts 16-byte aligned: Triton specializes
+    kernels on pointer alignment, and the artifact's kernels were built for aligned inputs."""
+    dev = m.device
+    t, b = len(ids), len(rows)
+    want = range(t) if every_token else [max(i - 1, 0) for i in indptr[1:]]
+    n = len(want)
+    tp, bp = -(-max(t, n) // 2) * 2, -(-(b + 1) // 4) * 4
+    h64 = torch.zeros(4, tp, dtype=torch.int64)
+    h64[:3, :t] = torch.tensor([ids, pos, slots], dtype=torch.int64)
+    h64[3, :n] = torch.tensor(want, dtype=torch.int64)
+    h32 = torch.zeros(3, bp, dtype=torch.int32)
+    h32[0, :b] = torch.tensor(rows, dtype=torch.int32)
+    h32[1, :b] = torch.tensor(lens, dtype=torch.int32)
+    h32[2, : b + 1] = torch.tensor(indptr, dtype=torch.int32)
+    i64, i32 = h64.to(dev, non_blocking=True), h32.to(dev, non_blocking=True)
+    bt.flush()
+    logits = m.graphs["model"](
+        m.weights,
+        m.cos_sin,
+        pool.k_cache,
+        pool.v_cache,
+        i64[0, :t],
+        i64[1, :t],
+        i64[2, :t],
+        bt.table,
+        i32[0, :b],
+        i32[1, :b],
+        i32[2, : b + 1],
+        i64[3, :n],
+    )
+    return logits[:n]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -208,41 +258,10 @@ class ModelRunner:
         rows, lens, ext = step.req_rows, step.seq_lens, step.extend_lens
         if len(rows) <= self.max_batch_size and all(e == 1 for e in ext):
             return self.decode(StepInputs("decode", ids, pos, slots, rows, lens))
-        n_req = len(rows)
         indptr = [0]
         for e in ext:
             indptr.append(indptr[-1] + e)
-        last = [max(i - 1, 0) for i in indptr[1:]]
-        dev = self.device
-        # One host->device copy per dtype. Every segment starts 16-byte aligned: Triton specializes
-        # kernels on pointer alignment, and the artifact's kernels were built for aligned inputs.
-        t, b = len(ids), n_req
-        tp, bp = -(-t // 2) * 2, -(-(b + 1) // 4) * 4
-        h64 = torch.zeros(3, tp, dtype=torch.int64)
-        h64[:, :t] = torch.tensor([ids, pos, slots], dtype=torch.int64)
-        h32 = torch.zeros(3, bp, dtype=torch.int32)
-        h32[0, :b] = torch.tensor(rows, dtype=torch.int32)
-        h32[1, :b] = torch.tensor(lens, dtype=torch.int32)
-        h32[2, : b + 1] = torch.tensor(indptr, dtype=torch.int32)
-        i64, i32 = h64.to(dev, non_blocking=True), h32.to(dev, non_blocking=True)
-        logits_idx = torch.tensor(last, dtype=torch.int64).to(dev, non_blocking=True)
-        self.bt.flush()
-        m = self.m
-        logits = m.graphs["model"](
-            m.weights,
-            m.cos_sin,
-            self.pool.k_cache,
-            self.pool.v_cache,
-            i64[0, :t],
-            i64[1, :t],
-            i64[2, :t],
-            self.bt.table,
-            i32[0, :b],
-            i32[1, :b],
-            i32[2, : b + 1],
-            logits_idx,
-        )
-        return logits[:n_req]
+        return run_extend_graph(self.m, self.pool, self.bt, ids, pos, slots, rows, lens, indptr)
 
     def forward(
         self, step: StepInputs, subst: tuple[torch.Tensor, torch.Tensor] | None = None

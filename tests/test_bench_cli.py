@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from kiln.cli import cli
+from kiln.errors import KilnError
 
 
 def run(*args):
@@ -161,3 +162,18 @@ def test_roofline_counts_only_the_experts_a_batch_hits():
     assert weight_bytes_per_step(llm, 1) == dense + per_expert * (k + 1)
     manifest.routed_experts = None  # dense model: every weight
     assert weight_bytes_per_step(llm, 5) == dense + per_expert * (E + 1)
+
+
+def test_accuracy_of_an_artifact_against_itself(demo_artifact, tmp_path):
+    """`kiln bench accuracy` end to end (runtime/accuracy.py has the FP8-vs-bf16 figures): an artifact
+    against itself agrees at every position, and a folder that is no artifact is a KilnError (which
+    `kiln` prints as one line)."""
+    path = tmp_path / "acc.json"
+    out = run("accuracy", demo_artifact, "--reference", demo_artifact, "--num-seqs", "2", "--seq-len", "16",
+              "--device", "cpu", "--json", path)  # fmt: skip
+    r = json.loads(path.read_text())["accuracy"]
+    assert r["positions"] == 32 and r["top1_agreement"] == 1.0 and r["mean_kl"] == 0.0, r
+    assert "agree" in out.lower()
+    bad = CliRunner().invoke(cli, ["bench", "accuracy", str(tmp_path), "--reference", demo_artifact])
+    assert bad.exit_code != 0 and isinstance(bad.exception, KilnError), bad.exception
+    assert "is not a kiln artifact" in str(bad.exception)
