@@ -24,11 +24,14 @@
 #   STARTUP=0            >0: `kiln bench startup --runs N` (process start to first token, by phase)
 #   PROFILE=             batch sizes, e.g. 1,64: bench/gpu/profile_decode.py (GPU time per kernel)
 #   TIMELINE=            a batch size, e.g. 1: bench/gpu/replay_timeline.py (a replay's critical path)
+#   ACCURACY=0           >0: `kiln bench accuracy` of the artifact over that many sequences of ACC_SEQLEN=512
+#                        tokens against a reference build of the same checkpoint, compiled with
+#                        --dtype DTYPE and ACC_REF_ARGS (default none: e.g. QUANT=fp8 against bf16)
 #   GPU_TESTS=           pytest paths run first with -m gpu (see bench/gpu/tests.sh for tests/server)
 # Writes DEST/e2e_<shape>.json (shape: PRESET[-L<LAYERS>][-<DTYPE>][-<QUANT>]) holding compile.log,
 # latency_<shape>_<variant>_r<N>.json (per batch: tok/s, ITL, host ms, TTFT, roofline; HF),
 # latency_table.json (the runs side by side, also printed), throughput.json, startup.json,
-# profile.json, timeline.json, tests.log when asked, stamps (seconds at each step's end).
+# profile.json, timeline.json, accuracy.json, tests.log when asked, stamps (seconds at each step's end).
 # Time on an H200 (bench/results stamps): Llama-3.1-8B checkpoint ~20 s, compile 35-60 s;
 # Qwen3-30B-A3B L16 checkpoint 20-30 s, compile 65-90 s; a latency run (start-up included) 12-20 s.
 set -o pipefail
@@ -39,6 +42,7 @@ VARIANTS=${VARIANTS:-default:}; ROUNDS=${ROUNDS:-1}; NPROMPTS=${NPROMPTS:-0}; ST
 TP_INLEN=${TP_INLEN:-256:1024}; TP_OUTLEN=${TP_OUTLEN:-64:256}
 NAME=$(shape_name "$PRESET" "$LAYERS" "$DTYPE" "$QUANT")
 CK=$WORK/ckpt-$(shape_name "$PRESET" "$LAYERS" "$DTYPE" ""); ART=$WORK/art-$NAME
+ACCURACY=${ACCURACY:-0}; ACC_SEQLEN=${ACC_SEQLEN:-512}; REF=$WORK/art-$NAME-accuracy-ref
 call_begin "e2e_$NAME" "$1"
 HERE=$PWD
 
@@ -48,7 +52,7 @@ if [ -n "$GPU_TESTS" ]; then
   stamp tests
 fi
 
-free_work "$CK" "$ART"
+free_work "$CK" "$ART" "$REF"
 make_checkpoint "$PRESET" "$LAYERS" "$DTYPE" "$CK" || { call_end e2e.sh PRESET LAYERS; exit 1; }
 stamp checkpoint
 if [ -n "$REUSE" ] && [ -f "$ART/manifest.json" ]; then
@@ -90,5 +94,17 @@ if [ -n "$TIMELINE" ]; then
   step timeline.log 120 python bench/gpu/replay_timeline.py "$ART" --batch "$TIMELINE" --json "$RAW/timeline.json"
   show timeline.log "." 24; stamp timeline
 fi
+if [ "$ACCURACY" -gt 0 ]; then
+  if [ -n "$REUSE" ] && [ -f "$REF/manifest.json" ]; then
+    echo "reference artifact $REF: kept from an earlier call (REUSE=1)"
+  else
+    # shellcheck disable=SC2086  # flags, split on purpose
+    compile_in "$HERE" compile_ref.log "$CK" "$REF" --dtype "$DTYPE" $ACC_REF_ARGS
+    stamp "accuracy reference compile"
+  fi
+  step accuracy.log 300 python -m kiln bench accuracy "$ART" --reference "$REF" --num-seqs "$ACCURACY" \
+    --seq-len "$ACC_SEQLEN" --json "$RAW/accuracy.json"
+  show accuracy.log "." 12; stamp accuracy
+fi
 call_end e2e.sh PRESET LAYERS DTYPE QUANT COMPILE_ARGS REUSE BATCHES INLEN OUTLEN KV LAT_ARGS HF VARIANTS ROUNDS \
-  NPROMPTS TP_INLEN TP_OUTLEN TP_HF STARTUP PROFILE TIMELINE GPU_TESTS BUDGET
+  NPROMPTS TP_INLEN TP_OUTLEN TP_HF STARTUP PROFILE TIMELINE ACCURACY ACC_SEQLEN ACC_REF_ARGS GPU_TESTS BUDGET
