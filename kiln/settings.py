@@ -207,6 +207,11 @@ _ALL: tuple[Setting, ...] = (
     _s("moe_cutlass", "run", "bool", "1",
        "Run the MoE rungs the artifact recorded for CUTLASS on it; off: on their Triton configs.",
        env="KILN_MOE_CUTLASS", flag=True, when="per call: at capture for CUDA graphs"),
+    _s("mixed_steps", "run", "bool", "0",
+       "While prompts wait or prefill, run the running requests' decode tokens and a prefill chunk in "
+       "one step (the extend graph, --chunk-size tokens in all) instead of alternating decode and "
+       "prefill steps, so a prefill does not stall the streams; off until measured on the GPU.",
+       env="KILN_MIXED_STEPS", flag=True, when="engine start"),
     # ---- test
     _s("triton_on_cpu", "test", "bool", "0",
        "With TRITON_INTERPRET=1: CPU tensors run the ops' Triton kernels in the interpreter instead of "

@@ -75,6 +75,7 @@ class EngineOptions:
     fp8_gemm: str | None = None  # "auto", "cutlass", "triton" or "cublas"
     fp8_fast_accum: str | None = None  # "auto", "0" or "1"
     moe_cutlass: bool | None = None  # MoE rungs recorded for CUTLASS run it (off: their Triton configs)
+    mixed_steps: bool | None = None  # decode tokens and a prefill chunk in one step (runtime/scheduler.py)
 
     def setting_values(self) -> dict[str, Any]:
         """``{run-time setting name: this option's value or None}`` (for :func:`kiln.settings.apply`)."""
@@ -152,7 +153,12 @@ class Engine:
         self.radix = RadixCache(page_size, disabled=not opts.radix_cache)
         chunk = min(opts.chunk_size or m.chunk_size, m.chunk_size)
         self.scheduler = Scheduler(
-            SchedulerConfig(max_running=self.max_running, chunk_size=chunk, max_seq_len=self.max_seq_len),
+            SchedulerConfig(
+                max_running=self.max_running,
+                chunk_size=chunk,
+                max_seq_len=self.max_seq_len,
+                mixed_steps=self.settings["mixed_steps"],
+            ),
             self.pool,
             self.bt,
             self.radix,

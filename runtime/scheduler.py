@@ -39,6 +39,7 @@ class SchedulerConfig:
     max_seq_len: int = 32768
     fcfs_threshold: int = 128  # longer queues are served first-come-first-served
     max_overtakes: int = 16  # later arrivals admitted ahead of a waiting request, at most
+    mixed_steps: bool = False  # decode rows and a prefill chunk in one extend step (schedule())
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ScheduledBatch:
     mode: str  # "decode" | "extend"
     reqs: list[Req]
     extend_lens: list[int]  # tokens each request processes this step (1 for decode)
+    decode_rows: int = 0  # extend mode: the first this many requests decode (a mixed step)
 
     def completes(self, i: int) -> bool:
         """Whether request ``i``'s logits are used (its step reaches the newest token)."""
@@ -190,10 +192,10 @@ class Scheduler:
         return n
 
     # ----------------------------------------------------------------- step formation
-    def _schedule_extend(self, admit: bool = True) -> ScheduledBatch | None:
-        """Prefill chunks under the token budget: running prefills first, then (``admit``) new
-        requests from the queue."""
-        budget = self.cfg.chunk_size
+    def _schedule_extend(self, admit: bool = True, budget: int | None = None) -> ScheduledBatch | None:
+        """Prefill chunks under the token budget (default the chunk size): running prefills first,
+        then (``admit``) new requests from the queue."""
+        budget = self.cfg.chunk_size if budget is None else budget
         reqs: list[Req] = []
         lens: list[int] = []
         for req in self.running:  # continue chunked prefills first
@@ -310,8 +312,10 @@ class Scheduler:
         def extend() -> ScheduledBatch | None:
             return self._schedule_extend(admit)
 
-        if ready and self._last_mode == "extend":
-            order: tuple = (decode, extend)
+        if ready and self.cfg.mixed_steps and (self.waiting or len(ready) < len(self.running)):
+            order: tuple = (lambda: self._schedule_mixed(ready, admit), extend)
+        elif ready and self._last_mode == "extend":
+            order = (decode, extend)
         elif ready and len(ready) == len(self.running) and not self.waiting:
             order = (decode,)  # steady decoding: no prefill to continue, nobody to admit
         else:
@@ -321,6 +325,19 @@ class Scheduler:
             if batch is not None:
                 return batch
         return None
+
+    def _schedule_mixed(self, ready: list[Req], admit: bool) -> ScheduledBatch | None:
+        """A mixed step: every decode-ready request's token (pages grown as for a decode step),
+        then prefill chunks in what is left of the chunk size, as one extend batch whose first
+        ``decode_rows`` requests decode. Only a decode step when no chunk fits."""
+        dec = self._schedule_decode(ready)
+        if dec is None:
+            return None
+        ext = self._schedule_extend(admit, self.cfg.chunk_size - len(dec.reqs))
+        if ext is None:
+            return dec
+        k = len(dec.reqs)
+        return ScheduledBatch("extend", dec.reqs + ext.reqs, [1] * k + ext.extend_lens, decode_rows=k)
 
     def _stuck(self, req: Req) -> KVPoolError:
         return KVPoolError(
@@ -375,7 +392,10 @@ class Scheduler:
             for req in batch.reqs:
                 req.kv_len += 1
             return
-        for req, n in zip(batch.reqs, batch.extend_lens):
+        k = batch.decode_rows
+        for req in batch.reqs[:k]:  # a mixed step's decode rows: as in a decode step
+            req.kv_len += 1
+        for req, n in zip(batch.reqs[k:], batch.extend_lens[k:]):
             req.kv_len += n
             self._cache_prefix(req)
 

@@ -111,11 +111,11 @@ class Stepper:
         stats = self.stats
         stats["steps"] += 1
         self.last_step_mode = batch.mode
-        n = len(batch.reqs)  # a mixed batch will count its extend and decode rows apart
+        n, k = len(batch.reqs), batch.decode_rows  # a mixed batch counts its decode rows apart
         if batch.mode == "decode":
             kind = self.step_stats.count(n, 0, n)
         else:
-            kind = self.step_stats.count(n, sum(batch.extend_lens), 0)
+            kind = self.step_stats.count(n, sum(batch.extend_lens) - k, k)
         self.launched_kind = kind
         # Newly admitted (or resumed) requests get a fresh sampler row. Admission happens only in
         # extend steps, so a decode step's requests all went through here already.

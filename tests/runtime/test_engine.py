@@ -175,3 +175,31 @@ def test_stepper_runs_on_its_parts_alone(setup, overlap):
     assert sum(seen) == len(prompts) * NEW or (overlap and sum(seen) > len(prompts) * NEW)
     assert (stepper.overlapped > 0) == overlap and stepper.host_breakdown["outputs"] > 0
     eng.check_integrity()
+
+
+@pytest.mark.parametrize("chunk,max_running", [(7, 4), (64, 3), (16, 2)])
+def test_mixed_steps_match_hf(setup, chunk, max_running):
+    """``mixed_steps``: decode tokens ride in the extend step beside prefill chunks (prompts still
+    prefilling, or waiting behind ``max_running``); the tokens stay Hugging Face's and the step
+    figures count the mixed steps (with the setting off there are none)."""
+    _, art, prompts, expect = setup
+    for mixed in (True, False):
+        llm = LLM(
+            str(art),
+            device="cpu",
+            chunk_size=chunk,
+            max_running=max_running,
+            mixed_steps=mixed,
+            overlap=False,
+        )
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == expect, f"mixed_steps={mixed}"
+        figures = llm.engine.step_metrics()
+        m = figures["mixed"]
+        fed = figures["all"]["prefill_tokens"] + figures["all"]["decode_tokens"]  # no overlap: none discarded
+        assert fed == sum(map(len, prompts)) + len(prompts) * (NEW - 1)  # each token's K/V computed once
+        if mixed:
+            assert m["steps"] > 0 and m["decode_tokens"] > 0 and m["prefill_tokens"] > 0, m
+        else:
+            assert m["steps"] == 0, m
+        llm.engine.scheduler.check_integrity()
