@@ -243,37 +243,23 @@ class _TeacherForced:
                 assert row is not None, "plan_calls keeps the rows within max_rows"
                 self.rows[i] = row
             row = self.rows[i]
-            need = -(-end // self.pool.page_size) - self.bt.num_blocks(row)
-            if need > 0:
-                pages = self.pool.alloc_pages(need)
-                assert pages is not None, "the pool holds one call and the longest sequence"
-                self.bt.append(row, pages)
+            covered = self.bt.cover(row, end, self.pool)
+            assert covered, "the pool holds one call and the longest sequence"
             ids += seqs[i][start:end]
             pos += range(start, end)
             slots += self.bt.slots(row, start, end)
             rows.append(row)
             indptr.append(indptr[-1] + end - start)
         lens = [end for _, _, end in segments]
-        logits = self._forward(ids, pos, slots, rows, lens, indptr)
+        use_artifact_kernels(self.model.artifact)  # the process-wide Triton cache: this artifact's kernels
+        m = self.model
+        logits = run_extend_graph(
+            m, self.pool, self.bt, ids, pos, slots, rows, lens, indptr, every_token=True
+        )
         for i, _, end in segments:
             if end == len(seqs[i]):
                 self.pool.free_pages(self.bt.release(self.rows.pop(i)))
         return logits[:, : self.vocab_size]
-
-    def _forward(
-        self,
-        ids: list[int],
-        pos: list[int],
-        slots: list[int],
-        rows: list[int],
-        lens: list[int],
-        indptr: list[int],
-    ) -> torch.Tensor:
-        """The extend graph at every token (``ModelRunner``'s, ``every_token``): ``[T, V]`` logits."""
-        use_artifact_kernels(self.model.artifact)  # the process-wide Triton cache: this artifact's kernels
-        return run_extend_graph(
-            self.model, self.pool, self.bt, ids, pos, slots, rows, lens, indptr, every_token=True
-        )
 
 
 def position_figures(cand_logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:

@@ -34,13 +34,8 @@ class DirectRunner:
         self.lens: list[int] = []
 
     def _grow(self, i: int, new_len: int) -> None:
-        row = self.rows[i]
-        need = -(-new_len // self.pool.page_size) - self.bt.num_blocks(row)
-        if need > 0:
-            pages = self.pool.alloc_pages(need)
-            if pages is None:
-                raise MemoryError("DirectRunner: KV pool exhausted; pass a larger num_slots")
-            self.bt.append(row, pages)
+        if not self.bt.cover(self.rows[i], new_len, self.pool):
+            raise MemoryError("DirectRunner: KV pool exhausted; pass a larger num_slots")
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """Start one sequence per prompt (dropping earlier ones); logits at each last token."""

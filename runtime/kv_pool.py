@@ -258,6 +258,19 @@ class BlockTable:
             self._pending[base + len(cur)] = p
             cur.append(p)
 
+    def cover(self, row: int, tokens: int, pool: KVPool) -> bool:
+        """Append pages from ``pool`` until ``row`` holds slots for ``tokens`` positions; False
+        (nothing taken) when the pool has too few free pages. (The scheduler allocates through
+        its own path, which evicts cached prefixes first.)"""
+        need = -(-tokens // self.page_size) - len(self._pages[row])
+        if need <= 0:
+            return True
+        pages = pool.alloc_pages(need)
+        if pages is None:
+            return False
+        self.append(row, pages)
+        return True
+
     def append_each(self, rows: Sequence[int], pages: Sequence[int]) -> None:
         """``append(rows[i], [pages[i]])`` for every ``i``: what a decode step does for the
         requests whose next token starts a page."""

@@ -74,12 +74,14 @@ def run_extend_graph(
     kernels on pointer alignment, and the artifact's kernels were built for aligned inputs."""
     dev = m.device
     t, b = len(ids), len(rows)
-    want = range(t) if every_token else [max(i - 1, 0) for i in indptr[1:]]
-    n = len(want)
+    n = t if every_token else b
     tp, bp = -(-max(t, n) // 2) * 2, -(-(b + 1) // 4) * 4
     h64 = torch.zeros(4, tp, dtype=torch.int64)
     h64[:3, :t] = torch.tensor([ids, pos, slots], dtype=torch.int64)
-    h64[3, :n] = torch.tensor(want, dtype=torch.int64)
+    if every_token:
+        h64[3, :t] = torch.arange(t)
+    else:  # each request's last new token
+        h64[3, :b] = torch.tensor([max(i - 1, 0) for i in indptr[1:]], dtype=torch.int64)
     h32 = torch.zeros(3, bp, dtype=torch.int32)
     h32[0, :b] = torch.tensor(rows, dtype=torch.int32)
     h32[1, :b] = torch.tensor(lens, dtype=torch.int32)

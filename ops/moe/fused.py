@@ -93,18 +93,17 @@ def fused_moe_ref(
     """Plain torch, one expert at a time (reads which experts were hit on the host)."""
     act = x.dtype
     fp8 = w13.dtype == FP8_DTYPE
+    if fp8 and (w13_scale is None or w2_scale is None):
+        raise ValueError("fused_moe_ref: FP8 weights need w13_scale and w2_scale")
     local = expert_map.long()[topk_ids.long()] if expert_map is not None else topk_ids.long()  # [T, k]
     xin = dequantize_fp8(*quantize_fp8_per_token(x)) if fp8 else x.float()  # [T, H] f32
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(local[local >= 0]).tolist():
         tok, j = torch.where(local == e)
-        if w13_scale is not None and w2_scale is not None and fp8:
-            w13e, w2e = (
-                dequantize_fp8(w13[e], w13_scale[e]),
-                dequantize_fp8(w2[e], w2_scale[e]),
-            )  # [2I, H], [H, I]
+        if fp8 and w13_scale is not None and w2_scale is not None:  # (both given: checked above)
+            w13e, w2e = dequantize_fp8(w13[e], w13_scale[e]), dequantize_fp8(w2[e], w2_scale[e])
         else:
-            w13e, w2e = w13[e].float(), w2[e].float()
+            w13e, w2e = w13[e].float(), w2[e].float()  # [2I, H], [H, I]
         gu = (xin[tok] @ w13e.t()).to(act)  # [n, 2I]
         if fp8:
             h = dequantize_fp8(*activation.silu_and_mul_quant_ref(gu, None))  # [n, I] f32

@@ -32,6 +32,16 @@ def test_alloc_never_hands_out_sink_and_all_or_nothing():
     assert pool.alloc_pages(0) == []
 
 
+def test_cover_grows_a_row_to_a_length_all_or_nothing():
+    pool, bt = _pool(64, 4), BlockTable(2, 16, "cpu", page_size=4)
+    row = bt.alloc_row()
+    assert bt.cover(row, 5, pool) and bt.num_blocks(row) == 2  # 5 positions: two pages of 4
+    assert bt.cover(row, 8, pool) and bt.num_blocks(row) == 2  # already covered: nothing taken
+    assert pool.num_free_pages == 13
+    assert not bt.cover(row, 8 + 14 * 4, pool) and bt.num_blocks(row) == 2 and pool.num_free_pages == 13
+    assert bt.cover(row, 60, pool) and bt.num_blocks(row) == 15 and pool.num_free_pages == 0
+
+
 def test_random_alloc_free_matches_model():
     rng = random.Random(0)
     pool = _pool(256, 2)
