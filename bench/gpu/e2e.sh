@@ -21,6 +21,8 @@
 #   ROUNDS=1             rounds over the variants
 #   NPROMPTS=0           >0: `kiln bench throughput` over that many prompts of TP_INLEN=256:1024
 #                        tokens, TP_OUTLEN=64:256 out; TP_HF=N: HF on the first N at batch 64
+#   TP_VARIANTS=default: "NAME:WORDS;...", a throughput run each (as VARIANTS), e.g.
+#                        "default:;mixed:--mixed-steps"; TP_HF goes with the first
 #   STARTUP=0            >0: `kiln bench startup --runs N` (process start to first token, by phase)
 #   PROFILE=             batch sizes, e.g. 1,64: bench/gpu/profile_decode.py (GPU time per kernel)
 #   TIMELINE=            a batch size, e.g. 1: bench/gpu/replay_timeline.py (a replay's critical path)
@@ -30,7 +32,7 @@
 #   GPU_TESTS=           pytest paths run first with -m gpu (see bench/gpu/tests.sh for tests/server)
 # Writes DEST/e2e_<shape>.json (shape: PRESET[-L<LAYERS>][-<DTYPE>][-<QUANT>]) holding compile.log,
 # latency_<shape>_<variant>_r<N>.json (per batch: tok/s, ITL, host ms, TTFT, roofline; HF),
-# latency_table.json (the runs side by side, also printed), throughput.json, startup.json,
+# latency_table.json (the runs side by side, also printed), throughput_<variant>.json, startup.json,
 # profile.json, timeline.json, accuracy.json, tests.log when asked, stamps (seconds at each step's end).
 # Time on an H200 (bench/results stamps): Llama-3.1-8B checkpoint ~20 s, compile 35-60 s;
 # Qwen3-30B-A3B L16 checkpoint 20-30 s, compile 65-90 s; a latency run (start-up included) 12-20 s.
@@ -77,10 +79,20 @@ stamp latency
 latency_table
 
 if [ "$NPROMPTS" -gt 0 ]; then
-  step throughput.log 400 python -m kiln bench throughput "$ART" --num-prompts "$NPROMPTS" --input-len "$TP_INLEN" \
-    --output-len "$TP_OUTLEN" --kv-memory "$KV" ${TP_HF:+--compare-hf "$CK" --hf-num-prompts "$TP_HF"} \
-    --json "$RAW/throughput.json"
-  show throughput.log "prompts in|HF transformers" 2; stamp throughput
+  hf=${TP_HF:+--compare-hf $CK --hf-num-prompts $TP_HF}
+  IFS=';' read -ra vs <<< "${TP_VARIANTS:-default:}"
+  for v in "${vs[@]}"; do
+    [ -z "$v" ] && continue
+    t=${v%%:*}; words=()
+    for w in ${v#*:}; do [[ $w == *=* && $w != -* ]] && words+=("$w"); done
+    flags=(); for w in ${v#*:}; do [[ $w == *=* && $w != -* ]] || flags+=("$w"); done
+    # shellcheck disable=SC2086  # flags, split on purpose
+    step "throughput_$t.log" 400 env "${words[@]}" python -m kiln bench throughput "$ART" --num-prompts "$NPROMPTS" \
+      --input-len "$TP_INLEN" --output-len "$TP_OUTLEN" --kv-memory "$KV" "${flags[@]}" $hf \
+      --json "$RAW/throughput_$t.json"
+    show "throughput_$t.log" "prompts in|HF transformers|step kind|^(prefill|decode|mixed|all|outside) " 8; stamp "throughput $t"
+    hf=
+  done
 fi
 if [ "$STARTUP" -gt 0 ]; then
   step startup.log 200 python -m kiln bench startup "$ART" --runs "$STARTUP" --json "$RAW/startup.json"
@@ -107,4 +119,4 @@ if [ "$ACCURACY" -gt 0 ]; then
   show accuracy.log "." 12; stamp accuracy
 fi
 call_end e2e.sh PRESET LAYERS DTYPE QUANT COMPILE_ARGS REUSE BATCHES INLEN OUTLEN KV LAT_ARGS HF VARIANTS ROUNDS \
-  NPROMPTS TP_INLEN TP_OUTLEN TP_HF STARTUP PROFILE TIMELINE ACCURACY ACC_SEQLEN ACC_REF_ARGS GPU_TESTS BUDGET
+  NPROMPTS TP_INLEN TP_OUTLEN TP_VARIANTS TP_HF STARTUP PROFILE TIMELINE ACCURACY ACC_SEQLEN ACC_REF_ARGS GPU_TESTS BUDGET
