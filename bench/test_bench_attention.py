@@ -47,12 +47,12 @@ def _graphed(fn: Callable[[], object]) -> Callable[[], object]:
     return graph.replay
 
 
-def _paged(lens: list[int]):
-    block_table, req_rows, num_slots = random_block_table(lens, PAGE, DEV)
+def _paged(lens: list[int], page: int = PAGE):
+    block_table, req_rows, num_slots = random_block_table(lens, page, DEV)
     k_cache = torch.randn(num_slots, HKV, D, dtype=DTYPE, device=DEV)
     v_cache = torch.randn(num_slots, HKV, D, dtype=DTYPE, device=DEV)
     rows = req_rows.tolist()
-    slots = torch.stack([request_slots(block_table, r, lens[0], PAGE) for r in rows])  # [B, L]
+    slots = torch.stack([request_slots(block_table, r, lens[0], page) for r in rows])  # [B, L]
     return k_cache, v_cache, block_table, req_rows, torch.tensor(lens, dtype=torch.int32, device=DEV), slots
 
 
@@ -108,8 +108,8 @@ def _skip_impl(impl: str) -> None:
 
 
 # --------------------------------------------------------------------------- decode
-def _decode_case(batch: int, ctx: int):
-    k_cache, v_cache, bt, rows, lens, slots = _paged([ctx] * batch)
+def _decode_case(batch: int, ctx: int, page: int = PAGE):
+    k_cache, v_cache, bt, rows, lens, slots = _paged([ctx] * batch, page)
     q = torch.randn(batch, HQ, D, dtype=DTYPE, device=DEV)
     nbytes = 2 * batch * ctx * HKV * D * k_cache.element_size() + 2 * q.numel() * q.element_size()
     return q, k_cache, v_cache, bt, rows, lens, slots, nbytes
@@ -158,6 +158,45 @@ def test_decode_sweep(measure, batch, ctx, cfg, splits_factor):
         q, k_cache, v_cache, bt, rows, lens, D**-0.5, PAGE, splits, -1, 0.0, config=config
     )
     measure(_graphed(fn), bytes=nbytes, batch=batch, ctx=ctx, num_splits=splits, config=str(config))
+
+
+# The shapes a serving engine's decode steps run (issue 27): batch 64-256 at 512-1024 tokens, num_splits
+# sized for the engine's 32k block table, pages scattered over the pool as after hours of traffic
+# (page size 1: every key row on its own; 16: runs of 16 rows).
+ENGINE_CASES = pick(
+    [(b, c, p) for b in (64, 128, 256) for c in (512, 1024) for p in (1, 16)],
+    [(3, 40, 1), (3, 40, 16)],
+)
+ENGINE_CAP = pick(32768, 2048)
+
+
+@pytest.mark.parametrize("batch, ctx, page", ENGINE_CASES)
+def test_decode_engine(measure, batch, ctx, page):
+    q, k_cache, v_cache, bt, rows, lens, _, nbytes = _decode_case(batch, ctx, page)
+    splits = choose_num_splits(batch, ENGINE_CAP, HKV)
+    fn = lambda: decode_attention_triton(q, k_cache, v_cache, bt, rows, lens, D**-0.5, page, splits, -1, 0.0)
+    out = fn()
+    assert out.shape == (batch, HQ, D) and not out.isnan().any()
+    measure(_graphed(fn), bytes=nbytes, batch=batch, ctx=ctx, page=page, num_splits=splits)
+
+
+@pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")
+@pytest.mark.parametrize("splits", ["auto", "one", "double"])
+@pytest.mark.parametrize("order", ["requests", "heads", "heads_v_early"])
+@pytest.mark.parametrize("cfg", [(64, 4, 2), (128, 8, 2), (64, 4, 3)])
+@pytest.mark.parametrize("batch, ctx, page", [(64, 512, 1), (64, 512, 16), (256, 1024, 1), (256, 1024, 16)])
+def test_decode_engine_sweep(measure, batch, ctx, page, cfg, order, splits):
+    q, k_cache, v_cache, bt, rows, lens, _, nbytes = _decode_case(batch, ctx, page)
+    config = DecodeConfig(
+        block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], heads_fastest=order != "requests",
+        v_early=order == "heads_v_early",
+    )  # fmt: skip
+    auto = choose_num_splits(batch, ENGINE_CAP, HKV)
+    n = {"auto": auto, "one": 1, "double": 2 * auto}[splits]
+    fn = lambda: decode_attention_triton(
+        q, k_cache, v_cache, bt, rows, lens, D**-0.5, page, n, -1, 0.0, config=config
+    )
+    measure(_graphed(fn), bytes=nbytes, batch=batch, ctx=ctx, page=page, num_splits=n, config=str(config))
 
 
 # --------------------------------------------------------------------------- extend

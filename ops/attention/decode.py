@@ -65,6 +65,10 @@ class DecodeConfig:
     block_n: int = 64  # keys per iteration
     num_warps: int = 4
     num_stages: int = 2
+    # grid order: False (B, Hkv, splits), requests fastest; True (Hkv, B, splits): the KV heads of
+    # one request run side by side and read each cache row's head slices together
+    heads_fastest: bool = False
+    v_early: bool = False  # load a block's V with its K, before the scores
 
 
 def default_config(head_dim: int, v_head_dim: int) -> DecodeConfig:
@@ -178,14 +182,19 @@ def _decode_split_kernel(
     HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr,
     PREWAIT: tl.constexpr = False,  # step inputs and the first block's cached K/V before the wait
+    HEADS_FASTEST: tl.constexpr = False, V_EARLY: tl.constexpr = False,  # DecodeConfig
 ):  # fmt: skip
     # programmatic dependent launch (ops/common/launch.py): wait before any access, except PREWAIT's
     # loads of what nothing in the graph writes (the step inputs, keys cached by earlier steps)
     pdl_trigger(PDL)
     if not PREWAIT:
         pdl_wait(PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FASTEST:
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     lo, base, chunk, active = _split_plan(seq_len, num_splits, sliding_window, BLOCK_N, HAS_WINDOW)
@@ -242,6 +251,14 @@ def _decode_split_kernel(
         else:
             slot = _block_slots(bt_ptr + row * stride_bt, offs, end, PAGE)  # [BLOCK_N]
             k = _cache_rows(k_base, slot, stride_ks, d, kmask, D)  # k: [BLOCK_N, BLOCK_D]
+        if V_EARLY:
+            if PREWAIT:
+                if n0 == start:
+                    v_e = v_pre
+                else:
+                    v_e = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV)
+            else:
+                v_e = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV)
         s = tl_dot(q, tl.trans(k), PREC, UPCAST)  # [GROUP_PAD, BLOCK_N] f32
         if HAS_CAP:
             s = tl_softcap(s * sm_scale, logit_cap) * 1.4426950408889634
@@ -252,7 +269,9 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if PREWAIT:
+        if V_EARLY:
+            v = v_e
+        elif PREWAIT:
             if n0 == start:
                 v = v_pre
             else:
@@ -336,7 +355,8 @@ def decode_attention_triton(
     block_table = block_table.to(torch.int32)
     block_dv = max(16, next_pow2(dv))
     pdl = pdl_args(q)
-    _decode_split_kernel[(bsz, hkv, num_splits)](
+    grid = (hkv, bsz, num_splits) if cfg.heads_fastest else (bsz, hkv, num_splits)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, block_table, req_rows, seq_lens, out, mid_o, mid_lse,
         stride_qb, stride_qh, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), hq, num_splits,
@@ -346,7 +366,7 @@ def decode_attention_triton(
         BLOCK_N=cfg.block_n,
         HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, DIRECT=direct,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
-        PREWAIT=prewait("attn"),
+        PREWAIT=prewait("attn"), HEADS_FASTEST=cfg.heads_fastest, V_EARLY=cfg.v_early,
     )  # fmt: skip
     if not direct:
         block_dv = min(64, block_dv)

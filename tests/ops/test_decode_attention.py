@@ -142,6 +142,21 @@ def test_decode_window_softcap_many_splits(triton_on_cpu, seed, window, cap):
     check(seed, [0, 1, 37, 100], 8, 1, 64, 64, 16, 32, torch.float32, window=window, cap=cap)
 
 
+@pytest.mark.parametrize("heads_fastest, v_early", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("prewait", ["none", "attn"])
+def test_decode_config_variants(triton_on_cpu, seed, monkeypatch, heads_fastest, v_early, prewait):
+    # the grid order and the early V load change only the schedule: same output, split or direct
+    monkeypatch.setenv("KILN_PREWAIT", prewait)
+    cfg = dec.DecodeConfig(
+        block_n=16, num_warps=1, num_stages=1, heads_fastest=heads_fastest, v_early=v_early
+    )
+    q, k, v, bt, rows, lens = make_inputs([0, 1, 37, 50], 8, 2, 64, 64, 1, torch.float32)
+    ref = decode_attention_ref(q, k, v, bt, rows, lens, 0.125, 1, 1, -1, 0.0)
+    for splits in (1, 3):
+        out = dec.decode_attention_triton(q, k, v, bt, rows, lens, 0.125, 1, splits, -1, 0.0, config=cfg)
+        assert rel_err(out, ref) < 1e-5, f"seed {seed}, {splits} splits"
+
+
 class _LaunchSpy:
     """Counts launches of a jitted kernel (``kernel[grid](...)``), forwarding them."""
 
