@@ -182,15 +182,11 @@ def test_decode_engine(measure, batch, ctx, page):
 
 @pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")
 @pytest.mark.parametrize("splits", ["auto", "one", "double"])
-@pytest.mark.parametrize("order", ["requests", "heads", "heads_v_early"])
 @pytest.mark.parametrize("cfg", [(64, 4, 2), (128, 8, 2), (64, 4, 3)])
 @pytest.mark.parametrize("batch, ctx, page", [(64, 512, 1), (64, 512, 16), (256, 1024, 1), (256, 1024, 16)])
-def test_decode_engine_sweep(measure, batch, ctx, page, cfg, order, splits):
+def test_decode_engine_sweep(measure, batch, ctx, page, cfg, splits):
     q, k_cache, v_cache, bt, rows, lens, _, nbytes = _decode_case(batch, ctx, page)
-    config = DecodeConfig(
-        block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], heads_fastest=order != "requests",
-        v_early=order == "heads_v_early",
-    )  # fmt: skip
+    config = DecodeConfig(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
     auto = choose_num_splits(batch, ENGINE_CAP, HKV)
     n = {"auto": auto, "one": 1, "double": 2 * auto}[splits]
     fn = lambda: decode_attention_triton(

@@ -97,7 +97,7 @@ class CompileOptions:
     max_batch_size: int = 256  # the largest decode bucket (decode_buckets)
     max_seq_len: int | None = None  # default: min(max_position_embeddings, 32768)
     chunk_size: int = 4096  # largest extend (prefill chunk) in tokens
-    page_size: int = 1
+    page_size: int = 16  # KV-cache page size in tokens: 1 or 16 (--page-size)
     # "shared": the dynamic graph serves decode too (but batch 1's static graph with folded norms);
     # "per-bucket": a static graph per bucket
     decode_graphs: str = "shared"

@@ -9,7 +9,8 @@ page_size, num_splits, sliding_window, logit_cap) -> out``
   sees keys ``0..seq_lens[b]-1`` (the last ``sliding_window`` of them if ``sliding_window > 0``);
   ``logit_cap > 0`` soft-caps the scaled scores. A request with ``seq_lens[b] == 0`` gets zeros.
 
-Split kernel: grid ``(B, Hkv, num_splits)``. Each program takes all ``Hq / Hkv`` query heads of one
+Split kernel: grid ``(Hkv, B, num_splits)``: the KV heads of a request run side by side, so the
+slices of one cache row (``[Hkv, D]``, contiguous) are read together. Each program takes all ``Hq / Hkv`` query heads of one
 KV head (padded to 16 rows for ``tl.dot``), so every K/V row is read once per group, and walks its
 share of the keys: ``ceil(span / num_splits)`` rounded up to the key block, computed in the kernel
 from ``seq_lens`` (``_split_plan``) so that one launch serves every length (CUDA-graph safe). A
@@ -40,6 +41,7 @@ from kiln.ops.common.op import kiln_op
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
 MAX_SPLITS = 128
+ONE_SPLIT_PROGRAMS_PER_SM = 3  # from this many (batch x KV heads) programs per SM, no split
 
 
 def choose_num_splits(batch: int, max_seq_len: int, num_kv_heads: int, num_sms: int = 132) -> int:
@@ -49,12 +51,17 @@ def choose_num_splits(batch: int, max_seq_len: int, num_kv_heads: int, num_sms: 
     sees enough loads in flight and the last wave is short, while giving every split at least
     ``MIN_KEYS_PER_SPLIT`` keys of a ``max_seq_len`` sequence. Shorter sequences use fewer splits
     on their own: the kernel sizes splits from the actual length, and the rest exit at once.
+    Once the batch alone gives ``ONE_SPLIT_PROGRAMS_PER_SM`` programs per SM, one split: no
+    partials, no merge (batch 64, 8 KV heads, 512 keys on the H200: 53.9 us with one split vs 65.2
+    us with three, bench/results/2026-12-04_h200_s17c_*).
     """
     if batch < 1 or num_kv_heads < 1 or max_seq_len < 1:
         raise ValueError(
             f"choose_num_splits: batch ({batch}), max_seq_len ({max_seq_len}) and num_kv_heads "
             f"({num_kv_heads}) must all be >= 1."
         )
+    if batch * num_kv_heads >= ONE_SPLIT_PROGRAMS_PER_SM * num_sms:
+        return 1
     want = math.ceil(8 * num_sms / (batch * num_kv_heads))
     by_len = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
     return max(1, min(want, by_len, MAX_SPLITS))
@@ -65,10 +72,6 @@ class DecodeConfig:
     block_n: int = 64  # keys per iteration
     num_warps: int = 4
     num_stages: int = 2
-    # grid order: False (B, Hkv, splits), requests fastest; True (Hkv, B, splits): the KV heads of
-    # one request run side by side and read each cache row's head slices together
-    heads_fastest: bool = False
-    v_early: bool = False  # load a block's V with its K, before the scores
 
 
 def default_config(head_dim: int, v_head_dim: int) -> DecodeConfig:
@@ -182,19 +185,14 @@ def _decode_split_kernel(
     HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr,
     PREWAIT: tl.constexpr = False,  # step inputs and the first block's cached K/V before the wait
-    HEADS_FASTEST: tl.constexpr = False, V_EARLY: tl.constexpr = False,  # DecodeConfig
 ):  # fmt: skip
     # programmatic dependent launch (ops/common/launch.py): wait before any access, except PREWAIT's
     # loads of what nothing in the graph writes (the step inputs, keys cached by earlier steps)
     pdl_trigger(PDL)
     if not PREWAIT:
         pdl_wait(PDL)
-    if HEADS_FASTEST:
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
+    kvh = tl.program_id(0)  # a request's KV heads side by side: they read the same cache rows
+    b = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     lo, base, chunk, active = _split_plan(seq_len, num_splits, sliding_window, BLOCK_N, HAS_WINDOW)
@@ -251,14 +249,14 @@ def _decode_split_kernel(
         else:
             slot = _block_slots(bt_ptr + row * stride_bt, offs, end, PAGE)  # [BLOCK_N]
             k = _cache_rows(k_base, slot, stride_ks, d, kmask, D)  # k: [BLOCK_N, BLOCK_D]
-        if V_EARLY:
-            if PREWAIT:
-                if n0 == start:
-                    v_e = v_pre
-                else:
-                    v_e = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV)
+        # V loads with K, before the scores need it: both blocks' reads in flight at once
+        if PREWAIT:
+            if n0 == start:
+                v = v_pre
             else:
-                v_e = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV)
+                v = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV)
+        else:
+            v = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV)  # v: [BLOCK_N, BLOCK_DV]
         s = tl_dot(q, tl.trans(k), PREC, UPCAST)  # [GROUP_PAD, BLOCK_N] f32
         if HAS_CAP:
             s = tl_softcap(s * sm_scale, logit_cap) * 1.4426950408889634
@@ -269,15 +267,6 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if V_EARLY:
-            v = v_e
-        elif PREWAIT:
-            if n0 == start:
-                v = v_pre
-            else:
-                v = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV)
-        else:
-            v = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV)  # v: [BLOCK_N, BLOCK_DV]
         acc = acc * alpha[:, None] + tl_dot(p.to(v.dtype), v, PREC, UPCAST)
         m_i = m_new
 
@@ -355,8 +344,7 @@ def decode_attention_triton(
     block_table = block_table.to(torch.int32)
     block_dv = max(16, next_pow2(dv))
     pdl = pdl_args(q)
-    grid = (hkv, bsz, num_splits) if cfg.heads_fastest else (bsz, hkv, num_splits)
-    _decode_split_kernel[grid](
+    _decode_split_kernel[(hkv, bsz, num_splits)](
         q, k_cache, v_cache, block_table, req_rows, seq_lens, out, mid_o, mid_lse,
         stride_qb, stride_qh, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), hq, num_splits,
@@ -366,7 +354,7 @@ def decode_attention_triton(
         BLOCK_N=cfg.block_n,
         HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, DIRECT=direct,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
-        PREWAIT=prewait("attn"), HEADS_FASTEST=cfg.heads_fastest, V_EARLY=cfg.v_early,
+        PREWAIT=prewait("attn"),
     )  # fmt: skip
     if not direct:
         block_dv = min(64, block_dv)

@@ -89,8 +89,9 @@ def test_shared_prefix_hits_cache(setup):
     first = llm.generate(prompts[:1], params)
     rest = llm.generate(prompts[1:], params)
     assert [o.token_ids for o in first + rest] == expect
-    assert all(o.num_cached_tokens >= 24 for o in rest)
-    assert llm.engine.stats["cached_tokens"] >= 48
+    shared = 24 // llm.engine.pool.page_size * llm.engine.pool.page_size  # whole pages are shared
+    assert shared > 0 and all(o.num_cached_tokens >= shared for o in rest)
+    assert llm.engine.stats["cached_tokens"] >= 2 * shared
     llm.engine.check_integrity()
 
 
