@@ -34,7 +34,7 @@ def test_the_file_on_disk_is_what_the_record_writes(doc, manifest, tmp_path):
 
 
 def test_typed_fields(manifest):
-    assert isinstance(manifest.kv, KVSpec) and manifest.kv.page_size == 1
+    assert isinstance(manifest.kv, KVSpec) and manifest.kv.page_size == 16  # the default
     assert manifest.decode_buckets[-1] == manifest.max_batch_size
     assert all(isinstance(b, int) for b in manifest.kernel_choices.decode_num_splits)  # JSON keys are strings
     code = manifest.graphs["model"].python
@@ -98,9 +98,10 @@ def test_save_refuses_what_load_would_refuse(manifest, tmp_path):
 
 
 def test_derived_values(manifest):
-    assert manifest.max_blocks == manifest.max_seq_len  # page_size 1
     paged = replace(manifest, kv=replace(manifest.kv, page_size=16), max_seq_len=1000)
     assert paged.max_blocks == 63 and paged.kv.pages_for(16) == 1 and paged.kv.pages_for(17) == 2
+    rows = replace(manifest, kv=replace(manifest.kv, page_size=1), max_seq_len=1000)
+    assert rows.max_blocks == 1000 and rows.kv.pages_for(17) == 17
     moe = replace(manifest, model=manifest.model | {"moe": {"num_experts": 128, "top_k": 8}})
     assert moe.routed_experts == (8, 128)
 

@@ -143,7 +143,10 @@ def test_batch_limits_derive_from_the_artifact(setup):
         assert (m.max_batch_size, m.decode_buckets, eng.max_running) == (4, (1, 2, 4), running)
         assert eng.scheduler.cfg.max_running == running and eng.bt.max_running == running
         assert eng.bt.num_rows == running + 1 == eng.sampler.max_rows
-        assert eng.bt.max_blocks == m.max_blocks == 128 and eng.runner.decode_buckets == m.decode_buckets
+        assert (
+            eng.bt.max_blocks == m.max_blocks == m.kv.pages_for(128)
+            and eng.runner.decode_buckets == m.decode_buckets
+        )
 
 
 @pytest.mark.parametrize("overlap", [False, True])

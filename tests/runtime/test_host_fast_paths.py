@@ -20,7 +20,9 @@ NEW = 24
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("fast")
     hf = make_checkpoint(root / "hf", "llama-tied", seed=5, eos=None)
-    opts = CompileOptions(device="cpu", dtype="float32", max_batch_size=8, max_seq_len=128, chunk_size=64)
+    opts = CompileOptions(
+        device="cpu", dtype="float32", max_batch_size=8, max_seq_len=128, chunk_size=64, page_size=1
+    )
     compile_model(root / "hf", root / "art", opts, verbose=False)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (4, 17, 9, 30, 6, 12)]

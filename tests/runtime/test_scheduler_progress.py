@@ -27,7 +27,9 @@ STEP_BOUND = 3000  # far more steps than any workload here needs; a livelock run
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("progress")
     hf = make_checkpoint(root / "hf", "llama-untied", seed=5, eos=None)
-    opts = CompileOptions(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=128, chunk_size=64)
+    opts = CompileOptions(
+        device="cpu", dtype="float32", max_batch_size=4, max_seq_len=128, chunk_size=64, page_size=1
+    )
     compile_model(root / "hf", root / "art", opts, verbose=False)
     return hf, root / "art"
 
