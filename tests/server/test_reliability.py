@@ -17,9 +17,12 @@ from kiln.manifest import Manifest
 
 @pytest.fixture(scope="module")
 def small(demo_artifact):
-    """A server whose KV pool (about 512 tokens) is smaller than the context, with 2 running slots."""
-    bytes_per_token = Manifest.load(demo_artifact).kv.bytes_per_token
-    s = LiveServer(demo_artifact, kv_memory_gib=512 * bytes_per_token / 2**30, max_running=2)
+    """A server whose KV pool (512 tokens, one more page for the sink) is smaller than the context,
+    with 2 running slots."""
+    kv = Manifest.load(demo_artifact).kv
+    s = LiveServer(
+        demo_artifact, kv_memory_gib=(512 + kv.page_size) * kv.bytes_per_token / 2**30, max_running=2
+    )
     assert 500 < s.kiln.max_request_tokens == s.engine.pool.capacity_tokens < s.kiln.context
     yield s
     s.stop()
