@@ -2,6 +2,7 @@
 
     python bench/make_checkpoint.py --preset llama-3.1-8b -o /tmp/llama8b [--num-layers 4]
     python bench/make_checkpoint.py --config path/to/config.json -o DIR --dtype float16
+    python bench/make_checkpoint.py --preset qwen3-30b-a3b --bytes    # its size, nothing written
 
 Big configs are written without instantiating the model (meta device + random tensors shard by
 shard, see kiln.compiler.synth); tiny ones go through transformers' save_pretrained.
@@ -24,7 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", choices=sorted(bundled_configs()), help="a bundled config")
     src.add_argument("--config", type=Path, help="a config.json to use instead")
-    ap.add_argument("-o", "--out", type=Path, required=True, help="output directory")
+    ap.add_argument("-o", "--out", type=Path, help="output directory")
+    ap.add_argument(
+        "--bytes", action="store_true", help="print the checkpoint's size in bytes (an upper bound) and exit"
+    )
     ap.add_argument("--num-layers", type=int, default=None, help="keep shapes, use fewer layers")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--seed", type=int, default=0)
@@ -36,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-tokenizer", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
+    if a.bytes:
+        print(_size_bound(a.preset, a.config, a.num_layers, a.dtype))
+        return 0
+    if a.out is None:
+        ap.error("-o/--out is required (or --bytes)")
     config = a.preset if a.preset else json.loads(a.config.read_text())
     t0 = time.perf_counter()
     out = make_checkpoint(
@@ -55,6 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     n = len(list(out.glob("*.safetensors")))
     print(f"wrote {out}: {n} shard(s), {size / 1e9:.2f} GB in {dt:.1f} s ({size / 1e9 / dt:.2f} GB/s)")
     return 0
+
+
+def _size_bound(preset: str | None, config: Path | None, num_layers: int | None, dtype: str) -> int:
+    """Bytes the checkpoint's shards take, plus 2% and 64 MB for headers, norms and the tokenizer."""
+    from kiln.compiler.cli_inspect import bundled_configs
+    from kiln.compiler.config import normalize_config
+
+    path = bundled_configs()[preset] if preset else config
+    assert path is not None
+    raw = json.loads(Path(path).read_text())
+    if num_layers:
+        raw["num_hidden_layers"] = num_layers
+    cfg = normalize_config(raw)
+    return int(cfg.weight_bytes(dtype) * 1.02) + 64 * 2**20
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
 # Usage (repo root, GPU machine): [VAR=VALUE ...] bash bench/gpu/e2e.sh DEST
 #   PRESET=llama-3.1-8b  a bundled config (compiler/configs: llama-3.1-8b, qwen3-30b-a3b, ...)
 #   LAYERS=              keep the shapes, this many layers (qwen3-30b-a3b: 16, for the 64 GB disk)
+#   CKPT_WORK=           where the checkpoint goes (lib.sh): /dev/shm/kb for the full qwen3-30b-a3b,
+#                        whose 61 GB checkpoint and artifact do not both fit the disk
 #   DTYPE=bfloat16       checkpoint dtype and `kiln compile --dtype`
 #   QUANT=               fp8: `kiln compile --quant fp8`
 #   COMPILE_ARGS=        more `kiln compile` flags, e.g. "--max-batch-size 64 --page-size 16"
@@ -43,7 +45,7 @@ BATCHES=${BATCHES:-1,8,64}; INLEN=${INLEN:-512}; OUTLEN=${OUTLEN:-64}; KV=${KV:-
 VARIANTS=${VARIANTS:-default:}; ROUNDS=${ROUNDS:-1}; NPROMPTS=${NPROMPTS:-0}; STARTUP=${STARTUP:-0}
 TP_INLEN=${TP_INLEN:-256:1024}; TP_OUTLEN=${TP_OUTLEN:-64:256}
 NAME=$(shape_name "$PRESET" "$LAYERS" "$DTYPE" "$QUANT")
-CK=$WORK/ckpt-$(shape_name "$PRESET" "$LAYERS" "$DTYPE" ""); ART=$WORK/art-$NAME
+CK=$CKPT_WORK/ckpt-$(shape_name "$PRESET" "$LAYERS" "$DTYPE" ""); ART=$WORK/art-$NAME
 ACCURACY=${ACCURACY:-0}; ACC_SEQLEN=${ACC_SEQLEN:-512}; REF=$WORK/art-$NAME-accuracy-ref
 call_begin "e2e_$NAME" "$1"
 HERE=$PWD
@@ -118,5 +120,5 @@ if [ "$ACCURACY" -gt 0 ]; then
     --seq-len "$ACC_SEQLEN" --json "$RAW/accuracy.json"
   show accuracy.log "." 12; stamp accuracy
 fi
-call_end e2e.sh PRESET LAYERS DTYPE QUANT COMPILE_ARGS REUSE BATCHES INLEN OUTLEN KV LAT_ARGS HF VARIANTS ROUNDS \
+call_end e2e.sh PRESET LAYERS CKPT_WORK DTYPE QUANT COMPILE_ARGS REUSE BATCHES INLEN OUTLEN KV LAT_ARGS HF VARIANTS ROUNDS \
   NPROMPTS TP_INLEN TP_OUTLEN TP_VARIANTS TP_HF STARTUP PROFILE TIMELINE ACCURACY ACC_SEQLEN ACC_REF_ARGS GPU_TESTS BUDGET

@@ -10,6 +10,9 @@
 #     device command less the bundle), so the bundle is written even when a step overruns;
 #   - checkpoints and artifacts live in WORK=/tmp/kb (ckpt-<shape>, art-<shape>); before making new
 #     ones a call deletes the others there (a warm machine may hold the last call's; 64 GB disk);
+#     CKPT_WORK (default WORK) puts the checkpoints elsewhere: CKPT_WORK=/dev/shm/kb keeps one in
+#     memory (128 GB) so that a checkpoint and its artifact fit where the disk holds only one (the
+#     full 48-layer Qwen3-30B-A3B: 61 GB each in bf16); make_checkpoint checks the free space first;
 #   - wheels carried in .whl (git-ignored; e.g. fastapi for the server) are installed into
 #     /tmp/site and put on PYTHONPATH first;
 #   - COMMIT (the commit under test; the machine has no git) is recorded in the bundle's command;
@@ -17,6 +20,7 @@
 #     parameter set anywhere.
 
 WORK=${WORK:-/tmp/kb}
+CKPT_WORK=${CKPT_WORK:-$WORK}
 BUDGET=${BUDGET:-570}
 COMMIT=${COMMIT:-${KILN_COMMIT:-}}
 RESERVE=25  # seconds kept for the bundle
@@ -103,7 +107,7 @@ shape_name() {  # PRESET LAYERS DTYPE QUANT: llama-3.1-8b, qwen3-30b-a3b-L16, ll
 
 free_work() {  # KEEP...: delete WORK's checkpoints and artifacts other than these
   local p k keep
-  for p in "$WORK"/ckpt-* "$WORK"/art-*; do
+  for p in "$CKPT_WORK"/ckpt-* "$WORK"/art-*; do
     [ -e "$p" ] || continue
     keep=
     for k in "$@"; do [ "$p" = "$k" ] && keep=1; done
@@ -116,6 +120,16 @@ make_checkpoint() {  # PRESET LAYERS DTYPE CKPT: random weights (bench/make_chec
   local preset=$1 layers=$2 dtype=$3 ck=$4
   if [ -z "$DRY" ] && [ -f "$ck/config.json" ]; then echo "checkpoint $ck: kept from an earlier call"; return 0; fi
   [ -z "$DRY" ] && rm -rf "$ck.part"
+  if [ -z "$DRY" ]; then
+    mkdir -p "${ck%/*}"
+    local need free
+    need=$(python bench/make_checkpoint.py --preset "$preset" ${layers:+--num-layers "$layers"} --dtype "$dtype" --bytes)
+    free=$(df -B1 --output=avail "${ck%/*}" | tail -1)
+    if [ "$need" -gt "$free" ]; then
+      echo "make_checkpoint: $ck needs $need bytes, ${ck%/*} has $free free (set CKPT_WORK elsewhere)" >&2
+      return 1
+    fi
+  fi
   step "checkpoint_${ck##*/ckpt-}.log" 400 python bench/make_checkpoint.py --preset "$preset" ${layers:+--num-layers "$layers"} \
     --dtype "$dtype" -o "$ck.part" || return 1
   if [ -n "$DRY" ]; then echo "+ mv $ck.part $ck"; return 0; fi

@@ -24,7 +24,7 @@ source bench/gpu/lib.sh
 PRESET=${PRESET:-llama-3.1-8b}; LAYERS=${LAYERS:-}; DTYPE=${DTYPE:-bfloat16}
 RATES=${RATES:-16}; NPROMPTS=${NPROMPTS:-500}; INLEN=${INLEN:-512}; OUTLEN=${OUTLEN:-128}; RANGE=${RANGE:-0.5}
 NAME=$(shape_name "$PRESET" "$LAYERS" "$DTYPE" "$QUANT")
-CK=$WORK/ckpt-$(shape_name "$PRESET" "$LAYERS" "$DTYPE" ""); ART=$WORK/art-$NAME
+CK=$CKPT_WORK/ckpt-$(shape_name "$PRESET" "$LAYERS" "$DTYPE" ""); ART=$WORK/art-$NAME
 call_begin "serve_$NAME" "$1"
 HERE=$PWD
 if [ -z "$DRY" ] && ! python -c "import fastapi, uvicorn" 2> /dev/null; then

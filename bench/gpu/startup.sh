@@ -21,7 +21,7 @@ set -o pipefail
 source bench/gpu/lib.sh
 PRESET=${PRESET:-llama-3.1-8b}; LAYERS=${LAYERS:-}; DTYPE=${DTYPE:-bfloat16}; RUNS=${RUNS:-3}
 NAME=$(shape_name "$PRESET" "$LAYERS" "$DTYPE" "$QUANT")
-CK=$WORK/ckpt-$(shape_name "$PRESET" "$LAYERS" "$DTYPE" ""); ART=$WORK/art-$NAME
+CK=$CKPT_WORK/ckpt-$(shape_name "$PRESET" "$LAYERS" "$DTYPE" ""); ART=$WORK/art-$NAME
 call_begin "startup_$NAME" "$1"
 HERE=$PWD
 
