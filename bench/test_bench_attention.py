@@ -5,6 +5,9 @@
   batch 32 / 8k, >= 50% at batch 1 / 32k); plus batch 1 at 512 and 8k tokens with ``num_splits``
   sized for a 32k bucket (``cap``), as the runtime's batch-1 graph runs them, where the kernels are
   latency bound. ``triton``: the split kernel and, with more than one split, the merge kernel;
+* decode at a serving engine's shapes (``test_decode_engine``) with a bf16 and an FP8 KV cache
+  (``kv``): FP8 ``bytes`` count one byte a cached value plus the float32 scale of each K and V head
+  row (``kv_bytes_per_token``);
 * extend of 4096 new tokens over a 0 and a 4k prefix: ``flops`` = 4 * Hq * D * (visible keys
   summed over queries), as a fraction of the measured bf16 matmul rate (target >= 50% over 4k).
 
@@ -27,6 +30,7 @@ from conftest import SMOKE, pick
 
 from kiln.ops.attention.decode import DecodeConfig, choose_num_splits, decode_attention_triton
 from kiln.ops.attention.extend import ExtendConfig, extend_attention_triton
+from kiln.ops.attention.qkv_rope import quantize_kv_rows
 from kiln.ops.attention.reference import random_block_table, request_slots
 
 HQ, HKV, D = pick(32, 4), pick(8, 2), pick(128, 32)
@@ -108,11 +112,29 @@ def _skip_impl(impl: str) -> None:
 
 
 # --------------------------------------------------------------------------- decode
-def _decode_case(batch: int, ctx: int, page: int = PAGE):
+def kv_bytes_per_token(kv: str) -> int:
+    """Bytes decode attention reads per cached token: K and V rows of every KV head, plus their
+    float32 scales for an FP8 cache."""
+    if kv == "fp8":
+        return 2 * HKV * (D + 4)
+    return 2 * HKV * D * DTYPE.itemsize
+
+
+def _decode_case(batch: int, ctx: int, page: int = PAGE, kv: str = "bf16"):
+    """A decode batch over ``[ctx] * batch`` tokens. ``kv="fp8"``: the caches quantized per row
+    (``quantize_kv_rows``, what qkv_rope_kvwrite writes); ``kv_scales`` is then ``(k_scale,
+    v_scale)`` (the ops' trailing arguments), else ``()``."""
     k_cache, v_cache, bt, rows, lens, slots = _paged([ctx] * batch, page)
+    kv_scales: tuple[torch.Tensor, ...] = ()
+    if kv == "fp8":
+        (k_cache, k_scale), (v_cache, v_scale) = (
+            quantize_kv_rows(k_cache.float()),
+            quantize_kv_rows(v_cache.float()),
+        )
+        kv_scales = (k_scale, v_scale)
     q = torch.randn(batch, HQ, D, dtype=DTYPE, device=DEV)
-    nbytes = 2 * batch * ctx * HKV * D * k_cache.element_size() + 2 * q.numel() * q.element_size()
-    return q, k_cache, v_cache, bt, rows, lens, slots, nbytes
+    nbytes = batch * ctx * kv_bytes_per_token(kv) + 2 * q.numel() * q.element_size()
+    return q, k_cache, v_cache, bt, rows, lens, slots, nbytes, kv_scales
 
 
 DECODE_IMPLS = ["triton", "sdpa", "compiled"]
@@ -131,7 +153,7 @@ def test_decode(measure, batch, ctx, cap, impl):
     _skip_impl(impl)
     if cap != ctx and impl != "triton":
         pytest.skip("the baselines do not split: same as the cap == ctx case")
-    q, k_cache, v_cache, bt, rows, lens, slots, nbytes = _decode_case(batch, ctx)
+    q, k_cache, v_cache, bt, rows, lens, slots, nbytes, _ = _decode_case(batch, ctx)
     scale = D**-0.5
     splits = choose_num_splits(batch, cap, HKV)
     if impl == "triton":
@@ -151,7 +173,7 @@ def test_decode(measure, batch, ctx, cap, impl):
 @pytest.mark.parametrize("cfg", [(32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 2), (32, 4, 4)])
 @pytest.mark.parametrize("batch, ctx", [(32, 8192), (1, 32768)])
 def test_decode_sweep(measure, batch, ctx, cfg, splits_factor):
-    q, k_cache, v_cache, bt, rows, lens, _, nbytes = _decode_case(batch, ctx)
+    q, k_cache, v_cache, bt, rows, lens, _, nbytes, _ = _decode_case(batch, ctx)
     config = DecodeConfig(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
     splits = max(1, round(choose_num_splits(batch, ctx, HKV) * splits_factor))
     fn = lambda: decode_attention_triton(
@@ -170,14 +192,17 @@ ENGINE_CASES = pick(
 ENGINE_CAP = pick(32768, 2048)
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("batch, ctx, page", ENGINE_CASES)
-def test_decode_engine(measure, batch, ctx, page):
-    q, k_cache, v_cache, bt, rows, lens, _, nbytes = _decode_case(batch, ctx, page)
+def test_decode_engine(measure, batch, ctx, page, kv):
+    q, k_cache, v_cache, bt, rows, lens, _, nbytes, kv_scales = _decode_case(batch, ctx, page, kv)
     splits = choose_num_splits(batch, ENGINE_CAP, HKV)
-    fn = lambda: decode_attention_triton(q, k_cache, v_cache, bt, rows, lens, D**-0.5, page, splits, -1, 0.0)
+    fn = lambda: decode_attention_triton(
+        q, k_cache, v_cache, bt, rows, lens, D**-0.5, page, splits, -1, 0.0, *kv_scales
+    )
     out = fn()
     assert out.shape == (batch, HQ, D) and not out.isnan().any()
-    measure(_graphed(fn), bytes=nbytes, batch=batch, ctx=ctx, page=page, num_splits=splits)
+    measure(_graphed(fn), bytes=nbytes, batch=batch, ctx=ctx, page=page, num_splits=splits, kv=kv)
 
 
 @pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")
@@ -185,7 +210,7 @@ def test_decode_engine(measure, batch, ctx, page):
 @pytest.mark.parametrize("cfg", [(64, 4, 2), (128, 8, 2), (64, 4, 3)])
 @pytest.mark.parametrize("batch, ctx, page", [(64, 512, 1), (64, 512, 16), (256, 1024, 1), (256, 1024, 16)])
 def test_decode_engine_sweep(measure, batch, ctx, page, cfg, splits):
-    q, k_cache, v_cache, bt, rows, lens, _, nbytes = _decode_case(batch, ctx, page)
+    q, k_cache, v_cache, bt, rows, lens, _, nbytes, _ = _decode_case(batch, ctx, page)
     config = DecodeConfig(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
     auto = choose_num_splits(batch, ENGINE_CAP, HKV)
     n = {"auto": auto, "one": 1, "double": 2 * auto}[splits]
@@ -244,8 +269,11 @@ def test_extend_sweep(measure, prefix, cfg):
 
 def test_bench_bytes_and_flops_formulas():
     # the figures the fractions rest on, checked on a case small enough to count by hand
-    *_, nbytes = _decode_case(2, 48)
+    *_, nbytes, _ = _decode_case(2, 48)
     assert nbytes == 2 * 2 * 48 * HKV * D * 2 + 2 * 2 * HQ * D * 2
+    _, k_cache, _, _, _, _, _, nbytes, (k_scale, _) = _decode_case(2, 48, kv="fp8")
+    assert k_cache.dtype == torch.float8_e4m3fn and k_scale.shape == k_cache.shape[:2]
+    assert nbytes == 2 * 48 * (2 * HKV * D * 1 + 2 * HKV * 4) + 2 * 2 * HQ * D * 2
     *_, flops = _extend_case(3, 5)
     assert flops == 4 * HQ * D * (6 + 7 + 8)
     assert math.isfinite(flops)

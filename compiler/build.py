@@ -35,7 +35,7 @@ import torch
 from kiln import settings
 from kiln.artifact_format import gpu_arch, write_build_log
 from kiln.compiler.config import ModelConfig, load_config
-from kiln.compiler.context import GRAPH_INPUTS
+from kiln.compiler.context import graph_inputs
 from kiln.compiler.cutlass_build import check_request, cutlass_backend, drop_unused, fp8_library
 from kiln.compiler.graph_code import emit_graph_code
 from kiln.compiler.models.base import DecoderOnlyLM
@@ -98,6 +98,9 @@ class CompileOptions:
     max_seq_len: int | None = None  # default: min(max_position_embeddings, 32768)
     chunk_size: int = 4096  # largest extend (prefill chunk) in tokens
     page_size: int = 16  # KV-cache page size in tokens: 1 or 16 (--page-size)
+    # --kv-dtype: "auto" (the activation dtype) or "fp8" (e4m3, one float32 scale per cached head
+    # row, written by kiln::qkv_rope_kvwrite: half the bytes decode attention reads)
+    kv_dtype: str = "auto"
     # "shared": the dynamic graph serves decode too (but batch 1's static graph with folded norms);
     # "per-bucket": a static graph per bucket
     decode_graphs: str = "shared"
@@ -220,20 +223,24 @@ def _norm_folds(model: torch.nn.Module, fold: bool, verbose: bool) -> dict[str, 
     return folds
 
 
-def _graph_entry(name: str, batch: int | None, **kw: Any) -> GraphEntry:
-    return GraphEntry(file=f"graphs/{name}.pt2", inputs=tuple(GRAPH_INPUTS), batch=batch, **kw)
+def _graph_entry(name: str, batch: int | None, kv_dtype: torch.dtype, **kw: Any) -> GraphEntry:
+    return GraphEntry(file=f"graphs/{name}.pt2", inputs=graph_inputs(kv_dtype), batch=batch, **kw)
+
+
+KV_DTYPES = ("auto", "fp8")  # --kv-dtype
 
 
 def _kv_spec(cfg: ModelConfig, opts: CompileOptions) -> KVSpec:
     """The KV cache the graphs are traced for (per rank), as the manifest records it."""
+    dtype = "float8_e4m3fn" if opts.kv_dtype == "fp8" else opts.dtype
     return KVSpec(
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.kv_heads_per_rank(opts.tp),
         head_dim=cfg.head_dim,
         v_head_dim=cfg.v_head_dim,
-        dtype=opts.dtype,
+        dtype=dtype,
         page_size=opts.page_size,
-        bytes_per_token=cfg.kv_bytes_per_token(opts.dtype, opts.tp),
+        bytes_per_token=cfg.kv_bytes_per_token(dtype, opts.tp),
     )
 
 
@@ -265,6 +272,8 @@ def compile_model(
     _check_device(opts.device)
     if opts.dtype not in DTYPES:
         raise CompileError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}.")
+    if opts.kv_dtype not in KV_DTYPES:
+        raise CompileError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {opts.kv_dtype!r}.")
     try:
         plan = gemv_plan(opts.gemv_plan)  # a bad --gemv-plan fails here, before any work
     except ValueError as err:
@@ -314,7 +323,7 @@ def compile_model(
         apply_norm_folds(weights, folds)  # as the runtime will, before the warm-up runs the graphs
         kv = _kv_spec(cfg, opts)
         cache = CacheSpec(
-            kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.v_head_dim, DTYPES[kv.dtype], kv.page_size
+            kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.v_head_dim, getattr(torch, kv.dtype), kv.page_size
         )
         graphs: dict[str, GraphEntry] = {}
         (out / "graphs").mkdir()
@@ -331,7 +340,7 @@ def compile_model(
             max_tokens=opts.max_tokens,
             max_batch=max(opts.max_batch_size, 2),
         )
-        graphs["model"] = _graph_entry("model", None, max_tokens=opts.max_tokens)
+        graphs["model"] = _graph_entry("model", None, cache.dtype, max_tokens=opts.max_tokens)
         # Static decode graphs: every bucket's with "per-bucket"; with folded norms, batch 1's in the
         # residual-stream layout (the shared graph keeps the add+norm kernels, faster from batch 2:
         # bench/results/2026-11-30_h200_s9d_fold_step.json).
@@ -342,7 +351,7 @@ def compile_model(
                 ex = example_inputs(b, b, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
                 programs[f"decode_b{b}"] = export_graph(model, weights, ex, opts.page_size, static_batch=True)
                 kind = "residual_stream" if model.fold_norms else "add_norm"
-                graphs[f"decode_b{b}"] = _graph_entry(f"decode_b{b}", b, layout=kind)
+                graphs[f"decode_b{b}"] = _graph_entry(f"decode_b{b}", b, cache.dtype, layout=kind)
         finally:
             model.fold_norms = False
     with timer.phase("kernels"):
@@ -367,7 +376,7 @@ def compile_model(
         for name, ep in programs.items():
             torch.export.save(ep, out / graphs[name].file)
             layout = emit_graph_code(
-                modules[name], out / "graphs" / f"{name}.py", list(weights), len(GRAPH_INPUTS)
+                modules[name], out / "graphs" / f"{name}.py", list(weights), len(graph_inputs(cache.dtype))
             )
             if layout is not None:
                 code = GraphCode.from_json({"file": f"graphs/{name}.py", **layout}, f"graphs.{name}.python")
@@ -498,7 +507,7 @@ def _warm_up(
             num_slots=max(64, 2 * t),
             rows=max(8, b + 1),
         )
-        logits = modules[name](weights, *(ex[n] for n in GRAPH_INPUTS))
+        logits = modules[name](weights, *(ex[n] for n in graph_inputs(cache.dtype)))
         if not torch.isfinite(logits).all():
             raise CompileError(
                 f"graph {name} produced non-finite logits during warm-up (batch {b}, tokens {t})"

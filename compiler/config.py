@@ -228,7 +228,8 @@ class ModelConfig:
     def kv_bytes_per_token(self, kv_dtype: str = "bfloat16", tp: int = 1) -> int:
         """KV-cache bytes one token costs on one rank, all layers.
 
-        MHA/GQA/MQA: 2 x kv_heads_per_rank x head_dim x bytes per layer (V may be narrower).
+        MHA/GQA/MQA: 2 x kv_heads_per_rank x head_dim x bytes per layer (V may be narrower); FP8
+        adds a float32 scale per head row of K and of V (runtime/kv_pool.py).
         MLA: (kv_lora_rank + qk_rope_head_dim) x bytes per layer, the latent is not sharded.
         """
         b = DTYPE_BYTES[kv_dtype]
@@ -236,6 +237,8 @@ class ModelConfig:
             per_layer = (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim) * b
         else:
             per_layer = self.kv_heads_per_rank(tp) * (self.head_dim + self.v_head_dim) * b
+            if b == 1:  # fp8: the two scales
+                per_layer += self.kv_heads_per_rank(tp) * 2 * 4
         return int(per_layer * self.num_layers)
 
     def to_dict(self) -> dict[str, Any]:

@@ -26,6 +26,9 @@ class ForwardContext:
     logits_indices: torch.Tensor  # [B] int64, the rows whose logits are computed
     page_size: int = 1
     num_splits: int = 0  # decode split-KV factor (0: chosen from the batch at capture)
+    # FP8 caches only: one float32 scale per cached head row (runtime/kv_pool.py), [L, S, H_kv]
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 # Names and order of the graph inputs after the weights dict. The runtime binds by these names.
@@ -42,3 +45,11 @@ GRAPH_INPUTS = (
     "qo_indptr",
     "logits_indices",
 )
+# After GRAPH_INPUTS in the graphs of an artifact with an FP8 KV cache (``kiln compile --kv-dtype fp8``).
+KV_SCALE_INPUTS = ("k_scale", "v_scale")
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+def graph_inputs(kv_dtype: torch.dtype) -> tuple[str, ...]:
+    """Names and order of a graph's inputs after the weights dict, for caches of ``kv_dtype``."""
+    return GRAPH_INPUTS + (KV_SCALE_INPUTS if kv_dtype == FP8_KV_DTYPE else ())

@@ -177,6 +177,8 @@ class Attention(nn.Module):
         if qkv is None:
             qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
         k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]  # [S, Hkv, D]
+        # FP8 caches: each head row's float32 scale, [S, Hkv] (the ops' trailing arguments)
+        scales = () if ctx.k_scale is None else (ctx.k_scale[self.layer], ctx.v_scale[self.layer])
         qn = self.q_norm.weight if self.q_norm is not None else None
         kn = self.k_norm.weight if self.k_norm is not None else None
         q = torch.ops.kiln.qkv_rope_kvwrite(
@@ -194,6 +196,7 @@ class Attention(nn.Module):
             qn,
             kn,
             self.eps,
+            *scales,
         )  # [T, Hq, D]
         o = torch.ops.kiln.paged_attention(
             q,
@@ -208,6 +211,7 @@ class Attention(nn.Module):
             ctx.num_splits,
             self.sliding_window,
             0.0,
+            *scales,
         )  # [T, Hq, Dv]; decode kernel when every request brings one token
         return self.o(o.flatten(1), residual)  # [T, H]
 

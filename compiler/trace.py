@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram
 
-from kiln.compiler.context import GRAPH_INPUTS, ForwardContext
+from kiln.compiler.context import FP8_KV_DTYPE, ForwardContext, graph_inputs
 
 
 class GraphModule(nn.Module):
@@ -45,6 +45,8 @@ class GraphModule(nn.Module):
         seq_lens: torch.Tensor,
         qo_indptr: torch.Tensor,
         logits_indices: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ctx = ForwardContext(
             positions=positions,
@@ -59,6 +61,8 @@ class GraphModule(nn.Module):
             logits_indices=logits_indices,
             page_size=self.page_size,
             num_splits=self.num_splits,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         return torch.func.functional_call(self.model, weights, (input_ids, ctx), strict=True)
 
@@ -93,7 +97,7 @@ def example_inputs(
     lens = [per_req] * batch
     lens[-1] += tokens - per_req * batch
     indptr = torch.tensor([0, *lens], dtype=i32).cumsum(0).to(i32)
-    return {
+    out = {
         "cos_sin": torch.zeros(
             max(max_blocks * cache.page_size, 2), rotary_dim, dtype=torch.float32, device=dev
         ),
@@ -112,6 +116,10 @@ def example_inputs(
         "qo_indptr": indptr.to(dev),
         "logits_indices": (indptr[1:] - 1).to(i64).to(dev),
     }
+    if cache.dtype == FP8_KV_DTYPE:  # one float32 scale per cached head row
+        for name in ("k_scale", "v_scale"):
+            out[name] = torch.zeros(cache.num_layers, num_slots, cache.num_kv_heads, device=dev)
+    return out
 
 
 def export_graph(
@@ -125,13 +133,16 @@ def export_graph(
 ) -> ExportedProgram:
     """Export ``model`` with dynamic T and B (default) or with the example's static shapes."""
     gm = GraphModule(model, page_size)
-    args = (dict(weights), *(inputs[n] for n in GRAPH_INPUTS))
+    names = graph_inputs(inputs["k_cache"].dtype)
+    args = (dict(weights), *(inputs[n] for n in names))
     # The pool, rope table and block table are sized by the runtime: dynamic in every graph.
     S, P, R, M = Dim("S", min=2), Dim("P", min=2), Dim("R", min=2), Dim("M", min=2)
     per_input: dict[str, dict[int, Dim] | None] = {
         "cos_sin": {0: P},
         "k_cache": {1: S},
         "v_cache": {1: S},
+        "k_scale": {1: S},
+        "v_scale": {1: S},
         "block_table": {0: R, 1: M},
     }
     if not static_batch:
@@ -145,7 +156,7 @@ def export_graph(
             "qo_indptr": {0: B + 1},
             "logits_indices": {0: B},
         }
-    dynamic = ({k: None for k in weights}, *(per_input.get(n) for n in GRAPH_INPUTS))
+    dynamic = ({k: None for k in weights}, *(per_input.get(n) for n in names))
     with torch.no_grad():
         return torch.export.export(gm, args, dynamic_shapes=dynamic, strict=False)
 

@@ -40,6 +40,7 @@ from kiln.artifact_format import REBUILD, RECOPY, ArtifactError
 from kiln.json_record import JsonRecord, RecordError
 
 DTYPES = ("float32", "bfloat16", "float16")  # activation dtypes kiln compiles
+KV_FP8 = "float8_e4m3fn"  # kv.dtype of --kv-dtype fp8 (else the activation dtype)
 
 
 # -------------------------------------------------------------------------------- the records
@@ -81,7 +82,7 @@ class KVSpec(JsonRecord):
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
-    dtype: str
+    dtype: str  # the activation dtype, or KV_FP8 (--kv-dtype fp8: float32 scales beside the rows)
     page_size: int  # slots per page (--page-size); >= 1, checked here once
     bytes_per_token: int  # K plus V over all layers for one token
 
@@ -218,6 +219,8 @@ class Manifest(JsonRecord):
                 f"'decode_buckets' must be a non-empty ascending list of positive integers ending at "
                 f"max_batch_size ({self.max_batch_size}), is {list(b)}"
             )
+        if self.kv.dtype not in (self.dtype, KV_FP8):
+            yield f"'kv.dtype' is {self.kv.dtype!r}, not the activation dtype {self.dtype!r} or {KV_FP8!r}"
         for name in ("page_size", "bytes_per_token", "num_layers"):
             if getattr(self.kv, name) < 1:
                 yield f"'kv.{name}' is {getattr(self.kv, name)}, not a positive integer"

@@ -4,6 +4,14 @@
 
     k_cache: [L, S, H_kv, D]    v_cache: [L, S, H_kv, Dv]
 
+and, for an FP8 pool (``float8_e4m3fn``, ``kiln compile --kv-dtype fp8``), one float32 scale per
+cached head row, written with it by ``kiln::qkv_rope_kvwrite``:
+
+    k_scale: [L, S, H_kv]       v_scale: [L, S, H_kv]       (row value = cache.float() * scale)
+
+The graphs of such an artifact take the two scale tensors after their other inputs
+(``compiler/context.py`` ``KV_SCALE_INPUTS``): :attr:`KVPool.scale_args`.
+
 Slots come in pages of ``page_size`` consecutive slots; page ``p`` holds slots
 ``p * page_size .. (p + 1) * page_size - 1``. Page 0 (so slot 0) is the padding sink: padded batch
 rows write their K/V there, and the allocator never hands it out. The allocator is plain Python (a
@@ -26,6 +34,8 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.manifest import KVSpec
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
 
 
 class KVPoolError(KilnError, RuntimeError):
@@ -91,6 +101,13 @@ class KVPool:
         self.v_cache = torch.zeros(
             num_layers, num_slots, num_kv_heads, v_head_dim, dtype=dtype, device=device
         )
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if dtype == FP8_KV_DTYPE:
+            self.k_scale = torch.zeros(
+                num_layers, num_slots, num_kv_heads, dtype=torch.float32, device=device
+            )
+            self.v_scale = torch.zeros_like(self.k_scale)
         self.reset()
 
     @classmethod
@@ -126,7 +143,14 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return self.k_cache.nbytes + self.v_cache.nbytes
+        return self.k_cache.nbytes + self.v_cache.nbytes + sum(t.nbytes for t in self.scale_args)
+
+    @property
+    def scale_args(self) -> tuple[torch.Tensor, ...]:
+        """The graphs' trailing inputs for this pool: ``(k_scale, v_scale)`` for FP8, else none."""
+        if self.k_scale is None or self.v_scale is None:
+            return ()
+        return self.k_scale, self.v_scale
 
     def alloc_pages(self, n: int) -> list[int] | None:
         """``n`` free pages, or ``None`` (nothing taken) if fewer than ``n`` are free."""

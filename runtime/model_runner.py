@@ -101,6 +101,7 @@ def run_extend_graph(
         i32[1, :b],
         i32[2, : b + 1],
         i64[3, :n],
+        *pool.scale_args,  # an FP8 pool's scales (compiler/context.py KV_SCALE_INPUTS)
     )
     return logits[:n]
 
@@ -177,6 +178,7 @@ class ModelRunner:
             self._i32[1, :b],
             self._indptr[: b + 1],
             self._rows_out[:b],
+            *self.pool.scale_args,
         )
 
     def _run_decode_graph(self, b: int) -> torch.Tensor:

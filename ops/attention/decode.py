@@ -1,10 +1,13 @@
 """Paged decode attention: split-KV flash-decoding, GQA-grouped.
 
 ``torch.ops.kiln.decode_attention(q, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale,
-page_size, num_splits, sliding_window, logit_cap) -> out``
+page_size, num_splits, sliding_window, logit_cap, k_scale=None, v_scale=None) -> out``
 
-* q ``[B, Hq, D]``, k_cache ``[S, Hkv, D]``, v_cache ``[S, Hkv, Dv]`` (same float dtype; the last
-  dim contiguous), block_table ``[R, M]`` int32, req_rows / seq_lens ``[B]`` int32.
+* q ``[B, Hq, D]``, k_cache ``[S, Hkv, D]``, v_cache ``[S, Hkv, Dv]`` (q's float dtype, or both
+  ``float8_e4m3fn``; the last dim contiguous), block_table ``[R, M]`` int32, req_rows / seq_lens
+  ``[B]`` int32.
+* FP8 caches: k_scale / v_scale ``[S, Hkv]`` float32, row ``(s, h)`` standing for
+  ``cache[s, h].float() * scale[s, h]`` (reference.py); None for other caches.
 * out ``[B, Hq, Dv]`` in q's dtype. Request ``b``'s query sits at position ``seq_lens[b] - 1`` and
   sees keys ``0..seq_lens[b]-1`` (the last ``sliding_window`` of them if ``sliding_window > 0``);
   ``logit_cap > 0`` soft-caps the scaled scores. A request with ``seq_lens[b] == 0`` gets zeros.
@@ -24,6 +27,13 @@ and its log-sum-exp (base 2, ``[B, Hq, num_splits]``, float32), and a second ker
 ``seq_lens`` with the same ``_split_plan``). (A merge by the last split to arrive, in the split
 kernel, measured slower on the H200 and was removed: docs/decode_budget.md, "Removed variants".)
 Accumulation is float32 throughout.
+
+FP8 caches (``KV_FP8``, a constexpr: the other caches compile to the kernel without it): K and V
+tiles are converted to q's dtype (e4m3 values are exact in bf16) for the same dots; the scores of
+key ``n`` are multiplied by its ``k_scale`` (folded into the softmax scale) and the softmax weights
+of key ``n`` by its ``v_scale`` before P @ V (the denominator sums the unscaled weights). Scales
+load with their rows' masks (0 for masked keys), and with PREWAIT before and after the wait as the
+rows do.
 """
 
 from __future__ import annotations
@@ -35,7 +45,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.attention.reference import check_attention, decode_attention_ref, empty_attention_out
+from kiln.ops.attention.reference import (
+    check_attention,
+    decode_attention_ref,
+    empty_attention_out,
+    kv_scale_args,
+)
 from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, prewait
 from kiln.ops.common.op import kiln_op
 
@@ -156,14 +171,28 @@ def _merge_splits(
 
 
 @triton.jit
-def _cache_rows(base, slot, stride, cols, rmask, NCOLS: tl.constexpr):
+def _cache_rows(base, slot, stride, cols, rmask, NCOLS: tl.constexpr, KV_FP8: tl.constexpr, DT: tl.constexpr):
     """Rows ``slot`` ``[BLOCK_N]`` of one head of a K or V cache, ``[BLOCK_N, len(cols)]``; rows off
-    ``rmask`` and columns from ``NCOLS`` read 0."""
-    return tl.load(
+    ``rmask`` and columns from ``NCOLS`` read 0. FP8 rows (``KV_FP8``) come converted to ``DT``
+    (q's dtype), still unscaled."""
+    x = tl.load(
         base + slot[:, None] * stride + cols[None, :],
         mask=rmask[:, None] & (cols[None, :] < NCOLS),
         other=0.0,
     )
+    if KV_FP8:
+        x = x.to(DT)
+    return x
+
+
+@triton.jit
+def kv_row_scales(base, slot, stride, rmask, KV_FP8: tl.constexpr):
+    """FP8 caches: the scales of rows ``slot`` ``[BLOCK_N]`` of one KV head (``base`` points at the
+    head's column of ``[S, Hkv]``), 0 off ``rmask``; else a dummy 0 (never used)."""
+    if KV_FP8:
+        return tl.load(base + slot * stride, mask=rmask, other=0.0)
+    else:
+        return 0.0
 
 
 @triton.jit
@@ -176,15 +205,17 @@ def _block_slots(bt_row, offs, end, PAGE: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, ks_ptr, vs_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
-    stride_ob, stride_oh, num_q_heads, num_splits, sm_scale, logit_cap, sliding_window,
+    stride_ob, stride_oh, stride_kss, stride_ksh, stride_vss, stride_vsh,
+    num_q_heads, num_splits, sm_scale, logit_cap, sliding_window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr,
     PREWAIT: tl.constexpr = False,  # step inputs and the first block's cached K/V before the wait
+    KV_FP8: tl.constexpr = False,  # fp8 caches with per-row scales ks_ptr / vs_ptr [S, Hkv]
 ):  # fmt: skip
     # programmatic dependent launch (ops/common/launch.py): wait before any access, except PREWAIT's
     # loads of what nothing in the graph writes (the step inputs, keys cached by earlier steps)
@@ -211,6 +242,9 @@ def _decode_split_kernel(
     dv = tl.arange(0, BLOCK_DV)
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
+    ks_base = ks_ptr + kvh * stride_ksh  # FP8: this head's column of the scales
+    vs_base = vs_ptr + kvh * stride_vsh
+    DT = q_ptr.dtype.element_ty  # FP8 tiles are converted to q's dtype
     if PREWAIT:  # the first block's cached keys now; the new one (seq_len - 1) after the wait
         offs0 = start + tl.arange(0, BLOCK_N)
         kmask0 = offs0 < end
@@ -218,12 +252,19 @@ def _decode_split_kernel(
             kmask0 = kmask0 & (offs0 >= lo)
         slot0 = _block_slots(bt_ptr + row * stride_bt, offs0, end, PAGE)  # [BLOCK_N]
         old0 = kmask0 & (offs0 != seq_len - 1)
-        k_pre = _cache_rows(k_base, slot0, stride_ks, d, old0, D)  # [BLOCK_N, BLOCK_D]
-        v_pre = _cache_rows(v_base, slot0, stride_vs, dv, old0, DV)  # [BLOCK_N, BLOCK_DV]
+        k_pre = _cache_rows(k_base, slot0, stride_ks, d, old0, D, KV_FP8, DT)  # [BLOCK_N, BLOCK_D]
+        v_pre = _cache_rows(v_base, slot0, stride_vs, dv, old0, DV, KV_FP8, DT)  # [BLOCK_N, BLOCK_DV]
+        ks_pre = kv_row_scales(ks_base, slot0, stride_kss, old0, KV_FP8)  # [BLOCK_N]
+        vs_pre = kv_row_scales(vs_base, slot0, stride_vss, old0, KV_FP8)
         pdl_wait(PDL)
         new0 = kmask0 & (offs0 == seq_len - 1)  # [BLOCK_N]: the row the kernel before wrote
-        k_pre = tl.where(new0[:, None], _cache_rows(k_base, slot0, stride_ks, d, new0, D), k_pre)
-        v_pre = tl.where(new0[:, None], _cache_rows(v_base, slot0, stride_vs, dv, new0, DV), v_pre)
+        k_new = _cache_rows(k_base, slot0, stride_ks, d, new0, D, KV_FP8, DT)
+        v_new = _cache_rows(v_base, slot0, stride_vs, dv, new0, DV, KV_FP8, DT)
+        k_pre = tl.where(new0[:, None], k_new, k_pre)
+        v_pre = tl.where(new0[:, None], v_new, v_pre)
+        if KV_FP8:
+            ks_pre = tl.where(new0, kv_row_scales(ks_base, slot0, stride_kss, new0, KV_FP8), ks_pre)
+            vs_pre = tl.where(new0, kv_row_scales(vs_base, slot0, stride_vss, new0, KV_FP8), vs_pre)
     q = tl.load(
         q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
         mask=hmask[:, None] & (d[None, :] < D),
@@ -243,23 +284,34 @@ def _decode_split_kernel(
             if n0 == start:
                 slot = slot0
                 k = k_pre
+                ks = ks_pre
             else:
                 slot = _block_slots(bt_ptr + row * stride_bt, offs, end, PAGE)
-                k = _cache_rows(k_base, slot, stride_ks, d, kmask, D)
+                k = _cache_rows(k_base, slot, stride_ks, d, kmask, D, KV_FP8, DT)
+                ks = kv_row_scales(ks_base, slot, stride_kss, kmask, KV_FP8)
         else:
             slot = _block_slots(bt_ptr + row * stride_bt, offs, end, PAGE)  # [BLOCK_N]
-            k = _cache_rows(k_base, slot, stride_ks, d, kmask, D)  # k: [BLOCK_N, BLOCK_D]
+            k = _cache_rows(k_base, slot, stride_ks, d, kmask, D, KV_FP8, DT)  # k: [BLOCK_N, BLOCK_D]
+            ks = kv_row_scales(ks_base, slot, stride_kss, kmask, KV_FP8)  # [BLOCK_N] (FP8)
         # V loads with K, before the scores need it: both blocks' reads in flight at once
         if PREWAIT:
             if n0 == start:
                 v = v_pre
+                vs = vs_pre
             else:
-                v = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV)
+                v = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV, KV_FP8, DT)
+                vs = kv_row_scales(vs_base, slot, stride_vss, kmask, KV_FP8)
         else:
-            v = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV)  # v: [BLOCK_N, BLOCK_DV]
+            v = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV, KV_FP8, DT)  # v: [BLOCK_N, BLOCK_DV]
+            vs = kv_row_scales(vs_base, slot, stride_vss, kmask, KV_FP8)
         s = tl_dot(q, tl.trans(k), PREC, UPCAST)  # [GROUP_PAD, BLOCK_N] f32
         if HAS_CAP:
-            s = tl_softcap(s * sm_scale, logit_cap) * 1.4426950408889634
+            if KV_FP8:  # key n's scale, folded into the softmax scale
+                s = tl_softcap(s * (ks * sm_scale)[None, :], logit_cap) * 1.4426950408889634
+            else:
+                s = tl_softcap(s * sm_scale, logit_cap) * 1.4426950408889634
+        elif KV_FP8:
+            s = s * (ks * qk_scale)[None, :]
         else:
             s = s * qk_scale
         s = tl.where(kmask[None, :], s, float("-inf"))
@@ -267,6 +319,8 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_FP8:  # value row n's scale on its weights (the denominator l_i sums them unscaled)
+            p = p * vs[None, :]
         acc = acc * alpha[:, None] + tl_dot(p.to(v.dtype), v, PREC, UPCAST)
         m_i = m_new
 
@@ -310,9 +364,10 @@ def _decode_merge_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dv[None, :] < DV)
 
 
-def check_decode(q, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size, num_splits, *_):
+def check_decode(q, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size, num_splits,
+                 sliding_window, logit_cap, k_scale=None, v_scale=None):  # fmt: skip
     """``kiln::decode_attention``'s argument check (both paths)."""
-    check_attention(q, k_cache, v_cache, page_size)
+    check_attention(q, k_cache, v_cache, page_size, k_scale, v_scale)
     if num_splits < 0:
         raise ValueError(f"decode_attention: num_splits must be >= 0 (0 = auto), got {num_splits}.")
 
@@ -321,10 +376,12 @@ def check_decode(q, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale,
 def decode_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     req_rows: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, page_size: int, num_splits: int,
-    sliding_window: int, logit_cap: float, *, config: DecodeConfig | None = None,
+    sliding_window: int, logit_cap: float, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None, *, config: DecodeConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Paged decode attention ``[B, Hq, D] -> [B, Hq, Dv]`` (the module docstring): the Triton
-    kernels. ``config`` overrides the block size and launch parameters (benchmarks sweep it)."""
+    kernels; ``k_scale``/``v_scale`` ``[S, Hkv]`` float32 with FP8 caches, else None. ``config``
+    overrides the block size and launch parameters (benchmarks sweep it)."""
     bsz, hq, d = q.shape
     stride_qb, stride_qh = q.stride(0), q.stride(1)
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -344,17 +401,18 @@ def decode_attention_triton(
     block_table = block_table.to(torch.int32)
     block_dv = max(16, next_pow2(dv))
     pdl = pdl_args(q)
+    ks, vs, scale_strides = kv_scale_args(k_scale, v_scale, k_cache)
     _decode_split_kernel[(hkv, bsz, num_splits)](
-        q, k_cache, v_cache, block_table, req_rows, seq_lens, out, mid_o, mid_lse,
+        q, k_cache, v_cache, block_table, req_rows, seq_lens, out, mid_o, mid_lse, ks, vs,
         stride_qb, stride_qh, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), hq, num_splits,
-        float(sm_scale), float(logit_cap), int(sliding_window),
+        v_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), *scale_strides,
+        hq, num_splits, float(sm_scale), float(logit_cap), int(sliding_window),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), D=d,
         BLOCK_D=max(16, next_pow2(d)), DV=dv, BLOCK_DV=block_dv, PAGE=page_size,
         BLOCK_N=cfg.block_n,
         HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, DIRECT=direct,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
-        PREWAIT=prewait("attn"),
+        PREWAIT=prewait("attn"), KV_FP8=k_scale is not None,
     )  # fmt: skip
     if not direct:
         block_dv = min(64, block_dv)

@@ -1,10 +1,12 @@
 """Paged extend (prefill) attention: new tokens over a cached prefix, causal within the chunk.
 
 ``torch.ops.kiln.extend_attention(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr,
-sm_scale, page_size, sliding_window, logit_cap) -> out``
+sm_scale, page_size, sliding_window, logit_cap, k_scale=None, v_scale=None) -> out``
 
 * q ``[T, Hq, D]``; k_cache ``[S, Hkv, D]``, v_cache ``[S, Hkv, Dv]``; block_table ``[R, M]``
   int32; req_rows, seq_lens ``[B]`` int32; qo_indptr ``[B + 1]`` int32 with ``qo_indptr[0] == 0``.
+* FP8 caches (``float8_e4m3fn``): k_scale / v_scale ``[S, Hkv]`` float32 (row ``(s, h)`` stands
+  for ``cache[s, h].float() * scale[s, h]``); None for other caches.
 * Request ``b``'s new tokens are rows ``qo_indptr[b]:qo_indptr[b+1]`` of ``q``, at positions
   ``seq_lens[b] - n_b + j``; their K/V are already in the cache. Query ``i`` sees keys ``j <= i``
   (and ``i - j < sliding_window`` when that is > 0); ``logit_cap > 0`` soft-caps the scores.
@@ -17,7 +19,9 @@ read once for the pack). The grid is ``(cdiv(T, BLOCK_M // PACK) + B, Hq / PACK)
 shapes only; each program finds its (request, tile) by scanning ``qo_indptr`` (later tiles, which
 see more keys, are handed out first), and programs past the work zero the padding rows or exit.
 Keys below the tile's first query position are visited without masks; the causal diagonal and
-sliding windows with masks.
+sliding windows with masks. FP8 caches (the ``KV_FP8`` constexpr) as in decode.py: tiles converted
+to q's dtype, key scales on the score columns (folded into the softmax scale), value scales on the
+softmax weights before P @ V (the denominator sums them unscaled).
 """
 
 from __future__ import annotations
@@ -28,8 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.attention.decode import tl_dot, tl_softcap
-from kiln.ops.attention.reference import check_attention, empty_attention_out, extend_attention_ref
+from kiln.ops.attention.decode import kv_row_scales, tl_dot, tl_softcap
+from kiln.ops.attention.reference import (
+    check_attention,
+    empty_attention_out,
+    extend_attention_ref,
+    kv_scale_args,
+)
 from kiln.ops.common.launch import interpreting, next_pow2
 from kiln.ops.common.op import kiln_op
 
@@ -77,10 +86,10 @@ def _resolve_pack(cfg: ExtendConfig, group: int) -> int:
 @triton.jit
 def _extend_step(
     q, acc, m_i, l_i, n0, q_pos, kv_end, row, k_base, v_base, bt_ptr, stride_bt, stride_ks,
-    stride_vs, sm_scale, logit_cap, sliding_window,
+    stride_vs, sm_scale, logit_cap, sliding_window, ks_base, vs_base, stride_kss, stride_vss,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_CAP: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """One key block: online-softmax update of ``acc [BLOCK_M, BLOCK_DV]``, ``m_i``, ``l_i``."""
     kpos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -100,9 +109,19 @@ def _extend_step(
     else:
         k = tl.load(k_ptrs)  # unmasked phase: whole blocks of existing keys
     # k: [BLOCK_N, BLOCK_D]
+    if KV_FP8:  # fp8 rows -> q's dtype (exact), their scales (0 for masked keys)
+        k = k.to(q.dtype)
+        ks = kv_row_scales(ks_base, slot, stride_kss, kvalid, KV_FP8)  # [BLOCK_N]
+        vs = kv_row_scales(vs_base, slot, stride_vss, kvalid, KV_FP8)
     s = tl_dot(q, tl.trans(k), PREC, UPCAST)  # [BLOCK_M, BLOCK_N] f32
     if HAS_CAP:
-        s = tl_softcap(s * sm_scale, logit_cap) * 1.4426950408889634
+        if KV_FP8:  # key n's scale, folded into the softmax scale
+            s = tl_softcap(s * (ks * sm_scale)[None, :], logit_cap) * 1.4426950408889634
+        else:
+            s = tl_softcap(s * sm_scale, logit_cap) * 1.4426950408889634
+        qk_scale = 1.0
+    elif KV_FP8:
+        s = s * (ks * (sm_scale * 1.4426950408889634))[None, :]
         qk_scale = 1.0
     else:
         qk_scale = sm_scale * 1.4426950408889634  # applied below in one FMA with the max
@@ -123,19 +142,24 @@ def _extend_step(
     else:
         v = tl.load(v_ptrs)
     # v: [BLOCK_N, BLOCK_DV]
+    if KV_FP8:  # value row n's scale on its weights (l_i above summed them unscaled)
+        v = v.to(q.dtype)
+        p = p * vs[None, :]
     acc = acc * alpha[:, None] + tl_dot(p.to(v.dtype), v, PREC, UPCAST)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, rows_ptr, lens_ptr, indptr_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, rows_ptr, lens_ptr, indptr_ptr, ks_ptr, vs_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_ot,
-    stride_oh, num_reqs, num_tokens, sm_scale, logit_cap, sliding_window,
+    stride_oh, stride_kss, stride_ksh, stride_vss, stride_vsh, num_reqs, num_tokens, sm_scale,
+    logit_cap, sliding_window,
     GROUP: tl.constexpr, PACK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SCAN: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr = False,  # fp8 caches with per-row scales ks_ptr / vs_ptr [S, Hkv]
 ):  # fmt: skip
     TOK = BLOCK_M // PACK  # tokens per tile (constexpr)
     t = tl.num_programs(0) - 1 - tl.program_id(0)  # tile index; late (long) tiles start first
@@ -186,6 +210,8 @@ def _extend_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         k_base = k_ptr + kvh * stride_kh
         v_base = v_ptr + kvh * stride_vh
+        ks_base = ks_ptr + kvh * stride_ksh  # FP8: this head's column of the scales
+        vs_base = vs_ptr + kvh * stride_vsh
         first = prefix + m0  # position of the tile's first query
         kv_end = prefix + tl.minimum(m0 + TOK, ext)  # one past the last visible key
         if HAS_WINDOW:
@@ -197,14 +223,16 @@ def _extend_kernel(
         for n0 in range(lo, full_end, BLOCK_N):
             acc, m_i, l_i = _extend_step(
                 q, acc, m_i, l_i, n0, q_pos, kv_end, row, k_base, v_base, bt_ptr, stride_bt,
-                stride_ks, stride_vs, sm_scale, logit_cap, sliding_window, D, BLOCK_D, DV,
-                BLOCK_DV, PAGE, BLOCK_N, False, HAS_CAP, HAS_WINDOW, PREC, UPCAST,
+                stride_ks, stride_vs, sm_scale, logit_cap, sliding_window, ks_base, vs_base, stride_kss,
+                stride_vss, D, BLOCK_D, DV, BLOCK_DV, PAGE, BLOCK_N, False, HAS_CAP, HAS_WINDOW, PREC,
+                UPCAST, KV_FP8,
             )  # fmt: skip
         for n0 in range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _extend_step(
                 q, acc, m_i, l_i, n0, q_pos, kv_end, row, k_base, v_base, bt_ptr, stride_bt,
-                stride_ks, stride_vs, sm_scale, logit_cap, sliding_window, D, BLOCK_D, DV,
-                BLOCK_DV, PAGE, BLOCK_N, True, HAS_CAP, HAS_WINDOW, PREC, UPCAST,
+                stride_ks, stride_vs, sm_scale, logit_cap, sliding_window, ks_base, vs_base, stride_kss,
+                stride_vss, D, BLOCK_D, DV, BLOCK_DV, PAGE, BLOCK_N, True, HAS_CAP, HAS_WINDOW, PREC,
+                UPCAST, KV_FP8,
             )  # fmt: skip
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
@@ -224,9 +252,10 @@ def _extend_kernel(
         )
 
 
-def check_extend(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size, *_):
+def check_extend(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
+                 sliding_window, logit_cap, k_scale=None, v_scale=None):  # fmt: skip
     """``kiln::extend_attention``'s argument check (both paths)."""
-    check_attention(q, k_cache, v_cache, page_size)
+    check_attention(q, k_cache, v_cache, page_size, k_scale, v_scale)
     if qo_indptr.shape[0] != req_rows.shape[0] + 1:
         raise ValueError(
             f"extend_attention: qo_indptr has {qo_indptr.shape[0]} entries, expected B + 1 = "
@@ -238,11 +267,12 @@ def check_extend(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr
 def extend_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     req_rows: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor, sm_scale: float, page_size: int,
-    sliding_window: int, logit_cap: float, *, config: ExtendConfig | None = None,
+    sliding_window: int, logit_cap: float, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None, *, config: ExtendConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Paged extend attention ``[T, Hq, D] -> [T, Hq, Dv]`` (the module docstring): the Triton
-    kernel. ``config`` overrides tile sizes, GQA packing and launch parameters (benchmarks sweep
-    it)."""
+    kernel; ``k_scale``/``v_scale`` ``[S, Hkv]`` float32 with FP8 caches, else None. ``config``
+    overrides tile sizes, GQA packing and launch parameters (benchmarks sweep it)."""
     t, hq, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     group = hq // hkv
@@ -255,15 +285,16 @@ def extend_attention_triton(
     tok = cfg.block_m // pack
     grid = (triton.cdiv(t, tok) + num_reqs, hq // pack)
     block_table = block_table.to(torch.int32)
+    ks, vs, scale_strides = kv_scale_args(k_scale, v_scale, k_cache)
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, block_table, req_rows, seq_lens, qo_indptr,
+        q, k_cache, v_cache, out, block_table, req_rows, seq_lens, qo_indptr, ks, vs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), num_reqs, t,
-        float(sm_scale), float(logit_cap), int(sliding_window),
+        v_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), *scale_strides,
+        num_reqs, t, float(sm_scale), float(logit_cap), int(sliding_window),
         GROUP=group, PACK=pack, D=d, BLOCK_D=max(16, next_pow2(d)), DV=dv,
         BLOCK_DV=max(16, next_pow2(dv)), PAGE=page_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         SCAN=64, HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, KV_FP8=k_scale is not None,
     )  # fmt: skip
     return out

@@ -6,7 +6,10 @@ decode's ``num_splits``:
 
     paged_attention(q[T, Hq, D], k_cache[S, Hkv, D], v_cache[S, Hkv, Dv], block_table[R, M] i32,
                     req_rows[B] i32, seq_lens[B] i32, qo_indptr[B + 1] i32, sm_scale, page_size,
-                    num_splits, sliding_window, logit_cap) -> [T, Hq, Dv]
+                    num_splits, sliding_window, logit_cap, k_scale=None, v_scale=None) -> [T, Hq, Dv]
+
+(``k_scale``/``v_scale``: ``[S, Hkv]`` float32 per-row scales of ``float8_e4m3fn`` caches, else
+None; passed through to both.)
 
 Dispatch is on shapes only (capture-safe): ``T == B`` is a decode step (every request of a batch
 brings at least one new token, so ``T == B`` means exactly one each) and runs split-KV decode
@@ -38,13 +41,14 @@ def by_step(decode: Callable[..., Any], extend: Callable[..., Any]) -> Callable[
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
         req_rows: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor, sm_scale: float,
         page_size: int, num_splits: int, sliding_window: int, logit_cap: float,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Decode attention when ``T == B``, extend attention otherwise (see the module docstring)."""
         if q.shape[0] == req_rows.shape[0]:
             return decode(q, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size,
-                          num_splits, sliding_window, logit_cap)  # fmt: skip
+                          num_splits, sliding_window, logit_cap, k_scale, v_scale)  # fmt: skip
         return extend(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
-                      sliding_window, logit_cap)  # fmt: skip
+                      sliding_window, logit_cap, k_scale, v_scale)  # fmt: skip
 
     return paged_attention
 

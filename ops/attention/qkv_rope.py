@@ -11,6 +11,8 @@ Inputs (``T`` new tokens, ``S`` slots in the pool, ``P`` rows in the rotary tabl
   (unit stride on ``D``); mutated in place.
 * ``out_slots`` ``[T]`` int64: pool row of each token; padding rows carry 0 (the reserved sink).
 * ``q_norm_w``, ``k_norm_w`` ``[D]`` or None: Qwen3's per-head RMSNorm weights.
+* ``k_scale``, ``v_scale`` ``[S, Hkv]`` float32, with ``float8_e4m3fn`` caches only (else None):
+  one layer's view of the pool's per-row scales ``[L, S, Hkv]``; mutated in place.
 
 Per token: RMSNorm each q and k head when its weight is given (float32 statistics, normalized
 value cast to the input dtype, then times the weight, exactly like transformers'
@@ -18,9 +20,17 @@ value cast to the input dtype, then times the weight, exactly like transformers'
 write k and v (cast to the cache dtype) to row ``out_slots[t]`` of the caches, and return
 ``q [T, Hq, D]`` in ``qkv``'s dtype.
 
+FP8 caches: each k and v head row ``x`` (float32: what a bf16 cache would get cast, after the norm
+and the rotation for k) is stored as ``fp8(x * (448 / amax))``, ``amax = max |x|`` over the row's
+``D`` values, and ``amax / 448`` goes to its ``[slot, head]`` scale, so the row stands for
+``cache.float() * scale`` (:func:`quantize_kv_rows`, the reference's quantizer, gives the same
+bytes). A row of zeros stores zeros and scale 0 (the multiplier's ``amax`` is floored at
+``KV_AMAX_FLOOR``, which only rows below it notice).
+
 One Triton program handles one token and a block of ``BLOCK_H`` heads of the concatenated
 ``q | k | v`` head list, so any head counts work; the grid depends on shapes only and nothing is
-read back to the host (CUDA-graph safe). Nothing besides ``q`` and the cache rows is written.
+read back to the host (CUDA-graph safe). Nothing besides ``q`` and the cache rows (and their
+scales) is written.
 """
 
 from __future__ import annotations
@@ -29,9 +39,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.ops.attention.reference import FP8_KV_DTYPE, check_kv_scales, kv_scale_args
 from kiln.ops.attention.rope import apply_rope_ref
 from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, prewait
 from kiln.ops.common.op import kiln_op
+from kiln.ops.common.quant import FP8_MAX, _round_e4m3_in_f32
+
+KV_AMAX_FLOOR = 1e-30  # FP8 rows: the quantizing multiplier is 448 / max(amax, this) (finite for amax 0)
 
 
 # --------------------------------------------------------------------------- reference
@@ -44,10 +58,22 @@ def head_rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tens
     return w * y.to(x.dtype)
 
 
+def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 KV-cache rows: float32 ``x [..., D]`` -> ``(fp8 [..., D], scale [...] float32)`` with
+    ``fp8 = x * (448 / amax)`` rounded to nearest even, ``scale = amax / 448`` (IEEE float32 math,
+    as the kernel does); ``fp8.float() * scale[..., None]`` stands for ``x``. Zero rows: zeros, 0."""
+    amax = x.abs().amax(-1)
+    fp8_max = torch.full_like(amax, FP8_MAX)  # tensor / tensor: IEEE division (torch turns a scalar
+    inv = fp8_max / amax.clamp(min=KV_AMAX_FLOOR)  # numerator into reciprocal * scalar)
+    return (x * inv[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE), amax / fp8_max
+
+
 def qkv_rope_kvwrite_ref(qkv, positions, cos_sin, k_cache, v_cache, out_slots, num_q_heads, num_kv_heads,
-                         head_dim, rotary_dim, is_neox, q_norm_w, k_norm_w, eps):  # fmt: skip
+                         head_dim, rotary_dim, is_neox, q_norm_w, k_norm_w, eps, k_scale=None,
+                         v_scale=None):  # fmt: skip
     """Plain-torch composition with the op's contract (writes the caches, returns q): the op's
-    reference, and, run on fake tensors, its shape rule."""
+    reference, and, run on fake tensors, its shape rule. FP8 caches: rows quantized by
+    :func:`quantize_kv_rows`, scales written to ``k_scale``/``v_scale``."""
     t = qkv.shape[0]
     hq, hkv, d = num_q_heads, num_kv_heads, head_dim
     q = qkv[:, : hq * d].reshape(t, hq, d)  # q: [T, Hq, D]
@@ -58,8 +84,17 @@ def qkv_rope_kvwrite_ref(qkv, positions, cos_sin, k_cache, v_cache, out_slots, n
     if k_norm_w is not None:
         k = head_rmsnorm_ref(k, k_norm_w, eps)
     q = apply_rope_ref(q, positions, cos_sin, rotary_dim, is_neox).to(qkv.dtype)
-    k = apply_rope_ref(k, positions, cos_sin, rotary_dim, is_neox)
     slots = out_slots.long()
+    if k_cache.dtype == FP8_KV_DTYPE:  # the float32 rows the kernel quantizes
+        for cache, scale, x in (
+            (k_cache, k_scale, apply_rope_ref(k.float(), positions, cos_sin, rotary_dim, is_neox)),
+            (v_cache, v_scale, v.float()),
+        ):
+            rows, row_scales = quantize_kv_rows(x)  # [T, Hkv, D], [T, Hkv]
+            cache[slots] = rows
+            scale[slots] = row_scales
+        return q
+    k = apply_rope_ref(k, positions, cos_sin, rotary_dim, is_neox)
     k_cache[slots] = k.to(k_cache.dtype)
     v_cache[slots] = v.to(v_cache.dtype)
     return q
@@ -117,6 +152,17 @@ def _store_head(
 
 
 @triton.jit
+def _fp8_rows(x, inv, ROUND_IN_F32: tl.constexpr):
+    """FP8 rows: float32 tile ``x [BH, N]`` times its row's ``inv = 448 / amax`` ``[BH]``, clamped to
+    +-448; rounded to the e4m3 grid here under the interpreter (whose cast truncates), else by the
+    store's cast (round to nearest even)."""
+    v = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
+    if ROUND_IN_F32:
+        v = _round_e4m3_in_f32(v)
+    return v
+
+
+@triton.jit
 def _qkv_rope_kvwrite_kernel(
     qkv_ptr,
     pos_ptr,
@@ -127,12 +173,18 @@ def _qkv_rope_kvwrite_kernel(
     q_ptr,
     qw_ptr,
     kw_ptr,
+    ks_ptr,  # FP8 caches: per-row scales [S, Hkv] (else a dummy, never touched)
+    vs_ptr,
     stride_qkv_t,
     stride_cs_p,
     stride_k_s,
     stride_k_h,
     stride_v_s,
     stride_v_h,
+    stride_ks_s,
+    stride_ks_h,
+    stride_vs_s,
+    stride_vs_h,
     eps,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
@@ -151,6 +203,9 @@ def _qkv_rope_kvwrite_kernel(
     BLOCK_PASS: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (ops/common/launch.py)
     PREWAIT: tl.constexpr = False,  # position, cos/sin row and slot before the wait (KILN_PREWAIT)
+    KV_FP8: tl.constexpr = False,  # fp8 caches: rows quantized with their amax, scales to ks/vs_ptr
+    RNE_FP8: tl.constexpr = False,  # interpreter only: round to the e4m3 grid before the cast
+    AMAX_FLOOR: tl.constexpr = 0.0,  # KV_AMAX_FLOOR (FP8 only)
 ):
     # One program: token t, heads h of the concatenated q | k | v head list. Each head row of D
     # values is three tiles: the first and second members of the rotation pairs (a, b) and the
@@ -219,10 +274,26 @@ def _qkv_rope_kvwrite_kernel(
     _store_head(q_dst, oa, ob, p, a_off, b_off, p_off, m_rot, m_pass, is_q, RNE_IN, HAS_PASS)
     hk_i = tl.where(is_k, h - HQ, 0)
     k_dst = k_ptr + slot * stride_k_s + hk_i[:, None] * stride_k_h
-    _store_head(k_dst, oa, ob, p, a_off, b_off, p_off, m_rot, m_pass, is_k, RNE_K, HAS_PASS)
+    if KV_FP8:  # each head row over its three tiles: amax, then x * (448 / amax) and amax / 448
+        amax = tl.maximum(tl.max(tl.abs(oa), axis=1), tl.max(tl.abs(ob), axis=1))  # [BH]
+        if HAS_PASS:
+            amax = tl.maximum(amax, tl.max(tl.abs(p), axis=1))
+        inv = tl.math.div_rn(448.0, tl.maximum(amax, AMAX_FLOOR))
+        row_scale = tl.math.div_rn(amax, 448.0)
+        qa = _fp8_rows(oa, inv, RNE_FP8)
+        qb = _fp8_rows(ob, inv, RNE_FP8)
+        qp = _fp8_rows(p, inv, RNE_FP8)
+        _store_head(k_dst, qa, qb, qp, a_off, b_off, p_off, m_rot, m_pass, is_k, False, HAS_PASS)
+        tl.store(ks_ptr + slot * stride_ks_s + hk_i * stride_ks_h, row_scale, mask=is_k)
+    else:
+        _store_head(k_dst, oa, ob, p, a_off, b_off, p_off, m_rot, m_pass, is_k, RNE_K, HAS_PASS)
     hv_i = tl.where(is_v, h - HQ - HKV, 0)
     v_dst = v_ptr + slot * stride_v_s + hv_i[:, None] * stride_v_h
-    _store_head(v_dst, oa, ob, p, a_off, b_off, p_off, m_rot, m_pass, is_v, RNE_V, HAS_PASS)
+    if KV_FP8:  # the same tiles' v rows
+        _store_head(v_dst, qa, qb, qp, a_off, b_off, p_off, m_rot, m_pass, is_v, False, HAS_PASS)
+        tl.store(vs_ptr + slot * stride_vs_s + hv_i * stride_vs_h, row_scale, mask=is_v)
+    else:
+        _store_head(v_dst, oa, ob, p, a_off, b_off, p_off, m_rot, m_pass, is_v, RNE_V, HAS_PASS)
 
 
 def _pick_block_h(num_tokens: int, num_heads: int, head_dim: int) -> int:
@@ -233,7 +304,7 @@ def _pick_block_h(num_tokens: int, num_heads: int, head_dim: int) -> int:
 
 
 def _check(qkv, positions, cos_sin, k_cache, v_cache, out_slots, num_q_heads, num_kv_heads, head_dim, rotary_dim,
-           *_):  # fmt: skip
+           is_neox, q_norm_w, k_norm_w, eps, k_scale=None, v_scale=None):  # fmt: skip
     """The op's argument check (both paths)."""
     hq, hkv, d, rot = num_q_heads, num_kv_heads, head_dim, rotary_dim
     if positions.shape != qkv.shape[:1] or out_slots.shape != qkv.shape[:1]:
@@ -256,10 +327,16 @@ def _check(qkv, positions, cos_sin, k_cache, v_cache, out_slots, num_q_heads, nu
             f"rotary_dim ({rot}) must be even, in (0, head_dim={d}], and equal cos_sin's columns "
             f"({cos_sin.shape[-1]})."
         )
+    check_kv_scales("qkv_rope_kvwrite", k_cache, v_cache, k_scale, v_scale)
 
 
 # --------------------------------------------------------------------------- op
-@kiln_op("qkv_rope_kvwrite", ref=qkv_rope_kvwrite_ref, check=_check, mutates_args=("k_cache", "v_cache"))
+@kiln_op(
+    "qkv_rope_kvwrite",
+    ref=qkv_rope_kvwrite_ref,
+    check=_check,
+    mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"),
+)
 def qkv_rope_kvwrite_triton(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -275,14 +352,17 @@ def qkv_rope_kvwrite_triton(
     q_norm_w: torch.Tensor | None,
     k_norm_w: torch.Tensor | None,
     eps: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     block_h: int | None = None,
     num_warps: int = 4,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fused kernel (see the module docstring): returns ``q [T, Hq, D]`` in ``qkv.dtype``,
-    writes the caches. ``out`` (``[T, Hq, D]``, contiguous, ``qkv.dtype``) receives q when
-    given (tests poison it); ``block_h``/``num_warps`` override the launch for benchmarks."""
+    writes the caches (FP8 caches: and ``k_scale``/``v_scale`` ``[S, Hkv]``). ``out`` (``[T, Hq,
+    D]``, contiguous, ``qkv.dtype``) receives q when given (tests poison it);
+    ``block_h``/``num_warps`` override the launch for benchmarks."""
     t = qkv.shape[0]
     q = out if out is not None else qkv.new_empty((t, num_q_heads, head_dim))  # q: [T, Hq, D]
     if not q.is_contiguous() or q.shape != (t, num_q_heads, head_dim):
@@ -296,6 +376,8 @@ def qkv_rope_kvwrite_triton(
     grid = (t, triton.cdiv(total, bh))
     rne = interpreting() and not qkv.is_cuda
     pdl = pdl_args(qkv)
+    fp8 = k_scale is not None and v_scale is not None
+    ks, vs, scale_strides = kv_scale_args(k_scale, v_scale, k_cache)
     _qkv_rope_kvwrite_kernel[grid](
         qkv,
         positions,
@@ -306,12 +388,15 @@ def qkv_rope_kvwrite_triton(
         q,
         q_norm_w if q_norm_w is not None else qkv,  # dummy pointer, never read
         k_norm_w if k_norm_w is not None else qkv,
+        ks,
+        vs,
         qkv.stride(0),
         cos_sin.stride(0),
         k_cache.stride(0),
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
+        *scale_strides,
         float(eps),
         HQ=num_q_heads,
         HKV=num_kv_heads,
@@ -329,10 +414,19 @@ def qkv_rope_kvwrite_triton(
         BLOCK_HALF=next_pow2(rotary_dim // 2),
         BLOCK_PASS=next_pow2(max(1, head_dim - rotary_dim)),
         PREWAIT=prewait("rope"),
+        KV_FP8=fp8,
+        RNE_FP8=rne and fp8,
+        AMAX_FLOOR=KV_AMAX_FLOOR if fp8 else 0.0,
         num_warps=num_warps,
         **pdl,
     )
     return q
 
 
-__all__ = ["head_rmsnorm_ref", "qkv_rope_kvwrite_ref", "qkv_rope_kvwrite_triton"]
+__all__ = [
+    "KV_AMAX_FLOOR",
+    "head_rmsnorm_ref",
+    "qkv_rope_kvwrite_ref",
+    "qkv_rope_kvwrite_triton",
+    "quantize_kv_rows",
+]

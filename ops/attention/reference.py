@@ -9,17 +9,25 @@ not meant to be fast.
 Masks: key ``j`` is visible to query position ``i`` iff ``j <= i`` and, with a sliding window
 ``W > 0``, ``i - j < W``. Soft-cap ``cap > 0``: ``s = cap * tanh(s / cap)`` on the scaled scores.
 
+FP8 caches (``float8_e4m3fn``): each cached head row comes with a float32 scale, ``k_scale`` /
+``v_scale`` ``[S, Hkv]`` (a layer's view of the pool's ``[L, S, Hkv]``), and stands for
+``cache[slot, h, :].float() * scale[slot, h]``; the references dequantize the rows they gather.
+Other caches take no scales (None).
+
 The references take their ops' parameters (ops/common/op.py ``kiln_op``; the annotations are the
 launches'): ``extend_attention_ref`` is ``kiln::extend_attention``'s, ``decode_attention_ref``
 ``kiln::decode_attention``'s (``num_splits`` only divides the kernel's work). Beside them, what
 the attention ops share: ``check_attention`` (their common argument check) and
 ``empty_attention_out`` (their shape rule on fake tensors, where the references, which read
-lengths on the host, cannot run).
+lengths on the host, cannot run); with qkv_rope.py, the FP8 format's ``check_kv_scales`` and
+``kv_scale_args`` (a kernel launch's scale pointers and strides).
 """
 
 from __future__ import annotations
 
 import torch
+
+FP8_KV_DTYPE = torch.float8_e4m3fn  # the FP8 KV-cache format (one float32 scale per head row)
 
 
 def request_slots(block_table: torch.Tensor, row: int, length: int, page_size: int) -> torch.Tensor:
@@ -27,6 +35,14 @@ def request_slots(block_table: torch.Tensor, row: int, length: int, page_size: i
     pos = torch.arange(length, device=block_table.device)
     pages = block_table[row, pos // page_size].long()
     return pages * page_size + pos % page_size
+
+
+def gather_rows(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+    """Rows ``slots`` of a K or V cache, ``[L, Hkv, D]``: as stored, or, with an FP8 cache's
+    ``scale [S, Hkv]``, dequantized to float32 (``cache[slots].float() * scale[slots]``)."""
+    if scale is None:
+        return cache[slots]
+    return cache[slots].float() * scale[slots].float()[..., None]
 
 
 def _attend(
@@ -58,14 +74,15 @@ def _attend(
 
 
 def extend_attention_ref(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
-                         sliding_window, logit_cap):  # fmt: skip
+                         sliding_window, logit_cap, k_scale=None, v_scale=None):  # fmt: skip
     """Extend attention, reference.
 
     q ``[T, Hq, D]``; k_cache ``[S, Hkv, D]``; v_cache ``[S, Hkv, Dv]``; block_table ``[R, M]``
     int32; req_rows, seq_lens ``[B]`` int32; qo_indptr ``[B + 1]`` int32. Request ``b``'s new
     tokens are rows ``qo_indptr[b]:qo_indptr[b+1]`` of ``q`` at positions
     ``seq_lens[b] - n_b + j``. Returns ``[T, Hq, Dv]`` in q's dtype; rows of ``q`` that belong
-    to no request (bucket padding) are zeros.
+    to no request (bucket padding) are zeros. FP8 caches: ``k_scale``/``v_scale`` ``[S, Hkv]``
+    float32 (the module docstring).
     """
     t, hq = q.shape[0], q.shape[1]
     out = torch.zeros(t, hq, v_cache.shape[-1], dtype=torch.float32, device=q.device)
@@ -76,14 +93,14 @@ def extend_attention_ref(q, k_cache, v_cache, block_table, req_rows, seq_lens, q
             continue
         slots = request_slots(block_table, row, seq_len, page_size)  # [L]
         q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)  # [n]
-        out[lo:hi] = _attend(
-            q[lo:hi], k_cache[slots], v_cache[slots], q_pos, sm_scale, sliding_window, logit_cap
-        )
+        k = gather_rows(k_cache, k_scale, slots)  # [L, Hkv, D]
+        v = gather_rows(v_cache, v_scale, slots)  # [L, Hkv, Dv]
+        out[lo:hi] = _attend(q[lo:hi], k, v, q_pos, sm_scale, sliding_window, logit_cap)
     return out.to(q.dtype)
 
 
 def decode_attention_ref(q, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size, num_splits,
-                         sliding_window, logit_cap):  # fmt: skip
+                         sliding_window, logit_cap, k_scale=None, v_scale=None):  # fmt: skip
     """Decode attention, reference: one query per request at position ``seq_lens[b] - 1``.
 
     q ``[B, Hq, D]``; caches and metadata as in :func:`extend_attention_ref`; ``num_splits`` is
@@ -91,12 +108,63 @@ def decode_attention_ref(q, k_cache, v_cache, block_table, req_rows, seq_lens, s
     """
     qo_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return extend_attention_ref(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale,
-                                page_size, sliding_window, logit_cap)  # fmt: skip
+                                page_size, sliding_window, logit_cap, k_scale, v_scale)  # fmt: skip
 
 
-def check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int) -> None:
+def kv_scale_args(
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, k_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int]]:
+    """The KV kernels' scale arguments: ``(ks, vs, (ks slot stride, ks head stride, vs slot
+    stride, vs head stride))``; without scales (not FP8) dummy pointers (``k_cache``, never read)
+    and zero strides."""
+    if k_scale is None or v_scale is None:
+        return k_cache, k_cache, (0, 0, 0, 0)
+    return k_scale, v_scale, (k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1))
+
+
+def check_kv_scales(
+    op: str,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """The KV-cache format rule of the ops that read or write the caches (``op`` names the op in
+    the errors): ``float8_e4m3fn`` caches (both or neither) need ``k_scale``/``v_scale`` float32
+    ``[S, Hkv]``, their cache's first two dims; other caches take None."""
+    fp8 = (k_cache.dtype == FP8_KV_DTYPE, v_cache.dtype == FP8_KV_DTYPE)
+    if fp8[0] != fp8[1]:
+        raise ValueError(
+            f"{op}: k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must both be {FP8_KV_DTYPE} "
+            "or neither."
+        )
+    for name, cache, scale in (("k_scale", k_cache, k_scale), ("v_scale", v_cache, v_scale)):
+        if not fp8[0]:
+            if scale is not None:
+                raise ValueError(
+                    f"{op}: {name} is only for {FP8_KV_DTYPE} caches; pass None with a {cache.dtype} cache."
+                )
+            continue
+        want = list(cache.shape[:2])
+        if scale is None or scale.dtype != torch.float32 or list(scale.shape) != want:
+            got = "None" if scale is None else f"{scale.dtype} {list(scale.shape)}"
+            raise ValueError(
+                f"{op}: {name} must be a float32 {want} tensor ([S, Hkv], one scale per cached head row) "
+                f"with {FP8_KV_DTYPE} caches, got {got}."
+            )
+
+
+def check_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_size: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
     """The checks every attention op runs first: 3-D q and caches with agreeing heads and head dims,
-    contiguous last dimensions, ``page_size >= 1``."""
+    contiguous last dimensions, ``page_size >= 1``, and the scales of FP8 caches
+    (:func:`check_kv_scales`)."""
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
         raise ValueError(
             f"attention: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} and v_cache "
@@ -113,6 +181,7 @@ def check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError("attention: q, k_cache and v_cache need a contiguous last dimension.")
     if page_size < 1:
         raise ValueError(f"attention: page_size must be >= 1, got {page_size}.")
+    check_kv_scales("attention", k_cache, v_cache, k_scale, v_scale)
 
 
 def empty_attention_out(

@@ -7,6 +7,10 @@ std 0.08; measured over workload seeds 0-3, 4 x 64 tokens each): top-1 agreement
 checkpoint agrees at 0.96-0.98 (|diff| 0.0065), two different checkpoints at 0.012 (|diff| 1.94, KL
 0.44). The bounds below (agreement >= 0.75, |diff| <= 0.1, KL <= 0.01) leave room for rounding
 differences between torch versions and fail for anything near unrelated weights.
+
+An FP8 KV cache (``--kv-dtype fp8``) against bf16, same measurement: agreement 0.91-0.96, |diff|
+0.014-0.018, KL 1.9e-4-3.1e-4 (bounded at 0.85, 0.04, 1e-3); FP8 weights and FP8 KV together:
+0.80-0.83, 0.050-0.058, 2.2e-3-2.6e-3 (the FP8-weight bounds).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ def arts(tmp_path_factory):
     builds = {
         "bf16": ("hf", {}),
         "fp8": ("hf", {"quant": "fp8"}),
+        "fp8-kv": ("hf", {"kv_dtype": "fp8"}),
+        "fp8-all": ("hf", {"quant": "fp8", "kv_dtype": "fp8"}),
         "other-seed": ("hf-seed3", {}),
         "other-config": ("hf-narrow", {}),
     }
@@ -77,6 +83,45 @@ def test_fp8_weights_against_bf16_within_bounds(arts):
     assert r.max_abs_logprob_diff >= r.mean_abs_logprob_diff and r.max_kl >= r.mean_kl
     text = format_report(r)
     assert f"{r.top1_agreement:.4f}" in text and "weights fp8" in text and len(text.splitlines()) <= 12
+
+
+@pytest.mark.parametrize(
+    "build, weights, bounds",
+    [("fp8-kv", "bfloat16", (0.85, 0.04, 1e-3)), ("fp8-all", "fp8", (0.75, 0.1, 0.01))],
+)
+def test_fp8_kv_cache_against_bf16_within_bounds(arts, build, weights, bounds):
+    """An FP8 KV cache (``--kv-dtype fp8``: e4m3 rows, a float32 scale per head row), alone and with
+    FP8 weights, against bf16 of the same checkpoint: the manifest says FP8, and the figures stay
+    within the FP8 bounds (module docstring) while differing from bf16."""
+    m = load_model(arts[build]).artifact.manifest
+    assert m.kv.dtype == "float8_e4m3fn" and m.graphs["model"].inputs[-2:] == ("k_scale", "v_scale")
+    layers, heads, d = m.kv.num_layers, m.kv.num_kv_heads, m.kv.head_dim
+    assert m.kv.bytes_per_token == layers * heads * (2 * d + 2 * 4)  # fp8 K and V, two f32 scales
+    r = compare_artifacts(arts[build], arts["bf16"], num_seqs=6, seq_len=80, seed=0)
+    assert r.candidate_build == f"dtype bfloat16, weights {weights}, kv float8_e4m3fn"
+    agree, diff, kl = bounds  # module docstring
+    assert r.top1_agreement >= agree, format_report(r)
+    assert r.mean_abs_logprob_diff <= diff and r.mean_kl <= kl, format_report(r)
+    assert r.top1_agreement < 1.0 or r.mean_abs_logprob_diff > 1e-3  # the FP8 cache ran
+
+
+def test_fp8_kv_decode_steps_read_what_prefill_wrote(arts):
+    """The engine's decode steps (decode kernel, one token each) on an FP8 cache give the tokens
+    that the extend path, teacher-forced over the same sequence, ranks first: K/V and their scales
+    written by prefill and by each decode step are read back alike."""
+    from kiln.runtime.accuracy import _TeacherForced
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampling_params import SamplingParams
+
+    prompts = synthetic_sequences(3, 20, 300, seed=4)
+    llm = LLM(arts["fp8-kv"], device="cpu")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    tf = _TeacherForced(llm.engine.model, num_slots=256, max_rows=3)
+    for p, o in zip(prompts, outs, strict=True):
+        seq = p + o.token_ids
+        logits = tf.logits([seq], [(0, 0, len(seq))]).float()
+        ranked = logits[len(p) - 1 : len(seq) - 1].argmax(-1).tolist()
+        assert ranked == o.token_ids
 
 
 def test_bounds_fail_for_unrelated_weights(arts):

@@ -21,6 +21,15 @@ def test_shapes_and_capacity():
     assert pool.nbytes == (64 * 2 * 8 + 64 * 2 * 6) * 2 * 4
 
 
+def test_fp8_pool_has_a_scale_per_head_row():
+    pool = KVPool(2, 64, 2, 8, 6, torch.float8_e4m3fn, "cpu", page_size=4)
+    assert pool.k_scale is not None and pool.v_scale is not None
+    assert pool.k_scale.shape == pool.v_scale.shape == (2, 64, 2) and pool.k_scale.dtype == torch.float32
+    assert pool.scale_args == (pool.k_scale, pool.v_scale)
+    assert pool.nbytes == 64 * 2 * (8 + 6) * 2 + 2 * (2 * 64 * 2 * 4)
+    assert _pool().scale_args == () and _pool().k_scale is None  # other dtypes: no scales
+
+
 def test_alloc_never_hands_out_sink_and_all_or_nothing():
     pool = _pool(64, 4)
     got = pool.alloc_pages(15)
