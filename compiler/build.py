@@ -143,13 +143,16 @@ class PhaseTimer:
             print(f"[kiln compile] {name} done in {self.times[name]:.1f} s", flush=True)
 
 
-TP_REFUSED = "tensor parallelism needs the multi-GPU runtime (not built yet); compile with --tp 1"
+TP_MOE_REFUSED = "expert and tensor parallelism of MoE models are not built yet; compile with --tp 1"
 
 
-def _check_parallel(opts: CompileOptions) -> None:
-    """Only tp 1 runs today: a tp>1 artifact would be built and then fail at its first step."""
-    if opts.tp != 1:
-        raise CompileError(f"--tp {opts.tp}: {TP_REFUSED} (`kiln pack --tp N` still writes sharded packs).")
+def _check_parallel(opts: CompileOptions, cfg: ModelConfig) -> None:
+    """Dense models compile for any tensor-parallel size the config allows (validate_parallel);
+    MoE models for one rank only, until expert parallelism is built."""
+    if opts.tp != 1 and cfg.moe is not None:
+        raise CompileError(
+            f"--tp {opts.tp}: {TP_MOE_REFUSED} (`kiln pack --tp N --ep M` still writes sharded packs)."
+        )
 
 
 def _check_device(device: str) -> None:
@@ -268,7 +271,6 @@ def compile_model(
     from kiln.weights import load_pack, pack_checkpoint
 
     model_dir, out = Path(model_dir), Path(out_dir)
-    _check_parallel(opts)
     _check_device(opts.device)
     if opts.dtype not in DTYPES:
         raise CompileError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}.")
@@ -285,6 +287,7 @@ def compile_model(
         cfg = load_config(model_dir)
         par = ParallelConfig(tp=opts.tp)
         validate_parallel(cfg, par)
+        _check_parallel(opts, cfg)
         max_seq = opts.max_seq_len or min(cfg.max_position_embeddings, 32768)
         model_class(cfg.architecture)  # fail before any work if the architecture cannot compile
         if cfg.moe is not None:
@@ -319,7 +322,9 @@ def compile_model(
                     mod.tuning = moe_choice["table"]
         weights = load_pack(out / "weights", 0, device, verify=False)  # hashed as it was written
         _check_pack_matches(model, weights)
-        folds = _norm_folds(model, opts.fold_norms, verbose)
+        # the residual-stream layout adds the residual inside the o/down projections, before a
+        # tensor-parallel all-reduce could: no folds with --tp > 1
+        folds = _norm_folds(model, opts.fold_norms and opts.tp == 1, verbose)
         apply_norm_folds(weights, folds)  # as the runtime will, before the warm-up runs the graphs
         kv = _kv_spec(cfg, opts)
         cache = CacheSpec(

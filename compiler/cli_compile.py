@@ -45,8 +45,10 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
     "--tp",
     default=1,
     show_default=True,
-    help="Tensor-parallel size. Only 1 until the multi-GPU runtime exists (other values are refused; "
-    "`kiln pack --tp N` writes sharded weight packs).",
+    help="Tensor-parallel size: one graph with the collectives in it and a weight pack per rank "
+    "(dense models; MoE models: 1 until expert parallelism exists). serve / generate run --tp 1 "
+    "artifacts until the multi-process runtime lands; a --tp N artifact runs one process per rank "
+    "over torch.distributed (tests/runtime/test_tensor_parallel.py).",
 )
 @click.option(
     "--max-batch-size",

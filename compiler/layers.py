@@ -125,13 +125,16 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Vocab-parallel embedding (at tp=1 the whole table)."""
+    """Vocab-parallel embedding (at tp=1 the whole table; else ``kiln::tp_embedding``)."""
 
-    def __init__(self, vocab_per_rank: int, hidden: int, dtype: torch.dtype):
+    def __init__(self, vocab_per_rank: int, hidden: int, dtype: torch.dtype, tp: int = 1):
         super().__init__()
         self.weight = _param(vocab_per_rank, hidden, dtype=dtype)
+        self.tp = tp
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp > 1:
+            return torch.ops.kiln.tp_embedding(ids, self.weight)  # [T, H], summed over the ranks
         return nn.functional.embedding(ids, self.weight)  # [T, H]
 
 
@@ -153,8 +156,11 @@ class Attention(nn.Module):
         eps: float = 1e-6,
         sliding_window: int | None = None,
         quant: str | None = None,
+        tp_reduce: bool = False,
     ):
         super().__init__()
+        # tp_reduce: this rank's o projection is a partial sum (row-parallel): kiln::tp_all_reduce after it
+        self.tp_reduce = tp_reduce
         self.layer, self.hq, self.hkv, self.d = layer, num_heads, num_kv_heads, head_dim
         self.rotary_dim, self.is_neox, self.eps = rotary_dim, is_neox, eps
         self.scale = head_dim**-0.5
@@ -213,6 +219,9 @@ class Attention(nn.Module):
             0.0,
             *scales,
         )  # [T, Hq, Dv]; decode kernel when every request brings one token
+        if self.tp_reduce:
+            assert residual is None, "the residual stream is not for tensor parallelism (compile: no folds)"
+            return torch.ops.kiln.tp_all_reduce(self.o(o.flatten(1)))  # [T, H]
         return self.o(o.flatten(1), residual)  # [T, H]
 
 
@@ -224,9 +233,17 @@ class MLP(nn.Module):
     ``silu_and_mul``).
     """
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, quant: str | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        dtype: torch.dtype,
+        quant: str | None = None,
+        tp_reduce: bool = False,
+    ):
         super().__init__()
         self.quant = quant
+        self.tp_reduce = tp_reduce  # down is row-parallel: kiln::tp_all_reduce after it (Attention's)
         self.gate_up = Linear(2 * intermediate, hidden, dtype, False, quant)
         self.down = Linear(hidden, intermediate, dtype, False, quant)
         self.gate_up.role = self.down.role = "mlp"
@@ -237,31 +254,41 @@ class MLP(nn.Module):
         # act: silu(gate) * up when a norm fused into gate_up computed it (x is then unused);
         # residual [T, H]: added by the down projection
         if act is not None:
+            assert not self.tp_reduce, "the residual stream is not for tensor parallelism"
             return self.down(act, residual)  # [T, H]
         assert residual is None, "a residual goes with act (the residual stream fuses gate_up's norm)"
         if self.quant == "fp8":
             gu = self.gate_up(x)  # [T, 2I]
-            return self.down(QuantAct(*torch.ops.kiln.silu_and_mul_quant(gu, None)))
-        max_m = self.gate_up.max_m
-        if max_m:
-            assert isinstance(x, torch.Tensor)
-            act = torch.ops.kiln.linear_silu_mul(x, self.gate_up.weight, self.gate_up.bias, max_m)  # [T, I]
+            out = self.down(QuantAct(*torch.ops.kiln.silu_and_mul_quant(gu, None)))
         else:
-            act = torch.ops.kiln.silu_and_mul(self.gate_up(x))  # [T, I]
-        return self.down(act)  # [T, H]
+            max_m = self.gate_up.max_m
+            if max_m:
+                assert isinstance(x, torch.Tensor)
+                act = torch.ops.kiln.linear_silu_mul(
+                    x, self.gate_up.weight, self.gate_up.bias, max_m
+                )  # [T, I]
+            else:
+                act = torch.ops.kiln.silu_and_mul(self.gate_up(x))  # [T, I]
+            out = self.down(act)  # [T, H]
+        return torch.ops.kiln.tp_all_reduce(out) if self.tp_reduce else out
 
 
 class LMHead(nn.Module):
     """Logits for the rows that are sampled only; float32 out."""
 
-    def __init__(self, vocab: int, vocab_per_rank: int, hidden: int, dtype: torch.dtype, tied: bool):
+    def __init__(
+        self, vocab: int, vocab_per_rank: int, hidden: int, dtype: torch.dtype, tied: bool, tp: int = 1
+    ):
         super().__init__()
         self.vocab = vocab
         self.weight = None if tied else _param(vocab_per_rank, hidden, dtype=dtype)
+        self.tp = tp
 
     def forward(self, h: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
         w = embed_weight if self.weight is None else self.weight
         logits = nn.functional.linear(h, w)  # [B, V_rank]
+        if self.tp > 1:  # vocab-parallel: every rank's columns, rank 0's first
+            logits = torch.ops.kiln.tp_gather_cols(logits)  # [B, tp * V_rank]
         return logits[:, : self.vocab].float()
 
 

@@ -73,6 +73,21 @@ def _check_versions(built: Versions, device: torch.device) -> None:
         )
 
 
+def _check_tp_world(root: Path, tp: int) -> None:
+    """A tensor-parallel artifact opens only in a process of a tensor-parallel group of its size
+    (kiln.ops.common.collective.set_tp_group)."""
+    from kiln.ops.common.collective import tp_world
+
+    _, world = tp_world()
+    if world != tp:
+        raise ArtifactError(
+            f"{root} is built for {tp} tensor-parallel ranks (kiln compile --tp {tp}) but this process "
+            f"runs {world}: kiln serve, generate and LLM run --tp 1 artifacts until the multi-process "
+            "runtime lands; compile with --tp 1, or load each rank in its own process after "
+            "set_tp_group (tests/runtime/test_tensor_parallel.py)."
+        )
+
+
 def open_artifact(path: str | Path, device: str | torch.device = "cpu", verify: bool = False) -> Artifact:
     """Read ``path/manifest.json`` and check it against this machine and the files (module
     docstring); ``verify`` adds the hash of every file the manifest hashes (not the weight data:
@@ -91,11 +106,7 @@ def open_artifact(path: str | Path, device: str | torch.device = "cpu", verify: 
             f"manifest field 'gpu_arch' is {m.gpu_arch!r} but the device here is {here}: {REBUILD}."
         )
     _check_versions(m.versions, dev)
-    if m.tp != 1:
-        raise ArtifactError(
-            f"manifest field 'tp' is {m.tp}: tensor parallelism needs the multi-GPU runtime (not built "
-            "yet); compile with --tp 1."
-        )
+    _check_tp_world(root, m.tp)
     for rel, info in m.files.items():
         check_size(root, rel, info)
     art = Artifact(root, m)

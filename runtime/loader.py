@@ -183,14 +183,16 @@ def _listed(art: Artifact, rel: str) -> FileEntry:
 
 def check_vocab(art: Artifact, weights: dict[str, torch.Tensor]) -> None:
     """The manifest's ``vocab_size`` is the weights' vocabulary (rows of the LM head, or of the
-    embedding when they are tied): the sampler and the graphs' logits are sized by each."""
+    embedding when they are tied; a tensor-parallel rank holds ``ceil(vocab / tp)`` of them): the
+    sampler and the graphs' logits are sized by each."""
     name = "lm_head.weight" if "lm_head.weight" in weights else "embed.weight"
     rows = weights[name].shape[0] if name in weights else None
-    vocab = art.manifest.vocab_size
-    if rows != vocab:
+    vocab, tp = art.manifest.vocab_size, art.manifest.tp
+    if rows != -(-vocab // tp):
+        per_rank = f" ({-(-vocab // tp)} per rank of {tp})" if tp > 1 else ""
         raise ArtifactError(
-            f"manifest field 'vocab_size' is {vocab} but the weight pack's {name} has {rows} rows "
-            f"(weights/pack.json): the manifest and the weights disagree; {RECOPY}."
+            f"manifest field 'vocab_size' is {vocab}{per_rank} but the weight pack's {name} has {rows} "
+            f"rows (weights/pack.json): the manifest and the weights disagree; {RECOPY}."
         )
 
 
@@ -213,6 +215,19 @@ class _Background:
         self._thread.join()
         if self._error is not None:
             raise self._error
+
+
+def _check_tp_layout(art: Artifact, rank: int) -> None:
+    """Each rank loads its own pack: ``rank`` is this process's rank in the tensor-parallel group
+    (open_artifact checked the group's size)."""
+    from kiln.ops.common.collective import tp_world
+
+    tp = art.manifest.tp
+    group_rank, _ = tp_world()
+    if not 0 <= rank < tp or rank != group_rank:
+        raise ArtifactError(
+            f"{art.root}: rank {rank} asked for, but this process is rank {group_rank} of {tp}."
+        )
 
 
 def load_model(
@@ -246,6 +261,7 @@ def load_model(
             print(f"[kiln] {name}: {phases[name]:.2f} s", flush=True)
 
     art = open_artifact(path, dev)  # sizes; the hashes on a thread below
+    _check_tp_layout(art, rank)
     # The file hashes (kernels, tokenizer, graphs: all but the weight data, which load_pack checks)
     # are read beside the weight stream and joined before anything runs: the code files the load
     # executes (graph sources, CUTLASS libraries) are also checked by their own loaders first.

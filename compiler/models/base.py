@@ -65,11 +65,12 @@ def llama_attention(
         eps=cfg.rms_norm_eps,
         sliding_window=cfg.sliding_window,
         quant=quant,
+        tp_reduce=tp > 1,
     )
 
 
 def dense_mlp(cfg: ModelConfig, dtype: torch.dtype, tp: int, quant: str | None) -> MLP:
-    return MLP(cfg.hidden_size, -(-cfg.intermediate_size // tp), dtype, quant)
+    return MLP(cfg.hidden_size, -(-cfg.intermediate_size // tp), dtype, quant, tp_reduce=tp > 1)
 
 
 class DecoderLayer(nn.Module):
@@ -139,10 +140,10 @@ class DecoderOnlyLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         v_rank = vocab_per_rank(cfg, tp)
-        self.embed = Embedding(v_rank, cfg.hidden_size, dtype)
+        self.embed = Embedding(v_rank, cfg.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(self.make_layer(i, dtype, tp, quant) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = LMHead(cfg.vocab_size, v_rank, cfg.hidden_size, dtype, cfg.tie_word_embeddings)
+        self.lm_head = LMHead(cfg.vocab_size, v_rank, cfg.hidden_size, dtype, cfg.tie_word_embeddings, tp)
         self.tp = tp
         self.fold_norms = False  # the residual-stream layout (module docstring); the compiler sets it
         # role -> the largest T on the GEMV (None: the default plan)

@@ -86,9 +86,26 @@ def test_compile_forgets_kernels_the_process_already_loaded():
     forget_loaded_kernels()  # the default (every kiln.ops module) runs under any Triton mode
 
 
-def test_tensor_parallel_compile_is_refused_before_any_work(ckpt, tmp_path):
-    # the runtime runs tp 1 only: a tp 2 artifact used to build and then fail with an IndexError
-    p = compile_cli(ckpt, "-o", tmp_path / "art", "--device", "cpu", "--tp", "2")
+def test_tensor_parallel_artifact_is_refused_by_a_one_rank_process(ckpt, tmp_path):
+    # a tp 2 artifact builds (tests/runtime/test_tensor_parallel.py runs it on two ranks), and a
+    # single process (kiln generate, serve, LLM) refuses it with the way out, not an IndexError
+    p = compile_cli(ckpt, "-o", tmp_path / "art", "--device", "cpu", "--tp", "2", "--max-seq-len", "64")
+    assert p.returncode == 0, p.stderr
+    g = subprocess.run(
+        [sys.executable, "-m", "kiln", "generate", str(tmp_path / "art"), "hi", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert g.returncode != 0 and "Traceback" not in g.stderr, g.stderr
+    assert "is built for 2 tensor-parallel ranks (kiln compile --tp 2) but this process runs 1" in g.stderr
+
+
+def test_tensor_parallel_moe_compile_is_refused_before_any_work(tmp_path):
+    from tiny_moe_models import make_moe_checkpoint
+
+    make_moe_checkpoint(tmp_path / "hf", "qwen3-moe")
+    p = compile_cli(tmp_path / "hf", "-o", tmp_path / "art", "--device", "cpu", "--tp", "2")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-    assert "tensor parallelism needs the multi-GPU runtime (not built yet); compile with --tp 1" in p.stderr
+    assert "expert and tensor parallelism of MoE models are not built yet; compile with --tp 1" in p.stderr
     assert not (tmp_path / "art").exists()

@@ -1,0 +1,179 @@
+"""Running a tensor-parallel artifact (``kiln compile --tp N``): one process per rank, rank 0 leading.
+
+Protocol. The engine's process is rank 0: it schedules, samples and detokenizes as with one rank.
+:func:`start_ranks` starts ranks ``1..N-1`` as processes (``torch.multiprocessing``, spawn), joins
+a ``torch.distributed`` group with them (gloo on CPU, NCCL on GPU; a file rendezvous) and makes it
+the graphs' tensor-parallel group (``kiln.ops.common.collective.set_tp_group``). Each follower
+loads its rank's pack. Everything after is broadcast from rank 0 as Python objects, in order:
+
+1. ``("setup", num_slots, max_running, cuda_graph)``: the KV pool and block table sizes the engine
+   chose; every rank builds the same pool, table and model runner (capturing its CUDA graphs, whose
+   collectives meet the other ranks' captures in the same order).
+2. ``("step", step, pending)`` per forward: the step's inputs (``model_runner.StepInputs``, host
+   lists) and the block table's changes not yet written to the device (``{flat index: page}``);
+   each follower applies the changes and runs the same forward, whose collectives pair with rank
+   0's. Only rank 0 reads the logits (every rank has them whole). The input ids travel with the
+   step, so rank 0 runs without overlap (an overlapped step's ids are still on the device).
+3. ``("stop",)``: followers leave their loop and the group.
+
+A follower that fails reports its error on stderr and exits; rank 0's next collective then fails
+(gloo and NCCL time out after ``timeout_s``) and the engine raises instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kiln.errors import KilnError
+from kiln.ops.common.collective import set_tp_group
+from kiln.runtime.kv_pool import BlockTable, KVPool
+from kiln.runtime.loader import load_model
+from kiln.runtime.model_runner import ModelRunner, StepInputs
+
+
+class TensorParallelError(KilnError, RuntimeError):
+    """The ranks of a tensor-parallel run could not start or lost one another."""
+
+
+def _backend(device: str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def _join(rank: int, tp: int, init: str, device: str, timeout_s: float) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        _backend(device),
+        init_method=f"file://{init}",
+        rank=rank,
+        world_size=tp,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    set_tp_group(dist.group.WORLD)
+
+
+def _receive() -> tuple[Any, ...]:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _follower_main(rank: int, tp: int, init: str, artifact: str, device: str, timeout_s: float, verify: bool) -> None:
+    """Rank ``rank``'s process (module docstring): load the rank's pack, then mirror rank 0's steps."""
+    _join(rank, tp, init, device, timeout_s)
+    dev = f"cuda:{rank}" if torch.device(device).type == "cuda" else device
+    try:
+        model = load_model(artifact, dev, rank=rank, verify=verify)
+        msg = _receive()
+        assert msg[0] == "setup", msg[0]
+        _, num_slots, max_running, cuda_graph = msg
+        m = model.artifact.manifest
+        pool = KVPool.for_spec(m.kv, num_slots, model.device)
+        bt = BlockTable(max_running, m.max_blocks, model.device, m.kv.page_size)
+        runner = ModelRunner(model, pool, bt, cuda_graph=cuda_graph, graph_greedy=False)
+        while True:
+            msg = _receive()
+            if msg[0] == "stop":
+                break
+            _, step, pending = msg
+            bt._pending.update(pending)
+            runner.forward(step)
+    finally:
+        dist.destroy_process_group()
+
+
+class RankGroup:
+    """Rank 0's side of a tensor-parallel run: the follower processes and the broadcasts."""
+
+    def __init__(self, procs: list[Any], init: str):
+        self.procs = procs
+        self.init = init
+        self.closed = False
+
+    def setup(self, num_slots: int, max_running: int, cuda_graph: bool) -> None:
+        """Step 1 of the protocol, before rank 0 builds its model runner."""
+        self._send(("setup", num_slots, max_running, cuda_graph))
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        dead = [i + 1 for i, p in enumerate(self.procs) if not p.is_alive()]
+        if dead:
+            raise TensorParallelError(f"tensor-parallel rank(s) {dead} exited; the run cannot go on.")
+        try:
+            dist.broadcast_object_list([msg], src=0)
+        except Exception as e:  # a rank died mid-collective, or the group timed out
+            raise TensorParallelError(f"tensor-parallel broadcast failed: {e}") from None
+
+    def close(self) -> None:
+        """Stop the followers and leave the group (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if all(p.is_alive() for p in self.procs):
+                self._send(("stop",))
+        finally:
+            for p in self.procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+            set_tp_group(None)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            if os.path.exists(self.init):
+                os.remove(self.init)
+
+
+class BroadcastRunner:
+    """Rank 0's model runner for a tensor-parallel artifact: each forward is sent to the followers
+    (step 2 of the protocol) before it runs here. Every other attribute is the runner's."""
+
+    def __init__(self, runner: ModelRunner, ranks: RankGroup):
+        self.runner = runner
+        self.ranks = ranks
+
+    def forward(self, step: StepInputs, subst: Any = None) -> torch.Tensor:
+        if subst is not None:
+            raise TensorParallelError("a tensor-parallel step needs its input ids on the host (no overlap)")
+        self.ranks._send(("step", step, dict(self.runner.bt._pending)))
+        return self.runner.forward(step)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+
+def start_ranks(artifact: str, tp: int, device: str, timeout_s: float = 120.0, verify: bool = True) -> RankGroup:
+    """Start ranks ``1..tp-1`` following this process, and join the group as rank 0 (module
+    docstring). The engine calls it before loading the artifact."""
+    if dist.is_initialized():
+        raise TensorParallelError("a torch.distributed group is already initialized in this process")
+    if torch.device(device).type == "cuda" and torch.cuda.device_count() < tp:
+        raise TensorParallelError(
+            f"the artifact is built for {tp} tensor-parallel ranks; this machine shows "
+            f"{torch.cuda.device_count()} GPU(s): compile with --tp {torch.cuda.device_count()} or run it elsewhere."
+        )
+    fd, init = tempfile.mkstemp(prefix="kiln-tp-")
+    os.close(fd)
+    os.remove(init)  # the file rendezvous creates it
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_follower_main, args=(r, tp, init, artifact, device, timeout_s, verify), daemon=True
+        )
+        for r in range(1, tp)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        _join(0, tp, init, device, timeout_s)
+    except Exception as e:
+        for p in procs:
+            p.kill()
+        raise TensorParallelError(f"the tensor-parallel ranks did not meet: {e}") from None
+    return RankGroup(procs, init)

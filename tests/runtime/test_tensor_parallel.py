@@ -1,0 +1,119 @@
+"""Tensor parallelism on CPU: a ``kiln compile --tp N`` artifact run by N processes over gloo
+(torch.distributed), each with its rank's pack and the same graph, gives the logits and greedy tokens
+of the tp=1 artifact of the same checkpoint (float32)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tiny_models import make_checkpoint
+
+from kiln.compiler.build import CompileOptions, compile_model
+from kiln.runtime.direct import DirectRunner
+from kiln.runtime.loader import load_model
+
+BASE = dict(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=64, chunk_size=32)
+PROMPTS = [[5, 17, 33, 9, 120, 7], [250, 3, 3, 41], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+STEPS = 5
+
+
+def run_greedy(runner: DirectRunner) -> tuple[torch.Tensor, list[list[int]]]:
+    """Prefill PROMPTS, then STEPS greedy decode steps: (the prefill logits, each prompt's tokens)."""
+    first = runner.prefill(PROMPTS).float()
+    logits, tokens = first, [[] for _ in PROMPTS]
+    for _ in range(STEPS):
+        ids = logits.argmax(-1).tolist()
+        for seq, t in zip(tokens, ids, strict=True):
+            seq.append(t)
+        logits = runner.decode(ids).float()
+    return first, tokens
+
+
+def _rank_main(rank: int, world: int, art: str, init: str, out: str) -> None:
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # tiny_models for the spawned interpreter
+    from kiln.ops.common.collective import set_tp_group
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        set_tp_group(dist.group.WORLD)
+        runner = DirectRunner(art, device="cpu", model=load_model(art, "cpu", rank=rank))
+        first, tokens = run_greedy(runner)
+        torch.save({"logits": first, "tokens": tokens}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    for name in ("llama-untied", "qwen3-qknorm", "llama-tied"):
+        make_checkpoint(root / name, name, seed=3)
+    return root
+
+
+@pytest.mark.parametrize("name, tp", [("llama-untied", 2), ("qwen3-qknorm", 2), ("llama-tied", 4)])
+def test_tp_ranks_match_one_rank(checkpoints, tmp_path, name, tp):
+    ref_art, tp_art = tmp_path / "tp1", tmp_path / f"tp{tp}"
+    compile_model(checkpoints / name, ref_art, CompileOptions(**BASE), verbose=False)
+    compile_model(checkpoints / name, tp_art, CompileOptions(**BASE, tp=tp), verbose=False)
+    ref_logits, ref_tokens = run_greedy(DirectRunner(str(ref_art), device="cpu"))
+    mp.spawn(_rank_main, args=(tp, str(tp_art), str(tmp_path / "init"), str(tmp_path)), nprocs=tp)
+    for rank in range(tp):  # every rank ends with the whole logits
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["tokens"] == ref_tokens
+        torch.testing.assert_close(got["logits"], ref_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tp2_arts(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-engine")
+    compile_model(checkpoints / "qwen3-qknorm", root / "tp1", CompileOptions(**BASE), verbose=False)
+    compile_model(checkpoints / "qwen3-qknorm", root / "tp2", CompileOptions(**BASE, tp=2), verbose=False)
+    return root / "tp1", root / "tp2"
+
+
+def test_engine_runs_a_tp_artifact_on_follower_ranks(tp2_arts):
+    """``LLM(ART)`` of a --tp 2 artifact starts the second rank as a process that mirrors each step
+    (runtime/tensor_parallel.py): greedy and seeded sampled tokens equal the tp=1 engine's, with
+    chunked prefill (prompts past the chunk) and the prefix cache."""
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampling_params import SamplingParams
+
+    tp1, tp2 = tp2_arts
+    prompts = [p * 6 for p in PROMPTS] + [PROMPTS[0] * 6 + [8, 9]]  # past the 32-token chunk; a shared prefix
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.8, top_k=20, seed=7, ignore_eos=True),
+    ]
+    ref_llm = LLM(str(tp1), device="cpu")
+    expect = [[o.token_ids for o in ref_llm.generate(prompts, p)] for p in params]
+    llm = LLM(str(tp2), device="cpu")
+    try:
+        assert llm.engine.ranks is not None and len(llm.engine.ranks.procs) == 1
+        got = [[o.token_ids for o in llm.generate(prompts, p)] for p in params]
+        assert got == expect
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.close()
+    assert not llm.engine.ranks.procs[0].is_alive()
+
+
+def test_a_dead_rank_ends_the_run_with_an_error(tp2_arts):
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampling_params import SamplingParams
+    from kiln.runtime.tensor_parallel import TensorParallelError
+
+    llm = LLM(str(tp2_arts[1]), device="cpu")
+    try:
+        follower = llm.engine.ranks.procs[0]
+        follower.kill()
+        follower.join(timeout=30)
+        with pytest.raises(TensorParallelError, match=r"rank\(s\) \[1\] exited"):
+            llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0.0))
+    finally:
+        llm.engine.close()
