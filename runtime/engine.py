@@ -6,16 +6,19 @@ until its requests finish, and the server drives it from a worker thread.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import time
 import warnings
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 
 from kiln import settings
 from kiln.errors import KilnError
+from kiln.manifest import Manifest
 from kiln.runtime.detokenizer import prepare as prepare_detokenizer
 from kiln.runtime.kv_pool import BlockTable, KVPool, size_for_memory
 from kiln.runtime.loader import load_model
@@ -104,6 +107,17 @@ class Engine:
         for line in settings.environment_warnings("run"):
             warnings.warn(f"kiln: {line}", stacklevel=2)
         dev = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        # A tensor-parallel artifact: ranks 1..N-1 start as follower processes before the load
+        # (runtime/tensor_parallel.py); their steps' input ids travel on the host: no overlap.
+        self.ranks: Any = None
+        tp = Manifest.load(Path(artifact)).tp
+        if tp > 1:
+            from kiln.runtime.tensor_parallel import start_ranks
+
+            self.ranks = start_ranks(str(artifact), tp, dev, verify=opts.verify)
+            atexit.register(self.ranks.close)
+            opts = replace(opts, overlap=False)
+            self.opts = opts
         tokenizer: list[Any] = [None]
 
         def load_text(art: Any) -> None:  # runs while the weights stream in
@@ -142,6 +156,8 @@ class Engine:
         self.bt.stager = self.stager
         self.model.phases["kv_pool"] = time.perf_counter() - t
         t = time.perf_counter()
+        if self.ranks is not None:  # the followers build the same pool, table and runner now
+            self.ranks.setup(self.pool.num_slots, self.max_running, opts.cuda_graph)
         self.runner = ModelRunner(
             self.model,
             self.pool,
@@ -149,6 +165,10 @@ class Engine:
             cuda_graph=opts.cuda_graph,
             graph_greedy=self.settings["graph_greedy"],
         )
+        if self.ranks is not None:
+            from kiln.runtime.tensor_parallel import BroadcastRunner
+
+            self.runner = cast(ModelRunner, BroadcastRunner(self.runner, self.ranks))
         self.model.phases["cuda_graphs"] = time.perf_counter() - t
         self.radix = RadixCache(page_size, disabled=not opts.radix_cache)
         chunk = min(opts.chunk_size or m.chunk_size, m.chunk_size)
@@ -364,6 +384,11 @@ class Engine:
     def run_until_done(self) -> None:
         while self.has_work():
             self.step()
+
+    def close(self) -> None:
+        """Stop a tensor-parallel run's follower ranks (nothing to do for one rank)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

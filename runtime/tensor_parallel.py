@@ -65,7 +65,9 @@ def _receive() -> tuple[Any, ...]:
     return box[0]
 
 
-def _follower_main(rank: int, tp: int, init: str, artifact: str, device: str, timeout_s: float, verify: bool) -> None:
+def _follower_main(
+    rank: int, tp: int, init: str, artifact: str, device: str, timeout_s: float, verify: bool
+) -> None:
     """Rank ``rank``'s process (module docstring): load the rank's pack, then mirror rank 0's steps."""
     _join(rank, tp, init, device, timeout_s)
     dev = f"cuda:{rank}" if torch.device(device).type == "cuda" else device
@@ -148,7 +150,9 @@ class BroadcastRunner:
         return getattr(self.runner, name)
 
 
-def start_ranks(artifact: str, tp: int, device: str, timeout_s: float = 120.0, verify: bool = True) -> RankGroup:
+def start_ranks(
+    artifact: str, tp: int, device: str, timeout_s: float = 120.0, verify: bool = True
+) -> RankGroup:
     """Start ranks ``1..tp-1`` following this process, and join the group as rank 0 (module
     docstring). The engine calls it before loading the artifact."""
     if dist.is_initialized():
