@@ -56,7 +56,8 @@ def checkpoints(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("name, tp", [("llama-untied", 2), ("qwen3-qknorm", 2), ("llama-tied", 4)])
+# Qwen3 (QK-norm) at tp 2 runs through the engine below
+@pytest.mark.parametrize("name, tp", [("llama-untied", 2), ("llama-tied", 4)])
 def test_tp_ranks_match_one_rank(checkpoints, tmp_path, name, tp):
     ref_art, tp_art = tmp_path / "tp1", tmp_path / f"tp{tp}"
     compile_model(checkpoints / name, ref_art, CompileOptions(**BASE), verbose=False)
