@@ -75,16 +75,16 @@ def _check_versions(built: Versions, device: torch.device) -> None:
 
 def _check_tp_world(root: Path, tp: int) -> None:
     """A tensor-parallel artifact opens only in a process of a tensor-parallel group of its size
-    (kiln.ops.common.collective.set_tp_group)."""
+    (kiln.ops.common.collective.set_tp_group; the engine starts one: runtime/tensor_parallel.py). A
+    one-rank artifact has no collectives and opens anywhere."""
     from kiln.ops.common.collective import tp_world
 
     _, world = tp_world()
-    if world != tp:
+    if tp > 1 and world != tp:
         raise ArtifactError(
             f"{root} is built for {tp} tensor-parallel ranks (kiln compile --tp {tp}) but this process "
-            f"runs {world}: kiln serve, generate and LLM run --tp 1 artifacts until the multi-process "
-            "runtime lands; compile with --tp 1, or load each rank in its own process after "
-            "set_tp_group (tests/runtime/test_tensor_parallel.py)."
+            f"runs {world}: load it through the engine (LLM, kiln serve, kiln generate start its ranks), "
+            "or in each of its ranks' processes after set_tp_group."
         )
 
 
