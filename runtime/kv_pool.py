@@ -342,6 +342,16 @@ class BlockTable:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
+    def pending_changes(self) -> dict[int, int]:
+        """A copy of the changes ``flush`` has yet to write, ``{row * max_blocks + block: page}``
+        (another rank's table mirrors this one with :meth:`queue_changes`)."""
+        return dict(self._pending)
+
+    def queue_changes(self, changes: dict[int, int]) -> None:
+        """Queue another table's :meth:`pending_changes` for the next ``flush`` (the device table
+        only: this table's host page lists are left alone)."""
+        self._pending.update(changes)
+
     def flush(self) -> None:
         """Write the queued changes to ``table``: one host->device copy and one ``index_put_``."""
         pending = self._pending

@@ -85,7 +85,7 @@ def _follower_main(
             if msg[0] == "stop":
                 break
             _, step, pending = msg
-            bt._pending.update(pending)
+            bt.queue_changes(pending)
             runner.forward(step)
     finally:
         dist.destroy_process_group()
@@ -101,9 +101,11 @@ class RankGroup:
 
     def setup(self, num_slots: int, max_running: int, cuda_graph: bool) -> None:
         """Step 1 of the protocol, before rank 0 builds its model runner."""
-        self._send(("setup", num_slots, max_running, cuda_graph))
+        self.send(("setup", num_slots, max_running, cuda_graph))
 
-    def _send(self, msg: tuple[Any, ...]) -> None:
+    def send(self, msg: tuple[Any, ...]) -> None:
+        """Broadcast one protocol message to the followers; a dead follower or a failed collective
+        raises :class:`TensorParallelError`."""
         dead = [i + 1 for i, p in enumerate(self.procs) if not p.is_alive()]
         if dead:
             raise TensorParallelError(f"tensor-parallel rank(s) {dead} exited; the run cannot go on.")
@@ -119,7 +121,7 @@ class RankGroup:
         self.closed = True
         try:
             if all(p.is_alive() for p in self.procs):
-                self._send(("stop",))
+                self.send(("stop",))
         finally:
             for p in self.procs:
                 p.join(timeout=30)
@@ -143,7 +145,7 @@ class BroadcastRunner:
     def forward(self, step: StepInputs, subst: Any = None) -> torch.Tensor:
         if subst is not None:
             raise TensorParallelError("a tensor-parallel step needs its input ids on the host (no overlap)")
-        self.ranks._send(("step", step, dict(self.runner.bt._pending)))
+        self.ranks.send(("step", step, self.runner.bt.pending_changes()))
         return self.runner.forward(step)
 
     def __getattr__(self, name: str) -> Any:
