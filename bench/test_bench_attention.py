@@ -127,10 +127,8 @@ def _decode_case(batch: int, ctx: int, page: int = PAGE, kv: str = "bf16"):
     k_cache, v_cache, bt, rows, lens, slots = _paged([ctx] * batch, page)
     kv_scales: tuple[torch.Tensor, ...] = ()
     if kv == "fp8":
-        (k_cache, k_scale), (v_cache, v_scale) = (
-            quantize_kv_rows(k_cache.float()),
-            quantize_kv_rows(v_cache.float()),
-        )
+        k_cache, k_scale = quantize_kv_rows(k_cache.float())
+        v_cache, v_scale = quantize_kv_rows(v_cache.float())
         kv_scales = (k_scale, v_scale)
     q = torch.randn(batch, HQ, D, dtype=DTYPE, device=DEV)
     nbytes = batch * ctx * kv_bytes_per_token(kv) + 2 * q.numel() * q.element_size()

@@ -48,6 +48,7 @@ from kiln.compiler.trace import CacheSpec, example_inputs, export_graph, strip_e
 from kiln.errors import KilnError
 from kiln.kernel_cache import kernel_cache
 from kiln.manifest import (
+    KV_FP8,
     GraphCode,
     GraphEntry,
     KernelChoices,
@@ -235,7 +236,7 @@ KV_DTYPES = ("auto", "fp8")  # --kv-dtype
 
 def _kv_spec(cfg: ModelConfig, opts: CompileOptions) -> KVSpec:
     """The KV cache the graphs are traced for (per rank), as the manifest records it."""
-    dtype = "float8_e4m3fn" if opts.kv_dtype == "fp8" else opts.dtype
+    dtype = KV_FP8 if opts.kv_dtype == "fp8" else opts.dtype
     return KVSpec(
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.kv_heads_per_rank(opts.tp),

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.ops.attention.reference import FP8_KV_DTYPE
+
 
 @dataclass
 class ForwardContext:
@@ -47,7 +49,6 @@ GRAPH_INPUTS = (
 )
 # After GRAPH_INPUTS in the graphs of an artifact with an FP8 KV cache (``kiln compile --kv-dtype fp8``).
 KV_SCALE_INPUTS = ("k_scale", "v_scale")
-FP8_KV_DTYPE = torch.float8_e4m3fn
 
 
 def graph_inputs(kv_dtype: torch.dtype) -> tuple[str, ...]:

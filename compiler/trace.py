@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram
 
-from kiln.compiler.context import FP8_KV_DTYPE, ForwardContext, graph_inputs
+from kiln.compiler.context import KV_SCALE_INPUTS, ForwardContext, graph_inputs
+from kiln.ops.attention.reference import FP8_KV_DTYPE
 
 
 class GraphModule(nn.Module):
@@ -117,7 +118,7 @@ def example_inputs(
         "logits_indices": (indptr[1:] - 1).to(i64).to(dev),
     }
     if cache.dtype == FP8_KV_DTYPE:  # one float32 scale per cached head row
-        for name in ("k_scale", "v_scale"):
+        for name in KV_SCALE_INPUTS:
             out[name] = torch.zeros(cache.num_layers, num_slots, cache.num_kv_heads, device=dev)
     return out
 

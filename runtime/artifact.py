@@ -73,21 +73,6 @@ def _check_versions(built: Versions, device: torch.device) -> None:
         )
 
 
-def _check_tp_world(root: Path, tp: int) -> None:
-    """A tensor-parallel artifact opens only in a process of a tensor-parallel group of its size
-    (kiln.ops.common.collective.set_tp_group; the engine starts one: runtime/tensor_parallel.py). A
-    one-rank artifact has no collectives and opens anywhere."""
-    from kiln.ops.common.collective import tp_world
-
-    _, world = tp_world()
-    if tp > 1 and world != tp:
-        raise ArtifactError(
-            f"{root} is built for {tp} tensor-parallel ranks (kiln compile --tp {tp}) but this process "
-            f"runs {world}: load it through the engine (LLM, kiln serve, kiln generate start its ranks), "
-            "or in each of its ranks' processes after set_tp_group."
-        )
-
-
 def open_artifact(path: str | Path, device: str | torch.device = "cpu", verify: bool = False) -> Artifact:
     """Read ``path/manifest.json`` and check it against this machine and the files (module
     docstring); ``verify`` adds the hash of every file the manifest hashes (not the weight data:
@@ -106,7 +91,6 @@ def open_artifact(path: str | Path, device: str | torch.device = "cpu", verify: 
             f"manifest field 'gpu_arch' is {m.gpu_arch!r} but the device here is {here}: {REBUILD}."
         )
     _check_versions(m.versions, dev)
-    _check_tp_world(root, m.tp)
     for rel, info in m.files.items():
         check_size(root, rel, info)
     art = Artifact(root, m)

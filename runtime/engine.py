@@ -12,7 +12,7 @@ import time
 import warnings
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -31,6 +31,9 @@ from kiln.runtime.scheduler import Scheduler, SchedulerConfig
 from kiln.runtime.staging import HostStager
 from kiln.runtime.stepper import PLACEHOLDER, Launched, StepParts, Stepper
 from kiln.runtime.tokenizer import RequestText, load_tokenizer
+
+if TYPE_CHECKING:
+    from kiln.runtime.tensor_parallel import RankGroup
 
 GIB = 1024**3
 
@@ -109,7 +112,7 @@ class Engine:
         dev = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
         # A tensor-parallel artifact: ranks 1..N-1 start as follower processes before the load
         # (runtime/tensor_parallel.py); their steps' input ids travel on the host: no overlap.
-        self.ranks: Any = None
+        self.ranks: RankGroup | None = None
         tp = Manifest.load(Path(artifact)).tp
         if tp > 1:
             from kiln.runtime.tensor_parallel import start_ranks

@@ -34,8 +34,7 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.manifest import KVSpec
-
-FP8_KV_DTYPE = torch.float8_e4m3fn
+from kiln.ops.attention.reference import FP8_KV_DTYPE
 
 
 class KVPoolError(KilnError, RuntimeError):

@@ -218,14 +218,21 @@ class _Background:
 
 
 def _check_tp_layout(art: Artifact, rank: int) -> None:
-    """Each rank loads its own pack: ``rank`` is this process's rank in the tensor-parallel group
-    (open_artifact checked the group's size)."""
+    """A tensor-parallel artifact loads only in a process of a tensor-parallel group of its size
+    (kiln.ops.common.collective.set_tp_group; the engine starts one: runtime/tensor_parallel.py), as
+    that process's rank; a one-rank artifact has no collectives and loads anywhere, as rank 0."""
     from kiln.ops.common.collective import tp_world
 
     tp = art.manifest.tp
-    group_rank, _ = tp_world()
+    group_rank, world = tp_world()
     if tp == 1 and rank == 0:
         return
+    if world != tp:
+        raise ArtifactError(
+            f"{art.root} is built for {tp} tensor-parallel ranks (kiln compile --tp {tp}) but this "
+            f"process runs {world}: load it through the engine (LLM, kiln serve, kiln generate start "
+            "its ranks), or in each of its ranks' processes after set_tp_group."
+        )
     if not 0 <= rank < tp or rank != group_rank:
         raise ArtifactError(
             f"{art.root}: rank {rank} asked for, but this process is rank {group_rank} of {tp}."

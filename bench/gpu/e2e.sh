@@ -85,9 +85,8 @@ if [ "$NPROMPTS" -gt 0 ]; then
   IFS=';' read -ra vs <<< "${TP_VARIANTS:-default:}"
   for v in "${vs[@]}"; do
     [ -z "$v" ] && continue
-    t=${v%%:*}; words=()
-    for w in ${v#*:}; do [[ $w == *=* && $w != -* ]] && words+=("$w"); done
-    flags=(); for w in ${v#*:}; do [[ $w == *=* && $w != -* ]] || flags+=("$w"); done
+    t=${v%%:*}; words=(); flags=()  # VAR=VALUE words go to the environment, the rest are flags
+    for w in ${v#*:}; do if [[ $w == *=* && $w != -* ]]; then words+=("$w"); else flags+=("$w"); fi; done
     # shellcheck disable=SC2086  # flags, split on purpose
     step "throughput_$t.log" 400 env "${words[@]}" python -m kiln bench throughput "$ART" --num-prompts "$NPROMPTS" \
       --input-len "$TP_INLEN" --output-len "$TP_OUTLEN" --kv-memory "$KV" "${flags[@]}" $hf \

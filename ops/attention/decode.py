@@ -196,6 +196,21 @@ def kv_row_scales(base, slot, stride, rmask, KV_FP8: tl.constexpr):
 
 
 @triton.jit
+def _block_kv(
+    k_base, v_base, ks_base, vs_base, slot, stride_ks, stride_vs, stride_kss, stride_vss, d, dv, rmask,
+    D: tl.constexpr, DV: tl.constexpr, KV_FP8: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    """One key block of one KV head, rows ``slot`` ``[BLOCK_N]`` (``rmask`` off: zeros): ``(k, v, k
+    scales, v scales)``, K and V loaded together so both reads are in flight before the scores need
+    them (FP8: rows in ``DT``, unscaled; else the scales are dummy zeros)."""
+    k = _cache_rows(k_base, slot, stride_ks, d, rmask, D, KV_FP8, DT)  # [BLOCK_N, BLOCK_D]
+    v = _cache_rows(v_base, slot, stride_vs, dv, rmask, DV, KV_FP8, DT)  # [BLOCK_N, BLOCK_DV]
+    ks = kv_row_scales(ks_base, slot, stride_kss, rmask, KV_FP8)  # [BLOCK_N]
+    vs = kv_row_scales(vs_base, slot, stride_vss, rmask, KV_FP8)
+    return k, v, ks, vs
+
+
+@triton.jit
 def _block_slots(bt_row, offs, end, PAGE: tl.constexpr):
     """Cache slots of key positions ``offs`` ``[BLOCK_N]`` through one block-table row (past
     ``end``: page 0's slots, masked out by the caller)."""
@@ -252,19 +267,21 @@ def _decode_split_kernel(
             kmask0 = kmask0 & (offs0 >= lo)
         slot0 = _block_slots(bt_ptr + row * stride_bt, offs0, end, PAGE)  # [BLOCK_N]
         old0 = kmask0 & (offs0 != seq_len - 1)
-        k_pre = _cache_rows(k_base, slot0, stride_ks, d, old0, D, KV_FP8, DT)  # [BLOCK_N, BLOCK_D]
-        v_pre = _cache_rows(v_base, slot0, stride_vs, dv, old0, DV, KV_FP8, DT)  # [BLOCK_N, BLOCK_DV]
-        ks_pre = kv_row_scales(ks_base, slot0, stride_kss, old0, KV_FP8)  # [BLOCK_N]
-        vs_pre = kv_row_scales(vs_base, slot0, stride_vss, old0, KV_FP8)
+        k_pre, v_pre, ks_pre, vs_pre = _block_kv(
+            k_base, v_base, ks_base, vs_base, slot0, stride_ks, stride_vs, stride_kss, stride_vss, d, dv,
+            old0, D, DV, KV_FP8, DT,
+        )  # fmt: skip
         pdl_wait(PDL)
         new0 = kmask0 & (offs0 == seq_len - 1)  # [BLOCK_N]: the row the kernel before wrote
-        k_new = _cache_rows(k_base, slot0, stride_ks, d, new0, D, KV_FP8, DT)
-        v_new = _cache_rows(v_base, slot0, stride_vs, dv, new0, DV, KV_FP8, DT)
+        k_new, v_new, ks_new, vs_new = _block_kv(
+            k_base, v_base, ks_base, vs_base, slot0, stride_ks, stride_vs, stride_kss, stride_vss, d, dv,
+            new0, D, DV, KV_FP8, DT,
+        )  # fmt: skip
         k_pre = tl.where(new0[:, None], k_new, k_pre)
         v_pre = tl.where(new0[:, None], v_new, v_pre)
         if KV_FP8:
-            ks_pre = tl.where(new0, kv_row_scales(ks_base, slot0, stride_kss, new0, KV_FP8), ks_pre)
-            vs_pre = tl.where(new0, kv_row_scales(vs_base, slot0, stride_vss, new0, KV_FP8), vs_pre)
+            ks_pre = tl.where(new0, ks_new, ks_pre)
+            vs_pre = tl.where(new0, vs_new, vs_pre)
     q = tl.load(
         q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
         mask=hmask[:, None] & (d[None, :] < D),
@@ -282,28 +299,17 @@ def _decode_split_kernel(
             kmask = kmask & (offs >= lo)
         if PREWAIT:  # (nested: a constexpr and a tensor in one condition compile as a tensor)
             if n0 == start:
-                slot = slot0
-                k = k_pre
-                ks = ks_pre
+                k, v, ks, vs = k_pre, v_pre, ks_pre, vs_pre  # loaded before the wait
             else:
-                slot = _block_slots(bt_ptr + row * stride_bt, offs, end, PAGE)
-                k = _cache_rows(k_base, slot, stride_ks, d, kmask, D, KV_FP8, DT)
-                ks = kv_row_scales(ks_base, slot, stride_kss, kmask, KV_FP8)
+                k, v, ks, vs = _block_kv(
+                    k_base, v_base, ks_base, vs_base, _block_slots(bt_ptr + row * stride_bt, offs, end, PAGE),
+                    stride_ks, stride_vs, stride_kss, stride_vss, d, dv, kmask, D, DV, KV_FP8, DT,
+                )  # fmt: skip
         else:
-            slot = _block_slots(bt_ptr + row * stride_bt, offs, end, PAGE)  # [BLOCK_N]
-            k = _cache_rows(k_base, slot, stride_ks, d, kmask, D, KV_FP8, DT)  # k: [BLOCK_N, BLOCK_D]
-            ks = kv_row_scales(ks_base, slot, stride_kss, kmask, KV_FP8)  # [BLOCK_N] (FP8)
-        # V loads with K, before the scores need it: both blocks' reads in flight at once
-        if PREWAIT:
-            if n0 == start:
-                v = v_pre
-                vs = vs_pre
-            else:
-                v = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV, KV_FP8, DT)
-                vs = kv_row_scales(vs_base, slot, stride_vss, kmask, KV_FP8)
-        else:
-            v = _cache_rows(v_base, slot, stride_vs, dv, kmask, DV, KV_FP8, DT)  # v: [BLOCK_N, BLOCK_DV]
-            vs = kv_row_scales(vs_base, slot, stride_vss, kmask, KV_FP8)
+            k, v, ks, vs = _block_kv(
+                k_base, v_base, ks_base, vs_base, _block_slots(bt_ptr + row * stride_bt, offs, end, PAGE),
+                stride_ks, stride_vs, stride_kss, stride_vss, d, dv, kmask, D, DV, KV_FP8, DT,
+            )  # fmt: skip
         s = tl_dot(q, tl.trans(k), PREC, UPCAST)  # [GROUP_PAD, BLOCK_N] f32
         if HAS_CAP:
             if KV_FP8:  # key n's scale, folded into the softmax scale

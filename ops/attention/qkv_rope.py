@@ -43,7 +43,7 @@ from kiln.ops.attention.reference import FP8_KV_DTYPE, check_kv_scales, kv_scale
 from kiln.ops.attention.rope import apply_rope_ref
 from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, prewait
 from kiln.ops.common.op import kiln_op
-from kiln.ops.common.quant import FP8_MAX, _round_e4m3_in_f32
+from kiln.ops.common.quant import FP8_MAX, round_e4m3_in_f32
 
 KV_AMAX_FLOOR = 1e-30  # FP8 rows: the quantizing multiplier is 448 / max(amax, this) (finite for amax 0)
 
@@ -158,7 +158,7 @@ def _fp8_rows(x, inv, ROUND_IN_F32: tl.constexpr):
     store's cast (round to nearest even)."""
     v = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
     if ROUND_IN_F32:
-        v = _round_e4m3_in_f32(v)
+        v = round_e4m3_in_f32(v)
     return v
 
 
@@ -274,7 +274,9 @@ def _qkv_rope_kvwrite_kernel(
     _store_head(q_dst, oa, ob, p, a_off, b_off, p_off, m_rot, m_pass, is_q, RNE_IN, HAS_PASS)
     hk_i = tl.where(is_k, h - HQ, 0)
     k_dst = k_ptr + slot * stride_k_s + hk_i[:, None] * stride_k_h
-    if KV_FP8:  # each head row over its three tiles: amax, then x * (448 / amax) and amax / 448
+    hv_i = tl.where(is_v, h - HQ - HKV, 0)
+    v_dst = v_ptr + slot * stride_v_s + hv_i[:, None] * stride_v_h
+    if KV_FP8:  # each k and v head row over its three tiles: amax, then x * (448 / amax) and amax / 448
         amax = tl.maximum(tl.max(tl.abs(oa), axis=1), tl.max(tl.abs(ob), axis=1))  # [BH]
         if HAS_PASS:
             amax = tl.maximum(amax, tl.max(tl.abs(p), axis=1))
@@ -285,14 +287,10 @@ def _qkv_rope_kvwrite_kernel(
         qp = _fp8_rows(p, inv, RNE_FP8)
         _store_head(k_dst, qa, qb, qp, a_off, b_off, p_off, m_rot, m_pass, is_k, False, HAS_PASS)
         tl.store(ks_ptr + slot * stride_ks_s + hk_i * stride_ks_h, row_scale, mask=is_k)
-    else:
-        _store_head(k_dst, oa, ob, p, a_off, b_off, p_off, m_rot, m_pass, is_k, RNE_K, HAS_PASS)
-    hv_i = tl.where(is_v, h - HQ - HKV, 0)
-    v_dst = v_ptr + slot * stride_v_s + hv_i[:, None] * stride_v_h
-    if KV_FP8:  # the same tiles' v rows
         _store_head(v_dst, qa, qb, qp, a_off, b_off, p_off, m_rot, m_pass, is_v, False, HAS_PASS)
         tl.store(vs_ptr + slot * stride_vs_s + hv_i * stride_vs_h, row_scale, mask=is_v)
     else:
+        _store_head(k_dst, oa, ob, p, a_off, b_off, p_off, m_rot, m_pass, is_k, RNE_K, HAS_PASS)
         _store_head(v_dst, oa, ob, p, a_off, b_off, p_off, m_rot, m_pass, is_v, RNE_V, HAS_PASS)
 
 

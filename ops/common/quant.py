@@ -116,7 +116,7 @@ def fp8_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _round_e4m3_in_f32(v):
+def round_e4m3_in_f32(v):
     """Round float32 ``v`` (``|v| <= 448``) to the nearest e4m3 value, ties to even, still float32.
 
     Only needed under the Triton interpreter, whose float32 -> fp8 cast truncates and drops the
@@ -189,7 +189,7 @@ def tl_quantize_fp8_rcp(y, s, inv_s, ROUND_IN_F32: tl.constexpr):
     v = tl.where(refine, tl.fma(tl.fma(-q, s, y), inv_s, q), q)
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     if ROUND_IN_F32:
-        v = _round_e4m3_in_f32(v)
+        v = round_e4m3_in_f32(v)
     return v.to(tl.float8e4nv)
 
 

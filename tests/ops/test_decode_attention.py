@@ -61,13 +61,19 @@ def make_inputs(seq_lens, hq, hkv, d, dv, page_size, dtype, device="cpu"):
     return q, k_cache, v_cache, block_table, req_rows, lens
 
 
-def check(seed, seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype, window=-1, cap=0.0, device="cpu"):
+def check(seed, seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype, window=-1, cap=0.0, device="cpu",
+          kv_fp8=False):  # fmt: skip
+    """The op vs the reference on fresh inputs; ``kv_fp8``: on FP8 caches (:func:`fp8_caches`),
+    which the reference dequantizes at gather."""
     q, k, v, bt, rows, lens = make_inputs(seq_lens, hq, hkv, d, dv, page_size, dtype, device)
-    args = (q, k, v, bt, rows, lens, d**-0.5, page_size, num_splits, window, cap)
+    scales = ()
+    if kv_fp8:
+        k, v, *scales = fp8_caches(k, v, bt, rows, lens, page_size)
+    args = (q, k, v, bt, rows, lens, d**-0.5, page_size, num_splits, window, cap, *scales)
     out = torch.ops.kiln.decode_attention(*args)
     ref = decode_attention_ref(*args)
     assert out.shape == (len(seq_lens), hq, dv) and out.dtype == dtype
-    assert not out.isnan().any(), f"seed {seed}: NaN in output (unwritten or 0/0)"
+    assert not out.isnan().any(), f"seed {seed}: NaN in output (unwritten, 0/0, or a masked key's NaN read)"
     err = rel_err(out, ref)
     assert err < TOL[dtype], f"seed {seed}: relative error {err:.2e}"
     return out
@@ -147,14 +153,19 @@ def test_decode_window_softcap_many_splits(triton_on_cpu, seed, window, cap):
     check(seed, [0, 1, 37, 100], 8, 1, 64, 64, 16, 32, torch.float32, window=window, cap=cap)
 
 
+@pytest.mark.parametrize("kv_fp8", [False, True])
 @pytest.mark.parametrize("prewait", ["none", "attn"])
-def test_decode_prewait_split_and_direct(triton_on_cpu, seed, monkeypatch, prewait):
-    # the first block's K/V loaded before the wait (PREWAIT) or after: same output, split or direct
+def test_decode_prewait_split_and_direct(triton_on_cpu, seed, monkeypatch, prewait, kv_fp8):
+    # the first block's K/V (FP8: and their scales) loaded before the wait (PREWAIT), the new row's
+    # after it, or all after: same output, split or direct
     monkeypatch.setenv("KILN_PREWAIT", prewait)
     q, k, v, bt, rows, lens = make_inputs([0, 1, 37, 50], 8, 2, 64, 64, 1, torch.float32)
-    ref = decode_attention_ref(q, k, v, bt, rows, lens, 0.125, 1, 1, -1, 0.0)
+    scales = ()
+    if kv_fp8:
+        k, v, *scales = fp8_caches(k, v, bt, rows, lens, 1)
+    ref = decode_attention_ref(q, k, v, bt, rows, lens, 0.125, 1, 1, -1, 0.0, *scales)
     for splits in (1, 3):
-        out = dec.decode_attention_triton(q, k, v, bt, rows, lens, 0.125, 1, splits, -1, 0.0)
+        out = dec.decode_attention_triton(q, k, v, bt, rows, lens, 0.125, 1, splits, -1, 0.0, *scales)
         assert rel_err(out, ref) < 1e-5, f"seed {seed}, {splits} splits"
 
 
@@ -183,19 +194,6 @@ def fp8_caches(k, v, block_table, req_rows, seq_lens, page_size):
     return tuple(out)
 
 
-def check_fp8(seed, seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype, window=-1, cap=0.0, device="cpu"):
-    """The op on FP8 caches vs the reference on the same caches (dequantized at gather)."""
-    q, k, v, bt, rows, lens = make_inputs(seq_lens, hq, hkv, d, dv, page_size, dtype, device)
-    kq, vq, ks, vs = fp8_caches(k, v, bt, rows, lens, page_size)
-    args = (q, kq, vq, bt, rows, lens, d**-0.5, page_size, num_splits, window, cap, ks, vs)
-    out = torch.ops.kiln.decode_attention(*args)
-    ref = decode_attention_ref(*args)
-    assert out.shape == (len(seq_lens), hq, dv) and out.dtype == dtype
-    assert not out.isnan().any(), f"seed {seed}: NaN in output (a masked key's NaN row or scale read?)"
-    err = rel_err(out, ref)
-    assert err < TOL[dtype], f"seed {seed}: relative error {err:.2e}"
-
-
 @pytest.mark.parametrize(
     "seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype, window, cap",
     [
@@ -209,19 +207,7 @@ def check_fp8(seed, seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype, wind
 def test_decode_fp8_matches_reference(
     triton_on_cpu, seed, seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype, window, cap
 ):
-    check_fp8(seed, seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype, window, cap)
-
-
-@pytest.mark.parametrize("prewait", ["none", "attn"])
-def test_decode_fp8_prewait_split_and_direct(triton_on_cpu, seed, monkeypatch, prewait):
-    # PREWAIT loads the first block's rows and scales before the wait, the new row's after it
-    monkeypatch.setenv("KILN_PREWAIT", prewait)
-    q, k, v, bt, rows, lens = make_inputs([0, 1, 37, 50], 8, 2, 64, 64, 1, torch.float32)
-    kq, vq, ks, vs = fp8_caches(k, v, bt, rows, lens, 1)
-    ref = decode_attention_ref(q, kq, vq, bt, rows, lens, 0.125, 1, 1, -1, 0.0, ks, vs)
-    for splits in (1, 3):
-        out = dec.decode_attention_triton(q, kq, vq, bt, rows, lens, 0.125, 1, splits, -1, 0.0, ks, vs)
-        assert rel_err(out, ref) < 1e-5, f"seed {seed}, {splits} splits"
+    check(seed, seq_lens, hq, hkv, d, dv, page_size, num_splits, dtype, window, cap, kv_fp8=True)
 
 
 def test_decode_fp8_accuracy_vs_bf16_cache(triton_on_cpu, seed):
@@ -353,11 +339,13 @@ def test_decode_gpu_llama_shapes(seed, dtype, page_size):
 def test_decode_gpu_fp8_cache(seed, page_size):
     lens = [1, 17, 1000, 4097, 8192, 300, 2048, 65]
     splits = dec.choose_num_splits(len(lens), 8192, 8)
-    check_fp8(seed, lens, 32, 8, 128, 128, page_size, splits, torch.bfloat16, device="cuda")
-    check_fp8(seed, lens, 32, 8, 128, 128, page_size, 1, torch.bfloat16, device="cuda")
-    check_fp8(seed, lens[:3], 16, 2, 256, 256, page_size, 4, torch.bfloat16, 700, 30.0, device="cuda")
-    check_fp8(seed, [0, 1, 64, 65, 600, 9000], 32, 8, 128, 128, page_size, dec.MAX_SPLITS, torch.bfloat16,
-              device="cuda")  # fmt: skip
+    check(seed, lens, 32, 8, 128, 128, page_size, splits, torch.bfloat16, device="cuda", kv_fp8=True)
+    check(seed, lens, 32, 8, 128, 128, page_size, 1, torch.bfloat16, device="cuda", kv_fp8=True)
+    check(
+        seed, lens[:3], 16, 2, 256, 256, page_size, 4, torch.bfloat16, 700, 30.0, device="cuda", kv_fp8=True
+    )
+    check(seed, [0, 1, 64, 65, 600, 9000], 32, 8, 128, 128, page_size, dec.MAX_SPLITS, torch.bfloat16,
+          device="cuda", kv_fp8=True)  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -35,16 +35,21 @@ def make_inputs(ext, prefix, pad, hq, hkv, d, dv, page_size, dtype, device="cpu"
 
 
 def check(seed, ext, prefix, pad, hq, hkv, d, dv, page_size, dtype, window=-1, cap=0.0, config=None,
-          device="cpu"):  # fmt: skip
+          device="cpu", kv_fp8=False):  # fmt: skip
+    """The kernel vs the reference on fresh inputs; ``kv_fp8``: on FP8 caches with random per-row
+    scales (test_decode_attention.py ``fp8_caches``: NaN rows and scales where no request reads)."""
     q, k, v, bt, rows, lens, indptr = make_inputs(ext, prefix, pad, hq, hkv, d, dv, page_size, dtype, device)
-    args = (q, k, v, bt, rows, lens, indptr, d**-0.5, page_size, window, cap)
+    scales = ()
+    if kv_fp8:
+        k, v, *scales = fp8_caches(k, v, bt, rows, lens, page_size)
+    args = (q, k, v, bt, rows, lens, indptr, d**-0.5, page_size, window, cap, *scales)
     if config is None:
         out = torch.ops.kiln.extend_attention(*args)
     else:
         out = extend_attention_triton(*args, config=config)
     ref = extend_attention_ref(*args)
     assert out.shape == (q.shape[0], hq, dv) and out.dtype == dtype
-    assert not out.isnan().any(), f"seed {seed}: NaN in output (unwritten rows?)"
+    assert not out.isnan().any(), f"seed {seed}: NaN in output (unwritten rows, or a masked key's NaN read?)"
     if pad:
         assert torch.equal(out[-pad:], torch.zeros_like(out[-pad:])), f"seed {seed}: padding rows not zero"
     err = rel_err(out, ref)
@@ -164,26 +169,6 @@ def test_fake_shapes():
 
 
 # --------------------------------------------------------------------------- FP8 KV caches
-def check_fp8(seed, ext, prefix, pad, hq, hkv, d, dv, page_size, dtype, window=-1, cap=0.0, config=None,
-              device="cpu"):  # fmt: skip
-    """The kernel on FP8 caches with random per-row scales (test_decode_attention.py
-    ``fp8_caches``: NaN rows and scales where no request reads) vs the reference on the same."""
-    q, k, v, bt, rows, lens, indptr = make_inputs(ext, prefix, pad, hq, hkv, d, dv, page_size, dtype, device)
-    kq, vq, ks, vs = fp8_caches(k, v, bt, rows, lens, page_size)
-    args = (q, kq, vq, bt, rows, lens, indptr, d**-0.5, page_size, window, cap, ks, vs)
-    if config is None:
-        out = torch.ops.kiln.extend_attention(*args)
-    else:
-        out = extend_attention_triton(*args, config=config)
-    ref = extend_attention_ref(*args)
-    assert out.shape == (q.shape[0], hq, dv) and out.dtype == dtype
-    assert not out.isnan().any(), f"seed {seed}: NaN in output (a masked key's NaN row or scale read?)"
-    if pad:
-        assert torch.equal(out[-pad:], torch.zeros_like(out[-pad:])), f"seed {seed}: padding rows not zero"
-    err = rel_err(out, ref)
-    assert err < TOL[dtype], f"seed {seed}: relative error {err:.2e}"
-
-
 @pytest.mark.parametrize(
     "ext, prefix, pad, hq, hkv, d, dv, dtype, window, cap",
     [
@@ -196,12 +181,12 @@ def check_fp8(seed, ext, prefix, pad, hq, hkv, d, dv, page_size, dtype, window=-
 def test_extend_fp8_matches_reference(
     triton_on_cpu, seed, ext, prefix, pad, hq, hkv, d, dv, dtype, window, cap
 ):
-    check_fp8(seed, ext, prefix, pad, hq, hkv, d, dv, 16, dtype, window, cap)
+    check(seed, ext, prefix, pad, hq, hkv, d, dv, 16, dtype, window, cap, kv_fp8=True)
 
 
 def test_extend_fp8_gqa_packing(triton_on_cpu, seed):
     cfg = ExtendConfig(block_m=32, block_n=16, pack=3, num_warps=1, num_stages=1)  # 3 heads, 10 tokens a tile
-    check_fp8(seed, [19, 1], [0, 45], 2, 9, 3, 64, 64, 1, torch.float32, config=cfg)
+    check(seed, [19, 1], [0, 45], 2, 9, 3, 64, 64, 1, torch.float32, config=cfg, kv_fp8=True)
 
 
 @pytest.mark.parametrize("kernel", ["1", "0"])  # the Triton launches, then the references
@@ -285,8 +270,8 @@ def test_extend_gpu_pack_variants(seed, pack):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_extend_gpu_fp8_cache(seed, page_size):
-    check_fp8(seed, [4096], [4096], 0, 32, 8, 128, 128, page_size, torch.bfloat16, device="cuda")
-    check_fp8(seed, [1000, 77, 2000, 1], [3000, 0, 129, 5000], 18, 32, 8, 128, 128, page_size, torch.bfloat16,
-              device="cuda")  # fmt: skip
-    check_fp8(seed, [700, 30], [900, 0], 5, 16, 2, 256, 256, page_size, torch.bfloat16, window=512, cap=30.0,
-              device="cuda")  # fmt: skip
+    check(seed, [4096], [4096], 0, 32, 8, 128, 128, page_size, torch.bfloat16, device="cuda", kv_fp8=True)
+    check(seed, [1000, 77, 2000, 1], [3000, 0, 129, 5000], 18, 32, 8, 128, 128, page_size, torch.bfloat16,
+              device="cuda", kv_fp8=True)  # fmt: skip
+    check(seed, [700, 30], [900, 0], 5, 16, 2, 256, 256, page_size, torch.bfloat16, window=512, cap=30.0,
+              device="cuda", kv_fp8=True)  # fmt: skip

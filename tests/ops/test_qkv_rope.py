@@ -203,22 +203,26 @@ class _OneLayer(torch.nn.Module):
         return q.flatten(1)
 
 
-def test_export_mutates_the_pool_in_place(kernel_on_cpu):
-    c = Case(t=4, hq=4, hkv=2, d=64, rot=32, neox=True, norm=True, pad=1, layers=3)
-    args = _inputs(c, "cpu", 3)
-    ep = torch.export.export(_OneLayer(c), args)
+def _export_in_place(module: torch.nn.Module, args: tuple, mutated: list[int]):
+    """``module`` exported, saved and loaded back, after checking the graph mutates its inputs in
+    place: no clone or copy, and the op's arguments ``mutated`` are ``select(input, 0, 1)`` views."""
+    ep = torch.export.export(module, args)
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     assert "kiln.qkv_rope_kvwrite.default" in targets
     assert not any(("clone" in t or "copy" in t or "functionalized" in t) for t in targets), targets
     op = next(n for n in ep.graph.nodes if str(n.target) == "kiln.qkv_rope_kvwrite.default")
-    for view in op.args[3:5]:  # the caches are select(pool, 0, 1) of the graph inputs
+    for view in (op.args[i] for i in mutated):
         assert str(view.target) == "aten.select.int" and view.args[0].op == "placeholder"
     assert not ep.graph_signature.buffers_to_mutate and not ep.graph_signature.user_inputs_to_mutate
-
     buf = io.BytesIO()
     torch.export.save(ep, buf)
     buf.seek(0)
-    loaded = torch.export.load(buf)
+    return torch.export.load(buf)
+
+
+def test_export_mutates_the_pool_in_place(kernel_on_cpu):
+    c = Case(t=4, hq=4, hkv=2, d=64, rot=32, neox=True, norm=True, pad=1, layers=3)
+    loaded = _export_in_place(_OneLayer(c), _inputs(c, "cpu", 3), [3, 4])  # the caches
 
     def call(qkv, positions, cs, k_layer, v_layer, slots, hq, hkv, d, rot, neox, qw, kw, eps):
         pool_k, pool_v = k_layer._base, v_layer._base  # the op is handed the pool's layer-1 views
@@ -387,17 +391,8 @@ def test_export_fp8_mutates_pool_and_scales_in_place(kernel_on_cpu):
     c = Case(t=3, hq=4, hkv=2, d=64, rot=64, neox=True, norm=True, cache_dtype=FP8, layers=3, pad=1)
     qkv, positions, cs, pool_k, pool_v, slots, qw, kw = _inputs(c, "cpu", 5)
     k_sc, v_sc = torch.zeros(c.layers, c.slots, c.hkv), torch.zeros(c.layers, c.slots, c.hkv)
-    ep = torch.export.export(_OneLayerFP8(c), (qkv, positions, cs, pool_k, pool_v, slots, qw, kw, k_sc, v_sc))
-    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
-    assert not any(("clone" in t or "copy" in t or "functionalized" in t) for t in targets), targets
-    op = next(n for n in ep.graph.nodes if str(n.target) == "kiln.qkv_rope_kvwrite.default")
-    for view in (*op.args[3:5], *op.args[14:16]):  # caches and scales: select(input, 0, 1)
-        assert str(view.target) == "aten.select.int" and view.args[0].op == "placeholder"
-    assert not ep.graph_signature.buffers_to_mutate and not ep.graph_signature.user_inputs_to_mutate
-    buf = io.BytesIO()
-    torch.export.save(ep, buf)
-    buf.seek(0)
-    loaded = torch.export.load(buf)
+    args = (qkv, positions, cs, pool_k, pool_v, slots, qw, kw, k_sc, v_sc)
+    loaded = _export_in_place(_OneLayerFP8(c), args, [3, 4, 14, 15])  # the caches and the scales
 
     def call(qkv, positions, cs, k_layer, v_layer, slots, hq, hkv, d, rot, neox, qw, kw, eps, ks, vs):
         ptrs = [x._base.data_ptr() for x in (k_layer, v_layer, ks, vs)]
