@@ -40,7 +40,7 @@ def _setup(tokens: int, norm: bool = False, seed: int = 0):
     cos_sin = rope_cos_sin_cache(D, MAX_POS, 500000.0, None, device=DEV)
     args = (to(qkv), to(positions), cos_sin, to(pool)[1], to(pool.clone())[1], to(slots), HQ, HKV, D, D, True)
     norms = (None, None) if w is None else (to(w[0]), to(w[1]))
-    return args + (*norms, EPS)
+    return args + (*norms, EPS, None, None)  # bf16 caches: no FP8 scales
 
 
 def _bytes(t: int) -> float:

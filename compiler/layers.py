@@ -183,8 +183,9 @@ class Attention(nn.Module):
         if qkv is None:
             qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
         k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]  # [S, Hkv, D]
-        # FP8 caches: each head row's float32 scale, [S, Hkv] (the ops' trailing arguments)
-        scales = () if ctx.k_scale is None else (ctx.k_scale[self.layer], ctx.v_scale[self.layer])
+        # FP8 caches: each head row's float32 scale, [S, Hkv] (the ops' trailing arguments; None
+        # for bf16 caches)
+        scales = (None, None) if ctx.k_scale is None else (ctx.k_scale[self.layer], ctx.v_scale[self.layer])
         qn = self.q_norm.weight if self.q_norm is not None else None
         kn = self.k_norm.weight if self.k_norm is not None else None
         q = torch.ops.kiln.qkv_rope_kvwrite(

@@ -69,8 +69,8 @@ def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def qkv_rope_kvwrite_ref(qkv, positions, cos_sin, k_cache, v_cache, out_slots, num_q_heads, num_kv_heads,
-                         head_dim, rotary_dim, is_neox, q_norm_w, k_norm_w, eps, k_scale=None,
-                         v_scale=None):  # fmt: skip
+                         head_dim, rotary_dim, is_neox, q_norm_w, k_norm_w, eps, k_scale,
+                         v_scale):  # fmt: skip
     """Plain-torch composition with the op's contract (writes the caches, returns q): the op's
     reference, and, run on fake tensors, its shape rule. FP8 caches: rows quantized by
     :func:`quantize_kv_rows`, scales written to ``k_scale``/``v_scale``."""
@@ -302,7 +302,7 @@ def _pick_block_h(num_tokens: int, num_heads: int, head_dim: int) -> int:
 
 
 def _check(qkv, positions, cos_sin, k_cache, v_cache, out_slots, num_q_heads, num_kv_heads, head_dim, rotary_dim,
-           is_neox, q_norm_w, k_norm_w, eps, k_scale=None, v_scale=None):  # fmt: skip
+           is_neox, q_norm_w, k_norm_w, eps, k_scale, v_scale):  # fmt: skip
     """The op's argument check (both paths)."""
     hq, hkv, d, rot = num_q_heads, num_kv_heads, head_dim, rotary_dim
     if positions.shape != qkv.shape[:1] or out_slots.shape != qkv.shape[:1]:
@@ -350,8 +350,8 @@ def qkv_rope_kvwrite_triton(
     q_norm_w: torch.Tensor | None,
     k_norm_w: torch.Tensor | None,
     eps: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
     *,
     block_h: int | None = None,
     num_warps: int = 4,

@@ -32,7 +32,8 @@ with the body::
 registers ``fake`` (else ``ref``) as the fake implementation, records the body in :data:`DIRECT`
 and returns the launch unchanged. Mutated arguments are named in ``mutates_args``. The body takes
 positional arguments, as the dispatcher passes them (those left at their default omitted) and as
-the graphs' generated code calls it.
+the graphs' generated code calls it. A mutated argument has no default (torch 2.11 indexes the
+arguments as passed to bump the versions of the mutated ones).
 
 ``DIRECT`` maps each op's name to that body: the runtime calls the bodies straight from the graphs
 it loads (runtime/graph_code.py), skipping the dispatcher, whose first custom-op call imports
@@ -71,6 +72,7 @@ def kiln_op(
         signature = op_signature(name, launch)
         names = list(signature.parameters)
         _require_same_parameters(name, launch, signature, ref)
+        _require_mutated_without_default(name, launch, signature, mutates_args)
         for role, fn in (("check", check), ("fake", fake)):
             if fn is not None:
                 _require_takes(name, role, fn, launch, names)
@@ -131,6 +133,25 @@ def _require_same_parameters(
             f"kiln_op {name!r}: the reference {_named(ref)}{got} must take the op's parameters, as the "
             f"launch {_named(launch)}{signature} does ({problem})"
         )
+
+
+def _require_mutated_without_default(
+    name: str, launch: Callable[..., Any], signature: inspect.Signature, mutates_args: Sequence[str]
+) -> None:
+    """Each mutated argument is one of the op's, without a default: torch 2.11's dispatcher bumps
+    the version of ``args[i]`` for each mutated position ``i`` of the arguments as passed, which an
+    argument left at its default is not (an ``IndexError`` on CUDA; torch 2.13 fills defaults first)."""
+    for arg in mutates_args:
+        p = signature.parameters.get(arg)
+        if p is None:
+            raise TypeError(
+                f"kiln_op {name!r}: mutated argument {arg!r} is not a parameter of {_named(launch)}"
+            )
+        if p.default is not inspect.Parameter.empty:
+            raise TypeError(
+                f"kiln_op {name!r}: mutated argument {arg!r} of {_named(launch)} must not have a default "
+                "(callers pass None for an absent one)"
+            )
 
 
 def _require_takes(

@@ -227,7 +227,7 @@ def test_decode_fp8_accuracy_vs_bf16_cache(triton_on_cpu, seed):
     meta = (hq, hkv, d, d, True, None, None, 1e-6)
     k16 = torch.zeros(num_slots, hkv, d, dtype=torch.bfloat16)
     v16 = torch.zeros_like(k16)
-    qkv_rope_kvwrite_ref(qkv, positions, cs, k16, v16, slots, *meta)
+    qkv_rope_kvwrite_ref(qkv, positions, cs, k16, v16, slots, *meta, None, None)
     k8, v8 = torch.zeros(num_slots, hkv, d, dtype=FP8), torch.zeros(num_slots, hkv, d, dtype=FP8)
     ks, vs = torch.zeros(num_slots, hkv), torch.zeros(num_slots, hkv)
     q = qkv_rope_kvwrite_triton(qkv, positions, cs, k8, v8, slots, *meta, ks, vs, block_h=16)

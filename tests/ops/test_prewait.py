@@ -178,13 +178,15 @@ def test_rope_inputs_before_the_wait(kernels_on_cpu, monkeypatch):
 
     def run():
         kc, vc = torch.zeros(64, hkv, d), torch.zeros(64, hkv, d)
-        q = qkv_rope_kvwrite_triton(qkv, pos, cs, kc, vc, slots, hq, hkv, d, d, True, qw, kw, 1e-6)
+        q = qkv_rope_kvwrite_triton(
+            qkv, pos, cs, kc, vc, slots, hq, hkv, d, d, True, qw, kw, 1e-6, None, None
+        )
         return torch.cat([q.flatten(), kc.flatten(), vc.flatten()])
 
     off, on = both(monkeypatch, "rope", run)
     assert torch.equal(off, on)
     kc, vc = torch.zeros(64, hkv, d), torch.zeros(64, hkv, d)
-    q_ref = qkv_rope_kvwrite_ref(qkv, pos, cs, kc, vc, slots, hq, hkv, d, d, True, qw, kw, 1e-6)
+    q_ref = qkv_rope_kvwrite_ref(qkv, pos, cs, kc, vc, slots, hq, hkv, d, d, True, qw, kw, 1e-6, None, None)
     torch.testing.assert_close(
         on, torch.cat([q_ref.flatten(), kc.flatten(), vc.flatten()]), rtol=1e-5, atol=1e-5
     )
@@ -213,7 +215,9 @@ def test_gpu_graph_new_key_written_by_the_kernel_before(monkeypatch):
     cs = rope_cos_sin_cache(d, 4096, 1e6, None, device=dev)
 
     def step():
-        q = qkv_rope_kvwrite_triton(qkv, pos, cs, k, v, new_slot, hq, hkv, d, d, True, None, None, 1e-6)
+        q = qkv_rope_kvwrite_triton(
+            qkv, pos, cs, k, v, new_slot, hq, hkv, d, d, True, None, None, 1e-6, None, None
+        )
         return torch.ops.kiln.decode_attention(q, k, v, bt, rows, lens, d**-0.5, page, 0, -1, 0.0), q
 
     tokens = [torch.randn(qkv.shape, generator=g).to(dev, torch.bfloat16) for _ in range(3)]

@@ -103,7 +103,7 @@ def _run_and_check(c: Case, device: str, call, seed: int = 0) -> None:
     qkv, positions, cs, pool_k, pool_v, slots, qw, kw = _inputs(c, device, seed)
     before_k, before_v = pool_k.clone(), pool_v.clone()
     ref_k, ref_v = pool_k.clone(), pool_v.clone()
-    meta = (c.hq, c.hkv, c.d, c.rot, c.neox, qw, kw, EPS)
+    meta = (c.hq, c.hkv, c.d, c.rot, c.neox, qw, kw, EPS, None, None)  # no FP8 scales
     q_ref = qkv_rope_kvwrite_ref(qkv, positions, cs, ref_k[1], ref_v[1], slots, *meta)
     # each row's own k and v (padding rows all share the sink row of the pool)
     rows_k = torch.empty(c.t, c.hkv, c.d, dtype=pool_k.dtype, device=device)
@@ -178,13 +178,64 @@ def test_shape_errors_name_the_field():
     c = Case(t=2, hq=4, hkv=2, d=64, rot=64, neox=True, norm=False)
     qkv, positions, cs, pool_k, pool_v, slots, _, _ = _inputs(c, "cpu", 0)
     with pytest.raises(ValueError, match="num_q_heads"):
-        _op(qkv[:, :-64], positions, cs, pool_k[1], pool_v[1], slots, 4, 2, 64, 64, True, None, None, EPS)
+        _op(
+            qkv[:, :-64],
+            positions,
+            cs,
+            pool_k[1],
+            pool_v[1],
+            slots,
+            4,
+            2,
+            64,
+            64,
+            True,
+            None,
+            None,
+            EPS,
+            None,
+            None,
+        )
     with pytest.raises(ValueError, match="k_cache"):
-        _op(qkv, positions, cs, pool_k[1, :, :1], pool_v[1], slots, 4, 2, 64, 64, True, None, None, EPS)
+        _op(
+            qkv,
+            positions,
+            cs,
+            pool_k[1, :, :1],
+            pool_v[1],
+            slots,
+            4,
+            2,
+            64,
+            64,
+            True,
+            None,
+            None,
+            EPS,
+            None,
+            None,
+        )
     with pytest.raises(ValueError, match="rotary_dim"):
-        _op(qkv, positions, cs, pool_k[1], pool_v[1], slots, 4, 2, 64, 32, True, None, None, EPS)
+        _op(qkv, positions, cs, pool_k[1], pool_v[1], slots, 4, 2, 64, 32, True, None, None, EPS, None, None)
     with pytest.raises(ValueError, match="out_slots"):
-        _op(qkv, positions, cs, pool_k[1], pool_v[1], slots[:1], 4, 2, 64, 64, True, None, None, EPS)
+        _op(
+            qkv,
+            positions,
+            cs,
+            pool_k[1],
+            pool_v[1],
+            slots[:1],
+            4,
+            2,
+            64,
+            64,
+            True,
+            None,
+            None,
+            EPS,
+            None,
+            None,
+        )
 
 
 class _OneLayer(torch.nn.Module):
@@ -198,7 +249,7 @@ class _OneLayer(torch.nn.Module):
         c = self.c
         q = torch.ops.kiln.qkv_rope_kvwrite(
             qkv, positions, cos_sin, k_pool[1], v_pool[1], out_slots, c.hq, c.hkv, c.d, c.rot, c.neox,
-            q_norm_w, k_norm_w, EPS,
+            q_norm_w, k_norm_w, EPS, None, None,
         )  # fmt: skip
         return q.flatten(1)
 
@@ -224,7 +275,7 @@ def test_export_mutates_the_pool_in_place(kernel_on_cpu):
     c = Case(t=4, hq=4, hkv=2, d=64, rot=32, neox=True, norm=True, pad=1, layers=3)
     loaded = _export_in_place(_OneLayer(c), _inputs(c, "cpu", 3), [3, 4])  # the caches
 
-    def call(qkv, positions, cs, k_layer, v_layer, slots, hq, hkv, d, rot, neox, qw, kw, eps):
+    def call(qkv, positions, cs, k_layer, v_layer, slots, hq, hkv, d, rot, neox, qw, kw, eps, k_sc, v_sc):
         pool_k, pool_v = k_layer._base, v_layer._base  # the op is handed the pool's layer-1 views
         ptrs = (pool_k.data_ptr(), pool_v.data_ptr())
         out = loaded.module()(qkv, positions, cs, pool_k, pool_v, slots, qw, kw)
@@ -363,7 +414,7 @@ def test_fp8_scale_errors_name_the_field():
     meta = (4, 2, 64, 64, True, None, None, EPS)
     head = (qkv, positions, cs, pool_k[1], pool_v[1], slots)
     with pytest.raises(ValueError, match=r"qkv_rope_kvwrite: k_scale must be a float32 \[256, 2\] tensor"):
-        _op(*head, *meta)
+        _op(*head, *meta, None, None)
     with pytest.raises(ValueError, match=r"v_scale must be a float32 .* got torch\.bfloat16"):
         _op(*head, *meta, ks, vs.bfloat16())
     bf16 = (qkv, positions, cs, pool_k[1].bfloat16(), pool_v[1].bfloat16(), slots)
@@ -445,7 +496,7 @@ def test_fp8_cache_matches_reference_gpu(case):
 def test_cuda_graph_replay():
     c = Case(t=8, hq=32, hkv=8, d=128, rot=128, neox=True, norm=True, dtype=torch.bfloat16, pad=2, slots=4096)
     static = list(_inputs(c, "cuda", 7))
-    meta = (c.hq, c.hkv, c.d, c.rot, c.neox, static[6], static[7], EPS)
+    meta = (c.hq, c.hkv, c.d, c.rot, c.neox, static[6], static[7], EPS, None, None)
     run = lambda: _op(*static[:3], static[3][1], static[4][1], static[5], *meta)
     run()  # compile and warm up outside the capture
     torch.cuda.synchronize()
@@ -453,7 +504,7 @@ def test_cuda_graph_replay():
     with torch.cuda.graph(graph):
         q_static = run()
 
-    def replay(qkv, positions, cs, k_layer, v_layer, slots, hq, hkv, d, rot, neox, qw, kw, eps):
+    def replay(qkv, positions, cs, k_layer, v_layer, slots, hq, hkv, d, rot, neox, qw, kw, eps, k_sc, v_sc):
         static[0].copy_(qkv)
         static[1].copy_(positions)
         static[5].copy_(slots)
