@@ -94,7 +94,8 @@ class CompileOptions:
     device: str = "cuda"
     dtype: str = "bfloat16"
     quant: str | None = None
-    tp: int = 1
+    tp: int = 1  # --tp: the ranks (processes) that run the artifact, one graph with the collectives
+    ep: int = 1  # --ep: MoE experts split into ep groups of tp/ep ranks (compiler/parallel.py)
     max_batch_size: int = 256  # the largest decode bucket (decode_buckets)
     max_seq_len: int | None = None  # default: min(max_position_embeddings, 32768)
     chunk_size: int = 4096  # largest extend (prefill chunk) in tokens
@@ -144,18 +145,6 @@ class PhaseTimer:
             print(f"[kiln compile] {name} done in {self.times[name]:.1f} s", flush=True)
 
 
-TP_MOE_REFUSED = "expert and tensor parallelism of MoE models are not built yet; compile with --tp 1"
-
-
-def _check_parallel(opts: CompileOptions, cfg: ModelConfig) -> None:
-    """Dense models compile for any tensor-parallel size the config allows (validate_parallel);
-    MoE models for one rank only, until expert parallelism is built."""
-    if opts.tp != 1 and cfg.moe is not None:
-        raise CompileError(
-            f"--tp {opts.tp}: {TP_MOE_REFUSED} (`kiln pack --tp N --ep M` still writes sharded packs)."
-        )
-
-
 def _check_device(device: str) -> None:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise CompileError("--device cuda was asked for but no CUDA device is visible; use --device cpu.")
@@ -191,7 +180,7 @@ def _decode_splits(cfg: ModelConfig, batch: int, max_seq_len: int, tp: int) -> i
 def _model(cfg: ModelConfig, opts: CompileOptions, plan: dict[str, int]) -> DecoderOnlyLM:
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
-        return cls(cfg, DTYPES[opts.dtype], tp=opts.tp, quant=opts.quant, gemv_plan=plan)
+        return cls(cfg, DTYPES[opts.dtype], tp=opts.tp, quant=opts.quant, gemv_plan=plan, ep=opts.ep)
 
 
 def _check_pack_matches(model: torch.nn.Module, pack: dict[str, torch.Tensor]) -> None:
@@ -286,9 +275,8 @@ def compile_model(
     timer = PhaseTimer(verbose=verbose)
     with timer.phase("config"):
         cfg = load_config(model_dir)
-        par = ParallelConfig(tp=opts.tp)
-        validate_parallel(cfg, par)
-        _check_parallel(opts, cfg)
+        par = ParallelConfig(tp=opts.tp, ep=opts.ep)
+        validate_parallel(cfg, par)  # --tp/--ep: a layout that cannot shard the model fails here
         max_seq = opts.max_seq_len or min(cfg.max_position_embeddings, 32768)
         model_class(cfg.architecture)  # fail before any work if the architecture cannot compile
         if cfg.moe is not None:
@@ -300,7 +288,7 @@ def compile_model(
             out / "weights",
             all_rank_specs(cfg, par, opts.quant),
             tp=opts.tp,
-            ep=1,
+            ep=opts.ep,
             dtype=opts.dtype,
             quant=opts.quant,
             progress=verbose,
@@ -371,7 +359,17 @@ def compile_model(
             modules = {name: strip_example_inputs(ep).module() for name, ep in programs.items()}
             moe_table = moe_choice["table"] if moe_choice else ""
             _warm_up(
-                modules, graphs, weights, cache, cfg, device, buckets, max_blocks, opts.chunk_size, moe_table
+                modules,
+                graphs,
+                weights,
+                cache,
+                cfg,
+                device,
+                buckets,
+                max_blocks,
+                opts.chunk_size,
+                moe_table,
+                par,
             )
             _warm_up_sampler(cfg.vocab_size, device)
             if device.type == "cuda":
@@ -409,6 +407,7 @@ def compile_model(
             dtype=opts.dtype,
             quant=opts.quant,
             tp=opts.tp,
+            ep=opts.ep,
             device=device.type,
             gpu_arch=gpu_arch(opts.device),
             versions=Versions.current(),
@@ -479,6 +478,7 @@ def _warm_up(
     max_blocks: int,
     chunk: int,
     moe_table: str = "",
+    par: ParallelConfig | None = None,
 ) -> None:
     """Run every graph at every shape class the runtime will use (compiling each Triton kernel
     specialization into the cache) and check the logits are finite."""
@@ -486,20 +486,24 @@ def _warm_up(
     runs = [(decode_graph.get(b, "model"), b, b) for b in buckets]  # decode steps: T == B
     # T == B never reaches the extend graph: the runner sends one-token-each extends to decode
     runs += [("model", b, t) for t, b in EXTEND_WARMUP if t <= chunk and b <= buckets[-1] and t != b]
-    if cfg.moe is not None:  # each block-size choice of the grouped GEMM, as one request's prefill
+    max_len = max_blocks * cache.page_size  # the longest request
+
+    def prefills(sizes: Iterable[int]) -> list[tuple[str, int, int]]:
+        # prefills of t tokens, in as few requests as hold them (a chunk may exceed max_seq_len)
+        return [("model", -(-t // max_len), t) for t in sizes if 1 < t <= max_len * buckets[-1]]
+
+    if cfg.moe is not None:  # each block-size choice of the grouped GEMM, as one prefill
         from kiln.ops.moe.gemm import moe_warmup_tokens
 
-        m = cfg.moe
-        sizes = moe_warmup_tokens(
-            m.num_experts, m.intermediate_size, cfg.hidden_size, m.top_k, chunk, moe_table
-        )
-        runs += [("model", 1, t) for t in sizes if t > 1]
+        e, i = _local_experts(cfg, par or ParallelConfig())
+        sizes = moe_warmup_tokens(e, i, cfg.hidden_size, cfg.moe.top_k, chunk, moe_table)
+        runs += prefills(sizes)
     if device.type == "cuda" and any(w.dtype == FP8_DTYPE for w in weights.values()):
         # FP8 linears pick a launch config (or cuBLAS) per M bucket (ops/linear/fp8_gemm.py): one prefill
         # per bucket, so that prefill chunks of any length find their kernels compiled
         from kiln.ops.linear.fp8_gemm import warmup_tokens
 
-        runs += [("model", 1, t) for t in warmup_tokens(chunk) if t > 1]
+        runs += prefills(warmup_tokens(chunk))
     if device.type == "cpu":  # no Triton kernels to compile: a finiteness check per graph suffices
         runs = [r for r in runs if r[1] <= 2]
     for name, b, t in runs:
@@ -525,7 +529,7 @@ def _moe_choice(cfg: ModelConfig, opts: CompileOptions, device: torch.device, ou
     CUTLASS library is built into ``out/kernels`` when a rung may use it (compiler/cutlass_build.py)."""
     m = cfg.moe
     assert m is not None
-    shape = MoEShape(m.num_experts, -(-m.intermediate_size // opts.tp), cfg.hidden_size, m.top_k)
+    shape = MoEShape(*_local_experts(cfg, ParallelConfig(opts.tp, opts.ep)), cfg.hidden_size, m.top_k)
     max_tokens = opts.max_tokens
     measure = opts.moe_tune and opts.quant is None
     backend, lib = cutlass_backend(opts.moe_backend, device, opts.dtype, opts.quant, measure, out / "kernels")
@@ -534,6 +538,14 @@ def _moe_choice(cfg: ModelConfig, opts: CompileOptions, device: torch.device, ou
     )
     drop_unused(choice, out)
     return choice
+
+
+def _local_experts(cfg: ModelConfig, par: ParallelConfig) -> tuple[int, int]:
+    """``(experts, intermediate size)`` of one rank's ``w13``/``w2`` (the shapes the MoE kernels and
+    their launch table see): ``E / ep`` experts, ``ceil(I / (tp / ep))`` rows of each."""
+    m = cfg.moe
+    assert m is not None
+    return m.num_experts // par.ep, -(-m.intermediate_size // par.expert_tp)
 
 
 def _warm_up_sampler(vocab: int, device: torch.device) -> None:

@@ -45,10 +45,19 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
     "--tp",
     default=1,
     show_default=True,
-    help="Tensor-parallel size: one graph with the collectives in it and a weight pack per rank "
-    "(dense models; MoE models: 1 until expert parallelism exists). serve / generate run --tp 1 "
-    "artifacts until the multi-process runtime lands; a --tp N artifact runs one process per rank "
-    "over torch.distributed (tests/runtime/test_tensor_parallel.py).",
+    help="Tensor-parallel size: one graph with the collectives in it and a weight pack per rank. "
+    "Attention heads, MLPs, the vocabulary and (MoE) each expert's intermediate dim are split over the "
+    "ranks; generate / serve / LLM run a --tp N artifact as N processes over torch.distributed, one "
+    "per GPU (gloo on CPU).",
+)
+@click.option(
+    "--ep",
+    default=1,
+    show_default=True,
+    help="Expert-parallel size (MoE models): the experts are split into EP groups, each held by TP/EP "
+    "ranks that split every expert's intermediate dim; a rank computes its experts' share for every "
+    "token and one all-reduce sums the ranks'. Must divide --tp and the number of experts; 1: every "
+    "rank holds a slice of every expert.",
 )
 @click.option(
     "--max-batch-size",
@@ -131,6 +140,7 @@ def compile_cmd(
     dtype: str,
     quant: str | None,
     tp: int,
+    ep: int,
     max_batch_size: int,
     max_seq_len: int | None,
     chunk_size: int,
@@ -164,6 +174,7 @@ def compile_cmd(
         dtype=dtype,
         quant=quant,
         tp=tp,
+        ep=ep,
         max_batch_size=max_batch_size,
         max_seq_len=max_seq_len,
         chunk_size=chunk_size,

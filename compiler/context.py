@@ -31,6 +31,10 @@ class ForwardContext:
     # FP8 caches only: one float32 scale per cached head row (runtime/kv_pool.py), [L, S, H_kv]
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    # Expert-parallel MoE only (``kiln compile --ep M``, M > 1): global expert -> this rank's slot, or -1
+    # for another rank's expert, [E] int32. Not a graph input: the model builds it once per forward
+    # (kiln::ep_expert_map, compiler/models/moe.py) and its MoE layers pass it to kiln::fused_moe.
+    expert_map: torch.Tensor | None = None
 
 
 # Names and order of the graph inputs after the weights dict. The runtime binds by these names.

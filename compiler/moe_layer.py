@@ -3,8 +3,16 @@
 Parameter names (docs/internals.md, under ``layers.{i}.moe.``): ``router.weight [E, H]``
 (``router.bias [E]``: DeepSeek-V3's correction bias), ``w13 [E, 2I, H]`` gate rows then up rows,
 ``w2 [E, H, I]``, with FP8 ``w13_scale [E, 2I]`` / ``w2_scale [E, H]``, and ``shared.gate_up.weight``
-/ ``shared.down.weight`` when the config has shared experts. Expert parallelism is not wired yet:
-every rank holds all ``E`` experts and ``fused_moe`` gets no expert map.
+/ ``shared.down.weight`` when the config has shared experts.
+
+Tensor and expert parallelism (``kiln compile --tp N --ep M``; the packs' placement,
+compiler/mappings.py): with ``etp = N / M`` ranks per expert group, a rank holds ``E / M`` experts
+(``w13 [E/M, 2I/etp, H]``, ``w2 [E/M, H, I/etp]``: column-parallel gate/up, row-parallel down), the
+router whole, and the shared experts split over all ``N`` ranks like a dense MLP. Every rank routes
+every token alike; with ``M > 1`` ``fused_moe`` gets the rank's local-expert map (``expert_map``,
+built once per forward: ops/moe/expert_map.py), so tokens routed to other ranks' experts add
+nothing here. Each rank's output is then a partial sum of the block's (routed experts and shared
+experts together), and one ``kiln::tp_all_reduce`` after the block sums the ranks'.
 
 The router needs the un-quantized activation, so with ``--quant fp8`` :class:`MoEDecoderLayer`'s
 post-attention norm emits the activation dtype and ``fused_moe`` quantizes per token itself.
@@ -17,6 +25,7 @@ from torch import nn
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
 from kiln.compiler.config import ModelConfig
+from kiln.compiler.context import ForwardContext
 from kiln.compiler.layers import FP8, MLP, norm_linear
 from kiln.compiler.models.base import DecoderLayer
 
@@ -41,7 +50,9 @@ class FusedMoE(nn.Module):
 
     ``round_weights``: round the routing weights to the activation dtype before the experts use
     them (Hugging Face's Qwen3-MoE does; Mixtral keeps them float32). ``tuning``: a recorded
-    block-size table for ``kiln.fused_moe`` ("" = the op's default table).
+    block-size table for ``kiln.fused_moe`` ("" = the op's default table). ``tp``, ``ep``: the
+    tensor- and expert-parallel sizes (module docstring); with ``tp > 1`` the block ends in one
+    all-reduce.
     """
 
     def __init__(
@@ -52,34 +63,45 @@ class FusedMoE(nn.Module):
         quant: str | None = None,
         round_weights: bool = False,
         tuning: str = "",
+        ep: int = 1,
     ):
         super().__init__()
         m = cfg.moe
         if m is None:
             raise ValueError(f"{cfg.architecture}: FusedMoE needs a config with MoE fields")
-        h, e = cfg.hidden_size, m.num_experts
-        inter = -(-m.intermediate_size // tp)
+        if ep < 1 or tp % ep or m.num_experts % ep:
+            raise ValueError(f"FusedMoE: ep={ep} must divide tp={tp} and num_experts={m.num_experts}")
+        h, e = cfg.hidden_size, m.num_experts // ep  # e: the experts this rank holds
+        self.expert_tp = tp // ep  # ranks splitting each expert's intermediate dim
+        self.tp_reduce = tp > 1  # the rank's output is a partial sum: one all-reduce after the block
+        inter = -(-m.intermediate_size // self.expert_tp)
         self.top_k, self.renormalize, self.scoring = m.top_k, m.norm_topk_prob, m.scoring_func
         self.num_groups, self.topk_groups = m.num_groups, m.topk_groups
         self.scale = m.routed_scaling_factor
         self.tuning = tuning
         low = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "")  # f32: no-op
         self.round_to = low if round_weights else ""  # moe_topk's argument
-        self.router = Router(e, h, dtype, bias=m.has_correction_bias)
+        self.router = Router(m.num_experts, h, dtype, bias=m.has_correction_bias)  # replicated
         wdtype = FP8 if quant == "fp8" else dtype
         self.w13 = _param(e, 2 * inter, h, dtype=wdtype)
         self.w2 = _param(e, h, inter, dtype=wdtype)
         self.w13_scale = _param(e, 2 * inter, dtype=torch.float32) if quant == "fp8" else None
         self.w2_scale = _param(e, h, dtype=torch.float32) if quant == "fp8" else None
         shared = m.num_shared_experts * m.shared_intermediate_size
+        # split over all tp ranks (compiler/mappings.py), reduced with the routed experts below
         self.shared = MLP(h, -(-shared // tp), dtype, quant) if shared else None
 
     def forward(
-        self, x: torch.Tensor, logits: torch.Tensor | None = None, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        expert_map: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # x: [T, H]; logits: [T, E] router logits when a norm fused into the router computed them;
         # residual [T, H]: returns residual + the block's output (the routed experts' last kernel
-        # adds it when there are no shared experts)
+        # adds it when there are no shared experts); expert_map [E] int32: the rank's local-expert
+        # map (expert parallelism, ctx.expert_map), None when the rank holds every expert
         bias = self.router.bias.float() if self.router.bias is not None else None
         routing = (
             self.top_k,
@@ -97,10 +119,13 @@ class FusedMoE(nn.Module):
             w, ids = torch.ops.kiln.moe_route(x, self.router.weight, bias, *routing, self.router.max_m)
         # w, ids: [T, k] f32, [T, k] int32
         y = torch.ops.kiln.fused_moe(
-            x, self.w13, self.w2, w, ids, None, self.w13_scale, self.w2_scale, self.tuning, fused_res
+            x, self.w13, self.w2, w, ids, expert_map, self.w13_scale, self.w2_scale, self.tuning, fused_res
         )  # [T, H]
         if self.shared is not None:
             y = y + self.shared(x)
+        if self.tp_reduce:  # routed and shared experts' partial sums, one all-reduce
+            assert residual is None, "the residual stream is not for tensor parallelism (compile: no folds)"
+            return torch.ops.kiln.tp_all_reduce(y)  # [T, H]
         return y if residual is None or fused_res is not None else residual + y
 
 
@@ -118,6 +143,13 @@ class MoEDecoderLayer(DecoderLayer):
     @property
     def mlp(self) -> nn.Module:  # DecoderLayer.feed_forward reads self.mlp
         return self._modules["moe"]
+
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DecoderLayer's, the MoE block given the rank's local-expert map (``ctx.expert_map``)."""
+        h, residual = self.attention(h, residual, ctx)
+        return self.mlp(self.post_attn_norm(h, residual), expert_map=ctx.expert_map), residual
 
     def stream_feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         """``h + moe(post_attn_norm(h))`` (the residual-stream layout, compiler/models/base.py): the

@@ -11,6 +11,10 @@ from kiln.compiler.config import ConfigError, ModelConfig
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """A world of ``tp`` ranks (``--tp``); MoE experts split into ``ep`` groups (``--ep``) of
+    ``expert_tp = tp / ep`` ranks each, every rank of a group holding the group's ``E / ep`` experts
+    and slice ``rank % expert_tp`` of each one's intermediate dim."""
+
     tp: int = 1
     ep: int = 1
     moe_tp: int | None = None  # TP inside each expert; defaults to tp // ep
@@ -44,10 +48,19 @@ def validate_parallel(cfg: ModelConfig, par: ParallelConfig) -> None:
                 f"head is replicated tp/kv_heads times, so tp must be a multiple of {kv}."
             )
     m = cfg.moe
+    if m is None and par.ep > 1:
+        raise ConfigError(
+            f"--ep {par.ep}: {cfg.architecture} has no experts; expert parallelism is for MoE models, use --ep 1."
+        )
     if m is not None:
         if m.num_experts % par.ep:
             raise ConfigError(
                 f"num_experts ({m.num_experts}) is not divisible by ep={par.ep}; use an ep that divides it."
+            )
+        if par.ep > 1 and tp % par.ep:
+            raise ConfigError(
+                f"tp={tp} must be a multiple of ep={par.ep} (each of the ep expert groups spans tp/ep "
+                "ranks); use an ep that divides tp."
             )
         etp = par.expert_tp
         if m.intermediate_size % etp:
@@ -55,12 +68,10 @@ def validate_parallel(cfg: ModelConfig, par: ParallelConfig) -> None:
                 f"moe_intermediate_size ({m.intermediate_size}) is not divisible by the expert TP size "
                 f"({etp} = tp / ep); pick tp and ep so that tp/ep divides it."
             )
-        if par.ep > 1 and tp % par.ep:
-            raise ConfigError(f"tp={tp} must be a multiple of ep={par.ep}.")
 
 
-def per_rank_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, list[int]]:
-    """Shapes of one layer's main weights on one rank (TP-sharded as the packs store them)."""
+def per_rank_shapes(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> dict[str, list[int]]:
+    """Shapes of one layer's main weights on one rank (TP/EP-sharded as the packs store them)."""
     h = cfg.hidden_size
     shapes: dict[str, list[int]] = {"embed": [math.ceil(cfg.vocab_size / tp), h]}
     if cfg.mla is not None:
@@ -85,10 +96,11 @@ def per_rank_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, list[int]]:
         shapes["mlp.gate_up"] = [2 * i, h]
         shapes["mlp.down"] = [h, i]
     if cfg.moe is not None:
-        i = math.ceil(cfg.moe.intermediate_size / tp)
+        i = math.ceil(cfg.moe.intermediate_size / ParallelConfig(tp, ep).expert_tp)
+        e = cfg.moe.num_experts // ep
         shapes["moe.router"] = [cfg.moe.num_experts, h]
-        shapes["moe.w13"] = [cfg.moe.num_experts, 2 * i, h]
-        shapes["moe.w2"] = [cfg.moe.num_experts, h, i]
+        shapes["moe.w13"] = [e, 2 * i, h]
+        shapes["moe.w2"] = [e, h, i]
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = [math.ceil(cfg.vocab_size / tp), h]
     return shapes

@@ -9,7 +9,7 @@ Layout (JSON keys are the field names; schema :data:`~kiln.artifact_format.SCHEM
     {"schema_version": 5, "manifest_xxh3_128": hex,          written by save, checked by load
      "model": {...},                   the compiler's normalized config (reports; the runtime
                                        reads only :attr:`Manifest.routed_experts` of it)
-     "dtype", "quant", "tp", "device", "gpu_arch",
+     "dtype", "quant", "tp", "ep", "device", "gpu_arch",
      "versions": Versions, "max_seq_len", "max_batch_size", "chunk_size",
      "decode_buckets": [1, 2, 4, ...]  ascending, the last is max_batch_size
      "graphs": {name: GraphEntry}, "kv": KVSpec, "rope": RopeSpec,
@@ -191,6 +191,7 @@ class Manifest(JsonRecord):
     norm_folds: dict[str, tuple[str, ...]]  # weights/fold.py: norm weight -> consumer weights
     kernel_choices: KernelChoices
     files: dict[str, FileEntry]
+    ep: int = 1  # --ep: MoE experts split into ep groups of tp/ep ranks (compiler/parallel.py)
 
     SHARED_GRAPH: ClassVar[str] = "model"
 
@@ -213,6 +214,8 @@ class Manifest(JsonRecord):
         for name in ("tp", "max_seq_len", "max_batch_size", "chunk_size", "vocab_size"):
             if getattr(self, name) < 1:
                 yield f"'{name}' is {getattr(self, name)}, not a positive integer"
+        if self.ep < 1 or self.tp % self.ep:
+            yield f"'ep' is {self.ep}, not a positive divisor of tp ({self.tp})"
         b = self.decode_buckets
         if not b or b[0] < 1 or any(x >= y for x, y in itertools.pairwise(b)) or b[-1] != self.max_batch_size:
             yield (

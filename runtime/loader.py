@@ -223,13 +223,14 @@ def _check_tp_layout(art: Artifact, rank: int) -> None:
     that process's rank; a one-rank artifact has no collectives and loads anywhere, as rank 0."""
     from kiln.ops.common.collective import tp_world
 
-    tp = art.manifest.tp
+    tp, ep = art.manifest.tp, art.manifest.ep
     group_rank, world = tp_world()
     if tp == 1 and rank == 0:
         return
     if world != tp:
+        layout = f"--tp {tp}" + (f" --ep {ep}" if ep > 1 else "")
         raise ArtifactError(
-            f"{art.root} is built for {tp} tensor-parallel ranks (kiln compile --tp {tp}) but this "
+            f"{art.root} is built for {tp} tensor-parallel ranks (kiln compile {layout}) but this "
             f"process runs {world}: load it through the engine (LLM, kiln serve, kiln generate start "
             "its ranks), or in each of its ranks' processes after set_tp_group."
         )

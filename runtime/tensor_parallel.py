@@ -1,4 +1,6 @@
 """Running a tensor-parallel artifact (``kiln compile --tp N``): one process per rank, rank 0 leading.
+An expert-parallel MoE artifact (``--tp N --ep M``) is the same world of N ranks: the experts a rank
+holds are in its pack, and its graph finds its share from its rank (ops/moe/expert_map.py).
 
 Protocol. The engine's process is rank 0: it schedules, samples and detokenizes as with one rank.
 :func:`start_ranks` starts ranks ``1..N-1`` as processes (``torch.multiprocessing``, spawn), joins

@@ -65,6 +65,7 @@ def body(doc: dict) -> dict:
         (lambda d: d["files"]["weights/rank0.safetensors"].pop("checked_by"), r"'files\.weights/rank0\.safetensors\.checked_by' is missing"),
         (lambda d: d["graphs"].pop("model"), "'graphs.model' is missing"),
         (lambda d: d["kv"].update(page_size=-16), "'kv.page_size' is -16, not a positive integer"),
+        (lambda d: d.update(ep=2), r"'ep' is 2, not a positive divisor of tp \(1\)"),
     ],
 )  # fmt: skip
 def test_from_json_names_the_bad_field(doc, edit, message):

@@ -127,7 +127,8 @@ class DecoderLayer(nn.Module):
 class DecoderOnlyLM(nn.Module):
     """A decoder-only LM: embedding, ``cfg.num_layers`` layers from :meth:`make_layer`, final norm,
     LM head. An architecture is a subclass that overrides :meth:`make_layer` (models/llama.py,
-    models/moe.py); the constructor's arguments are the same for all of them."""
+    models/moe.py); the constructor's arguments are the same for all of them (``ep``, the
+    expert-parallel size, matters to MoE models only)."""
 
     def __init__(
         self,
@@ -136,9 +137,11 @@ class DecoderOnlyLM(nn.Module):
         tp: int = 1,
         quant: str | None = None,
         gemv_plan: Mapping[str, int] | None = None,
+        ep: int = 1,
     ):
         super().__init__()
         self.cfg = cfg
+        self.ep = ep  # expert-parallel size (MoE models, compiler/models/moe.py); read by make_layer
         v_rank = vocab_per_rank(cfg, tp)
         self.embed = Embedding(v_rank, cfg.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(self.make_layer(i, dtype, tp, quant) for i in range(cfg.num_layers))

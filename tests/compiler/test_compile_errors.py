@@ -101,11 +101,70 @@ def test_tensor_parallel_artifact_is_refused_by_a_one_rank_process(ckpt, tmp_pat
         load_model(str(tmp_path / "art"), "cpu")
 
 
-def test_tensor_parallel_moe_compile_is_refused_before_any_work(tmp_path):
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
     from tiny_moe_models import make_moe_checkpoint
 
-    make_moe_checkpoint(tmp_path / "hf", "qwen3-moe")
-    p = compile_cli(tmp_path / "hf", "-o", tmp_path / "art", "--device", "cpu", "--tp", "2")
+    d = tmp_path_factory.mktemp("moe")
+    make_moe_checkpoint(d / "hf", "qwen3-moe")  # 16 experts of intermediate size 48, hidden 64
+    return d / "hf"
+
+
+def test_moe_compiles_for_tensor_and_expert_parallel_ranks(moe_ckpt, tmp_path):
+    # --tp 2 --ep 2 through the CLI: each rank's pack holds 8 whole experts (the runtime test,
+    # tests/runtime/test_tensor_parallel.py, runs them); the layout is in the manifest and pack.json,
+    # and a one-rank process is refused as for a dense tp 2 artifact
+    from click.testing import CliRunner
+
+    from kiln.artifact_format import ArtifactError
+    from kiln.cli import cli
+    from kiln.manifest import Manifest
+    from kiln.runtime.loader import load_model
+    from kiln.weights import load_pack
+
+    art = tmp_path / "art"
+    p = compile_cli(moe_ckpt, "-o", art, "--device", "cpu", "--tp", "2", "--ep", "2", "--max-seq-len", "64")
+    assert p.returncode == 0, p.stderr
+    assert (Manifest.load(art).tp, Manifest.load(art).ep) == (2, 2)
+    pack = json.loads((art / "weights" / "pack.json").read_text())
+    assert (pack["tp"], pack["ep"]) == (2, 2)
+    for rank in (0, 1):
+        w = load_pack(art / "weights", rank, verify=False)
+        assert w["layers.0.moe.w13"].shape == (8, 2 * 48, 64) and w["layers.0.moe.w2"].shape == (8, 64, 48)
+        assert w["layers.0.moe.router.weight"].shape == (16, 64)  # replicated
+    with pytest.raises(
+        ArtifactError, match=r"is built for 2 tensor-parallel ranks \(kiln compile --tp 2 --ep 2\)"
+    ):
+        load_model(str(art), "cpu")
+    assert "--ep INTEGER" in CliRunner().invoke(cli, ["compile", "--help"]).output
+
+
+def test_a_parallel_layout_that_cannot_shard_the_model_is_one_line(moe_ckpt, tmp_path):
+    p = compile_cli(moe_ckpt, "-o", tmp_path / "art", "--device", "cpu", "--tp", "3", "--ep", "3")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-    assert "expert and tensor parallelism of MoE models are not built yet; compile with --tp 1" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "num_attention_heads (4) is not divisible by tp=3" in p.stderr
+    p = compile_cli(moe_ckpt, "-o", tmp_path / "art", "--device", "cpu", "--tp", "2", "--ep", "3")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "num_experts (16) is not divisible by ep=3; use an ep that divides it" in p.stderr
+    assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.parametrize(
+    "hf, tp, ep, message",
+    [
+        ("moe", 2, 4, r"tp=2 must be a multiple of ep=4"),
+        ("moe", 1, 2, r"tp=1 must be a multiple of ep=2"),
+        ("dense", 2, 2, r"--ep 2: LlamaForCausalLM has no experts; .* use --ep 1"),
+    ],
+)
+def test_expert_parallel_layouts_validate_parallel_refuses(ckpt, moe_ckpt, tmp_path, hf, tp, ep, message):
+    from kiln.compiler.build import CompileOptions, compile_model
+    from kiln.compiler.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        compile_model(
+            moe_ckpt if hf == "moe" else ckpt, tmp_path / "art", CompileOptions(device="cpu", tp=tp, ep=ep)
+        )
     assert not (tmp_path / "art").exists()

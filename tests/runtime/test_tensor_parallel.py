@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU: a ``kiln compile --tp N`` artifact run by N processes over gloo
 (torch.distributed), each with its rank's pack and the same graph, gives the logits and greedy tokens
-of the tp=1 artifact of the same checkpoint (float32)."""
+of the tp=1 artifact of the same checkpoint (float32). MoE checkpoints also with expert parallelism
+(``--ep M``): each rank computes its experts' share (ops/moe/expert_map.py), one all-reduce sums them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tiny_models import make_checkpoint
+from tiny_moe_models import make_moe_checkpoint
 
 from kiln.compiler.build import CompileOptions, compile_model
 from kiln.runtime.direct import DirectRunner
@@ -34,16 +36,19 @@ def run_greedy(runner: DirectRunner) -> tuple[torch.Tensor, list[list[int]]]:
     return first, tokens
 
 
-def _rank_main(rank: int, world: int, art: str, init: str, out: str) -> None:
+def _rank_main(rank: int, world: int, arts: list[str], init: str, out: str) -> None:
+    """One rank of a group of ``world``: each artifact of ``arts`` in turn (one group, one process
+    start for all of them), its prefill logits and greedy tokens saved as ``{out}/{i}-rank{rank}.pt``."""
     sys.path.insert(0, str(Path(__file__).parents[1]))  # tiny_models for the spawned interpreter
     from kiln.ops.common.collective import set_tp_group
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         set_tp_group(dist.group.WORLD)
-        runner = DirectRunner(art, device="cpu", model=load_model(art, "cpu", rank=rank))
-        first, tokens = run_greedy(runner)
-        torch.save({"logits": first, "tokens": tokens}, f"{out}/rank{rank}.pt")
+        for i, art in enumerate(arts):
+            runner = DirectRunner(art, device="cpu", model=load_model(art, "cpu", rank=rank))
+            first, tokens = run_greedy(runner)
+            torch.save({"logits": first, "tokens": tokens}, f"{out}/{i}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -53,21 +58,41 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     for name in ("llama-untied", "qwen3-qknorm", "llama-tied"):
         make_checkpoint(root / name, name, seed=3)
+    for name in ("qwen3-moe", "mixtral"):  # 16 experts top-4 with a dense layer; 8 experts top-2
+        make_moe_checkpoint(root / name, name, seed=3)
     return root
 
 
-# Qwen3 (QK-norm) at tp 2 runs through the engine below
-@pytest.mark.parametrize("name, tp", [("llama-untied", 2), ("llama-tied", 4)])
-def test_tp_ranks_match_one_rank(checkpoints, tmp_path, name, tp):
-    ref_art, tp_art = tmp_path / "tp1", tmp_path / f"tp{tp}"
-    compile_model(checkpoints / name, ref_art, CompileOptions(**BASE), verbose=False)
-    compile_model(checkpoints / name, tp_art, CompileOptions(**BASE, tp=tp), verbose=False)
-    ref_logits, ref_tokens = run_greedy(DirectRunner(str(ref_art), device="cpu"))
-    mp.spawn(_rank_main, args=(tp, str(tp_art), str(tmp_path / "init"), str(tmp_path)), nprocs=tp)
-    for rank in range(tp):  # every rank ends with the whole logits
-        got = torch.load(tmp_path / f"rank{rank}.pt")
-        assert got["tokens"] == ref_tokens
-        torch.testing.assert_close(got["logits"], ref_logits, rtol=1e-4, atol=1e-4)
+# (checkpoint, tp, ep) per world size, each world's artifacts run by one group of processes. Qwen3
+# (QK-norm) at tp 2 and Qwen3-MoE at tp 2, ep 2 also run through the engine below. MoE: ep 1 splits
+# each expert's intermediate dim over the ranks (router replicated, one all-reduce after the block);
+# ep 2 gives each half of the ranks half of the experts (at tp 4 split over two ranks each).
+LAYOUTS = {
+    2: [("llama-untied", 2, 1), ("qwen3-moe", 2, 1), ("qwen3-moe", 2, 2), ("mixtral", 2, 2)],
+    4: [("llama-tied", 4, 1), ("qwen3-moe", 4, 2)],
+}
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_tp_ranks_match_one_rank(checkpoints, tmp_path, world):
+    arts, refs = [], {}
+    for name, tp, ep in LAYOUTS[world]:
+        if name not in refs:
+            compile_model(checkpoints / name, tmp_path / f"{name}-tp1", CompileOptions(**BASE), verbose=False)
+            refs[name] = run_greedy(DirectRunner(str(tmp_path / f"{name}-tp1"), device="cpu"))
+        art = tmp_path / f"{name}-tp{tp}-ep{ep}"
+        compile_model(checkpoints / name, art, CompileOptions(**BASE, tp=tp, ep=ep), verbose=False)
+        arts.append(str(art))
+    mp.spawn(_rank_main, args=(world, arts, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    for i, (name, tp, ep) in enumerate(LAYOUTS[world]):
+        ref_logits, ref_tokens = refs[name]
+        where = f"{name} at tp {tp}, ep {ep}"
+        for rank in range(world):  # every rank ends with the whole logits
+            got = torch.load(tmp_path / f"{i}-rank{rank}.pt")
+            assert got["tokens"] == ref_tokens, f"{where}, rank {rank}"
+            torch.testing.assert_close(
+                got["logits"], ref_logits, rtol=1e-4, atol=1e-4, msg=lambda m, w=where: f"{w}: {m}"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +127,26 @@ def test_engine_runs_a_tp_artifact_on_follower_ranks(tp2_arts):
     finally:
         llm.engine.close()
     assert not llm.engine.ranks.procs[0].is_alive()
+
+
+def test_engine_runs_an_expert_parallel_moe_artifact(checkpoints, tmp_path):
+    """``LLM(ART)`` of a Qwen3-MoE ``--tp 2 --ep 2`` artifact (each rank holds 8 of the 16 experts):
+    greedy tokens equal the tp=1 engine's, prompts past the chunk and a shared prefix included."""
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampling_params import SamplingParams
+
+    ckpt = checkpoints / "qwen3-moe"
+    compile_model(ckpt, tmp_path / "tp1", CompileOptions(**BASE), verbose=False)
+    compile_model(ckpt, tmp_path / "ep2", CompileOptions(**BASE, tp=2, ep=2), verbose=False)
+    prompts = [p * 6 for p in PROMPTS] + [PROMPTS[0] * 6 + [8, 9]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expect = [o.token_ids for o in LLM(str(tmp_path / "tp1"), device="cpu").generate(prompts, params)]
+    llm = LLM(str(tmp_path / "ep2"), device="cpu")
+    try:
+        assert llm.engine.ranks is not None and len(llm.engine.ranks.procs) == 1
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expect
+    finally:
+        llm.engine.close()
 
 
 def test_a_dead_rank_ends_the_run_with_an_error(tp2_arts):
