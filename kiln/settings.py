@@ -140,9 +140,12 @@ class Setting:
         )
 
     def coerce(self, v: Any, where: str) -> Any:
-        """An option's value (a bool for a bool setting, else its text) as :func:`value` returns it."""
+        """An option's value (a bool for a bool setting, an int or text for an int one, else its
+        text) as :func:`value` returns it."""
         if self.kind == "bool" and isinstance(v, bool):
             return v
+        if self.kind == "int" and isinstance(v, int) and not isinstance(v, bool):
+            return self.parse(str(v), where)
         if not isinstance(v, str):
             raise SettingError(f"{where} is {v!r}; it takes {self.allowed}")
         return self.parse(v, where)
@@ -212,6 +215,10 @@ _ALL: tuple[Setting, ...] = (
        "one step (the extend graph, --chunk-size tokens in all) instead of alternating decode and "
        "prefill steps, so a prefill does not stall the streams; off until measured on the GPU.",
        env="KILN_MIXED_STEPS", flag=True, when="engine start"),
+    _s("tp_timeout", "run", "int", "120",
+       "Seconds a tensor-parallel collective waits for the other ranks before the run fails with an "
+       "error (a rank that hangs; one that exits fails the next step at once).", env="KILN_TP_TIMEOUT",
+       flag=True, when="engine start"),
     # ---- test
     _s("triton_on_cpu", "test", "bool", "0",
        "With TRITON_INTERPRET=1: CPU tensors run the ops' Triton kernels in the interpreter instead of "

@@ -82,6 +82,7 @@ class EngineOptions:
     fp8_fast_accum: str | None = None  # "auto", "0" or "1"
     moe_cutlass: bool | None = None  # MoE rungs recorded for CUTLASS run it (off: their Triton configs)
     mixed_steps: bool | None = None  # decode tokens and a prefill chunk in one step (runtime/scheduler.py)
+    tp_timeout: int | None = None  # seconds a tensor-parallel collective waits for the other ranks
 
     def setting_values(self) -> dict[str, Any]:
         """``{run-time setting name: this option's value or None}`` (for :func:`kiln.settings.apply`)."""
@@ -117,7 +118,7 @@ class Engine:
         if tp > 1:
             from kiln.runtime.tensor_parallel import start_ranks
 
-            self.ranks = start_ranks(str(artifact), tp, dev, verify=opts.verify)
+            self.ranks = start_ranks(str(artifact), tp, dev, self.settings["tp_timeout"], opts.verify)
             atexit.register(self.ranks.close)
             opts = replace(opts, overlap=False)
             self.opts = opts

@@ -117,13 +117,16 @@ class RankGroup:
             raise TensorParallelError(f"tensor-parallel broadcast failed: {e}") from None
 
     def close(self) -> None:
-        """Stop the followers and leave the group (idempotent)."""
+        """Stop the followers and leave the group (idempotent; never raises for a group already
+        broken: the followers left are killed after 30 s)."""
         if self.closed:
             return
         self.closed = True
         try:
             if all(p.is_alive() for p in self.procs):
                 self.send(("stop",))
+        except TensorParallelError:
+            pass  # a rank is gone or hung: the joins below end the rest
         finally:
             for p in self.procs:
                 p.join(timeout=30)
@@ -161,6 +164,10 @@ def start_ranks(
     docstring). The engine calls it before loading the artifact."""
     if dist.is_initialized():
         raise TensorParallelError("a torch.distributed group is already initialized in this process")
+    if timeout_s < 1:
+        raise TensorParallelError(
+            f"tp_timeout (--tp-timeout, KILN_TP_TIMEOUT) is {timeout_s}; give at least 1 second."
+        )
     if torch.device(device).type == "cuda" and torch.cuda.device_count() < tp:
         raise TensorParallelError(
             f"the artifact is built for {tp} tensor-parallel ranks; this machine shows "

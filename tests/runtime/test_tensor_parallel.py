@@ -163,3 +163,27 @@ def test_a_dead_rank_ends_the_run_with_an_error(tp2_arts):
             llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0.0))
     finally:
         llm.engine.close()
+
+
+def test_a_hung_rank_fails_the_step_after_the_group_timeout(tp2_arts):
+    """A follower that stops answering (SIGSTOP: alive, silent) fails rank 0's next collective
+    after ``tp_timeout`` seconds with a TensorParallelError, instead of waiting forever."""
+    import os
+    import signal
+    import time
+
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampling_params import SamplingParams
+    from kiln.runtime.tensor_parallel import TensorParallelError
+
+    llm = LLM(str(tp2_arts[1]), device="cpu", tp_timeout=3)
+    follower = llm.engine.ranks.procs[0]
+    try:
+        os.kill(follower.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="tensor-parallel"):
+            llm.generate([PROMPTS[0] * 4], SamplingParams(max_tokens=4, temperature=0.0))
+        assert time.monotonic() - t0 < 60  # the 3 s group timeout, not a hang
+    finally:
+        follower.kill()
+        llm.engine.close()
