@@ -22,7 +22,8 @@ ask on every call (as they read the environment before). A bad value is a one-li
 
 Process-level variables that are not kiln's switches stay raw where they are used
 (``TRITON_INTERPRET``, ``CUDA_HOME``/``CUDA_PATH``, ``TOKENIZERS_PARALLELISM``,
-``TRITON_CACHE_DIR``, ``CC``, ``PYTHONUNBUFFERED``); ``kiln serve --api-key`` reads
+``TRITON_CACHE_DIR``, ``CC``, ``PYTHONUNBUFFERED``, a launcher's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+``MASTER_ADDR``: runtime/tensor_parallel.py); ``kiln serve --api-key`` reads
 ``KILN_API_KEY`` through click.
 """
 

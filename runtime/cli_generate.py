@@ -97,9 +97,14 @@ def generate_cmd(
     **kw,
 ) -> None:
     """Load ARTIFACT and stream a completion of PROMPT to the terminal."""
+    from kiln.runtime.engine import EngineOptions
     from kiln.runtime.llm import LLM
+    from kiln.runtime.tensor_parallel import follow_launched
 
-    llm = LLM(artifact, log=True, **options_from(kw))
+    options = options_from(kw)
+    if follow_launched(artifact, EngineOptions(**options)):
+        return  # a launched rank other than 0 (torchrun): it followed rank 0's steps
+    llm = LLM(artifact, log=True, **options)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,

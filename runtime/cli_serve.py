@@ -80,8 +80,11 @@ def serve_cmd(
     from kiln.runtime.engine import Engine, EngineOptions
     from kiln.runtime.server import ServerOptions
     from kiln.runtime.server_run import serve
+    from kiln.runtime.tensor_parallel import follow_launched
 
     opts = EngineOptions(**options_from(kw))
+    if follow_launched(artifact, opts):
+        return  # a launched rank other than 0 (torchrun): it followed rank 0's steps until the stop
     if (opts.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
         torch.set_num_threads(1)  # small CPU models: OpenMP hand-offs cost more than the math
     engine = Engine(artifact, opts)

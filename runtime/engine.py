@@ -116,9 +116,23 @@ class Engine:
         self.ranks: RankGroup | None = None
         tp = Manifest.load(Path(artifact)).tp
         if tp > 1:
-            from kiln.runtime.tensor_parallel import start_ranks
+            from kiln.runtime import tensor_parallel as tpl
 
-            self.ranks = start_ranks(str(artifact), tp, dev, self.settings["tp_timeout"], opts.verify)
+            launch = tpl.launched_rank()
+            if launch is None:  # spawn the followers on this machine
+                timeout = self.settings["tp_timeout"]
+                self.ranks = tpl.start_ranks(
+                    str(artifact), tp, dev, timeout, opts.verify, opts.setting_values()
+                )
+            elif launch[0] == 0:  # torchrun started every rank: join them
+                self.ranks = tpl.join_launched(str(artifact), tp, dev, self.settings["tp_timeout"])
+                dev = tpl.rank_device(dev, launch[2])
+            else:
+                raise tpl.TensorParallelError(
+                    f"rank {launch[0]} of a launched world runs no engine: it follows rank 0 "
+                    "(kiln serve / kiln generate do; from Python call "
+                    "kiln.runtime.tensor_parallel.follow_launched(ARTIFACT, DEVICE))"
+                )
             atexit.register(self.ranks.close)
             opts = replace(opts, overlap=False)
             self.opts = opts

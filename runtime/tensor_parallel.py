@@ -20,6 +20,13 @@ loads its rank's pack. Everything after is broadcast from rank 0 as Python objec
 
 A follower that fails reports its error on stderr and exits; rank 0's next collective then fails
 (gloo and NCCL time out after ``timeout_s``) and the engine raises instead of hanging.
+
+Launched ranks (``torchrun``, across machines or on one). When a launcher started the processes
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` in the environment: :func:`launched_rank`), nothing is
+spawned: every process joins the group through ``env://``; rank 0 runs the engine
+(:func:`join_launched` gives it a :class:`RankGroup` without processes) and every other rank runs
+the follower loop (:func:`follow_launched`; ``kiln serve`` / ``kiln generate`` call it on their
+own), each on GPU ``LOCAL_RANK`` of its machine. The protocol is the same.
 """
 
 from __future__ import annotations
@@ -27,17 +34,22 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kiln import settings
 from kiln.errors import KilnError
 from kiln.ops.common.collective import set_tp_group
 from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import load_model
 from kiln.runtime.model_runner import ModelRunner, StepInputs
+
+if TYPE_CHECKING:
+    from kiln.runtime.engine import EngineOptions
 
 
 class TensorParallelError(KilnError, RuntimeError):
@@ -48,12 +60,36 @@ def _backend(device: str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def _join(rank: int, tp: int, init: str, device: str, timeout_s: float) -> None:
+def launched_rank() -> tuple[int, int, int] | None:
+    """``(rank, world size, local rank)`` when a launcher (torchrun) started this process, else None.
+    These are torch.distributed's launch variables, not kiln settings."""
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        return None
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        return rank, world, int(env.get("LOCAL_RANK", rank))
+    except ValueError:
+        raise TensorParallelError(
+            f"RANK={env['RANK']!r} WORLD_SIZE={env['WORLD_SIZE']!r} LOCAL_RANK={env.get('LOCAL_RANK')!r}: "
+            "the launcher's variables must be integers"
+        ) from None
+
+
+def rank_device(device: str, local_rank: int) -> str:
+    """The rank's device: its machine's GPU ``local_rank`` (CPU: the CPU)."""
+    return f"cuda:{local_rank}" if torch.device(device).type == "cuda" else device
+
+
+def _join(
+    rank: int, tp: int, init: str | None, device: str, timeout_s: float, local_rank: int | None = None
+) -> None:
+    """Join the group as ``rank`` of ``tp``: a file rendezvous at ``init``, or ``env://`` (None)."""
     if torch.device(device).type == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank if local_rank is None else local_rank)
     dist.init_process_group(
         _backend(device),
-        init_method=f"file://{init}",
+        init_method=f"file://{init}" if init is not None else "env://",
         rank=rank,
         world_size=tp,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -68,11 +104,21 @@ def _receive() -> tuple[Any, ...]:
 
 
 def _follower_main(
-    rank: int, tp: int, init: str, artifact: str, device: str, timeout_s: float, verify: bool
+    rank: int,
+    tp: int,
+    init: str | None,
+    artifact: str,
+    device: str,
+    timeout_s: float,
+    verify: bool,
+    run_settings: dict[str, Any],
+    local_rank: int | None = None,
 ) -> None:
-    """Rank ``rank``'s process (module docstring): load the rank's pack, then mirror rank 0's steps."""
-    _join(rank, tp, init, device, timeout_s)
-    dev = f"cuda:{rank}" if torch.device(device).type == "cuda" else device
+    """Rank ``rank``'s process (module docstring): load the rank's pack, then mirror rank 0's steps.
+    ``run_settings``: the engine's run-time settings (kiln/settings.py), applied here as there."""
+    settings.apply("run", run_settings)
+    _join(rank, tp, init, device, timeout_s, local_rank)
+    dev = rank_device(device, rank if local_rank is None else local_rank)
     try:
         model = load_model(artifact, dev, rank=rank, verify=verify)
         msg = _receive()
@@ -96,7 +142,9 @@ def _follower_main(
 class RankGroup:
     """Rank 0's side of a tensor-parallel run: the follower processes and the broadcasts."""
 
-    def __init__(self, procs: list[Any], init: str):
+    def __init__(self, procs: list[Any], init: str | None):
+        # procs: the spawned followers (none when a launcher started the ranks); init: the file
+        # rendezvous to remove at close (None: env://)
         self.procs = procs
         self.init = init
         self.closed = False
@@ -135,7 +183,7 @@ class RankGroup:
             set_tp_group(None)
             if dist.is_initialized():
                 dist.destroy_process_group()
-            if os.path.exists(self.init):
+            if self.init is not None and os.path.exists(self.init):
                 os.remove(self.init)
 
 
@@ -158,7 +206,12 @@ class BroadcastRunner:
 
 
 def start_ranks(
-    artifact: str, tp: int, device: str, timeout_s: float = 120.0, verify: bool = True
+    artifact: str,
+    tp: int,
+    device: str,
+    timeout_s: float = 120.0,
+    verify: bool = True,
+    run_settings: dict[str, Any] | None = None,
 ) -> RankGroup:
     """Start ranks ``1..tp-1`` following this process, and join the group as rank 0 (module
     docstring). The engine calls it before loading the artifact."""
@@ -179,7 +232,9 @@ def start_ranks(
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(
-            target=_follower_main, args=(r, tp, init, artifact, device, timeout_s, verify), daemon=True
+            target=_follower_main,
+            args=(r, tp, init, artifact, device, timeout_s, verify, run_settings or {}),
+            daemon=True,
         )
         for r in range(1, tp)
     ]
@@ -192,3 +247,42 @@ def start_ranks(
             p.kill()
         raise TensorParallelError(f"the tensor-parallel ranks did not meet: {e}") from None
     return RankGroup(procs, init)
+
+
+def _check_launch(artifact: str, tp: int, launch: tuple[int, int, int]) -> None:
+    world = launch[1]
+    if world != tp:
+        raise TensorParallelError(
+            f"{artifact} is built for {tp} tensor-parallel rank(s) but the launcher started {world} "
+            f"processes: launch {tp} (torchrun --nproc-per-node ... so that nnodes x nproc = {tp})."
+        )
+
+
+def join_launched(artifact: str, tp: int, device: str, timeout_s: float = 120.0) -> RankGroup:
+    """Rank 0 of a launched world (module docstring): join the group; the other ranks follow."""
+    launch = launched_rank()
+    assert launch is not None and launch[0] == 0, launch
+    _check_launch(artifact, tp, launch)
+    try:
+        _join(0, tp, None, device, timeout_s, launch[2])
+    except Exception as e:
+        raise TensorParallelError(f"the tensor-parallel ranks did not meet: {e}") from None
+    return RankGroup([], None)
+
+
+def follow_launched(artifact: str, opts: EngineOptions) -> bool:
+    """In a launched rank other than 0, run the follower loop until rank 0 stops and return True;
+    in rank 0 or an unlaunched process return False at once (the caller runs the engine). ``opts``:
+    the engine options of the command every rank runs (device, verify, run-time settings)."""
+    launch = launched_rank()
+    if launch is None or launch[0] == 0:
+        return False
+    from kiln.manifest import Manifest
+
+    rank, world, local = launch
+    _check_launch(artifact, Manifest.load(Path(artifact)).tp, launch)
+    values = opts.setting_values()
+    timeout_s = settings.apply("run", values)["tp_timeout"]
+    device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _follower_main(rank, world, None, artifact, device, timeout_s, opts.verify, values, local)
+    return True
