@@ -60,6 +60,7 @@ from kiln.manifest import (
     Versions,
     file_table,
 )
+from kiln.ops.common.collective import without_tp_group
 from kiln.ops.common.quant import FP8_DTYPE
 from kiln.ops.linear.gemv import gemv_plan
 from kiln.weights.fold import apply_norm_folds
@@ -256,7 +257,15 @@ def _eos_token_ids(cfg: ModelConfig, model_dir: Path) -> tuple[int, ...]:
 def compile_model(
     model_dir: str | Path, out_dir: str | Path, opts: CompileOptions, verbose: bool = True
 ) -> Manifest:
-    """Build the artifact for ``model_dir`` into ``out_dir``; returns its manifest."""
+    """Build the artifact for ``model_dir`` into ``out_dir``; returns its manifest. The trace and
+    the warm-up run as one rank, whatever tensor-parallel group this process may serve."""
+    with without_tp_group():
+        return _compile_model(model_dir, out_dir, opts, verbose)
+
+
+def _compile_model(
+    model_dir: str | Path, out_dir: str | Path, opts: CompileOptions, verbose: bool
+) -> Manifest:
     from kiln.compiler.mappings import all_rank_specs, skip_patterns
     from kiln.weights import load_pack, pack_checkpoint
 

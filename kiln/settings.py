@@ -224,6 +224,9 @@ _ALL: tuple[Setting, ...] = (
     _s("triton_on_cpu", "test", "bool", "0",
        "With TRITON_INTERPRET=1: CPU tensors run the ops' Triton kernels in the interpreter instead of "
        "their torch references.", env="KILN_TRITON_ON_CPU", when="per call"),
+    _s("test_tp", "test", "int", "1",
+       "Tensor-parallel size of the demo artifact tests/server runs on (2: the whole server suite on "
+       "two ranks over gloo).", env="KILN_TEST_TP"),
     _s("soak_rounds", "test", "int", "3", "Rounds of tests/server/test_soak.py.", env="KILN_SOAK_ROUNDS"),
     _s("soak_seed", "test", "int", "0", "Seed of tests/server/test_soak.py.", env="KILN_SOAK_SEED"),
     # ---- bench

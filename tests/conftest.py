@@ -36,11 +36,17 @@ def _no_setting_overrides():
 
 
 @pytest.fixture(scope="session")
-def demo_artifact(tmp_path_factory):
+def demo_one_rank(tmp_path_factory):
     """The built-in demo model (``kiln demo``'s), compiled for the CPU once per test session."""
     from kiln.demo import build_demo
 
     return build_demo(tmp_path_factory.mktemp("demo"), "cpu")
+
+
+@pytest.fixture(scope="session")
+def demo_artifact(demo_one_rank):
+    """The demo artifact the tests run (tests/server may swap in a tensor-parallel build of it)."""
+    return demo_one_rank
 
 
 @pytest.fixture

@@ -20,6 +20,8 @@ return an alias of its input); the collective runs in place on that copy.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,6 +36,18 @@ def set_tp_group(group: Any) -> None:
     """The process group the collectives of this process's graphs run over (None: one rank)."""
     global _GROUP
     _GROUP = group
+
+
+@contextlib.contextmanager
+def without_tp_group() -> Iterator[None]:
+    """One rank inside the block (the compile's warm-up, in a process that may serve a
+    tensor-parallel engine: its graphs must not join that engine's collectives)."""
+    global _GROUP
+    saved, _GROUP = _GROUP, None
+    try:
+        yield
+    finally:
+        _GROUP = saved
 
 
 def tp_world() -> tuple[int, int]:
@@ -85,4 +99,4 @@ tp_embedding = kiln_op(
 )(tp_embedding)
 tp_gather_cols = kiln_op("tp_gather_cols", ref=tp_gather_cols, fake=_gathered_shape)(tp_gather_cols)
 
-__all__ = ["set_tp_group", "tp_all_reduce", "tp_embedding", "tp_gather_cols", "tp_world"]
+__all__ = ["set_tp_group", "tp_all_reduce", "tp_embedding", "tp_gather_cols", "tp_world", "without_tp_group"]

@@ -289,7 +289,9 @@ def test_export_dynamic_tokens(kernel_on_cpu, count_gemv):
 
 def test_compiled_model_decode_runs_gemv_and_matches_hf(tmp_path, monkeypatch):
     """A tiny Llama compiled for the CPU; decode steps (T = 2 <= 8) with every op running its
-    Triton kernel through the interpreter, so qkv/o/gate_up/down are the GEMV (gate_up fused)."""
+    Triton kernel through the interpreter, so qkv/o/gate_up/down are the GEMV (gate_up fused).
+    One layer (each interpreted GEMV program costs ~0.1 s); two decode steps, so the second reads
+    the KV the first decode step wrote."""
     from tiny_models import check_against_hf, make_checkpoint
 
     from kiln.compiler.build import CompileOptions, compile_model
@@ -297,7 +299,8 @@ def test_compiled_model_decode_runs_gemv_and_matches_hf(tmp_path, monkeypatch):
 
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
-    hf = make_checkpoint(tmp_path / "hf", "qwen2-bias")  # qkv bias: the GEMV's bias path too
+    # qkv bias: the GEMV's bias path too
+    hf = make_checkpoint(tmp_path / "hf", "qwen2-bias", num_hidden_layers=1, layer_types=["full_attention"])
     opts = CompileOptions(
         device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64, chunk_size=32, gemv_plan="attn,mlp"
     )

@@ -40,10 +40,23 @@ def _compile(block: int, write: Path, read: tuple[Path, ...] = ()) -> None:
     directories, in a fresh process: once the Triton interpreter (which tests/conftest.py turns on
     without a GPU) has run a kernel in this process, it has patched triton.language for good and
     real compiles here fail."""
+    _wait(_start(block, write, read))
+
+
+def _start(block: int, write: Path, read: tuple[Path, ...] = ()) -> subprocess.Popen:
+    """:func:`_compile`'s child process, started (several can run side by side)."""
     cmd = [sys.executable, __file__, str(block), str(write), *map(str, read)]
     env = dict(os.environ, TRITON_INTERPRET="0")
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait(p: subprocess.Popen) -> None:
+    try:
+        _, err = p.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+    assert p.returncode == 0, err[-3000:]
 
 
 def _compile_here(block: int, write: Path, read: tuple[Path, ...]) -> None:
@@ -81,10 +94,11 @@ def flip_byte(path: Path, at: int | None = None) -> None:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """One kernel compiled the way `kiln compile` does into two directories."""
+    """One kernel compiled the way `kiln compile` does into two directories, by two processes
+    (run side by side: each is ~3 s of Python and Triton start-up)."""
     root = tmp_path_factory.mktemp("kc")
-    for name in ("a", "b"):
-        _compile(64, root / name / "kernels")
+    for p in [_start(64, root / name / "kernels") for name in ("a", "b")]:
+        _wait(p)
     return root
 
 

@@ -187,3 +187,24 @@ def test_a_hung_rank_fails_the_step_after_the_group_timeout(tp2_arts):
     finally:
         follower.kill()
         llm.engine.close()
+
+
+def test_compile_warms_up_as_one_rank_beside_a_live_group(checkpoints, tmp_path):
+    """A compile in a process whose tensor-parallel group is set (one that serves a --tp engine)
+    warms its graphs up as one rank: they never touch that group."""
+    from kiln.ops.common.collective import set_tp_group, tp_world
+
+    class Untouchable:  # a group any collective or rank query fails on
+        def __getattr__(self, name):
+            raise AssertionError(f"the compile's warm-up used the serving group ({name})")
+
+    group = Untouchable()
+    set_tp_group(group)
+    try:
+        compile_model(
+            checkpoints / "llama-untied", tmp_path / "art", CompileOptions(**BASE, tp=2), verbose=False
+        )
+        with pytest.raises(ValueError, match="process group"):
+            tp_world()  # the group is back in place after the compile (without one: (0, 1))
+    finally:
+        set_tp_group(None)

@@ -14,14 +14,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 
 class LiveServer:
     def __init__(self, artifact: Path, **opts: Any):
+        import torch.distributed as dist
+
         from kiln.runtime.engine import Engine, EngineOptions
         from kiln.runtime.server import ServerOptions, create_app
         from kiln.runtime.server_run import uvicorn_server
 
+        if dist.is_initialized():  # KILN_TEST_TP mode (tests/server/conftest.py)
+            pytest.skip("a tensor-parallel engine already runs in this process (one group per process)")
         engine_keys = {"max_running", "kv_memory_gib"}
         eng_opts = {k: opts.pop(k) for k in list(opts) if k in engine_keys}
         device = opts.pop("device", "cpu")

@@ -12,10 +12,10 @@ from kiln.runtime.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def llm(demo_artifact):
+def llm(demo_one_rank):
     from kiln import LLM
 
-    return LLM(str(demo_artifact), device="cpu")
+    return LLM(str(demo_one_rank), device="cpu")
 
 
 def test_models_and_health(server):

@@ -15,7 +15,7 @@ from kiln.cli import cli
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_serve_options(demo_artifact, monkeypatch):
+def test_serve_options(demo_one_rank, monkeypatch):
     """Loopback by default; the key comes from KILN_API_KEY; queue, name, body limit, sequences per
     request, watchdog and shutdown timeout pass through; each new option has its --help line."""
     import kiln.runtime.server_run as server
@@ -32,7 +32,7 @@ def test_serve_options(demo_artifact, monkeypatch):
         cli,
         [
             "serve",
-            str(demo_artifact),
+            str(demo_one_rank),
             "--max-queue",
             "3",
             "--served-model-name",
@@ -56,7 +56,7 @@ def test_serve_options(demo_artifact, monkeypatch):
     o = seen["opts"]
     assert (o.api_key, o.max_queue, o.model_name, o.max_body_bytes) == ("sk-env", 3, "demo", 1 << 20)
     assert (o.max_sequences_per_request, o.watchdog_seconds, o.shutdown_timeout) == (64, 0.0, 7.5)
-    r = CliRunner().invoke(cli, ["serve", str(demo_artifact), "--device", "cpu"], catch_exceptions=False)
+    r = CliRunner().invoke(cli, ["serve", str(demo_one_rank), "--device", "cpu"], catch_exceptions=False)
     o = seen["opts"]  # the defaults
     assert (o.max_queue, o.max_sequences_per_request, o.watchdog_seconds, o.shutdown_timeout) == (
         None,
@@ -70,7 +70,7 @@ def test_serve_options(demo_artifact, monkeypatch):
     assert "8 x the engine's --max-running" in help_text
     assert seen["engine"].device.type == "cpu"
     for flag in ("--max-queue", "--max-sequences-per-request", "--watchdog-seconds", "--shutdown-timeout"):
-        r = CliRunner().invoke(cli, ["serve", str(demo_artifact), flag, "-1"])
+        r = CliRunner().invoke(cli, ["serve", str(demo_one_rank), flag, "-1"])
         assert r.exit_code != 0 and flag in r.output, (flag, r.output)
 
 

@@ -23,8 +23,11 @@ from pathlib import Path
 
 import httpx
 
+from kiln import settings
+
 SHORT, LONG = 4, 28
-SHUTDOWN_TIMEOUT = 2.0
+# a tensor-parallel server (KILN_TEST_TP, tests/server/conftest.py) steps slower on CPU
+SHUTDOWN_TIMEOUT = 2.0 * settings.value("test_tp")
 
 
 def _free_port() -> int:

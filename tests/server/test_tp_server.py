@@ -21,9 +21,9 @@ MSGS = [{"role": "user", "content": "Hi there!"}]
 
 
 @pytest.fixture(scope="module")
-def tp2(demo_artifact, tmp_path_factory):
+def tp2(demo_one_rank, tmp_path_factory):
     """A LiveServer on the demo checkpoint compiled for two ranks (as ``kiln demo`` compiles it)."""
-    ckpt = Path(demo_artifact).parent / "checkpoint"
+    ckpt = Path(demo_one_rank).parent / "checkpoint"
     art = tmp_path_factory.mktemp("tp2-demo") / "art"
     opts = CompileOptions(
         device="cpu", dtype="float32", max_batch_size=8, max_seq_len=1024, chunk_size=512, tp=2
@@ -35,9 +35,9 @@ def tp2(demo_artifact, tmp_path_factory):
     s.engine.close()
 
 
-def test_tp2_server_answers_as_one_rank(tp2, demo_artifact):
+def test_tp2_server_answers_as_one_rank(tp2, demo_one_rank):
     assert tp2.engine.ranks is not None and httpx.get(tp2.url + "/health", timeout=30).status_code == 200
-    one = LLM(str(demo_artifact), device="cpu")  # a one-rank artifact loads beside the group
+    one = LLM(str(demo_one_rank), device="cpu")  # a one-rank artifact loads beside the group
     greedy = SamplingParams(max_tokens=12, temperature=0)
     c = tp2.client()
     r = c.completions.create(model=tp2.model, prompt=PROMPTS, max_tokens=12, temperature=0)
