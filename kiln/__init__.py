@@ -21,7 +21,7 @@ try:
 except metadata.PackageNotFoundError:  # running from a source tree without install
     __version__ = "0.0.0+src"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "__version__"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: `import kiln` stays light (no torch) for the CLI
@@ -33,4 +33,8 @@ def __getattr__(name: str) -> Any:  # lazy: `import kiln` stays light (no torch)
         from kiln.runtime.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputs":
+        from kiln.runtime.grammar import StructuredOutputs
+
+        return StructuredOutputs
     raise AttributeError(f"module 'kiln' has no attribute {name!r}")

@@ -20,6 +20,7 @@ from kiln import settings
 from kiln.errors import KilnError
 from kiln.manifest import Manifest
 from kiln.runtime.detokenizer import prepare as prepare_detokenizer
+from kiln.runtime.grammar import GrammarCompiler, GrammarError, Matcher, StructuredOutputs
 from kiln.runtime.kv_pool import BlockTable, KVPool, size_for_memory
 from kiln.runtime.loader import load_model
 from kiln.runtime.model_runner import ModelRunner
@@ -204,6 +205,7 @@ class Engine:
         self.vocab_size = m.vocab_size
         self.sampler = Sampler(self.vocab_size, self.bt.num_rows, self.device)
         self.eos_ids = frozenset(m.eos_token_ids)
+        self._grammar: GrammarCompiler | None = None  # built on the first structured request
         self.requests: dict[str, Req] = {}
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0}
@@ -284,10 +286,26 @@ class Engine:
             )
         if self.tokenizer is not None:
             req.detok = RequestText(self.tokenizer, ids, params)
+        if params.structured is not None:
+            req.grammar = self._grammar_matcher(params.structured)
         self.requests[rid] = req
         self.scheduler.add(req)
         self.stats["prompt_tokens"] += len(ids)
         return req
+
+    def _grammar_matcher(self, spec: StructuredOutputs) -> Matcher:
+        """A matcher for a structured-output request (runtime/grammar.py); the compiler is built
+        on the first such request."""
+        if self.tokenizer is None:
+            raise RequestError("structured", "structured outputs need the artifact's tokenizer")
+        if self._grammar is None:
+            self._grammar = GrammarCompiler(
+                self.tokenizer.backend_tokenizer, self.vocab_size, sorted(self.eos_ids)
+            )
+        try:
+            return self._grammar.matcher(spec)
+        except GrammarError as e:
+            raise RequestError("structured", str(e)) from None
 
     def abort(self, rid: str) -> None:
         req = self.requests.pop(rid, None)

@@ -44,6 +44,7 @@ class Req:
     num_preemptions: int = 0
     overtaken: int = 0  # later arrivals admitted while this one waited (the scheduler's aging)
     seed: int = 0
+    grammar: Any = None  # structured outputs: the request's runtime/grammar.py Matcher
 
     @property
     def fill_ids(self) -> list[int]:

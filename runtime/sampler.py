@@ -199,10 +199,15 @@ class SamplingBatch:
 
     @staticmethod
     def plain_greedy(params_list: Sequence[SamplingParams]) -> bool:
-        """Whether every entry is greedy without penalties, logprobs or min_tokens (argmax only).
+        """Whether every entry is greedy without penalties, logprobs, min_tokens or a structure
+        (argmax only: a structure's mask applies to the logits before it).
         Requests usually share a few ``SamplingParams`` objects: each distinct one is checked once."""
         return all(
-            p.is_greedy and not p.uses_penalties and p.logprobs is None and p.min_tokens == 0
+            p.is_greedy
+            and not p.uses_penalties
+            and p.logprobs is None
+            and p.min_tokens == 0
+            and p.structured is None
             for p in {id(p): p for p in params_list}.values()
         )
 

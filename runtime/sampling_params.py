@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from kiln.errors import KilnError
+from kiln.runtime.grammar import GrammarError, StructuredOutputs
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 
@@ -38,6 +39,8 @@ class SamplingParams:
     that end generation (the token is not included in the text).  ignore_eos: keep going past
     EOS.  logprobs: None = off, N >= 0 = the chosen token's logprob plus the top N.
     skip_special_tokens: leave special tokens out of the text.  n: completions per prompt.
+    structured: the output follows a JSON schema, a regex, a grammar or a choice
+    (runtime/grammar.py); None = free text.
     """
 
     max_tokens: int = 16
@@ -56,6 +59,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     n: int = 1
+    structured: StructuredOutputs | None = None
 
     # --------------------------------------------------------------------- derived values
     @property
@@ -130,6 +134,15 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSamplingParams(name, f"must be true or false, got {getattr(self, name)!r}")
         _int("n", self.n, lo=1, hi=None, what="an integer >= 1")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutputs):
+                raise InvalidSamplingParams(
+                    "structured", f"must be a StructuredOutputs or null, got {self.structured!r}"
+                )
+            try:
+                self.structured.kind()
+            except GrammarError as e:
+                raise InvalidSamplingParams("structured", str(e)) from None
         return self
 
 

@@ -3,7 +3,9 @@
 Request bodies are pydantic models in strict mode (``"5"`` is not an integer, ``1`` is not a
 boolean), so wrong types fail validation; the server maps every validation failure to a 400 in
 OpenAI's error shape. Fields the API defines but kiln does not implement (``logit_bias``,
-``echo``, ``suffix``, tools, ``response_format``) are rejected when set, never silently ignored.
+``echo``, ``suffix``, tools) are rejected when set, never silently ignored. Structured outputs:
+``response_format`` (``text``, ``json_object``, ``json_schema``) and the extensions ``regex``,
+``ebnf`` and ``choice`` (one of them per request; runtime/grammar.py).
 Unknown fields are ignored, as OpenAI's own server does.
 
 Range checks beyond ``SamplingParams.validate()`` keep every value the engine sees safe on the
@@ -20,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln.runtime.grammar import StructuredOutputs
 from kiln.runtime.request import RequestOutput
 from kiln.runtime.sampling_params import InvalidSamplingParams, SamplingParams
 from kiln.runtime.server_worker import EngineFailure
@@ -92,10 +95,51 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    choice: list[str] | None = None
 
     def unsupported(self) -> None:
         if self.logit_bias:
             raise bad_request("logit_bias", "logit_bias is not supported by this server")
+
+    def structured(self) -> StructuredOutputs | None:
+        """The request's structure (``response_format`` or one extension), or None; 400 naming
+        the field when it is malformed or when two are given."""
+        given: list[tuple[str, StructuredOutputs]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                given.append(("response_format", StructuredOutputs(json_object=True)))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise bad_request(
+                        "response_format",
+                        "response_format json_schema needs {'json_schema': {'schema': {...}}}",
+                    )
+                given.append(("response_format", StructuredOutputs(json_schema=json.dumps(schema))))
+            elif kind not in (None, "text"):
+                raise bad_request(
+                    "response_format",
+                    f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                )
+        if self.regex is not None:
+            given.append(("regex", StructuredOutputs(regex=self.regex)))
+        if self.ebnf is not None:
+            given.append(("ebnf", StructuredOutputs(ebnf=self.ebnf)))
+        if self.choice is not None:
+            if not self.choice:
+                raise bad_request("choice", "choice must be a non-empty list of strings")
+            given.append(("choice", StructuredOutputs(choice=tuple(self.choice))))
+        if len(given) > 1:
+            raise bad_request(
+                given[1][0], f"give one structure per request, not {' and '.join(g[0] for g in given)}"
+            )
+        return given[0][1] if given else None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -166,7 +210,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> None:
         super().unsupported()
@@ -174,8 +217,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request("tools", "tool calling is not supported by this server")
         if self.tool_choice not in (None, "none", "auto"):
             raise bad_request("tool_choice", "tool calling is not supported by this server")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request("response_format", "only response_format {'type': 'text'} is supported")
 
 
 # ------------------------------------------------------------------------- sampling params
@@ -236,6 +277,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, vocab_size: 
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens is not False,
         n=n,
+        structured=req.structured(),
     )
     try:
         params.validate()

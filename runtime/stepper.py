@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from kiln.runtime.grammar import mask_logits
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Req, RequestOutput
 from kiln.runtime.sampler import SampleOutput, Sampler, SamplingBatch
@@ -164,6 +165,13 @@ class Stepper:
             reqs = [batch.reqs[i] for i in done]
             rows = [r.row for r in reqs]
             logits = logits[self.stager.to_device(done, torch.int64)]
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:  # structured outputs: the grammar's mask on the logits (runtime/grammar.py)
+            mask_logits(
+                logits,
+                [(i, reqs[i].grammar, self._known_ids(reqs[i], prev)) for i in constrained],
+                self.stager,
+            )
         sampler = self.sampler
         need_rows = sampler.counts is not None
         greedy = prev.greedy if prev is not None and subst is not None and subst[0] is None else None
@@ -208,6 +216,18 @@ class Stepper:
         hb["sample"] += t4 - t2
         launched.host_s = sched_s + t4 - t0
         return launched
+
+    @staticmethod
+    def _known_ids(req: Req, prev: Launched | None) -> list[int]:
+        """``req``'s output tokens, its token of the step in flight (``prev``) read back: the host
+        waits for that step here, while this step's forward runs on the device."""
+        ids = req.output_ids
+        if not ids or ids[-1] != PLACEHOLDER:
+            return ids
+        assert prev is not None, "a placeholder token without a step in flight"
+        if prev.event is not None:
+            prev.event.synchronize()
+        return [*ids[:-1], int(prev.host["ids"][prev.position()[req.rid]])]
 
     # ------------------------------------------------------------------ finishing
     def finish(self, launched: Launched, launch_host_s: float) -> list[RequestOutput]:

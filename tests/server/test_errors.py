@@ -73,9 +73,23 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
     (
-        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {}},
+        },
         "response_format",
+    ),
+    ({"messages": [{"role": "user", "content": "x"}], "regex": "a+", "choice": ["a"]}, "choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "choice": []}, "choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "regex": "(unclosed"}, "structured"),
+    (
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}},
+        },
+        "structured",
     ),
 ]
 

@@ -1,0 +1,164 @@
+"""Structured outputs: the grammar a request's tokens must follow, and its per-step token masks.
+
+Protocol. A request asks for a structure with ``SamplingParams.structured`` (a
+:class:`StructuredOutputs`: one of a JSON schema, any JSON object, a regular expression, an EBNF
+grammar, or a choice among strings). At admission the engine compiles it once
+(:class:`GrammarCompiler`, xgrammar; compiled grammars are cached by their text) and gives the
+request a :class:`Matcher`. Each step that samples a constrained request:
+
+1. its tokens sampled so far are accepted into its matcher (``Matcher.catch_up``), in order;
+2. ``Matcher.fill`` writes the next token's allowed set into row ``i`` of a packed host mask
+   ``[n, ceil(V / 32)] int32`` (bit ``j`` of word ``w``: token ``32 w + j`` may come next);
+3. the mask goes to the device once and ``ops/sampling/bitmask.py`` sets the other tokens' logits
+   to ``-inf`` before sampling, so greedy, sampled and seeded requests alike stay inside the grammar.
+
+When the grammar is complete the mask allows the model's end-of-sequence tokens only, and the
+request ends as at any EOS. With overlapped decode (runtime/stepper.py) step ``t + 1``'s forward is
+already on the device when the host accepts token ``t`` and fills the mask: the mask work hides
+behind the forward. Requests without a structure never touch this module.
+
+A structure that does not compile is a :class:`GrammarError` naming the field (a 400 in the
+server). Engine: xgrammar (docs/structured_outputs.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kiln.errors import KilnError
+
+
+class GrammarError(KilnError, ValueError):
+    """A structured-output request that cannot be compiled (the message names the field)."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """One structure for a request's output; exactly one field is set.
+
+    json_schema: a JSON schema (text) the output must validate against.  json_object: any JSON
+    object.  regex: a regular expression the whole output matches.  ebnf: a grammar in xgrammar's
+    EBNF (``root ::= ...``).  choice: the output is exactly one of these strings."""
+
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    ebnf: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def kind(self) -> str:
+        """The field that is set; raises :class:`GrammarError` unless exactly one is."""
+        set_ = [k for k in ("json_schema", "regex", "ebnf", "choice") if getattr(self, k) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise GrammarError(
+                f"structured outputs take exactly one of json_schema, json_object, regex, ebnf, choice; got {set_ or 'none'}"
+            )
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise GrammarError("choice must be a non-empty list of strings")
+        return set_[0]
+
+
+class GrammarCompiler:
+    """Compiles :class:`StructuredOutputs` for one tokenizer (``backend``: a ``tokenizers``
+    ``Tokenizer``, runtime/tokenizer.py's ``backend_tokenizer``) and vocabulary (``vocab_size``: the
+    logits' width, which may exceed the tokenizer's); ``eos_token_ids`` end a complete output."""
+
+    def __init__(self, backend: Any, vocab_size: int, eos_token_ids: Sequence[int]):
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        hf = PreTrainedTokenizerFast(tokenizer_object=backend)
+        info = xgr.TokenizerInfo.from_huggingface(
+            hf, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
+        )
+        self._compiler = xgr.GrammarCompiler(info, cache_enabled=True)
+        self._compile = functools.lru_cache(maxsize=256)(self._compile_uncached)
+
+    def matcher(self, spec: StructuredOutputs) -> Matcher:
+        """A fresh matcher for one request (compiling ``spec`` unless cached)."""
+        spec.kind()  # exactly one field
+        return Matcher(self._xgr.GrammarMatcher(self._compile(spec)), self.vocab_size)
+
+    def _compile_uncached(self, spec: StructuredOutputs) -> Any:
+        kind = spec.kind()
+        c = self._compiler
+        try:
+            if kind == "json_object":  # (xgrammar's builtin JSON grammar takes any value)
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "json_schema":
+                assert spec.json_schema is not None
+                json.loads(spec.json_schema)  # a clear error for text that is not JSON
+                return c.compile_json_schema(spec.json_schema, any_whitespace=False)
+            if kind == "regex":
+                assert spec.regex is not None
+                return c.compile_regex(spec.regex)
+            if kind == "ebnf":
+                assert spec.ebnf is not None
+                return c.compile_grammar(spec.ebnf)
+            assert spec.choice is not None  # an EBNF alternation of string literals
+            return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
+        except Exception as e:  # xgrammar raises RuntimeError with its C++ check text
+            detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            detail = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", detail)  # drop xgrammar's source location
+            raise GrammarError(f"{kind} does not compile: {detail[:300]}") from None
+
+
+class Matcher:
+    """One request's position in its grammar (module docstring)."""
+
+    def __init__(self, matcher: Any, vocab_size: int):
+        self._m = matcher
+        self.vocab_size = vocab_size  # the mask's tokens (the logits may have padding columns past it)
+        self.accepted = 0  # output tokens accepted so far
+
+    def catch_up(self, output_ids: Sequence[int]) -> None:
+        """Accept ``output_ids[accepted:]`` (the request's tokens sampled since the last call). A
+        token the grammar refuses (it cannot be: the mask allowed it) stops the matcher."""
+        for tok in output_ids[self.accepted :]:
+            if not self._m.is_terminated() and not self._m.accept_token(int(tok)):
+                raise GrammarError(f"token {tok} is outside the request's grammar")
+            self.accepted += 1
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row ``row`` of ``bitmask`` (host int32) gets the tokens allowed next; a finished
+        grammar (its request ends this step) allows every token: its token is discarded."""
+        if self._m.is_terminated():
+            bitmask[row].fill_(-1)
+        else:
+            self._m.fill_next_token_bitmask(bitmask, row)
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """A host mask ``[rows, ceil(vocab_size / 32)]`` int32, every token allowed."""
+    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
+
+
+def mask_logits(
+    logits: torch.Tensor, matchers: Sequence[tuple[int, Matcher, Sequence[int]]], stager: Any
+) -> None:
+    """Steps 1-3 of the protocol for one step: ``matchers`` holds ``(row of logits, matcher, the
+    request's tokens so far)`` for its constrained rows; ``logits [B, V']`` (``V' >= V``, padding
+    columns left alone) is masked in place. ``stager``: runtime/staging.py's (the host->device copy)."""
+    from kiln.ops.sampling.bitmask import apply_token_bitmask_
+
+    v = matchers[0][1].vocab_size
+    bitmask = allocate_bitmask(len(matchers), v)
+    for i, (_, m, ids) in enumerate(matchers):
+        m.catch_up(ids)
+        m.fill(bitmask, i)
+    rows = stager.to_device([r for r, _, _ in matchers], torch.int64)
+    apply_token_bitmask_(logits[:, :v], stager.to_device(bitmask, torch.int32), rows)
