@@ -94,11 +94,11 @@ class GrammarCompiler:
         c = self._compiler
         try:
             if kind == "json_object":  # (xgrammar's builtin JSON grammar takes any value)
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return c.compile_grammar(self._json_grammar('{"type": "object"}'))
             if kind == "json_schema":
                 assert spec.json_schema is not None
-                json.loads(spec.json_schema)  # a clear error for text that is not JSON
-                return c.compile_json_schema(spec.json_schema, any_whitespace=False)
+                _refuse_unenforced(json.loads(spec.json_schema))  # (not JSON: a clear error)
+                return c.compile_grammar(self._json_grammar(spec.json_schema))
             if kind == "regex":
                 assert spec.regex is not None
                 return c.compile_regex(spec.regex)
@@ -107,10 +107,41 @@ class GrammarCompiler:
                 return c.compile_grammar(spec.ebnf)
             assert spec.choice is not None  # an EBNF alternation of string literals
             return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
+        except GrammarError:
+            raise
         except Exception as e:  # xgrammar raises RuntimeError with its C++ check text
             detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             detail = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", detail)  # drop xgrammar's source location
             raise GrammarError(f"{kind} does not compile: {detail[:300]}") from None
+
+    def _json_grammar(self, schema: str) -> str:
+        """xgrammar's grammar for ``schema`` (no free whitespace: a random model would emit it
+        until max_tokens), its length-bounded strings' characters without the control characters
+        JSON forbids (xgrammar 0.2.9 admits them there, which strict parsers refuse)."""
+        text = str(self._xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+        return text.replace(_BOUNDED_CHAR, _JSON_CHAR)
+
+
+_BOUNDED_CHAR = r"[^\"\\\r\n]"  # xgrammar's character of a string with minLength / maxLength
+_JSON_CHAR = r"[^\0-\x1f\"\\]"  # JSON's: no quote, backslash or control character
+
+
+def _refuse_unenforced(schema: Any, where: str = "schema") -> None:
+    """A :class:`GrammarError` naming a keyword xgrammar would accept but not enforce."""
+    if isinstance(schema, dict):
+        if schema.get("uniqueItems") is True:
+            raise GrammarError(
+                f"json_schema: uniqueItems at {where} is not enforced by the grammar; leave it out"
+            )
+        if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+            raise GrammarError(
+                f"json_schema: allOf with several schemas at {where} is not enforced; merge them"
+            )
+        for k, v in schema.items():
+            _refuse_unenforced(v, f"{where}.{k}")
+    elif isinstance(schema, list):
+        for i, v in enumerate(schema):
+            _refuse_unenforced(v, f"{where}[{i}]")
 
 
 class Matcher:
