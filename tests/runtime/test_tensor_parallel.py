@@ -49,6 +49,7 @@ def _rank_main(rank: int, world: int, arts: list[str], init: str, out: str) -> N
             runner = DirectRunner(art, device="cpu", model=load_model(art, "cpu", rank=rank))
             first, tokens = run_greedy(runner)
             torch.save({"logits": first, "tokens": tokens}, f"{out}/{i}-rank{rank}.pt")
+        dist.barrier()  # no rank closes its connections while another still uses them
     finally:
         dist.destroy_process_group()
 
