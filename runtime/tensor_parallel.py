@@ -16,7 +16,8 @@ loads its rank's pack. Everything after is broadcast from rank 0 as Python objec
    each follower applies the changes and runs the same forward, whose collectives pair with rank
    0's. Only rank 0 reads the logits (every rank has them whole). The input ids travel with the
    step, so rank 0 runs without overlap (an overlapped step's ids are still on the device).
-3. ``("stop",)``: followers leave their loop and the group.
+3. ``("stop",)``: every rank meets at a barrier (no connection closes while a peer still uses it:
+   gloo aborts the process then), and leaves the group.
 
 A follower that fails reports its error on stderr and exits; rank 0's next collective then fails
 (gloo and NCCL time out after ``timeout_s``) and the engine raises instead of hanging.
@@ -131,6 +132,7 @@ def _follower_main(
         while True:
             msg = _receive()
             if msg[0] == "stop":
+                dist.barrier()  # with rank 0: no rank closes its connections while another uses them
                 break
             _, step, pending = msg
             bt.queue_changes(pending)
@@ -173,7 +175,8 @@ class RankGroup:
         try:
             if all(p.is_alive() for p in self.procs):
                 self.send(("stop",))
-        except TensorParallelError:
+                dist.barrier()  # the followers' (protocol step 3): then every rank closes
+        except (TensorParallelError, RuntimeError):
             pass  # a rank is gone or hung: the joins below end the rest
         finally:
             for p in self.procs:
