@@ -6,6 +6,7 @@ kernel module is imported (on a GPU machine the kernels compile for the device i
 """
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +42,19 @@ def demo_one_rank(tmp_path_factory):
     from kiln.demo import build_demo
 
     return build_demo(tmp_path_factory.mktemp("demo"), "cpu")
+
+
+@pytest.fixture(scope="session")
+def demo_tp2(demo_one_rank, tmp_path_factory):
+    """The demo checkpoint compiled for two tensor-parallel ranks (the TP server and torchrun tests)."""
+    from kiln.compiler.build import CompileOptions, compile_model
+
+    art = tmp_path_factory.mktemp("demo-tp2") / "art"
+    opts = CompileOptions(
+        device="cpu", dtype="float32", max_batch_size=8, max_seq_len=1024, chunk_size=512, tp=2
+    )
+    compile_model(Path(demo_one_rank).parent / "checkpoint", art, opts, verbose=False)
+    return art
 
 
 @pytest.fixture(scope="session")

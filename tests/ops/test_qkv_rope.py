@@ -177,65 +177,15 @@ def test_op_dispatches_to_kernel_and_reference(kernel_on_cpu, monkeypatch):
 def test_shape_errors_name_the_field():
     c = Case(t=2, hq=4, hkv=2, d=64, rot=64, neox=True, norm=False)
     qkv, positions, cs, pool_k, pool_v, slots, _, _ = _inputs(c, "cpu", 0)
+    meta = (4, 2, 64, 64, True, None, None, EPS, None, None)
     with pytest.raises(ValueError, match="num_q_heads"):
-        _op(
-            qkv[:, :-64],
-            positions,
-            cs,
-            pool_k[1],
-            pool_v[1],
-            slots,
-            4,
-            2,
-            64,
-            64,
-            True,
-            None,
-            None,
-            EPS,
-            None,
-            None,
-        )
+        _op(qkv[:, :-64], positions, cs, pool_k[1], pool_v[1], slots, *meta)
     with pytest.raises(ValueError, match="k_cache"):
-        _op(
-            qkv,
-            positions,
-            cs,
-            pool_k[1, :, :1],
-            pool_v[1],
-            slots,
-            4,
-            2,
-            64,
-            64,
-            True,
-            None,
-            None,
-            EPS,
-            None,
-            None,
-        )
+        _op(qkv, positions, cs, pool_k[1, :, :1], pool_v[1], slots, *meta)
     with pytest.raises(ValueError, match="rotary_dim"):
         _op(qkv, positions, cs, pool_k[1], pool_v[1], slots, 4, 2, 64, 32, True, None, None, EPS, None, None)
     with pytest.raises(ValueError, match="out_slots"):
-        _op(
-            qkv,
-            positions,
-            cs,
-            pool_k[1],
-            pool_v[1],
-            slots[:1],
-            4,
-            2,
-            64,
-            64,
-            True,
-            None,
-            None,
-            EPS,
-            None,
-            None,
-        )
+        _op(qkv, positions, cs, pool_k[1], pool_v[1], slots[:1], *meta)
 
 
 class _OneLayer(torch.nn.Module):

@@ -12,20 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from kiln.compiler.build import CompileOptions, compile_model
-
 PROMPT = "Once upon a time"
 
 
 @pytest.fixture(scope="module")
-def tp2_demo(demo_artifact, tmp_path_factory):
-    ckpt = Path(demo_artifact).parent / "checkpoint"
-    art = tmp_path_factory.mktemp("torchrun") / "art"
-    opts = CompileOptions(
-        device="cpu", dtype="float32", max_batch_size=8, max_seq_len=256, chunk_size=64, tp=2
-    )
-    compile_model(ckpt, art, opts, verbose=False)
-    return art
+def tp2_demo(demo_tp2):
+    return demo_tp2
 
 
 def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:

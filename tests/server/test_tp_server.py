@@ -6,7 +6,6 @@ flight with an error and turns /health to 503, never a hang."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -14,22 +13,15 @@ import pytest
 from serve_harness import LiveServer
 
 from kiln import LLM, SamplingParams
-from kiln.compiler.build import CompileOptions, compile_model
 
 PROMPTS = ["Once upon a time", "The sky"]
 MSGS = [{"role": "user", "content": "Hi there!"}]
 
 
 @pytest.fixture(scope="module")
-def tp2(demo_one_rank, tmp_path_factory):
+def tp2(demo_tp2):
     """A LiveServer on the demo checkpoint compiled for two ranks (as ``kiln demo`` compiles it)."""
-    ckpt = Path(demo_one_rank).parent / "checkpoint"
-    art = tmp_path_factory.mktemp("tp2-demo") / "art"
-    opts = CompileOptions(
-        device="cpu", dtype="float32", max_batch_size=8, max_seq_len=1024, chunk_size=512, tp=2
-    )
-    compile_model(ckpt, art, opts, verbose=False)
-    s = LiveServer(art)
+    s = LiveServer(demo_tp2)
     yield s
     s.stop()
     s.engine.close()
