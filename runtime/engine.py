@@ -84,6 +84,7 @@ class EngineOptions:
     moe_cutlass: bool | None = None  # MoE rungs recorded for CUTLASS run it (off: their Triton configs)
     mixed_steps: bool | None = None  # decode tokens and a prefill chunk in one step (runtime/scheduler.py)
     tp_timeout: int | None = None  # seconds a tensor-parallel collective waits for the other ranks
+    tp_all_reduce: str | None = None  # "auto" (symmetric memory where it is faster) or "nccl"
 
     def setting_values(self) -> dict[str, Any]:
         """``{run-time setting name: this option's value or None}`` (for :func:`kiln.settings.apply`)."""

@@ -95,9 +95,25 @@ class CodeGraph:
         return self.forward(None, *[weights[k] for k in self.weight_keys], *inputs)[0]
 
 
-def load_graph_code(path: Path, layout: Mapping[str, Any], digest: str | None) -> CodeGraph:
+def _devices_on(target: torch.device | None) -> Callable[..., torch.device]:
+    """The generated code's ``device(type=..., index=...)``: a device of ``target``'s type is
+    ``target`` (the graph was traced on the compile's GPU, ``cuda:0``; rank 1 of a tensor-parallel
+    run executes it on ``cuda:1``)."""
+
+    def device(type: str, index: int | None = None) -> torch.device:
+        if target is not None and type == target.type:
+            return target
+        return torch.device(type) if index is None else torch.device(type, index)
+
+    return device
+
+
+def load_graph_code(
+    path: Path, layout: Mapping[str, Any], digest: str | None, device: torch.device | None = None
+) -> CodeGraph:
     """The graph in ``path`` (``layout``: the manifest's ``graphs.NAME.python``), after checking its
-    bytes against ``digest`` (xxh3-128 hex from the manifest's file table; None: unchecked)."""
+    bytes against ``digest`` (xxh3-128 hex from the manifest's file table; None: unchecked), its
+    devices placed on ``device`` (None: as traced)."""
     try:
         src = path.read_bytes()
     except OSError as e:
@@ -110,7 +126,7 @@ def load_graph_code(path: Path, layout: Mapping[str, Any], digest: str | None) -
         )
     if layout.get("output") != "tensor":
         raise GraphCodeError(f"{path}: unsupported graph output {layout.get('output')!r}; {RECOPY}.")
-    namespace = dict(GLOBALS, torch=_direct_torch())
+    namespace = dict(GLOBALS, torch=_direct_torch(), device=_devices_on(device))
     try:
         exec(compile(src, str(path), "exec"), namespace)  # the compiler's own output, hash-checked above
         forward = namespace["forward"]

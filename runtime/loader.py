@@ -151,10 +151,11 @@ def graph_format() -> str:
     return settings.value("graph_format")
 
 
-def load_graphs(art: Artifact, fmt: str | None = None) -> dict[str, Any]:
+def load_graphs(art: Artifact, fmt: str | None = None, device: torch.device | None = None) -> dict[str, Any]:
     """Load every graph of the artifact as a callable ``graph(weights, *inputs)``: its generated
     Python source when the artifact has one (and ``fmt``, default :func:`graph_format`, is
-    python), else the ``.pt2``."""
+    python), else the ``.pt2``. ``device``: where the graphs run (the generated source's devices
+    follow it; a ``.pt2`` keeps the device it was traced on, so it runs on GPU 0 only)."""
     fmt = fmt or graph_format()
     if fmt not in settings.SETTINGS["graph_format"].choices:
         raise settings.SettingError(f"graph format {fmt!r}: use one of python, pt2")
@@ -163,8 +164,13 @@ def load_graphs(art: Artifact, fmt: str | None = None) -> dict[str, Any]:
         code = g.python
         if fmt == "python" and code is not None:
             digest = _listed(art, code.file).xxh3_128
-            graphs[name] = load_graph_code(art.root / code.file, code.to_json(), digest)
+            graphs[name] = load_graph_code(art.root / code.file, code.to_json(), digest, device)
             continue
+        if device is not None and device.type == "cuda" and device.index not in (None, 0):
+            raise ArtifactError(
+                f"graph {g.file} (graph format pt2) runs on cuda:0 only, not {device}: use the python graph "
+                "format (--graph-format python, the default)."
+            )
         check_file(art.root, g.file, _listed(art, g.file))  # it is code: checked verify or not
         try:
             with _fast_deserialize():
@@ -305,7 +311,7 @@ def load_model(
     worker = threading.Thread(target=load_weights, name="kiln-load-weights")
     worker.start()
     try:
-        graphs = load_graphs(art, graph_format)
+        graphs = load_graphs(art, graph_format, dev)
         mark("graphs")
         if while_weights_load is not None:
             while_weights_load(art)

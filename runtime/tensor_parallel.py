@@ -6,7 +6,9 @@ Protocol. The engine's process is rank 0: it schedules, samples and detokenizes 
 :func:`start_ranks` starts ranks ``1..N-1`` as processes (``torch.multiprocessing``, spawn), joins
 a ``torch.distributed`` group with them (gloo on CPU, NCCL on GPU; a file rendezvous) and makes it
 the graphs' tensor-parallel group (``kiln.ops.common.collective.set_tp_group``). Each follower
-loads its rank's pack. Everything after is broadcast from rank 0 as Python objects, in order:
+loads its rank's pack. Everything after is broadcast from rank 0 as Python objects, in order, over
+the control group (gloo, on the host: with NCCL a second group beside the graphs' one, so that a
+message never waits behind a GPU stream or moves through GPU memory):
 
 1. ``("setup", num_slots, max_running, cuda_graph)``: the KV pool and block table sizes the engine
    chose; every rank builds the same pool, table and model runner (capturing its CUDA graphs, whose
@@ -44,7 +46,7 @@ import torch.multiprocessing as mp
 
 from kiln import settings
 from kiln.errors import KilnError
-from kiln.ops.common.collective import set_tp_group
+from kiln.ops.common.collective import enable_symmetric_all_reduce, set_tp_group
 from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import load_model
 from kiln.runtime.model_runner import ModelRunner, StepInputs
@@ -55,6 +57,9 @@ if TYPE_CHECKING:
 
 class TensorParallelError(KilnError, RuntimeError):
     """The ranks of a tensor-parallel run could not start or lost one another."""
+
+
+_CONTROL: Any = None  # the protocol's group (module docstring): gloo over the ranks
 
 
 def _backend(device: str) -> str:
@@ -96,11 +101,15 @@ def _join(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     set_tp_group(dist.group.WORLD)
+    if _backend(device) == "nccl" and settings.value("tp_all_reduce") == "auto":
+        enable_symmetric_all_reduce(torch.device("cuda", torch.cuda.current_device()))
+    global _CONTROL
+    _CONTROL = dist.new_group(backend="gloo") if _backend(device) != "gloo" else dist.group.WORLD
 
 
 def _receive() -> tuple[Any, ...]:
     box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_CONTROL)
     return box[0]
 
 
@@ -132,7 +141,9 @@ def _follower_main(
         while True:
             msg = _receive()
             if msg[0] == "stop":
-                dist.barrier()  # with rank 0: no rank closes its connections while another uses them
+                dist.barrier(
+                    group=_CONTROL
+                )  # with rank 0: no rank closes its connections while another uses them
                 break
             _, step, pending = msg
             bt.queue_changes(pending)
@@ -162,7 +173,7 @@ class RankGroup:
         if dead:
             raise TensorParallelError(f"tensor-parallel rank(s) {dead} exited; the run cannot go on.")
         try:
-            dist.broadcast_object_list([msg], src=0)
+            dist.broadcast_object_list([msg], src=0, group=_CONTROL)
         except Exception as e:  # a rank died mid-collective, or the group timed out
             raise TensorParallelError(f"tensor-parallel broadcast failed: {e}") from None
 
@@ -175,7 +186,7 @@ class RankGroup:
         try:
             if all(p.is_alive() for p in self.procs):
                 self.send(("stop",))
-                dist.barrier()  # the followers' (protocol step 3): then every rank closes
+                dist.barrier(group=_CONTROL)  # the followers' (protocol step 3): then every rank closes
         except (TensorParallelError, RuntimeError):
             pass  # a rank is gone or hung: the joins below end the rest
         finally:

@@ -85,3 +85,16 @@ def test_direct_dispatch_never_imports_dynamo(demo_artifact):
     p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "DYNAMO False 3" in p.stdout, p.stdout
+
+
+def test_generated_code_runs_on_the_rank_device():
+    """A graph traced on ``cuda:0`` names that device in its code (``_assert_tensor_metadata``,
+    factory ops); rank 1 of a tensor-parallel run executes it on ``cuda:1``: the code's devices of
+    the run's type follow the run's device, others stay as written (fails without the mapping:
+    'Tensor device mismatch! Expected: cuda:0, Got: cuda:1' on the H200 pair)."""
+    from kiln.runtime.graph_code import _devices_on
+
+    on_rank1 = _devices_on(torch.device("cuda", 1))
+    assert on_rank1(type="cuda", index=0) == torch.device("cuda", 1)
+    assert on_rank1(type="cpu") == torch.device("cpu")
+    assert _devices_on(None)(type="cuda", index=0) == torch.device("cuda", 0)
