@@ -135,7 +135,7 @@ class Engine:
                     "(kiln serve / kiln generate do; from Python call "
                     "kiln.runtime.tensor_parallel.follow_launched(ARTIFACT, DEVICE))"
                 )
-            atexit.register(self.ranks.close)
+            atexit.register(self.close)
             opts = replace(opts, overlap=False)
             self.opts = opts
         tokenizer: list[Any] = [None]
@@ -425,7 +425,8 @@ class Engine:
     def close(self) -> None:
         """Stop a tensor-parallel run's follower ranks (nothing to do for one rank)."""
         if self.ranks is not None:
-            self.ranks.close()
+            runner = getattr(self, "runner", None)  # None: the start failed before it existed
+            self.ranks.close(runner.release_graphs if runner is not None else None)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

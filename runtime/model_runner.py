@@ -267,6 +267,17 @@ class ModelRunner:
             indptr.append(indptr[-1] + e)
         return run_extend_graph(self.m, self.pool, self.bt, ids, pos, slots, rows, lens, indptr)
 
+    def release_graphs(self) -> None:
+        """Free the captured decode graphs (their replays fall back to eager runs). A tensor-parallel
+        rank calls it before leaving its NCCL group: a communicator whose collectives a live CUDA
+        graph holds never finishes ``ncclCommDestroy`` (the process hung at exit on the H200 pair)."""
+        if self.graphs:
+            torch.cuda.synchronize(self.device)
+            for g in self.graphs.values():
+                g.reset()
+            self.graphs.clear()
+        self.use_cuda_graph = False
+
     def forward(
         self, step: StepInputs, subst: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:

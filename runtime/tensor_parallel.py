@@ -6,9 +6,10 @@ Protocol. The engine's process is rank 0: it schedules, samples and detokenizes 
 :func:`start_ranks` starts ranks ``1..N-1`` as processes (``torch.multiprocessing``, spawn), joins
 a ``torch.distributed`` group with them (gloo on CPU, NCCL on GPU; a file rendezvous) and makes it
 the graphs' tensor-parallel group (``kiln.ops.common.collective.set_tp_group``). Each follower
-loads its rank's pack. Everything after is broadcast from rank 0 as Python objects, in order, over
-the control group (gloo, on the host: with NCCL a second group beside the graphs' one, so that a
-message never waits behind a GPU stream or moves through GPU memory):
+loads its rank's pack. Everything after is broadcast from rank 0, in order: each message first as a
+step wire (runtime/step_wire.py: one int64 tensor over the graphs' group, NCCL on GPUs), which
+holds a step whole or says that the message follows as a Python object over the control group
+(gloo, on the host: with NCCL a second group):
 
 1. ``("setup", num_slots, max_running, cuda_graph)``: the KV pool and block table sizes the engine
    chose; every rank builds the same pool, table and model runner (capturing its CUDA graphs, whose
@@ -37,6 +38,7 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +49,7 @@ import torch.multiprocessing as mp
 from kiln import settings
 from kiln.errors import KilnError
 from kiln.ops.common.collective import enable_symmetric_all_reduce, set_tp_group
+from kiln.runtime import step_wire
 from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import load_model
 from kiln.runtime.model_runner import ModelRunner, StepInputs
@@ -103,11 +106,54 @@ def _join(
     set_tp_group(dist.group.WORLD)
     if _backend(device) == "nccl" and settings.value("tp_all_reduce") == "auto":
         enable_symmetric_all_reduce(torch.device("cuda", torch.cuda.current_device()))
-    global _CONTROL
+    global _CONTROL, _WIRE
     _CONTROL = dist.new_group(backend="gloo") if _backend(device) != "gloo" else dist.group.WORLD
+    _WIRE = _Wire(device)
+
+
+class _Wire:
+    """This rank's buffers for the step wire (runtime/step_wire.py): on the group's device (the
+    graphs' group: NCCL on GPUs) and two host buffers (pinned on GPUs; rank 0 alternates them so
+    that a copy still in flight never sees its buffer rewritten)."""
+
+    def __init__(self, device: str):
+        on_gpu = torch.device(device).type == "cuda"
+        dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.device = torch.empty(step_wire.WIRE_INTS, dtype=torch.int64, device=dev) if on_gpu else None
+        self.host = [torch.zeros(step_wire.WIRE_INTS, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
+        self.flip = 0
+
+    def send(self, step: StepInputs | None, pending: dict[int, int] | None = None) -> bool:
+        """Rank 0: broadcast ``step`` (None: the object header); whether it went on the wire."""
+        self.flip ^= 1
+        h = self.host[self.flip]
+        on_wire = step_wire.encode(h.numpy(), step, pending)
+        if self.device is None:
+            dist.broadcast(h, src=0)
+        else:
+            self.device.copy_(h, non_blocking=True)
+            dist.broadcast(self.device, src=0)
+        return on_wire
+
+    def receive(self) -> tuple[StepInputs, dict[int, int]] | None:
+        """A follower: the next step and its table changes, or None (an object follows)."""
+        h = self.host[0]
+        if self.device is None:
+            dist.broadcast(h, src=0)
+        else:
+            dist.broadcast(self.device, src=0)
+            h.copy_(self.device)  # waits for the broadcast
+        return step_wire.decode(h.numpy())
+
+
+_WIRE: _Wire | None = None
 
 
 def _receive() -> tuple[Any, ...]:
+    assert _WIRE is not None
+    got = _WIRE.receive()
+    if got is not None:
+        return ("step", *got)
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0, group=_CONTROL)
     return box[0]
@@ -148,6 +194,7 @@ def _follower_main(
             _, step, pending = msg
             bt.queue_changes(pending)
             runner.forward(step)
+        runner.release_graphs()
     finally:
         dist.destroy_process_group()
 
@@ -172,14 +219,18 @@ class RankGroup:
         dead = [i + 1 for i, p in enumerate(self.procs) if not p.is_alive()]
         if dead:
             raise TensorParallelError(f"tensor-parallel rank(s) {dead} exited; the run cannot go on.")
+        assert _WIRE is not None
         try:
-            dist.broadcast_object_list([msg], src=0, group=_CONTROL)
+            on_wire = _WIRE.send(msg[1], msg[2]) if msg[0] == "step" else _WIRE.send(None)
+            if not on_wire:  # setup, stop, a step larger than the wire: the object follows
+                dist.broadcast_object_list([msg], src=0, group=_CONTROL)
         except Exception as e:  # a rank died mid-collective, or the group timed out
             raise TensorParallelError(f"tensor-parallel broadcast failed: {e}") from None
 
-    def close(self) -> None:
+    def close(self, release_graphs: Callable[[], None] | None = None) -> None:
         """Stop the followers and leave the group (idempotent; never raises for a group already
-        broken: the followers left are killed after 30 s)."""
+        broken: the followers left are killed after 30 s). ``release_graphs``: rank 0's
+        ``ModelRunner.release_graphs``, called once every rank has stopped (no collective in flight)."""
         if self.closed:
             return
         self.closed = True
@@ -187,6 +238,8 @@ class RankGroup:
             if all(p.is_alive() for p in self.procs):
                 self.send(("stop",))
                 dist.barrier(group=_CONTROL)  # the followers' (protocol step 3): then every rank closes
+                if release_graphs is not None:
+                    release_graphs()
         except (TensorParallelError, RuntimeError):
             pass  # a rank is gone or hung: the joins below end the rest
         finally:
