@@ -10,7 +10,7 @@ import atexit
 import itertools
 import time
 import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -114,7 +114,7 @@ class Engine:
             warnings.warn(f"kiln: {line}", stacklevel=2)
         dev = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
         # A tensor-parallel artifact: ranks 1..N-1 start as follower processes before the load
-        # (runtime/tensor_parallel.py); their steps' input ids travel on the host: no overlap.
+        # (runtime/tensor_parallel.py).
         self.ranks: RankGroup | None = None
         tp = Manifest.load(Path(artifact)).tp
         if tp > 1:
@@ -136,8 +136,6 @@ class Engine:
                     "kiln.runtime.tensor_parallel.follow_launched(ARTIFACT, DEVICE))"
                 )
             atexit.register(self.close)
-            opts = replace(opts, overlap=False)
-            self.opts = opts
         tokenizer: list[Any] = [None]
 
         def load_text(art: Any) -> None:  # runs while the weights stream in
@@ -177,7 +175,9 @@ class Engine:
         self.model.phases["kv_pool"] = time.perf_counter() - t
         t = time.perf_counter()
         if self.ranks is not None:  # the followers build the same pool, table and runner now
-            self.ranks.setup(self.pool.num_slots, self.max_running, opts.cuda_graph)
+            self.ranks.setup(
+                self.pool.num_slots, self.max_running, opts.cuda_graph, self.settings["graph_greedy"]
+            )
         self.runner = ModelRunner(
             self.model,
             self.pool,

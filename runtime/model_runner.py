@@ -227,12 +227,7 @@ class ModelRunner:
         n64[2, :n] = step.out_slots
         n32[0, :n] = step.req_rows
         n32[1, :n] = step.seq_lens
-        in_place = (
-            subst is not None
-            and subst[0] is None
-            and subst[1].data_ptr() == self._i64.data_ptr()
-            and subst[1].numel() == n
-        )  # the previous graph's argmax ids, already in the input row (KILN_GRAPH_GREEDY)
+        in_place = self.uses_argmax_ids(subst, n)
         self.ids_in_place += in_place
         skip = self._ids_bytes if in_place else 0
         self._dbuf[skip:].copy_(self._hbuf[self._flip][skip:], non_blocking=True)  # one copy (a few KiB)
@@ -266,6 +261,21 @@ class ModelRunner:
         for e in ext:
             indptr.append(indptr[-1] + e)
         return run_extend_graph(self.m, self.pool, self.bt, ids, pos, slots, rows, lens, indptr)
+
+    def argmax_ids(self, n: int) -> torch.Tensor:
+        """The decode input row's first ``n`` ids: where the last decode graph's argmax is
+        (KILN_GRAPH_GREEDY); as ``subst`` ``(None, argmax_ids(n))`` they are used in place."""
+        return self._i64[0, :n]
+
+    def uses_argmax_ids(self, subst: tuple[torch.Tensor | None, torch.Tensor] | None, n: int) -> bool:
+        """Whether a decode step of ``n`` rows with ``subst`` takes the previous graph's argmax
+        ids where they already are (:meth:`argmax_ids`): no copy."""
+        return (
+            subst is not None
+            and subst[0] is None
+            and subst[1].data_ptr() == self._i64.data_ptr()
+            and subst[1].numel() == n
+        )
 
     def release_graphs(self) -> None:
         """Free the captured decode graphs (their replays fall back to eager runs). A tensor-parallel

@@ -1,15 +1,17 @@
 """A tensor-parallel step as one int64 tensor: what rank 0 broadcasts to its followers each step.
 
 The protocol of runtime/tensor_parallel.py sends each forward's inputs from rank 0 to the other
-ranks. As a pickled object over gloo that costs two host collectives and ~0.6-1 ms a step (on the
-H200 pair it was a quarter of a batch-1 step); as one tensor over the graphs' own group (NCCL on
-GPUs) it is one broadcast of a few KiB and one copy to the host. Layout (int64)::
+ranks over a gloo group, on the host (it never waits for a GPU stream, so rank 0 can send step N+1
+while step N runs). As a pickled object that costs two collectives, ~1 ms a step on the H200 pair
+(a quarter of a batch-1 step); as one tensor, one. Layout (int64)::
 
     [kind, T, B, K, input_ids[T], positions[T], out_slots[T], req_rows[B], seq_lens[B],
      extend_lens[B] (extend only), flat indices[K], pages[K]]
 
-``kind``: :data:`OBJECT` (the message follows as a Python object over the control group: setup,
-stop, and steps larger than the wire), :data:`DECODE` or :data:`EXTEND`. ``K`` block-table changes
+``kind``: :data:`OBJECT` (the message follows as a Python object: setup, stop, and steps larger
+than the wire), :data:`DECODE`, :data:`EXTEND`, or :data:`DECODE_ARGMAX`: a decode step whose
+input ids are each rank's own argmax of the step before (``ModelRunner.argmax_ids``: every rank has
+the whole logits, so the same ids; rank 0 launched it without reading them, with overlap). ``K`` block-table changes
 ``{flat index: page}`` travel with the step (``BlockTable.pending_changes``).
 """
 
@@ -21,7 +23,7 @@ import numpy as np
 
 from kiln.runtime.model_runner import StepInputs
 
-OBJECT, DECODE, EXTEND = 0, 1, 2
+OBJECT, DECODE, EXTEND, DECODE_ARGMAX = 0, 1, 2, 3
 HEADER = 4
 WIRE_INTS = 1 << 14  # 128 KiB: every decode step of up to ~2,700 requests, prefill chunks to ~5,000 tokens
 
@@ -32,16 +34,20 @@ def wire_size(step: StepInputs, pending: dict[int, int]) -> int:
     return HEADER + 3 * len(step.input_ids) + (3 if step.mode == "extend" else 2) * b + 2 * len(pending)
 
 
-def encode(out: np.ndarray, step: StepInputs | None, pending: dict[int, int] | None = None) -> bool:
+def encode(
+    out: np.ndarray, step: StepInputs | None, pending: dict[int, int] | None = None, argmax: bool = False
+) -> bool:
     """Write ``step`` and ``pending`` into ``out`` (int64, ``WIRE_INTS``); None, or a step that
-    does not fit: an :data:`OBJECT` header (the caller sends the message as an object). Returns
-    whether the step is on the wire."""
+    does not fit: an :data:`OBJECT` header (the caller sends the message as an object). ``argmax``:
+    a decode step whose ids are the ranks' own argmax (:data:`DECODE_ARGMAX`). Returns whether the
+    step is on the wire."""
     pending = pending or {}
     if step is None or wire_size(step, pending) > out.shape[0]:
         out[:HEADER] = (OBJECT, 0, 0, 0)
         return False
     t, b, k = len(step.input_ids), step.batch, len(pending)
-    out[:HEADER] = (DECODE if step.mode == "decode" else EXTEND, t, b, k)
+    kind = EXTEND if step.mode == "extend" else DECODE_ARGMAX if argmax else DECODE
+    out[:HEADER] = (kind, t, b, k)
     i = HEADER
     for part in (step.input_ids, step.positions, step.out_slots):
         out[i : i + t] = part
@@ -55,12 +61,13 @@ def encode(out: np.ndarray, step: StepInputs | None, pending: dict[int, int] | N
     return True
 
 
-def decode(wire: np.ndarray) -> tuple[StepInputs, dict[int, int]] | None:
-    """The step and table changes in ``wire`` (:func:`encode`'s), or None for an :data:`OBJECT`."""
+def decode(wire: np.ndarray) -> tuple[StepInputs, dict[int, int], bool] | None:
+    """The step, its table changes and whether its ids are the ranks' argmax, from ``wire``
+    (:func:`encode`'s), or None for an :data:`OBJECT`."""
     kind, t, b, k = (int(v) for v in wire[:HEADER])
     if kind == OBJECT:
         return None
-    if kind not in (DECODE, EXTEND):
+    if kind not in (DECODE, EXTEND, DECODE_ARGMAX):
         raise ValueError(f"step wire: unknown kind {kind}")
     i = HEADER
     lists: list[Any] = []
@@ -68,5 +75,4 @@ def decode(wire: np.ndarray) -> tuple[StepInputs, dict[int, int]] | None:
         lists.append(wire[i : i + n].tolist())
         i += n
     pending = dict(zip(wire[i : i + k].tolist(), wire[i + k : i + 2 * k].tolist(), strict=True))
-    mode = "decode" if kind == DECODE else "extend"
-    return StepInputs(mode, *lists), pending
+    return StepInputs("extend" if kind == EXTEND else "decode", *lists), pending, kind == DECODE_ARGMAX

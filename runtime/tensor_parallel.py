@@ -14,11 +14,13 @@ holds a step whole or says that the message follows as a Python object over the 
 1. ``("setup", num_slots, max_running, cuda_graph)``: the KV pool and block table sizes the engine
    chose; every rank builds the same pool, table and model runner (capturing its CUDA graphs, whose
    collectives meet the other ranks' captures in the same order).
-2. ``("step", step, pending)`` per forward: the step's inputs (``model_runner.StepInputs``, host
-   lists) and the block table's changes not yet written to the device (``{flat index: page}``);
+2. ``("step", step, pending, argmax)`` per forward: the step's inputs (``model_runner.StepInputs``,
+   host lists) and the block table's changes not yet written to the device (``{flat index: page}``);
    each follower applies the changes and runs the same forward, whose collectives pair with rank
-   0's. Only rank 0 reads the logits (every rank has them whole). The input ids travel with the
-   step, so rank 0 runs without overlap (an overlapped step's ids are still on the device).
+   0's. Only rank 0 reads the logits (every rank has them whole). With overlap, rank 0 launches a
+   decode step before it has read the last one's ids: ``argmax`` says they are the decode graph's
+   argmax, which every rank holds in place (``ModelRunner.argmax_ids``); sampled ids are read to
+   the host and sent in the step (that step does not overlap).
 3. ``("stop",)``: every rank meets at a barrier (no connection closes while a peer still uses it:
    gloo aborts the process then), and leaves the group.
 
@@ -39,6 +41,7 @@ import datetime
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -108,42 +111,28 @@ def _join(
         enable_symmetric_all_reduce(torch.device("cuda", torch.cuda.current_device()))
     global _CONTROL, _WIRE
     _CONTROL = dist.new_group(backend="gloo") if _backend(device) != "gloo" else dist.group.WORLD
-    _WIRE = _Wire(device)
+    _WIRE = _Wire()
 
 
 class _Wire:
-    """This rank's buffers for the step wire (runtime/step_wire.py): on the group's device (the
-    graphs' group: NCCL on GPUs) and two host buffers (pinned on GPUs; rank 0 alternates them so
-    that a copy still in flight never sees its buffer rewritten)."""
+    """This rank's step wire (runtime/step_wire.py): a host tensor broadcast over the control group."""
 
-    def __init__(self, device: str):
-        on_gpu = torch.device(device).type == "cuda"
-        dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        self.device = torch.empty(step_wire.WIRE_INTS, dtype=torch.int64, device=dev) if on_gpu else None
-        self.host = [torch.zeros(step_wire.WIRE_INTS, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
-        self.flip = 0
+    def __init__(self) -> None:
+        self.host = torch.zeros(step_wire.WIRE_INTS, dtype=torch.int64)
 
-    def send(self, step: StepInputs | None, pending: dict[int, int] | None = None) -> bool:
+    def send(
+        self, step: StepInputs | None, pending: dict[int, int] | None = None, argmax: bool = False
+    ) -> bool:
         """Rank 0: broadcast ``step`` (None: the object header); whether it went on the wire."""
-        self.flip ^= 1
-        h = self.host[self.flip]
-        on_wire = step_wire.encode(h.numpy(), step, pending)
-        if self.device is None:
-            dist.broadcast(h, src=0)
-        else:
-            self.device.copy_(h, non_blocking=True)
-            dist.broadcast(self.device, src=0)
+        on_wire = step_wire.encode(self.host.numpy(), step, pending, argmax)
+        dist.broadcast(self.host, src=0, group=_CONTROL)
         return on_wire
 
-    def receive(self) -> tuple[StepInputs, dict[int, int]] | None:
-        """A follower: the next step and its table changes, or None (an object follows)."""
-        h = self.host[0]
-        if self.device is None:
-            dist.broadcast(h, src=0)
-        else:
-            dist.broadcast(self.device, src=0)
-            h.copy_(self.device)  # waits for the broadcast
-        return step_wire.decode(h.numpy())
+    def receive(self) -> tuple[StepInputs, dict[int, int], bool] | None:
+        """A follower: the next step, its table changes and whether its ids are this rank's own
+        argmax, or None (an object follows)."""
+        dist.broadcast(self.host, src=0, group=_CONTROL)
+        return step_wire.decode(self.host.numpy())
 
 
 _WIRE: _Wire | None = None
@@ -179,19 +168,23 @@ def _follower_main(
         model = load_model(artifact, dev, rank=rank, verify=verify)
         msg = _receive()
         assert msg[0] == "setup", msg[0]
-        _, num_slots, max_running, cuda_graph = msg
+        _, num_slots, max_running, cuda_graph, graph_greedy = msg
         m = model.artifact.manifest
         pool = KVPool.for_spec(m.kv, num_slots, model.device)
         bt = BlockTable(max_running, m.max_blocks, model.device, m.kv.page_size)
-        runner = ModelRunner(model, pool, bt, cuda_graph=cuda_graph, graph_greedy=False)
+        runner = ModelRunner(model, pool, bt, cuda_graph=cuda_graph, graph_greedy=graph_greedy)
         while True:
             msg = _receive()
+            if msg[0] == "step" and msg[3]:  # ids: this rank's argmax of the last step, in place
+                bt.queue_changes(msg[2])
+                runner.forward(msg[1], (None, runner.argmax_ids(msg[1].batch)))
+                continue
             if msg[0] == "stop":
                 dist.barrier(
                     group=_CONTROL
                 )  # with rank 0: no rank closes its connections while another uses them
                 break
-            _, step, pending = msg
+            _, step, pending, _ = msg
             bt.queue_changes(pending)
             runner.forward(step)
         runner.release_graphs()
@@ -209,9 +202,9 @@ class RankGroup:
         self.init = init
         self.closed = False
 
-    def setup(self, num_slots: int, max_running: int, cuda_graph: bool) -> None:
+    def setup(self, num_slots: int, max_running: int, cuda_graph: bool, graph_greedy: bool) -> None:
         """Step 1 of the protocol, before rank 0 builds its model runner."""
-        self.send(("setup", num_slots, max_running, cuda_graph))
+        self.send(("setup", num_slots, max_running, cuda_graph, graph_greedy))
 
     def send(self, msg: tuple[Any, ...]) -> None:
         """Broadcast one protocol message to the followers; a dead follower or a failed collective
@@ -221,7 +214,7 @@ class RankGroup:
             raise TensorParallelError(f"tensor-parallel rank(s) {dead} exited; the run cannot go on.")
         assert _WIRE is not None
         try:
-            on_wire = _WIRE.send(msg[1], msg[2]) if msg[0] == "step" else _WIRE.send(None)
+            on_wire = _WIRE.send(*msg[1:]) if msg[0] == "step" else _WIRE.send(None)
             if not on_wire:  # setup, stop, a step larger than the wire: the object follows
                 dist.broadcast_object_list([msg], src=0, group=_CONTROL)
         except Exception as e:  # a rank died mid-collective, or the group timed out
@@ -263,10 +256,18 @@ class BroadcastRunner:
         self.ranks = ranks
 
     def forward(self, step: StepInputs, subst: Any = None) -> torch.Tensor:
-        if subst is not None:
-            raise TensorParallelError("a tensor-parallel step needs its input ids on the host (no overlap)")
-        self.ranks.send(("step", step, self.runner.bt.pending_changes()))
-        return self.runner.forward(step)
+        """``subst``: the step's input ids still on the device (overlap, ``ModelRunner.decode``).
+        Those of the decode graph's argmax travel as a flag (every rank has them in place); others
+        (sampled ids) are read to the host first: that step does not overlap."""
+        argmax = self.runner.uses_argmax_ids(subst, step.batch)
+        if subst is not None and not argmax:
+            rows, ids = subst
+            host_ids = list(step.input_ids)
+            for r, i in zip(range(len(ids)) if rows is None else rows.tolist(), ids.tolist(), strict=True):
+                host_ids[r] = i
+            step, subst = replace(step, input_ids=host_ids), None
+        self.ranks.send(("step", step, self.runner.bt.pending_changes(), argmax))
+        return self.runner.forward(step, subst)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)

@@ -15,11 +15,10 @@ def _buf(n: int = step_wire.WIRE_INTS) -> np.ndarray:
 def test_decode_and_extend_steps_round_trip_with_their_table_changes():
     dec = StepInputs("decode", [5, 6, 7], [100, 3, 41], [900, 12, 77], [2, 0, 1], [101, 4, 42])
     ext = StepInputs("extend", [9, 8, 7, 6, 5], [0, 1, 2, 7, 8], [0, 1, 2, 30, 31], [3, 4], [3, 9], [3, 2])
-    for step, pending in ((dec, {7: 12, 130: 4}), (ext, {}), (dec, {})):
+    for step, pending, argmax in ((dec, {7: 12, 130: 4}, False), (ext, {}, False), (dec, {}, True)):
         wire = _buf()
-        assert step_wire.encode(wire, step, pending)
-        got, got_pending = step_wire.decode(wire)
-        assert got == step and got_pending == pending
+        assert step_wire.encode(wire, step, pending, argmax)
+        assert step_wire.decode(wire) == (step, pending, argmax)
 
 
 def test_messages_that_are_not_steps_or_do_not_fit_say_an_object_follows():

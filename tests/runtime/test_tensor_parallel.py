@@ -107,7 +107,9 @@ def tp2_arts(checkpoints, tmp_path_factory):
 def test_engine_runs_a_tp_artifact_on_follower_ranks(tp2_arts):
     """``LLM(ART)`` of a --tp 2 artifact starts the second rank as a process that mirrors each step
     (runtime/tensor_parallel.py): greedy and seeded sampled tokens equal the tp=1 engine's, with
-    chunked prefill (prompts past the chunk) and the prefix cache."""
+    chunked prefill (prompts past the chunk) and the prefix cache. With overlap (the default), the
+    greedy decode steps take their ids from each rank's own argmax (the step wire's flag) and the
+    sampled ones from the host."""
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampling_params import SamplingParams
 
@@ -122,8 +124,10 @@ def test_engine_runs_a_tp_artifact_on_follower_ranks(tp2_arts):
     llm = LLM(str(tp2), device="cpu")
     try:
         assert llm.engine.ranks is not None and len(llm.engine.ranks.procs) == 1
+        assert llm.engine.opts.overlap
         got = [[o.token_ids for o in llm.generate(prompts, p)] for p in params]
         assert got == expect
+        assert llm.engine.runner.ids_in_place > 0  # greedy steps sent as the argmax flag
         llm.engine.check_integrity()
     finally:
         llm.engine.close()
