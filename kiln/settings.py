@@ -221,7 +221,7 @@ _ALL: tuple[Setting, ...] = (
        "error (a rank that hangs; one that exits fails the next step at once).", env="KILN_TP_TIMEOUT",
        flag=True, when="engine start"),
     _s("tp_all_reduce", "run", "choice", "auto",
-       "The tensor-parallel all-reduce on GPUs: auto = torch's symmetric-memory one-shot (to 1 MiB) and "
+       "The tensor-parallel all-reduce on GPUs: auto = torch's symmetric-memory one-shot (to 256 KiB) and "
        "two-shot (to 32 MiB) all-reduce of bf16 where torch has it, NCCL above; nccl = NCCL always "
        "(docs/parallelism.md has both measured).", env="KILN_TP_ALL_REDUCE", flag=True,
        choices=("auto", "nccl"), when="engine start"),
