@@ -39,9 +39,21 @@ SPECIAL_TOKENS = [
 BOS, EOT_TEXT, EOT = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
 
 LLAMA3_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
-    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{{ bos_token }}"
+    # tools (Llama 3.1's JSON tool calling): listed in a system turn with how to call one
+    "{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n"
+    'To call a function, answer with only a JSON object {"name": its name, "parameters": an object '
+    "of its arguments}. The functions:\n\n{% for t in tools %}{{ t | tojson }}\n\n{% endfor %}"
+    "<|eot_id|>{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n{% for c in message['tool_calls'] %}"
+    '{"name": {{ c["name"] | tojson }}, "parameters": {{ c["arguments"] | tojson }}}'
+    "{% if not loop.last %}; {% endif %}{% endfor %}<|eot_id|>"
+    "{% elif message['role'] == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n"
+    "{{ message['content'] | trim }}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] | trim }}<|eot_id|>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 

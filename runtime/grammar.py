@@ -40,22 +40,35 @@ class GrammarError(KilnError, ValueError):
 
 
 @dataclass(frozen=True)
+class ToolCallGrammar:
+    """One call of one of ``tools`` (``(name, parameters JSON schema text or None)``), written in
+    tool-call format ``fmt`` (runtime/tool_parsers.py ``CALL_SHAPES``): the output of a request
+    whose ``tool_choice`` is "required" or names a function."""
+
+    fmt: str
+    tools: tuple[tuple[str, str | None], ...]
+
+
+@dataclass(frozen=True)
 class StructuredOutputs:
     """One structure for a request's output; exactly one field is set.
 
     json_schema: a JSON schema (text) the output must validate against.  json_object: any JSON
     object.  regex: a regular expression the whole output matches.  ebnf: a grammar in xgrammar's
-    EBNF (``root ::= ...``).  choice: the output is exactly one of these strings."""
+    EBNF (``root ::= ...``).  choice: the output is exactly one of these strings.  tool_call: one
+    call of one of a set of tools (:class:`ToolCallGrammar`)."""
 
     json_schema: str | None = None
     json_object: bool = False
     regex: str | None = None
     ebnf: str | None = None
     choice: tuple[str, ...] | None = None
+    tool_call: ToolCallGrammar | None = None
 
     def kind(self) -> str:
         """The field that is set; raises :class:`GrammarError` unless exactly one is."""
-        set_ = [k for k in ("json_schema", "regex", "ebnf", "choice") if getattr(self, k) is not None]
+        fields = ("json_schema", "regex", "ebnf", "choice", "tool_call")
+        set_ = [k for k in fields if getattr(self, k) is not None]
         set_ += ["json_object"] if self.json_object else []
         if len(set_) != 1:
             raise GrammarError(
@@ -105,6 +118,9 @@ class GrammarCompiler:
             if kind == "ebnf":
                 assert spec.ebnf is not None
                 return c.compile_grammar(spec.ebnf)
+            if kind == "tool_call":
+                assert spec.tool_call is not None
+                return c.compile_grammar(self._tool_call_grammar(spec.tool_call))
             assert spec.choice is not None  # an EBNF alternation of string literals
             return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
         except GrammarError:
@@ -113,6 +129,22 @@ class GrammarCompiler:
             detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             detail = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", detail)  # drop xgrammar's source location
             raise GrammarError(f"{kind} does not compile: {detail[:300]}") from None
+
+    def _tool_call_grammar(self, spec: ToolCallGrammar) -> Any:
+        """The format's text before a call, one of the tools' call objects, the text after."""
+        from kiln.runtime.tool_parsers import CALL_SHAPES, call_schema
+
+        xgr = self._xgr
+        before, _, after = CALL_SHAPES[spec.fmt]
+        calls = []
+        for name, params in spec.tools:
+            schema = call_schema(spec.fmt, name, json.loads(params) if params is not None else None)
+            _refuse_unenforced(schema)
+            calls.append(xgr.Grammar.from_ebnf(self._json_grammar(json.dumps(schema))))
+        parts = [xgr.Grammar.union(*calls) if len(calls) > 1 else calls[0]]
+        parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(t)}") for t in (before,) if t] + parts
+        parts += [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(after)}")] if after else []
+        return xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0]
 
     def _json_grammar(self, schema: str) -> str:
         """xgrammar's grammar for ``schema`` (no free whitespace: a random model would emit it

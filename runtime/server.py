@@ -53,6 +53,7 @@ from kiln.runtime.server_protocol import (
     resolve_max_tokens,
     sampling_params,
 )
+from kiln.runtime.server_tools import ToolPlan
 from kiln.runtime.server_worker import EngineWorker, ServerMetrics, Sink, WorkerUnavailable
 
 QUEUE_PER_SLOT = 8  # default max_queue: this many waiting sequences per running slot
@@ -77,6 +78,7 @@ class OpenAIServer:
     def __init__(self, engine: Any, opts: ServerOptions):
         self.opts = opts
         self.model_name = opts.model_name or Path(engine.artifact.root).resolve().name
+        self.architecture = str(engine.artifact.manifest.model.get("architecture", ""))  # tool-call format
         self.tokenizer = engine.tokenizer
         self.context = engine.max_seq_len
         # prompt + max_tokens of one request: the context or, when smaller, the KV pool
@@ -132,14 +134,14 @@ class OpenAIServer:
             raise prompt_too_long(param, has, self.context, self.max_request_tokens)
         return _tokenize(self.tokenizer, text, special, param)
 
-    def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def _chat_ids(self, req: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("messages", "this model has no chat template; use /v1/completions")
+        messages = [m.to_template() for m in req.messages]
+        extra = {"tools": tools.tools} if tools is not None else {}
         try:
-            text = tok.apply_chat_template(
-                [m.to_template() for m in req.messages], tokenize=False, add_generation_prompt=True
-            )
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         except Exception as e:  # the template rejected the conversation
             raise bad_request("messages", f"the chat template rejected these messages: {e}") from None
         return self._tokenize(text, False, "messages")
@@ -148,11 +150,13 @@ class OpenAIServer:
     async def generate(self, req: CompletionRequest | ChatCompletionRequest, http: Request) -> Response:
         chat = isinstance(req, ChatCompletionRequest)
         self.check_model(req.model)
-        params = sampling_params(req, self.vocab_size)
+        tools = req.tool_plan(self.architecture) if isinstance(req, ChatCompletionRequest) else None
+        params = sampling_params(req, self.vocab_size, tools)
         raw = None if chat else req.prompts()
         self.check_sequences(1 if raw is None else len(raw), params.n)
         if raw is None:
-            prompts = [await asyncio.to_thread(self._chat_ids, req)]
+            assert isinstance(req, ChatCompletionRequest)
+            prompts = [await asyncio.to_thread(self._chat_ids, req, tools)]
         else:
             prompts = await asyncio.to_thread(self._encode, raw)
         pparam = "messages" if chat else "prompt"
@@ -182,7 +186,7 @@ class OpenAIServer:
         loop = asyncio.get_running_loop()
         sink = Sink(loop, {f"{base}-{i}-{k}": i * n + k for i in range(len(prompts)) for k in range(n)})
         seqs = [(rid, prompts[i // n], per_prompt[i // n], i % n) for rid, i in sink.rids.items()]
-        reply = Reply(self, chat, ("chatcmpl-" if chat else "cmpl-") + base, req, prompts, n)
+        reply = Reply(self, chat, ("chatcmpl-" if chat else "cmpl-") + base, req, prompts, n, tools)
         self.inflight += nseq
         released = False
 

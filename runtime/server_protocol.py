@@ -3,7 +3,7 @@
 Request bodies are pydantic models in strict mode (``"5"`` is not an integer, ``1`` is not a
 boolean), so wrong types fail validation; the server maps every validation failure to a 400 in
 OpenAI's error shape. Fields the API defines but kiln does not implement (``logit_bias``,
-``echo``, ``suffix``, tools) are rejected when set, never silently ignored. Structured outputs:
+``echo``, ``suffix``) are rejected when set, never silently ignored. Tools: runtime/server_tools.py. Structured outputs:
 ``response_format`` (``text``, ``json_object``, ``json_schema``) and the extensions ``regex``,
 ``ebnf`` and ``choice`` (one of them per request; runtime/grammar.py).
 Unknown fields are ignored, as OpenAI's own server does.
@@ -15,6 +15,7 @@ below 1e-5 mean greedy (as vLLM does), stop token ids must be in the vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +26,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from kiln.runtime.grammar import StructuredOutputs
 from kiln.runtime.request import RequestOutput
 from kiln.runtime.sampling_params import InvalidSamplingParams, SamplingParams
+from kiln.runtime.server_tools import (
+    ToolChoice,
+    ToolDef,
+    ToolPlan,
+    ToolRequestError,
+    ToolStream,
+    tool_message,
+    tool_plan,
+)
 from kiln.runtime.server_worker import EngineFailure
 
 MAX_N = 128  # completions per prompt (OpenAI's cap)
@@ -187,14 +197,32 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def to_template(self) -> dict[str, Any]:
-        """The message as the chat template sees it: content flattened to one string."""
+        """The message as the chat template sees it: content flattened to one string; an
+        assistant's calls as ``{"name", "arguments"}`` with the arguments as an object (as Hugging
+        Face templates expect), also under ``function``."""
         c = self.content
         text = "".join(p.text for p in c) if isinstance(c, list) else (c or "")
         msg: dict[str, Any] = {"role": self.role, "content": text}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise bad_request("messages", "a tool call needs {'function': {'name', 'arguments'}}")
+                args = fn.get("arguments", "{}")
+                with contextlib.suppress(json.JSONDecodeError):  # else the template gets the text
+                    args = json.loads(args) if isinstance(args, str) else args
+                f = {"name": fn["name"], "arguments": args}
+                calls.append({"id": call.get("id"), "type": "function", "function": f, **f})
+            msg["tool_calls"] = calls
         return msg
 
 
@@ -208,21 +236,25 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
 
-    def unsupported(self) -> None:
-        super().unsupported()
-        if self.tools:
-            raise bad_request("tools", "tool calling is not supported by this server")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice", "tool calling is not supported by this server")
+    def tool_plan(self, architecture: str) -> ToolPlan | None:
+        """The request's tools as the server uses them (runtime/server_tools.py); 400 naming the
+        field when they are inconsistent."""
+        try:
+            return tool_plan(self.tools, self.tool_choice, architecture)
+        except ToolRequestError as e:
+            raise bad_request(e.param, str(e)) from None
 
 
 # ------------------------------------------------------------------------- sampling params
-def sampling_params(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> SamplingParams:
+def sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, vocab_size: int, tools: ToolPlan | None = None
+) -> SamplingParams:
     """The request's :class:`SamplingParams`; ``max_tokens`` 0 means "not given" (completions:
     16, chat: the rest of the context; either capped to what fits, see :func:`resolve_max_tokens`).
+    ``tools``: a chat request's tool plan (a forced call is its structure).
     Raises ``APIError`` (400) naming the first
     bad parameter."""
     req.unsupported()
@@ -277,7 +309,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, vocab_size: 
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens is not False,
         n=n,
-        structured=req.structured(),
+        structured=_structure(req, tools),
     )
     try:
         params.validate()
@@ -287,6 +319,19 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, vocab_size: 
     if max_tokens is None:
         params.max_tokens = 0  # 0 = "not given", resolved per prompt
     return params
+
+
+def _structure(
+    req: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None
+) -> StructuredOutputs | None:
+    given = req.structured()
+    if tools is None or tools.grammar is None:
+        return given
+    if given is not None:
+        raise bad_request(
+            "tool_choice", "a forced tool call (tool_choice) and a structured output cannot be combined"
+        )
+    return StructuredOutputs(tool_call=tools.grammar)
 
 
 def resolve_max_tokens(
@@ -350,8 +395,18 @@ class Reply:
     the server-sent events (:meth:`events`). Choice ``i * n + k`` is completion ``k`` of prompt
     ``i``. ``server`` provides ``model_name`` and ``token_text(id) -> str``."""
 
-    def __init__(self, server: Any, chat: bool, rid: str, req: Any, prompts: list[list[int]], n: int):
+    def __init__(
+        self,
+        server: Any,
+        chat: bool,
+        rid: str,
+        req: Any,
+        prompts: list[list[int]],
+        n: int,
+        tools: ToolPlan | None = None,
+    ):
         self.server, self.chat, self.id, self.n = server, chat, rid, n
+        self.tools = tools if tools is not None and tools.parse else None  # outputs parsed for calls
         self.created = int(time.time())
         self.prompt_lens = [len(p) for p in prompts]
         self.nseq = len(prompts) * n
@@ -412,12 +467,15 @@ class Reply:
         for i in range(self.nseq):
             text, fin = "".join(texts[i]), self.finals[i]
             c: dict[str, Any] = {"index": i}
-            if self.chat:
+            reason = fin.finish_reason
+            if self.chat and self.tools is not None:
+                c["message"], reason = tool_message(text, self.tools, reason)
+            elif self.chat:
                 c["message"] = {"role": "assistant", "content": text}
             else:
                 c["text"] = text
             c["logprobs"] = self._logprobs(i, lps[i], text)
-            c["finish_reason"] = fin.finish_reason
+            c["finish_reason"] = reason
             choices.append(c)
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": choices, "usage": self.usage(), "system_fingerprint": None}
@@ -432,6 +490,7 @@ class Reply:
         def chunk(choice: dict[str, Any]) -> str:
             return sse({**head, "choices": [choice]})
 
+        streams: dict[int, ToolStream] = {}  # per choice, with tools
         if self.chat:  # the role first, as OpenAI does
             first = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             yield "".join(chunk({"index": i, **first}) for i in range(self.nseq)).encode()
@@ -450,12 +509,23 @@ class Reply:
                 if not (out.new_text or out.finished or (self.want_logprobs and out.new_logprobs)):
                     continue
                 c: dict[str, Any] = {"index": i}
-                if self.chat:
+                reason = out.finish_reason if out.finished else None
+                if self.chat and self.tools is not None:  # content held where a call may begin
+                    stream = streams.setdefault(i, ToolStream(self.tools))
+                    delta: dict[str, Any] = {}
+                    text = stream.feed(out.new_text)
+                    if out.finished:
+                        rest, calls, reason = stream.finish(reason)
+                        text += rest
+                        if calls:
+                            delta["tool_calls"] = calls
+                    c["delta"] = {"content": text, **delta} if text else delta
+                elif self.chat:
                     c["delta"] = {"content": out.new_text} if out.new_text else {}
                 else:
                     c["text"] = out.new_text
                 c["logprobs"] = self._logprobs(i, out.new_logprobs, out.new_text)
-                c["finish_reason"] = out.finish_reason if out.finished else None
+                c["finish_reason"] = reason
                 parts.append(chunk(c))
             if parts:
                 yield "".join(parts).encode()

@@ -1,5 +1,6 @@
 """Tool calls in a model's output text: the formats of the architectures kiln serves, parsed into
-OpenAI's ``tool_calls`` (issue 31; the server's ``tools`` wiring comes next).
+OpenAI's ``tool_calls``, and the shape of one call for a grammar that forces it (``CALL_SHAPES``,
+:func:`call_schema`: ``tool_choice`` "required" or a named function, runtime/server_tools.py).
 
 Formats (``FORMATS``; :func:`format_for` picks one from the architecture):
 
@@ -7,9 +8,9 @@ Formats (``FORMATS``; :func:`format_for` picks one from the architecture):
   {...}}`` (``"arguments"`` accepted too), optionally after ``<|python_tag|>``; several calls are
   separated by ``;``.
 * ``hermes`` (Qwen 2/2.5/3, Hermes): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-  blocks; text before the first block is the message content.
+  blocks; text before the first block is the message content (trailing whitespace dropped).
 * ``mistral`` (Mistral, Mixtral): ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``
-  objects; text before the marker is the content.
+  objects; text before the marker is the content (trailing whitespace dropped).
 
 :func:`parse_tool_calls` returns ``(content, calls)``. Output that does not parse as the format's
 calls (truncated JSON, a call without a name, arguments that are not an object) is plain content
@@ -30,6 +31,18 @@ _BY_ARCH = (
     ("Mistral", "mistral"),
     ("Mixtral", "mistral"),
 )
+# One call as each format writes it: (text before the JSON object, its arguments' key, text after).
+CALL_SHAPES = {
+    "llama3_json": ("", "parameters", ""),
+    "hermes": ("<tool_call>\n", "arguments", "\n</tool_call>"),
+    "mistral": ("[TOOL_CALLS][", "arguments", "]"),
+}
+# Where a call may begin in free text (tool_choice "auto"): streamed text is held back from here.
+CALL_MARKERS = {
+    "llama3_json": ("{", "<|python_tag|>"),
+    "hermes": ("<tool_call>",),
+    "mistral": ("[TOOL_CALLS]",),
+}
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -44,6 +57,20 @@ class ToolCall:
 def format_for(architecture: str) -> str | None:
     """The tool-call format of a Hugging Face architecture name, or None when kiln knows none."""
     return next((fmt for prefix, fmt in _BY_ARCH if architecture.startswith(prefix)), None)
+
+
+def call_schema(fmt: str, name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """The JSON schema of one call of function ``name`` in format ``fmt``'s object: the name as a
+    constant, its arguments under the format's key following ``parameters`` (None: no arguments,
+    ``{}``, as OpenAI defines a function without parameters)."""
+    args_key = CALL_SHAPES[fmt][1]
+    none = {"type": "object", "properties": {}, "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, args_key: parameters or none},
+        "required": ["name", args_key],
+        "additionalProperties": False,
+    }
 
 
 def _call(obj: Any, args_key: str = "arguments") -> ToolCall | None:
@@ -93,13 +120,13 @@ def parse_tool_calls(text: str, fmt: str) -> tuple[str | None, list[ToolCall]]:
         blocks = _HERMES.findall(text)
         if blocks:
             calls = _calls([_loads(b) for b in blocks], "arguments")
-            content = text[: text.index("<tool_call>")].strip() or None
+            content = text[: text.index("<tool_call>")].rstrip() or None
     else:  # mistral
         if "[TOOL_CALLS]" in text:
             head, _, tail = text.partition("[TOOL_CALLS]")
             objs = _loads(tail.strip())
             calls = _calls(objs if isinstance(objs, list) else [objs], "arguments")
-            content = head.strip() or None
+            content = head.rstrip() or None
     if calls is None:
         return text, []
     return content, calls

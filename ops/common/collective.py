@@ -39,7 +39,7 @@ from kiln.ops.common.op import kiln_op
 _GROUP: Any = None  # the tensor-parallel process group, or None: one rank
 _SYMM: Any = None  # (bf16 symmetric buffer, group name) of enable_symmetric_all_reduce, or None
 
-ONE_SHOT_BYTES = 256 << 10  # one-shot up to here, two-shot above: they cross between 128 and 512 KiB (H200 pair)
+ONE_SHOT_BYTES = 256 << 10  # one-shot to here, two-shot above (they cross at 128-512 KiB on two H200s)
 SYMM_BUFFER_BYTES = 32 << 20  # the symmetric buffer: larger all-reduces (prefill chunks) take NCCL
 
 

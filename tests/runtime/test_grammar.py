@@ -65,3 +65,43 @@ def test_choice_allows_exactly_its_strings(compiler):
         assert _allowed(m, eos) and not _allowed(m, backend.token_to_id("a"))
     m = comp.matcher(spec)
     assert not _allowed(m, eos) and not _allowed(m, backend.token_to_id("n"))  # nothing else starts
+
+
+@pytest.mark.parametrize("fmt", ["llama3_json", "hermes", "mistral"])
+def test_a_forced_tool_call_always_parses_in_each_format(compiler, fmt):
+    """Random walks through the grammar of one call of one of two tools (tool_choice "required"):
+    every finished output parses in the format, names a declared tool and validates."""
+    import random
+
+    import jsonschema
+
+    from kiln.runtime.grammar import ToolCallGrammar
+    from kiln.runtime.tool_parsers import parse_tool_calls
+
+    backend, comp, eos = compiler
+    params = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "tag": {"enum": ["x", "y"]}},
+        "required": ["n", "tag"],
+        "additionalProperties": False,
+    }
+    spec = StructuredOutputs(tool_call=ToolCallGrammar(fmt, (("count", json.dumps(params)), ("ping", None))))
+    rng = random.Random(5)
+    for _ in range(6):
+        m, out = comp.matcher(spec), []
+        while not m.terminated and len(out) < 200:
+            mask = allocate_bitmask(1, m.vocab_size)
+            m.fill(mask, 0)
+            allowed = [t for t in range(m.vocab_size) if (int(mask[0, t // 32]) >> (t % 32)) & 1]
+            tok = rng.choice(allowed)
+            if tok == eos:
+                break
+            out.append(tok)
+            m.catch_up(out)
+        content, calls = parse_tool_calls(backend.decode(out), fmt)
+        assert content is None and len(calls) == 1, backend.decode(out)
+        args = json.loads(calls[0].arguments)
+        if calls[0].name == "count":
+            jsonschema.validate(args, params)
+        else:
+            assert calls[0].name == "ping" and args == {}
