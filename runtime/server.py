@@ -40,6 +40,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kiln.runtime.reasoning import OPEN
 from kiln.runtime.server_limits import chars_per_token_bound, min_tokens
 from kiln.runtime.server_protocol import (
     DEFAULT_COMPLETION_TOKENS,
@@ -80,6 +81,8 @@ class OpenAIServer:
         self.model_name = opts.model_name or Path(engine.artifact.root).resolve().name
         self.architecture = str(engine.artifact.manifest.model.get("architecture", ""))  # tool-call format
         self.tokenizer = engine.tokenizer
+        # a chat template that marks thinking: replies split it into reasoning_content (runtime/reasoning.py)
+        self.reasoning = OPEN in (getattr(self.tokenizer, "chat_template", None) or "")
         self.context = engine.max_seq_len
         # prompt + max_tokens of one request: the context or, when smaller, the KV pool
         self.max_request_tokens = min(engine.max_request_tokens, self.context)
@@ -134,7 +137,8 @@ class OpenAIServer:
             raise prompt_too_long(param, has, self.context, self.max_request_tokens)
         return _tokenize(self.tokenizer, text, special, param)
 
-    def _chat_ids(self, req: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
+    def _chat_ids(self, req: ChatCompletionRequest, tools: ToolPlan | None) -> tuple[list[int], bool]:
+        """The rendered conversation's token ids, and whether it ends inside a thinking block."""
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("messages", "this model has no chat template; use /v1/completions")
@@ -144,7 +148,7 @@ class OpenAIServer:
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         except Exception as e:  # the template rejected the conversation
             raise bad_request("messages", f"the chat template rejected these messages: {e}") from None
-        return self._tokenize(text, False, "messages")
+        return self._tokenize(text, False, "messages"), text.rstrip().endswith(OPEN)
 
     # ------------------------------------------------------------------ requests
     async def generate(self, req: CompletionRequest | ChatCompletionRequest, http: Request) -> Response:
@@ -154,9 +158,13 @@ class OpenAIServer:
         params = sampling_params(req, self.vocab_size, tools)
         raw = None if chat else req.prompts()
         self.check_sequences(1 if raw is None else len(raw), params.n)
+        reasoning: bool | None = None  # chat with a thinking template: whether the output starts inside
         if raw is None:
             assert isinstance(req, ChatCompletionRequest)
-            prompts = [await asyncio.to_thread(self._chat_ids, req, tools)]
+            ids, inside = await asyncio.to_thread(self._chat_ids, req, tools)
+            prompts = [ids]
+            if self.reasoning:
+                reasoning = inside
         else:
             prompts = await asyncio.to_thread(self._encode, raw)
         pparam = "messages" if chat else "prompt"
@@ -186,7 +194,9 @@ class OpenAIServer:
         loop = asyncio.get_running_loop()
         sink = Sink(loop, {f"{base}-{i}-{k}": i * n + k for i in range(len(prompts)) for k in range(n)})
         seqs = [(rid, prompts[i // n], per_prompt[i // n], i % n) for rid, i in sink.rids.items()]
-        reply = Reply(self, chat, ("chatcmpl-" if chat else "cmpl-") + base, req, prompts, n, tools)
+        reply = Reply(
+            self, chat, ("chatcmpl-" if chat else "cmpl-") + base, req, prompts, n, tools, reasoning
+        )
         self.inflight += nseq
         released = False
 

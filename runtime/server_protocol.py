@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.runtime.grammar import StructuredOutputs
+from kiln.runtime.reasoning import ReasoningSplit, split_reasoning
 from kiln.runtime.request import RequestOutput
 from kiln.runtime.sampling_params import InvalidSamplingParams, SamplingParams
 from kiln.runtime.server_tools import (
@@ -404,9 +405,11 @@ class Reply:
         prompts: list[list[int]],
         n: int,
         tools: ToolPlan | None = None,
+        reasoning: bool | None = None,
     ):
         self.server, self.chat, self.id, self.n = server, chat, rid, n
         self.tools = tools if tools is not None and tools.parse else None  # outputs parsed for calls
+        self.reasoning = reasoning  # None: no split; else whether the output starts in the thinking
         self.created = int(time.time())
         self.prompt_lens = [len(p) for p in prompts]
         self.nseq = len(prompts) * n
@@ -468,10 +471,16 @@ class Reply:
             text, fin = "".join(texts[i]), self.finals[i]
             c: dict[str, Any] = {"index": i}
             reason = fin.finish_reason
-            if self.chat and self.tools is not None:
-                c["message"], reason = tool_message(text, self.tools, reason)
-            elif self.chat:
-                c["message"] = {"role": "assistant", "content": text}
+            if self.chat:
+                thought, answer = (
+                    (None, text) if self.reasoning is None else split_reasoning(text, self.reasoning)
+                )
+                if self.tools is not None:
+                    c["message"], reason = tool_message(answer, self.tools, reason)
+                else:
+                    c["message"] = {"role": "assistant", "content": answer}
+                if self.reasoning is not None:
+                    c["message"]["reasoning_content"] = thought
             else:
                 c["text"] = text
             c["logprobs"] = self._logprobs(i, lps[i], text)
@@ -491,6 +500,7 @@ class Reply:
             return sse({**head, "choices": [choice]})
 
         streams: dict[int, ToolStream] = {}  # per choice, with tools
+        thinking: dict[int, ReasoningSplit] = {}  # per choice, with a thinking template
         if self.chat:  # the role first, as OpenAI does
             first = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             yield "".join(chunk({"index": i, **first}) for i in range(self.nseq)).encode()
@@ -510,18 +520,23 @@ class Reply:
                     continue
                 c: dict[str, Any] = {"index": i}
                 reason = out.finish_reason if out.finished else None
-                if self.chat and self.tools is not None:  # content held where a call may begin
-                    stream = streams.setdefault(i, ToolStream(self.tools))
+                if self.chat:
                     delta: dict[str, Any] = {}
-                    text = stream.feed(out.new_text)
-                    if out.finished:
-                        rest, calls, reason = stream.finish(reason)
-                        text += rest
-                        if calls:
-                            delta["tool_calls"] = calls
+                    text = out.new_text
+                    if self.reasoning is not None:  # the thinking apart (runtime/reasoning.py)
+                        split = thinking.setdefault(i, ReasoningSplit(self.reasoning))
+                        thought, text = split.feed(text, final=out.finished)
+                        if thought:
+                            delta["reasoning_content"] = thought
+                    if self.tools is not None:  # content held where a call may begin
+                        stream = streams.setdefault(i, ToolStream(self.tools))
+                        text = stream.feed(text)
+                        if out.finished:
+                            rest, calls, reason = stream.finish(reason)
+                            text += rest
+                            if calls:
+                                delta["tool_calls"] = calls
                     c["delta"] = {"content": text, **delta} if text else delta
-                elif self.chat:
-                    c["delta"] = {"content": out.new_text} if out.new_text else {}
                 else:
                     c["text"] = out.new_text
                 c["logprobs"] = self._logprobs(i, out.new_logprobs, out.new_text)
