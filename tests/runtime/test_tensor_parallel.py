@@ -5,6 +5,7 @@ of the tp=1 artifact of the same checkpoint (float32). MoE checkpoints also with
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -49,9 +50,13 @@ def _rank_main(rank: int, world: int, arts: list[str], init: str, out: str) -> N
             runner = DirectRunner(art, device="cpu", model=load_model(art, "cpu", rank=rank))
             first, tokens = run_greedy(runner)
             torch.save({"logits": first, "tokens": tokens}, f"{out}/{i}-rank{rank}.pt")
-        dist.barrier()  # no rank closes its connections while another still uses them
-    finally:
+        dist.barrier()  # every rank's results are saved
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Leave without closing the group: gloo's teardown at exit aborted a rank now and then
+    # ("terminate called without an active exception") after every result was saved.
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")

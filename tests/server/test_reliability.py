@@ -32,7 +32,7 @@ def test_max_tokens_not_given_is_capped_to_the_pool(small):
     """Chat without max_tokens would run to the end of the context, past what the pool holds:
     it is capped to what fits and ends with finish_reason "length"."""
     msgs = [{"role": "user", "content": "tell me everything"}]
-    prompt_len = len(small.kiln._chat_ids(_chat(msgs)))
+    prompt_len = len(small.kiln._chat_ids(_chat(msgs), None)[0])
     r = small.client().chat.completions.create(
         model=small.model, messages=msgs, extra_body={"ignore_eos": True}
     )
