@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kiln.runtime.grammar import StructuredOutputs
 from kiln.runtime.llm import LLM
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.step_stats import StepStatsSnapshot
@@ -116,12 +117,21 @@ def weight_bytes(weights: dict[str, torch.Tensor], experts: tuple[int, int] | No
 
 
 def kiln_latency(
-    llm: LLM, batch: int, input_len: int, output_len: int, read_gbps: float, seed: int = 0
+    llm: LLM,
+    batch: int,
+    input_len: int,
+    output_len: int,
+    read_gbps: float,
+    seed: int = 0,
+    structured: StructuredOutputs | None = None,
 ) -> LatencyResult:
+    """``structured``: every request's output under this structure (the cost of the grammar's
+    masks; a structure that can end early shortens the run: use one that goes on, e.g. an array)."""
     eng = llm.engine
     eng.reset_prefix_cache()
     prompts = random_prompts(batch, input_len, eng.vocab_size, seed)
-    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, structured=structured)
+    masked0 = eng.stats["masked_rows"]
     for p in prompts:
         eng.add_request(p, sp)
     if eng.device.type == "cuda":
@@ -168,7 +178,8 @@ def kiln_latency(
         bytes_per_step=nbytes,
         roofline_tok_s=roof,
         frac_roofline=tok_s / roof if roof == roof else float("nan"),
-        extra={"ms_per_step_by_part": breakdown},  # mean over decode steps (Engine.host_breakdown)
+        # mean over decode steps (Engine.host_breakdown); rows a grammar masked over the run
+        extra={"ms_per_step_by_part": breakdown, "masked_rows": eng.stats["masked_rows"] - masked0},
     )
 
 

@@ -73,6 +73,13 @@ def bench_cmd() -> None:
     default=None,
     help="Also run Hugging Face transformers generate (bf16) on this checkpoint.",
 )
+@click.option(
+    "--json-schema",
+    "json_schema",
+    default=None,
+    help="Every request's output under this JSON schema (its text, or a file holding it): the cost "
+    "of structured outputs. Pick one that does not end early, e.g. an array of integers.",
+)
 @click.option("--json", "json_path", default=None, help="Write the full report here.")
 @engine_options
 def latency_cmd(
@@ -81,6 +88,7 @@ def latency_cmd(
     input_len: int,
     output_len: int,
     hf_dir: str | None,
+    json_schema: str | None,
     json_path: str | None,
     **kw: Any,
 ) -> None:
@@ -92,6 +100,13 @@ def latency_cmd(
 
     batches = [int(b) for b in batch_sizes.split(",")]
     report: dict[str, Any] = {"env": environment(), "artifact": artifact}
+    structured = None
+    if json_schema is not None:
+        from kiln.runtime.grammar import StructuredOutputs
+
+        text = Path(json_schema).read_text() if Path(json_schema).is_file() else json_schema
+        structured = StructuredOutputs(json_schema=text)
+        report["json_schema"] = text
     if hf_dir:  # first, so its memory is back before kiln sizes its KV pool
         vocab = open_artifact(artifact, "cuda").manifest.vocab_size
         report["hf"] = {
@@ -100,7 +115,7 @@ def latency_cmd(
     llm = LLM(artifact, log=True, **options_from(kw))
     bw = read_bandwidth_gbps(llm.engine.device)
     kiln_latency(llm, 1, min(input_len, 32), 4, bw)  # warm-up
-    rows = [kiln_latency(llm, b, input_len, output_len, bw) for b in batches]
+    rows = [kiln_latency(llm, b, input_len, output_len, bw, structured=structured) for b in batches]
     report |= {
         "read_gbps": bw,
         "kiln": [asdict(r) for r in rows],

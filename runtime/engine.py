@@ -209,7 +209,14 @@ class Engine:
         self._grammar: GrammarCompiler | None = None  # built on the first structured request
         self.requests: dict[str, Req] = {}
         self._ids = itertools.count()
-        self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0}
+        # masked_rows: rows of sampled logits a grammar masked (structured outputs)
+        self.stats = {
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+            "generated_tokens": 0,
+            "steps": 0,
+            "masked_rows": 0,
+        }
         parts = StepParts(
             self.scheduler,
             self.runner,

@@ -167,6 +167,7 @@ class Stepper:
             logits = logits[self.stager.to_device(done, torch.int64)]
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if constrained:  # structured outputs: the grammar's mask on the logits (runtime/grammar.py)
+            stats["masked_rows"] += len(constrained)
             mask_logits(
                 logits,
                 [(i, reqs[i].grammar, self._known_ids(reqs[i], prev)) for i in constrained],

@@ -35,6 +35,14 @@ def test_bench_commands(demo_artifact, tmp_path):
     rows = json.loads(lat.read_text())["kiln"]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["decode_tok_s"] > 0 for r in rows)
     assert set(rows[0]["extra"]["ms_per_step_by_part"]) == {"schedule", "launch", "sample", "wait", "outputs"}
+    assert all(r["extra"]["masked_rows"] == 0 for r in rows)
+    schema = '{"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}}'
+    run("latency", demo_artifact, "--batch-sizes", "2", "--input-len", "12", "--output-len", "5",
+        "--json-schema", schema, "--json", lat, "--device", "cpu")  # fmt: skip
+    rows = json.loads(lat.read_text())["kiln"]
+    assert (
+        rows[0]["extra"]["masked_rows"] >= 2 * 5
+    )  # every sampled row of both requests (and overlap's extra step)
     out = run(
         "throughput",
         demo_artifact,
