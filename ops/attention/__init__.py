@@ -2,4 +2,4 @@
 attention) and ``extend`` (prefill chunks against the paged cache), their torch ``reference``,
 ``rope`` and the fused QKV+RoPE+KV-write (``qkv_rope``)."""
 
-from kiln.ops.attention import decode, extend, paged, qkv_rope  # noqa: F401  (registers the ops)
+from kiln.ops.attention import decode, extend, mla, paged, qkv_rope  # noqa: F401  (registers the ops)

@@ -1,0 +1,491 @@
+"""Multi-head latent attention (DeepSeek-V2/V3 MLA) over a paged latent cache, in absorbed form.
+
+The layer (transformers' ``DeepseekV2Attention`` / ``DeepseekV3Attention``; ``H`` heads,
+``r = kv_lora_rank``, ``dn = qk_nope_head_dim``, ``dr = qk_rope_head_dim``, ``dv = v_head_dim``):
+
+* ``q = q_proj(x)`` or ``q_b_proj(rmsnorm(q_a_proj(x)))``, ``[T, H, dn + dr]`` = ``[q_nope | q_pe]``;
+* ``kv_a_proj_with_mqa(x) = [c | k_pe]`` ``[T, r + dr]``; ``c_kv = kv_a_layernorm(c)``;
+* RoPE on ``q_pe`` and ``k_pe`` (one ``k_pe`` shared by all heads);
+* expanded form: ``kv_b_proj(c_kv)`` viewed ``[T, H, dn + dv]`` = ``[k_nope | v]``, key
+  ``[k_nope | k_pe]``, score ``(q_nope . k_nope + q_pe . k_pe) * sm_scale`` (:func:`mla_softmax_scale`).
+
+Absorbed form. ``kv_b_proj.weight [H * (dn + dv), r]`` viewed ``[H, dn + dv, r]`` splits into
+``w_kc = [:, :dn, :]`` ``[H, dn, r]`` and ``w_vc = [:, dn:, :]`` transposed, ``[H, r, dv]``
+(:func:`split_kv_b_proj`; the packs' ``layers.{i}.attn.w_kc`` / ``w_vc``, compiler/mappings.py).
+Since ``q_nope . (w_kc[h] c) = (w_kc[h]^T q_nope) . c`` and ``sum_j p_j w_vc[h]^T c_j = w_vc[h]^T
+sum_j p_j c_j``, attention runs over ONE cached row per token, key ``[c_kv | k_pe]`` and value
+``c_kv``: :func:`absorb_q` maps ``q_nope`` into the latent space before, :func:`apply_uv` maps the
+latent output to ``[T, H, dv]`` after (both batched matmuls over heads, in the graph as aten).
+
+The latent cache: per layer ``cache [num_pages, page_size, r + dr]`` (576 wide for DeepSeek), row
+``[c_kv | k_pe]`` (normalized latent, roped k_pe), in the activation dtype. Token position ``p`` of
+block-table row ``row`` lives at ``cache[block_table[row, p // P], p % P]``; a flat slot ``s`` (the
+runtime's ``out_slots``) at ``cache[s // P, s % P]``. The metadata is the GQA ops'
+(docs/internals.md): ``block_table [R, M]`` int32, ``req_rows``, ``seq_lens [B]`` int32 (lengths
+including this step's tokens, already written), ``qo_indptr [B + 1]`` int32 for extend.
+
+Ops (``torch.ops.kiln.*``; outputs in ``q_latent``'s dtype, float32 accumulation):
+
+* ``mla_kv_write(latent [T, r], k_pe [T, dr], cache, out_slots [T] i64) -> ()``: mutates
+  ``cache``; padding rows carry slot 0 (the sink).
+* ``mla_decode(q_latent [B, H, r], q_pe [B, H, dr], cache, block_table, req_rows, seq_lens,
+  sm_scale, page_size, num_splits) -> [B, H, r]``: one query per request at ``seq_lens[b] - 1``
+  (zeros for ``seq_lens[b] == 0``); ``num_splits = 0`` picks the split-KV factor.
+* ``mla_extend(q_latent [T, H, r], q_pe [T, H, dr], cache, block_table, req_rows, seq_lens,
+  qo_indptr, sm_scale, page_size) -> [T, H, r]``: request ``b``'s new tokens are rows
+  ``qo_indptr[b]:qo_indptr[b+1]`` at positions ``seq_lens[b] - n_b + j``; causal, full over the
+  prefix; rows past ``qo_indptr[B]`` are zeros.
+* ``mla_attention(..., qo_indptr, sm_scale, page_size, num_splits)``: ``mla_decode`` when ``T == B``,
+  else ``mla_extend`` (one graph serves both, as ``kiln::paged_attention``).
+
+Kernels. ``mla_decode``: split-KV flash decoding, grid ``(cdiv(H, BLOCK_H), B, num_splits)``; a
+program takes ``BLOCK_H`` heads of one request and its share of the keys, loads each key block's
+latent tile ``[BLOCK_N, r]`` and rope tile ``[BLOCK_N, dr]`` once for all its heads, and uses the
+latent tile twice (scores and P @ V). Splits plan their keys from ``seq_lens`` in the kernel (one
+launch serves every length; CUDA-graph safe); multi-split requests merge in a second kernel by
+log-sum-exp (base 2). ``mla_kv_write``: one program per token. ``mla_extend`` has no kernel yet: on
+CUDA it runs the reference (a host loop over requests; prefill is not captured). docs/mla.md has
+the plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.ops.attention.decode import choose_num_splits, tl_dot
+from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
+from kiln.ops.common.op import kiln_op
+
+LOG2E = 1.4426950408889634
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# --------------------------------------------------------------------------- weights and scale
+def split_kv_b_proj(
+    weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's ``kv_b_proj.weight [H * (dn + dv), r]`` -> ``(w_kc [H, dn, r], w_vc [H, r, dv])``,
+    contiguous: head ``h``'s rows ``h * (dn + dv) + [0, dn)`` are its key part, the next ``dv`` its
+    value part (transposed)."""
+    h, dn, dv = num_heads, qk_nope_head_dim, v_head_dim
+    if weight.dim() != 2 or weight.shape[0] != h * (dn + dv):
+        raise ValueError(
+            f"kv_b_proj.weight must be [num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank] = "
+            f"[{h * (dn + dv)}, r], got {list(weight.shape)}."
+        )
+    w = weight.reshape(h, dn + dv, weight.shape[1])
+    return w[:, :dn].contiguous(), w[:, dn:].transpose(1, 2).contiguous()
+
+
+def absorb_q(q_nope: torch.Tensor, w_kc: torch.Tensor) -> torch.Tensor:
+    """``q_nope [T, H, dn]`` into the latent space: ``[T, H, r]``, ``q_latent[t, h] = q_nope[t, h] @
+    w_kc[h]`` (``w_kc [H, dn, r]``). A view of a ``[H, T, r]`` result: last dim contiguous."""
+    return torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)
+
+
+def apply_uv(o_latent: torch.Tensor, w_vc: torch.Tensor) -> torch.Tensor:
+    """The latent attention output ``[T, H, r]`` to the heads' values: ``[T, H, dv]``,
+    ``o[t, h] = o_latent[t, h] @ w_vc[h]`` (``w_vc [H, r, dv]``). A view of a ``[H, T, dv]`` result."""
+    return torch.bmm(o_latent.transpose(0, 1), w_vc).transpose(0, 1)
+
+
+def mla_softmax_scale(qk_head_dim: int, scaling: dict[str, Any] | None) -> float:
+    """``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` when the rope scaling
+    is not ``default`` and has a non-zero ``mscale_all_dim`` (DeepSeek's YaRN; transformers'
+    ``yarn_apply_mscale``), ``mscale(s, m) = 0.1 * m * ln(s) + 1`` for ``s > 1``, else 1.
+    ``scaling`` as ops/attention/rope.py takes it (``type`` or ``rope_type``)."""
+    scale = qk_head_dim**-0.5
+    scaling = scaling or {}
+    kind = scaling.get("type") or scaling.get("rope_type") or "default"
+    m_all = scaling.get("mscale_all_dim")
+    if kind != "default" and m_all:
+        factor = float(scaling["factor"])
+        m = 0.1 * float(m_all) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= m * m
+    return scale
+
+
+# --------------------------------------------------------------------------- references
+def _rows(
+    cache: torch.Tensor, block_table: torch.Tensor, row: int, length: int, page_size: int
+) -> torch.Tensor:
+    """Cached rows ``[length, r + dr]`` of positions ``0..length-1`` of block-table row ``row``."""
+    pos = torch.arange(length, device=cache.device)
+    pages = block_table[row, pos // page_size].long()
+    return cache[pages, pos % page_size]
+
+
+def mla_attend(q_latent, q_pe, rows, q_pos, sm_scale):
+    """One request, absorbed form, float32: ``q_latent [n, H, r]``, ``q_pe [n, H, dr]`` at positions
+    ``q_pos [n]`` over ``rows [L, r + dr]`` (positions ``0..L-1``). Returns ``[n, H, r]``."""
+    r = q_latent.shape[-1]
+    c, pe = rows[:, :r].float(), rows[:, r:].float()  # [L, r], [L, dr]
+    s = torch.einsum("nhr,lr->hnl", q_latent.float(), c) + torch.einsum("nhd,ld->hnl", q_pe.float(), pe)
+    visible = torch.arange(rows.shape[0], device=rows.device)[None, :] <= q_pos[:, None]  # [n, L]
+    p = torch.softmax((s * sm_scale).masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
+    return torch.einsum("hnl,lr->nhr", p, c)
+
+
+def mla_extend_ref(q_latent, q_pe, cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size):
+    """``kiln::mla_extend``, plain torch (module docstring): a host loop over requests."""
+    out = torch.zeros(q_latent.shape, dtype=torch.float32, device=q_latent.device)
+    indptr = qo_indptr.tolist()
+    for b, (row, seq_len) in enumerate(zip(req_rows.tolist(), seq_lens.tolist())):
+        lo, hi = indptr[b], indptr[b + 1]
+        if hi > lo:
+            q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q_latent.device)
+            rows = _rows(cache, block_table, row, seq_len, page_size)
+            out[lo:hi] = mla_attend(q_latent[lo:hi], q_pe[lo:hi], rows, q_pos, sm_scale)
+    return out.to(q_latent.dtype)
+
+
+def mla_decode_ref(q_latent, q_pe, cache, block_table, req_rows, seq_lens, sm_scale, page_size, num_splits):
+    """``kiln::mla_decode``, plain torch: extend with one token per request (``num_splits`` unused)."""
+    qo_indptr = torch.arange(q_latent.shape[0] + 1, dtype=torch.int32, device=q_latent.device)
+    return mla_extend_ref(
+        q_latent, q_pe, cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size
+    )
+
+
+def mla_kv_write_ref(latent, k_pe, cache, out_slots):
+    """``kiln::mla_kv_write``, plain torch: ``cache[s // P, s % P] = [latent | k_pe]`` per token."""
+    slots = out_slots.long()
+    page = cache.shape[1]
+    cache[slots // page, slots % page] = torch.cat([latent, k_pe], -1).to(cache.dtype)
+
+
+def empty_mla_out(q_latent: torch.Tensor, *_: object) -> torch.Tensor:
+    """The attention ops' output, uninitialized: ``q_latent``'s shape and dtype (their fake)."""
+    return q_latent.new_empty(q_latent.shape)
+
+
+# --------------------------------------------------------------------------- checks
+def check_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, page_size: int) -> None:
+    """What every MLA attention op checks first: 3-D ``q_latent [T, H, r]`` and ``q_pe [T, H, dr]``,
+    ``cache [num_pages, page_size, r + dr]`` of their (float) dtype, contiguous last dims."""
+    if q_latent.dim() != 3 or q_pe.dim() != 3 or q_latent.shape[:2] != q_pe.shape[:2]:
+        raise ValueError(
+            f"mla: q_latent {list(q_latent.shape)} and q_pe {list(q_pe.shape)} must be [T, H, r] and "
+            "[T, H, qk_rope_head_dim] with the same T and H."
+        )
+    width = q_latent.shape[2] + q_pe.shape[2]
+    if page_size < 1 or cache.dim() != 3 or cache.shape[1] != page_size or cache.shape[2] != width:
+        raise ValueError(
+            f"mla: cache must be [num_pages, page_size={page_size}, kv_lora_rank + qk_rope_head_dim="
+            f"{width}] (page_size >= 1), got {list(cache.shape)}."
+        )
+    if q_latent.dtype not in ACT_DTYPES or q_pe.dtype != q_latent.dtype or cache.dtype != q_latent.dtype:
+        raise ValueError(
+            f"mla: q_latent, q_pe and cache must share one dtype of {ACT_DTYPES} (no FP8 latent cache "
+            f"yet), got {q_latent.dtype}, {q_pe.dtype}, {cache.dtype}."
+        )
+    if q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1 or cache.stride(-1) != 1:
+        raise ValueError("mla: q_latent, q_pe and cache need a contiguous last dimension.")
+
+
+def check_mla_decode(q_latent, q_pe, cache, block_table, req_rows, seq_lens, sm_scale, page_size, num_splits):
+    """``kiln::mla_decode``'s argument check (both paths)."""
+    check_mla(q_latent, q_pe, cache, page_size)
+    if req_rows.shape[0] != q_latent.shape[0] or seq_lens.shape[0] != q_latent.shape[0]:
+        raise ValueError(
+            f"mla_decode: req_rows ({req_rows.shape[0]}) and seq_lens ({seq_lens.shape[0]}) must have one "
+            f"entry per query row (B = {q_latent.shape[0]})."
+        )
+    if num_splits < 0:
+        raise ValueError(f"mla_decode: num_splits must be >= 0 (0 = auto), got {num_splits}.")
+
+
+def check_mla_extend(q_latent, q_pe, cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size):
+    """``kiln::mla_extend``'s argument check (both paths)."""
+    check_mla(q_latent, q_pe, cache, page_size)
+    if qo_indptr.shape[0] != req_rows.shape[0] + 1 or seq_lens.shape[0] != req_rows.shape[0]:
+        raise ValueError(
+            f"mla_extend: qo_indptr has {qo_indptr.shape[0]} entries and seq_lens {seq_lens.shape[0]}; "
+            f"expected B + 1 = {req_rows.shape[0] + 1} and B."
+        )
+
+
+def check_mla_kv_write(latent, k_pe, cache, out_slots):
+    """``kiln::mla_kv_write``'s argument check (both paths)."""
+    t = latent.shape[0]
+    if latent.dim() != 2 or k_pe.dim() != 2 or k_pe.shape[0] != t or out_slots.shape != (t,):
+        raise ValueError(
+            f"mla_kv_write: latent {list(latent.shape)}, k_pe {list(k_pe.shape)} and out_slots "
+            f"{list(out_slots.shape)} must be [T, kv_lora_rank], [T, qk_rope_head_dim] and [T]."
+        )
+    width = latent.shape[1] + k_pe.shape[1]
+    if cache.dim() != 3 or cache.shape[2] != width or cache.stride(-1) != 1:
+        raise ValueError(
+            f"mla_kv_write: cache must be [num_pages, page_size, {width}] with a contiguous last dim, "
+            f"got {list(cache.shape)}."
+        )
+    if cache.dtype not in ACT_DTYPES or latent.dtype != cache.dtype or k_pe.dtype != cache.dtype:
+        raise ValueError(
+            f"mla_kv_write: latent, k_pe and cache must share one dtype of {ACT_DTYPES}, got "
+            f"{latent.dtype}, {k_pe.dtype}, {cache.dtype}."
+        )
+    if out_slots.dtype != torch.int64 or latent.stride(-1) != 1 or k_pe.stride(-1) != 1:
+        raise ValueError("mla_kv_write: out_slots must be int64; latent and k_pe need a contiguous last dim.")
+
+
+# --------------------------------------------------------------------------- kernels
+@triton.jit
+def _mla_kv_write_kernel(
+    lat_ptr, pe_ptr, cache_ptr, slot_ptr, stride_lt, stride_pt, stride_cp, stride_ct,
+    R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
+    PAGE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_trigger(PDL)
+    pdl_wait(PDL)  # the latent and k_pe are the kernels' before this one
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
+    dst = cache_ptr + (slot // PAGE) * stride_cp + (slot % PAGE) * stride_ct
+    r = tl.arange(0, BLOCK_R)
+    x = tl.load(lat_ptr + t * stride_lt + r, mask=r < R)
+    tl.store(dst + r, x, mask=r < R)
+    e = tl.arange(0, BLOCK_DR)
+    y = tl.load(pe_ptr + t * stride_pt + e, mask=e < DR)
+    tl.store(dst + R + e, y, mask=e < DR)
+
+
+@triton.jit
+def _mla_split_plan(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Split ``s`` takes keys ``[s * chunk, min((s + 1) * chunk, seq_len))``, ``chunk`` whole key
+    blocks; splits ``0..active-1`` get keys (``active`` 0 for an empty request). Shared by the split
+    and merge kernels so they agree on who wrote a partial."""
+    chunk = ((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    safe = tl.maximum(chunk, 1)
+    return chunk, (seq_len + safe - 1) // safe
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    ql_ptr, qp_ptr, cache_ptr, bt_ptr, rows_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    stride_lb, stride_lh, stride_pb, stride_ph, stride_cp, stride_ct, stride_bt, stride_ob, stride_oh,
+    num_heads, num_splits, sm_scale,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, DR: tl.constexpr, BLOCK_DR: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_trigger(PDL)
+    pdl_wait(PDL)  # every program, before any load (ops/common/launch.py)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    chunk, active = _mla_split_plan(seq_len, num_splits, BLOCK_N)
+    if split >= tl.maximum(active, 1):
+        return  # no keys here (split 0 stays to write an empty request's zeros)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    r = tl.arange(0, BLOCK_R)
+    e = tl.arange(0, BLOCK_DR)
+    b64 = b.to(tl.int64)
+    ql = tl.load(
+        ql_ptr + b64 * stride_lb + heads[:, None] * stride_lh + r[None, :],
+        mask=hmask[:, None] & (r[None, :] < R),
+        other=0.0,
+    )  # ql: [BLOCK_H, BLOCK_R]
+    qp = tl.load(
+        qp_ptr + b64 * stride_pb + heads[:, None] * stride_ph + e[None, :],
+        mask=hmask[:, None] & (e[None, :] < DR),
+        other=0.0,
+    )  # qp: [BLOCK_H, BLOCK_DR]
+    qk_scale = sm_scale * 1.4426950408889634  # log2(e): softmax on exp2
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    bt_row = bt_ptr + row * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        kmask = offs < end
+        page = tl.load(bt_row + offs // PAGE, mask=kmask, other=0).to(tl.int64)
+        tok = cache_ptr + page * stride_cp + (offs % PAGE).to(tl.int64) * stride_ct  # [BLOCK_N] rows
+        c = tl.load(tok[:, None] + r[None, :], mask=kmask[:, None] & (r[None, :] < R), other=0.0)
+        pe = tl.load(tok[:, None] + R + e[None, :], mask=kmask[:, None] & (e[None, :] < DR), other=0.0)
+        # c: [BLOCK_N, BLOCK_R] (key and value), pe: [BLOCK_N, BLOCK_DR]; read once for BLOCK_H heads
+        s = tl_dot(ql, tl.trans(c), PREC, UPCAST) + tl_dot(qp, tl.trans(pe), PREC, UPCAST)
+        s = tl.where(kmask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl_dot(p.to(c.dtype), c, PREC, UPCAST)
+        m_i = m_new
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]  # zeros for an empty request
+    omask = hmask[:, None] & (r[None, :] < R)
+    if active <= 1:  # the request's only split (always when DIRECT)
+        o_ptrs = out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + r[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=omask)
+    elif not DIRECT:
+        first = (b64 * num_heads + heads) * num_splits  # [BLOCK_H]
+        tl.store(mid_lse_ptr + first + split, m_i + tl.log2(l_i), mask=hmask)
+        tl.store(mid_o_ptr + (first + split)[:, None] * R + r[None, :], o, mask=omask)
+
+
+@triton.jit
+def _mla_decode_merge_kernel(
+    mid_o_ptr, mid_lse_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    TILE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # grid (B, H): one head's active partials, all r columns
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    _chunk, active = _mla_split_plan(tl.load(lens_ptr + b), num_splits, BLOCK_N)
+    if active <= 1:
+        return  # the split kernel wrote this request's output
+    first = (b * num_heads + h) * num_splits
+    s_all = tl.arange(0, SPLITS_PAD)
+    lse_all = tl.load(
+        mid_lse_ptr + first + s_all, mask=s_all < active, other=float("-inf"), cache_modifier=".cg"
+    )
+    m = tl.max(lse_all, 0)  # finite: every active split had keys
+    denom = tl.sum(tl.exp2(lse_all - m), 0)
+    r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for s0 in range(0, active, TILE):
+        s = s0 + tl.arange(0, TILE)
+        smask = s < active
+        w = tl.exp2(
+            tl.load(mid_lse_ptr + first + s, mask=smask, other=float("-inf"), cache_modifier=".cg") - m
+        )
+        o = tl.load(
+            mid_o_ptr + (first + s)[:, None] * R + r[None, :],
+            mask=smask[:, None] & (r[None, :] < R),
+            other=0.0,
+            cache_modifier=".cg",
+        )  # o: [TILE, BLOCK_R]
+        acc += tl.sum(w[:, None] * o, 0)
+    tl.store(
+        out_ptr + b * stride_ob + h * stride_oh + r, (acc / denom).to(out_ptr.dtype.element_ty), mask=r < R
+    )
+
+
+# --------------------------------------------------------------------------- ops
+@kiln_op("mla_kv_write", ref=mla_kv_write_ref, check=check_mla_kv_write, mutates_args=("cache",))
+def mla_kv_write_triton(
+    latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, out_slots: torch.Tensor
+) -> tuple[()]:
+    """Write ``[latent | k_pe]`` to row ``out_slots[t]`` of the latent cache (module docstring).
+    Returns nothing: ``tuple[()]`` is the schema's ``-> ()`` (``kiln_op`` reads ``-> None`` through
+    ``typing.get_type_hints`` as ``NoneType``, which ``torch.library.infer_schema`` refuses); the
+    dispatcher wants None back."""
+    t, r = latent.shape
+    if t == 0:
+        return None  # type: ignore[return-value]  # (the docstring)
+    _mla_kv_write_kernel[(t,)](
+        latent, k_pe, cache, out_slots, latent.stride(0), k_pe.stride(0), cache.stride(0), cache.stride(1),
+        R=r, DR=k_pe.shape[1], BLOCK_R=next_pow2(r), BLOCK_DR=next_pow2(k_pe.shape[1]), PAGE=cache.shape[1],
+        num_warps=4, **pdl_args(latent),
+    )  # fmt: skip
+    return None  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    block_h: int = 16  # heads per program (tl.dot needs >= 16 rows)
+    block_n: int = 32  # keys per iteration: a [32, 512] latent tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_decode_config() -> MLADecodeConfig:
+    if interpreting():
+        return MLADecodeConfig(block_h=16, block_n=16, num_warps=1, num_stages=1)
+    return MLADecodeConfig()  # untuned on a GPU yet (docs/mla.md)
+
+
+@kiln_op("mla_decode", ref=mla_decode_ref, check=check_mla_decode, fake=empty_mla_out)
+def mla_decode_triton(
+    q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+    req_rows: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, page_size: int, num_splits: int,
+    *, config: MLADecodeConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Split-KV MLA decode ``[B, H, r] -> [B, H, r]`` (module docstring); ``config`` overrides the
+    launch (benchmarks sweep it)."""
+    bsz, heads, r = q_latent.shape
+    dr = q_pe.shape[2]
+    cfg = config or default_decode_config()
+    head_blocks = triton.cdiv(heads, cfg.block_h)
+    if num_splits == 0:
+        num_splits = choose_num_splits(max(bsz, 1), block_table.shape[1] * page_size, head_blocks)
+    out = torch.empty(bsz, heads, r, dtype=q_latent.dtype, device=q_latent.device)
+    if bsz == 0:
+        return out
+    direct = num_splits == 1
+    if direct:
+        mid_o = mid_lse = out  # unused
+    else:
+        mid_o = torch.empty(bsz, heads, num_splits, r, dtype=torch.float32, device=q_latent.device)
+        mid_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q_latent.device)
+    block_table = block_table.to(torch.int32)
+    block_r = max(16, next_pow2(r))
+    pdl = pdl_args(q_latent)
+    _mla_decode_split_kernel[(head_blocks, bsz, num_splits)](
+        q_latent, q_pe, cache, block_table, req_rows, seq_lens, out, mid_o, mid_lse,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
+        cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), heads, num_splits,
+        float(sm_scale), R=r, BLOCK_R=block_r, DR=dr, BLOCK_DR=max(16, next_pow2(dr)), PAGE=page_size,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DIRECT=direct,
+        PREC="ieee" if q_latent.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+    )  # fmt: skip
+    if not direct:
+        pad = next_pow2(num_splits)
+        _mla_decode_merge_kernel[(bsz, heads)](
+            mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1), heads, num_splits,
+            R=r, BLOCK_R=block_r, BLOCK_N=cfg.block_n, SPLITS_PAD=pad, TILE=min(8, pad), num_warps=4, **pdl,
+        )  # fmt: skip
+    return out
+
+
+@kiln_op("mla_extend", ref=mla_extend_ref, check=check_mla_extend, fake=empty_mla_out)
+def mla_extend_forward(
+    q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+    req_rows: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor, sm_scale: float, page_size: int,
+) -> torch.Tensor:  # fmt: skip
+    """MLA extend ``[T, H, r] -> [T, H, r]`` (module docstring). No kernel yet: the reference, on
+    any device (it reads the lengths on the host, so it is not CUDA-graph safe; prefill is eager)."""
+    return mla_extend_ref(
+        q_latent, q_pe, cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size
+    )
+
+
+def by_step(decode: Any, extend: Any) -> Any:
+    """``kiln::mla_attention``'s parameters over a decode and an extend function taking their ops':
+    ``decode`` when ``T == B`` (one new token per request), else ``extend``."""
+
+    def mla_attention(
+        q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+        req_rows: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor, sm_scale: float,
+        page_size: int, num_splits: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """MLA decode when ``T == B``, MLA extend otherwise (the module docstring)."""
+        if q_latent.shape[0] == req_rows.shape[0]:
+            return decode(
+                q_latent, q_pe, cache, block_table, req_rows, seq_lens, sm_scale, page_size, num_splits
+            )
+        return extend(q_latent, q_pe, cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size)
+
+    return mla_attention
+
+
+mla_attention_ref = by_step(mla_decode_ref, mla_extend_ref)
+mla_attention_forward = kiln_op(
+    "mla_attention",
+    ref=mla_attention_ref,
+    check=by_step(check_mla_decode, check_mla_extend),
+    fake=empty_mla_out,
+)(by_step(mla_decode_triton, mla_extend_forward))
