@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kiln.runtime.cli_bench:bench_cmd",
         "Measure decode latency, throughput and start-up (optionally beside Hugging Face transformers).",
     ),
+    "cache": (
+        "kiln.cli_cache:cache_cmd",
+        "List or remove the artifacts compiled for checkpoints (serve / generate CHECKPOINT build them once).",
+    ),
     "compile": (
         "kiln.compiler.cli_compile:compile_cmd",
         "Compile a Hugging Face checkpoint into a servable artifact (graphs, kernels, weight packs).",

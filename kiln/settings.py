@@ -220,6 +220,9 @@ _ALL: tuple[Setting, ...] = (
        "Seconds a tensor-parallel collective waits for the other ranks before the run fails with an "
        "error (a rank that hangs; one that exits fails the next step at once).", env="KILN_TP_TIMEOUT",
        flag=True, when="engine start"),
+    _s("cache_dir", "run", "path", "~/.cache/kiln/artifacts",
+       "Where serve / generate / bench and LLM keep the artifacts they compile from a checkpoint "
+       "(kiln/compile_cache.py; `kiln cache ls/rm`).", env="KILN_CACHE", flag=True, when="engine start"),
     _s("tp_all_reduce", "run", "choice", "auto",
        "The tensor-parallel all-reduce on GPUs: auto = torch's symmetric-memory one-shot (to 256 KiB) and "
        "two-shot (to 32 MiB) all-reduce of bf16 where torch has it, NCCL above; nccl = NCCL always "

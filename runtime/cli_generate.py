@@ -51,6 +51,13 @@ def engine_options(f):  # shared by generate, serve and bench
             "weights in the reader threads as they stream); --no-verify checks sizes only (graphs and "
             "CUTLASS libraries, being code, are checked either way).",
         ),
+        click.option(
+            "--compile-args",
+            default=None,
+            help="When ARTIFACT is a checkpoint directory: the `kiln compile` flags of its artifact, "
+            'e.g. "--max-batch-size 64". It is compiled once into the cache (--cache-dir) and loaded '
+            "from there at the next start (`kiln cache ls`).",
+        ),
     ]
     f = settings.click_options("run")(f)
     for o in reversed(opts):
@@ -70,6 +77,7 @@ def options_from(kw: dict) -> dict:
         max_running=kw.pop("max_running"),
         chunk_size=kw.pop("chunk_size"),
         verify=kw.pop("verify"),
+        compile_args=kw.pop("compile_args"),
     )
 
 
@@ -96,7 +104,8 @@ def generate_cmd(
     stop: tuple[str, ...],
     **kw,
 ) -> None:
-    """Load ARTIFACT and stream a completion of PROMPT to the terminal."""
+    """Load ARTIFACT (or a checkpoint directory: compiled once into the cache) and stream a
+    completion of PROMPT to the terminal."""
     from kiln.runtime.engine import EngineOptions
     from kiln.runtime.llm import LLM
     from kiln.runtime.tensor_parallel import follow_launched

@@ -72,6 +72,9 @@ class EngineOptions:
     # Where Triton kernels the artifact lacks are compiled (never into the artifact;
     # kiln/kernel_cache.py); default ~/.cache/kiln/triton.
     kernel_cache_dir: str | None = None
+    # A checkpoint instead of an artifact: the `kiln compile` flags its cached artifact is built
+    # with (kiln/compile_cache.py; e.g. "--max-batch-size 64 --page-size 16").
+    compile_args: str | None = None
     log: bool = True
     # ---- run-time settings (kiln/settings.py; None: KILN_* in the environment, else the default)
     gemv: bool | None = None  # kiln::linear on the GEMV where the graph's plan says (off: cuBLAS)
@@ -85,6 +88,7 @@ class EngineOptions:
     mixed_steps: bool | None = None  # decode tokens and a prefill chunk in one step (runtime/scheduler.py)
     tp_timeout: int | None = None  # seconds a tensor-parallel collective waits for the other ranks
     tp_all_reduce: str | None = None  # "auto" (symmetric memory where it is faster) or "nccl"
+    cache_dir: str | None = None  # where artifacts compiled from a checkpoint are kept
 
     def setting_values(self) -> dict[str, Any]:
         """``{run-time setting name: this option's value or None}`` (for :func:`kiln.settings.apply`)."""
@@ -113,6 +117,15 @@ class Engine:
         for line in settings.environment_warnings("run"):
             warnings.warn(f"kiln: {line}", stacklevel=2)
         dev = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        # A checkpoint: its artifact from the compile cache, built there the first time.
+        self.source = str(artifact)  # as given (the server's default model name)
+        if not (Path(artifact) / "manifest.json").is_file():
+            import shlex
+
+            from kiln.compile_cache import resolve_artifact
+
+            cache = self.settings["cache_dir"]
+            artifact = str(resolve_artifact(artifact, shlex.split(opts.compile_args or ""), dev, cache))
         # A tensor-parallel artifact: ranks 1..N-1 start as follower processes before the load
         # (runtime/tensor_parallel.py).
         self.ranks: RankGroup | None = None

@@ -78,7 +78,9 @@ class OpenAIServer:
 
     def __init__(self, engine: Any, opts: ServerOptions):
         self.opts = opts
-        self.model_name = opts.model_name or Path(engine.artifact.root).resolve().name
+        self.model_name = (
+            opts.model_name or Path(getattr(engine, "source", engine.artifact.root)).resolve().name
+        )
         self.architecture = str(engine.artifact.manifest.model.get("architecture", ""))  # tool-call format
         self.tokenizer = engine.tokenizer
         # a chat template that marks thinking: replies split it into reasoning_content (runtime/reasoning.py)

@@ -87,6 +87,12 @@ class LiveServer:
         kw.setdefault("api_key", "unused")
         return openai.OpenAI(base_url=self.url + "/v1", max_retries=0, timeout=60, **kw)
 
+    def async_client(self, **kw: Any):
+        import openai
+
+        kw.setdefault("api_key", "unused")
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", max_retries=0, timeout=120, **kw)
+
     def post(self, path: str, **kw: Any) -> httpx.Response:
         return httpx.post(self.url + path, timeout=60, **kw)
 
