@@ -49,7 +49,7 @@ def _leaf(rng: random.Random) -> dict[str, Any]:
     kind = rng.choice(["integer", "integer", "number", "number", "string", "boolean", "enum", "const"])
     if kind in ("integer", "number"):
         lo = rng.randint(-500, 500)
-        hi = lo + rng.choice([1, 2, 7, 50, 999])
+        hi = lo + rng.choice([2, 7, 50, 999] if kind == "integer" else [1, 2, 7, 50, 999])  # never empty
         s: dict[str, Any] = {"type": kind}
         if kind == "number" and rng.random() < 0.5:  # fractional bounds
             lo, hi = lo + rng.choice([0.25, 0.5, 0.125]), hi + rng.choice([0.0, 0.75, 0.5])
@@ -336,10 +336,9 @@ Result = tuple[str, str | None, tuple[str, str | None] | None]  # text, finish_r
 def run_cases(server: Any, cases: list[Case], streamed: int = 0) -> list[Result]:
     """Every case's :data:`Result`, ``CONCURRENCY`` requests at a time; the first ``streamed`` cases
     are also sent streaming, concurrently with the rest."""
-    import openai
 
     async def main() -> list[Result]:
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client = server.async_client()
         gate = asyncio.Semaphore(CONCURRENCY)
 
         async def gated(case: Case, stream: bool) -> tuple[str, str | None]:
@@ -431,3 +430,54 @@ def test_json_object_outputs_are_objects(server):
     bad += [f"not an object: {t!r}" for t in stopped if not isinstance(json.loads(t), dict)]
     assert not bad, f"{len(bad)} of {len(cases)} failed:\n" + "\n".join(bad)
     assert stopped and len(stopped) < len(results)  # both kinds were checked
+
+
+def _small_schema(rng: random.Random) -> dict[str, Any]:
+    """A generated schema short enough that its prompt and its longest call fit the demo's
+    1024-token context together (a call cut by the context would not parse)."""
+    while len(json.dumps(schema := random_schema(rng))) > 300:
+        pass
+    return schema
+
+
+def test_required_tool_calls_name_a_declared_tool_with_valid_arguments(server):
+    """``tool_choice="required"`` (runtime/server_tools.py): REQUESTS requests, one tool each (the
+    small demo tokenizer spends ~400 of the 1024-token context on a tool's schema in the prompt) whose parameters are generated schemas, greedy and sampled: every answer is one call
+    of a declared tool whose arguments validate, finish_reason "tool_calls"."""
+    rng = random.Random(31)
+    bodies = []
+    for i in range(REQUESTS):
+        tools = [
+            {"type": "function", "function": {"name": f"tool_{i}_{k}", "parameters": _small_schema(rng)}}
+            for k in range(1)
+        ]
+        sampling = {"temperature": 0.0} if i % 3 == 0 else {"temperature": 1.0, "seed": 500 + i}
+        bodies.append({"tools": tools, "tool_choice": "required", **sampling})
+
+    async def main() -> list[Any]:
+        client = server.async_client()
+        gate = asyncio.Semaphore(CONCURRENCY)
+
+        async def one(body: dict[str, Any]) -> Any:
+            async with gate:
+                return await client.chat.completions.create(
+                    model=server.model, messages=[{"role": "user", "content": "Use a tool."}], **body
+                )  # no max_tokens: the rest of the context
+
+        async with client:
+            return await asyncio.gather(*(one(b) for b in bodies))
+
+    bad = []
+    for body, r in zip(bodies, asyncio.run(main()), strict=True):
+        ch = r.choices[0]
+        declared = {t["function"]["name"]: t["function"]["parameters"] for t in body["tools"]}
+        calls = ch.message.tool_calls or []
+        if ch.finish_reason != "tool_calls" or len(calls) != 1 or calls[0].function.name not in declared:
+            bad.append(f"{ch.finish_reason}: {ch.message}")
+            continue
+        try:
+            jsonschema.validate(json.loads(calls[0].function.arguments), declared[calls[0].function.name])
+        except (ValueError, jsonschema.ValidationError) as e:
+            bad.append(f"{calls[0].function.arguments!r}: {e}")
+    server.wait_idle()
+    assert not bad, f"{len(bad)} of {REQUESTS} failed:\n" + "\n".join(bad[:10])
