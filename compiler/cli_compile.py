@@ -13,7 +13,12 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
 
 
 @click.command("compile")
-@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("model_dir", metavar="MODEL")
+@click.option(
+    "--revision",
+    default=None,
+    help="Branch, tag or commit of a Hugging Face model id [default: its main branch].",
+)
 @click.option(
     "-o",
     "--output",
@@ -135,6 +140,7 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 def compile_cmd(
     model_dir: str,
+    revision: str | None,
     out: str,
     device: str | None,
     dtype: str,
@@ -154,7 +160,9 @@ def compile_cmd(
     force: bool,
     **kw: Any,
 ) -> None:
-    """Compile the Hugging Face checkpoint in MODEL_DIR into an artifact directory: weight packs
+    """Compile the Hugging Face checkpoint MODEL (a directory, or a Hub id such as
+    meta-llama/Llama-3.1-8B-Instruct: its config, tokenizer and safetensors are downloaded into
+    the Hugging Face cache, HF_TOKEN for gated models) into an artifact directory: weight packs
     (fused, sharded, optionally FP8), the decode graph (CUDA graphs are captured per batch bucket
     at load) and the chunked-prefill graph, every Triton kernel precompiled for every bucket,
     the tokenizer, and a manifest with a hash of every file (checked at load). Two compiles of the
@@ -189,4 +197,6 @@ def compile_cmd(
         # --gemv-plan, --fold-norms: given ones only (the others keep CompileOptions' defaults)
         **{k: v for k, v in settings.pop_options(kw, "compile").items() if v is not None},
     )
-    compile_model(model_dir, out, opts)
+    from kiln.hub import resolve_checkpoint
+
+    compile_model(resolve_checkpoint(model_dir, revision), out, opts)

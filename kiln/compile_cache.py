@@ -610,13 +610,19 @@ def resolve_artifact(
     compile_args: Sequence[str] | Mapping[str, Any],
     device: str,
     cache_dir: str | Path | None = None,
+    revision: str | None = None,
 ) -> Path:
     """``path`` itself when it is an artifact (it has manifest.json), else :func:`find_or_build`
-    of the checkpoint there: what serve / generate / bench / LLM call with their argument."""
+    of the checkpoint it names (a directory, or a Hugging Face Hub id at ``revision``:
+    kiln/hub.py): what serve / generate / bench / LLM call with their argument."""
     p = Path(path)
     if (p / fmt.MANIFEST).is_file():
+        if revision is not None:
+            raise CacheError(f"{path} is a compiled artifact: --revision applies to Hub model ids only")
         return p
-    return find_or_build(p, compile_args, device, cache_dir)
+    from kiln.hub import resolve_checkpoint
+
+    return find_or_build(resolve_checkpoint(str(path), revision), compile_args, device, cache_dir)
 
 
 # ---------------------------------------------------------------------------------- removing

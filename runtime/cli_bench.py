@@ -62,7 +62,7 @@ def bench_cmd() -> None:
 
 
 @bench_cmd.command("latency")
-@click.argument("artifact", type=click.Path(exists=True, file_okay=False))
+@click.argument("artifact")
 @click.option("--batch-sizes", default="1,8,64,256", show_default=True)
 @click.option("--input-len", default=512, show_default=True)
 @click.option("--output-len", default=256, show_default=True)

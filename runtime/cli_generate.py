@@ -52,9 +52,14 @@ def engine_options(f):  # shared by generate, serve and bench
             "CUTLASS libraries, being code, are checked either way).",
         ),
         click.option(
+            "--revision",
+            default=None,
+            help="When ARTIFACT is a Hugging Face model id: its branch, tag or commit.",
+        ),
+        click.option(
             "--compile-args",
             default=None,
-            help="When ARTIFACT is a checkpoint directory: the `kiln compile` flags of its artifact, "
+            help="When ARTIFACT is a checkpoint (a directory or a Hub id): the `kiln compile` flags of its artifact, "
             'e.g. "--max-batch-size 64". It is compiled once into the cache (--cache-dir) and loaded '
             "from there at the next start (`kiln cache ls`).",
         ),
@@ -78,11 +83,12 @@ def options_from(kw: dict) -> dict:
         chunk_size=kw.pop("chunk_size"),
         verify=kw.pop("verify"),
         compile_args=kw.pop("compile_args"),
+        revision=kw.pop("revision"),
     )
 
 
 @click.command("generate")
-@click.argument("artifact", type=click.Path(exists=True, file_okay=False))
+@click.argument("artifact")
 @click.argument("prompt")
 @click.option("--max-tokens", default=128, show_default=True, help="New tokens at most.")
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")

@@ -8,7 +8,7 @@ from kiln.runtime.cli_generate import engine_options, options_from
 
 
 @click.command("serve")
-@click.argument("artifact", type=click.Path(exists=True, file_okay=False))
+@click.argument("artifact")
 @click.option(
     "--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface)."
 )

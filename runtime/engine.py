@@ -75,6 +75,7 @@ class EngineOptions:
     # A checkpoint instead of an artifact: the `kiln compile` flags its cached artifact is built
     # with (kiln/compile_cache.py; e.g. "--max-batch-size 64 --page-size 16").
     compile_args: str | None = None
+    revision: str | None = None  # a Hugging Face Hub id's branch, tag or commit (kiln/hub.py)
     log: bool = True
     # ---- run-time settings (kiln/settings.py; None: KILN_* in the environment, else the default)
     gemv: bool | None = None  # kiln::linear on the GEMV where the graph's plan says (off: cuBLAS)
@@ -117,7 +118,8 @@ class Engine:
         for line in settings.environment_warnings("run"):
             warnings.warn(f"kiln: {line}", stacklevel=2)
         dev = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        # A checkpoint: its artifact from the compile cache, built there the first time.
+        # A checkpoint (a directory or a Hub id): its artifact from the compile cache, built there
+        # the first time.
         self.source = str(artifact)  # as given (the server's default model name)
         if not (Path(artifact) / "manifest.json").is_file():
             import shlex
@@ -125,7 +127,8 @@ class Engine:
             from kiln.compile_cache import resolve_artifact
 
             cache = self.settings["cache_dir"]
-            artifact = str(resolve_artifact(artifact, shlex.split(opts.compile_args or ""), dev, cache))
+            args = shlex.split(opts.compile_args or "")
+            artifact = str(resolve_artifact(artifact, args, dev, cache, opts.revision))
         # A tensor-parallel artifact: ranks 1..N-1 start as follower processes before the load
         # (runtime/tensor_parallel.py).
         self.ranks: RankGroup | None = None
