@@ -24,13 +24,18 @@ def bundled_configs() -> dict[str, Path]:
 
 
 def resolve_model_arg(arg: str) -> Path:
-    """A model directory, a config.json path, or the name of a bundled config."""
+    """A model directory, a config.json path, the name of a bundled config, or a Hugging Face
+    model id ``org/name`` (its config only is downloaded: kiln/hub.py)."""
+    from kiln.hub import is_hub_id, resolve_checkpoint
+
     p = Path(arg)
     if p.exists():
         return p
     bundled = bundled_configs()
     if arg in bundled:
         return bundled[arg]
+    if "/" in arg and is_hub_id(arg):
+        return resolve_checkpoint(arg, progress=False, config_only=True)
     raise ConfigError(
         f"{arg!r} is neither a path nor a bundled config. Bundled: {', '.join(sorted(bundled))}."
     )
@@ -145,7 +150,7 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 @click.command("inspect")
-@click.argument("model", metavar="MODEL_DIR_OR_CONFIG")
+@click.argument("model", metavar="MODEL")
 @click.option("--tp", default=1, show_default=True, help="Tensor-parallel size to check and shard for.")
 @click.option(
     "--dtype",
@@ -174,8 +179,9 @@ def inspect_cmd(
     """Normalize MODEL_DIR_OR_CONFIG's config.json and report per-rank shapes, weight bytes,
     KV bytes per token and KV capacity.
 
-    MODEL_DIR_OR_CONFIG is a Hugging Face model directory, a config.json path, or the name of a
-    bundled config (llama-3.1-8b, qwen3-30b-a3b, deepseek-v3, ...).
+    MODEL is a Hugging Face model directory, a config.json path, the name of a bundled config
+    (llama-3.1-8b, qwen3-30b-a3b, deepseek-v3, ...), or a Hub model id such as
+    meta-llama/Llama-3.1-8B (only its config.json is downloaded).
     """
     if kv_memory is not None and kv_memory <= 0:
         raise click.BadParameter("must be > 0", param_hint="--kv-memory")

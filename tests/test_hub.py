@@ -640,3 +640,20 @@ def test_kiln_compile_and_llm_take_a_hub_id(hub, hf_cache, monkeypatch, demo_one
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert len(llm.generate([[5, 6, 7]], sp)[0].token_ids) == 4
     assert hub.fetched()["org/demo:config.json"] >= 1
+
+
+def test_kiln_inspect_of_a_hub_id_reads_its_config_only(hub, hf_cache, monkeypatch, demo_one_rank):
+    from click.testing import CliRunner
+
+    from kiln.cli import cli
+
+    ckpt = demo_one_rank.parent / "checkpoint"
+    files = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()}
+    monkeypatch.setitem(REPOS, "org/demo2", Repo({SHA_A: files}))
+    r = CliRunner().invoke(cli, ["inspect", "org/demo2", "--json"])
+    assert r.exit_code == 0, r.output
+    want = json.loads(files["config.json"])
+    assert json.loads(r.output)["architecture"] == want["architectures"][0]
+    fetched = {k for k in hub.fetched() if k.startswith("org/demo2:")}
+    assert "org/demo2:config.json" in fetched
+    assert not any(k.endswith(".safetensors") or "tokenizer" in k for k in fetched)
