@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from kiln import settings
-from kiln.artifact_format import gpu_arch, write_build_log
+from kiln.artifact_format import TOKENIZER_FILES, gpu_arch, write_build_log
 from kiln.compiler.config import ModelConfig, load_config
 from kiln.compiler.context import graph_inputs
 from kiln.compiler.cutlass_build import check_request, cutlass_backend, drop_unused, fp8_library
@@ -66,18 +66,6 @@ from kiln.ops.linear.gemv import gemv_plan
 from kiln.weights.fold import apply_norm_folds
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 

@@ -47,6 +47,20 @@ BUILD_LOG = "build-log.json"
 HASH_KEY = "xxh3_128"  # per-file hash in ``files``
 CHECKED_BY_KEY = "checked_by"  # weight data files: checked by the pack loader against this file
 PACK_INDEX = "weights/pack.json"
+# The checkpoint's tokenizer files the compiler copies into the artifact (those present); the
+# compile cache keys on them and the Hub download fetches them (kiln/compile_cache.py, kiln/hub.py).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 MANIFEST_HASH_KEY = "manifest_xxh3_128"
 KERNEL_SOURCE_SUFFIXES = (".py", ".cu", ".cuh", ".h", ".cpp")
 _PARALLEL_FROM = 16  # files: below this, hashing in threads costs more than it saves

@@ -60,20 +60,6 @@ SAMPLE_BYTES = 64  # read from the middle of each tensor (bytes)
 MAX_SAMPLES = 4096  # per weight file; evenly spread over its tensors beyond that
 BLOCK_SAMPLES = 64  # .bin / .pt weight files (no header): evenly spaced blocks of SAMPLE_BYTES
 
-# Tokenizer files the compiler copies into the artifact: kiln.compiler.build.TOKENIZER_FILES (kiln/
-# may not import the compiler; tests/test_compile_cache.py checks the two lists are equal).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
 
 # `kiln compile`'s artifact-shaping flags: name -> (kind, default), kinds "str" (a choice or text),
 # "int", "flag" (--x only) and "bool" (--x/--no-x); None: not given. The compiler owns them
@@ -272,7 +258,7 @@ def checkpoint_identity(checkpoint: Path) -> dict[str, Any]:
         )
     files = {
         name: _sha((checkpoint / name).read_bytes())
-        for name in ("config.json", *TOKENIZER_FILES)
+        for name in ("config.json", *fmt.TOKENIZER_FILES)
         if (checkpoint / name).is_file()
     }
     found = discover_weights(checkpoint)

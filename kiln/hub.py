@@ -43,6 +43,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from kiln.artifact_format import TOKENIZER_FILES
 from kiln.errors import KilnError
 
 WEIGHT_PATTERN = "*.safetensors"
@@ -52,15 +53,7 @@ ALLOW_PATTERNS: tuple[str, ...] = (
     *CONFIG_PATTERNS,
     WEIGHT_PATTERN,
     INDEX_PATTERN,
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
+    *(f for f in TOKENIZER_FILES if f not in CONFIG_PATTERNS),  # the files the compiler copies
 )
 IGNORE_PATTERNS: tuple[str, ...] = ("*/*",)  # kiln reads a checkpoint's top level only
 METADATA_PATTERNS: tuple[str, ...] = tuple(p for p in ALLOW_PATTERNS if p != WEIGHT_PATTERN)

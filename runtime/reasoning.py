@@ -41,7 +41,7 @@ class ReasoningSplit:
             else:
                 return "", t
         self.has_reasoning = True
-        end = t.find(CLOSE, start)
+        end = t.find(CLOSE, start + self.sent[0])  # the reasoning sent holds no tag: search past it
         if end < 0:
             reasoning = t[start:]
             return (reasoning if final else reasoning[: len(reasoning) - _held_suffix(reasoning, CLOSE)]), ""

@@ -173,7 +173,8 @@ class ToolStream:
             body = t.lstrip()
             could_be_call = not body or any(body.startswith(m) or m.startswith(body) for m in markers)
             return 0 if could_be_call and self.sent == 0 else len(t)
-        at = min((i for i in (t.find(m) for m in markers) if i >= 0), default=len(t))
+        # (text already sent holds no marker: search from there, not the whole text each token)
+        at = min((i for i in (t.find(m, self.sent) for m in markers) if i >= 0), default=len(t))
         if at == len(t):  # a marker's beginning at the end of the text
             for k in range(1, max(len(m) for m in markers)):
                 if any(m.startswith(t[-k:]) for m in markers) and len(t) >= k:

@@ -97,20 +97,21 @@ def _join(
     rank: int, tp: int, init: str | None, device: str, timeout_s: float, local_rank: int | None = None
 ) -> None:
     """Join the group as ``rank`` of ``tp``: a file rendezvous at ``init``, or ``env://`` (None)."""
-    if torch.device(device).type == "cuda":
+    backend = _backend(device)
+    if backend == "nccl":
         torch.cuda.set_device(rank if local_rank is None else local_rank)
     dist.init_process_group(
-        _backend(device),
+        backend,
         init_method=f"file://{init}" if init is not None else "env://",
         rank=rank,
         world_size=tp,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     set_tp_group(dist.group.WORLD)
-    if _backend(device) == "nccl" and settings.value("tp_all_reduce") == "auto":
+    if backend == "nccl" and settings.value("tp_all_reduce") == "auto":
         enable_symmetric_all_reduce(torch.device("cuda", torch.cuda.current_device()))
     global _CONTROL, _WIRE
-    _CONTROL = dist.new_group(backend="gloo") if _backend(device) != "gloo" else dist.group.WORLD
+    _CONTROL = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     _WIRE = _Wire()
 
 
@@ -175,18 +176,15 @@ def _follower_main(
         runner = ModelRunner(model, pool, bt, cuda_graph=cuda_graph, graph_greedy=graph_greedy)
         while True:
             msg = _receive()
-            if msg[0] == "step" and msg[3]:  # ids: this rank's argmax of the last step, in place
-                bt.queue_changes(msg[2])
-                runner.forward(msg[1], (None, runner.argmax_ids(msg[1].batch)))
-                continue
             if msg[0] == "stop":
                 dist.barrier(
                     group=_CONTROL
                 )  # with rank 0: no rank closes its connections while another uses them
                 break
-            _, step, pending, _ = msg
+            _, step, pending, argmax = msg
             bt.queue_changes(pending)
-            runner.forward(step)
+            # argmax: the ids are this rank's argmax of the last step, in place
+            runner.forward(step, (None, runner.argmax_ids(step.batch)) if argmax else None)
         runner.release_graphs()
     finally:
         dist.destroy_process_group()

@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.attention.decode import choose_num_splits, tl_dot
+from kiln.ops.attention.decode import _decode_merge_kernel, _split_plan, choose_num_splits, tl_dot
 from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
 from kiln.ops.common.op import kiln_op
 
@@ -255,16 +255,6 @@ def _mla_kv_write_kernel(
 
 
 @triton.jit
-def _mla_split_plan(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    """Split ``s`` takes keys ``[s * chunk, min((s + 1) * chunk, seq_len))``, ``chunk`` whole key
-    blocks; splits ``0..active-1`` get keys (``active`` 0 for an empty request). Shared by the split
-    and merge kernels so they agree on who wrote a partial."""
-    chunk = ((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    safe = tl.maximum(chunk, 1)
-    return chunk, (seq_len + safe - 1) // safe
-
-
-@triton.jit
 def _mla_decode_split_kernel(
     ql_ptr, qp_ptr, cache_ptr, bt_ptr, rows_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     stride_lb, stride_lh, stride_pb, stride_ph, stride_cp, stride_ct, stride_bt, stride_ob, stride_oh,
@@ -278,7 +268,7 @@ def _mla_decode_split_kernel(
     b = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
-    chunk, active = _mla_split_plan(seq_len, num_splits, BLOCK_N)
+    _lo, _base, chunk, active = _split_plan(seq_len, num_splits, 0, BLOCK_N, False)  # decode.py's
     if split >= tl.maximum(active, 1):
         return  # no keys here (split 0 stays to write an empty request's zeros)
     row = tl.load(rows_ptr + b).to(tl.int64)
@@ -330,47 +320,6 @@ def _mla_decode_split_kernel(
         first = (b64 * num_heads + heads) * num_splits  # [BLOCK_H]
         tl.store(mid_lse_ptr + first + split, m_i + tl.log2(l_i), mask=hmask)
         tl.store(mid_o_ptr + (first + split)[:, None] * R + r[None, :], o, mask=omask)
-
-
-@triton.jit
-def _mla_decode_merge_kernel(
-    mid_o_ptr, mid_lse_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
-    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    TILE: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    # grid (B, H): one head's active partials, all r columns
-    pdl_trigger(PDL)
-    pdl_wait(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    _chunk, active = _mla_split_plan(tl.load(lens_ptr + b), num_splits, BLOCK_N)
-    if active <= 1:
-        return  # the split kernel wrote this request's output
-    first = (b * num_heads + h) * num_splits
-    s_all = tl.arange(0, SPLITS_PAD)
-    lse_all = tl.load(
-        mid_lse_ptr + first + s_all, mask=s_all < active, other=float("-inf"), cache_modifier=".cg"
-    )
-    m = tl.max(lse_all, 0)  # finite: every active split had keys
-    denom = tl.sum(tl.exp2(lse_all - m), 0)
-    r = tl.arange(0, BLOCK_R)
-    acc = tl.zeros([BLOCK_R], tl.float32)
-    for s0 in range(0, active, TILE):
-        s = s0 + tl.arange(0, TILE)
-        smask = s < active
-        w = tl.exp2(
-            tl.load(mid_lse_ptr + first + s, mask=smask, other=float("-inf"), cache_modifier=".cg") - m
-        )
-        o = tl.load(
-            mid_o_ptr + (first + s)[:, None] * R + r[None, :],
-            mask=smask[:, None] & (r[None, :] < R),
-            other=0.0,
-            cache_modifier=".cg",
-        )  # o: [TILE, BLOCK_R]
-        acc += tl.sum(w[:, None] * o, 0)
-    tl.store(
-        out_ptr + b * stride_ob + h * stride_oh + r, (acc / denom).to(out_ptr.dtype.element_ty), mask=r < R
-    )
 
 
 # --------------------------------------------------------------------------- ops
@@ -443,10 +392,11 @@ def mla_decode_triton(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     if not direct:
-        pad = next_pow2(num_splits)
-        _mla_decode_merge_kernel[(bsz, heads)](
-            mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1), heads, num_splits,
-            R=r, BLOCK_R=block_r, BLOCK_N=cfg.block_n, SPLITS_PAD=pad, TILE=min(8, pad), num_warps=4, **pdl,
+        block_m = min(64, block_r)  # decode.py's merge: the partials' layout and split plan are its own
+        _decode_merge_kernel[(bsz, heads, triton.cdiv(r, block_m))](
+            mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1), heads, num_splits, 0,
+            DV=r, BLOCK_DV=block_m, TILE=min(64, next_pow2(num_splits)), BLOCK_N=cfg.block_n,
+            HAS_WINDOW=False, num_warps=4, **pdl,
         )  # fmt: skip
     return out
 

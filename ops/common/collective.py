@@ -89,7 +89,7 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
             return torch.ops.symm_mem.one_shot_all_reduce_copy(buf[:n], x.reshape(-1), "sum", name).view(
                 x.shape
             )
-        if 2 * n <= 2 * buf.numel() and n % (8 * dist.get_world_size(_GROUP)) == 0:
+        if n <= buf.numel() and n % (8 * dist.get_world_size(_GROUP)) == 0:
             staged = buf[:n]
             staged.copy_(x.reshape(-1))
             y = torch.empty_like(x)
