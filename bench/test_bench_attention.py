@@ -122,16 +122,13 @@ def kv_bytes_per_token(kv: str) -> int:
 
 def _decode_case(batch: int, ctx: int, page: int = PAGE, kv: str = "bf16"):
     """A decode batch over ``[ctx] * batch`` tokens. ``kv="fp8"``: the caches quantized per row
-    (``quantize_kv_rows``, what qkv_rope_kvwrite writes; V in its FP8 layout of pages, ``[S /
-    page, Hkv, Dv, page]``); ``kv_scales`` is then ``(k_scale,
+    (``quantize_kv_rows``, what qkv_rope_kvwrite writes); ``kv_scales`` is then ``(k_scale,
     v_scale)`` (the ops' trailing arguments), else ``()``."""
     k_cache, v_cache, bt, rows, lens, slots = _paged([ctx] * batch, page)
     kv_scales: tuple[torch.Tensor, ...] = ()
     if kv == "fp8":
         k_cache, k_scale = quantize_kv_rows(k_cache.float())
         v_cache, v_scale = quantize_kv_rows(v_cache.float())
-        s, h, dv = v_cache.shape  # V in its FP8 layout: a page's tokens innermost (reference.py)
-        v_cache = v_cache.view(s // page, page, h, dv).permute(0, 2, 3, 1).contiguous()
         kv_scales = (k_scale, v_scale)
     q = torch.randn(batch, HQ, D, dtype=DTYPE, device=DEV)
     nbytes = batch * ctx * kv_bytes_per_token(kv) + 2 * q.numel() * q.element_size()

@@ -20,7 +20,7 @@ class ForwardContext:
     out_slots: torch.Tensor  # [T] int64, KV slot each new token writes (0 = padding sink)
     cos_sin: torch.Tensor  # [max_pos, rotary_dim] f32
     k_cache: torch.Tensor  # [L, S, H_kv, D]
-    v_cache: torch.Tensor  # [L, S, H_kv, Dv]; FP8: [L, S / page_size, H_kv, Dv, page_size]
+    v_cache: torch.Tensor  # [L, S, H_kv, Dv]
     block_table: torch.Tensor  # [R, max_blocks] int32
     req_rows: torch.Tensor  # [B] int32
     seq_lens: torch.Tensor  # [B] int32, KV length including this step's tokens

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram
 
 from kiln.compiler.context import KV_SCALE_INPUTS, ForwardContext, graph_inputs
-from kiln.ops.attention.reference import FP8_KV_DTYPE, v_cache_shape
+from kiln.ops.attention.reference import FP8_KV_DTYPE
 
 
 class GraphModule(nn.Module):
@@ -92,11 +91,9 @@ def example_inputs(
     rows: int = 8,
 ) -> dict[str, torch.Tensor]:
     """Small, valid per-batch inputs (everything but the weights) for tracing and warm-up:
-    ``batch`` requests sharing ``tokens`` new tokens (tokens == batch: a decode step). The pool
-    holds ``num_slots`` rounded up to whole pages (as the runtime's does)."""
+    ``batch`` requests sharing ``tokens`` new tokens (tokens == batch: a decode step)."""
     dev = torch.device(device)
     i32, i64 = torch.int32, torch.int64
-    num_slots = -(-num_slots // cache.page_size) * cache.page_size
     per_req = tokens // batch
     lens = [per_req] * batch
     lens[-1] += tokens - per_req * batch
@@ -109,10 +106,7 @@ def example_inputs(
             cache.num_layers, num_slots, cache.num_kv_heads, cache.head_dim, dtype=cache.dtype, device=dev
         ),
         "v_cache": torch.zeros(
-            cache.num_layers,
-            *v_cache_shape(num_slots, cache.num_kv_heads, cache.v_head_dim, cache.dtype, cache.page_size),
-            dtype=cache.dtype,
-            device=dev,
+            cache.num_layers, num_slots, cache.num_kv_heads, cache.v_head_dim, dtype=cache.dtype, device=dev
         ),
         "input_ids": torch.zeros(tokens, dtype=i64, device=dev),
         "positions": torch.cat([torch.arange(n, dtype=i64) for n in lens]).to(dev),
@@ -144,14 +138,10 @@ def export_graph(
     args = (dict(weights), *(inputs[n] for n in names))
     # The pool, rope table and block table are sized by the runtime: dynamic in every graph.
     S, P, R, M = Dim("S", min=2), Dim("P", min=2), Dim("R", min=2), Dim("M", min=2)
-    v_slots: Any = S
-    if inputs["v_cache"].dim() == 5:  # FP8: V in pages, [L, S / page_size, H_kv, Dv, page_size]
-        v_slots = Dim("S_pages", min=2)
-        S = page_size * v_slots
-    per_input: dict[str, dict[int, Any] | None] = {
+    per_input: dict[str, dict[int, Dim] | None] = {
         "cos_sin": {0: P},
         "k_cache": {1: S},
-        "v_cache": {1: v_slots},
+        "v_cache": {1: S},
         "k_scale": {1: S},
         "v_scale": {1: S},
         "block_table": {0: R, 1: M},

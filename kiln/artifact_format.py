@@ -40,10 +40,8 @@ from kiln.errors import KilnError
 # kiln::linear / kiln::fused_moe and rmsnorm_linear's folded. 4: versions.kiln and
 # versions.kernel_sources, xxh3 file table, manifest_xxh3_128, build-log.json. 5: typed
 # (kiln.manifest), kernel_choices.page_size dropped (kv.page_size is the one). 6: kernel_choices.gemv
-# renamed gemv_plan (the --gemv-plan flag's name). 7: an FP8 KV cache's V keeps a page's tokens
-# innermost (the graphs' v_cache input is [L, S / page_size, H_kv, Dv, page_size]). Older artifacts:
-# rebuild.
-SCHEMA_VERSION = 7
+# renamed gemv_plan (the --gemv-plan flag's name). Older artifacts: rebuild.
+SCHEMA_VERSION = 6
 MANIFEST = "manifest.json"
 BUILD_LOG = "build-log.json"
 HASH_KEY = "xxh3_128"  # per-file hash in ``files``

@@ -4,10 +4,8 @@
 
     k_cache: [L, S, H_kv, D]    v_cache: [L, S, H_kv, Dv]
 
-and, for an FP8 pool (``float8_e4m3fn``, ``kiln compile --kv-dtype fp8``), a V cache that keeps the
-tokens of each page innermost, ``v_cache: [L, S / page_size, H_kv, Dv, page_size]``
-(``kiln.ops.attention.reference.v_cache_shape``: what the decode kernel's 8-bit P @ V wants), and
-one float32 scale per cached head row, written with it by ``kiln::qkv_rope_kvwrite``:
+and, for an FP8 pool (``float8_e4m3fn``, ``kiln compile --kv-dtype fp8``), one float32 scale per
+cached head row, written with it by ``kiln::qkv_rope_kvwrite``:
 
     k_scale: [L, S, H_kv]       v_scale: [L, S, H_kv]       (row value = cache.float() * scale)
 
@@ -36,7 +34,7 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.manifest import KVSpec
-from kiln.ops.attention.reference import FP8_KV_DTYPE, v_cache_shape
+from kiln.ops.attention.reference import FP8_KV_DTYPE
 
 
 class KVPoolError(KilnError, RuntimeError):
@@ -71,8 +69,7 @@ class KVPool:
         here, the runtime's one check besides the manifest's ``kv.page_size``).
 
     Attributes:
-        k_cache: ``[L, S, H_kv, D]`` dtype.  v_cache: ``[L, S, H_kv, Dv]`` dtype (FP8: ``[L, S /
-        page_size, H_kv, Dv, page_size]``).
+        k_cache: ``[L, S, H_kv, D]`` dtype.  v_cache: ``[L, S, H_kv, Dv]`` dtype.
     """
 
     size_for_memory = staticmethod(size_for_memory)
@@ -101,9 +98,8 @@ class KVPool:
         self.num_pages = num_slots // page_size
         self.k_cache = torch.zeros(num_layers, num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v_cache = torch.zeros(
-            num_layers, *v_cache_shape(num_slots, num_kv_heads, v_head_dim, dtype, page_size),
-            dtype=dtype, device=device,
-        )  # fmt: skip
+            num_layers, num_slots, num_kv_heads, v_head_dim, dtype=dtype, device=device
+        )
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         if dtype == FP8_KV_DTYPE:

@@ -7,8 +7,7 @@ page_size, num_splits, sliding_window, logit_cap, k_scale=None, v_scale=None) ->
   ``float8_e4m3fn``; the last dim contiguous), block_table ``[R, M]`` int32, req_rows / seq_lens
   ``[B]`` int32.
 * FP8 caches: k_scale / v_scale ``[S, Hkv]`` float32, row ``(s, h)`` standing for
-  ``cache[s, h].float() * scale[s, h]`` (reference.py); None for other caches. An FP8 v_cache is
-  ``[S / P, Hkv, Dv, P]``, the tokens of a page innermost (reference.py ``v_cache_shape``).
+  ``cache[s, h].float() * scale[s, h]`` (reference.py); None for other caches.
 * out ``[B, Hq, Dv]`` in q's dtype. Request ``b``'s query sits at position ``seq_lens[b] - 1`` and
   sees keys ``0..seq_lens[b]-1`` (the last ``sliding_window`` of them if ``sliding_window > 0``);
   ``logit_cap > 0`` soft-caps the scaled scores. A request with ``seq_lens[b] == 0`` gets zeros.
@@ -37,11 +36,7 @@ float32 dots); the scores of key ``n`` are multiplied by its ``k_scale`` (folded
 scale) and the softmax weights of key ``n`` by its ``v_scale`` over the block's largest (kept in
 [0, 1], float16's normal range) before P @ V, whose result takes that largest back (the denominator
 sums the unscaled weights). Scales load with their rows' masks (0 for masked keys), and with
-PREWAIT before and after the wait as the rows do. The V tile of an FP8 cache is read as
-``[Dv, BLOCK_N]`` from its page-transposed layout (``v_inner_tile``): each value column's tokens are
-contiguous, the order P @ V's 8-bit operand needs, where the token-major layout made Triton read
-shared memory byte by byte (docs/performance.md, eighteenth session). It loads without key masks
-(masked keys weigh 0 and read finite bytes), after the wait under PREWAIT.
+PREWAIT before and after the wait as the rows do.
 """
 
 from __future__ import annotations
@@ -58,7 +53,6 @@ from kiln.ops.attention.reference import (
     decode_attention_ref,
     empty_attention_out,
     kv_scale_args,
-    tokens_inner,
 )
 from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, prewait
 from kiln.ops.common.op import kiln_op
@@ -205,41 +199,15 @@ def kv_row_scales(base, slot, stride, rmask, KV_FP8: tl.constexpr):
 
 
 @triton.jit
-def v_inner_tile(v_base, slot, stride_vp, dv, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
-                 V_RUN: tl.constexpr):  # fmt: skip
-    """Rows ``slot`` ``[BLOCK_N]`` of one head of a V cache that keeps a page's tokens innermost
-    (``[S / PAGE, Hkv, Dv, PAGE]``, ``stride_vp`` a page's stride), ``[BLOCK_N, BLOCK_DV]`` as
-    stored. Loaded as ``[BLOCK_DV, BLOCK_N]``, runs of ``V_RUN`` consecutive slots contiguous (one
-    wide load per value column and page), and not masked along the keys: a key off the caller's
-    mask reads a finite cache byte (its page, or the sink page 0) that meets a zero weight."""
-    tok = (slot // PAGE) * stride_vp + slot % PAGE  # [BLOCK_N]
-    tok = tl.max_contiguous(tl.multiple_of(tok, V_RUN), V_RUN)
-    ptrs = v_base + dv[:, None] * PAGE + tok[None, :]
-    if DV == BLOCK_DV:
-        vt = tl.load(ptrs)
-    else:
-        vt = tl.load(ptrs, mask=dv[:, None] < DV, other=0.0)
-    return tl.trans(vt)
-
-
-@triton.jit
 def _block_kv(
     k_base, v_base, ks_base, vs_base, slot, stride_ks, stride_vs, stride_kss, stride_vss, d, dv, rmask,
-    D: tl.constexpr, DV: tl.constexpr, KV_FP8: tl.constexpr, DT: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE: tl.constexpr, V_RUN: tl.constexpr, WITH_V: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, KV_FP8: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
     """One key block of one KV head, rows ``slot`` ``[BLOCK_N]`` (``rmask`` off: zeros): ``(k, v, k
     scales, v scales)``, K and V loaded together so both reads are in flight before the scores need
-    them (FP8: rows in ``DT``, unscaled; else the scales are dummy zeros). ``V_RUN > 0``: V keeps a
-    page's tokens innermost (:func:`v_inner_tile`, not masked by ``rmask``); ``WITH_V`` false: no V
-    (a dummy 0)."""
+    them (FP8: rows in ``DT``, unscaled; else the scales are dummy zeros)."""
     k = _cache_rows(k_base, slot, stride_ks, d, rmask, D, KV_FP8, DT)  # [BLOCK_N, BLOCK_D]
-    if not WITH_V:
-        v = 0.0
-    elif V_RUN > 0:
-        v = v_inner_tile(v_base, slot, stride_vs, dv, DV, BLOCK_DV, PAGE, V_RUN).to(DT)
-    else:
-        v = _cache_rows(v_base, slot, stride_vs, dv, rmask, DV, KV_FP8, DT)  # [BLOCK_N, BLOCK_DV]
+    v = _cache_rows(v_base, slot, stride_vs, dv, rmask, DV, KV_FP8, DT)  # [BLOCK_N, BLOCK_DV]
     ks = kv_row_scales(ks_base, slot, stride_kss, rmask, KV_FP8)  # [BLOCK_N]
     vs = kv_row_scales(vs_base, slot, stride_vss, rmask, KV_FP8)
     return k, v, ks, vs
@@ -266,7 +234,6 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr, PDL: tl.constexpr,
     PREWAIT: tl.constexpr = False,  # step inputs and the first block's cached K/V before the wait
     KV_FP8: tl.constexpr = False,  # fp8 caches with per-row scales ks_ptr / vs_ptr [S, Hkv]
-    V_RUN: tl.constexpr = 0,  # > 0: V is [S / PAGE, Hkv, Dv, PAGE] (stride_vs: a page's), v_inner_tile
 ):  # fmt: skip
     # programmatic dependent launch (ops/common/launch.py): wait before any access, except PREWAIT's
     # loads of what nothing in the graph writes (the step inputs, keys cached by earlier steps)
@@ -308,19 +275,16 @@ def _decode_split_kernel(
         old0 = kmask0 & (offs0 != seq_len - 1)
         k_pre, v_pre, ks_pre, vs_pre = _block_kv(
             k_base, v_base, ks_base, vs_base, slot0, stride_ks, stride_vs, stride_kss, stride_vss, d, dv,
-            old0, D, DV, KV_FP8, DT, BLOCK_DV, PAGE, V_RUN, V_RUN == 0,
+            old0, D, DV, KV_FP8, DT,
         )  # fmt: skip
         pdl_wait(PDL)
         new0 = kmask0 & (offs0 == seq_len - 1)  # [BLOCK_N]: the row the kernel before wrote
         k_new, v_new, ks_new, vs_new = _block_kv(
             k_base, v_base, ks_base, vs_base, slot0, stride_ks, stride_vs, stride_kss, stride_vss, d, dv,
-            new0, D, DV, KV_FP8, DT, BLOCK_DV, PAGE, V_RUN, True,
+            new0, D, DV, KV_FP8, DT,
         )  # fmt: skip
         k_pre = tl.where(new0[:, None], k_new, k_pre)
-        if V_RUN > 0:  # V unmasked, so all of the first block's after the wait
-            v_pre = v_new
-        else:
-            v_pre = tl.where(new0[:, None], v_new, v_pre)
+        v_pre = tl.where(new0[:, None], v_new, v_pre)
         if KV_FP8:
             ks_pre = tl.where(new0, ks_new, ks_pre)
             vs_pre = tl.where(new0, vs_new, vs_pre)
@@ -345,14 +309,12 @@ def _decode_split_kernel(
             else:
                 k, v, ks, vs = _block_kv(
                     k_base, v_base, ks_base, vs_base, _block_slots(bt_ptr + row * stride_bt, offs, end, PAGE),
-                    stride_ks, stride_vs, stride_kss, stride_vss, d, dv, kmask, D, DV, KV_FP8, DT, BLOCK_DV,
-                    PAGE, V_RUN, True,
+                    stride_ks, stride_vs, stride_kss, stride_vss, d, dv, kmask, D, DV, KV_FP8, DT,
                 )  # fmt: skip
         else:
             k, v, ks, vs = _block_kv(
                 k_base, v_base, ks_base, vs_base, _block_slots(bt_ptr + row * stride_bt, offs, end, PAGE),
-                stride_ks, stride_vs, stride_kss, stride_vss, d, dv, kmask, D, DV, KV_FP8, DT, BLOCK_DV,
-                PAGE, V_RUN, True,
+                stride_ks, stride_vs, stride_kss, stride_vss, d, dv, kmask, D, DV, KV_FP8, DT,
             )  # fmt: skip
         s = tl_dot(q, tl.trans(k), PREC, UPCAST)  # [GROUP_PAD, BLOCK_N] f32
         if HAS_CAP:
@@ -438,7 +400,7 @@ def decode_attention_triton(
     overrides the block size and launch parameters (benchmarks sweep it)."""
     bsz, hq, d = q.shape
     stride_qb, stride_qh = q.stride(0), q.stride(1)
-    hkv, dv = k_cache.shape[1], v_cache.shape[2]  # dim 2 is Dv in both V layouts
+    hkv, dv = k_cache.shape[1], v_cache.shape[2]
     if num_splits == 0:  # auto: from the batch and the block table's context capacity
         num_splits = choose_num_splits(max(bsz, 1), block_table.shape[1] * page_size, hkv)
     group = hq // hkv
@@ -467,7 +429,6 @@ def decode_attention_triton(
         HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, DIRECT=direct,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         PREWAIT=prewait("attn"), KV_FP8=k_scale is not None,
-        V_RUN=min(page_size, cfg.block_n) if tokens_inner(v_cache) else 0,
     )  # fmt: skip
     if not direct:
         block_dv = min(64, block_dv)

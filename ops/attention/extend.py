@@ -6,8 +6,7 @@ sm_scale, page_size, sliding_window, logit_cap, k_scale=None, v_scale=None) -> o
 * q ``[T, Hq, D]``; k_cache ``[S, Hkv, D]``, v_cache ``[S, Hkv, Dv]``; block_table ``[R, M]``
   int32; req_rows, seq_lens ``[B]`` int32; qo_indptr ``[B + 1]`` int32 with ``qo_indptr[0] == 0``.
 * FP8 caches (``float8_e4m3fn``): k_scale / v_scale ``[S, Hkv]`` float32 (row ``(s, h)`` stands
-  for ``cache[s, h].float() * scale[s, h]``); None for other caches. An FP8 v_cache keeps a page's
-  tokens innermost, ``[S / P, Hkv, Dv, P]`` (reference.py).
+  for ``cache[s, h].float() * scale[s, h]``); None for other caches.
 * Request ``b``'s new tokens are rows ``qo_indptr[b]:qo_indptr[b+1]`` of ``q``, at positions
   ``seq_lens[b] - n_b + j``; their K/V are already in the cache. Query ``i`` sees keys ``j <= i``
   (and ``i - j < sliding_window`` when that is > 0); ``logit_cap > 0`` soft-caps the scores.
@@ -33,13 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.attention.decode import kv_row_scales, tl_dot, tl_softcap, v_inner_tile
+from kiln.ops.attention.decode import kv_row_scales, tl_dot, tl_softcap
 from kiln.ops.attention.reference import (
     check_attention,
     empty_attention_out,
     extend_attention_ref,
     kv_scale_args,
-    tokens_inner,
 )
 from kiln.ops.common.launch import interpreting, next_pow2
 from kiln.ops.common.op import kiln_op
@@ -92,10 +90,8 @@ def _extend_step(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
-    V_RUN: tl.constexpr,
 ):  # fmt: skip
-    """One key block: online-softmax update of ``acc [BLOCK_M, BLOCK_DV]``, ``m_i``, ``l_i``.
-    ``V_RUN > 0``: V keeps a page's tokens innermost (decode.py ``v_inner_tile``)."""
+    """One key block: online-softmax update of ``acc [BLOCK_M, BLOCK_DV]``, ``m_i``, ``l_i``."""
     kpos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
@@ -138,16 +134,13 @@ def _extend_step(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if V_RUN > 0:  # not masked by kvalid: a key off it has weight 0 and a finite cache byte
-        v = v_inner_tile(v_base, slot, stride_vs, dv, DV, BLOCK_DV, PAGE, V_RUN)
+    v_ptrs = v_base + slot[:, None] * stride_vs + dv[None, :]
+    if MASKED:
+        v = tl.load(v_ptrs, mask=kvalid[:, None] & (dv[None, :] < DV), other=0.0)
+    elif DV != BLOCK_DV:
+        v = tl.load(v_ptrs, mask=dv[None, :] < DV, other=0.0)
     else:
-        v_ptrs = v_base + slot[:, None] * stride_vs + dv[None, :]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=kvalid[:, None] & (dv[None, :] < DV), other=0.0)
-        elif DV != BLOCK_DV:
-            v = tl.load(v_ptrs, mask=dv[None, :] < DV, other=0.0)
-        else:
-            v = tl.load(v_ptrs)
+        v = tl.load(v_ptrs)
     # v: [BLOCK_N, BLOCK_DV]
     if KV_FP8:  # value row n's scale on its weights (l_i above summed them unscaled)
         v = v.to(q.dtype)
@@ -167,7 +160,6 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr, SCAN: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr = False,  # fp8 caches with per-row scales ks_ptr / vs_ptr [S, Hkv]
-    V_RUN: tl.constexpr = 0,  # > 0: V is [S / PAGE, Hkv, Dv, PAGE] (stride_vs: a page's), v_inner_tile
 ):  # fmt: skip
     TOK = BLOCK_M // PACK  # tokens per tile (constexpr)
     t = tl.num_programs(0) - 1 - tl.program_id(0)  # tile index; late (long) tiles start first
@@ -233,14 +225,14 @@ def _extend_kernel(
                 q, acc, m_i, l_i, n0, q_pos, kv_end, row, k_base, v_base, bt_ptr, stride_bt,
                 stride_ks, stride_vs, sm_scale, logit_cap, sliding_window, ks_base, vs_base, stride_kss,
                 stride_vss, D, BLOCK_D, DV, BLOCK_DV, PAGE, BLOCK_N, False, HAS_CAP, HAS_WINDOW, PREC,
-                UPCAST, KV_FP8, V_RUN,
+                UPCAST, KV_FP8,
             )  # fmt: skip
         for n0 in range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _extend_step(
                 q, acc, m_i, l_i, n0, q_pos, kv_end, row, k_base, v_base, bt_ptr, stride_bt,
                 stride_ks, stride_vs, sm_scale, logit_cap, sliding_window, ks_base, vs_base, stride_kss,
                 stride_vss, D, BLOCK_D, DV, BLOCK_DV, PAGE, BLOCK_N, True, HAS_CAP, HAS_WINDOW, PREC,
-                UPCAST, KV_FP8, V_RUN,
+                UPCAST, KV_FP8,
             )  # fmt: skip
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
@@ -304,6 +296,5 @@ def extend_attention_triton(
         SCAN=64, HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, KV_FP8=k_scale is not None,
-        V_RUN=min(page_size, cfg.block_n) if tokens_inner(v_cache) else 0,
     )  # fmt: skip
     return out

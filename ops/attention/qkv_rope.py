@@ -8,8 +8,7 @@ Inputs (``T`` new tokens, ``S`` slots in the pool, ``P`` rows in the rotary tabl
   device: a check would need a host sync).
 * ``cos_sin``   ``[P, rot]`` f32: ``rope_cos_sin_cache`` (cos in the first half, sin in the second).
 * ``k_cache``, ``v_cache`` ``[S, Hkv, D]``: one layer's view of the pool ``[L, S, Hkv, D]``
-  (unit stride on ``D``); mutated in place. An FP8 ``v_cache`` is ``[S / P, Hkv, D, P]``, the
-  tokens of a page innermost (reference.py ``v_cache_shape``; its page size is its last dim).
+  (unit stride on ``D``); mutated in place.
 * ``out_slots`` ``[T]`` int64: pool row of each token; padding rows carry 0 (the reserved sink).
 * ``q_norm_w``, ``k_norm_w`` ``[D]`` or None: Qwen3's per-head RMSNorm weights.
 * ``k_scale``, ``v_scale`` ``[S, Hkv]`` float32, with ``float8_e4m3fn`` caches only (else None):
@@ -40,14 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.attention.reference import (
-    FP8_KV_DTYPE,
-    cache_slots,
-    check_kv_scales,
-    kv_scale_args,
-    tokens_inner,
-    write_rows,
-)
+from kiln.ops.attention.reference import FP8_KV_DTYPE, check_kv_scales, kv_scale_args
 from kiln.ops.attention.rope import apply_rope_ref
 from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, prewait
 from kiln.ops.common.op import kiln_op
@@ -69,13 +61,11 @@ def head_rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tens
 def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 KV-cache rows: float32 ``x [..., D]`` -> ``(fp8 [..., D], scale [...] float32)`` with
     ``fp8 = x * (448 / amax)`` rounded to nearest even, ``scale = amax / 448`` (IEEE float32 math,
-    as the kernel does); ``fp8.float() * scale[..., None]`` stands for ``x``. Zero rows: zeros, 0.
-    NaN values store 0 (no NaN byte ever enters the cache; the scale keeps the row's NaN amax)."""
+    as the kernel does); ``fp8.float() * scale[..., None]`` stands for ``x``. Zero rows: zeros, 0."""
     amax = x.abs().amax(-1)
     fp8_max = torch.full_like(amax, FP8_MAX)  # tensor / tensor: IEEE division (torch turns a scalar
     inv = fp8_max / amax.clamp(min=KV_AMAX_FLOOR)  # numerator into reciprocal * scalar)
-    rows = (x * inv[..., None]).clamp(-FP8_MAX, FP8_MAX).nan_to_num(nan=0.0)
-    return rows.to(FP8_KV_DTYPE), amax / fp8_max
+    return (x * inv[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE), amax / fp8_max
 
 
 def qkv_rope_kvwrite_ref(qkv, positions, cos_sin, k_cache, v_cache, out_slots, num_q_heads, num_kv_heads,
@@ -101,12 +91,12 @@ def qkv_rope_kvwrite_ref(qkv, positions, cos_sin, k_cache, v_cache, out_slots, n
             (v_cache, v_scale, v.float()),
         ):
             rows, row_scales = quantize_kv_rows(x)  # [T, Hkv, D], [T, Hkv]
-            write_rows(cache, slots, rows)
+            cache[slots] = rows
             scale[slots] = row_scales
         return q
     k = apply_rope_ref(k, positions, cos_sin, rotary_dim, is_neox)
-    write_rows(k_cache, slots, k)
-    write_rows(v_cache, slots, v)
+    k_cache[slots] = k.to(k_cache.dtype)
+    v_cache[slots] = v.to(v_cache.dtype)
     return q
 
 
@@ -152,24 +142,21 @@ def _store_head(
     rows,
     RNE: tl.constexpr,
     HAS_PASS: tl.constexpr,
-    COL: tl.constexpr = 1,  # elements between a row's consecutive dims (an FP8 V cache: its page size)
 ):
     dt = dst.dtype.element_ty
     m = rows[:, None]
-    tl.store(dst + a_off[None, :] * COL, _rne_bf16(oa, RNE).to(dt), mask=m_rot & m)
-    tl.store(dst + b_off[None, :] * COL, _rne_bf16(ob, RNE).to(dt), mask=m_rot & m)
+    tl.store(dst + a_off[None, :], _rne_bf16(oa, RNE).to(dt), mask=m_rot & m)
+    tl.store(dst + b_off[None, :], _rne_bf16(ob, RNE).to(dt), mask=m_rot & m)
     if HAS_PASS:
-        tl.store(dst + p_off[None, :] * COL, _rne_bf16(op, RNE).to(dt), mask=m_pass & m)
+        tl.store(dst + p_off[None, :], _rne_bf16(op, RNE).to(dt), mask=m_pass & m)
 
 
 @triton.jit
 def _fp8_rows(x, inv, ROUND_IN_F32: tl.constexpr):
     """FP8 rows: float32 tile ``x [BH, N]`` times its row's ``inv = 448 / amax`` ``[BH]``, clamped to
-    +-448, NaN stored as 0 (the cache holds no NaN byte: attention reads V tiles of masked keys,
-    decode.py); rounded to the e4m3 grid here under the interpreter (whose cast truncates), else
-    by the store's cast (round to nearest even)."""
-    v = x * inv[:, None]
-    v = tl.where(v == v, tl.minimum(tl.maximum(v, -448.0), 448.0), 0.0)
+    +-448; rounded to the e4m3 grid here under the interpreter (whose cast truncates), else by the
+    store's cast (round to nearest even)."""
+    v = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
     if ROUND_IN_F32:
         v = round_e4m3_in_f32(v)
     return v
@@ -219,7 +206,6 @@ def _qkv_rope_kvwrite_kernel(
     KV_FP8: tl.constexpr = False,  # fp8 caches: rows quantized with their amax, scales to ks/vs_ptr
     RNE_FP8: tl.constexpr = False,  # interpreter only: round to the e4m3 grid before the cast
     AMAX_FLOOR: tl.constexpr = 0.0,  # KV_AMAX_FLOOR (FP8 only)
-    V_PAGE: tl.constexpr = 1,  # > 1: V is [S / V_PAGE, Hkv, D, V_PAGE] (stride_v_s: a page's stride)
 ):
     # One program: token t, heads h of the concatenated q | k | v head list. Each head row of D
     # values is three tiles: the first and second members of the rotation pairs (a, b) and the
@@ -289,10 +275,7 @@ def _qkv_rope_kvwrite_kernel(
     hk_i = tl.where(is_k, h - HQ, 0)
     k_dst = k_ptr + slot * stride_k_s + hk_i[:, None] * stride_k_h
     hv_i = tl.where(is_v, h - HQ - HKV, 0)
-    if V_PAGE > 1:  # the tokens of a page innermost: page, head, then dim d at d * V_PAGE
-        v_dst = v_ptr + (slot // V_PAGE) * stride_v_s + slot % V_PAGE + hv_i[:, None] * stride_v_h
-    else:
-        v_dst = v_ptr + slot * stride_v_s + hv_i[:, None] * stride_v_h
+    v_dst = v_ptr + slot * stride_v_s + hv_i[:, None] * stride_v_h
     if KV_FP8:  # each k and v head row over its three tiles: amax, then x * (448 / amax) and amax / 448
         amax = tl.maximum(tl.max(tl.abs(oa), axis=1), tl.max(tl.abs(ob), axis=1))  # [BH]
         if HAS_PASS:
@@ -304,7 +287,7 @@ def _qkv_rope_kvwrite_kernel(
         qp = _fp8_rows(p, inv, RNE_FP8)
         _store_head(k_dst, qa, qb, qp, a_off, b_off, p_off, m_rot, m_pass, is_k, False, HAS_PASS)
         tl.store(ks_ptr + slot * stride_ks_s + hk_i * stride_ks_h, row_scale, mask=is_k)
-        _store_head(v_dst, qa, qb, qp, a_off, b_off, p_off, m_rot, m_pass, is_v, False, HAS_PASS, V_PAGE)
+        _store_head(v_dst, qa, qb, qp, a_off, b_off, p_off, m_rot, m_pass, is_v, False, HAS_PASS)
         tl.store(vs_ptr + slot * stride_vs_s + hv_i * stride_vs_h, row_scale, mask=is_v)
     else:
         _store_head(k_dst, oa, ob, p, a_off, b_off, p_off, m_rot, m_pass, is_k, RNE_K, HAS_PASS)
@@ -333,16 +316,6 @@ def _check(qkv, positions, cos_sin, k_cache, v_cache, out_slots, num_q_heads, nu
             f"got {list(qkv.shape)}."
         )
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if name == "v_cache" and tokens_inner(c):  # FP8: [S / P, Hkv, D, P], contiguous per page
-            p = c.shape[3]
-            if tuple(c.shape[1:3]) != (hkv, d) or (p > 1 and c.stride(3) != 1) or c.stride(2) != p:
-                raise ValueError(
-                    f"v_cache must be [S / page_size, num_kv_heads={hkv}, head_dim={d}, page_size], "
-                    f"contiguous per page, got {list(c.shape)} (strides {c.stride()})."
-                )
-            if cache_slots(c) != k_cache.shape[0]:
-                raise ValueError(f"v_cache holds {cache_slots(c)} slots, k_cache {k_cache.shape[0]}.")
-            continue
         if c.dim() != 3 or tuple(c.shape[1:]) != (hkv, d):
             raise ValueError(f"{name} must be [S, num_kv_heads={hkv}, head_dim={d}], got {list(c.shape)}.")
         if c.stride(-1) != 1:
@@ -442,7 +415,6 @@ def qkv_rope_kvwrite_triton(
         KV_FP8=fp8,
         RNE_FP8=rne and fp8,
         AMAX_FLOOR=KV_AMAX_FLOOR if fp8 else 0.0,
-        V_PAGE=v_cache.shape[3] if tokens_inner(v_cache) else 1,
         num_warps=num_warps,
         **pdl,
     )

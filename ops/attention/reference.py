@@ -12,11 +12,7 @@ Masks: key ``j`` is visible to query position ``i`` iff ``j <= i`` and, with a s
 FP8 caches (``float8_e4m3fn``): each cached head row comes with a float32 scale, ``k_scale`` /
 ``v_scale`` ``[S, Hkv]`` (a layer's view of the pool's ``[L, S, Hkv]``), and stands for
 ``cache[slot, h, :].float() * scale[slot, h]``; the references dequantize the rows they gather.
-Other caches take no scales (None). An FP8 V cache keeps the tokens of a page innermost,
-``[S / P, Hkv, Dv, P]`` (:func:`v_cache_shape`; slot ``s`` is ``v_cache[s // P, :, :, s % P]``):
-the decode kernel's P @ V then reads each value column's tokens as one contiguous run, the operand
-order the tensor cores want for 8-bit tiles (docs/performance.md, eighteenth and twentieth
-sessions). K caches, and V caches of other dtypes, are token-major ``[S, Hkv, D]``.
+Other caches take no scales (None).
 
 The references take their ops' parameters (ops/common/op.py ``kiln_op``; the annotations are the
 launches'): ``extend_attention_ref`` is ``kiln::extend_attention``'s, ``decode_attention_ref``
@@ -34,26 +30,6 @@ import torch
 FP8_KV_DTYPE = torch.float8_e4m3fn  # the FP8 KV-cache format (one float32 scale per head row)
 
 
-def v_cache_shape(
-    num_slots: int, num_kv_heads: int, v_head_dim: int, dtype: torch.dtype, page_size: int
-) -> tuple[int, ...]:
-    """One layer's V cache shape: ``[S, Hkv, Dv]``, or for FP8 ``[S / P, Hkv, Dv, P]`` (tokens of a
-    page innermost; the module docstring). ``num_slots`` is a multiple of ``page_size``."""
-    if dtype == FP8_KV_DTYPE:
-        return (num_slots // page_size, num_kv_heads, v_head_dim, page_size)
-    return (num_slots, num_kv_heads, v_head_dim)
-
-
-def tokens_inner(v_cache: torch.Tensor) -> bool:
-    """Whether a layer's V cache keeps the tokens of a page innermost (``[S / P, Hkv, Dv, P]``)."""
-    return v_cache.dim() == 4
-
-
-def cache_slots(cache: torch.Tensor) -> int:
-    """Slots of one layer's K or V cache, in either layout."""
-    return cache.shape[0] * cache.shape[3] if tokens_inner(cache) else cache.shape[0]
-
-
 def request_slots(block_table: torch.Tensor, row: int, length: int, page_size: int) -> torch.Tensor:
     """Slots of positions ``0..length-1`` of block-table row ``row``: ``[length]`` int64."""
     pos = torch.arange(length, device=block_table.device)
@@ -61,29 +37,12 @@ def request_slots(block_table: torch.Tensor, row: int, length: int, page_size: i
     return pages * page_size + pos % page_size
 
 
-def cache_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Rows ``slots`` of one layer's K or V cache in either layout, ``[n, Hkv, D]`` as stored."""
-    if tokens_inner(cache):
-        page = cache.shape[3]
-        return cache[slots // page, :, :, slots % page]
-    return cache[slots]
-
-
-def write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """Writes ``rows [n, Hkv, D]`` to slots ``slots`` of one layer's K or V cache (either layout)."""
-    if tokens_inner(cache):
-        page = cache.shape[3]
-        cache[slots // page, :, :, slots % page] = rows.to(cache.dtype)
-    else:
-        cache[slots] = rows.to(cache.dtype)
-
-
 def gather_rows(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
     """Rows ``slots`` of a K or V cache, ``[L, Hkv, D]``: as stored, or, with an FP8 cache's
-    ``scale [S, Hkv]``, dequantized to float32 (``cache_rows(...).float() * scale[slots]``)."""
+    ``scale [S, Hkv]``, dequantized to float32 (``cache[slots].float() * scale[slots]``)."""
     if scale is None:
-        return cache_rows(cache, slots)
-    return cache_rows(cache, slots).float() * scale[slots].float()[..., None]
+        return cache[slots]
+    return cache[slots].float() * scale[slots].float()[..., None]
 
 
 def _attend(
@@ -118,8 +77,7 @@ def extend_attention_ref(q, k_cache, v_cache, block_table, req_rows, seq_lens, q
                          sliding_window, logit_cap, k_scale=None, v_scale=None):  # fmt: skip
     """Extend attention, reference.
 
-    q ``[T, Hq, D]``; k_cache ``[S, Hkv, D]``; v_cache ``[S, Hkv, Dv]`` (FP8: ``[S / P, Hkv, Dv,
-    P]``, the module docstring); block_table ``[R, M]``
+    q ``[T, Hq, D]``; k_cache ``[S, Hkv, D]``; v_cache ``[S, Hkv, Dv]``; block_table ``[R, M]``
     int32; req_rows, seq_lens ``[B]`` int32; qo_indptr ``[B + 1]`` int32. Request ``b``'s new
     tokens are rows ``qo_indptr[b]:qo_indptr[b+1]`` of ``q`` at positions
     ``seq_lens[b] - n_b + j``. Returns ``[T, Hq, Dv]`` in q's dtype; rows of ``q`` that belong
@@ -127,7 +85,7 @@ def extend_attention_ref(q, k_cache, v_cache, block_table, req_rows, seq_lens, q
     float32 (the module docstring).
     """
     t, hq = q.shape[0], q.shape[1]
-    out = torch.zeros(t, hq, v_cache.shape[2], dtype=torch.float32, device=q.device)
+    out = torch.zeros(t, hq, v_cache.shape[-1], dtype=torch.float32, device=q.device)
     indptr = qo_indptr.tolist()
     for b, (row, seq_len) in enumerate(zip(req_rows.tolist(), seq_lens.tolist())):
         lo, hi = indptr[b], indptr[b + 1]
@@ -173,7 +131,7 @@ def check_kv_scales(
 ) -> None:
     """The KV-cache format rule of the ops that read or write the caches (``op`` names the op in
     the errors): ``float8_e4m3fn`` caches (both or neither) need ``k_scale``/``v_scale`` float32
-    ``[S, Hkv]`` (S: the cache's slots, :func:`cache_slots`); other caches take None."""
+    ``[S, Hkv]``, their cache's first two dims; other caches take None."""
     fp8 = (k_cache.dtype == FP8_KV_DTYPE, v_cache.dtype == FP8_KV_DTYPE)
     if fp8[0] != fp8[1]:
         raise ValueError(
@@ -187,33 +145,13 @@ def check_kv_scales(
                     f"{op}: {name} is only for {FP8_KV_DTYPE} caches; pass None with a {cache.dtype} cache."
                 )
             continue
-        want = [cache_slots(cache), cache.shape[1]]
+        want = list(cache.shape[:2])
         if scale is None or scale.dtype != torch.float32 or list(scale.shape) != want:
             got = "None" if scale is None else f"{scale.dtype} {list(scale.shape)}"
             raise ValueError(
                 f"{op}: {name} must be a float32 {want} tensor ([S, Hkv], one scale per cached head row) "
                 f"with {FP8_KV_DTYPE} caches, got {got}."
             )
-
-
-def check_v_layout(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int) -> None:
-    """The V cache's layout rule: token-major ``[S, Hkv, Dv]`` like K, or, for an FP8 cache, the
-    tokens of each page innermost, ``[S / page_size, Hkv, Dv, page_size]``, contiguous per page."""
-    fp8 = v_cache.dtype == FP8_KV_DTYPE
-    want = "[S / page_size, kv_heads, dim, page_size]" if fp8 else "[slots, kv_heads, dim]"
-    if (v_cache.dim() == 4) != fp8:
-        raise ValueError(f"{op}: a {v_cache.dtype} v_cache must be {want}, got {tuple(v_cache.shape)}.")
-    if fp8 and (
-        v_cache.shape[3] != page_size
-        or (page_size > 1 and v_cache.stride(3) != 1)  # (a size-1 dim's stride is free)
-        or v_cache.stride(2) != page_size
-        or cache_slots(v_cache) != k_cache.shape[0]
-    ):
-        raise ValueError(
-            f"{op}: the FP8 v_cache {tuple(v_cache.shape)} (strides {v_cache.stride()}) must be a "
-            f"contiguous-per-page [S / page_size, kv_heads, dim, page_size] with page_size={page_size} "
-            f"and S = k_cache's {k_cache.shape[0]} slots."
-        )
 
 
 def check_attention(
@@ -224,17 +162,14 @@ def check_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """The checks every attention op runs first: 3-D q and K cache, the V cache's layout
-    (:func:`check_v_layout`), agreeing heads and head dims, contiguous last dimensions,
-    ``page_size >= 1``, and the scales of FP8 caches (:func:`check_kv_scales`)."""
-    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() not in (3, 4):
+    """The checks every attention op runs first: 3-D q and caches with agreeing heads and head dims,
+    contiguous last dimensions, ``page_size >= 1``, and the scales of FP8 caches
+    (:func:`check_kv_scales`)."""
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
         raise ValueError(
             f"attention: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} and v_cache "
-            f"{tuple(v_cache.shape)} must be 3-D ([tokens, heads, dim], [slots, kv_heads, dim]); an FP8 "
-            "v_cache is [S / page_size, kv_heads, dim, page_size]."
+            f"{tuple(v_cache.shape)} must be 3-D ([tokens, heads, dim], [slots, kv_heads, dim])."
         )
-    if page_size < 1:
-        raise ValueError(f"attention: page_size must be >= 1, got {page_size}.")
     hq, hkv = q.shape[1], k_cache.shape[1]
     if hq % hkv or v_cache.shape[1] != hkv or q.shape[2] != k_cache.shape[2]:
         raise ValueError(
@@ -242,18 +177,19 @@ def check_attention(
             f"{hkv} heads (has {v_cache.shape[1]}) and q/k head dims must agree "
             f"({q.shape[2]} vs {k_cache.shape[2]})."
         )
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or (v_cache.dim() == 3 and v_cache.stride(-1) != 1):
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("attention: q, k_cache and v_cache need a contiguous last dimension.")
+    if page_size < 1:
+        raise ValueError(f"attention: page_size must be >= 1, got {page_size}.")
     check_kv_scales("attention", k_cache, v_cache, k_scale, v_scale)
-    check_v_layout("attention", k_cache, v_cache, page_size)
 
 
 def empty_attention_out(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *_: object
 ) -> torch.Tensor:
     """The attention ops' output for their arguments, uninitialized: ``[T, Hq, Dv]`` in q's dtype
-    (their fake implementation; Dv is dim 2 of either V layout)."""
-    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[2])
+    (their fake implementation)."""
+    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
 
 
 def random_block_table(

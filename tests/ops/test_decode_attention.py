@@ -20,12 +20,7 @@ import torch
 
 from kiln.ops.attention import decode as dec
 from kiln.ops.attention.qkv_rope import qkv_rope_kvwrite_ref, qkv_rope_kvwrite_triton
-from kiln.ops.attention.reference import (
-    decode_attention_ref,
-    random_block_table,
-    request_slots,
-    v_cache_shape,
-)
+from kiln.ops.attention.reference import decode_attention_ref, random_block_table, request_slots
 from kiln.ops.attention.rope import rope_cos_sin_cache
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -179,30 +174,19 @@ FP8 = torch.float8_e4m3fn
 FP8_NAN = 0x7F  # an e4m3fn NaN byte
 
 
-FP8_V_GARBAGE = 0x7E  # e4m3fn 448, the largest finite byte
-
-
-def page_major_v(v: torch.Tensor, page_size: int) -> torch.Tensor:
-    """A token-major V cache ``[S, Hkv, Dv]`` in the FP8 layout, ``[S / P, Hkv, Dv, P]``
-    (reference.py ``v_cache_shape``)."""
-    s, h, dv = v.shape
-    return v.view(s // page_size, page_size, h, dv).permute(0, 2, 3, 1).contiguous()
-
-
 def fp8_caches(k, v, block_table, req_rows, seq_lens, page_size):
     """FP8 caches standing for random rows: e4m3 values of ``k``/``v`` with random per-row scales
     ``[S, Hkv]`` (log-normal, a factor e^±1 around 1, different for K and V, so that a kernel that
-    drops or misplaces a scale is far off); V in its FP8 layout (:func:`page_major_v`). Slots no
-    request reads hold NaN K rows and NaN scales (a masked key must read neither) and V rows of the
-    largest finite byte (the kernels read V tiles of masked keys, which must weigh 0; the cache
-    never holds a NaN byte, qkv_rope.py). Returns ``(k_fp8, v_fp8, k_scale, v_scale)``."""
+    drops or misplaces a scale is far off). Slots no request reads hold NaN rows and NaN scales: a
+    masked key must read neither. Returns ``(k_fp8, v_fp8, k_scale, v_scale)``."""
     used = torch.zeros(k.shape[0], dtype=torch.bool, device=k.device)
     for r, n in zip(req_rows.tolist(), seq_lens.tolist()):
         used[request_slots(block_table, r, n, page_size)] = True
-    kq, vq = k.float().to(FP8), v.float().to(FP8)
-    kq.view(torch.uint8)[~used] = FP8_NAN
-    vq.view(torch.uint8)[~used] = FP8_V_GARBAGE
-    out = [kq, page_major_v(vq, page_size)]
+    out = []
+    for x in (k, v):
+        q = x.float().to(FP8)
+        q.view(torch.uint8)[~used] = FP8_NAN
+        out.append(q)
     for x in (k, v):
         scale = torch.exp(0.5 * torch.randn(x.shape[:2], device=x.device))
         scale[~used] = float("nan")
@@ -244,8 +228,7 @@ def test_decode_fp8_accuracy_vs_bf16_cache(triton_on_cpu, seed):
     k16 = torch.zeros(num_slots, hkv, d, dtype=torch.bfloat16)
     v16 = torch.zeros_like(k16)
     qkv_rope_kvwrite_ref(qkv, positions, cs, k16, v16, slots, *meta, None, None)
-    k8 = torch.zeros(num_slots, hkv, d, dtype=FP8)
-    v8 = torch.zeros(v_cache_shape(num_slots, hkv, d, FP8, page), dtype=FP8)
+    k8, v8 = torch.zeros(num_slots, hkv, d, dtype=FP8), torch.zeros(num_slots, hkv, d, dtype=FP8)
     ks, vs = torch.zeros(num_slots, hkv), torch.zeros(num_slots, hkv)
     q = qkv_rope_kvwrite_triton(qkv, positions, cs, k8, v8, slots, *meta, ks, vs, block_h=16)
     last = torch.tensor(lens).cumsum(0) - 1  # each request's newest token queries its cache

@@ -12,7 +12,7 @@ import io
 import pytest
 import test_decode_attention as decode_tests
 import torch
-from test_decode_attention import TOL, fp8_caches, page_major_v, rel_err
+from test_decode_attention import TOL, fp8_caches, rel_err
 
 from kiln.ops.attention import paged  # noqa: F401  (registers the three attention ops)
 from kiln.ops.attention.extend import ExtendConfig, _resolve_pack, extend_attention_triton
@@ -37,7 +37,7 @@ def make_inputs(ext, prefix, pad, hq, hkv, d, dv, page_size, dtype, device="cpu"
 def check(seed, ext, prefix, pad, hq, hkv, d, dv, page_size, dtype, window=-1, cap=0.0, config=None,
           device="cpu", kv_fp8=False):  # fmt: skip
     """The kernel vs the reference on fresh inputs; ``kv_fp8``: on FP8 caches with random per-row
-    scales (test_decode_attention.py ``fp8_caches``: NaN K rows and scales where no request reads)."""
+    scales (test_decode_attention.py ``fp8_caches``: NaN rows and scales where no request reads)."""
     q, k, v, bt, rows, lens, indptr = make_inputs(ext, prefix, pad, hq, hkv, d, dv, page_size, dtype, device)
     scales = ()
     if kv_fp8:
@@ -210,7 +210,6 @@ def test_extend_fp8_accuracy_vs_bf16_cache(triton_on_cpu, seed):
     Relative error measured over 300 seeds (reference math): mean 3.4e-2, max 3.7e-2; bound 5e-2."""
     q, k, v, bt, rows, lens, indptr = make_inputs([20, 6], [10, 30], 0, 8, 2, 64, 64, 16, torch.bfloat16)
     (kq, ks), (vq, vs) = quantize_kv_rows(k.float()), quantize_kv_rows(v.float())
-    vq = page_major_v(vq, 16)
     ref = extend_attention_ref(q, k, v, bt, rows, lens, indptr, 0.125, 16, -1, 0.0)
     out = torch.ops.kiln.extend_attention(q, kq, vq, bt, rows, lens, indptr, 0.125, 16, -1, 0.0, ks, vs)
     err = rel_err(out, ref)
