@@ -204,18 +204,23 @@ def test_decode_engine(measure, batch, ctx, page, kv):
 
 
 @pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("splits", ["auto", "one", "double"])
-@pytest.mark.parametrize("cfg", [(64, 4, 2), (128, 8, 2), (64, 4, 3)])
+@pytest.mark.parametrize(
+    "cfg", [(64, 4, 2), (128, 8, 2), (64, 4, 3), (32, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 3), (32, 2, 3)]
+)
 @pytest.mark.parametrize("batch, ctx, page", [(64, 512, 1), (64, 512, 16), (256, 1024, 1), (256, 1024, 16)])
-def test_decode_engine_sweep(measure, batch, ctx, page, cfg, splits):
-    q, k_cache, v_cache, bt, rows, lens, _, nbytes, _ = _decode_case(batch, ctx, page)
+def test_decode_engine_sweep(measure, batch, ctx, page, cfg, splits, kv):
+    q, k_cache, v_cache, bt, rows, lens, _, nbytes, kv_scales = _decode_case(batch, ctx, page, kv)
     config = DecodeConfig(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
     auto = choose_num_splits(batch, ENGINE_CAP, HKV)
     n = {"auto": auto, "one": 1, "double": 2 * auto}[splits]
     fn = lambda: decode_attention_triton(
-        q, k_cache, v_cache, bt, rows, lens, D**-0.5, page, n, -1, 0.0, config=config
+        q, k_cache, v_cache, bt, rows, lens, D**-0.5, page, n, -1, 0.0, *kv_scales, config=config
     )
-    measure(_graphed(fn), bytes=nbytes, batch=batch, ctx=ctx, page=page, num_splits=n, config=str(config))
+    measure(
+        _graphed(fn), bytes=nbytes, batch=batch, ctx=ctx, page=page, num_splits=n, config=str(config), kv=kv
+    )
 
 
 # --------------------------------------------------------------------------- extend
