@@ -34,7 +34,7 @@ import torch
 
 from kiln import settings
 from kiln.artifact_format import TOKENIZER_FILES, gpu_arch, write_build_log
-from kiln.compiler.config import ModelConfig, load_config
+from kiln.compiler.config import ConfigError, ModelConfig, load_config
 from kiln.compiler.context import graph_inputs
 from kiln.compiler.cutlass_build import check_request, cutlass_backend, drop_unused, fp8_library
 from kiln.compiler.graph_code import emit_graph_code
@@ -213,13 +213,23 @@ KV_DTYPES = ("auto", "fp8")  # --kv-dtype
 
 
 def _kv_spec(cfg: ModelConfig, opts: CompileOptions) -> KVSpec:
-    """The KV cache the graphs are traced for (per rank), as the manifest records it."""
+    """The KV cache the graphs are traced for (per rank), as the manifest records it. MLA
+    (DeepSeek-V2/V3): the latent cache, one "head" of ``kv_lora_rank + qk_rope_head_dim`` per token
+    in the K cache (whole on every rank) and an empty V cache (compiler/mla_layer.py)."""
     dtype = KV_FP8 if opts.kv_dtype == "fp8" else opts.dtype
+    heads, head_dim, v_head_dim = cfg.kv_heads_per_rank(opts.tp), cfg.head_dim, cfg.v_head_dim
+    if cfg.mla is not None:
+        if opts.kv_dtype == "fp8":
+            raise ConfigError(
+                f"--kv-dtype fp8 is not supported for MLA models ({cfg.architecture}): their latent cache "
+                "has no FP8 format yet; compile without --kv-dtype fp8."
+            )
+        heads, head_dim, v_head_dim = 1, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim, 0
     return KVSpec(
         num_layers=cfg.num_layers,
-        num_kv_heads=cfg.kv_heads_per_rank(opts.tp),
-        head_dim=cfg.head_dim,
-        v_head_dim=cfg.v_head_dim,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
         dtype=dtype,
         page_size=opts.page_size,
         bytes_per_token=cfg.kv_bytes_per_token(dtype, opts.tp),
@@ -276,6 +286,7 @@ def _compile_model(
         validate_parallel(cfg, par)  # --tp/--ep: a layout that cannot shard the model fails here
         max_seq = opts.max_seq_len or min(cfg.max_position_embeddings, 32768)
         model_class(cfg.architecture)  # fail before any work if the architecture cannot compile
+        _kv_spec(cfg, opts)  # likewise a KV cache it cannot have (--kv-dtype fp8 for MLA)
         if cfg.moe is not None:
             check_request(opts.moe_backend, torch.device(opts.device), opts.dtype, opts.quant)
         _prepare_out(out, opts.force)

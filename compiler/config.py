@@ -66,6 +66,9 @@ class MoEConfig:
     scoring_func: Literal["softmax", "sigmoid"] = "softmax"
     num_groups: int = 1
     topk_groups: int = 1
+    # group-limited routing (num_groups > 1), a group's score: the sum of its two best experts'
+    # (DeepSeek-V3 noaux_tc) or its best (DeepSeek-V2 group_limited_greedy); ops/moe/topk.py
+    group_score: Literal["top2_sum", "max"] = "top2_sum"
     routed_scaling_factor: float = 1.0
     has_correction_bias: bool = False  # DeepSeek-V3 noaux_tc e_score_correction_bias
     first_dense_layers: int = 0  # first_k_dense_replace
@@ -312,6 +315,9 @@ def _eos(raw: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(int(x) for x in (e if isinstance(e, list | tuple) else [e]))
 
 
+_DEFAULT_TOPK_METHOD = {"DeepseekV2ForCausalLM": "greedy", "DeepseekV3ForCausalLM": "noaux_tc"}
+
+
 def _parse_moe(raw: Mapping[str, Any], arch: str) -> MoEConfig | None:
     n = _get(raw, "num_experts", "num_local_experts", "n_routed_experts")
     if not n:
@@ -321,6 +327,15 @@ def _parse_moe(raw: Mapping[str, Any], arch: str) -> MoEConfig | None:
     n_shared = int(_get(raw, "n_shared_experts", default=0) or 0)
     shared_inter = int(_get(raw, "moe_intermediate_size", default=0) or 0)
     always_norm = arch.startswith("Mixtral")  # Mixtral renormalizes its top-k without a flag
+    # DeepSeek's routing method; transformers' config classes leave it out for V3, whose model
+    # always routes noaux_tc (sigmoid, correction bias, groups scored by their two best)
+    method = raw.get("topk_method") or _DEFAULT_TOPK_METHOD.get(arch)
+    if method not in (None, "greedy", "group_limited_greedy", "noaux_tc"):
+        raise ConfigError(
+            f"config.json field 'topk_method' is {method!r}; kiln supports greedy, group_limited_greedy "
+            "and noaux_tc."
+        )
+    grouped = method in (None, "group_limited_greedy", "noaux_tc")  # greedy ignores n_group
     moe = MoEConfig(
         num_experts=_positive("num_experts", n),
         top_k=top_k,
@@ -328,11 +343,12 @@ def _parse_moe(raw: Mapping[str, Any], arch: str) -> MoEConfig | None:
         num_shared_experts=n_shared,
         shared_intermediate_size=shared_inter,
         norm_topk_prob=always_norm or bool(raw.get("norm_topk_prob", False)),
-        scoring_func=_get(raw, "scoring_func", default="softmax"),
-        num_groups=int(_get(raw, "n_group", default=1) or 1),
-        topk_groups=int(_get(raw, "topk_group", default=1) or 1),
+        scoring_func=_get(raw, "scoring_func", default="sigmoid" if method == "noaux_tc" else "softmax"),
+        num_groups=int(_get(raw, "n_group", default=1) or 1) if grouped else 1,
+        topk_groups=int(_get(raw, "topk_group", default=1) or 1) if grouped else 1,
+        group_score="max" if method == "group_limited_greedy" else "top2_sum",
         routed_scaling_factor=float(_get(raw, "routed_scaling_factor", default=1.0)),
-        has_correction_bias=raw.get("topk_method") == "noaux_tc",
+        has_correction_bias=method == "noaux_tc",
         first_dense_layers=int(_get(raw, "first_k_dense_replace", default=0) or 0),
         layer_freq=int(_get(raw, "moe_layer_freq", "decoder_sparse_step", default=1) or 1),
         dense_layers=tuple(raw.get("mlp_only_layers") or ()),

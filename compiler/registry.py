@@ -26,6 +26,7 @@ class ArchSpec:
 
 LLAMA = "kiln.compiler.models.llama:LlamaForCausalLM"
 MOE = "kiln.compiler.models.moe:MoEForCausalLM"
+DEEPSEEK = "kiln.compiler.models.deepseek:DeepseekForCausalLM"
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     s.name: s
@@ -36,8 +37,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("Qwen3ForCausalLM", "dense", qk_norm=True, model=LLAMA),
         ArchSpec("Qwen3MoeForCausalLM", "moe", qk_norm=True, model=MOE),
         ArchSpec("MixtralForCausalLM", "moe", model=MOE),
-        ArchSpec("DeepseekV2ForCausalLM", "mla"),
-        ArchSpec("DeepseekV3ForCausalLM", "mla"),
+        ArchSpec("DeepseekV2ForCausalLM", "mla", model=DEEPSEEK),
+        ArchSpec("DeepseekV3ForCausalLM", "mla", model=DEEPSEEK),
     )
 }
 

@@ -18,11 +18,14 @@ sum_j p_j c_j``, attention runs over ONE cached row per token, key ``[c_kv | k_p
 latent output to ``[T, H, dv]`` after (both batched matmuls over heads, in the graph as aten).
 
 The latent cache: per layer ``cache [num_pages, page_size, r + dr]`` (576 wide for DeepSeek), row
-``[c_kv | k_pe]`` (normalized latent, roped k_pe), in the activation dtype. Token position ``p`` of
-block-table row ``row`` lives at ``cache[block_table[row, p // P], p % P]``; a flat slot ``s`` (the
-runtime's ``out_slots``) at ``cache[s // P, s % P]``. The metadata is the GQA ops'
-(docs/internals.md): ``block_table [R, M]`` int32, ``req_rows``, ``seq_lens [B]`` int32 (lengths
-including this step's tokens, already written), ``qo_indptr [B + 1]`` int32 for extend.
+``[c_kv | k_pe]`` (normalized latent, roped k_pe), in the activation dtype, or the same slots flat,
+``cache [S, 1, r + dr]``: the KV pool's ``k_cache[layer]`` of an MLA artifact (one "head" of
+``r + dr`` per slot; compiler/mla_layer.py passes it as is, since a view in pages of a pool whose
+size is dynamic in the graph is not expressible). Token position ``p`` of block-table row ``row`` is
+slot ``s = block_table[row, p // P] * P + p % P``, stored at ``cache[s // C, s % C]`` with ``C =
+cache.shape[1]`` (``P`` or 1); a slot of the runtime's ``out_slots`` likewise. The metadata is the
+GQA ops' (docs/internals.md): ``block_table [R, M]`` int32, ``req_rows``, ``seq_lens [B]`` int32
+(lengths including this step's tokens, already written), ``qo_indptr [B + 1]`` int32 for extend.
 
 Ops (``torch.ops.kiln.*``; outputs in ``q_latent``'s dtype, float32 accumulation):
 
@@ -43,9 +46,10 @@ program takes ``BLOCK_H`` heads of one request and its share of the keys, loads 
 latent tile ``[BLOCK_N, r]`` and rope tile ``[BLOCK_N, dr]`` once for all its heads, and uses the
 latent tile twice (scores and P @ V). Splits plan their keys from ``seq_lens`` in the kernel (one
 launch serves every length; CUDA-graph safe); multi-split requests merge in a second kernel by
-log-sum-exp (base 2). ``mla_kv_write``: one program per token. ``mla_extend`` has no kernel yet: on
-CUDA it runs the reference (a host loop over requests; prefill is not captured). docs/mla.md has
-the plan.
+log-sum-exp (base 2). ``mla_kv_write``: one program per token (the model's layers write through
+``kiln::mla_rope_kvwrite`` instead, the same row with kv_a's norm and RoPE fused: mla_rope.py).
+``mla_extend`` has no kernel yet: on CUDA it runs the reference (a host loop over requests; prefill
+is not captured). docs/mla.md has the plan.
 """
 
 from __future__ import annotations
@@ -117,8 +121,8 @@ def _rows(
 ) -> torch.Tensor:
     """Cached rows ``[length, r + dr]`` of positions ``0..length-1`` of block-table row ``row``."""
     pos = torch.arange(length, device=cache.device)
-    pages = block_table[row, pos // page_size].long()
-    return cache[pages, pos % page_size]
+    slots = block_table[row, pos // page_size].long() * page_size + pos % page_size
+    return cache[slots // cache.shape[1], slots % cache.shape[1]]
 
 
 def mla_attend(q_latent, q_pe, rows, q_pos, sm_scale):
@@ -154,7 +158,8 @@ def mla_decode_ref(q_latent, q_pe, cache, block_table, req_rows, seq_lens, sm_sc
 
 
 def mla_kv_write_ref(latent, k_pe, cache, out_slots):
-    """``kiln::mla_kv_write``, plain torch: ``cache[s // P, s % P] = [latent | k_pe]`` per token."""
+    """``kiln::mla_kv_write``, plain torch: ``cache[s // C, s % C] = [latent | k_pe]`` per token
+    (``C = cache.shape[1]``: the page size, or 1 for a flat cache)."""
     slots = out_slots.long()
     page = cache.shape[1]
     cache[slots // page, slots % page] = torch.cat([latent, k_pe], -1).to(cache.dtype)
@@ -168,17 +173,18 @@ def empty_mla_out(q_latent: torch.Tensor, *_: object) -> torch.Tensor:
 # --------------------------------------------------------------------------- checks
 def check_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, page_size: int) -> None:
     """What every MLA attention op checks first: 3-D ``q_latent [T, H, r]`` and ``q_pe [T, H, dr]``,
-    ``cache [num_pages, page_size, r + dr]`` of their (float) dtype, contiguous last dims."""
+    ``cache [num_pages, page_size, r + dr]`` or ``[S, 1, r + dr]`` of their (float) dtype,
+    contiguous last dims."""
     if q_latent.dim() != 3 or q_pe.dim() != 3 or q_latent.shape[:2] != q_pe.shape[:2]:
         raise ValueError(
             f"mla: q_latent {list(q_latent.shape)} and q_pe {list(q_pe.shape)} must be [T, H, r] and "
             "[T, H, qk_rope_head_dim] with the same T and H."
         )
     width = q_latent.shape[2] + q_pe.shape[2]
-    if page_size < 1 or cache.dim() != 3 or cache.shape[1] != page_size or cache.shape[2] != width:
+    if page_size < 1 or cache.dim() != 3 or cache.shape[1] not in (page_size, 1) or cache.shape[2] != width:
         raise ValueError(
             f"mla: cache must be [num_pages, page_size={page_size}, kv_lora_rank + qk_rope_head_dim="
-            f"{width}] (page_size >= 1), got {list(cache.shape)}."
+            f"{width}] (page_size >= 1) or the flat [num_slots, 1, {width}], got {list(cache.shape)}."
         )
     if q_latent.dtype not in ACT_DTYPES or q_pe.dtype != q_latent.dtype or cache.dtype != q_latent.dtype:
         raise ValueError(
@@ -326,20 +332,16 @@ def _mla_decode_split_kernel(
 @kiln_op("mla_kv_write", ref=mla_kv_write_ref, check=check_mla_kv_write, mutates_args=("cache",))
 def mla_kv_write_triton(
     latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, out_slots: torch.Tensor
-) -> tuple[()]:
-    """Write ``[latent | k_pe]`` to row ``out_slots[t]`` of the latent cache (module docstring).
-    Returns nothing: ``tuple[()]`` is the schema's ``-> ()`` (``kiln_op`` reads ``-> None`` through
-    ``typing.get_type_hints`` as ``NoneType``, which ``torch.library.infer_schema`` refuses); the
-    dispatcher wants None back."""
+) -> None:
+    """Write ``[latent | k_pe]`` to row ``out_slots[t]`` of the latent cache (module docstring)."""
     t, r = latent.shape
     if t == 0:
-        return None  # type: ignore[return-value]  # (the docstring)
+        return
     _mla_kv_write_kernel[(t,)](
         latent, k_pe, cache, out_slots, latent.stride(0), k_pe.stride(0), cache.stride(0), cache.stride(1),
         R=r, DR=k_pe.shape[1], BLOCK_R=next_pow2(r), BLOCK_DR=next_pow2(k_pe.shape[1]), PAGE=cache.shape[1],
         num_warps=4, **pdl_args(latent),
     )  # fmt: skip
-    return None  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -382,10 +384,16 @@ def mla_decode_triton(
     block_table = block_table.to(torch.int32)
     block_r = max(16, next_pow2(r))
     pdl = pdl_args(q_latent)
+    # the kernel addresses position p as page * stride_page + (p % P) * stride_token; a flat cache
+    # (one slot per row) is the same with pages of P rows
+    paged = cache.shape[1] == page_size
+    stride_page, stride_token = (
+        (cache.stride(0), cache.stride(1)) if paged else (page_size * cache.stride(0), cache.stride(0))
+    )
     _mla_decode_split_kernel[(head_blocks, bsz, num_splits)](
         q_latent, q_pe, cache, block_table, req_rows, seq_lens, out, mid_o, mid_lse,
-        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
-        cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), heads, num_splits,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), stride_page,
+        stride_token, block_table.stride(0), out.stride(0), out.stride(1), heads, num_splits,
         float(sm_scale), R=r, BLOCK_R=block_r, DR=dr, BLOCK_DR=max(16, next_pow2(dr)), PAGE=page_size,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DIRECT=direct,
         PREC="ieee" if q_latent.dtype == torch.float32 else "tf32", UPCAST=interpreting(),

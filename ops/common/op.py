@@ -9,7 +9,7 @@ pieces written in one file, its signature written once:
   inferred from them, defaults included (a default drops an argument equal to it from an exported
   graph, so an op the graphs call keeps the defaults it has). Keyword-only parameters after ``*``
   (with defaults) are extras for direct callers, a launch config for a benchmark, and not part of
-  the op.
+  the op. An op that only mutates its arguments is annotated ``-> None`` (the schema's ``-> ()``).
 * the **reference** (``ref``): plain torch with the same parameters (names, kinds, defaults, in
   order; annotations may be left off, those it has must be the launch's). It is the CPU
   implementation, the tests' oracle, and, run on fake tensors, the shape rule ``torch.export``
@@ -109,7 +109,13 @@ def op_signature(name: str, launch: Callable[..., Any]) -> inspect.Signature:
         raise TypeError(f"{where}: the first parameter must be a torch.Tensor (it picks the device path)")
     if "return" not in hints:
         raise TypeError(f"{where}: needs a return annotation (the op's schema)")
-    return inspect.Signature(params, return_annotation=hints["return"])
+    return inspect.Signature(params, return_annotation=_schema_return(hints["return"]))
+
+
+def _schema_return(hint: Any) -> Any:
+    """A resolved return annotation as ``torch.library.infer_schema`` takes it: ``-> None`` (which
+    ``typing.get_type_hints`` resolves to ``NoneType``) is ``None``, the schema's ``-> ()``."""
+    return None if hint is type(None) else hint
 
 
 def _require_same_parameters(
@@ -125,6 +131,7 @@ def _require_same_parameters(
         hints = typing.get_type_hints(ref)
         want = {p.name: p.annotation for p in signature.parameters.values()}
         want["return"] = signature.return_annotation
+        hints = {k: _schema_return(v) if k == "return" else v for k, v in hints.items()}
         problem = next(
             (f"{k!r} is annotated {v}, not {want[k]}" for k, v in hints.items() if want[k] != v), None
         )

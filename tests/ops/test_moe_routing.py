@@ -16,11 +16,13 @@ def by_id(w, ids):
     return w.gather(1, order), ids.long().gather(1, order)
 
 
-def run_kernel(logits, bias, k, renorm, scoring, groups=1, topk_groups=1, scale=1.0):
+def run_kernel(logits, bias, k, renorm, scoring, groups=1, topk_groups=1, scale=1.0, group_score="top2_sum"):
     t = logits.shape[0]
     w = torch.full((t, k), float("nan"), device=logits.device)
     ids = torch.full((t, k), -7, dtype=torch.int32, device=logits.device)
-    return mr.moe_topk_triton(logits, bias, k, renorm, scoring, groups, topk_groups, scale, out=(w, ids))
+    return mr.moe_topk_triton(
+        logits, bias, k, renorm, scoring, groups, topk_groups, scale, "", group_score, out=(w, ids)
+    )
 
 
 # ---- reference vs Hugging Face --------------------------------------------------------------------
@@ -77,6 +79,30 @@ def test_reference_matches_hf_deepseek_v3_router(norm):
     torch.testing.assert_close(by_id(w, ids), by_id(hw, hid))
 
 
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_reference_matches_hf_deepseek_v2_router(method):
+    """DeepSeek-V2's gate: softmax over float32 logits, V2-Lite ``greedy`` top-k, V2
+    ``group_limited_greedy`` (a group's score is its best expert's; top groups, then top-k), no
+    renormalization, routed scaling factor."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    torch.manual_seed(0)
+    groups = (8, 3) if method == "group_limited_greedy" else (1, 1)
+    cfg = transformers.DeepseekV2Config(
+        hidden_size=32, n_routed_experts=64, num_experts_per_tok=6, n_group=groups[0], topk_group=groups[1],
+        routed_scaling_factor=16.0, topk_method=method,
+    )  # fmt: skip
+    router = DeepseekV2TopkRouter(cfg)
+    torch.nn.init.normal_(router.weight)
+    x = torch.randn(11, 32)
+    _, hw, hid = router(x)
+    w, ids = mr.moe_topk_ref(x @ router.weight.t(), None, 6, False, "softmax", *groups, 16.0, "", "max")
+    torch.testing.assert_close(by_id(w, ids), by_id(hw, hid))
+    if method == "group_limited_greedy":  # the group score matters here: the sum of two differs
+        w2, ids2 = mr.moe_topk_ref(x @ router.weight.t(), None, 6, False, "softmax", *groups, 16.0)
+        assert not torch.equal(by_id(w2, ids2)[1], by_id(hw, hid)[1])
+
+
 # ---- kernel vs reference --------------------------------------------------------------------------
 
 CASES = [  # (T, E, k, scoring, groups, topk_groups, renormalize, bias, scale)
@@ -103,6 +129,29 @@ def test_kernel_matches_reference(kernel_on_cpu, case, dtype, device="cpu"):
     rw, rids = mr.moe_topk_ref(logits, bias, k, renorm, scoring, g, tg, scale)
     assert torch.equal(ids, rids)  # same experts in the same (descending) order
     torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+
+
+GROUPED = [  # (T, E, k, scoring, groups, topk_groups, renormalize, bias, scale, group_score)
+    (4, 160, 6, "softmax", 8, 3, False, False, 16.0, "max"),  # DeepSeek-V2 group_limited_greedy
+    (5, 64, 6, "softmax", 8, 3, True, False, 1.0, "top2_sum"),
+    (3, 60, 6, "sigmoid", 6, 3, True, True, 2.5, "max"),
+    (6, 16, 4, "softmax", 8, 2, False, False, 1.0, "max"),  # groups of 2, top-k = all their experts
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", GROUPED, ids=lambda c: f"T{c[0]}-E{c[1]}-k{c[2]}-{c[3]}-g{c[4]}-{c[9]}")
+def test_group_scores_kernel_matches_reference(kernel_on_cpu, case, dtype):
+    t, e, k, scoring, g, tg, renorm, has_bias, scale, group_score = case
+    gen = torch.Generator().manual_seed(t * e + k)
+    perm = torch.stack([torch.randperm(e, generator=gen) for _ in range(t)])
+    logits = ((perm - e / 2) / 8).to(dtype)  # distinct, exact in bf16
+    bias = 0.2 * torch.randn(e, generator=gen) if has_bias else None
+    w, ids = run_kernel(logits, bias, k, renorm, scoring, g, tg, scale, group_score)
+    rw, rids = mr.moe_topk_ref(logits, bias, k, renorm, scoring, g, tg, scale, "", group_score)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+    assert all(len(set((row // (e // g)).tolist())) <= tg for row in ids.long())  # from tg groups at most
 
 
 def test_negative_and_infinite_choices_keep_their_order(kernel_on_cpu):
@@ -167,6 +216,10 @@ def test_bad_arguments_name_the_field():
         torch.ops.kiln.moe_topk(x, torch.zeros(8), 2, True, "sigmoid", 1, 1, 1.0)
     with pytest.raises(ValueError, match="topk_groups"):
         torch.ops.kiln.moe_topk(x, None, 8, True, "sigmoid", 8, 1, 1.0)  # 1 group of 2 < top-8
+    with pytest.raises(ValueError, match="group_score must be one of"):
+        torch.ops.kiln.moe_topk(x, None, 2, True, "softmax", 4, 2, 1.0, "", "mean")
+    with pytest.raises(ValueError, match="softmax scoring takes no bias"):
+        torch.ops.kiln.moe_topk(x, torch.zeros(16), 2, True, "softmax", 1, 1, 1.0)
 
 
 class _Route(torch.nn.Module):
@@ -204,6 +257,19 @@ def test_gpu_matches_reference(compiled_gpu, t, case):
     # exp/sigmoid differ in the last ulp between CUDA and torch: compare the chosen sets and weights
     # where both picked the same experts (near-ties may swap order).
     same = (by_id(w, ids)[1] == by_id(rw, rids)[1]).all(dim=1)
+    assert same.float().mean() > 0.99
+    torch.testing.assert_close(by_id(w, ids)[0][same], by_id(rw, rids)[0][same], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4096])
+def test_gpu_group_max_matches_reference(compiled_gpu, t):
+    """DeepSeek-V2's group_limited_greedy (softmax, groups scored by their best) compiled."""
+    _, e, k, scoring, g, tg, renorm, _, scale, group_score = GROUPED[0]
+    logits = 2 * torch.randn(t, e, generator=torch.Generator("cuda").manual_seed(t), device="cuda")
+    w, ids = run_kernel(logits, None, k, renorm, scoring, g, tg, scale, group_score)
+    rw, rids = mr.moe_topk_ref(logits, None, k, renorm, scoring, g, tg, scale, "", group_score)
+    same = (by_id(w, ids)[1] == by_id(rw, rids)[1]).all(dim=1)  # near-ties may swap (exp's last ulp)
     assert same.float().mean() > 0.99
     torch.testing.assert_close(by_id(w, ids)[0][same], by_id(rw, rids)[0][same], rtol=1e-5, atol=1e-6)
 

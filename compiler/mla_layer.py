@@ -1,0 +1,101 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), absorbed form over a latent KV cache.
+
+Parameter names (the packs' ``layers.{i}.attn.*``, compiler/mappings.py ``_mla``; shapes per
+tensor-parallel rank, ``H`` heads of the rank, ``r = kv_lora_rank``, ``dn``/``dr``/``dv`` the nope,
+rope and value head dims): ``q.weight [H (dn + dr), hidden]`` without a q LoRA (V2-Lite), else
+``q_a.weight [q_lora_rank, hidden]``, ``q_a_norm.weight`` and ``q_b.weight [H (dn + dr),
+q_lora_rank]``; ``kv_a.weight [r + dr, hidden]``, ``kv_a_norm.weight [r]``; ``w_kc [H, dn, r]``,
+``w_vc [H, r, dv]`` (``kv_b_proj`` split per head); ``o.weight [hidden, H dv]``.
+
+Forward (``T`` tokens)::
+
+    q    = q_b(q_a_norm(q_a(x)))  or  q(x)                     [T, H, dn + dr]
+    kv_a = kv_a(x)                                             [T, r + dr] = [c | k_pe]
+    q_pe = kiln::mla_rope_kvwrite(kv_a, q, ...)                [T, H, dr]; cache row [norm(c) | rope(k_pe)]
+    o    = kiln::mla_attention(absorb_q(q_nope, w_kc), q_pe, cache, ...)   [T, H, r]
+    out  = o_proj(apply_uv(o, w_vc))                           [T, hidden]
+
+The latent cache is the KV pool's K cache of an MLA artifact (compiler/build.py ``_kv_spec``: one
+head of ``r + dr``, an empty V): ``ctx.k_cache[layer]`` ``[S, 1, r + dr]``, which the MLA ops take
+as is (ops/attention/mla.py); ``ctx.v_cache`` is not read. The two LoRA norms use transformers'
+module default epsilon (1e-6), not ``rms_norm_eps``. The softmax scale is ``1/sqrt(dn + dr)``,
+times YaRN's ``mscale(factor, mscale_all_dim) ** 2`` (``mla_softmax_scale``); the rotary table
+(``ctx.cos_sin``, ``dr`` columns) folds in YaRN's attention factor, as for every model.
+
+With tensor parallelism the heads are split (q, ``w_kc``, ``w_vc``, o), the latent is not: every
+rank projects and caches the whole latent, and the o projection's partial sums are all-reduced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+from torch import nn
+
+import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
+from kiln.compiler.config import ModelConfig
+from kiln.compiler.context import ForwardContext
+from kiln.compiler.layers import Act, Linear, RMSNorm
+from kiln.ops.attention.mla import absorb_q, apply_uv, mla_softmax_scale
+
+LORA_NORM_EPS = 1e-6  # transformers' DeepseekV2RMSNorm default: q_a_layernorm and kv_a_layernorm
+
+
+class MLAAttention(nn.Module):
+    """One layer's MLA for ``tp`` ranks (module docstring): ``x [T, hidden]`` -> ``[T, hidden]``."""
+
+    def __init__(
+        self, cfg: ModelConfig, layer: int, dtype: torch.dtype, tp: int = 1, quant: str | None = None
+    ):
+        super().__init__()
+        m = cfg.mla
+        if m is None:
+            raise ValueError(f"{cfg.architecture}: MLAAttention needs a config with MLA fields")
+        self.layer, self.heads = layer, cfg.num_heads // tp
+        self.r, self.dv = m.kv_lora_rank, m.v_head_dim
+        self.dn, self.dr = m.qk_nope_head_dim, m.qk_rope_head_dim
+        self.is_neox = cfg.rope_is_neox
+        self.scale = mla_softmax_scale(m.qk_head_dim, asdict(cfg.rope_scaling))
+        self.tp_reduce = tp > 1  # o is row-parallel: kiln::tp_all_reduce after it
+        h, q_out = cfg.hidden_size, self.heads * m.qk_head_dim
+        self.q_lora = bool(m.q_lora_rank)
+        if m.q_lora_rank:
+            self.q_a = Linear(m.q_lora_rank, h, dtype, False, quant)
+            self.q_a_norm = RMSNorm(m.q_lora_rank, LORA_NORM_EPS, dtype, quant_out=quant == "fp8")
+            self.q_b = Linear(q_out, m.q_lora_rank, dtype, False, quant)
+            linears = [self.q_a, self.q_b]
+        else:
+            self.q = Linear(q_out, h, dtype, False, quant)
+            linears = [self.q]
+        self.kv_a = Linear(self.r + self.dr, h, dtype, False, quant)
+        self.kv_a_norm = RMSNorm(self.r, LORA_NORM_EPS, dtype)  # its weight, fused into mla_rope_kvwrite
+        # bmm operands, in the activation dtype also with --quant fp8 (compiler/mappings.py)
+        self.w_kc = nn.Parameter(torch.empty(self.heads, self.dn, self.r, dtype=dtype), requires_grad=False)
+        self.w_vc = nn.Parameter(torch.empty(self.heads, self.r, self.dv, dtype=dtype), requires_grad=False)
+        self.o = Linear(h, self.heads * self.dv, dtype, False, quant)
+        for lin in (*linears, self.kv_a, self.o):
+            lin.role = "attn"  # the GEMV plan's role (compiler/layers.py use_gemv_plan)
+
+    def forward(self, x: Act, ctx: ForwardContext) -> torch.Tensor:
+        if self.q_lora:
+            q = self.q_b(self.q_a_norm(self.q_a(x)))  # [T, H (dn + dr)]
+        else:
+            q = self.q(x)
+        t = q.shape[0]
+        q = q.view(t, self.heads, self.dn + self.dr)
+        kv_a = self.kv_a(x)  # [T, r + dr]
+        cache = ctx.k_cache[self.layer]  # [S, 1, r + dr]: the layer's latent rows, one per slot
+        q_pe = torch.ops.kiln.mla_rope_kvwrite(
+            kv_a, q, ctx.positions, ctx.cos_sin, self.kv_a_norm.weight, LORA_NORM_EPS, cache, ctx.out_slots,
+            self.is_neox,
+        )  # fmt: skip
+        # q_pe: [T, H, dr]; the cache holds this step's rows before attention reads them
+        q_latent = absorb_q(q[..., : self.dn], self.w_kc)  # [T, H, r]
+        o = torch.ops.kiln.mla_attention(
+            q_latent, q_pe, cache, ctx.block_table, ctx.req_rows, ctx.seq_lens, ctx.qo_indptr, self.scale,
+            ctx.page_size, ctx.num_splits,
+        )  # fmt: skip
+        # o: [T, H, r] latent outputs -> the heads' values [T, H, dv]
+        out = self.o(apply_uv(o, self.w_vc).reshape(t, self.heads * self.dv))  # [T, hidden]
+        return torch.ops.kiln.tp_all_reduce(out) if self.tp_reduce else out

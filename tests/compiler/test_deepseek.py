@@ -1,0 +1,211 @@
+"""`kiln compile` on tiny random DeepSeek-V2 and DeepSeek-V3 checkpoints reproduces Hugging Face
+transformers (compiler/models/deepseek.py, compiler/mla_layer.py).
+
+Four checkpoints cover the variants: q through a LoRA (``q_lora_rank``) or one projection (V2-Lite),
+RoPE in interleaved pairs (V2, V3) or NeoX halves (V3 ``rope_interleave: false``), YaRN with
+DeepSeek's mscale (the softmax scale), dense first layers (``first_k_dense_replace``), shared
+experts, and the three routings: V3 ``noaux_tc`` (sigmoid, correction bias, groups scored by their
+two best), V2 ``group_limited_greedy`` (softmax, groups scored by their best), V2-Lite ``greedy``.
+Float32 on CPU, pages of 16 slots (the default):
+
+* logits of a prefill of two prompts (32 and 20 tokens) and 4 greedy decode steps: max relative
+  error (max |kiln - hf| / max |hf|) <= 1e-4 at every step;
+* 32 greedy tokens of four prompts through ``kiln.LLM``, identical to HF ``generate``;
+* on one artifact with pages of 1 slot: the radix cache serving a shared prefix, and prefill in
+  chunks of 7 tokens, both identical to HF;
+* the V3 artifact with the Triton kernels (interpreter) for a prefill and a decode step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from tiny_models import check_against_hf, hf_greedy, randomize
+
+from kiln import LLM, SamplingParams
+from kiln.compiler.build import CompileOptions, compile_model
+from kiln.compiler.config import ConfigError
+from kiln.runtime.direct import DirectRunner
+from kiln.weights import load_pack
+
+OPTS = dict(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=128, chunk_size=64)
+NEW = 32
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+TINY = dict(
+    hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16, vocab_size=300, max_position_embeddings=512, rms_norm_eps=1e-6, first_k_dense_replace=1,
+)  # fmt: skip
+
+
+def yarn(mscale: float, mscale_all_dim: float) -> dict:
+    """DeepSeek's YaRN (its mscale_all_dim changes the softmax scale), as transformers 5 spells it."""
+    return {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": 128, "mscale": mscale,
+            "mscale_all_dim": mscale_all_dim}  # fmt: skip
+
+
+V3, V2 = transformers.DeepseekV3Config, transformers.DeepseekV2Config
+CONFIGS = {  # name: (config class, its fields beside TINY)
+    # V3: q LoRA, interleaved RoPE, YaRN, noaux_tc over 4 groups (top 2), one shared expert
+    "v3": (V3, dict(q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                    n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                    rope_parameters=yarn(1.0, 1.0))),
+    # V3 with rope_interleave false (NeoX halves), no q LoRA, two dense layers, no groups, no renorm
+    "v3-neox": (V3, dict(first_k_dense_replace=2, q_lora_rank=None, rope_interleave=False, n_routed_experts=8,
+                         num_experts_per_tok=3, n_group=1, topk_group=1, n_shared_experts=2,
+                         routed_scaling_factor=1.5, norm_topk_prob=False)),
+    # V2-Lite: no q LoRA, greedy softmax top-2, two shared experts, YaRN with mscale 0.707
+    "v2-lite": (V2, dict(q_lora_rank=None, topk_method="greedy", n_routed_experts=8, num_experts_per_tok=2,
+                         n_shared_experts=2, routed_scaling_factor=1.0, rope_parameters=yarn(0.707, 0.707))),
+    # V2: q LoRA, group_limited_greedy over 8 groups of 2 (top 3 groups), routed scaling 4
+    "v2-group": (V2, dict(q_lora_rank=24, topk_method="group_limited_greedy", n_routed_experts=16,
+                          num_experts_per_tok=3, n_group=8, topk_group=3, n_shared_experts=1,
+                          routed_scaling_factor=4.0)),
+}  # fmt: skip
+
+
+def make_deepseek_checkpoint(path, name: str, seed: int = 0):
+    """A tiny random checkpoint (tests/tiny_models.py's weights; V3's correction bias random too)."""
+    cls, fields = CONFIGS[name]
+    cfg = cls(**(TINY | fields))
+    cfg.eos_token_id = None
+    model = transformers.AutoModelForCausalLM.from_config(
+        cfg, attn_implementation="eager", dtype=torch.float32
+    )
+    randomize(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+            if bias is not None:
+                bias.copy_(0.05 * torch.randn(bias.shape, generator=g))
+    model.save_pretrained(path, max_shard_size="200KB")
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_quiet():
+    old = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # YaRN's notes on its factor
+    yield
+    transformers.logging.set_verbosity(old)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def compiled(request, tmp_path_factory, hf_quiet):
+    root = tmp_path_factory.mktemp(request.param)
+    hf = make_deepseek_checkpoint(root / "hf", request.param)
+    compile_model(root / "hf", root / "art", CompileOptions(**OPTS), verbose=False)
+    return hf, root
+
+
+def prompts_of(seed: int, sizes) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in sizes]
+
+
+def test_prefill_and_decode_match_hf(compiled):
+    hf, root = compiled
+    runner = DirectRunner(str(root / "art"), device="cpu", num_slots=512)
+    check_against_hf(runner, hf, prompts_of(1, (32, 20)), decode_steps=4)
+
+
+def test_greedy_tokens_match_hf_through_llm(compiled):
+    hf, root = compiled
+    prompts = prompts_of(7, (5, 23, 40, 12))
+    llm = LLM(str(root / "art"), device="cpu")
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, NEW)
+    llm.engine.check_integrity()
+
+
+def test_artifact_caches_the_latent_and_packs_deepseek_layers(compiled):
+    """The KV spec is the latent (one head of kv_lora_rank + qk_rope_head_dim, no V); the pack
+    holds the absorbed kv_b_proj halves, dense first layers, routed and shared experts; the graph
+    writes the latent with the fused op and attends in latent space."""
+    hf, root = compiled
+    c = hf.config
+    manifest = json.loads((root / "art" / "manifest.json").read_text())
+    width = c.kv_lora_rank + c.qk_rope_head_dim
+    assert {k: manifest["kv"][k] for k in ("num_kv_heads", "head_dim", "v_head_dim")} == {
+        "num_kv_heads": 1,
+        "head_dim": width,
+        "v_head_dim": 0,
+    }
+    assert manifest["kv"]["bytes_per_token"] == c.num_hidden_layers * width * 4
+    pack = load_pack(root / "art" / "weights", 0, "cpu")
+    heads = c.num_attention_heads
+    assert pack["layers.0.attn.w_kc"].shape == (heads, c.qk_nope_head_dim, c.kv_lora_rank)
+    assert pack["layers.0.attn.w_vc"].shape == (heads, c.kv_lora_rank, c.v_head_dim)
+    assert ("layers.0.attn.q_a.weight" in pack) == (c.q_lora_rank is not None)
+    dense = c.first_k_dense_replace
+    assert f"layers.{dense - 1}.mlp.gate_up.weight" in pack and f"layers.{dense - 1}.moe.w13" not in pack
+    shared = c.n_shared_experts * c.moe_intermediate_size
+    assert pack[f"layers.{dense}.moe.shared.gate_up.weight"].shape == (2 * shared, c.hidden_size)
+    assert (f"layers.{dense}.moe.router.bias" in pack) == isinstance(c, transformers.DeepseekV3Config)
+    src = (root / "art" / "graphs" / "model.py").read_text()
+    layers, moe = c.num_hidden_layers, c.num_hidden_layers - dense
+    assert src.count("torch.ops.kiln.mla_rope_kvwrite.default(") == layers
+    assert src.count("torch.ops.kiln.mla_attention.default(") == layers
+    assert src.count("torch.ops.kiln.moe_topk.default(") == moe and "qkv_rope_kvwrite" not in src
+
+
+@pytest.mark.slow
+def test_triton_kernels_in_the_graph_match_hf(tmp_path, hf_quiet, monkeypatch):
+    """The V3 artifact with every op on its Triton kernel (the interpreter, about 5 s): a prefill,
+    then a decode step (the fused latent writer, the split-KV MLA decode, routing and experts)."""
+    from kiln.ops.common.launch import interpreting
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
+    hf = make_deepseek_checkpoint(tmp_path / "hf", "v3", seed=5)
+    compile_model(tmp_path / "hf", tmp_path / "art", CompileOptions(**OPTS), verbose=False)
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+    runner = DirectRunner(str(tmp_path / "art"), device="cpu", num_slots=128)
+    check_against_hf(runner, hf, [[7, 3, 11, 5, 2, 9], [4, 8, 15]], decode_steps=1)
+
+
+@pytest.fixture(scope="module")
+def page1(tmp_path_factory, hf_quiet):
+    """The V2 group_limited_greedy checkpoint compiled with pages of one slot."""
+    root = tmp_path_factory.mktemp("v2-group-page1")
+    hf = make_deepseek_checkpoint(root / "hf", "v2-group", seed=3)
+    compile_model(root / "hf", root / "art", CompileOptions(**OPTS, page_size=1), verbose=False)
+    return hf, root / "art"
+
+
+def test_radix_cache_serves_a_shared_prefix(page1):
+    hf, art = page1
+    prefix = prompts_of(11, (24,))[0]
+    prompts = [prefix + p for p in prompts_of(12, (3, 9, 5))]
+    expect = hf_greedy(hf, prompts, 8)
+    llm = LLM(str(art), device="cpu", radix_cache=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = llm.generate(prompts[:1], params)
+    rest = llm.generate(prompts[1:], params)
+    assert [o.token_ids for o in first + rest] == expect
+    assert all(o.num_cached_tokens >= 24 for o in rest)  # the prefix's latent rows, reused
+    llm.engine.check_integrity()
+
+
+def test_chunked_prefill_matches_hf(page1):
+    hf, art = page1
+    prompts = prompts_of(13, (40, 17, 3))
+    llm = LLM(str(art), device="cpu", radix_cache=False, chunk_size=7)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, NEW)
+    llm.engine.check_integrity()
+
+
+def test_fp8_kv_cache_is_refused_for_mla(tmp_path, hf_quiet):
+    make_deepseek_checkpoint(tmp_path / "hf", "v2-lite")
+    with pytest.raises(ConfigError, match=r"^--kv-dtype fp8 is not supported for MLA models"):
+        compile_model(
+            tmp_path / "hf", tmp_path / "art", CompileOptions(**OPTS, kv_dtype="fp8"), verbose=False
+        )
+    assert not (tmp_path / "art").exists()  # refused before any work
