@@ -169,16 +169,18 @@ def _extend_kernel(
     # Find request b with tile t: tiles are numbered request by request, cdiv(n_b, TOK) each.
     count = tl.program_id(0) * 0  # requests whose tiles all come before t
     before = tl.program_id(0) * 0  # tiles of those requests
+    scanned = tl.program_id(0) * 0  # tiles of every request scanned so far (done or not)
     for b0 in range(0, num_reqs, SCAN):
         idx = b0 + tl.arange(0, SCAN)
         valid = idx < num_reqs
         lo_b = tl.load(indptr_ptr + idx, mask=valid, other=0)
         hi_b = tl.load(indptr_ptr + idx + 1, mask=valid, other=0)
         tiles = (hi_b - lo_b + TOK - 1) // TOK  # [SCAN]
-        ends = before + tl.cumsum(tiles, 0)
+        ends = scanned + tl.cumsum(tiles, 0)  # (from `before`, a request left open earlier would not count)
         done = valid & (ends <= t)
         count += tl.sum(done.to(tl.int32), 0)
         before += tl.sum(tl.where(done, tiles, 0), 0)
+        scanned += tl.sum(tiles, 0)
 
     r = tl.arange(0, BLOCK_M)
     tok = r // PACK  # token of each row within the tile

@@ -107,6 +107,14 @@ def test_extend_window_and_softcap(triton_on_cpu, seed, window, cap, dtype):
     check(seed, [30, 4], [20, 60], 2, 8, 2, 64, 64, 16, dtype, window=window, cap=cap)
 
 
+def test_extend_more_requests_than_one_scan(triton_on_cpu, seed):
+    """A program finds its request by scanning qo_indptr 64 requests at a time (SCAN): the tiles of
+    a request still open at the end of one round must count in the next. A long first request, 63
+    empty ones, then 6 of one token (70 > 64): before the fix, the one-token requests' programs
+    counted the first request's later tiles as theirs (relative error 0.51)."""
+    check(seed, [40] + [0] * 63 + [1] * 6, [3] + [0] * 63 + [5] * 6, 2, 4, 2, 32, 32, 16, torch.float32)
+
+
 def test_extend_long_prefix(triton_on_cpu, seed):
     # a few new tokens far into a long context, over many scattered pages
     cfg = ExtendConfig(block_m=16, block_n=64, num_warps=1, num_stages=1)
