@@ -48,8 +48,16 @@ latent tile twice (scores and P @ V). Splits plan their keys from ``seq_lens`` i
 launch serves every length; CUDA-graph safe); multi-split requests merge in a second kernel by
 log-sum-exp (base 2). ``mla_kv_write``: one program per token (the model's layers write through
 ``kiln::mla_rope_kvwrite`` instead, the same row with kv_a's norm and RoPE fused: mla_rope.py).
-``mla_extend`` has no kernel yet: on CUDA it runs the reference (a host loop over requests; prefill
-is not captured). docs/mla.md has the plan.
+``mla_extend``: flash attention in the absorbed form, modelled on extend.py's kernel. A program
+owns a query tile of ``BLOCK_M`` rows, ``BLOCK_M // PACK`` new tokens of one request times
+``PACK`` heads (all heads share the latent, so a key tile is loaded once for all of them), and
+``BLOCK_V`` columns of the latent output (all ``r`` by default; a narrower block recomputes the
+scores, a lever for register pressure). Grid ``(cdiv(T, BLOCK_M // PACK) + B, cdiv(H, PACK),
+cdiv(r, BLOCK_V))`` from shapes only: each program finds its (request, tile) by scanning
+``qo_indptr`` (later tiles first), programs past the work zero the padding rows, nothing is read on
+the host (CUDA-graph safe). Key blocks below the tile's first query run unmasked; the diagonal and
+the end masked. Online softmax in exp2, float32 accumulation, ``P`` rounded to the cache dtype
+before ``P @ c``. The expanded prefill for long prompts is docs/mla.md's plan.
 """
 
 from __future__ import annotations
@@ -328,6 +336,148 @@ def _mla_decode_split_kernel(
         tl.store(mid_o_ptr + (first + split)[:, None] * R + r[None, :], o, mask=omask)
 
 
+@triton.jit
+def _load_rows(ptrs, kvalid, cols, limit, MASKED: tl.constexpr, COL_MASK: tl.constexpr):
+    """A key tile ``ptrs [BLOCK_N, C]``: rows masked by ``kvalid`` when ``MASKED``, columns by
+    ``cols < limit`` when ``COL_MASK`` (masked elements 0); unmasked loads otherwise."""
+    if MASKED:
+        if COL_MASK:
+            x = tl.load(ptrs, mask=kvalid[:, None] & (cols[None, :] < limit), other=0.0)
+        else:
+            x = tl.load(ptrs, mask=kvalid[:, None], other=0.0)
+    elif COL_MASK:
+        x = tl.load(ptrs, mask=cols[None, :] < limit, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _mla_extend_step(
+    ql, qp, acc, m_i, l_i, n0, q_pos, kv_end, bt_row, cache_ptr, stride_cp, stride_ct, v0, qk_scale,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, DR: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_V: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One key block: online-softmax update of ``acc [BLOCK_M, BLOCK_V]`` (latent columns ``v0 +
+    [0, BLOCK_V)``), ``m_i``, ``l_i`` (log2 units). ``MASKED``: the causal diagonal and the end."""
+    kpos = n0 + tl.arange(0, BLOCK_N)
+    kvalid = kpos < kv_end  # all true in the unmasked phase
+    if MASKED:
+        page = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0)
+    else:
+        page = tl.load(bt_row + kpos // PAGE)
+    tok = cache_ptr + page.to(tl.int64) * stride_cp + (kpos % PAGE).to(tl.int64) * stride_ct  # [BLOCK_N]
+    r = tl.arange(0, BLOCK_R)
+    e = tl.arange(0, BLOCK_DR)
+    c = _load_rows(tok[:, None] + r[None, :], kvalid, r, R, MASKED, R != BLOCK_R)  # [BLOCK_N, BLOCK_R]
+    pe = _load_rows(tok[:, None] + R + e[None, :], kvalid, e, DR, MASKED, DR != BLOCK_DR)
+    s = tl_dot(ql, tl.trans(c), PREC, UPCAST) + tl_dot(qp, tl.trans(pe), PREC, UPCAST)  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        s = tl.where((kpos[None, :] <= q_pos[:, None]) & kvalid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if BLOCK_V == BLOCK_R:
+        v = c  # the latent tile is the value
+    else:  # this program's columns of it (the scores above took all of them)
+        cols = v0 + tl.arange(0, BLOCK_V)
+        v = _load_rows(tok[:, None] + cols[None, :], kvalid, cols, R, MASKED, R % BLOCK_V != 0)
+    acc = acc * alpha[:, None] + tl_dot(p.to(v.dtype), v, PREC, UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _mla_extend_kernel(
+    ql_ptr, qp_ptr, cache_ptr, bt_ptr, rows_ptr, lens_ptr, indptr_ptr, out_ptr,
+    stride_lt, stride_lh, stride_pt, stride_ph, stride_cp, stride_ct, stride_bt, stride_ot, stride_oh,
+    num_reqs, num_tokens, num_heads, sm_scale,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, DR: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_V: tl.constexpr, PAGE: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, SCAN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    TOK = BLOCK_M // PACK  # tokens per tile (constexpr)
+    t = tl.num_programs(0) - 1 - tl.program_id(0)  # tile index: late (long) tiles start first
+    # request b of tile t (tiles numbered request by request, cdiv(n_b, TOK) each): count = b, or
+    # num_reqs past the last tile; before = the tiles of requests < count. A request is done when
+    # its last tile is before t; its end counts the tiles of every request before it, done or not
+    # (scanned = all tiles of the earlier chunks of SCAN requests).
+    count = t * 0
+    before = t * 0
+    scanned = t * 0
+    for b0 in range(0, num_reqs, SCAN):
+        idx = b0 + tl.arange(0, SCAN)
+        valid = idx < num_reqs
+        lo_b = tl.load(indptr_ptr + idx, mask=valid, other=0)
+        hi_b = tl.load(indptr_ptr + idx + 1, mask=valid, other=0)
+        tiles = (hi_b - lo_b + TOK - 1) // TOK  # 0 where not valid
+        done = valid & (scanned + tl.cumsum(tiles, 0) <= t)
+        count += tl.sum(done.to(tl.int32), 0)
+        before += tl.sum(tl.where(done, tiles, 0), 0)
+        scanned += tl.sum(tiles, 0)
+
+    i = tl.arange(0, BLOCK_M)
+    tok = i // PACK  # row i: token tok of the tile, head h0 + i % PACK
+    heads = tl.program_id(1) * PACK + i % PACK
+    hmask = heads < num_heads
+    v0 = tl.program_id(2) * BLOCK_V
+    cols = v0 + tl.arange(0, BLOCK_V)
+    o_cols = out_ptr + heads[:, None] * stride_oh + cols[None, :]
+    cmask = cols[None, :] < R
+    if count < num_reqs:
+        b = count
+        qo_start = tl.load(indptr_ptr + b)
+        ext = tl.load(indptr_ptr + b + 1) - qo_start
+        seq_len = tl.load(lens_ptr + b)
+        row = tl.load(rows_ptr + b).to(tl.int64)
+        prefix = seq_len - ext
+        m0 = (t - before) * TOK  # the tile's first token within the request's new ones
+        tok = m0 + tok
+        rmask = hmask & (tok < ext)
+        q_pos = prefix + tok
+        q_rows = (qo_start + tok).to(tl.int64)
+        r = tl.arange(0, BLOCK_R)
+        e = tl.arange(0, BLOCK_DR)
+        h64 = heads.to(tl.int64)  # absorb_q's q_latent is a [H, T, r] view: head stride T * r
+        ql = tl.load(
+            ql_ptr + q_rows[:, None] * stride_lt + h64[:, None] * stride_lh + r[None, :],
+            mask=rmask[:, None] & (r[None, :] < R),
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_R]
+        qp = tl.load(
+            qp_ptr + q_rows[:, None] * stride_pt + h64[:, None] * stride_ph + e[None, :],
+            mask=rmask[:, None] & (e[None, :] < DR),
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_DR]
+        qk_scale = sm_scale * 1.4426950408889634  # log2(e): softmax on exp2
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked blocks give p = 0
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+        bt_row = bt_ptr + row * stride_bt
+        first = prefix + m0  # the tile's first query position
+        kv_end = prefix + tl.minimum(m0 + TOK, ext)  # one past the last key it sees
+        full_end = (first // BLOCK_N) * BLOCK_N  # key blocks every query of the tile sees whole
+        for n0 in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _mla_extend_step(
+                ql, qp, acc, m_i, l_i, n0, q_pos, kv_end, bt_row, cache_ptr, stride_cp, stride_ct, v0,
+                qk_scale, R, BLOCK_R, DR, BLOCK_DR, BLOCK_V, PAGE, BLOCK_N, False, PREC, UPCAST,
+            )  # fmt: skip
+        for n0 in range(full_end, kv_end, BLOCK_N):
+            acc, m_i, l_i = _mla_extend_step(
+                ql, qp, acc, m_i, l_i, n0, q_pos, kv_end, bt_row, cache_ptr, stride_cp, stride_ct, v0,
+                qk_scale, R, BLOCK_R, DR, BLOCK_DR, BLOCK_V, PAGE, BLOCK_N, True, PREC, UPCAST,
+            )  # fmt: skip
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            o_cols + q_rows[:, None] * stride_ot, o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask
+        )
+    else:  # a padding tile: zero its rows past qo_indptr[B]
+        pad = (tl.load(indptr_ptr + num_reqs) + (t - before) * TOK + tok).to(tl.int64)
+        zeros = tl.zeros([BLOCK_M, BLOCK_V], out_ptr.dtype.element_ty)
+        tl.store(o_cols + pad[:, None] * stride_ot, zeros, mask=(hmask & (pad < num_tokens))[:, None] & cmask)
+
+
 # --------------------------------------------------------------------------- ops
 @kiln_op("mla_kv_write", ref=mla_kv_write_ref, check=check_mla_kv_write, mutates_args=("cache",))
 def mla_kv_write_triton(
@@ -409,16 +559,70 @@ def mla_decode_triton(
     return out
 
 
+@dataclass(frozen=True)
+class MLAExtendConfig:
+    block_m: int = 64  # query rows of a tile: block_m // pack tokens x pack heads
+    block_n: int = 32  # keys per iteration: a [32, r + dr] latent tile
+    block_v: int = 0  # latent output columns per program; 0 = all r (else each block recomputes the scores)
+    pack: int = 0  # heads per tile, a power of two <= block_m; 0 = min(block_m, next_pow2(H))
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def default_extend_config(dtype: torch.dtype) -> MLAExtendConfig:
+    if interpreting():
+        return MLAExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    if dtype == torch.float32:  # exact fp32 dots run on FMA units: small tiles avoid spills
+        return MLAExtendConfig(block_m=16, block_n=16, block_v=128, num_warps=4, num_stages=1)
+    return MLAExtendConfig()  # untuned on a GPU yet (bench/test_bench_mla.py sweeps it)
+
+
+def _extend_tiling(cfg: MLAExtendConfig, heads: int, r: int) -> tuple[int, int, int]:
+    """``(pack, block_r, block_v)`` of a launch; raises ``ValueError`` for a config that cannot run."""
+    block_r = max(16, next_pow2(r))
+    pack = cfg.pack or min(cfg.block_m, next_pow2(heads))
+    block_v = cfg.block_v or block_r
+    pow2 = all(x == next_pow2(x) for x in (cfg.block_m, cfg.block_n, pack, block_v))
+    if not pow2 or cfg.block_m < 16 or cfg.block_n < 16 or pack > cfg.block_m or not 16 <= block_v <= block_r:
+        raise ValueError(
+            f"mla_extend: config {cfg} needs powers of two with block_m, block_n >= 16, pack <= block_m "
+            f"and 16 <= block_v <= {block_r} (kv_lora_rank {r} rounded up)."
+        )
+    return pack, block_r, block_v
+
+
 @kiln_op("mla_extend", ref=mla_extend_ref, check=check_mla_extend, fake=empty_mla_out)
-def mla_extend_forward(
+def mla_extend_triton(
     q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
     req_rows: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor, sm_scale: float, page_size: int,
+    *, config: MLAExtendConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """MLA extend ``[T, H, r] -> [T, H, r]`` (module docstring). No kernel yet: the reference, on
-    any device (it reads the lengths on the host, so it is not CUDA-graph safe; prefill is eager)."""
-    return mla_extend_ref(
-        q_latent, q_pe, cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size
+    """MLA extend ``[T, H, r] -> [T, H, r]`` (module docstring): the flash kernel, grid from shapes
+    only (CUDA-graph safe); ``config`` overrides the tiling and launch (benchmarks sweep it)."""
+    t, heads, r = q_latent.shape
+    dr = q_pe.shape[2]
+    num_reqs = req_rows.shape[0]
+    cfg = config or default_extend_config(q_latent.dtype)
+    pack, block_r, block_v = _extend_tiling(cfg, heads, r)
+    out = torch.empty(t, heads, r, dtype=q_latent.dtype, device=q_latent.device)
+    if t == 0:
+        return out
+    block_table = block_table.to(torch.int32)
+    paged = cache.shape[1] == page_size  # a flat cache: pages of P rows of one slot (mla_decode_triton)
+    stride_page, stride_token = (
+        (cache.stride(0), cache.stride(1)) if paged else (page_size * cache.stride(0), cache.stride(0))
     )
+    grid = (triton.cdiv(t, cfg.block_m // pack) + num_reqs, triton.cdiv(heads, pack), triton.cdiv(r, block_v))
+    _mla_extend_kernel[grid](
+        q_latent, q_pe, cache, block_table, req_rows, seq_lens, qo_indptr, out,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), stride_page, stride_token,
+        block_table.stride(0), out.stride(0), out.stride(1), num_reqs, t, heads, float(sm_scale),
+        R=r, BLOCK_R=block_r, DR=dr, BLOCK_DR=max(16, next_pow2(dr)), BLOCK_V=block_v, PAGE=page_size,
+        PACK=pack, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SCAN=64,
+        PREC="ieee" if q_latent.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
 
 
 def by_step(decode: Any, extend: Any) -> Any:
@@ -446,4 +650,4 @@ mla_attention_forward = kiln_op(
     ref=mla_attention_ref,
     check=by_step(check_mla_decode, check_mla_extend),
     fake=empty_mla_out,
-)(by_step(mla_decode_triton, mla_extend_forward))
+)(by_step(mla_decode_triton, mla_extend_triton))

@@ -9,8 +9,9 @@ Oracles, strongest first:
   unset, YaRN with ``mscale_all_dim``) and V3 (interleaved and NeoX rope);
 * the expanded form computed here in float64 (per head ``k = [k_nope from kv_b_proj | k_pe]``, ``v``
   from kv_b_proj, causal softmax), independent of the absorbed ops;
-* the reference, for the Triton kernels (run in the interpreter on CPU), outputs and caches
-  poisoned with NaN.
+* the reference, for the Triton kernels (run in the interpreter on CPU, compiled on a GPU at
+  DeepSeek-V2-Lite / V3 shapes), outputs and unwritten cache rows poisoned with NaN; on a GPU also
+  through CUDA-graph replays.
 
 Tolerance: relative error ||out - ref|| / ||ref|| below 1e-5 in float32 (observed 1e-7..4e-7:
 summation orders differ), 1e-2 in bfloat16 (observed ~5e-3: the kernel rounds the softmax weights
@@ -45,8 +46,7 @@ REQS = [(0, 5), (7, 3), (20, 1), (33, 9), (16, 16)]
 
 @pytest.fixture(params=["reference", "kernel"])
 def path(request):
-    """Both paths of the ops: the torch reference, or the Triton kernels in the interpreter (the
-    writer and decode have kernels; extend runs its reference on both)."""
+    """Both paths of the ops: the torch reference, or the Triton kernels in the interpreter."""
     if request.param == "kernel":
         request.getfixturevalue("triton_on_cpu")
     return request.param
@@ -419,6 +419,85 @@ def test_decode_bad_inputs_are_named(seed):
         torch.ops.kiln.mla_extend(q, pe, cache, *base[:3], torch.zeros(2, dtype=torch.int32), 0.1, 16)
 
 
+# --------------------------------------------------------------------------- the extend kernel
+def extend_args(reqs, heads, r, dr, page_size, pad, dtype, flat=False, device="cpu"):
+    """``kiln::mla_extend``'s arguments for requests ``reqs`` of (cached prefix, new tokens): their
+    rows random in a NaN-poisoned cache (``flat``: the pool layer's ``[S, 1, r + dr]`` view), ``q_pe``
+    head-strided, ``pad`` padding query rows."""
+    lens = [p + n for p, n in reqs]
+    block_table, req_rows, cache = paged_cache(lens, page_size, r + dr, dtype)
+    slots = token_slots(block_table, req_rows, lens, page_size, [0] * len(lens), lens)
+    cache[slots // page_size, slots % page_size] = torch.randn(slots.shape[0], r + dr, dtype=dtype)
+    if flat:
+        cache = cache.view(-1, 1, r + dr)
+    t = sum(n for _, n in reqs) + pad
+    q_latent = torch.randn(t, heads, r, dtype=dtype)
+    q_pe = torch.randn(t, 2 * heads, dr, dtype=dtype)[:, ::2]
+    meta = (block_table, req_rows, torch.tensor(lens, dtype=torch.int32), indptr_of([n for _, n in reqs]))
+    tensors = [x.to(device) for x in (q_latent, q_pe, cache, *meta)]
+    return (*tensors, (r + dr) ** -0.5, page_size)
+
+
+def check_extend(args, pad, seed):
+    """The op (kernel path) against the reference: no NaN, zero padding rows, the dtype's bound."""
+    out = torch.ops.kiln.mla_extend(*args)
+    t, dtype = args[0].shape[0], args[0].dtype
+    assert out.shape == args[0].shape and out.dtype == dtype and not out.isnan().any(), f"seed {seed}"
+    assert (out[t - pad :] == 0).all(), f"seed {seed}: padding rows not zeroed"
+    err = rel_err(out, mla.mla_extend_ref(*args))
+    assert err < TOL[dtype], f"seed {seed}: relative error {err:.2e}"
+
+
+# (cached prefix, new tokens): an empty request, one without a prefix, chunks crossing tiles and key
+# blocks, a single new token
+EXTEND_REQS = [(0, 5), (7, 3), (40, 0), (33, 9), (16, 17), (3, 1)]
+# more requests than one scan of qo_indptr takes (64): a long one first, the last ones after empties
+MANY_REQS = [(0, 40)] + [(i, 0) for i in range(63)] + [(j + 2, 1) for j in range(6)]
+CFG = mla.MLAExtendConfig
+
+
+@pytest.mark.parametrize(
+    "reqs, heads, r, dr, page_size, pad, dtype, config, flat",
+    [
+        (EXTEND_REQS, 4, 32, 16, 16, 2, torch.float32, None, False),  # 4 tokens x 4 heads a tile
+        # flat cache; two head blocks (the second mostly masked), two latent column blocks, widths
+        # not powers of two
+        (EXTEND_REQS, 20, 40, 8, 1, 3, torch.float32, CFG(block_m=32, block_v=32, pack=16), True),
+        ([(5, 30), (70, 6)], 8, 64, 32, 16, 0, torch.bfloat16, CFG(block_m=16, block_n=32, pack=4), False),
+        (MANY_REQS, 4, 32, 16, 16, 3, torch.float32, None, False),
+    ],
+    ids=["default", "flat-split", "bf16-nopad", "many-requests"],
+)
+def test_extend_kernel_matches_reference(
+    triton_on_cpu, monkeypatch, seed, reqs, heads, r, dr, page_size, pad, dtype, config, flat
+):
+    if config is not None:  # the op's launch with this tiling
+        monkeypatch.setattr(mla, "default_extend_config", lambda _dtype: config)
+    check_extend(extend_args(reqs, heads, r, dr, page_size, pad, dtype, flat), pad, seed)
+
+
+def test_extend_reads_no_tensor_values_on_the_host(triton_on_cpu, seed):
+    """CUDA-graph safety: the extend launch takes every length from the device (the reference
+    reads qo_indptr and seq_lens on the host), so a captured graph replays with new lengths."""
+    args = extend_args(EXTEND_REQS, 4, 32, 16, 16, 2, torch.float32)
+
+    def host_read(*_args, **_kwargs):
+        raise AssertionError("mla_extend read a tensor's value on the host")
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("tolist", "item", "__int__", "__index__", "__bool__", "__float__"):
+            mp.setattr(torch.Tensor, name, host_read)
+        out = torch.ops.kiln.mla_extend(*args)
+    assert rel_err(out, mla.mla_extend_ref(*args)) < 1e-5, f"seed {seed}"
+
+
+def test_extend_bad_config_is_named(triton_on_cpu):
+    args = extend_args([(3, 2)], 4, 32, 16, 16, 0, torch.float32)
+    for bad in (CFG(block_m=48), CFG(block_m=16, pack=32), CFG(block_v=8), CFG(block_v=64)):
+        with pytest.raises(ValueError, match=r"mla_extend: config .* needs powers of two"):
+            mla.mla_extend_triton(*args, config=bad)
+
+
 # --------------------------------------------------------------------------- graphs
 class _Layer(torch.nn.Module):
     """The op calls of an MLA layer: write the new latents, attend (decode or extend), apply w_vc."""
@@ -547,3 +626,68 @@ def test_decode_gpu_cuda_graph_replay(compiled_gpu, seed):
         ref = mla.mla_decode_ref(q, pe, cache, block_table, req_rows, seq_lens, 0.1, page_size, 0)
         assert cache[slots // page_size, slots % page_size].equal(torch.cat([latent, k_pe], -1))
         assert not out.isnan().any() and rel_err(out, ref) < 1e-2, f"seed {seed}, lens {new}"
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Every float buffer an op allocates with ``torch.empty`` starts as NaN (on any device)."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+GPU_EXTEND_REQS = [(0, 300), (1000, 17), (4000, 1), (37, 64), (2048, 500), (50, 0), (129, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "heads, dtype", [(16, torch.bfloat16), (128, torch.bfloat16), (16, torch.float32)]
+)  # V2-Lite / V3 at tp 8; V3 at tp 1
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_gpu_deepseek_shapes(compiled_gpu, nan_empty, seed, heads, dtype, page_size):
+    """r = 512, dr = 64; page size 1 in the pool layer's flat view, 16 paged; five padding rows."""
+    args = extend_args(GPU_EXTEND_REQS, heads, 512, 64, page_size, 5, dtype, page_size == 1, "cuda")
+    check_extend(args, 5, seed)
+
+
+@pytest.mark.gpu
+def test_extend_gpu_cuda_graph_replay(compiled_gpu, seed):
+    """Extend captured once at a 64-row bucket of 4 requests, replayed with other chunk sizes,
+    prefixes and padding (the lengths only on the device): every replay matches the reference."""
+    dtype, page_size, heads = torch.bfloat16, 16, 16
+    block_table, req_rows, cache = paged_cache([3000] * 4, page_size, 576, dtype)
+    block_table, req_rows, cache = block_table.cuda(), req_rows.cuda(), cache.cuda()
+    cache.normal_()
+    seq_lens = torch.tensor([64] * 4, dtype=torch.int32, device="cuda")
+    indptr = indptr_of([16] * 4).cuda()
+    q = torch.randn(64, heads, 512, dtype=dtype, device="cuda")
+    pe = torch.randn(64, heads, 64, dtype=dtype, device="cuda")
+
+    def step():
+        return torch.ops.kiln.mla_extend(
+            q, pe, cache, block_table, req_rows, seq_lens, indptr, 0.1, page_size
+        )
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for counts, prefix in (
+        ([10, 20, 3, 1], [0, 500, 2000, 7]),
+        ([60, 0, 2, 1], [100, 9, 2900, 0]),
+        ([1, 1, 1, 1], [2999, 0, 1500, 31]),
+    ):
+        seq_lens.copy_(torch.tensor([p + n for p, n in zip(prefix, counts)], dtype=torch.int32))
+        indptr.copy_(indptr_of(counts))
+        q.normal_()
+        pe.normal_()
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = mla.mla_extend_ref(q, pe, cache, block_table, req_rows, seq_lens, indptr, 0.1, page_size)
+        used = sum(counts)
+        assert not out.isnan().any() and (out[used:] == 0).all(), f"seed {seed}, counts {counts}"
+        assert rel_err(out, ref) < 1e-2, f"seed {seed}, counts {counts}"
