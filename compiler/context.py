@@ -25,7 +25,7 @@ class ForwardContext:
     req_rows: torch.Tensor  # [B] int32
     seq_lens: torch.Tensor  # [B] int32, KV length including this step's tokens
     qo_indptr: torch.Tensor  # [B + 1] int32, request b's tokens are rows qo_indptr[b]:qo_indptr[b+1]
-    logits_indices: torch.Tensor  # [B] int64, the rows whose logits are computed
+    logits_indices: torch.Tensor  # [N] int64, the rows whose logits are computed (N: B, or T for every token)
     page_size: int = 1
     num_splits: int = 0  # decode split-KV factor (0: chosen from the batch at capture)
     # FP8 caches only: one float32 scale per cached head row (runtime/kv_pool.py), [L, S, H_kv]

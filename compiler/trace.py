@@ -148,6 +148,9 @@ def export_graph(
     }
     if not static_batch:
         T, B = Dim("T", min=1, max=max_tokens), Dim("B", min=1, max=max_batch)
+        # the rows whose logits the graph returns: each request's last token (N == B), or every new
+        # token (N == T: teacher-forced accuracy, a speculative verify step; docs/speculative.md)
+        N = Dim("N", min=1, max=max_tokens)
         per_input |= {
             "input_ids": {0: T},
             "positions": {0: T},
@@ -155,7 +158,7 @@ def export_graph(
             "req_rows": {0: B},
             "seq_lens": {0: B},
             "qo_indptr": {0: B + 1},
-            "logits_indices": {0: B},
+            "logits_indices": {0: N},
         }
     dynamic = ({k: None for k in weights}, *(per_input.get(n) for n in names))
     with torch.no_grad():

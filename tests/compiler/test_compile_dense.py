@@ -15,6 +15,7 @@ from tiny_models import CONFIGS, check_against_hf, make_checkpoint
 from kiln.compiler.build import CompileOptions, compile_model
 from kiln.manifest import Manifest
 from kiln.runtime.direct import DirectRunner
+from kiln.runtime.model_runner import run_extend_graph
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -111,6 +112,38 @@ def test_python_graphs_match_pt2(compiled, monkeypatch):
     prompts = [[5, 6, 7, 8, 9], [9, 10]]
     torch.testing.assert_close(a.prefill(prompts), b.prefill(prompts), rtol=0, atol=0)
     torch.testing.assert_close(a.decode([11, 12]), b.decode([11, 12]), rtol=0, atol=0)
+
+
+def _every_token_logits(runner: DirectRunner, prompts: list[list[int]]) -> torch.Tensor:
+    """The shared graph over ``prompts`` with the logits of every new token (``logits_indices`` of
+    length T, not B: what a speculative verify step and teacher-forced accuracy need)."""
+    rows, lens, ids, pos, slots, indptr = [], [], [], [], [], [0]
+    for p in prompts:
+        row = runner.bt.alloc_row()
+        assert row is not None and runner.bt.cover(row, len(p), runner.pool)
+        rows.append(row)
+        lens.append(len(p))
+        ids += p
+        pos += range(len(p))
+        slots += runner.bt.slots(row, 0, len(p))
+        indptr.append(indptr[-1] + len(p))
+    return run_extend_graph(runner.model, runner.pool, runner.bt, ids, pos, slots, rows, lens, indptr, True)
+
+
+def test_graphs_return_logits_of_every_token(compiled, monkeypatch):
+    # logits_indices has its own dynamic size (compiler/trace.py): the exported .pt2 graph takes
+    # T rows as the generated source does, and agrees with the last-token logits of a prefill
+    _, root = compiled
+    prompts = [[5, 6, 7, 8, 9], [9, 10]]
+    got = {}
+    for fmt in ("python", "pt2"):
+        monkeypatch.setenv("KILN_GRAPH_FORMAT", fmt)
+        runner = DirectRunner(str(root / "art"), device="cpu", num_slots=256)
+        got[fmt] = _every_token_logits(runner, prompts)
+        last = DirectRunner(str(root / "art"), device="cpu", num_slots=256).prefill(prompts)
+        assert got[fmt].shape[0] == 7
+        torch.testing.assert_close(got[fmt][[4, 6]], last, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["python"], got["pt2"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("roles", ["attn:1", "1"])
