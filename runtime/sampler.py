@@ -258,6 +258,32 @@ def _greedy(x: torch.Tensor) -> torch.Tensor:
     return argmax_rows(x) if x.shape[0] <= TRITON_ARGMAX_MAX_ROWS else x.argmax(dim=-1)
 
 
+def filter_logits(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p; masked logits are -inf. x: [B, V] -> [B, V] f32."""
+    x = x / batch.temperature
+    neg_inf = float("-inf")
+    if batch.use_top_p:
+        s, _ = x.sort(dim=-1, descending=True)  # s: [B, V]
+        if batch.use_top_k:
+            kth = s.gather(1, (batch.top_k.clamp(max=x.shape[1]) - 1))  # [B, 1]
+            s = s.masked_fill(s < kth, neg_inf)
+        p = torch.softmax(s, dim=-1)
+        before = torch.cumsum(p, dim=-1) - p  # mass of the higher-ranked tokens
+        keep = (before < batch.top_p) & (s > neg_inf)  # [B, V], the first token always kept
+        cutoff = s.gather(1, keep.sum(dim=-1, keepdim=True) - 1)  # [B, 1] lowest kept logit
+        x = x.masked_fill(x < cutoff, neg_inf)
+    elif batch.use_top_k:
+        k = min(batch.max_top_k, x.shape[1])
+        top = x.topk(k, dim=-1).values  # [B, k]
+        kth = top.gather(1, batch.top_k.clamp(max=k) - 1)  # [B, 1]
+        kth = kth.masked_fill(batch.top_k > k, neg_inf)  # rows with top-k off keep all
+        x = x.masked_fill(x < kth, neg_inf)
+    if batch.use_min_p:
+        floor = x.max(dim=-1, keepdim=True).values + torch.log(batch.min_p)  # [B, 1]
+        x = x.masked_fill(x < floor, neg_inf)
+    return x.contiguous()
+
+
 class Sampler:
     """Samples the next token of every request of a batch on ``device``.
 
@@ -365,27 +391,4 @@ class Sampler:
         c = counts.float()
         return x - batch.freq * c - batch.pres * (c > 0).float()
 
-    def filter_logits(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p; masked logits are -inf. x: [B, V] -> [B, V] f32."""
-        x = x / batch.temperature
-        neg_inf = float("-inf")
-        if batch.use_top_p:
-            s, _ = x.sort(dim=-1, descending=True)  # s: [B, V]
-            if batch.use_top_k:
-                kth = s.gather(1, (batch.top_k.clamp(max=x.shape[1]) - 1))  # [B, 1]
-                s = s.masked_fill(s < kth, neg_inf)
-            p = torch.softmax(s, dim=-1)
-            before = torch.cumsum(p, dim=-1) - p  # mass of the higher-ranked tokens
-            keep = (before < batch.top_p) & (s > neg_inf)  # [B, V], the first token always kept
-            cutoff = s.gather(1, keep.sum(dim=-1, keepdim=True) - 1)  # [B, 1] lowest kept logit
-            x = x.masked_fill(x < cutoff, neg_inf)
-        elif batch.use_top_k:
-            k = min(batch.max_top_k, x.shape[1])
-            top = x.topk(k, dim=-1).values  # [B, k]
-            kth = top.gather(1, batch.top_k.clamp(max=k) - 1)  # [B, 1]
-            kth = kth.masked_fill(batch.top_k > k, neg_inf)  # rows with top-k off keep all
-            x = x.masked_fill(x < kth, neg_inf)
-        if batch.use_min_p:
-            floor = x.max(dim=-1, keepdim=True).values + torch.log(batch.min_p)  # [B, 1]
-            x = x.masked_fill(x < floor, neg_inf)
-        return x.contiguous()
+    filter_logits = staticmethod(filter_logits)  # (a pure function: runtime/speculative.py calls it too)
