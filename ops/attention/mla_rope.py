@@ -127,28 +127,30 @@ def _mla_rope_kvwrite_kernel(
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cs_ptr + pos * stride_cs_p + i, mask=i_ok, other=0.0).to(tl.float32)
     sin = tl.load(cs_ptr + pos * stride_cs_p + HALF + i, mask=i_ok, other=0.0).to(tl.float32)
+    # (each branch names its own values: Triton 3.6 refuses a name bound to a scalar pointer in one
+    # branch and to a block of pointers in the other, which the interpreter accepts)
     if blk == 0:  # the latent row: RMSNorm of c, RoPE of k_pe, both to the cache
         slot = tl.load(slot_ptr + t)
-        dst = cache_ptr + (slot // PAGE) * stride_cp + (slot % PAGE) * stride_ct
-        src = kv_ptr + t * stride_kv_t
+        c_dst = cache_ptr + (slot // PAGE) * stride_cp + (slot % PAGE) * stride_ct
+        c_src = kv_ptr + t * stride_kv_t
         r = tl.arange(0, BLOCK_R)
         r_ok = r < R
-        x = tl.load(src + r, mask=r_ok, other=0.0).to(tl.float32)  # [BLOCK_R]
+        x = tl.load(c_src + r, mask=r_ok, other=0.0).to(tl.float32)  # [BLOCK_R]
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / R + eps)
         y = _rne_bf16(x * rstd, RNE_IN).to(kv_ptr.dtype.element_ty).to(tl.float32)  # HF: cast, then * w
         y = y * tl.load(w_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
-        tl.store(dst + r, _rne_bf16(y, RNE_OUT).to(cache_ptr.dtype.element_ty), mask=r_ok)
-        oa, ob = _rotate(src + R, a_off, b_off, i_ok, cos, sin)  # [BLOCK_HALF] each
-        tl.store(dst + R + a_off, _rne_bf16(oa, RNE_OUT).to(cache_ptr.dtype.element_ty), mask=i_ok)
-        tl.store(dst + R + b_off, _rne_bf16(ob, RNE_OUT).to(cache_ptr.dtype.element_ty), mask=i_ok)
+        tl.store(c_dst + r, _rne_bf16(y, RNE_OUT).to(cache_ptr.dtype.element_ty), mask=r_ok)
+        ka, kb = _rotate(c_src + R, a_off, b_off, i_ok, cos, sin)  # [BLOCK_HALF] each
+        tl.store(c_dst + R + a_off, _rne_bf16(ka, RNE_OUT).to(cache_ptr.dtype.element_ty), mask=i_ok)
+        tl.store(c_dst + R + b_off, _rne_bf16(kb, RNE_OUT).to(cache_ptr.dtype.element_ty), mask=i_ok)
     else:  # q_pe of heads (blk - 1) * BLOCK_H ..
         h = (blk - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
         m = (h < H)[:, None] & i_ok[None, :]  # [BLOCK_H, BLOCK_HALF]
-        src = q_ptr + t * stride_q_t + h[:, None].to(tl.int64) * stride_q_h + Q_OFF
-        oa, ob = _rotate(src, a_off[None, :], b_off[None, :], m, cos[None, :], sin[None, :])
-        dst = out_ptr + t * (H * DR) + h[:, None] * DR  # out is contiguous [T, H, dr]
-        tl.store(dst + a_off[None, :], _rne_bf16(oa, RNE_OUT).to(out_ptr.dtype.element_ty), mask=m)
-        tl.store(dst + b_off[None, :], _rne_bf16(ob, RNE_OUT).to(out_ptr.dtype.element_ty), mask=m)
+        q_src = q_ptr + t * stride_q_t + h[:, None].to(tl.int64) * stride_q_h + Q_OFF
+        qa, qb = _rotate(q_src, a_off[None, :], b_off[None, :], m, cos[None, :], sin[None, :])
+        q_dst = out_ptr + t * (H * DR) + h[:, None] * DR  # out is contiguous [T, H, dr]
+        tl.store(q_dst + a_off[None, :], _rne_bf16(qa, RNE_OUT).to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(q_dst + b_off[None, :], _rne_bf16(qb, RNE_OUT).to(out_ptr.dtype.element_ty), mask=m)
 
 
 # --------------------------------------------------------------------------- op

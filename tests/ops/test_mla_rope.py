@@ -39,7 +39,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def make_inputs(t, heads, r, dn, dr, dtype, slots_total=96, pad=2):
     """One step's inputs: kv_a row-strided (a slice of a wider projection), q a view of the q
-    projection ``[T, H (dn + dr)]``, distinct slots then ``pad`` padding rows (slot 0)."""
+    projection ``[T, H (dn + dr)]``, distinct slots then ``pad`` padding rows (slot 0; fewer when
+    ``t`` is small: one row at least is real)."""
+    pad = min(pad, t - 1)  # at least one real row
     kv_a = torch.randn(t, r + dr + 5, dtype=dtype)[:, : r + dr]
     q = torch.randn(t, heads * (dn + dr), dtype=dtype).view(t, heads, dn + dr)
     positions = torch.randint(0, 200, (t,))
