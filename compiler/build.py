@@ -34,10 +34,11 @@ import torch
 
 from kiln import settings
 from kiln.artifact_format import TOKENIZER_FILES, gpu_arch, write_build_log
-from kiln.compiler.config import ConfigError, ModelConfig, load_config
+from kiln.compiler.config import ConfigError, ModelConfig, load_config, resolve_quant
 from kiln.compiler.context import graph_inputs
 from kiln.compiler.cutlass_build import check_request, cutlass_backend, drop_unused, fp8_library
 from kiln.compiler.graph_code import emit_graph_code
+from kiln.compiler.layers import match_pack_quant
 from kiln.compiler.models.base import DecoderOnlyLM
 from kiln.compiler.moe_layer import FusedMoE
 from kiln.compiler.moe_tune import MoEShape, moe_tuning
@@ -82,6 +83,9 @@ class CompileOptions:
 
     device: str = "cuda"
     dtype: str = "bfloat16"
+    # --quant: None (as the checkpoint is: "fp8-block" for 128 x 128 block-FP8 checkpoints), "fp8",
+    # "fp8-block" or "none"; compile_model resolves it (compiler/config.py resolve_quant) and the
+    # manifest records the result (None, "fp8" or "fp8-block")
     quant: str | None = None
     tp: int = 1  # --tp: the ranks (processes) that run the artifact, one graph with the collectives
     ep: int = 1  # --ep: MoE experts split into ep groups of tp/ep ranks (compiler/parallel.py)
@@ -282,13 +286,16 @@ def _compile_model(
     timer = PhaseTimer(verbose=verbose)
     with timer.phase("config"):
         cfg = load_config(model_dir)
+        # the quantization the checkpoint implies or --quant asks for (a combination that makes no
+        # sense, or FP8 blocks other than 128 x 128, fails here)
+        opts = replace(opts, quant=resolve_quant(opts.quant, cfg))
         par = ParallelConfig(tp=opts.tp, ep=opts.ep)
         validate_parallel(cfg, par)  # --tp/--ep: a layout that cannot shard the model fails here
         max_seq = opts.max_seq_len or min(cfg.max_position_embeddings, 32768)
         model_class(cfg.architecture)  # fail before any work if the architecture cannot compile
         _kv_spec(cfg, opts)  # likewise a KV cache it cannot have (--kv-dtype fp8 for MLA)
         if cfg.moe is not None:
-            check_request(opts.moe_backend, torch.device(opts.device), opts.dtype, opts.quant)
+            check_request(opts.moe_backend, torch.device(opts.device), opts.dtype, _experts_quant(opts))
         _prepare_out(out, opts.force)
     with timer.phase("weights"):
         pack_checkpoint(
@@ -318,6 +325,7 @@ def _compile_model(
                 if isinstance(mod, FusedMoE):
                     mod.tuning = moe_choice["table"]
         weights = load_pack(out / "weights", 0, device, verify=False)  # hashed as it was written
+        match_pack_quant(model, weights)  # block-FP8 linears the checkpoint left unquantized
         _check_pack_matches(model, weights)
         # the residual-stream layout adds the residual inside the o/down projections, before a
         # tensor-parallel all-reduce could: no folds with --tp > 1
@@ -509,9 +517,10 @@ def _warm_up(
     if device.type == "cuda" and any(w.dtype == FP8_DTYPE for w in weights.values()):
         # FP8 linears pick a launch config (or cuBLAS) per M bucket (ops/linear/fp8_gemm.py): one prefill
         # per bucket, so that prefill chunks of any length find their kernels compiled
-        from kiln.ops.linear.fp8_gemm import warmup_tokens
+        from kiln.ops.linear import fp8_block, fp8_gemm
 
-        runs += prefills(warmup_tokens(chunk))
+        # and for block-FP8 linears (ops/linear/fp8_block.py) one per launch-config bucket
+        runs += prefills(sorted(set(fp8_gemm.warmup_tokens(chunk)) | set(fp8_block.warmup_tokens(chunk))))
     if device.type == "cpu":  # no Triton kernels to compile: a finiteness check per graph suffices
         runs = [r for r in runs if r[1] <= 2]
     for name, b, t in runs:
@@ -539,13 +548,20 @@ def _moe_choice(cfg: ModelConfig, opts: CompileOptions, device: torch.device, ou
     assert m is not None
     shape = MoEShape(*_local_experts(cfg, ParallelConfig(opts.tp, opts.ep)), cfg.hidden_size, m.top_k)
     max_tokens = opts.max_tokens
-    measure = opts.moe_tune and opts.quant is None
-    backend, lib = cutlass_backend(opts.moe_backend, device, opts.dtype, opts.quant, measure, out / "kernels")
+    quant = _experts_quant(opts)
+    measure = opts.moe_tune and quant is None
+    backend, lib = cutlass_backend(opts.moe_backend, device, opts.dtype, quant, measure, out / "kernels")
     choice = moe_tuning(
         shape, max_tokens, measure, DTYPES[opts.dtype], device, backend, opts.moe_cutlass_min_tokens, lib
     )
     drop_unused(choice, out)
     return choice
+
+
+def _experts_quant(opts: CompileOptions) -> str | None:
+    """The MoE experts' quantization: ``opts.quant``, but None for ``fp8-block`` (its experts stay in
+    the activation dtype, compiler/mappings.py), so their tuning and CUTLASS path are bf16's."""
+    return None if opts.quant == "fp8-block" else opts.quant
 
 
 def _local_experts(cfg: ModelConfig, par: ParallelConfig) -> tuple[int, int]:

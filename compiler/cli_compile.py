@@ -42,9 +42,12 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
 )
 @click.option(
     "--quant",
-    type=click.Choice(["fp8"]),
+    type=click.Choice(["fp8", "fp8-block", "none"]),
     default=None,
-    help="Quantize GEMM weights to FP8 (per output channel); activations per token.",
+    help="GEMM weight quantization. Omitted: as the checkpoint is (a 128x128 block-FP8 checkpoint "
+    "compiles as fp8-block, others in --dtype); fp8: FP8 per output channel, activations per token; "
+    "fp8-block: FP8 in 128x128 blocks, activations per token and 128-column group; none: up-cast an "
+    "FP8 checkpoint to --dtype.",
 )
 @click.option(
     "--tp",

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from kiln.compiler.config import ConfigError, ModelConfig, load_config
+from kiln.compiler.config import ConfigError, ModelConfig, load_config, resolve_quant
 from kiln.compiler.parallel import ParallelConfig, kv_capacity_tokens, per_rank_shapes, validate_parallel
 
 GIB = 1024**3
@@ -82,11 +82,27 @@ def inspect_report(
         "kv_heads_per_rank": cfg.kv_heads_per_rank(tp) if cfg.mla is None else None,
         "kv_bytes_per_token": cfg.kv_bytes_per_token(kv_dtype, tp),
         "per_rank_shapes": per_rank_shapes(cfg, tp),
+        **_quantization(cfg, tp),
     }
     if kv_memory_gib is not None:
         report["kv_memory_gib"] = kv_memory_gib
         report["kv_capacity_tokens"] = kv_capacity_tokens(cfg, int(kv_memory_gib * GIB), kv_dtype, tp)
     return report
+
+
+def _quantization(cfg: ModelConfig, tp: int) -> dict[str, Any]:
+    """The checkpoint's own FP8 format (config.json ``quantization_config``), what ``kiln compile``
+    makes of it without ``--quant`` (compiler/config.py ``resolve_quant``; or why it refuses) and,
+    for ``fp8-block``, the weight bytes per rank it packs."""
+    out: dict[str, Any] = {"checkpoint_quant": asdict(cfg.fp8_checkpoint) if cfg.fp8_checkpoint else None}
+    try:
+        out["compile_quant"] = resolve_quant(None, cfg)
+    except ConfigError as err:
+        out["compile_quant"] = None
+        out["compile_quant_error"] = str(err)
+    if out["compile_quant"] == "fp8-block":
+        out["compile_weight_bytes"] = cfg.weight_bytes("fp8-block", tp)
+    return out
 
 
 def _human(n: float, unit: str = "B") -> str:
@@ -135,9 +151,24 @@ def format_report(r: dict[str, Any]) -> str:
                 f"{mla['qk_nope_head_dim']}, rope {mla['qk_rope_head_dim']}, v {mla['v_head_dim']}",
             )
         )
+    ckpt = r.get("checkpoint_quant")
+    if ckpt:
+        block = ckpt["weight_block_size"]
+        fmt = f"{block[0]}x{block[1]} block scales" if block else "per-tensor scales"
+        how = r.get("compile_quant_error") or (
+            f"kiln compile keeps it as quant {r['compile_quant']}"
+            if r.get("compile_quant")
+            else "kiln compile up-casts it to --dtype"
+        )
+        rows.append(("checkpoint quantization", f"fp8 e4m3 weights, {fmt}; {how}"))
     rows += [
         ("parameters", f"{r['num_params'] / 1e9:.3f} B ({r['num_activated_params'] / 1e9:.3f} B activated)"),
         (f"weights / rank (tp={r['tp']}, {r['dtype']})", _human(r["weight_bytes"])),
+        *(
+            [(f"weights / rank (tp={r['tp']}, fp8-block)", _human(r["compile_weight_bytes"]))]
+            if "compile_weight_bytes" in r
+            else []
+        ),
         (f"KV / token / rank ({r['kv_dtype']})", f"{r['kv_bytes_per_token']} B"),
     ]
     if "kv_capacity_tokens" in r:

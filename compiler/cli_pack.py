@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from kiln.compiler.config import load_config
+from kiln.compiler.config import load_config, resolve_quant
 from kiln.compiler.mappings import all_rank_specs, skip_patterns
 from kiln.compiler.parallel import ParallelConfig, validate_parallel
 from kiln.compiler.synth import parse_size
@@ -30,7 +30,11 @@ from kiln.compiler.synth import parse_size
     help="Activation dtype: embeddings, norms, routers, and every weight unless --quant.",
 )
 @click.option(
-    "--quant", type=click.Choice(["fp8"]), default=None, help="FP8 e4m3 GEMM weights, per output channel."
+    "--quant",
+    type=click.Choice(["fp8", "fp8-block", "none"]),
+    default=None,
+    help="GEMM weights as `kiln compile --quant` takes them (omitted: as the checkpoint is; a 128x128 "
+    "block-FP8 checkpoint keeps its blocks).",
 )
 @click.option("--verify", is_flag=True, help="Re-read the written pack and check every file's sha256.")
 @click.option("--force", is_flag=True, help="Overwrite the pack in a non-empty OUT.")
@@ -68,6 +72,7 @@ def pack_cmd(
     cfg = load_config(model_dir)
     par = ParallelConfig(tp=tp, ep=ep)
     validate_parallel(cfg, par)
+    quant = resolve_quant(quant, cfg)  # as kiln compile resolves it (block-FP8 checkpoints keep blocks)
     specs = all_rank_specs(cfg, par, quant, fuse_shared_experts=fuse_shared_experts, nextn=nextn)
     t0 = time.perf_counter()
     index = pack_checkpoint(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -92,6 +93,90 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class FP8Checkpoint:
+    """A checkpoint whose config.json says its linear weights are FP8 (``quantization_config`` with
+    ``quant_method: "fp8"``: DeepSeek-V3, Qwen3-*-FP8, transformers' fine-grained FP8). With
+    ``weight_block_size`` each quantized ``W [N, K]`` is float8_e4m3fn with ``weight_scale_inv``
+    ``[ceil(N/bn), ceil(K/bk)]`` float32 (or bf16, or UE8M0 ``scale_fmt``) beside it; without, one
+    scale per tensor. Modules matching ``modules_to_not_convert`` (transformers' rules:
+    :func:`should_convert`) keep the activation dtype, as do embeddings, norms, LM head and routers."""
+
+    weight_block_size: tuple[int, int] | None
+    activation_scheme: str = "dynamic"
+    modules_to_not_convert: tuple[str, ...] = ()
+    scale_fmt: str = "float"
+
+    @property
+    def block_128(self) -> bool:
+        """128 x 128 blocks: what ``--quant fp8-block`` serves as is."""
+        return self.weight_block_size == (128, 128)
+
+    def describe(self) -> str:
+        blocks = (
+            f"{self.weight_block_size[0]}x{self.weight_block_size[1]} block scales"
+            if self.weight_block_size
+            else "per-tensor scales"
+        )
+        return f"fp8 e4m3 weights, {blocks}, {self.activation_scheme} activations"
+
+
+# `kiln compile --quant`: None is "as the checkpoint is" (resolve_quant); "none" up-casts an FP8 checkpoint
+QUANTS = ("fp8", "fp8-block", "none")
+
+
+def should_convert(module: str, patterns: tuple[str, ...]) -> bool:
+    """Whether checkpoint module ``module`` (a weight's name without ``.weight``) is quantized, given
+    ``modules_to_not_convert``: not when a pattern matches it from the start up to a module boundary
+    (also as a regex: ``model.layers.1`` matches ``model.layers.1.mlp`` but not ``model.layers.11``;
+    ``mlp.gate`` does not match ``mlp.gate_proj``) or is a suffix of it, as transformers decides."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return not any(re.match(rf"(?:{p}){boundary}", module) or module.endswith(p) for p in patterns)
+
+
+def resolve_quant(requested: str | None, cfg: ModelConfig) -> str | None:
+    """The weight quantization a compile of ``cfg``'s checkpoint builds: ``requested`` is ``kiln
+    compile --quant`` (None: not given).
+
+    * not given: ``"fp8-block"`` for a checkpoint with 128 x 128 FP8 blocks (kept as they are), else
+      None (the activation dtype; an FP8 checkpoint of another layout is up-cast);
+    * ``"fp8-block"``: 128 x 128 blocks, a block-FP8 checkpoint's as they are, other weights
+      quantized per block at pack time;
+    * ``"fp8"``: per output channel; refused for a 128 x 128 block checkpoint (a second, coarser
+      rounding of weights already in FP8);
+    * ``"none"``: None (an FP8 checkpoint up-cast to the activation dtype).
+
+    Block sizes other than 128 x 128 cannot be served as blocks: without ``--quant`` or with
+    ``fp8-block`` that is an error naming the field and the choices.
+    """
+    if requested is not None and requested not in QUANTS:
+        raise ConfigError(f"--quant must be one of {', '.join(QUANTS)} or absent, got {requested!r}.")
+    q = cfg.fp8_checkpoint
+    if requested == "none":
+        return None
+    if (
+        q is not None
+        and q.weight_block_size is not None
+        and not q.block_128
+        and requested in (None, "fp8-block")
+    ):
+        block = list(q.weight_block_size or ())
+        raise ConfigError(
+            f"config.json field 'quantization_config.weight_block_size' is {block}; "
+            "kiln serves block-scaled FP8 with 128 x 128 blocks only. Compile with --quant fp8 (re-quantized "
+            "per channel) or --quant none (up-cast to --dtype)."
+        )
+    if requested == "fp8" and q is not None and q.block_128:
+        raise ConfigError(
+            "--quant fp8 on a checkpoint already in FP8 with 128 x 128 block scales (config.json "
+            "'quantization_config') would round its weights a second time, per channel; compile without "
+            "--quant to serve its blocks as they are (quant fp8-block), or with --quant none to up-cast."
+        )
+    if requested is None:
+        return "fp8-block" if q is not None and q.block_128 else None
+    return requested
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A normalized model config. Derived values are properties."""
 
@@ -122,6 +207,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
     num_nextn_layers: int = 0
+    fp8_checkpoint: FP8Checkpoint | None = None  # config.json's quantization_config (quant_method "fp8")
 
     # ----------------------------------------------------------------- derived facts
     @property
@@ -199,17 +285,21 @@ class ModelConfig:
         return self._count(activated=True)
 
     def weight_bytes(self, dtype: str = "bfloat16", tp: int = 1) -> int:
-        """Weight bytes per rank. FP8 counts one byte per GEMM weight, norms and embeddings in bf16.
+        """Weight bytes per rank. FP8 counts one byte per GEMM weight, norms and embeddings in bf16;
+        ``fp8-block`` (``--quant fp8-block``) adds a float32 scale per 128 x 128 block and keeps MoE
+        experts in bf16 (the grouped GEMM has no block-scaled path yet).
 
         Embedding, LM head and attention/MLP weights are divided by ``tp``; norms and routers are
         replicated. Padding of uneven splits is ignored (a few rows at most).
         """
         h = self.hidden_size
-        b = DTYPE_BYTES[dtype]
-        emb_b = 2 if dtype == "fp8" else b  # embeddings stay in the activation dtype
+        block = dtype == "fp8-block"
+        b = 1 + 4 / 128**2 if block else DTYPE_BYTES[dtype]
+        emb_b = 2 if dtype in ("fp8", "fp8-block") else b  # embeddings stay in the activation dtype
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         norms = h + self.num_layers * 2 * h
         gemm = 0
+        experts = 0  # routed experts' weights, when they are not in ``b`` bytes
         replicated = 0
         for i in range(self.num_layers):
             gemm += self.attention_params()
@@ -219,10 +309,14 @@ class ModelConfig:
                 assert m is not None
                 router = m.num_experts * h
                 replicated += router
-                gemm += total - router
+                routed = m.num_experts * 3 * h * m.intermediate_size if block else 0
+                experts += routed
+                gemm += total - router - routed
             else:
                 gemm += total
-        return math.ceil(embed * emb_b / tp + gemm * b / tp + (norms + replicated) * emb_b)
+        return math.ceil(
+            embed * emb_b / tp + (gemm * b + experts * emb_b) / tp + (norms + replicated) * emb_b
+        )
 
     def kv_heads_per_rank(self, tp: int = 1) -> int:
         """KV heads stored on one rank; with kv_heads < tp each KV head is replicated."""
@@ -382,6 +476,43 @@ def _parse_mla(raw: Mapping[str, Any], arch: str) -> MLAConfig | None:
     )
 
 
+def _parse_fp8(raw: Mapping[str, Any]) -> FP8Checkpoint | None:
+    """``quantization_config`` of an FP8 checkpoint (:class:`FP8Checkpoint`), else None (no
+    quantization_config, or another method, which the weights' names then decide)."""
+    qc = raw.get("quantization_config")
+    if not isinstance(qc, Mapping) or qc.get("quant_method") != "fp8":
+        return None
+    block = qc.get("weight_block_size")
+    if block is not None:
+        if (
+            not isinstance(block, list | tuple)
+            or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+        ):
+            raise ConfigError(
+                "config.json field 'quantization_config.weight_block_size' must be two positive integers "
+                f"[rows, columns], got {block!r}."
+            )
+        block = (int(block[0]), int(block[1]))
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(
+            f"config.json field 'quantization_config.fmt' is {fmt!r}; kiln reads FP8 checkpoints in e4m3."
+        )
+    skip = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ()
+    if isinstance(skip, str) or not all(isinstance(p, str) for p in skip):
+        raise ConfigError(
+            f"config.json field 'quantization_config.modules_to_not_convert' must be a list of module names, "
+            f"got {skip!r}."
+        )
+    return FP8Checkpoint(
+        weight_block_size=block,
+        activation_scheme=str(qc.get("activation_scheme", "dynamic")),
+        modules_to_not_convert=tuple(skip),
+        scale_fmt=str(qc.get("scale_fmt", "float")),
+    )
+
+
 def _sliding_window(raw: Mapping[str, Any], arch: str) -> int | None:
     sw = raw.get("sliding_window")
     if sw is None:
@@ -480,6 +611,7 @@ def normalize_config(raw: Mapping[str, Any]) -> ModelConfig:
         moe=moe,
         mla=mla,
         num_nextn_layers=int(raw.get("num_nextn_predict_layers") or 0),
+        fp8_checkpoint=_parse_fp8(raw),
     )
 
 
@@ -502,11 +634,15 @@ def load_config(path: str | Path) -> ModelConfig:
 
 __all__ = [
     "DTYPE_BYTES",
+    "QUANTS",
     "ConfigError",
+    "FP8Checkpoint",
     "MLAConfig",
     "MoEConfig",
     "ModelConfig",
     "RopeScaling",
     "load_config",
     "normalize_config",
+    "resolve_quant",
+    "should_convert",
 ]

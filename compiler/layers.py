@@ -6,7 +6,10 @@ on the meta device); values arrive at call time through ``torch.func.functional_
 
 Quantization stays out of the model math: a layer built with ``quant="fp8"`` stores FP8 weights
 with per-output-channel scales, and the norm / activation in front of it emits FP8 activations
-with per-token scales (the fused norm+quant of the design card).
+with per-token scales (the fused norm+quant of the design card). With ``quant="fp8-block"`` (a
+block-FP8 checkpoint, compiler/config.py ``resolve_quant``) a linear stores FP8 weights with a scale
+per 128 x 128 block and takes the activation dtype: ``kiln::fp8_block_linear`` quantizes it per
+token and 128-column group itself (ops/linear/fp8_block.py).
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ def norm_linear(
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)`` with W ``[out, in]``; FP8 weights carry ``weight_scale [out]``.
+    """``y = x W^T (+ b)`` with W ``[out, in]``; FP8 weights carry ``weight_scale [out]``, block-FP8
+    weights ``weight_scale [ceil(out/128), ceil(in/128)]`` (``kiln::fp8_block_linear``).
 
     Non-FP8 weights: ``F.linear`` (cuBLAS). When the GEMV plan (``kiln compile --gemv-plan``, which
     the model build passes on: :func:`use_gemv_plan`) has this linear's ``role``, ``max_m`` is the
@@ -103,15 +107,32 @@ class Linear(nn.Module):
         super().__init__()
         self.quant = quant
         self.out_dtype = dtype
-        self.weight = _param(out_features, in_features, dtype=FP8 if quant == "fp8" else dtype)
+        self.weight = _param(out_features, in_features, dtype=FP8 if quant in ("fp8", "fp8-block") else dtype)
         if quant == "fp8":
             self.weight_scale = _param(out_features, dtype=torch.float32)
+        elif quant == "fp8-block":
+            self.weight_scale = _param(-(-out_features // 128), -(-in_features // 128), dtype=torch.float32)
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self.role: str | None = None  # "attn" / "mlp": the GEMV plan's role of this linear
         self.max_m = 0  # the plan's largest T on the GEMV for ``role`` (0: not in the plan)
 
+    def unquantized(self) -> None:
+        """Make this a linear in the activation dtype (a weight the checkpoint does not quantize:
+        ``modules_to_not_convert``; ``match_pack_quant``). Parameters keep their device (meta)."""
+        out_features, in_features = self.weight.shape
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=self.out_dtype, device=self.weight.device),
+            requires_grad=False,
+        )
+        if hasattr(self, "weight_scale"):
+            del self.weight_scale
+        self.quant = None
+
     def forward(self, x: Act, residual: torch.Tensor | None = None) -> torch.Tensor:
         # residual [T, out]: returns residual + x W^T, the add in the GEMV's epilogue (or one addmm)
+        if self.quant == "fp8-block":
+            assert isinstance(x, torch.Tensor) and residual is None, "block FP8 takes bf16 activations"
+            return torch.ops.kiln.fp8_block_linear(x, self.weight, self.weight_scale, self.bias)
         if self.quant != "fp8":
             assert isinstance(x, torch.Tensor)
             if self.max_m or residual is not None:
@@ -262,7 +283,7 @@ class MLP(nn.Module):
             gu = self.gate_up(x)  # [T, 2I]
             out = self.down(QuantAct(*torch.ops.kiln.silu_and_mul_quant(gu, None)))
         else:
-            max_m = self.gate_up.max_m
+            max_m = self.gate_up.max_m if self.gate_up.quant is None else 0  # the GEMV: bf16 weights
             if max_m:
                 assert isinstance(x, torch.Tensor)
                 act = torch.ops.kiln.linear_silu_mul(
@@ -291,6 +312,20 @@ class LMHead(nn.Module):
         if self.tp > 1:  # vocab-parallel: every rank's columns, rank 0's first
             logits = torch.ops.kiln.tp_gather_cols(logits)  # [B, tp * V_rank]
         return logits[:, : self.vocab].float()
+
+
+def match_pack_quant(model: nn.Module, pack: Mapping[str, torch.Tensor]) -> list[str]:
+    """Turn every block-FP8 :class:`Linear` of ``model`` whose weight the pack holds unquantized (the
+    checkpoint's ``modules_to_not_convert``, compiler/mappings.py) into a linear of the activation
+    dtype; returns their names. Call before tracing."""
+    changed = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear) and mod.quant == "fp8-block":
+            w = pack.get(f"{name}.weight")
+            if w is not None and w.dtype != FP8:
+                mod.unquantized()
+                changed.append(name)
+    return changed
 
 
 def use_gemv_plan(model: nn.Module, plan: Mapping[str, int]) -> None:

@@ -19,6 +19,10 @@ shapes of docs/internals.md) with its sources and its placement, frozen at const
 * MLA: ``kv_b_proj [H*(nope+v), kv_lora]`` -> ``w_kc[h] = rows of head h's nope part`` and
   ``w_vc[h] = (rows of head h's v part)^T``; the rest of MLA as column/row/replicated linears.
   With FP8, ``w_kc``/``w_vc`` stay in the activation dtype (batched matmuls, not linears).
+* ``quant="fp8-block"`` (128 x 128 block FP8, compiler/config.py ``resolve_quant``): every 2-D GEMM
+  weight but those whose every source module the checkpoint's ``modules_to_not_convert`` names
+  (those stay in the activation dtype, as the checkpoint has them); MoE experts (3-D ``w13``/``w2``)
+  stay in the activation dtype until the grouped GEMM takes block scales.
 
 Next-token-prediction layers (DeepSeek-V3 ``num_nextn_predict_layers``) are packed only with
 ``nextn=True``, as ``layers.{L + j}.*`` plus ``enorm``, ``hnorm``, ``eh_proj`` and
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiln.compiler.config import ConfigError, ModelConfig
+from kiln.compiler.config import ConfigError, ModelConfig, should_convert
 from kiln.compiler.parallel import ParallelConfig, validate_parallel
 from kiln.weights.spec import ParamSpec, Piece, Region, even_split
 
@@ -50,7 +54,16 @@ class _Rank:
         self, name: str, shape: tuple[int, ...], pieces: list[Piece], placement: str, gemm: bool = False
     ) -> None:
         q = self.quant if gemm else None
+        if q == "fp8-block" and (len(shape) != 2 or not self.converted(pieces)):
+            q = None
         self.specs.append(ParamSpec(name, tuple(shape), tuple(pieces), placement, quant=q))  # type: ignore[arg-type]
+
+    def converted(self, pieces: list[Piece]) -> bool:
+        """Whether the checkpoint quantizes the modules of ``pieces`` (block FP8): not when its
+        ``modules_to_not_convert`` names every one (then the pack keeps them unquantized)."""
+        skip = self.cfg.fp8_checkpoint.modules_to_not_convert if self.cfg.fp8_checkpoint is not None else ()
+        modules = [r.name.removesuffix(".weight") for p in pieces for r in p.sources]
+        return not skip or not modules or any(should_convert(m, skip) for m in modules)
 
     def replicated(self, name: str, src: str | list[str], shape: tuple[int, ...], gemm: bool = False) -> None:
         alts = [src] if isinstance(src, str) else src
@@ -247,12 +260,13 @@ def param_specs(
     fuse_shared_experts: bool = False,
     nextn: bool = False,
 ) -> list[ParamSpec]:
-    """Every packed tensor of rank ``rank`` (see the module docstring). ``quant``: None or "fp8"."""
+    """Every packed tensor of rank ``rank`` (see the module docstring). ``quant``: None, "fp8" or
+    "fp8-block" (the compile's, compiler/config.py ``resolve_quant``)."""
     validate_parallel(cfg, par)
     if not 0 <= rank < par.tp:
         raise ConfigError(f"rank {rank} is outside 0..{par.tp - 1} (tp={par.tp}).")
-    if quant not in (None, "fp8"):
-        raise ConfigError(f"--quant must be fp8 or absent, got {quant!r}.")
+    if quant not in (None, "fp8", "fp8-block"):
+        raise ConfigError(f"--quant must be fp8, fp8-block or absent, got {quant!r}.")
     if cfg.moe is not None and par.ep * par.expert_tp != par.tp:
         raise ConfigError(f"ep ({par.ep}) x expert tp ({par.expert_tp}) must equal tp ({par.tp}).")
     if nextn and not cfg.num_nextn_layers:

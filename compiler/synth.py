@@ -63,6 +63,9 @@ def resolve_config(config: dict[str, Any] | str, dtype: str, num_layers: int | N
             raw["mlp_only_layers"] = [i for i in raw["mlp_only_layers"] if i < num_layers]
     raw["torch_dtype"] = dtype
     raw.pop("dtype", None)
+    # the weights written here are in `dtype`: a preset's FP8 quantization_config (DeepSeek-V3's)
+    # would make readers take them for an FP8 checkpoint
+    raw.pop("quantization_config", None)
     normalize_config(raw)  # fail early on configs kiln cannot serve
     return raw
 

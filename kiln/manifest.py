@@ -172,7 +172,7 @@ class Manifest(JsonRecord):
 
     model: dict[str, Any]
     dtype: str  # --dtype: one of DTYPES
-    quant: str | None  # --quant: None or "fp8"
+    quant: str | None  # --quant, resolved: None, "fp8" or "fp8-block" (compiler/config.py resolve_quant)
     tp: int
     device: str  # "cpu" or "cuda"
     gpu_arch: str  # fmt.gpu_arch: "sm_90" style, or "cpu"

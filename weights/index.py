@@ -10,7 +10,7 @@ Layout of a pack directory::
 
     {"format": "kiln-pack", "version": 3, "kiln_version": "...",
      "source": {"fingerprint": sha256 hex, "files": [{"name", "bytes"}]},
-     "tp": N, "ep": N, "dtype": "bfloat16", "quant": null | "fp8", "model": {...},
+     "tp": N, "ep": N, "dtype": "bfloat16", "quant": null | "fp8" | "fp8-block", "model": {...},
      "ranks": [{"rank": 0,
                 "files": [{"name", "bytes", "sha256", "data_start", "header_xxh3"}],
                 "tensors": {name: {"shape", "dtype", "file", "offset", "nbytes", "wsum64",

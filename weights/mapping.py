@@ -7,8 +7,10 @@ applies those declarations to a stream:
 * **FP8 scale names are normalized**: ``*.weight_scale_inv`` (DeepSeek block scales, a dequant
   multiplier despite the name) -> ``*.weight_scale``; ``*.activation_scale`` -> ``*.input_scale``.
   An FP8 checkpoint weight is dequantized to float32 as soon as its scale has also streamed past
-  (per-tensor, per-channel or block scales). Static activation and KV scales are dropped: packs
-  quantize activations dynamically per token.
+  (per-tensor, per-channel or block scales), except, when the pack asks for them (``keep_blocks``),
+  e4m3 weights with 128 x 128 block scales: those come out as :class:`BlockFP8` (the FP8 weight
+  and its float32 scales, unchanged) for ``--quant fp8-block`` packs to copy. Static activation
+  and KV scales are dropped: packs quantize activations dynamically.
 * **Skip rules**: rotary ``inv_freq`` and cos/sin caches; anything matching the model's declared
   skip patterns; decoder layers past those the specs use (next-token-prediction layers, unless the
   specs ask for them); ``lm_head.weight`` when no spec uses it (tied embeddings).
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.errors import KilnError
-from kiln.weights.spec import ParamSpec, Piece, Region
+from kiln.weights.spec import ParamSpec, Piece, Region, block_grid
 from kiln.weights.stream import SourceInfo
 
 GENERIC_SKIPS = (
@@ -75,19 +77,65 @@ def dequantize_fp8_weight(w: torch.Tensor, scale: torch.Tensor, name: str) -> to
     )
 
 
+class BlockFP8:
+    """A checkpoint's e4m3 weight ``[N, K]`` with its 128 x 128 block scales ``[ceil(N/128),
+    ceil(K/128)]`` (converted to float32, which is exact from bf16 or UE8M0), as the checkpoint holds
+    them. ``shape`` and ``dtype`` are the weight's; :meth:`dequantized` the float32 values (computed
+    once), for packed tensors that do not keep the blocks."""
+
+    def __init__(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        self.name, self.weight, self.scale = name, weight, scale.float()
+        self._dequantized: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    def dequantized(self) -> torch.Tensor:
+        if self._dequantized is None:
+            self._dequantized = dequantize_fp8_weight(self.weight, self.scale, self.name)
+        return self._dequantized
+
+
+def is_block_fp8(w: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether ``scale`` is a 128 x 128 block scale of the 2-D e4m3 weight ``w``."""
+    return (
+        w.dtype == torch.float8_e4m3fn
+        and w.dim() == 2
+        and scale.dim() == 2
+        and tuple(scale.shape) == block_grid(tuple(w.shape))
+    )
+
+
 @dataclass
 class NormalizeStats:
     dropped_activation_scales: int = 0
     dequantized: int = 0
+    block_fp8: int = 0  # weights passed on as BlockFP8
 
 
 def normalize_stream(
-    stream: Iterable[tuple[str, torch.Tensor]], stats: NormalizeStats | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Apply scale-name normalization and FP8 dequantization to ``stream`` (see the module docstring)."""
+    stream: Iterable[tuple[str, torch.Tensor]],
+    stats: NormalizeStats | None = None,
+    keep_blocks: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | BlockFP8]]:
+    """Apply scale-name normalization and FP8 dequantization to ``stream`` (see the module
+    docstring); with ``keep_blocks``, 128 x 128 block-scaled e4m3 weights come out as :class:`BlockFP8`."""
     stats = stats if stats is not None else NormalizeStats()
     fp8: dict[str, torch.Tensor] = {}  # weight name -> fp8 weight waiting for its scale
     scales: dict[str, torch.Tensor] = {}  # weight name -> scale waiting for its weight
+
+    def pair(wname: str, w: torch.Tensor, scale: torch.Tensor) -> tuple[str, torch.Tensor | BlockFP8]:
+        if keep_blocks and is_block_fp8(w, scale):
+            stats.block_fp8 += 1
+            return wname, BlockFP8(wname, w, scale)
+        stats.dequantized += 1
+        return wname, dequantize_fp8_weight(w, scale, wname)
+
     for raw, t in stream:
         name = normalize_name(raw)
         if ACTIVATION_SCALE.search(name):
@@ -96,15 +144,13 @@ def normalize_stream(
         if name.endswith(".weight_scale"):
             wname = name[: -len("_scale")]
             if wname in fp8:
-                stats.dequantized += 1
-                yield wname, dequantize_fp8_weight(fp8.pop(wname), t, wname)
+                yield pair(wname, fp8.pop(wname), t)
             else:
                 scales[wname] = t.clone()
             continue
         if t.dtype in FP8_DTYPES:
             if name in scales:
-                stats.dequantized += 1
-                yield name, dequantize_fp8_weight(t, scales.pop(name), name)
+                yield pair(name, t, scales.pop(name))
             else:
                 fp8[name] = t
             continue
@@ -161,7 +207,7 @@ class Plan:
             return "lm_head unused (tied embeddings)"
         return None
 
-    def check_shape(self, name: str, t: torch.Tensor, where: str) -> list[Target]:
+    def check_shape(self, name: str, t: torch.Tensor | BlockFP8, where: str) -> list[Target]:
         """The targets of ``name``, after checking ``t`` has the shape every region expects."""
         targets = self.targets[name]
         want = targets[0].region.shape

@@ -3,9 +3,19 @@
 Every checkpoint tensor is read once (all ranks are served from the same read); each piece a spec
 declares is copied into that rank's staging buffer for the packed tensor (converting the dtype on
 the way); when a packed tensor's last piece arrives it is quantized if asked (FP8 e4m3 per output
-channel, ``kiln.ops.quant``), checksummed (its wsum64, :mod:`weights.checksum`, which every load
-checks) and written at its offset, and freed. Once every tensor is written, each file is read back
-once (from the page cache) for its sha256 and the xxh3 of its header (:mod:`weights.integrity`).
+channel, ``kiln.ops.quant``; or per 128 x 128 block, ``kiln.ops.linear.fp8_block``), checksummed
+(its wsum64, :mod:`weights.checksum`, which every load checks) and written at its offset, and freed.
+Once every tensor is written, each file is read back once (from the page cache) for its sha256 and
+the xxh3 of its header (:mod:`weights.integrity`).
+
+**Block FP8** (``quant="fp8-block"``): a checkpoint weight in e4m3 with 128 x 128 block scales
+(:class:`~weights.mapping.BlockFP8`) is copied as it is, FP8 bytes and scales, into every packed
+tensor whose pieces keep its blocks whole (``ParamSpec.block_exact``: fused qkv and gate_up of
+128-row multiples, tensor-parallel slices on block boundaries); a packed tensor fed otherwise (a
+piece off the block grid, a weight the checkpoint left in bf16 or scaled another way) is assembled
+in float32 and quantized per block when complete. Weights that are not ``fp8-block`` (MLA
+``w_kc``/``w_vc``, MoE experts) get the dequantized values. pack.json's ``model`` counts both
+(``fp8_block_kept``, ``fp8_block_quantized``).
 
 **Reproducible**: the same checkpoint, options and kiln version give byte-identical files and
 pack.json (layout, headers and metadata are functions of the specs; nothing time- or
@@ -45,8 +55,8 @@ from kiln.weights.index import (
     RankIndex,
 )
 from kiln.weights.integrity import hash_file
-from kiln.weights.mapping import MappingError, NormalizeStats, Plan, normalize_stream, precheck
-from kiln.weights.spec import ACT_DTYPES, ParamSpec
+from kiln.weights.mapping import BlockFP8, MappingError, NormalizeStats, Plan, normalize_stream, precheck
+from kiln.weights.spec import ACT_DTYPES, ParamSpec, block_grid, place_block_scale
 from kiln.weights.st_format import dtype_name, read_header
 from kiln.weights.stream import CheckpointStream
 from kiln.weights.writer import RankFiles, TensorWriter
@@ -58,6 +68,9 @@ DEFAULT_MAX_FILE_BYTES = 2 * 1024**3  # files past this are split; smaller files
 class _Pending:
     buf: torch.Tensor
     done: set[int]
+    # block-exact staging (``fp8-block``, the checkpoint's blocks copied): buf is fp8 and this holds
+    # the packed block scales; None: buf holds values (quantized when complete, if asked)
+    scale: torch.Tensor | None = None
 
 
 def _prepare_out(out: Path, force: bool) -> None:
@@ -97,7 +110,8 @@ def pack_checkpoint(
         specs_per_rank: ``specs_per_rank[r]`` lists rank ``r``'s packed tensors
             (``kiln.compiler.mappings.param_specs``).
         dtype: activation dtype of the pack (bfloat16, float16, float32).
-        quant: ``None`` or ``"fp8"``; must agree with the specs.
+        quant: ``None``, ``"fp8"`` or ``"fp8-block"``; must agree with the specs (a quantized
+            pack has quantized specs of that kind only).
         skip: extra regexes of checkpoint names not to pack (the generic skip rules always apply).
         readahead: shards read ahead by worker threads (0: mmap; see :mod:`weights.stream`).
         max_file_bytes: a rank's data is split into several files past this size.
@@ -108,13 +122,17 @@ def pack_checkpoint(
     model_dir, out = Path(model_dir), Path(out_dir)
     if dtype not in ACT_DTYPES:
         raise PackError(f"dtype must be one of {', '.join(ACT_DTYPES)}, got {dtype!r}.")
-    if quant not in (None, "fp8"):
-        raise PackError(f"quant must be None or 'fp8', got {quant!r}.")
+    if quant not in (None, "fp8", "fp8-block"):
+        raise PackError(f"quant must be None, 'fp8' or 'fp8-block', got {quant!r}.")
     if len(specs_per_rank) != tp:
         raise PackError(f"got specs for {len(specs_per_rank)} ranks but tp={tp}.")
     quantized = {s.name for specs in specs_per_rank for s in specs if s.quant}
-    if bool(quantized) != (quant == "fp8"):
-        raise PackError(f"quant={quant!r} but {len(quantized)} spec(s) ask for quantization.")
+    kinds = {s.quant for specs in specs_per_rank for s in specs if s.quant}
+    if bool(quantized) != (quant is not None) or kinds - {quant}:
+        raise PackError(
+            f"quant={quant!r} but {len(quantized)} spec(s) ask for quantization "
+            f"({', '.join(map(str, kinds))})."
+        )
     files = discover_weights(model_dir)
     stream = CheckpointStream(files, readahead)
     plan = Plan(specs_per_rank, tuple(skip))
@@ -134,6 +152,7 @@ def pack_checkpoint(
     finished: set[tuple[int, str]] = set()
     unknown: list[str] = []
     nstats = NormalizeStats()
+    bstats = _BlockStats()
     skipped = 0
     bar = tqdm(
         total=stream.total_bytes or None,
@@ -145,7 +164,7 @@ def pack_checkpoint(
     )
     try:
         read = 0
-        for name, t in normalize_stream(stream, nstats):
+        for name, t in normalize_stream(stream, nstats, keep_blocks=quant == "fp8-block"):
             if name not in plan.targets:
                 if plan.skip_reason(name) is None:
                     unknown.append(name)
@@ -160,23 +179,28 @@ def pack_checkpoint(
                         )
                     slots = ranks[tg.rank].slots
                     spec = tg.spec
-                    if len(spec.pieces) == 1 and _direct(spec, tg, t, dtype):
-                        writer.submit(spec.name, tg.region.take(t), slots[spec.name])
+                    exact = bstats.exact(spec)
+                    src = t if exact or not isinstance(t, BlockFP8) else bstats.dequantized(t, nstats)
+                    if len(spec.pieces) == 1 and _direct(spec, tg, src, dtype, exact):
+                        if isinstance(src, BlockFP8):
+                            writer.submit(spec.name, src.weight, slots[spec.name])
+                            writer.submit(spec.scale_name, src.scale, slots[spec.scale_name])
+                            bstats.kept += 1
+                        else:
+                            writer.submit(spec.name, tg.region.take(src), slots[spec.name])
                         finished.add(key)
                         continue
                     p = pending.get(key)
                     if p is None:
-                        sdt = torch.float32 if spec.dtype == "float32" else getattr(torch, dtype)
-                        alloc = torch.zeros if spec.padded else torch.empty
-                        p = pending[key] = _Pending(alloc(spec.shape, dtype=sdt), set())
+                        p = pending[key] = _staging(spec, dtype, exact and isinstance(src, BlockFP8))
                     if tg.piece_idx in p.done:
                         raise MappingError(f"{name} would be loaded twice into rank {tg.rank} {spec.name}.")
-                    tg.piece.place(tg.region, t, p.buf)
+                    _place(tg, src, p, bstats, nstats)
                     p.done.add(tg.piece_idx)
                     if len(p.done) == len(spec.pieces):
                         del pending[key]
                         finished.add(key)
-                        _finish(spec, p.buf, slots, writer)
+                        _finish(spec, p, slots, writer, bstats)
             del t
             bar.update(stream.stats.bytes - read)
             read = stream.stats.bytes
@@ -199,6 +223,11 @@ def pack_checkpoint(
         "skipped_tensors": skipped,
         "dropped_activation_scales": nstats.dropped_activation_scales,
         "dequantized_fp8": nstats.dequantized,
+        **(
+            {"fp8_block_kept": bstats.kept, "fp8_block_quantized": bstats.quantized}
+            if quant == "fp8-block"
+            else {}
+        ),
     }
     index.save(out)
     index.provenance = PackProvenance(
@@ -211,25 +240,94 @@ def pack_checkpoint(
     return index
 
 
-def _direct(spec: ParamSpec, tg: Any, t: torch.Tensor, dtype: str) -> bool:
-    """Whether ``t``'s region is the packed tensor as is (no staging copy needed)."""
+class _BlockStats:
+    """Block-FP8 bookkeeping of one pack: which specs keep the checkpoint's blocks (cached per spec),
+    the checkpoint weights dequantized for other specs (once each), and the counts for pack.json."""
+
+    def __init__(self) -> None:
+        self._exact: dict[str, bool] = {}
+        self._dequantized: set[str] = set()
+        self.kept = 0  # fp8-block tensors written with the checkpoint's blocks and scales
+        self.quantized = 0  # fp8-block tensors quantized here (values from elsewhere)
+
+    def exact(self, spec: ParamSpec) -> bool:
+        if spec.name not in self._exact:
+            self._exact[spec.name] = spec.block_exact
+        return self._exact[spec.name]
+
+    def dequantized(self, t: BlockFP8, nstats: NormalizeStats) -> torch.Tensor:
+        if t.name not in self._dequantized:
+            self._dequantized.add(t.name)
+            nstats.dequantized += 1
+        return t.dequantized()
+
+
+def _staging(spec: ParamSpec, dtype: str, blocks: bool) -> _Pending:
+    """The staging buffer of a packed tensor: the checkpoint's FP8 blocks and their scales (``blocks``;
+    blocks no piece covers are zero with scale 1), else values, float32 for what is quantized per
+    block when complete (one rounding), the storage dtype otherwise."""
+    alloc = torch.zeros if spec.padded else torch.empty
+    if blocks:
+        scale = torch.ones(block_grid(spec.shape), dtype=torch.float32)
+        return _Pending(alloc(spec.shape, dtype=torch.float8_e4m3fn), set(), scale)
+    sdt = torch.float32 if spec.dtype == "float32" or spec.quant == "fp8-block" else getattr(torch, dtype)
+    return _Pending(alloc(spec.shape, dtype=sdt), set())
+
+
+def _place(
+    tg: Any, src: torch.Tensor | BlockFP8, p: _Pending, bstats: _BlockStats, nstats: NormalizeStats
+) -> None:
+    """One piece into its staging buffer. A piece that is not block FP8 arriving at a buffer of
+    blocks turns the buffer into values (the blocks so far dequantized, exactly); a block-FP8 piece
+    for a buffer of values is dequantized."""
+    if p.scale is not None and not isinstance(src, BlockFP8):
+        from kiln.ops.linear.fp8_block import dequantize_fp8_block
+
+        p.buf, p.scale = dequantize_fp8_block(p.buf, p.scale), None
+    if isinstance(src, BlockFP8):
+        if p.scale is None:
+            src = bstats.dequantized(src, nstats)
+        else:
+            tg.piece.place(tg.region, src.weight, p.buf)
+            place_block_scale(tg.piece, tg.region, src.scale, p.scale)
+            return
+    tg.piece.place(tg.region, src, p.buf)
+
+
+def _direct(spec: ParamSpec, tg: Any, t: torch.Tensor | BlockFP8, dtype: str, exact: bool) -> bool:
+    """Whether ``t``'s region is the packed tensor as is (no staging copy needed): a whole
+    contiguous tensor of the storage dtype, or a whole block-FP8 weight for a block-exact spec."""
     piece = tg.piece
-    if spec.quant or spec.padded or piece.transpose or piece.dst_index:
+    if spec.padded or piece.transpose or piece.dst_index:
         return False
-    if t.dtype != spec.storage_dtype(dtype):
+    if isinstance(t, BlockFP8):
+        whole = tg.region.out_shape == tg.region.shape == spec.shape
+        return exact and whole and t.weight.is_contiguous()
+    if spec.quant or t.dtype != spec.storage_dtype(dtype):
         return False
     return tg.region.take(t).is_contiguous()
 
 
-def _finish(spec: ParamSpec, buf: torch.Tensor, slots: dict[str, Any], writer: TensorWriter) -> None:
+def _finish(
+    spec: ParamSpec, p: _Pending, slots: dict[str, Any], writer: TensorWriter, bstats: _BlockStats
+) -> None:
     if spec.quant == "fp8":
         from kiln.ops.common.quant import quantize_fp8_per_channel
 
-        w, s = quantize_fp8_per_channel(buf)  # w: [..., N, K] fp8, s: [..., N] f32
-        writer.submit(spec.name, w, slots[spec.name])
-        writer.submit(spec.scale_name, s, slots[spec.scale_name])
+        w, s = quantize_fp8_per_channel(p.buf)  # w: [..., N, K] fp8, s: [..., N] f32
+    elif spec.quant == "fp8-block" and p.scale is not None:
+        w, s = p.buf, p.scale  # the checkpoint's blocks, as they were
+        bstats.kept += 1
+    elif spec.quant == "fp8-block":
+        from kiln.ops.linear.fp8_block import quantize_fp8_block
+
+        w, s = quantize_fp8_block(p.buf)  # w: [N, K] fp8, s: [ceil(N/128), ceil(K/128)] f32
+        bstats.quantized += 1
     else:
-        writer.submit(spec.name, buf, slots[spec.name])
+        writer.submit(spec.name, p.buf, slots[spec.name])
+        return
+    writer.submit(spec.name, w, slots[spec.name])
+    writer.submit(spec.scale_name, s, slots[spec.scale_name])
 
 
 def _check_complete(

@@ -99,6 +99,9 @@ class ParamSpec:
     ``dtype``: ``"act"`` stores it in the pack's activation dtype (bf16/f16/f32), ``"float32"``
     always in float32. ``quant="fp8"``: stored as float8_e4m3fn quantized per output channel (dim -2)
     with a float32 scale tensor ``scale_name`` of shape ``shape[:-1]`` beside it.
+    ``quant="fp8-block"`` (2-D ``[N, K]`` only): float8_e4m3fn with a float32 scale per 128 x 128
+    block, ``scale_name`` of shape ``[ceil(N/128), ceil(K/128)]``; when every piece keeps the blocks
+    whole (:attr:`block_exact`) a block-FP8 checkpoint's bytes and scales are copied as they are.
     """
 
     name: str
@@ -106,7 +109,7 @@ class ParamSpec:
     pieces: tuple[Piece, ...]
     placement: str  # e.g. "column", "row", "vocab", "qkv-heads", "experts", "replicated"
     dtype: Literal["act", "float32"] = "act"
-    quant: Literal["fp8"] | None = None
+    quant: Literal["fp8", "fp8-block"] | None = None
 
     def __post_init__(self) -> None:
         covered = 0
@@ -133,6 +136,8 @@ class ParamSpec:
             raise ValueError(f"{self.name}: pieces cover {covered} elements of a {self.shape} tensor")
         if self.quant is not None and len(self.shape) < 2:
             raise ValueError(f"{self.name}: only matrices can be quantized, shape is {self.shape}")
+        if self.quant == "fp8-block" and len(self.shape) != 2:
+            raise ValueError(f"{self.name}: block FP8 is for [N, K] weights, shape is {self.shape}")
 
     @property
     def numel(self) -> int:
@@ -147,21 +152,71 @@ class ParamSpec:
     def scale_name(self) -> str:
         return scale_name(self.name)
 
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """The shape of the scale tensor of a quantized spec (per channel or per block)."""
+        if self.quant == "fp8-block":
+            return block_grid(self.shape)
+        return self.shape[:-1]
+
+    @property
+    def block_exact(self) -> bool:
+        """``fp8-block`` and every piece moves whole 128 x 128 blocks (:func:`keeps_blocks`): the
+        checkpoint's FP8 blocks and their scales can be copied as they are."""
+        return self.quant == "fp8-block" and all(
+            keeps_blocks(p, r, self.shape) for p in self.pieces for r in p.sources
+        )
+
     def storage_dtype(self, act: str) -> torch.dtype:
-        if self.quant == "fp8":
+        if self.quant in ("fp8", "fp8-block"):
             return torch.float8_e4m3fn
         return torch.float32 if self.dtype == "float32" else DTYPE_NAMES[act]
 
     def packed(self, act: str) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """The pack entries this spec produces: itself, and its scale when quantized."""
         out = [(self.name, self.shape, self.storage_dtype(act))]
-        if self.quant == "fp8":
-            out.append((self.scale_name, self.shape[:-1], torch.float32))
+        if self.quant is not None:
+            out.append((self.scale_name, self.scale_shape, torch.float32))
         return out
 
     @property
     def source_names(self) -> list[str]:
         return [r.name for p in self.pieces for r in p.sources]
+
+
+FP8_BLOCK = 128  # the weight block of quant "fp8-block" (ops/linear/fp8_block.py BLOCK)
+
+
+def block_grid(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The block-scale shape of a weight of ``shape`` ``[..., N, K]``: ``[..., ceil(N/128), ceil(K/128)]``."""
+    return (*shape[:-2], *(-(-d // FP8_BLOCK) for d in shape[-2:]))
+
+
+def keeps_blocks(piece: Piece, region: Region, dst_shape: tuple[int, ...]) -> bool:
+    """Whether copying ``region`` of a 2-D checkpoint weight to ``piece``'s place in a 2-D tensor of
+    ``dst_shape`` moves whole 128 x 128 blocks: in both dims the source and destination offsets are
+    multiples of 128 and the extent is too, or ends both tensors (the ragged last block)."""
+    if piece.transpose or region.index or piece.dst_index or len(region.shape) != 2 or len(dst_shape) != 2:
+        return False
+    ext = region.out_shape
+    for d in (0, 1):
+        s0 = region.start if region.dim == d else 0
+        d0 = piece.dst_start if piece.dst_dim == d else 0
+        if s0 % FP8_BLOCK or d0 % FP8_BLOCK:
+            return False
+        if ext[d] % FP8_BLOCK and not (s0 + ext[d] == region.shape[d] and d0 + ext[d] == dst_shape[d]):
+            return False
+    return True
+
+
+def place_block_scale(piece: Piece, region: Region, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """The scales of the blocks :meth:`Piece.place` copies (``keeps_blocks`` holds): rows/columns of
+    the checkpoint's block scales ``scale`` ``[ceil(N/128), ceil(K/128)]`` into the packed tensor's
+    ``out``."""
+    ext = region.out_shape
+    start, n = region.start // FP8_BLOCK, -(-ext[region.dim] // FP8_BLOCK)
+    src = scale.narrow(region.dim, start, n)
+    out.narrow(piece.dst_dim, piece.dst_start // FP8_BLOCK, src.shape[piece.dst_dim]).copy_(src)
 
 
 def scale_name(name: str) -> str:

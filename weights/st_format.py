@@ -35,6 +35,7 @@ ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # UE8M0 block scales (quantization_config scale_fmt "ue8m0")
 }
 TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
 # Names used in pack.json and in `expected` dicts: torch's own spelling without the prefix.
