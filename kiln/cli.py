@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from kiln import __version__
+from kiln import __version__, gc_paused
 from kiln.errors import KilnError
 
 # name -> ("module:attribute", one-line help). Only commands that exist are listed.
@@ -61,7 +61,8 @@ class LazyGroup(click.Group):
             return None
         target, _ = COMMANDS[name]
         module, attr = target.split(":")
-        return getattr(importlib.import_module(module), attr)
+        with gc_paused():  # (kiln.gc_paused: imports allocate long-lived objects)
+            return getattr(importlib.import_module(module), attr)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]

@@ -369,11 +369,32 @@ print("KILN_STARTUP " + json.dumps({"import_s": t_import - t0, "ready_s": t_read
 """
 
 
-def _startup_once(artifact: str, verify: bool) -> dict[str, Any]:
-    """One fresh process: start to ready and to first token, and the load's phases."""
+def import_breakdown(importtime: str) -> dict[str, float]:
+    """The imports of a ``python -X importtime`` run (its stderr) by package, in seconds: each
+    module's own time (without the modules it imported) summed under its top-level package, or
+    for kiln under the second level (``kiln.ops``, ``kiln.runtime``, ...), largest first. The
+    figures add up to the whole import time."""
+    out: dict[str, float] = {}
+    for line in importtime.splitlines():
+        if not line.startswith("import time:"):
+            continue
+        fields = line[len("import time:") :].split("|")
+        if len(fields) != 3 or not fields[0].strip().isdigit():
+            continue  # the header
+        parts = fields[2].strip().split(".")
+        key = ".".join(parts[:2]) if parts[0] == "kiln" and len(parts) > 1 else parts[0]
+        out[key] = out.get(key, 0.0) + int(fields[0]) * 1e-6
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _startup_once(artifact: str, verify: bool, imports: bool = False) -> dict[str, Any]:
+    """One fresh process: start to ready and to first token, and the load's phases; ``imports``:
+    the child runs under ``-X importtime`` (which adds its own cost) and the result gains
+    ``imports``, :func:`import_breakdown` of its imports."""
     t0 = time.time()
+    flags = ["-X", "importtime"] if imports else []
     p = subprocess.run(
-        [sys.executable, "-c", STARTUP_CHILD, artifact, repr(t0), "1" if verify else "0"],
+        [sys.executable, *flags, "-c", STARTUP_CHILD, artifact, repr(t0), "1" if verify else "0"],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -381,13 +402,17 @@ def _startup_once(artifact: str, verify: bool) -> dict[str, Any]:
     line = [x for x in p.stdout.splitlines() if x.startswith("KILN_STARTUP ")]
     if p.returncode or not line:
         raise RuntimeError(f"start-up child failed: {p.stderr[-2000:]}")
-    return {"verify": verify, **json.loads(line[0].split(" ", 1)[1])}
+    r = {"verify": verify, **json.loads(line[0].split(" ", 1)[1])}
+    if imports:
+        r["imports"] = import_breakdown(p.stderr)
+    return r
 
 
-def startup(artifact: str, runs: int = 2, verify: bool = True) -> dict[str, Any]:
+def startup(artifact: str, runs: int = 2, verify: bool = True, imports: bool = False) -> dict[str, Any]:
     """Fresh processes: process start to ready and to first token (the first run warms the page
-    cache; the best of the later ones is reported). ``verify``: the load checks every file."""
-    results = [_startup_once(artifact, verify) for _ in range(runs)]
+    cache; the best of the later ones is reported). ``verify``: the load checks every file.
+    ``imports``: each child also reports its imports by package (:func:`_startup_once`)."""
+    results = [_startup_once(artifact, verify, imports) for _ in range(runs)]
     best = min(results[1:] or results, key=lambda r: r["first_token_s"])
     return {"runs": results, **best}
 

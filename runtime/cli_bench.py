@@ -261,9 +261,22 @@ def throughput_cmd(
     is_flag=True,
     help="Measure start-up with the check on and off, alternating, and report the cost.",
 )
+@click.option(
+    "--imports",
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="Also list the N packages whose imports cost most in the child, the load's own imports "
+    "included (the children run under python -X importtime, which adds its own cost).",
+)
 @click.option("--json", "json_path", default=None)
-def startup_cmd(artifact: str, runs: int, verify: bool, compare_verify: bool, json_path: str | None) -> None:
-    """Process start to ready and to first token, by phase, in fresh processes."""
+def startup_cmd(
+    artifact: str, runs: int, verify: bool, compare_verify: bool, imports: int, json_path: str | None
+) -> None:
+    """Process start to ready and to first token, by phase, in fresh processes. The phases run
+    one after another on the main thread after the imports; weights_load is the weight stream,
+    on its own threads beside them from the graphs phase on ("weights (overlapped)": the wait
+    for it once the main thread is done)."""
     from kiln.runtime.benchmark import environment, startup, startup_verify_cost
 
     def line(r: dict) -> str:
@@ -279,9 +292,14 @@ def startup_cmd(artifact: str, runs: int, verify: bool, compare_verify: bool, js
         )
         _write({"env": environment(), "artifact": artifact, "startup_verify_cost": c}, json_path)
         return
-    r = startup(artifact, runs, verify)
+    r = startup(artifact, runs, verify, imports > 0)
     click.echo(line(r))
-    click.echo("phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in r["phases"].items()))
+    beside = {"weights_load"}  # on other threads, beside the phases
+    click.echo("phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in r["phases"].items() if k not in beside))
+    click.echo("beside them: " + ", ".join(f"{k} {v:.2f}s" for k, v in r["phases"].items() if k in beside))
+    if imports:
+        top = list(r["imports"].items())[:imports]
+        click.echo("imports by package (-X importtime): " + ", ".join(f"{k} {v:.2f}s" for k, v in top))
     _write({"env": environment(), "artifact": artifact, "startup": r}, json_path)
 
 

@@ -7,7 +7,7 @@ import time
 
 import click
 
-from kiln import settings
+from kiln import gc_paused, settings
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -112,9 +112,10 @@ def generate_cmd(
 ) -> None:
     """Load ARTIFACT (or a checkpoint directory: compiled once into the cache) and stream a
     completion of PROMPT to the terminal."""
-    from kiln.runtime.engine import EngineOptions
-    from kiln.runtime.llm import LLM
-    from kiln.runtime.tensor_parallel import follow_launched
+    with gc_paused():  # torch, the kernels and the runtime (kiln.gc_paused)
+        from kiln.runtime.engine import EngineOptions
+        from kiln.runtime.llm import LLM
+        from kiln.runtime.tensor_parallel import follow_launched
 
     options = options_from(kw)
     if follow_launched(artifact, EngineOptions(**options)):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from kiln import gc_paused
 from kiln.runtime.cli_generate import engine_options, options_from
 
 
@@ -75,12 +76,13 @@ def serve_cmd(
 ) -> None:
     """Serve ARTIFACT over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics."""
-    import torch
+    with gc_paused():  # torch, the kernels, the runtime and the server's modules (kiln.gc_paused)
+        import torch
 
-    from kiln.runtime.engine import Engine, EngineOptions
-    from kiln.runtime.server import ServerOptions
-    from kiln.runtime.server_run import serve
-    from kiln.runtime.tensor_parallel import follow_launched
+        from kiln.runtime.engine import Engine, EngineOptions
+        from kiln.runtime.server import ServerOptions
+        from kiln.runtime.server_run import serve
+        from kiln.runtime.tensor_parallel import follow_launched
 
     opts = EngineOptions(**options_from(kw))
     if follow_launched(artifact, opts):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from kiln import settings
+from kiln import gc_paused, settings
 from kiln.errors import KilnError
 from kiln.manifest import Manifest
 from kiln.runtime.detokenizer import prepare as prepare_detokenizer
@@ -109,14 +109,24 @@ def _kv_bytes(opts: EngineOptions, device: torch.device, kv_bytes_per_token: int
 
 class Engine:
     def __init__(self, artifact: str, options: EngineOptions | None = None):
-        opts = options or EngineOptions()
-        self.opts = opts
         t0 = time.perf_counter()
+        opts = options or EngineOptions()
+        artifact, dev = self._resolve(artifact, opts)
+        # Loading allocates many objects that live as long as the engine: no cyclic collection
+        # walks them (and the whole heap of torch) meanwhile (kiln.gc_paused). Not around a
+        # compile (_resolve): tracing makes garbage cycles.
+        with gc_paused():
+            self._start(artifact, opts, dev, t0)
+
+    def _resolve(self, artifact: str, opts: EngineOptions) -> tuple[str, str]:
+        """Apply the run-time settings; the artifact to load (a checkpoint's from the compile
+        cache, compiled there the first time) and the device kind."""
+        self.opts = opts
         # the run-time settings, process-wide, before anything reads them (load, capture, ops);
         # a bad value in the environment fails here in one line
         self.settings = settings.apply("run", opts.setting_values())
         for line in settings.environment_warnings("run"):
-            warnings.warn(f"kiln: {line}", stacklevel=2)
+            warnings.warn(f"kiln: {line}", stacklevel=3)
         dev = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
         # A checkpoint (a directory or a Hub id): its artifact from the compile cache, built there
         # the first time.
@@ -129,6 +139,9 @@ class Engine:
             cache = self.settings["cache_dir"]
             args = shlex.split(opts.compile_args or "")
             artifact = str(resolve_artifact(artifact, args, dev, cache, opts.revision))
+        return artifact, dev
+
+    def _start(self, artifact: str, opts: EngineOptions, dev: str, t0: float) -> None:
         # A tensor-parallel artifact: ranks 1..N-1 start as follower processes before the load
         # (runtime/tensor_parallel.py).
         self.ranks: RankGroup | None = None

@@ -28,11 +28,12 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kiln.errors import KilnError
+
+if TYPE_CHECKING:  # torch only where masks are built: SamplingParams (and the CLI) import this module
+    import torch
 
 
 class GrammarError(KilnError, ValueError):
@@ -207,6 +208,8 @@ class Matcher:
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """A host mask ``[rows, ceil(vocab_size / 32)]`` int32, every token allowed."""
+    import torch
+
     return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
 
 
@@ -216,6 +219,8 @@ def mask_logits(
     """Steps 1-3 of the protocol for one step: ``matchers`` holds ``(row of logits, matcher, the
     request's tokens so far)`` for its constrained rows; ``logits [B, V']`` (``V' >= V``, padding
     columns left alone) is masked in place. ``stager``: runtime/staging.py's (the host->device copy)."""
+    import torch
+
     from kiln.ops.sampling.bitmask import apply_token_bitmask_
 
     v = matchers[0][1].vocab_size

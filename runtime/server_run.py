@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from kiln import gc_paused
 from kiln.runtime.server import OpenAIServer, ServerOptions, create_app
 
 SHUTDOWN_GRACE_S = 5.0  # after shutdown_timeout: time for the error replies to go out
@@ -48,9 +49,11 @@ def serve(
 ) -> None:
     """Run the server until SIGTERM or SIGINT (blocking), then drain (:func:`uvicorn_server`) and
     return."""
-    server = uvicorn_server(
-        create_app(engine, opts), host=host, port=port, log_level=log_level, access_log=access_log
-    )
+    with gc_paused():  # the app's routes and models, uvicorn's modules (kiln.gc_paused)
+        server = uvicorn_server(
+            create_app(engine, opts), host=host, port=port, log_level=log_level, access_log=access_log
+        )
+        server.config.load()  # (what server.run() does first: its protocol modules, the app's wrappers)
     # uvicorn (>= 0.29) installs its own handlers while it runs, and after shutting down re-raises
     # the signal it caught under the handlers it found: Python's defaults would then kill the
     # process by SIGTERM (status 143) or raise KeyboardInterrupt. With ours in place the re-raise

@@ -25,7 +25,8 @@
 #                        tokens, TP_OUTLEN=64:256 out; TP_HF=N: HF on the first N at batch 64
 #   TP_VARIANTS=default: "NAME:WORDS;...", a throughput run each (as VARIANTS), e.g.
 #                        "default:;mixed:--mixed-steps"; TP_HF goes with the first
-#   STARTUP=0            >0: `kiln bench startup --runs N` (process start to first token, by phase)
+#   STARTUP=0            >0: `kiln bench startup --runs N` (process start to first token, by phase);
+#                        STARTUP_ARGS: more of its flags, e.g. "--imports 15" (the costliest imports)
 #   PROFILE=             batch sizes, e.g. 1,64: bench/gpu/profile_decode.py (GPU time per kernel)
 #   TIMELINE=            a batch size, e.g. 1: bench/gpu/replay_timeline.py (a replay's critical path)
 #   ACCURACY=0           >0: `kiln bench accuracy` of the artifact over that many sequences of ACC_SEQLEN=512
@@ -42,7 +43,7 @@ set -o pipefail
 source bench/gpu/lib.sh
 PRESET=${PRESET:-llama-3.1-8b}; LAYERS=${LAYERS:-}; DTYPE=${DTYPE:-bfloat16}
 BATCHES=${BATCHES:-1,8,64}; INLEN=${INLEN:-512}; OUTLEN=${OUTLEN:-64}; KV=${KV:-40}
-VARIANTS=${VARIANTS:-default:}; ROUNDS=${ROUNDS:-1}; NPROMPTS=${NPROMPTS:-0}; STARTUP=${STARTUP:-0}
+VARIANTS=${VARIANTS:-default:}; ROUNDS=${ROUNDS:-1}; NPROMPTS=${NPROMPTS:-0}; STARTUP=${STARTUP:-0}; STARTUP_ARGS=${STARTUP_ARGS:-}
 TP_INLEN=${TP_INLEN:-256:1024}; TP_OUTLEN=${TP_OUTLEN:-64:256}
 NAME=$(shape_name "$PRESET" "$LAYERS" "$DTYPE" "$QUANT")
 CK=$CKPT_WORK/ckpt-$(shape_name "$PRESET" "$LAYERS" "$DTYPE" ""); ART=$WORK/art-$NAME
@@ -96,7 +97,8 @@ if [ "$NPROMPTS" -gt 0 ]; then
   done
 fi
 if [ "$STARTUP" -gt 0 ]; then
-  step startup.log 200 python -m kiln bench startup "$ART" --runs "$STARTUP" --json "$RAW/startup.json"
+  # shellcheck disable=SC2086  # flags, split on purpose
+  step startup.log 200 python -m kiln bench startup "$ART" --runs "$STARTUP" $STARTUP_ARGS --json "$RAW/startup.json"
   show startup.log "ready|first token|phases" 4; stamp startup
 fi
 if [ -n "$PROFILE" ]; then
@@ -120,4 +122,4 @@ if [ "$ACCURACY" -gt 0 ]; then
   show accuracy.log "." 12; stamp accuracy
 fi
 call_end e2e.sh PRESET LAYERS CKPT_WORK DTYPE QUANT COMPILE_ARGS REUSE BATCHES INLEN OUTLEN KV LAT_ARGS HF VARIANTS ROUNDS \
-  NPROMPTS TP_INLEN TP_OUTLEN TP_VARIANTS TP_HF STARTUP PROFILE TIMELINE ACCURACY ACC_SEQLEN ACC_REF_ARGS GPU_TESTS BUDGET
+  NPROMPTS TP_INLEN TP_OUTLEN TP_VARIANTS TP_HF STARTUP STARTUP_ARGS PROFILE TIMELINE ACCURACY ACC_SEQLEN ACC_REF_ARGS GPU_TESTS BUDGET
