@@ -213,4 +213,6 @@ def test_gpu_deepseek_shapes(compiled_gpu, seed, heads, t):
     args = (kv_a, q, positions, cos_sin, norm_w, 1e-6)
     got = torch.ops.kiln.mla_rope_kvwrite(*args, pools[0][1], out_slots, False)
     want = mla_rope_kvwrite_ref(*args, pools[1][1], out_slots, False)
-    assert rel_err(got, want) < 1e-2 and rel_err(pools[0], pools[1]) < 1e-2, f"seed {seed}"
+    # slot 0, the sink, holds one of the padding rows: the last in the reference's order, any on
+    # the GPU, where programs race (the H200 run: pools 3-18% apart with the sink, from it alone)
+    assert rel_err(got, want) < 1e-2 and rel_err(pools[0][:, 1:], pools[1][:, 1:]) < 1e-2, f"seed {seed}"
