@@ -228,6 +228,20 @@ _ALL: tuple[Setting, ...] = (
        "two-shot (to 32 MiB) all-reduce of bf16 where torch has it, NCCL above; nccl = NCCL always "
        "(docs/parallelism.md has both measured).", env="KILN_TP_ALL_REDUCE", flag=True,
        choices=("auto", "nccl"), when="engine start"),
+    _s("speculative", "run", "choice", "off",
+       "Speculative decoding: ngram = each decode step verifies up to --num-draft-tokens tokens drafted "
+       "from the request's own prompt and output (prompt lookup; eager extend graph, no overlap); lossless. "
+       "Requests with penalties or structured outputs decode without it.", env="KILN_SPECULATIVE",
+       flag=True, choices=("off", "ngram"), when="engine start"),
+    _s("num_draft_tokens", "run", "int", "4",
+       "Draft tokens per request and verify step (speculative decoding; at least 1).",
+       env="KILN_NUM_DRAFT_TOKENS", flag=True, when="engine start"),
+    _s("ngram_max", "run", "int", "4",
+       "Longest suffix of a request's tokens looked up earlier in them for n-gram drafts.",
+       env="KILN_NGRAM_MAX", flag=True, when="engine start"),
+    _s("ngram_min", "run", "int", "1",
+       "Shortest suffix looked up for n-gram drafts (at least 1).", env="KILN_NGRAM_MIN", flag=True,
+       when="engine start"),
     # ---- test
     _s("triton_on_cpu", "test", "bool", "0",
        "With TRITON_INTERPRET=1: CPU tensors run the ops' Triton kernels in the interpreter instead of "

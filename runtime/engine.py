@@ -29,8 +29,9 @@ from kiln.runtime.request import Req, RequestOutput, Status
 from kiln.runtime.sampler import Sampler, resolve_seed
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler, SchedulerConfig
+from kiln.runtime.speculative import AcceptanceStats, NgramConfig, NgramDrafter
 from kiln.runtime.staging import HostStager
-from kiln.runtime.stepper import PLACEHOLDER, Launched, StepParts, Stepper
+from kiln.runtime.stepper import PLACEHOLDER, Launched, SpecParts, StepParts, Stepper
 from kiln.runtime.tokenizer import RequestText, load_tokenizer
 
 if TYPE_CHECKING:
@@ -90,6 +91,10 @@ class EngineOptions:
     tp_timeout: int | None = None  # seconds a tensor-parallel collective waits for the other ranks
     tp_all_reduce: str | None = None  # "auto" (symmetric memory where it is faster) or "nccl"
     cache_dir: str | None = None  # where artifacts compiled from a checkpoint are kept
+    speculative: str | None = None  # "off" or "ngram" (docs/speculative.md)
+    num_draft_tokens: int | None = None  # drafts per request and verify step
+    ngram_max: int | None = None  # longest suffix the n-gram drafter looks up
+    ngram_min: int | None = None  # shortest suffix the n-gram drafter looks up
 
     def setting_values(self) -> dict[str, Any]:
         """``{run-time setting name: this option's value or None}`` (for :func:`kiln.settings.apply`)."""
@@ -146,6 +151,11 @@ class Engine:
         # (runtime/tensor_parallel.py).
         self.ranks: RankGroup | None = None
         tp = Manifest.load(Path(artifact)).tp
+        if tp > 1 and self.settings["speculative"] != "off":
+            raise KilnError(
+                f"speculative decoding does not run tensor-parallel yet (this artifact has tp {tp}); "
+                "use --speculative off"
+            )
         if tp > 1:
             from kiln.runtime import tensor_parallel as tpl
 
@@ -246,6 +256,18 @@ class Engine:
             "steps": 0,
             "masked_rows": 0,
         }
+        # Speculative decoding (docs/speculative.md): n-gram drafts verified in decode steps.
+        self.spec_stats = AcceptanceStats()
+        self.drafter: NgramDrafter | None = None
+        if self.settings["speculative"] == "ngram":
+            self.drafter = NgramDrafter(
+                NgramConfig(
+                    num_draft_tokens=self.settings["num_draft_tokens"],
+                    ngram_max=self.settings["ngram_max"],
+                    ngram_min=self.settings["ngram_min"],
+                )
+            )
+        spec = SpecParts(self.drafter, self.spec_stats) if self.drafter is not None else None
         parts = StepParts(
             self.scheduler,
             self.runner,
@@ -255,6 +277,7 @@ class Engine:
             self.eos_ids,
             self.stats,
             self._outputs,
+            spec=spec,
         )
         self.stepper = Stepper(parts, overlap=opts.overlap)
         self.host_breakdown = self.stepper.host_breakdown  # seconds per part of a step (Stepper)
@@ -346,6 +369,8 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         req = self.requests.pop(rid, None)
+        if self.drafter is not None:
+            self.drafter.forget(rid)
         if req is not None and not req.finished:
             self.scheduler.abort(req)
             req.finish_reason = "abort"
@@ -374,6 +399,8 @@ class Engine:
         """The stepper's ``outputs`` callback: apply a finished step's tokens (on the host now) to
         its requests (stop conditions, text) and build their outputs."""
         h = launched.host
+        if "num_emitted" in h:
+            return self._verify_outputs(launched)
         next_ids = h["ids"].tolist()
         lp = h["logprobs"].tolist() if "logprobs" in h else None
         top_ids = h["top_ids"].tolist() if "top_ids" in h else None
@@ -411,6 +438,8 @@ class Engine:
                 req.finish_time = now
                 self.scheduler.finish(req)
                 self.requests.pop(req.rid, None)
+                if self.drafter is not None:
+                    self.drafter.forget(req.rid)
             # RequestOutput's fields in order (positional: a third of the keyword call's cost):
             # rid, new_text, new_token_ids, token_ids, text, finished, finish_reason,
             # num_output_tokens, num_prompt_tokens, num_cached_tokens, new_logprobs, ttft, latency.
@@ -428,6 +457,75 @@ class Engine:
                     req.prefix_hit,
                     new_lp,
                     first - req.arrival,
+                    now - req.arrival if done else None,
+                )
+            )
+        self.stats["generated_tokens"] += generated
+        return outputs
+
+    def _verify_outputs(self, launched: Launched) -> list[RequestOutput]:
+        """:meth:`_outputs` of a verify step (runtime/stepper.py ``_verify_step``): request ``j``
+        emitted ``num_emitted[j]`` tokens (``ids[j]``); they are applied one by one, stop conditions
+        checked after each (those after a stop are discarded), and its KV length advances by the
+        tokens kept: the K/V of the newest token and the accepted drafts were written at
+        ``kv_len ..``, so ``kv_len == seq_len - 1`` again (rejected drafts' K/V lie past it, never
+        read, rewritten later; the radix cache sees ``tokens(0, kv_len)`` only)."""
+        h = launched.host
+        rows = h["ids"].tolist()
+        nums = h["num_emitted"].tolist()
+        lp = h["logprobs"].tolist() if "logprobs" in h else None
+        top_ids = h["top_ids"].tolist() if "top_ids" in h else None
+        top_lp = h["top_logprobs"].tolist() if "top_logprobs" in h else None
+        now = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        generated = 0
+        for j, req in enumerate(launched.reqs):
+            p = req.params
+            new_ids: list[int] = []
+            new_lp: list[dict[str, Any]] = []
+            new_text = ""
+            for i in range(nums[j]):
+                tok = rows[j][i]
+                req.output_ids.append(tok)
+                new_ids.append(tok)
+                if lp is not None and p.logprobs is not None:
+                    n = p.logprobs
+                    entry = {
+                        "token_id": tok,
+                        "logprob": lp[j][i],
+                        "top": list(zip(top_ids[j][i][:n], top_lp[j][i][:n])) if top_ids and top_lp else [],
+                    }
+                    req.logprobs.append(entry)
+                    new_lp.append(entry)
+                new_text += self._check_stop(req, p, tok, len(req.output_ids))
+                if req.finish_reason is not None:
+                    break
+            req.kv_len += len(new_ids)  # the newest token's and the kept drafts' K/V
+            generated += len(new_ids)
+            reason = req.finish_reason
+            done = reason is not None
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if done:
+                req.finish_time = now
+                self.scheduler.finish(req)
+                self.requests.pop(req.rid, None)
+                if self.drafter is not None:
+                    self.drafter.forget(req.rid)
+            outputs.append(
+                RequestOutput(
+                    req.rid,
+                    new_text,
+                    new_ids,
+                    req.output_ids if done else [],
+                    req.text,
+                    done,
+                    reason,
+                    len(req.output_ids),
+                    len(req.prompt_ids),
+                    req.prefix_hit,
+                    new_lp,
+                    req.first_token_time - req.arrival,
                     now - req.arrival if done else None,
                 )
             )
@@ -477,8 +575,12 @@ class Engine:
         """The step figures since the engine started or :meth:`reset_step_stats`, as plain numbers:
         ``{"prefill" | "decode" | "mixed" | "all": {steps, requests, prefill_tokens, decode_tokens,
         wall_s, host_s, calls, batch_hist, mean_batch, tokens_per_step, step_ms, host_ms_per_step},
-        "discarded_tokens": n}`` (runtime/step_stats.py says what each figure means)."""
-        return self.step_stats.as_dict()
+        "discarded_tokens": n}`` (runtime/step_stats.py says what each figure means), with
+        speculative decoding on also ``"speculative"``: ``AcceptanceStats.as_dict()``."""
+        m = self.step_stats.as_dict()
+        if self.drafter is not None:
+            m["speculative"] = self.spec_stats.as_dict()
+        return m
 
     def reset_step_stats(self) -> None:
         """Zero the step figures (for benchmarks that measure one run)."""
@@ -493,6 +595,12 @@ class Engine:
             "kv_cached_tokens": self.radix.total_size,
             "preemptions": self.scheduler.num_preemptions,
             **self.stats,
+            # speculative decoding's sums (zero with it off): requests verified, drafts proposed
+            # and accepted, tokens emitted by verify steps
+            "spec_verified": self.spec_stats.verified,
+            "spec_proposed": self.spec_stats.proposed,
+            "spec_accepted": self.spec_stats.accepted,
+            "spec_emitted": self.spec_stats.emitted,
         }
 
     def __repr__(self) -> str:

@@ -262,6 +262,27 @@ class ModelRunner:
             indptr.append(indptr[-1] + e)
         return run_extend_graph(self.m, self.pool, self.bt, ids, pos, slots, rows, lens, indptr)
 
+    def verify(self, step: StepInputs) -> torch.Tensor:
+        """logits [T, V] f32 at every new token of an extend step (a speculative verify step:
+        each request's newest token and its drafts); the extend graph, run eagerly."""
+        assert step.extend_lens is not None
+        self.last_ids = None
+        indptr = [0]
+        for e in step.extend_lens:
+            indptr.append(indptr[-1] + e)
+        return run_extend_graph(
+            self.m,
+            self.pool,
+            self.bt,
+            step.input_ids,
+            step.positions,
+            step.out_slots,
+            step.req_rows,
+            step.seq_lens,
+            indptr,
+            every_token=True,
+        )
+
     def argmax_ids(self, n: int) -> torch.Tensor:
         """The decode input row's first ``n`` ids: where the last decode graph's argmax is
         (KILN_GRAPH_GREEDY); as ``subst`` ``(None, argmax_ids(n))`` they are used in place."""

@@ -386,6 +386,49 @@ class Scheduler:
             extend_lens=list(batch.extend_lens),
         )
 
+    def reserve_drafts(self, reqs: list[Req], drafts: list[list[int]]) -> list[list[int]]:
+        """Pages for a verify step (docs/speculative.md section 3): request ``i`` of a scheduled
+        decode step (pages for ``kv_len + 1`` tokens held) writes ``1 + len(drafts[i])`` tokens
+        from ``kv_len``. Allocates what the drafts need (evicting cache leaves, never retracting);
+        a request whose pages cannot grow keeps only the drafts its pages hold. Returns the drafts
+        that have slots."""
+        out = []
+        for req, d in zip(reqs, drafts):
+            if d:
+                need = self._pages_needed(req, req.kv_len + 1 + len(d))
+                pages = self._alloc(need) if need else []
+                if pages is None:
+                    room = len(self.bt.pages(req.row)) * self.page_size - req.kv_len - 1
+                    d = d[: max(room, 0)]
+                else:
+                    self.bt.append(req.row, pages)
+            out.append(d)
+        return out
+
+    def verify_inputs(self, reqs: list[Req], drafts: list[list[int]]) -> StepInputs:
+        """An extend step in which request ``i`` brings its newest token (position ``kv_len``, whose
+        K/V no step wrote yet) and ``drafts[i]`` after it (pages from :meth:`reserve_drafts`)."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        lens = []
+        for req, d in zip(reqs, drafts):
+            n = 1 + len(d)
+            ids.append(req.output_ids[-1] if req.output_ids else req.prompt_ids[-1])
+            ids += d
+            pos += range(req.kv_len, req.kv_len + n)
+            slots += self.bt.slots(req.row, req.kv_len, req.kv_len + n)
+            lens.append(n)
+        return StepInputs(
+            mode="extend",
+            input_ids=ids,
+            positions=pos,
+            out_slots=slots,
+            req_rows=[r.row for r in reqs],
+            seq_lens=[r.kv_len + n for r, n in zip(reqs, lens)],
+            extend_lens=lens,
+        )
+
     def after_step(self, batch: ScheduledBatch) -> None:
         """Advance KV lengths; extended requests put their new whole pages in the cache."""
         if batch.mode == "decode":

@@ -393,6 +393,14 @@ class _EngineCollector:
             "kiln_engine_prompt_tokens": ("Prompt tokens the engine admitted.", "prompt_tokens"),
             "kiln_preemptions": ("Running sequences preempted for KV memory.", "preemptions"),
             "kiln_engine_steps": ("Engine steps.", "steps"),
+            # speculative decoding (the `speculative` setting; zeros when off)
+            "kiln_spec_verify_requests": ("Request rows in speculative verify steps.", "spec_verified"),
+            "kiln_spec_draft_tokens": ("Draft tokens proposed to verify steps.", "spec_proposed"),
+            "kiln_spec_accepted_tokens": ("Draft tokens the target accepted.", "spec_accepted"),
+            "kiln_spec_emitted_tokens": (
+                "Tokens verify steps emitted (accepted + the target's own).",
+                "spec_emitted",
+            ),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(s[key]))

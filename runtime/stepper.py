@@ -11,6 +11,13 @@ Overlap is used only between pure decode steps with enough free KV pages (no adm
 retraction); anything else finishes the step in flight first. A request that finishes in the step
 being finished was already included in the next launched step: that extra token is discarded.
 
+Speculative decoding (``StepParts.spec``; docs/speculative.md): a scheduled decode step whose
+requests can all speculate and have n-gram drafts runs as a *verify* step instead
+(:meth:`Stepper._verify_step`): each request's newest token and its drafts through the extend graph
+(eagerly, logits at every new token), :func:`~kiln.runtime.speculative.verify` picks 1..k+1 tokens
+per request, and the step is finished at once (no overlap while speculation is on). Its pages come
+from ``Scheduler.reserve_drafts``; the engine applies the tokens (``Launched.host["num_emitted"]``).
+
 The stepper sees its engine only through :class:`StepParts` (the scheduler, the model runner, the
 sampler, the host stager, the EOS ids, the shared counters and the ``outputs`` callback that turns a
 finished step's tokens into the step's ``RequestOutput`` list); the engine builds it.
@@ -34,6 +41,14 @@ from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Req, RequestOutput
 from kiln.runtime.sampler import SampleOutput, Sampler, SamplingBatch
 from kiln.runtime.scheduler import ScheduledBatch, Scheduler
+from kiln.runtime.speculative import (
+    AcceptanceStats,
+    DraftBatch,
+    NgramDrafter,
+    SpecSampling,
+    speculation_blocker,
+    verify,
+)
 from kiln.runtime.staging import HostStager
 from kiln.runtime.step_stats import StepStats
 
@@ -59,6 +74,15 @@ class Launched:
 
 
 @dataclass(frozen=True)
+class SpecParts:
+    """Speculative decoding's parts (docs/speculative.md): the n-gram drafter (one history per
+    request id; the engine forgets a request when it ends) and the acceptance sums."""
+
+    drafter: NgramDrafter
+    stats: AcceptanceStats
+
+
+@dataclass(frozen=True)
 class StepParts:
     """What a :class:`Stepper` uses of its engine, handed over once when the engine is built.
 
@@ -75,6 +99,7 @@ class StepParts:
     eos_token_ids: frozenset[int]
     stats: dict[str, int]
     outputs: Callable[[Launched], list[RequestOutput]]
+    spec: SpecParts | None = None  # speculative decoding on: decode steps become verify steps
 
 
 class Stepper:
@@ -89,7 +114,8 @@ class Stepper:
         self.eos_token_ids = tuple(sorted(parts.eos_token_ids))  # as SamplingBatch.build takes them
         self.stats = parts.stats
         self.outputs = parts.outputs
-        self.overlap = overlap
+        self.spec = parts.spec
+        self.overlap = overlap and parts.spec is None  # verify steps finish before the next launch
         self.inflight: Launched | None = None
         self.overlapped = 0  # decode steps launched while the previous one was in flight
         self.last_step_mode = ""
@@ -275,6 +301,10 @@ class Stepper:
         batch = self.scheduler.schedule()
         if batch is None:
             return [], -1
+        if self.spec is not None and batch.mode == "decode":
+            verified = self._verify_step(batch, t0)
+            if verified is not None:
+                return verified, self.launched_kind
         launched = self.launch(batch, sched_s=time.perf_counter() - t0)
         if launched is None:
             return [], self.launched_kind
@@ -283,3 +313,67 @@ class Stepper:
             self.last_step_host_s = launched.host_s
             return [], launched.kind
         return self.finish(launched, launched.host_s), launched.kind
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _verify_step(self, batch: ScheduledBatch, t0: float) -> list[RequestOutput] | None:
+        """A scheduled decode step run as a verify step (docs/speculative.md sections 2-3): each
+        request's newest token and its n-gram drafts through the extend graph with logits at every
+        new token, :func:`verify` picks the emitted tokens, ``outputs`` applies them. Finished
+        before returning (no overlap). None, with nothing changed, when the step should decode
+        plainly: a request cannot speculate (:func:`speculation_blocker`) or no request has drafts.
+        ``t0``: when this ``step()`` call started scheduling."""
+        assert self.spec is not None
+        reqs = batch.reqs
+        if any(speculation_blocker(r.params) is not None for r in reqs):
+            return None
+        sched = self.scheduler
+        # at most the tokens a request may still reach, less one for the bonus token
+        limits = [sched.max_len(r) - r.seq_len - 1 for r in reqs]
+        drafts = self.spec.drafter.propose_batch([r.rid for r in reqs], [r.fill_ids for r in reqs], limits)
+        if not any(drafts):
+            return None
+        drafts = sched.reserve_drafts(reqs, drafts)  # pages for kv_len + 1 + drafts
+        t1 = time.perf_counter()
+        n_tok = len(reqs) + sum(len(d) for d in drafts)
+        self.stats["steps"] += 1
+        self.last_step_mode = "decode"
+        kind = self.launched_kind = self.step_stats.count(len(reqs), 0, n_tok)
+        step = sched.verify_inputs(reqs, drafts)
+        logits = self.runner.verify(step)  # [T, V]: every new token's
+        t2 = time.perf_counter()
+        # [B, K + 1, V]: request b's rows, its last one repeated past its drafts (verify ignores them)
+        P = 1 + max(len(d) for d in drafts)
+        idx: list[int] = []
+        off = 0
+        for d in drafts:
+            idx += [off + min(j, len(d)) for j in range(P)]
+            off += len(d) + 1
+        rows3 = logits[self.stager.to_device(idx, torch.int64)].view(len(reqs), P, -1)
+        db = DraftBatch.from_lists(drafts, self.device, max_len=P - 1)
+        spec = SpecSampling.build(
+            [r.params for r in reqs],
+            step.req_rows,
+            [r.seed for r in reqs],
+            [len(r.output_ids) for r in reqs],
+            P,
+            self.device,
+            eos_token_ids=self.eos_token_ids,
+        )
+        out = verify(rows3, db, spec, self.sampler)
+        launched = Launched(batch, reqs, [], out.token_ids, kind=kind)
+        launched.host["ids"] = out.token_ids.cpu()  # [B, K + 1], -1 past num_emitted
+        launched.host["num_emitted"] = out.num_emitted.cpu()
+        if out.logprobs is not None:
+            for k in ("logprobs", "top_ids", "top_logprobs"):
+                launched.host[k] = getattr(out, k).cpu()
+        t3 = time.perf_counter()
+        self.spec.stats.record([len(d) for d in drafts], launched.host["num_emitted"].tolist())
+        outs = self.outputs(launched)
+        t4 = time.perf_counter()
+        hb = self.host_breakdown
+        hb["schedule"] += t1 - t0
+        hb["launch"] += t2 - t1
+        hb["sample"] += t3 - t2
+        hb["outputs"] += t4 - t3
+        self.last_step_host_s = t4 - t0
+        return outs

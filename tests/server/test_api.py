@@ -252,6 +252,8 @@ def test_metrics(server):
         "kiln_kv_cache_usage_ratio",
         "kiln_prefix_cache_hit_rate",
         "kiln_http_requests",
+        "kiln_spec_draft_tokens",  # speculative decoding's counters (zero: the setting is off here)
+        "kiln_spec_accepted_tokens",
     ):
         assert name in families or name + "_total" in families, name
     values = {
@@ -260,6 +262,7 @@ def test_metrics(server):
     assert values["kiln_time_to_first_token_seconds_count"] >= 1
     assert values["kiln_inter_token_latency_seconds_count"] >= 3
     assert values["kiln_generation_tokens_total"] >= 4
+    assert values["kiln_spec_draft_tokens_total"] == 0 == values["kiln_spec_accepted_tokens_total"]
     assert values["kiln_num_requests_running"] == 0
     assert 0.0 <= values["kiln_prefix_cache_hit_rate"] <= 1.0
     assert values['kiln_http_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
