@@ -3,7 +3,9 @@ only when it runs, so ``kiln --help`` stays fast and the runtime never pulls in 
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import os
 import sys
 
 import click
@@ -79,7 +81,35 @@ def cli() -> None:
     """
 
 
+_EXIT_CODE = [0]  # main's exit status, for _leave_if_launched
+
+
 def main() -> None:
+    # registered first, so it runs after every other exit handler (they run last-in first-out),
+    # the engine's close (its stop message to the follower ranks) included
+    atexit.register(_leave_if_launched)
+    try:
+        _run()
+    except SystemExit as e:
+        _EXIT_CODE[0] = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        raise
+    except BaseException:
+        _EXIT_CODE[0] = 1
+        raise
+
+
+def _leave_if_launched() -> None:
+    """A launcher's rank (torchrun) that used torch.distributed, its exit handlers done: leave
+    without the interpreter's teardown, in which gloo's threads can abort the process after a
+    clean run ("terminate called without an active exception", exit -6)."""
+    launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+    if launched and "torch.distributed" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_CODE[0])
+
+
+def _run() -> None:
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:
