@@ -48,9 +48,11 @@ def big_shards(tmp_path_factory):
 
 
 def _consume(stream: CheckpointStream) -> None:
-    for _, t in stream:
+    for i, (_, t) in enumerate(stream):
         float(t[::4096].sum())  # touch the data like a consumer would
-        time.sleep(0.01)  # slower than the readers, so read-ahead fills its window
+        # slower than the readers, so read-ahead fills its window; a long first pause lets it fill
+        # even on a loaded 2-core machine (the full suite once saw only one shard held, at 10 ms)
+        time.sleep(0.5 if i == 0 else 0.01)
         del t
 
 
