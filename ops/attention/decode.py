@@ -85,6 +85,17 @@ def choose_num_splits(batch: int, max_seq_len: int, num_kv_heads: int, num_sms: 
     return max(1, min(want, by_len, MAX_SPLITS))
 
 
+def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernels' partial outputs ``[B, H, num_splits, W]`` and base-2 log-sum-exps ``[B, H,
+    num_splits]`` (float32) for an output ``out [B, H, W]``; with one split none are written (the
+    kernel writes ``out`` directly) and ``out`` stands in for both."""
+    if num_splits == 1:
+        return out, out
+    b, h, w = out.shape
+    mid_o = torch.empty(b, h, num_splits, w, dtype=torch.float32, device=out.device)
+    return mid_o, torch.empty(b, h, num_splits, dtype=torch.float32, device=out.device)
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     block_n: int = 32  # keys per iteration
@@ -416,11 +427,7 @@ def decode_attention_triton(
     if bsz == 0:
         return out
     direct = num_splits == 1
-    if direct:
-        mid_o = mid_lse = out  # unused
-    else:
-        mid_o = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
+    mid_o, mid_lse = split_partials(out, num_splits)
     block_table = block_table.to(torch.int32)
     block_dv = max(16, next_pow2(dv))
     pdl = pdl_args(q)

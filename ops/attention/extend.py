@@ -150,6 +150,30 @@ def _extend_step(
 
 
 @triton.jit
+def find_tile(indptr_ptr, num_reqs, t, TOK: tl.constexpr, SCAN: tl.constexpr):
+    """The request of query tile ``t``, tiles numbered request by request (``cdiv(n_b, TOK)`` for
+    request ``b``'s ``n_b`` new tokens, from ``qo_indptr``): ``(count, before)``, ``count`` the
+    requests whose tiles all come before ``t`` (so ``t``'s request, or ``num_reqs`` past the last
+    tile) and ``before`` their tiles. ``qo_indptr`` is scanned ``SCAN`` requests at a time; a request's
+    end counts the tiles of every request before it, done or not (a request still open at the end of
+    one round must count in the next: the 70-request test)."""
+    count = t * 0
+    before = t * 0
+    scanned = t * 0  # tiles of every request scanned so far
+    for b0 in range(0, num_reqs, SCAN):
+        idx = b0 + tl.arange(0, SCAN)
+        valid = idx < num_reqs
+        lo_b = tl.load(indptr_ptr + idx, mask=valid, other=0)
+        hi_b = tl.load(indptr_ptr + idx + 1, mask=valid, other=0)
+        tiles = (hi_b - lo_b + TOK - 1) // TOK  # [SCAN], 0 where not valid
+        done = valid & (scanned + tl.cumsum(tiles, 0) <= t)
+        count += tl.sum(done.to(tl.int32), 0)
+        before += tl.sum(tl.where(done, tiles, 0), 0)
+        scanned += tl.sum(tiles, 0)
+    return count, before
+
+
+@triton.jit
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, rows_ptr, lens_ptr, indptr_ptr, ks_ptr, vs_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_ot,
@@ -166,21 +190,7 @@ def _extend_kernel(
     h0 = tl.program_id(1) * PACK
     kvh = h0 // GROUP
 
-    # Find request b with tile t: tiles are numbered request by request, cdiv(n_b, TOK) each.
-    count = tl.program_id(0) * 0  # requests whose tiles all come before t
-    before = tl.program_id(0) * 0  # tiles of those requests
-    scanned = tl.program_id(0) * 0  # tiles of every request scanned so far (done or not)
-    for b0 in range(0, num_reqs, SCAN):
-        idx = b0 + tl.arange(0, SCAN)
-        valid = idx < num_reqs
-        lo_b = tl.load(indptr_ptr + idx, mask=valid, other=0)
-        hi_b = tl.load(indptr_ptr + idx + 1, mask=valid, other=0)
-        tiles = (hi_b - lo_b + TOK - 1) // TOK  # [SCAN]
-        ends = scanned + tl.cumsum(tiles, 0)  # (from `before`, a request left open earlier would not count)
-        done = valid & (ends <= t)
-        count += tl.sum(done.to(tl.int32), 0)
-        before += tl.sum(tl.where(done, tiles, 0), 0)
-        scanned += tl.sum(tiles, 0)
+    count, before = find_tile(indptr_ptr, num_reqs, t, TOK, SCAN)
 
     r = tl.arange(0, BLOCK_M)
     tok = r // PACK  # token of each row within the tile

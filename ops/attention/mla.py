@@ -70,7 +70,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.attention.decode import _decode_merge_kernel, _split_plan, choose_num_splits, tl_dot
+from kiln.ops.attention.decode import (
+    _decode_merge_kernel,
+    _split_plan,
+    choose_num_splits,
+    split_partials,
+    tl_dot,
+)
+from kiln.ops.attention.extend import find_tile
 from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
 from kiln.ops.common.op import kiln_op
 
@@ -399,23 +406,7 @@ def _mla_extend_kernel(
 ):  # fmt: skip
     TOK = BLOCK_M // PACK  # tokens per tile (constexpr)
     t = tl.num_programs(0) - 1 - tl.program_id(0)  # tile index: late (long) tiles start first
-    # request b of tile t (tiles numbered request by request, cdiv(n_b, TOK) each): count = b, or
-    # num_reqs past the last tile; before = the tiles of requests < count. A request is done when
-    # its last tile is before t; its end counts the tiles of every request before it, done or not
-    # (scanned = all tiles of the earlier chunks of SCAN requests).
-    count = t * 0
-    before = t * 0
-    scanned = t * 0
-    for b0 in range(0, num_reqs, SCAN):
-        idx = b0 + tl.arange(0, SCAN)
-        valid = idx < num_reqs
-        lo_b = tl.load(indptr_ptr + idx, mask=valid, other=0)
-        hi_b = tl.load(indptr_ptr + idx + 1, mask=valid, other=0)
-        tiles = (hi_b - lo_b + TOK - 1) // TOK  # 0 where not valid
-        done = valid & (scanned + tl.cumsum(tiles, 0) <= t)
-        count += tl.sum(done.to(tl.int32), 0)
-        before += tl.sum(tl.where(done, tiles, 0), 0)
-        scanned += tl.sum(tiles, 0)
+    count, before = find_tile(indptr_ptr, num_reqs, t, TOK, SCAN)  # t's request (extend.py)
 
     i = tl.arange(0, BLOCK_M)
     tok = i // PACK  # row i: token tok of the tile, head h0 + i % PACK
@@ -526,11 +517,7 @@ def mla_decode_triton(
     if bsz == 0:
         return out
     direct = num_splits == 1
-    if direct:
-        mid_o = mid_lse = out  # unused
-    else:
-        mid_o = torch.empty(bsz, heads, num_splits, r, dtype=torch.float32, device=q_latent.device)
-        mid_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q_latent.device)
+    mid_o, mid_lse = split_partials(out, num_splits)
     block_table = block_table.to(torch.int32)
     block_r = max(16, next_pow2(r))
     pdl = pdl_args(q_latent)
