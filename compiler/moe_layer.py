@@ -52,7 +52,10 @@ class FusedMoE(nn.Module):
     them (Hugging Face's Qwen3-MoE does; Mixtral keeps them float32). ``tuning``: a recorded
     block-size table for ``kiln.fused_moe`` ("" = the op's default table). ``tp``, ``ep``: the
     tensor- and expert-parallel sizes (module docstring); with ``tp > 1`` the block ends in one
-    all-reduce.
+    all-reduce. ``float_router``: the router linear in float32, then ``kiln::moe_topk`` (DeepSeek's
+    routers: transformers' ``F.linear(x.float(), weight.float())``), instead of the router GEMV in
+    the activation dtype; the config's ``group_score`` ``max`` (DeepSeek-V2's groups) needs it (the
+    router GEMV's ``moe_route`` scores groups by their two best experts only).
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class FusedMoE(nn.Module):
         round_weights: bool = False,
         tuning: str = "",
         ep: int = 1,
+        float_router: bool = False,
     ):
         super().__init__()
         m = cfg.moe
@@ -78,6 +82,12 @@ class FusedMoE(nn.Module):
         self.top_k, self.renormalize, self.scoring = m.top_k, m.norm_topk_prob, m.scoring_func
         self.num_groups, self.topk_groups = m.num_groups, m.topk_groups
         self.scale = m.routed_scaling_factor
+        self.group_score = m.group_score
+        self.float_router = float_router
+        if m.group_score != "top2_sum" and not float_router:
+            raise ValueError(
+                f"{cfg.architecture}: group_score={m.group_score!r} needs FusedMoE(float_router=True)"
+            )
         self.tuning = tuning
         low = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "")  # f32: no-op
         self.round_to = low if round_weights else ""  # moe_topk's argument
@@ -113,8 +123,11 @@ class FusedMoE(nn.Module):
             self.round_to,  # HF's cast of the weights to the activation dtype, fused
         )
         fused_res = None if self.shared is not None else residual  # added by fused_moe
+        if self.float_router:
+            assert logits is None, "a float32 router computes its logits itself"
+            logits = torch.nn.functional.linear(x.float(), self.router.weight.float())  # [T, E] f32
         if logits is not None:
-            w, ids = torch.ops.kiln.moe_topk(logits, bias, *routing)
+            w, ids = torch.ops.kiln.moe_topk(logits, bias, *routing, self.group_score)
         else:  # T up to the plan's router max: the router GEMV, then the top-k kernel
             w, ids = torch.ops.kiln.moe_route(x, self.router.weight, bias, *routing, self.router.max_m)
         # w, ids: [T, k] f32, [T, k] int32

@@ -2,7 +2,7 @@
 
 Every layer's attention is :class:`~kiln.compiler.mla_layer.MLAAttention`. The first
 ``first_k_dense_replace`` layers (V2-Lite 1, V3 3) keep the dense MLP (``intermediate_size``); the
-others are :class:`DeepseekMoE`: the routed experts (``moe_intermediate_size`` each) plus the
+others are a :class:`~kiln.compiler.moe_layer.FusedMoE` with a float32 router: the routed experts (``moe_intermediate_size`` each) plus the
 shared experts (``n_shared_experts`` of them as one MLP, ``moe.shared.*``) added to the routed sum.
 Routing, as transformers' ``DeepseekV2TopkRouter`` / ``DeepseekV3TopkRouter`` compute it (the
 normalized ``topk_method`` of compiler/config.py), on float32 router logits:
@@ -26,50 +26,11 @@ from __future__ import annotations
 
 import torch
 
-from kiln.compiler.config import ConfigError, ModelConfig
+from kiln.compiler.config import ConfigError
 from kiln.compiler.mla_layer import MLAAttention
 from kiln.compiler.models.base import DecoderLayer, dense_mlp
 from kiln.compiler.models.moe import MoEForCausalLM
 from kiln.compiler.moe_layer import FusedMoE, MoEDecoderLayer
-
-
-class DeepseekMoE(FusedMoE):
-    """:class:`FusedMoE` routed as DeepSeek routes (module docstring): the router linear in float32
-    (transformers: ``F.linear(x.float(), weight.float())``, for softmax scoring too), then
-    ``kiln::moe_topk`` with the config's group score."""
-
-    def __init__(
-        self, cfg: ModelConfig, dtype: torch.dtype, tp: int = 1, quant: str | None = None, ep: int = 1
-    ):
-        super().__init__(cfg, dtype, tp, quant, ep=ep)
-        assert cfg.moe is not None
-        self.group_score = cfg.moe.group_score
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        logits: torch.Tensor | None = None,
-        residual: torch.Tensor | None = None,
-        expert_map: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        # x: [T, H] (activation dtype); residual [T, H]: added to the block's output; expert_map
-        # [E] int32: the rank's local-expert map (expert parallelism), else None
-        assert logits is None, "DeepSeek routes on float32 logits it computes itself"
-        logits = torch.nn.functional.linear(x.float(), self.router.weight.float())  # [T, E] f32
-        bias = self.router.bias.float() if self.router.bias is not None else None
-        w, ids = torch.ops.kiln.moe_topk(
-            logits, bias, self.top_k, self.renormalize, self.scoring, self.num_groups, self.topk_groups,
-            self.scale, "", self.group_score,
-        )  # fmt: skip
-        # w, ids: [T, k] f32, [T, k] int32
-        y = torch.ops.kiln.fused_moe(
-            x, self.w13, self.w2, w, ids, expert_map, self.w13_scale, self.w2_scale, self.tuning, None
-        )  # [T, H]
-        if self.shared is not None:
-            y = y + self.shared(x)
-        if self.tp_reduce:  # routed and shared experts' partial sums, one all-reduce
-            y = torch.ops.kiln.tp_all_reduce(y)
-        return y if residual is None else residual + y
 
 
 class DeepseekForCausalLM(MoEForCausalLM):
@@ -86,4 +47,6 @@ class DeepseekForCausalLM(MoEForCausalLM):
         attn = MLAAttention(cfg, i, dtype, tp, quant)
         if not cfg.is_moe_layer(i):  # the first first_k_dense_replace layers
             return DecoderLayer(cfg, attn, dense_mlp(cfg, dtype, tp, quant), dtype, quant)
-        return MoEDecoderLayer(cfg, attn, DeepseekMoE(cfg, dtype, tp, quant, ep=self.ep), dtype, quant)
+        return MoEDecoderLayer(
+            cfg, attn, FusedMoE(cfg, dtype, tp, quant, ep=self.ep, float_router=True), dtype, quant
+        )
