@@ -125,6 +125,17 @@ def prewait(part: str) -> bool:
 
 
 @triton.jit
+def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """The ``(m, n)`` output tile of program ``pid`` in a GEMM of ``num_m x num_n`` tiles, ordered
+    in groups of ``GROUP_M`` tile rows (down a group's rows first, then across), so that programs
+    running together share their A rows and B columns in L2."""
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
 def pdl_trigger(PDL: tl.constexpr):
     """Let the next kernel (if PDL-launched) be scheduled now; it still waits for this one."""
     if PDL:

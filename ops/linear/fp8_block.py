@@ -55,7 +55,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.ops.common.launch import capability, interpreting, pdl_args, pdl_trigger, pdl_wait, sm_count
+from kiln.ops.common.launch import (
+    capability,
+    grouped_tile,
+    interpreting,
+    pdl_args,
+    pdl_trigger,
+    pdl_wait,
+    sm_count,
+)
 from kiln.ops.common.op import kiln_op
 from kiln.ops.common.quant import (
     FP8_DTYPE,
@@ -261,11 +269,7 @@ def _fp8_block_kernel(
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_x = (offs_m % M).to(tl.int64)  # rows past M re-read valid ones (results not stored)

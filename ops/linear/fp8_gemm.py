@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kiln.ops.common.launch import ArrivalCounters, interpreting, sm_count
+from kiln.ops.common.launch import ArrivalCounters, grouped_tile, interpreting, sm_count
 from kiln.ops.common.quant import FP8_DTYPE, tl_round
 
 DEFAULT_SMS = 132  # H100/H200; used where no device can be asked (the interpreter)
@@ -275,11 +275,7 @@ def _fp8_gemm_kernel(
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # BLOCK_K steps per slice

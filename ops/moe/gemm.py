@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.activation.silu_and_mul import NARROW_ROWS
-from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
+from kiln.ops.common.launch import grouped_tile, interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
 from kiln.ops.common.quant import FP8_DTYPE, tl_add_row, tl_round
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
@@ -288,11 +288,7 @@ def _moe_gemm_kernel(
     pdl_wait(PDL)  # the expert of a row block comes from the alignment: no weight is known before
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = grouped_tile(pid, num_m_blocks, num_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(NUM_PADDED):
         return
     e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
