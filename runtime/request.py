@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -65,6 +66,11 @@ class Req:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def token_view(self) -> TokenView:
+        """``fill_ids`` read in place, not built (for readers that look only at what is new)."""
+        return TokenView(self)
+
+    @property
     def prefilling(self) -> bool:
         """True while tokens other than the newest one lack K/V (an extend step is needed).
 
@@ -95,3 +101,31 @@ class RequestOutput:
     new_logprobs: list[dict[str, Any]]
     ttft: float | None = None
     latency: float | None = None
+
+
+class TokenView(Sequence[int]):
+    """A request's ``fill_ids`` without the copy: its length, an item, a slice (``Req.tokens``).
+    The n-gram drafter syncs its history from it each step, reading only the new tokens."""
+
+    __slots__ = ("req",)
+
+    def __init__(self, req: Req) -> None:
+        self.req = req
+
+    def __len__(self) -> int:
+        return self.req.seq_len
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                raise ValueError("TokenView: slices with a step are not supported")
+            return self.req.tokens(start, max(start, stop))
+        j = i + len(self) if i < 0 else i
+        if not 0 <= j < len(self):
+            raise IndexError(i)
+        return self.req.tokens(j, j + 1)[0]

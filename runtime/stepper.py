@@ -329,7 +329,7 @@ class Stepper:
         sched = self.scheduler
         # at most the tokens a request may still reach, less one for the bonus token
         limits = [sched.max_len(r) - r.seq_len - 1 for r in reqs]
-        drafts = self.spec.drafter.propose_batch([r.rid for r in reqs], [r.fill_ids for r in reqs], limits)
+        drafts = self.spec.drafter.propose_batch([r.rid for r in reqs], [r.token_view for r in reqs], limits)
         if not any(drafts):
             return None
         drafts = sched.reserve_drafts(reqs, drafts)  # pages for kv_len + 1 + drafts

@@ -463,3 +463,22 @@ def test_verify_runs_on_cuda_without_host_syncs():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert ((out.num_emitted >= 1) & (out.num_emitted <= lens + 1)).all()
+
+
+def test_token_view_reads_a_request_in_place():
+    """What the engine hands the drafter each step: the request's tokens without building
+    ``fill_ids`` (runtime/request.py ``TokenView``), equal to it by length, item and slice."""
+    from kiln.runtime.request import Req
+
+    req = Req("r", [5, 6, 7], SP(max_tokens=8))
+    req.output_ids += [8, 9]
+    view, full = req.token_view, req.fill_ids
+    assert len(view) == len(full) == 5
+    assert [view[i] for i in range(-5, 5)] == [full[i] for i in range(-5, 5)]
+    for a, b in ((0, 5), (1, 4), (2, 3), (3, 5), (4, 2), (0, 99)):
+        assert view[a:b] == full[a:b]
+    assert view[2:] == full[2:] and list(view) == full
+    with pytest.raises(IndexError):
+        view[5]
+    drafter = NgramDrafter(NgramConfig(num_draft_tokens=3, ngram_max=2, ngram_min=1))
+    assert drafter.propose("r", view).tolist() == propose_ngram(np.array(full), 3, 2, 1).tolist()
