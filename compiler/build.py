@@ -38,7 +38,7 @@ from kiln.compiler.config import ConfigError, ModelConfig, load_config, resolve_
 from kiln.compiler.context import graph_inputs
 from kiln.compiler.cutlass_build import check_request, cutlass_backend, drop_unused, fp8_library
 from kiln.compiler.graph_code import emit_graph_code
-from kiln.compiler.layers import match_pack_quant
+from kiln.compiler.layers import match_pack_quant, use_gemv_plan
 from kiln.compiler.models.base import DecoderOnlyLM
 from kiln.compiler.moe_layer import FusedMoE
 from kiln.compiler.moe_tune import MoEShape, moe_tuning
@@ -58,15 +58,23 @@ from kiln.manifest import (
     Manifest,
     MoEChoice,
     RopeSpec,
+    VerifySpec,
     Versions,
     file_table,
 )
 from kiln.ops.common.collective import without_tp_group
 from kiln.ops.common.quant import FP8_DTYPE
+from kiln.ops.linear.gemv import DOT_M as GEMV_MAX_TOKENS
 from kiln.ops.linear.gemv import gemv_plan
 from kiln.weights.fold import apply_norm_folds
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Speculative decoding's verify graphs (--verify-lengths): for decode buckets up to this batch (larger
+# batches decode plainly: their steps are bound by compute more than by the weight read), k up to
+# VERIFY_MAX_LENGTH drafts; a verify graph of at most GEMV_MAX_TOKENS tokens is a static graph whose
+# linears take the GEMV (ops/linear/gemv.py: its tensor-core kernel pads x to 16 rows).
+VERIFY_MAX_BATCH = 32
+VERIFY_MAX_LENGTH = 32
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -108,12 +116,33 @@ class CompileOptions:
     # --fold-norms/--no-fold-norms: fold the norm weights into their consumers where possible
     # (compiler/norm_folds.py) and trace batch 1's decode graph in the residual-stream layout
     fold_norms: bool = True
+    # --verify-lengths: draft counts k with verify graphs per (batch, k) (speculative decoding; "": none)
+    verify_lengths: str = settings.SETTINGS["verify_lengths"].default
     force: bool = False
 
     @property
     def max_tokens(self) -> int:
         """The most tokens one call of the shared graph takes: a prefill chunk or a decode batch."""
         return max(self.chunk_size, self.max_batch_size)
+
+    @property
+    def verify(self) -> VerifySpec | None:
+        """The verify graphs' lengths and batches (``--verify-lengths``; None without it): the
+        decode buckets up to ``VERIFY_MAX_BATCH``. Raises :class:`CompileError` on a bad list."""
+        spec = self.verify_lengths.strip()
+        if not spec:
+            return None
+        try:
+            ks = sorted({int(p) for p in spec.split(",")})
+        except ValueError:
+            ks = []
+        if not ks or ks[0] < 1 or ks[-1] > VERIFY_MAX_LENGTH:
+            raise CompileError(
+                f"--verify-lengths is {self.verify_lengths!r}; it takes a comma list of draft counts "
+                f"1..{VERIFY_MAX_LENGTH}, e.g. 4,8"
+            )
+        buckets = tuple(b for b in self.decode_buckets if b <= VERIFY_MAX_BATCH)
+        return VerifySpec(lengths=tuple(ks), buckets=buckets)
 
     @property
     def decode_buckets(self) -> tuple[int, ...]:
@@ -294,6 +323,11 @@ def _compile_model(
         max_seq = opts.max_seq_len or min(cfg.max_position_embeddings, 32768)
         model_class(cfg.architecture)  # fail before any work if the architecture cannot compile
         _kv_spec(cfg, opts)  # likewise a KV cache it cannot have (--kv-dtype fp8 for MLA)
+        verify = opts.verify  # a bad --verify-lengths fails here
+        if verify is not None and opts.tp > 1:
+            raise CompileError(
+                "--verify-lengths needs --tp 1: speculative decoding does not run tensor-parallel yet."
+            )
         if cfg.moe is not None:
             check_request(opts.moe_backend, torch.device(opts.device), opts.dtype, _experts_quant(opts))
         _prepare_out(out, opts.force)
@@ -364,6 +398,19 @@ def _compile_model(
                 graphs[f"decode_b{b}"] = _graph_entry(f"decode_b{b}", b, cache.dtype, layout=kind)
         finally:
             model.fold_norms = False
+        for b, k, t in _verify_shapes(verify):  # static verify graphs: the GEMV on every token
+            if t > GEMV_MAX_TOKENS or not plan:
+                continue
+            name = verify.graph_name(b, k)  # type: ignore[union-attr]
+            use_gemv_plan(model, {role: max(m, t) for role, m in plan.items()})
+            try:
+                ex = example_inputs(
+                    b, t, cache, cfg.rotary_dim, device, max_blocks=max_blocks, every_token=True
+                )
+                programs[name] = export_graph(model, weights, ex, opts.page_size, static_batch=True)
+            finally:
+                use_gemv_plan(model, plan)
+            graphs[name] = _graph_entry(name, b, cache.dtype, tokens=t)
     with timer.phase("kernels"):
         kernels_dir = out / "kernels"
         kernels_dir.mkdir(exist_ok=True)  # the FP8 and MoE phases may have put CUTLASS libraries there
@@ -386,6 +433,7 @@ def _compile_model(
                 opts.chunk_size,
                 moe_table,
                 par,
+                verify,
             )
             _warm_up_sampler(cfg.vocab_size, device)
             if device.type == "cuda":
@@ -431,6 +479,7 @@ def _compile_model(
             max_batch_size=opts.max_batch_size,
             chunk_size=opts.chunk_size,
             decode_buckets=buckets,
+            verify=verify,
             graphs=graphs,
             kv=kv,
             rope=_rope_spec(cfg),
@@ -495,18 +544,23 @@ def _warm_up(
     chunk: int,
     moe_table: str = "",
     par: ParallelConfig | None = None,
+    verify: VerifySpec | None = None,
 ) -> None:
     """Run every graph at every shape class the runtime will use (compiling each Triton kernel
     specialization into the cache) and check the logits are finite."""
     decode_graph = {b: f"decode_b{b}" for b in buckets if f"decode_b{b}" in graphs}
-    runs = [(decode_graph.get(b, "model"), b, b) for b in buckets]  # decode steps: T == B
+    # (graph, requests, tokens, logits at every token)
+    runs = [(decode_graph.get(b, "model"), b, b, False) for b in buckets]  # decode steps: T == B
     # T == B never reaches the extend graph: the runner sends one-token-each extends to decode
-    runs += [("model", b, t) for t, b in EXTEND_WARMUP if t <= chunk and b <= buckets[-1] and t != b]
+    runs += [("model", b, t, False) for t, b in EXTEND_WARMUP if t <= chunk and b <= buckets[-1] and t != b]
+    for b, k, t in _verify_shapes(verify):  # verify steps, on their static graph or the shared one
+        name = verify.graph_name(b, k)  # type: ignore[union-attr]
+        runs.append((name if name in graphs else "model", b, t, True))
     max_len = max_blocks * cache.page_size  # the longest request
 
-    def prefills(sizes: Iterable[int]) -> list[tuple[str, int, int]]:
+    def prefills(sizes: Iterable[int]) -> list[tuple[str, int, int, bool]]:
         # prefills of t tokens, in as few requests as hold them (a chunk may exceed max_seq_len)
-        return [("model", -(-t // max_len), t) for t in sizes if 1 < t <= max_len * buckets[-1]]
+        return [("model", -(-t // max_len), t, False) for t in sizes if 1 < t <= max_len * buckets[-1]]
 
     if cfg.moe is not None:  # each block-size choice of the grouped GEMM, as one prefill
         from kiln.ops.moe.gemm import moe_warmup_tokens
@@ -523,7 +577,7 @@ def _warm_up(
         runs += prefills(sorted(set(fp8_gemm.warmup_tokens(chunk)) | set(fp8_block.warmup_tokens(chunk))))
     if device.type == "cpu":  # no Triton kernels to compile: a finiteness check per graph suffices
         runs = [r for r in runs if r[1] <= 2]
-    for name, b, t in runs:
+    for name, b, t, every_token in runs:
         ex = example_inputs(
             b,
             t,
@@ -533,12 +587,20 @@ def _warm_up(
             max_blocks=max_blocks,
             num_slots=max(64, 2 * t),
             rows=max(8, b + 1),
+            every_token=every_token,
         )
         logits = modules[name](weights, *(ex[n] for n in graph_inputs(cache.dtype)))
         if not torch.isfinite(logits).all():
             raise CompileError(
                 f"graph {name} produced non-finite logits during warm-up (batch {b}, tokens {t})"
             )
+
+
+def _verify_shapes(verify: VerifySpec | None) -> list[tuple[int, int, int]]:
+    """``(batch, k, tokens)`` of every verify graph (``tokens = batch * (k + 1)``)."""
+    if verify is None:
+        return []
+    return [(b, k, b * (k + 1)) for b in verify.buckets for k in verify.lengths]
 
 
 def _moe_choice(cfg: ModelConfig, opts: CompileOptions, device: torch.device, out: Path) -> dict[str, Any]:

@@ -89,9 +89,11 @@ def example_inputs(
     num_slots: int = 64,
     max_blocks: int = 16,
     rows: int = 8,
+    every_token: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Small, valid per-batch inputs (everything but the weights) for tracing and warm-up:
-    ``batch`` requests sharing ``tokens`` new tokens (tokens == batch: a decode step)."""
+    ``batch`` requests sharing ``tokens`` new tokens (tokens == batch: a decode step), logits at
+    each request's last token (``every_token``: at every token, as a verify step)."""
     dev = torch.device(device)
     i32, i64 = torch.int32, torch.int64
     per_req = tokens // batch
@@ -115,7 +117,7 @@ def example_inputs(
         "req_rows": torch.arange(batch, dtype=i32, device=dev) % rows,
         "seq_lens": torch.tensor(lens, dtype=i32, device=dev),
         "qo_indptr": indptr.to(dev),
-        "logits_indices": (indptr[1:] - 1).to(i64).to(dev),
+        "logits_indices": (torch.arange(tokens) if every_token else indptr[1:] - 1).to(i64).to(dev),
     }
     if cache.dtype == FP8_KV_DTYPE:  # one float32 scale per cached head row
         for name in KV_SCALE_INPUTS:

@@ -15,7 +15,8 @@ Layout (JSON keys are the field names; schema :data:`~kiln.artifact_format.SCHEM
      "graphs": {name: GraphEntry}, "kv": KVSpec, "rope": RopeSpec,
      "vocab_size", "eos_token_ids", "bos_token_id", "tokenizer_files",
      "norm_folds": {norm weight: [consumer weights]},
-     "kernel_choices": KernelChoices, "files": {relative path: FileEntry}}
+     "kernel_choices": KernelChoices, "files": {relative path: FileEntry},
+     "verify": VerifySpec}             only with --verify-lengths (speculative decoding)
 
 The records are :class:`kiln.json_record.JsonRecord` dataclasses: a field whose default is ``None``
 is left out of the JSON when it is None (and may be absent); every other field is always written
@@ -117,6 +118,29 @@ class GraphEntry(JsonRecord):
     max_tokens: int | None = None  # the dynamic graph: the most tokens one call takes
     layout: str | None = None  # static decode graphs: "residual_stream" (folded norms) or "add_norm"
     python: GraphCode | None = None
+    tokens: int | None = None  # static verify graphs: batch * (k + 1) tokens, logits at every one
+
+
+@dataclass(frozen=True)
+class VerifySpec(JsonRecord):
+    """Speculative decoding's verify steps (``kiln compile --verify-lengths``; docs/speculative.md
+    section 2): a verify step of ``B`` requests with up to ``k`` drafts each runs ``B * (k + 1)``
+    tokens with logits at every one, as a CUDA graph per ``(B, k)`` in ``buckets x lengths``: the
+    static graph ``verify_b{B}_k{k}`` where the artifact has one (few tokens: traced with the GEMV
+    on every token), else the shared graph at those shapes. Steps outside the buckets run eagerly."""
+
+    lengths: tuple[int, ...]  # the draft counts k verify graphs exist for (ascending)
+    buckets: tuple[int, ...]  # the batch sizes they exist for: decode buckets (ascending)
+
+    def problems(self, decode_buckets: tuple[int, ...]) -> Iterator[str]:
+        for name, vals in (("lengths", self.lengths), ("buckets", self.buckets)):
+            if not vals or vals[0] < 1 or any(x >= y for x, y in itertools.pairwise(vals)):
+                yield f"'verify.{name}' must be a non-empty ascending list of positive integers, is {list(vals)}"
+        if not set(self.buckets) <= set(decode_buckets):
+            yield f"'verify.buckets' {list(self.buckets)} are not all decode buckets {list(decode_buckets)}"
+
+    def graph_name(self, batch: int, k: int) -> str:
+        return f"verify_b{batch}_k{k}"
 
 
 @dataclass(frozen=True)
@@ -192,6 +216,7 @@ class Manifest(JsonRecord):
     kernel_choices: KernelChoices
     files: dict[str, FileEntry]
     ep: int = 1  # --ep: MoE experts split into ep groups of tp/ep ranks (compiler/parallel.py)
+    verify: VerifySpec | None = None  # --verify-lengths: speculative decoding's verify graphs
 
     SHARED_GRAPH: ClassVar[str] = "model"
 
@@ -229,6 +254,8 @@ class Manifest(JsonRecord):
                 yield f"'kv.{name}' is {getattr(self.kv, name)}, not a positive integer"
         if self.SHARED_GRAPH not in self.graphs:
             yield f"'graphs.{self.SHARED_GRAPH}' is missing"
+        if self.verify is not None:
+            yield from self.verify.problems(self.decode_buckets)
         for rel, entry in self.files.items():
             key = fmt.CHECKED_BY_KEY if fmt.is_weight_data(rel) else fmt.HASH_KEY
             if getattr(entry, key) is None:

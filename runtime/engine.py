@@ -18,7 +18,7 @@ import torch
 
 from kiln import gc_paused, settings
 from kiln.errors import KilnError
-from kiln.manifest import Manifest
+from kiln.manifest import Manifest, VerifySpec
 from kiln.runtime.detokenizer import prepare as prepare_detokenizer
 from kiln.runtime.grammar import GrammarCompiler, GrammarError, Matcher, StructuredOutputs
 from kiln.runtime.kv_pool import BlockTable, KVPool, size_for_memory
@@ -217,12 +217,16 @@ class Engine:
             self.ranks.setup(
                 self.pool.num_slots, self.max_running, opts.cuda_graph, self.settings["graph_greedy"]
             )
+        spec_on = self.settings["speculative"] != "off"
+        if spec_on:
+            self._check_verify(m.verify)
         self.runner = ModelRunner(
             self.model,
             self.pool,
             self.bt,
             cuda_graph=opts.cuda_graph,
             graph_greedy=self.settings["graph_greedy"],
+            verify_graphs=spec_on,
         )
         if self.ranks is not None:
             from kiln.runtime.tensor_parallel import BroadcastRunner
@@ -267,7 +271,9 @@ class Engine:
                     ngram_min=self.settings["ngram_min"],
                 )
             )
-        spec = SpecParts(self.drafter, self.spec_stats) if self.drafter is not None else None
+        spec = None
+        if self.drafter is not None:
+            spec = SpecParts(self.drafter, self.spec_stats, m.verify.buckets[-1] if m.verify else None)
         parts = StepParts(
             self.scheduler,
             self.runner,
@@ -352,6 +358,26 @@ class Engine:
         self.scheduler.add(req)
         self.stats["prompt_tokens"] += len(ids)
         return req
+
+    def _check_verify(self, verify: VerifySpec | None) -> None:
+        """Speculative decoding on this artifact: refuses more drafts than its verify graphs take;
+        without verify graphs (``kiln compile --verify-lengths``) warns on a GPU that every verify
+        step runs eagerly."""
+        k = self.settings["num_draft_tokens"]
+        if verify is None:
+            if self.device.type == "cuda":
+                warnings.warn(
+                    "kiln: speculative decoding on an artifact without verify graphs: each verify step "
+                    "runs the extend graph eagerly; compile with --verify-lengths (e.g. 4,8) for CUDA graphs",
+                    stacklevel=3,
+                )
+            return
+        if k > verify.lengths[-1]:
+            raise KilnError(
+                f"--num-draft-tokens is {k} but this artifact's verify graphs take at most "
+                f"{verify.lengths[-1]} drafts (manifest verify.lengths {list(verify.lengths)}); lower "
+                f"--num-draft-tokens or compile with --verify-lengths including {k}"
+            )
 
     def _grammar_matcher(self, spec: StructuredOutputs) -> Matcher:
         """A matcher for a structured-output request (runtime/grammar.py); the compiler is built

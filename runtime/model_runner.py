@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kiln import settings
+from kiln.manifest import VerifySpec
 from kiln.ops.sampling.gumbel import argmax_rows
 from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import LoadedModel
@@ -114,8 +115,11 @@ class ModelRunner:
         block_table: BlockTable,
         cuda_graph: bool = True,
         graph_greedy: bool | None = None,
+        verify_graphs: bool = False,
     ):
-        """``graph_greedy``: the module docstring's switch (None: the ``graph_greedy`` setting)."""
+        """``graph_greedy``: the module docstring's switch (None: the ``graph_greedy`` setting).
+        ``verify_graphs``: speculative decoding is on: capture the artifact's verify graphs too
+        (:meth:`verify`; the manifest's ``verify``)."""
         self.m = model
         self.pool = pool
         self.bt = block_table
@@ -153,6 +157,7 @@ class ModelRunner:
         self.last_ids: torch.Tensor | None = None  # [n] int64: the last decode step's argmax ids
         self.ids_in_place = 0  # decode steps whose input ids the previous graph left in place
         self.capture_seconds = 0.0
+        self._init_verify(m.verify if verify_graphs else None)
         if self.use_cuda_graph:
             self._capture_all()
 
@@ -205,6 +210,14 @@ class ModelRunner:
                 with torch.cuda.graph(g, pool=pool, stream=stream):
                     self._out[b] = self._run_decode_graph(b)
                 self.graphs[b] = g
+            for key in sorted(self._vshapes, reverse=True):
+                self._pad_verify(*key)
+                for _ in range(2):
+                    self._run_verify_graph(*key)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    self._vout[key] = self._run_verify_graph(*key)
+                self.vgraphs[key] = g
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
@@ -262,26 +275,136 @@ class ModelRunner:
             indptr.append(indptr[-1] + e)
         return run_extend_graph(self.m, self.pool, self.bt, ids, pos, slots, rows, lens, indptr)
 
+    # ------------------------------------------------------------------ verify
+    def _init_verify(self, spec: VerifySpec | None) -> None:
+        """Static inputs of the verify graphs (docs/speculative.md section 2), one set for every
+        ``(B, k)``: ids / positions / slots int64 ``[3, B_max * (k_max + 1)]``, rows / lengths int32
+        ``[2, B_max]``, and the constant layout: ``qo_indptr`` steps of ``k + 1``, every token's logits."""
+        self._vshapes: tuple[tuple[int, int], ...] = ()
+        self.vgraphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._vout: dict[tuple[int, int], torch.Tensor] = {}
+        self.verify_steps = {"graph": 0, "eager": 0}  # verify steps by how they ran
+        if spec is None:
+            return
+        self._vspec = spec
+        self._vshapes = tuple((b, k) for b in spec.buckets for k in spec.lengths)
+        bmax, kmax = spec.buckets[-1], spec.lengths[-1]
+        bmax += -bmax % 4
+        tmax = bmax * (kmax + 1)
+        n64 = 3 * tmax * 8
+        self._vbuf = torch.zeros(n64 + 2 * bmax * 4, dtype=torch.uint8, device=self.device)
+        self._vhost = torch.zeros(
+            self._vbuf.numel(), dtype=torch.uint8, pin_memory=self.device.type == "cuda"
+        )
+        self._v64 = self._vbuf[:n64].view(torch.int64).view(3, tmax)
+        self._v32 = self._vbuf[n64:].view(torch.int32).view(2, bmax)
+        self._vh64 = self._vhost[:n64].numpy().view(np.int64).reshape(3, tmax)
+        self._vh32 = self._vhost[n64:].numpy().view(np.int32).reshape(2, bmax)
+        steps = torch.arange(bmax + 1, dtype=torch.int32, device=self.device)
+        self._vindptr = {k: steps * (k + 1) for k in spec.lengths}
+        self._vrows = torch.arange(tmax, dtype=torch.int64, device=self.device)
+        self._max_len = self.m.artifact.manifest.max_blocks * self.pool.page_size  # a block-table row's slots
+
+    def verify_shape(self, step: StepInputs) -> tuple[int, int] | None:
+        """The ``(B, k)`` verify graph that holds ``step`` (the smallest batch bucket, then the
+        shortest length), or None: not a verify artifact, too many requests or drafts, or a
+        request whose padded chunk would pass the block table's width."""
+        if not self._vshapes:
+            return None
+        assert step.extend_lens is not None
+        n, need = step.batch, max(step.extend_lens) - 1
+        spec = self._vspec
+        i, j = bisect.bisect_left(spec.buckets, n), bisect.bisect_left(spec.lengths, need)
+        if i == len(spec.buckets) or j == len(spec.lengths):
+            return None
+        k = spec.lengths[j]
+        ends = (s - e + k + 1 for s, e in zip(step.seq_lens, step.extend_lens))
+        return (spec.buckets[i], k) if max(ends) <= self._max_len else None
+
+    def _pad_verify(self, b: int, k: int) -> None:
+        """Every row of the ``(b, k)`` shape a padding request: block-table row 0, slot 0, its
+        ``k + 1`` tokens at positions 0.. (valid and harmless; before a capture)."""
+        t = b * (k + 1)
+        self._v64[:, :t].zero_()
+        self._v32[0, :b].zero_()
+        self._v32[1, :b].fill_(k + 1)
+
+    def _run_verify_graph(self, b: int, k: int) -> torch.Tensor:
+        t = b * (k + 1)
+        graph = self.m.graphs.get(self._vspec.graph_name(b, k)) or self.m.graphs["model"]
+        return graph(
+            self.m.weights,
+            self.m.cos_sin,
+            self.pool.k_cache,
+            self.pool.v_cache,
+            self._v64[0, :t],
+            self._v64[1, :t],
+            self._v64[2, :t],
+            self.bt.table,
+            self._v32[0, :b],
+            self._v32[1, :b],
+            self._vindptr[k][: b + 1],
+            self._vrows[:t],
+            *self.pool.scale_args,
+        )
+
     def verify(self, step: StepInputs) -> torch.Tensor:
-        """logits [T, V] f32 at every new token of an extend step (a speculative verify step:
-        each request's newest token and its drafts); the extend graph, run eagerly."""
+        """float32 logits ``[B, P, V]`` of a verify step (an extend step in which request ``b``
+        brings its newest token and ``extend_lens[b] - 1`` drafts; ``P = max(extend_lens)``):
+        ``[b, j]`` follows the request's ``j``-th new token; past its own tokens a request's rows
+        repeat its last one or are padding (never read by ``verify``).
+
+        On the ``(B, k)`` verify graph that holds the step (:meth:`verify_shape`; a CUDA-graph replay
+        on a GPU): each request's chunk padded to ``k + 1`` tokens whose K/V go to slot 0 (the sink)
+        at its last real position, padding requests on block-table row 0. Else the extend graph,
+        eagerly, with logits at every new token."""
         assert step.extend_lens is not None
         self.last_ids = None
-        indptr = [0]
-        for e in step.extend_lens:
-            indptr.append(indptr[-1] + e)
-        return run_extend_graph(
-            self.m,
-            self.pool,
-            self.bt,
-            step.input_ids,
-            step.positions,
-            step.out_slots,
-            step.req_rows,
-            step.seq_lens,
-            indptr,
-            every_token=True,
-        )
+        ext = step.extend_lens
+        n, p = step.batch, max(ext)
+        shape = self.verify_shape(step)
+        if shape is None:
+            self.verify_steps["eager"] += 1
+            indptr = np.concatenate([[0], np.cumsum(ext)])
+            logits = run_extend_graph(
+                self.m,
+                self.pool,
+                self.bt,
+                step.input_ids,
+                step.positions,
+                step.out_slots,
+                step.req_rows,
+                step.seq_lens,
+                indptr.tolist(),
+                every_token=True,
+            )
+            # request b's rows: its j-th new token's, the last one repeated past its own tokens
+            idx = indptr[:-1, None] + np.minimum(np.arange(p)[None, :], np.asarray(ext)[:, None] - 1)
+            return logits[torch.from_numpy(idx.reshape(-1)).to(self.device)].view(n, p, -1)
+        self.verify_steps["graph"] += 1
+        b, k = shape
+        t = b * (k + 1)
+        h64, h32 = self._vh64, self._vh32
+        e = np.asarray(ext)
+        src = np.concatenate([[0], np.cumsum(e)[:-1]])[:, None] + np.minimum(np.arange(k + 1), e[:, None] - 1)
+        src = src.reshape(-1)
+        for row, vals in enumerate((step.input_ids, step.positions, step.out_slots)):
+            h64[row, : n * (k + 1)] = np.asarray(vals, dtype=np.int64)[src]
+        pad = (np.arange(k + 1)[None, :] >= e[:, None]).reshape(-1)
+        h64[2, : n * (k + 1)][pad] = 0  # padding tokens' K/V into the sink slot
+        h64[:, n * (k + 1) : t] = 0
+        h32[0, :n] = step.req_rows
+        h32[1, :n] = np.asarray(step.seq_lens) - e + k + 1
+        h32[0, n:b] = 0
+        h32[1, n:b] = k + 1
+        self._vbuf.copy_(self._vhost, non_blocking=True)
+        self.bt.flush()
+        if shape in self.vgraphs:
+            self.vgraphs[shape].replay()
+            logits = self._vout[shape]
+        else:
+            logits = self._run_verify_graph(b, k)
+        return logits[:t].view(b, k + 1, -1)[:n, :p]
 
     def argmax_ids(self, n: int) -> torch.Tensor:
         """The decode input row's first ``n`` ids: where the last decode graph's argmax is
@@ -302,11 +425,12 @@ class ModelRunner:
         """Free the captured decode graphs (their replays fall back to eager runs). A tensor-parallel
         rank calls it before leaving its NCCL group: a communicator whose collectives a live CUDA
         graph holds never finishes ``ncclCommDestroy`` (the process hung at exit on the H200 pair)."""
-        if self.graphs:
+        if self.graphs or self.vgraphs:
             torch.cuda.synchronize(self.device)
-            for g in self.graphs.values():
+            for g in [*self.graphs.values(), *self.vgraphs.values()]:
                 g.reset()
             self.graphs.clear()
+            self.vgraphs.clear()
         self.use_cuda_graph = False
 
     def forward(

@@ -40,7 +40,9 @@ class SamplingParams:
     EOS.  logprobs: None = off, N >= 0 = the chosen token's logprob plus the top N.
     skip_special_tokens: leave special tokens out of the text.  n: completions per prompt.
     structured: the output follows a JSON schema, a regex, a grammar or a choice
-    (runtime/grammar.py); None = free text.
+    (runtime/grammar.py); None = free text.  speculative: False = this request decodes without
+    speculative decoding (it joins verify steps with no drafts); None = as the engine's
+    ``speculative`` setting (docs/speculative.md). The output is the same either way.
     """
 
     max_tokens: int = 16
@@ -60,6 +62,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     structured: StructuredOutputs | None = None
+    speculative: bool | None = None
 
     # --------------------------------------------------------------------- derived values
     @property

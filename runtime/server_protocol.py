@@ -84,7 +84,8 @@ class StreamOptions(_Strict):
 class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions (``top_k``, ``min_p``, ``ignore_eos``,
     ``min_tokens``, ``repetition_penalty``, ``stop_token_ids`` and ``skip_special_tokens`` are
-    extensions, as in vLLM)."""
+    extensions, as in vLLM; ``speculative: false`` turns the server's speculative decoding off for
+    the request)."""
 
     model: str | None = None
     n: int | None = 1
@@ -110,6 +111,7 @@ class _SamplingRequest(_Strict):
     regex: str | None = None
     ebnf: str | None = None
     choice: list[str] | None = None
+    speculative: bool | None = None
 
     def unsupported(self) -> None:
         if self.logit_bias:
@@ -311,6 +313,7 @@ def sampling_params(
         skip_special_tokens=req.skip_special_tokens is not False,
         n=n,
         structured=_structure(req, tools),
+        speculative=req.speculative,
     )
     try:
         params.validate()

@@ -80,6 +80,7 @@ class SpecParts:
 
     drafter: NgramDrafter
     stats: AcceptanceStats
+    max_batch: int | None = None  # larger decode steps decode plainly (the artifact's verify buckets)
 
 
 @dataclass(frozen=True)
@@ -326,9 +327,12 @@ class Stepper:
         reqs = batch.reqs
         if any(speculation_blocker(r.params) is not None for r in reqs):
             return None
+        if self.spec.max_batch is not None and len(reqs) > self.spec.max_batch:
+            return None
         sched = self.scheduler
-        # at most the tokens a request may still reach, less one for the bonus token
-        limits = [sched.max_len(r) - r.seq_len - 1 for r in reqs]
+        # at most the tokens a request may still reach, less one for the bonus token; none for a
+        # request that asked for no speculation
+        limits = [0 if r.params.speculative is False else sched.max_len(r) - r.seq_len - 1 for r in reqs]
         drafts = self.spec.drafter.propose_batch([r.rid for r in reqs], [r.token_view for r in reqs], limits)
         if not any(drafts):
             return None
@@ -339,16 +343,9 @@ class Stepper:
         self.last_step_mode = "decode"
         kind = self.launched_kind = self.step_stats.count(len(reqs), 0, n_tok)
         step = sched.verify_inputs(reqs, drafts)
-        logits = self.runner.verify(step)  # [T, V]: every new token's
+        rows3 = self.runner.verify(step)  # [B, P, V]: request b's logits after each of its new tokens
         t2 = time.perf_counter()
-        # [B, K + 1, V]: request b's rows, its last one repeated past its drafts (verify ignores them)
-        P = 1 + max(len(d) for d in drafts)
-        idx: list[int] = []
-        off = 0
-        for d in drafts:
-            idx += [off + min(j, len(d)) for j in range(P)]
-            off += len(d) + 1
-        rows3 = logits[self.stager.to_device(idx, torch.int64)].view(len(reqs), P, -1)
+        P = rows3.shape[1]
         db = DraftBatch.from_lists(drafts, self.device, max_len=P - 1)
         spec = SpecSampling.build(
             [r.params for r in reqs],
