@@ -84,29 +84,33 @@ def _model(preset: str):
     return cfg, model, weights
 
 
-def _context(cfg, batch: int) -> tuple[torch.Tensor, ForwardContext]:
-    """A decode step: ``batch`` requests with ``CONTEXT`` tokens cached, one new token each."""
-    slots = batch * (CONTEXT + 1) + 1  # slot 0: the padding sink
+def _context(cfg, batch: int, new: int = 1) -> tuple[torch.Tensor, ForwardContext]:
+    """A decode step: ``batch`` requests with ``CONTEXT`` tokens cached, one new token each; with
+    ``new > 1`` a speculative verify step: ``new`` tokens each (the newest and ``new - 1`` drafts),
+    logits at every one."""
+    per = CONTEXT + new
+    slots = batch * per + 1  # slot 0: the padding sink
     dtype = torch.float32 if SMOKE else torch.bfloat16
     kv = (cfg.num_layers, slots, cfg.kv_heads_per_rank(1), cfg.head_dim)
     table = torch.zeros(batch, MAX_SEQ, dtype=torch.int32)
     for b in range(batch):
-        table[b, : CONTEXT + 1] = torch.arange(1 + b * (CONTEXT + 1), 1 + (b + 1) * (CONTEXT + 1))
+        table[b, :per] = torch.arange(1 + b * per, 1 + (b + 1) * per)
+    t = batch * new
     ctx = ForwardContext(
-        positions=torch.full((batch,), CONTEXT, dtype=torch.int64, device=DEV),
-        out_slots=table[:, CONTEXT].long().to(DEV),
-        cos_sin=rope_cos_sin_cache(cfg.rotary_dim, CONTEXT + 1, cfg.rope_theta, None).to(DEV),
+        positions=(CONTEXT + torch.arange(new)).repeat(batch).to(DEV),
+        out_slots=table[:, CONTEXT:per].reshape(-1).long().to(DEV),
+        cos_sin=rope_cos_sin_cache(cfg.rotary_dim, per, cfg.rope_theta, None).to(DEV),
         k_cache=torch.randn(kv, device=DEV).to(dtype),
         v_cache=torch.randn(kv, device=DEV).to(dtype),
         block_table=table.to(DEV),
         req_rows=torch.arange(batch, dtype=torch.int32, device=DEV),
-        seq_lens=torch.full((batch,), CONTEXT + 1, dtype=torch.int32, device=DEV),
-        qo_indptr=torch.arange(batch + 1, dtype=torch.int32, device=DEV),
-        logits_indices=torch.arange(batch, dtype=torch.int64, device=DEV),
+        seq_lens=torch.full((batch,), per, dtype=torch.int32, device=DEV),
+        qo_indptr=torch.arange(batch + 1, dtype=torch.int32, device=DEV) * new,
+        logits_indices=torch.arange(t, dtype=torch.int64, device=DEV),
         page_size=1,
         num_splits=choose_num_splits(batch, MAX_SEQ, cfg.kv_heads_per_rank(1)),
     )
-    ids = torch.randint(0, cfg.vocab_size, (batch,), device=DEV)
+    ids = torch.randint(0, cfg.vocab_size, (t,), device=DEV)
     return ids, ctx
 
 
@@ -142,3 +146,33 @@ def test_decode_step(measure, monkeypatch, preset, batch, variant):
         logits = step()
         assert logits.shape == (batch, cfg.vocab_size) and torch.isfinite(logits).all(), variant
         measure(graphed(step), bytes=_bytes(cfg, weights, batch), **info)
+
+
+@pytest.mark.parametrize("plan", ["gemv", "cublas"])
+@pytest.mark.parametrize("k", pick([0, 2, 4, 8], [0, 2]))
+@pytest.mark.parametrize("batch", pick([1, 8, 32], [1]))
+def test_verify_step(measure, monkeypatch, batch, k, plan):
+    """A speculative verify step of ``k`` drafts per request (docs/speculative.md section 7.1)
+    beside the decode step (``k`` 0), Llama-3.1-8B-shaped, unfolded norms (as the compiler traces
+    verify graphs): ``gemv``, the linears on the GEMV up to ``batch * (k + 1)`` tokens when that is
+    at most 16 (the artifact's static ``verify_b{B}_k{k}`` graphs), else the default plan (GEMV at
+    one token, cuBLAS above: the shared graph); ``cublas``, the default plan at every size. The
+    issue's target: at batch 1 verify(4) and verify(8) within 1.10x of the decode step."""
+    from kiln.compiler.layers import use_gemv_plan
+    from kiln.ops.linear.gemv import DOT_M, gemv_plan
+
+    cfg, model, weights = _model("llama-3.1-8b")
+    t = batch * (k + 1)
+    base = gemv_plan()
+    on_gemv = plan == "gemv" and t <= DOT_M
+    use_gemv_plan(model, {role: max(m, t) for role, m in base.items()} if on_gemv else base)
+    try:
+        monkeypatch.setattr(model, "fold_norms", False)
+        ids, ctx = _context(cfg, batch, k + 1)
+        step = lambda: torch.func.functional_call(model, weights, (ids, ctx), strict=True)
+        logits = step()
+        assert logits.shape == (t, cfg.vocab_size) and torch.isfinite(logits).all()
+        info = dict(model="llama-3.1-8b", batch=batch, drafts=k, tokens=t, plan=plan, on_gemv=on_gemv)
+        measure(graphed(step), bytes=_bytes(cfg, weights, batch), num_layers=LAYERS, context=CONTEXT, **info)
+    finally:
+        use_gemv_plan(model, base)

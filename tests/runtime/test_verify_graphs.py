@@ -56,11 +56,11 @@ def test_bad_verify_lengths_are_refused(lengths, why):
         _ = CompileOptions(verify_lengths=lengths).verify
 
 
-def test_verify_step_on_the_graph_equals_the_extend_graph(setup):
+def _compare_verify_paths(art, prompts, device: str, tol: float) -> None:
     """One verify step of three requests (2, 0 and 1 drafts: bucket (4, 2) with a padding request and
-    padded chunks) run on the verify graph and on the extend graph: the same logits."""
-    root, prompts = setup
-    llm = LLM(str(root / "art"), device="cpu", speculative="ngram")
+    padded chunks) run on the verify graph (a CUDA-graph replay on a GPU) and on the extend graph:
+    the same logits."""
+    llm = LLM(str(art), device=device, speculative="ngram")
     eng = llm.engine
     for i, p in enumerate(prompts):
         eng.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), rid=f"r{i}")
@@ -71,13 +71,33 @@ def test_verify_step_on_the_graph_equals_the_extend_graph(setup):
     step = eng.scheduler.verify_inputs(reqs, drafts)
     runner = eng.runner
     assert runner.verify_shape(step) == (4, 2)
+    assert (4, 2) in runner.vgraphs or device == "cpu"
     graph = runner.verify(step).clone()
     runner._vshapes = ()  # no verify graphs: the eager extend graph
     eager = runner.verify(step)
     assert graph.shape == eager.shape == (3, 3, eng.vocab_size)
     for b, d in enumerate(drafts):  # the rows verify reads: each request's own tokens
-        torch.testing.assert_close(graph[b, : len(d) + 1], eager[b, : len(d) + 1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(graph[b, : len(d) + 1], eager[b, : len(d) + 1], rtol=tol, atol=tol)
     assert runner.verify_steps == {"graph": 1, "eager": 1}
+
+
+def test_verify_step_on_the_graph_equals_the_extend_graph(setup):
+    root, prompts = setup
+    _compare_verify_paths(root / "art", prompts, "cpu", 1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_verify_replay_equals_the_extend_graph(setup, tmp_path):
+    """The same on the GPU: the captured verify graphs (static ones on the GEMV, the shared graph at
+    (4, 4)) replayed, against the extend graph run eagerly."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; this machine has none (run on the H200)")
+    root, prompts = setup
+    opts = CompileOptions(
+        device="cuda", dtype="float32", max_batch_size=4, max_seq_len=128, chunk_size=64, verify_lengths="2,4"
+    )
+    compile_model(root / "hf", tmp_path / "art", opts, verbose=False)
+    _compare_verify_paths(tmp_path / "art", prompts, "cuda", 1e-4)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
