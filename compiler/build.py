@@ -74,6 +74,8 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # VERIFY_MAX_LENGTH drafts; a verify graph of at most GEMV_MAX_TOKENS tokens is a static graph whose
 # linears take the GEMV (ops/linear/gemv.py: its tensor-core kernel pads x to 16 rows).
 VERIFY_MAX_BATCH = 32
+# --draft-model without --verify-lengths: verify graphs for the run's default num_draft_tokens
+DRAFT_VERIFY_LENGTH = settings.SETTINGS["num_draft_tokens"].default
 VERIFY_MAX_LENGTH = 32
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -118,6 +120,8 @@ class CompileOptions:
     fold_norms: bool = True
     # --verify-lengths: draft counts k with verify graphs per (batch, k) (speculative decoding; "": none)
     verify_lengths: str = settings.SETTINGS["verify_lengths"].default
+    # --draft-model: a smaller checkpoint of the same tokenizer compiled into ART/draft (compiler/draft.py)
+    draft_model: str | None = None
     force: bool = False
 
     @property
@@ -323,10 +327,13 @@ def _compile_model(
         max_seq = opts.max_seq_len or min(cfg.max_position_embeddings, 32768)
         model_class(cfg.architecture)  # fail before any work if the architecture cannot compile
         _kv_spec(cfg, opts)  # likewise a KV cache it cannot have (--kv-dtype fp8 for MLA)
+        if opts.draft_model is not None and not opts.verify_lengths.strip():
+            opts = replace(opts, verify_lengths=DRAFT_VERIFY_LENGTH)  # a draft model verifies
         verify = opts.verify  # a bad --verify-lengths fails here
         if verify is not None and opts.tp > 1:
             raise CompileError(
-                "--verify-lengths needs --tp 1: speculative decoding does not run tensor-parallel yet."
+                "--verify-lengths and --draft-model need --tp 1: speculative decoding does not run "
+                "tensor-parallel yet."
             )
         if cfg.moe is not None:
             check_request(opts.moe_backend, torch.device(opts.device), opts.dtype, _experts_quant(opts))
@@ -451,6 +458,12 @@ def _compile_model(
                 graphs[name] = replace(graphs[name], python=code)
     with timer.phase("tokenizer"):
         tok_files = _copy_tokenizer(model_dir, out)
+    draft = None
+    if opts.draft_model is not None:
+        from kiln.compiler.draft import compile_draft
+
+        with timer.phase("draft"):
+            draft = compile_draft(opts.draft_model, out, opts, verbose)
     with timer.phase("manifest"):
         records, measured = split_build_facts(
             {
@@ -480,6 +493,7 @@ def _compile_model(
             chunk_size=opts.chunk_size,
             decode_buckets=buckets,
             verify=verify,
+            draft=draft,
             graphs=graphs,
             kv=kv,
             rope=_rope_spec(cfg),
@@ -489,7 +503,7 @@ def _compile_model(
             tokenizer_files=tuple(tok_files),
             norm_folds={norm: tuple(consumers) for norm, consumers in folds.items()},  # weights/fold.py
             kernel_choices=choices,
-            files=file_table(out),
+            files=file_table(out, skip=(draft.path,) if draft else ()),
         )
         manifest.save(out)
     write_build_log(

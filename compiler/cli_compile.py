@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import click
@@ -139,6 +140,14 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
     "the nvidia-cutlass headers; one to three minutes, cached) for prefill-sized FP8 linears. "
     "Without it (or when it cannot be built: a warning) they run Triton and cuBLAS.",
 )
+@click.option(
+    "--draft-model",
+    default=None,
+    metavar="MODEL",
+    help="Speculative decoding: a smaller checkpoint of the same tokenizer (a directory or a Hub id) "
+    "compiled into ART/draft with this compile's shape options; `serve`/`generate` then draft with it "
+    "(--speculative auto). Implies --verify-lengths 4 unless given.",
+)
 @settings.click_options("compile")
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 def compile_cmd(
@@ -160,6 +169,7 @@ def compile_cmd(
     moe_backend: str,
     moe_cutlass_min_tokens: int,
     fp8_cutlass: bool,
+    draft_model: str | None,
     force: bool,
     **kw: Any,
 ) -> None:
@@ -202,4 +212,6 @@ def compile_cmd(
     )
     from kiln.hub import resolve_checkpoint
 
+    if draft_model is not None:
+        opts = replace(opts, draft_model=str(resolve_checkpoint(draft_model, None)))
     compile_model(resolve_checkpoint(model_dir, revision), out, opts)

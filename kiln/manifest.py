@@ -16,7 +16,8 @@ Layout (JSON keys are the field names; schema :data:`~kiln.artifact_format.SCHEM
      "vocab_size", "eos_token_ids", "bos_token_id", "tokenizer_files",
      "norm_folds": {norm weight: [consumer weights]},
      "kernel_choices": KernelChoices, "files": {relative path: FileEntry},
-     "verify": VerifySpec}             only with --verify-lengths (speculative decoding)
+     "verify": VerifySpec,             only with --verify-lengths (speculative decoding)
+     "draft": DraftSpec}               only with --draft-model (its artifact under draft/)
 
 The records are :class:`kiln.json_record.JsonRecord` dataclasses: a field whose default is ``None``
 is left out of the JSON when it is None (and may be absent); every other field is always written
@@ -144,6 +145,17 @@ class VerifySpec(JsonRecord):
 
 
 @dataclass(frozen=True)
+class DraftSpec(JsonRecord):
+    """A draft model compiled into the artifact (``kiln compile --draft-model``; docs/speculative.md
+    section 4): a whole artifact of its own under ``path`` (its manifest checks its files), pinned
+    here by its manifest's self-hash, with the same tokenizer vocabulary and KV page size."""
+
+    path: str  # "draft": the nested artifact's directory, relative to this one
+    manifest_xxh3_128: str  # the draft manifest's fmt.MANIFEST_HASH_KEY: a swapped draft is refused
+    vocab_size: int  # its LM head's rows (may pad past the target's; drafts stay below both)
+
+
+@dataclass(frozen=True)
 class LibraryRecord(JsonRecord):
     """A CUTLASS library built into ``kernels/`` (``library``: its path, listed in ``files``), or
     why there is none (``note``)."""
@@ -217,6 +229,7 @@ class Manifest(JsonRecord):
     files: dict[str, FileEntry]
     ep: int = 1  # --ep: MoE experts split into ep groups of tp/ep ranks (compiler/parallel.py)
     verify: VerifySpec | None = None  # --verify-lengths: speculative decoding's verify graphs
+    draft: DraftSpec | None = None  # --draft-model: a draft model's artifact inside this one
 
     SHARED_GRAPH: ClassVar[str] = "model"
 
@@ -326,14 +339,17 @@ class Manifest(JsonRecord):
             raise ArtifactError(f"{mf}: field {e}; {RECOPY}.") from None
 
 
-def file_table(root: Path) -> dict[str, FileEntry]:
-    """Size and xxh3-128 of every file under ``root`` (relative POSIX paths, sorted) but the manifest
-    and the build log; the weight data files get their size and ``checked_by`` pack.json instead of
-    a hash (the pack loader checks their blocks against it while it streams them)."""
+def file_table(root: Path, skip: tuple[str, ...] = ()) -> dict[str, FileEntry]:
+    """Size and xxh3-128 of every file under ``root`` (relative POSIX paths, sorted) but the manifest,
+    the build log and those under the folders ``skip`` (a nested draft artifact, which its own
+    manifest lists); the weight data files get their size and ``checked_by`` pack.json instead of a
+    hash (the pack loader checks their blocks against it while it streams them)."""
     rels = sorted(
-        p.relative_to(root).as_posix()
+        rel
         for p in root.rglob("*")
-        if p.is_file() and p.relative_to(root).as_posix() not in (fmt.MANIFEST, fmt.BUILD_LOG)
+        if p.is_file()
+        and (rel := p.relative_to(root).as_posix()) not in (fmt.MANIFEST, fmt.BUILD_LOG)
+        and not any(rel.startswith(f"{d}/") for d in skip)
     )
     digests = fmt.file_digests(root, [r for r in rels if not fmt.is_weight_data(r)])
     return {

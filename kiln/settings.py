@@ -235,11 +235,12 @@ _ALL: tuple[Setting, ...] = (
        "two-shot (to 32 MiB) all-reduce of bf16 where torch has it, NCCL above; nccl = NCCL always "
        "(docs/parallelism.md has both measured).", env="KILN_TP_ALL_REDUCE", flag=True,
        choices=("auto", "nccl"), when="engine start"),
-    _s("speculative", "run", "choice", "off",
-       "Speculative decoding: ngram = each decode step verifies up to --num-draft-tokens tokens drafted "
-       "from the request's own prompt and output (prompt lookup; eager extend graph, no overlap); lossless. "
-       "Requests with penalties or structured outputs decode without it.", env="KILN_SPECULATIVE",
-       flag=True, choices=("off", "ngram"), when="engine start"),
+    _s("speculative", "run", "choice", "auto",
+       "Speculative decoding (lossless): draft = each decode step verifies up to --num-draft-tokens tokens "
+       "drafted by the artifact's draft model (kiln compile --draft-model); ngram = drafted from the "
+       "request's own prompt and output (prompt lookup); auto = draft if the artifact has a draft model, "
+       "else off. Requests with penalties or structured outputs decode without it.", env="KILN_SPECULATIVE",
+       flag=True, choices=("auto", "off", "ngram", "draft"), when="engine start"),
     _s("num_draft_tokens", "run", "int", "4",
        "Draft tokens per request and verify step (speculative decoding; at least 1).",
        env="KILN_NUM_DRAFT_TOKENS", flag=True, when="engine start"),

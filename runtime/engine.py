@@ -29,6 +29,7 @@ from kiln.runtime.request import Req, RequestOutput, Status
 from kiln.runtime.sampler import Sampler, resolve_seed
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler, SchedulerConfig
+from kiln.runtime.spec_draft import DraftModel, load_draft
 from kiln.runtime.speculative import AcceptanceStats, NgramConfig, NgramDrafter
 from kiln.runtime.staging import HostStager
 from kiln.runtime.stepper import PLACEHOLDER, Launched, SpecParts, StepParts, Stepper
@@ -112,6 +113,19 @@ def _kv_bytes(opts: EngineOptions, device: torch.device, kv_bytes_per_token: int
     return min(2 * GIB, kv_bytes_per_token * max_tokens)
 
 
+def _spec_mode(setting: str, m: Manifest) -> str:
+    """The ``speculative`` setting resolved for an artifact: ``auto`` is ``draft`` when it has a
+    draft model, else ``off``; ``draft`` without one is refused."""
+    if setting == "auto":
+        return "draft" if m.draft is not None else "off"
+    if setting == "draft" and m.draft is None:
+        raise KilnError(
+            "--speculative draft: this artifact has no draft model; compile it with --draft-model, or "
+            "use --speculative ngram"
+        )
+    return setting
+
+
 class Engine:
     def __init__(self, artifact: str, options: EngineOptions | None = None):
         t0 = time.perf_counter()
@@ -150,8 +164,10 @@ class Engine:
         # A tensor-parallel artifact: ranks 1..N-1 start as follower processes before the load
         # (runtime/tensor_parallel.py).
         self.ranks: RankGroup | None = None
-        tp = Manifest.load(Path(artifact)).tp
-        if tp > 1 and self.settings["speculative"] != "off":
+        head = Manifest.load(Path(artifact))
+        tp = head.tp
+        self.spec_mode = _spec_mode(self.settings["speculative"], head)
+        if tp > 1 and self.spec_mode != "off":
             raise KilnError(
                 f"speculative decoding does not run tensor-parallel yet (this artifact has tp {tp}); "
                 "use --speculative off"
@@ -201,11 +217,18 @@ class Engine:
         self.max_seq_len = m.max_seq_len
         # Requests running at once: the option, at most the largest decode bucket (max_batch_size).
         self.max_running = min(opts.max_running or m.max_batch_size, m.max_batch_size)
+        draft = None
+        if self.spec_mode == "draft":  # its own pool of as many slots, one block table for both
+            t = time.perf_counter()
+            draft = load_draft(
+                self.model, self.device, opts.verify, self.settings["graph_format"], opts.kernel_cache_dir
+            )
+            self.model.phases["draft"] = time.perf_counter() - t
         t = time.perf_counter()
-        want = _kv_bytes(
-            opts, self.device, kv.bytes_per_token, self.max_running * self.max_seq_len + page_size
-        )
-        self.pool = KVPool.for_spec(kv, size_for_memory(want, kv.bytes_per_token, page_size), self.device)
+        per_token = kv.bytes_per_token + (draft.artifact.manifest.kv.bytes_per_token if draft else 0)
+        want = _kv_bytes(opts, self.device, per_token, self.max_running * self.max_seq_len + page_size)
+        slots = size_for_memory(want, per_token, page_size)
+        self.pool = KVPool.for_spec(kv, slots, self.device)
         self.bt = BlockTable(self.max_running, m.max_blocks, self.device, page_size)
         # Per-step copies: persistent pinned rings with overlap (no host syncs), fresh pinned
         # tensors otherwise (the path measured on the H200 without overlap).
@@ -217,7 +240,7 @@ class Engine:
             self.ranks.setup(
                 self.pool.num_slots, self.max_running, opts.cuda_graph, self.settings["graph_greedy"]
             )
-        spec_on = self.settings["speculative"] != "off"
+        spec_on = self.spec_mode != "off"
         if spec_on:
             self._check_verify(m.verify)
         self.runner = ModelRunner(
@@ -262,8 +285,17 @@ class Engine:
         }
         # Speculative decoding (docs/speculative.md): n-gram drafts verified in decode steps.
         self.spec_stats = AcceptanceStats()
-        self.drafter: NgramDrafter | None = None
-        if self.settings["speculative"] == "ngram":
+        self.drafter: NgramDrafter | DraftModel | None = None
+        if draft is not None:
+            self.drafter = DraftModel(
+                draft,
+                KVPool.for_spec(draft.artifact.manifest.kv, slots, self.device),
+                self.bt,
+                self.settings["num_draft_tokens"],
+                m.vocab_size,
+                opts.cuda_graph,
+            )
+        elif self.spec_mode == "ngram":
             self.drafter = NgramDrafter(
                 NgramConfig(
                     num_draft_tokens=self.settings["num_draft_tokens"],

@@ -41,6 +41,7 @@ from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Req, RequestOutput
 from kiln.runtime.sampler import SampleOutput, Sampler, SamplingBatch
 from kiln.runtime.scheduler import ScheduledBatch, Scheduler
+from kiln.runtime.spec_draft import DraftModel
 from kiln.runtime.speculative import (
     AcceptanceStats,
     DraftBatch,
@@ -78,7 +79,7 @@ class SpecParts:
     """Speculative decoding's parts (docs/speculative.md): the n-gram drafter (one history per
     request id; the engine forgets a request when it ends) and the acceptance sums."""
 
-    drafter: NgramDrafter
+    drafter: NgramDrafter | DraftModel  # drafts from the request's tokens, or from the draft model
     stats: AcceptanceStats
     max_batch: int | None = None  # larger decode steps decode plainly (the artifact's verify buckets)
 
@@ -172,6 +173,8 @@ class Stepper:
                 subst = (idx[0], prev.ids.index_select(0, idx[1]))
         t1 = time.perf_counter()
         logits = self.runner.forward(step, subst)  # [B, V]
+        if batch.mode != "decode" and self.spec is not None and isinstance(self.spec.drafter, DraftModel):
+            self.spec.drafter.mirror(step, batch.reqs)  # the draft model's K/V of the same tokens
         t2 = time.perf_counter()
         hb = self.host_breakdown
         hb["launch"] += t2 - t1
@@ -333,10 +336,16 @@ class Stepper:
         # at most the tokens a request may still reach, less one for the bonus token; none for a
         # request that asked for no speculation
         limits = [0 if r.params.speculative is False else sched.max_len(r) - r.seq_len - 1 for r in reqs]
-        drafts = self.spec.drafter.propose_batch([r.rid for r in reqs], [r.token_view for r in reqs], limits)
-        if not any(drafts):
-            return None
-        drafts = sched.reserve_drafts(reqs, drafts)  # pages for kv_len + 1 + drafts
+        drafter = self.spec.drafter
+        if isinstance(drafter, DraftModel):  # the draft model reserves the pages it drafts into
+            drafts = drafter.propose(reqs, limits, sched)
+            if not any(drafts):
+                return None
+        else:
+            drafts = drafter.propose_batch([r.rid for r in reqs], [r.token_view for r in reqs], limits)
+            if not any(drafts):
+                return None
+            drafts = sched.reserve_drafts(reqs, drafts)  # pages for kv_len + 1 + drafts
         t1 = time.perf_counter()
         n_tok = len(reqs) + sum(len(d) for d in drafts)
         self.stats["steps"] += 1
@@ -364,7 +373,10 @@ class Stepper:
             for k in ("logprobs", "top_ids", "top_logprobs"):
                 launched.host[k] = getattr(out, k).cpu()
         t3 = time.perf_counter()
-        self.spec.stats.record([len(d) for d in drafts], launched.host["num_emitted"].tolist())
+        emitted = launched.host["num_emitted"].tolist()
+        self.spec.stats.record([len(d) for d in drafts], emitted)
+        if isinstance(drafter, DraftModel):
+            drafter.accepted(reqs, drafts, emitted)
         outs = self.outputs(launched)
         t4 = time.perf_counter()
         hb = self.host_breakdown

@@ -1,0 +1,180 @@
+"""Drafts from a draft model compiled into the artifact (``kiln compile --draft-model``;
+docs/speculative.md section 4): the draft source of ``--speculative draft`` (``auto`` on an artifact
+that has one).
+
+The draft is a second :class:`~kiln.runtime.loader.LoadedModel` with its own KV pool of as many
+slots as the target's, addressed through the target's block table: a request's page holds its
+target K/V in one pool and its draft K/V in the other, so allocation, the prefix cache and
+retraction need nothing new. Protocol, per request (``rid``), with ``done[rid]`` the positions below
+which the draft's K/V are the request's tokens:
+
+* every extend step of the target (prefill chunks, mixed steps) runs on the draft too, on the same
+  :class:`~kiln.runtime.model_runner.StepInputs` (:meth:`DraftModel.mirror`): the chunk's draft K/V;
+  a request new to the draft takes what its prefix-cache hit left in the draft pool as its own;
+* a verify step first reserves the target's pages for ``k`` drafts, then (:meth:`DraftModel.propose`)
+  runs one draft extend over the tokens the draft has not seen (after the last verify step: the
+  bonus token, or the last draft and the bonus token; after plain decode steps: those tokens) whose
+  last logits give draft 1, then ``k - 1`` draft decode steps feeding each draft back (the ids stay
+  on the device; one copy to the host at the end). Drafts are greedy (the draft's argmax over the
+  ids both vocabularies have): point masses, which :func:`~kiln.runtime.speculative.verify` accepts
+  losslessly for greedy and sampled requests alike;
+* after the verify step (:meth:`DraftModel.accepted`), with ``a`` of a request's ``n`` drafts accepted,
+  its draft K/V are right up to position ``s - 1 + min(a, n - 1)`` (``s``: its length before the
+  step): the drafts the draft itself fed were the accepted tokens.
+
+Whatever the draft's K/V hold, the output is the target's: a stale draft page (a prefix-cache page
+whose last tokens no draft step saw) costs acceptance, never correctness.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from kiln import artifact_format as fmt
+from kiln.artifact_format import RECOPY, ArtifactError
+from kiln.kernel_cache import use_kernel_cache, user_cache_dir
+from kiln.manifest import Manifest
+from kiln.runtime.kv_pool import BlockTable, KVPool
+from kiln.runtime.loader import LoadedModel, load_model
+from kiln.runtime.model_runner import ModelRunner, StepInputs
+
+if TYPE_CHECKING:
+    from kiln.runtime.request import Req
+    from kiln.runtime.scheduler import Scheduler
+
+
+def load_draft(
+    target: LoadedModel,
+    device: torch.device,
+    verify: bool,
+    graph_format: str | None,
+    kernel_cache_dir: str | Path | None = None,
+) -> LoadedModel:
+    """The target artifact's draft model, loaded (its files checked by its own manifest); refuses
+    one that is not the draft the target was compiled with, or whose page size differs."""
+    spec = target.artifact.manifest.draft
+    assert spec is not None
+    root = target.artifact.root / spec.path
+    m = Manifest.load(root)  # its own self-hash first
+    recorded = m.document()[fmt.MANIFEST_HASH_KEY]
+    if recorded != spec.manifest_xxh3_128:
+        raise ArtifactError(
+            f"the draft model under {root} is not the one this artifact was compiled with (manifest hash "
+            f"{recorded}, 'draft.manifest_xxh3_128' is {spec.manifest_xxh3_128}); {RECOPY}."
+        )
+    if m.kv.page_size != target.artifact.manifest.kv.page_size:
+        raise ArtifactError(f"the draft model under {root} has another KV page size; {RECOPY}.")
+    draft = load_model(
+        str(root), device, verify=verify, graph_format=graph_format, kernel_cache_dir=kernel_cache_dir
+    )
+    # both artifacts' kernels: the draft's load pointed the cache at its own only
+    kernels = (target.artifact.root / "kernels", root / "kernels")
+    use_kernel_cache(write=Path(kernel_cache_dir or user_cache_dir()), read=kernels)
+    return draft
+
+
+class DraftModel:
+    """The draft source (module docstring): the draft's runner over its own pool and the target's
+    block table, and each request's drafted-up-to position."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        pool: KVPool,
+        block_table: BlockTable,
+        num_draft_tokens: int,
+        target_vocab: int,
+        cuda_graph: bool,
+    ):
+        self.pool = pool
+        self.runner = ModelRunner(model, pool, block_table, cuda_graph=cuda_graph, graph_greedy=False)
+        self.bt = block_table
+        self.k = num_draft_tokens
+        self.vocab = min(target_vocab, model.artifact.manifest.vocab_size)  # ids both heads have
+        self.chunk = model.artifact.manifest.chunk_size
+        self.done: dict[str, int] = {}
+        self._starts: list[int] = []  # each request's length when its drafts were made
+        self.caught_up = 0  # tokens the draft's catch-up extends ran (1-2 per request and verify step)
+        self.device = model.device
+
+    def forget(self, rid: str) -> None:
+        self.done.pop(rid, None)
+
+    # ------------------------------------------------------------------ prefill
+    def mirror(self, step: StepInputs, reqs: list[Req]) -> None:
+        """Run the target's extend ``step`` (of ``reqs``) on the draft: their chunks' draft K/V."""
+        assert step.extend_lens is not None
+        self.runner.extend(step)
+        for req, end, n in zip(reqs, step.seq_lens, step.extend_lens):
+            if self.done.get(req.rid, end - n) >= end - n:  # contiguous (or new: trust the cache)
+                self.done[req.rid] = end
+
+    # ------------------------------------------------------------------ drafting
+    def propose(self, reqs: list[Req], limits: list[int], sched: Scheduler) -> list[list[int]]:
+        """Up to ``min(k, limits[i])`` greedy drafts per request, with the target's pages reserved
+        for them (:meth:`Scheduler.reserve_drafts`: a request whose pages cannot grow drafts less)."""
+        want = [[0] * max(0, min(self.k, lim)) for lim in limits]
+        counts = [len(d) for d in sched.reserve_drafts(reqs, want)]
+        self._starts = [r.seq_len for r in reqs]
+        n = max(counts, default=0)
+        if n == 0:
+            return [[] for _ in reqs]
+        ids = torch.empty(len(reqs), n, dtype=torch.int64, device=self.device)
+        ids[:, 0] = self._catch_up(reqs).argmax(-1)
+        for i in range(1, n):  # draft i + 1 from draft i, fed at position s - 1 + i
+            pos, slots, lens = [], [], []
+            for req, s, c in zip(reqs, self._starts, counts):
+                live = i < c  # its K/V lands in a reserved slot and its next draft is wanted
+                p = s - 1 + i if live else s - 1
+                pos.append(p)
+                slots.append(self.bt.slots(req.row, p, p + 1)[0] if live else 0)
+                lens.append(p + 1)
+            step = StepInputs("decode", [0] * len(reqs), pos, slots, [r.row for r in reqs], lens)
+            logits = self.runner.decode(step, subst=(None, ids[:, i - 1]))
+            ids[:, i] = logits[:, : self.vocab].argmax(-1)
+        host = ids.cpu().tolist()
+        return [row[:c] for row, c in zip(host, counts)]
+
+    def _catch_up(self, reqs: list[Req]) -> torch.Tensor:
+        """One draft extend (more when the backlog exceeds a chunk) over each request's tokens the
+        draft has not seen, up to and including its newest; the draft's logits ``[B, vocab]`` there."""
+        last: list[torch.Tensor | None] = [None] * len(reqs)
+        todo = [
+            (i, min(self.done.get(r.rid, 0), s - 1), s) for i, (r, s) in enumerate(zip(reqs, self._starts))
+        ]
+        per = max(1, self.chunk // len(reqs))
+        while todo:
+            ids: list[int] = []
+            pos: list[int] = []
+            slots: list[int] = []
+            rows, lens, ext, which = [], [], [], []
+            left = []
+            for i, lo, s in todo:
+                hi = min(s, lo + per)
+                req = reqs[i]
+                ids += req.token_view[lo:hi]
+                pos += range(lo, hi)
+                slots += self.bt.slots(req.row, lo, hi)
+                rows.append(req.row)
+                lens.append(hi)
+                ext.append(hi - lo)
+                which.append(i)
+                if hi < s:
+                    left.append((i, hi, s))
+            logits = self.runner.extend(StepInputs("extend", ids, pos, slots, rows, lens, ext))
+            self.caught_up += len(ids)
+            for j, i in enumerate(which):
+                last[i] = logits[j, : self.vocab]
+            todo = left
+        for r, s in zip(reqs, self._starts):
+            self.done[r.rid] = s
+        return torch.stack([x for x in last if x is not None])
+
+    def accepted(self, reqs: list[Req], drafts: list[list[int]], num_emitted: list[int]) -> None:
+        """After the verify step of :meth:`propose`'s drafts: each request's draft K/V are right up
+        to the drafts it fed that were accepted (module docstring)."""
+        for req, s, d, e in zip(reqs, self._starts, drafts, num_emitted):
+            self.done[req.rid] = s + min(e - 1, max(len(d) - 1, 0))
