@@ -294,6 +294,7 @@ class Engine:
                 self.settings["num_draft_tokens"],
                 m.vocab_size,
                 opts.cuda_graph,
+                tuple(sorted(m.eos_token_ids)),
             )
         elif self.spec_mode == "ngram":
             self.drafter = NgramDrafter(

@@ -15,9 +15,13 @@ which the draft's K/V are the request's tokens:
   runs one draft extend over the tokens the draft has not seen (after the last verify step: the
   bonus token, or the last draft and the bonus token; after plain decode steps: those tokens) whose
   last logits give draft 1, then ``k - 1`` draft decode steps feeding each draft back (the ids stay
-  on the device; one copy to the host at the end). Drafts are greedy (the draft's argmax over the
-  ids both vocabularies have): point masses, which :func:`~kiln.runtime.speculative.verify` accepts
-  losslessly for greedy and sampled requests alike;
+  on the device; one copy to the host at the end). Over the ids both vocabularies have, a greedy
+  request's drafts are the draft's argmax; a sampling request's are sampled from the draft's
+  distribution ``q`` under the request's own temperature / top-k / top-p / min-p (and min_tokens
+  bans), with noise from its ``DRAFT_STREAM`` keys, and ``q`` is kept (:attr:`DraftModel.probs`) for
+  the rejection rule (:func:`~kiln.runtime.speculative.rejection_sample`): lossless, and a draft
+  close to the target is accepted about as often as it agrees in distribution, not only where its
+  sample hits the target's;
 * after the verify step (:meth:`DraftModel.accepted`), with ``a`` of a request's ``n`` drafts accepted,
   its draft K/V are right up to position ``s - 1 + min(a, n - 1)`` (``s``: its length before the
   step): the drafts the draft itself fed were the accepted tokens.
@@ -37,9 +41,12 @@ from kiln import artifact_format as fmt
 from kiln.artifact_format import RECOPY, ArtifactError
 from kiln.kernel_cache import use_kernel_cache, user_cache_dir
 from kiln.manifest import Manifest
+from kiln.ops.sampling.gumbel import gumbel_argmax
 from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import LoadedModel, load_model
 from kiln.runtime.model_runner import ModelRunner, StepInputs
+from kiln.runtime.sampler import SamplingBatch, filter_logits
+from kiln.runtime.speculative import DRAFT_STREAM, stream_seeds
 
 if TYPE_CHECKING:
     from kiln.runtime.request import Req
@@ -88,6 +95,7 @@ class DraftModel:
         num_draft_tokens: int,
         target_vocab: int,
         cuda_graph: bool,
+        eos_token_ids: tuple[int, ...] = (),
     ):
         self.pool = pool
         self.runner = ModelRunner(model, pool, block_table, cuda_graph=cuda_graph, graph_greedy=False)
@@ -98,6 +106,10 @@ class DraftModel:
         self.done: dict[str, int] = {}
         self._starts: list[int] = []  # each request's length when its drafts were made
         self.caught_up = 0  # tokens the draft's catch-up extends ran (1-2 per request and verify step)
+        self.target_vocab = target_vocab
+        self.eos_token_ids = eos_token_ids
+        # [B, n, target_vocab] float32: q of each draft of the last propose (None: all greedy)
+        self.probs: torch.Tensor | None = None
         self.device = model.device
 
     def forget(self, rid: str) -> None:
@@ -119,11 +131,40 @@ class DraftModel:
         want = [[0] * max(0, min(self.k, lim)) for lim in limits]
         counts = [len(d) for d in sched.reserve_drafts(reqs, want)]
         self._starts = [r.seq_len for r in reqs]
+        self.probs = None
         n = max(counts, default=0)
         if n == 0:
             return [[] for _ in reqs]
         ids = torch.empty(len(reqs), n, dtype=torch.int64, device=self.device)
-        ids[:, 0] = self._catch_up(reqs).argmax(-1)
+        params = [r.params for r in reqs]
+        sampling = not SamplingBatch.plain_greedy(params)
+        if sampling:
+            self.probs = torch.zeros(len(reqs), n, self.target_vocab, device=self.device)
+            seeds = stream_seeds([r.seed for r in reqs], DRAFT_STREAM)
+            steps = [len(r.output_ids) for r in reqs]
+
+        def pick(i: int, logits: torch.Tensor) -> torch.Tensor:
+            """Draft ``i + 1`` of each request from the draft's logits ``[B, >= vocab]``."""
+            x = logits[:, : self.vocab].float()
+            if not sampling:
+                return x.argmax(-1)
+            sb = SamplingBatch.build(
+                params,
+                [r.row for r in reqs],
+                self.device,
+                seeds=seeds,
+                steps=[t + i for t in steps],
+                eos_token_ids=self.eos_token_ids,
+            )
+            if sb.ban is not None:
+                x = x.index_put(sb.ban, x.new_full((1,), float("-inf")))
+            filt = filter_logits(x, sb)
+            tok = torch.where(sb.greedy, x.argmax(-1), gumbel_argmax(filt, sb.keys))
+            assert self.probs is not None
+            self.probs[:, i, : self.vocab] = torch.softmax(filt, dim=-1)
+            return tok
+
+        ids[:, 0] = pick(0, self._catch_up(reqs))
         for i in range(1, n):  # draft i + 1 from draft i, fed at position s - 1 + i
             pos, slots, lens = [], [], []
             for req, s, c in zip(reqs, self._starts, counts):
@@ -133,8 +174,7 @@ class DraftModel:
                 slots.append(self.bt.slots(req.row, p, p + 1)[0] if live else 0)
                 lens.append(p + 1)
             step = StepInputs("decode", [0] * len(reqs), pos, slots, [r.row for r in reqs], lens)
-            logits = self.runner.decode(step, subst=(None, ids[:, i - 1]))
-            ids[:, i] = logits[:, : self.vocab].argmax(-1)
+            ids[:, i] = pick(i, self.runner.decode(step, subst=(None, ids[:, i - 1])))
         host = ids.cpu().tolist()
         return [row[:c] for row, c in zip(host, counts)]
 

@@ -356,6 +356,8 @@ class Stepper:
         t2 = time.perf_counter()
         P = rows3.shape[1]
         db = DraftBatch.from_lists(drafts, self.device, max_len=P - 1)
+        if isinstance(drafter, DraftModel) and drafter.probs is not None:  # sampled drafts: their q
+            db = DraftBatch(db.ids, db.lens, drafter.probs[:, : P - 1])
         spec = SpecSampling.build(
             [r.params for r in reqs],
             step.req_rows,
@@ -364,6 +366,7 @@ class Stepper:
             P,
             self.device,
             eos_token_ids=self.eos_token_ids,
+            with_uniforms=db.probs is not None,
         )
         out = verify(rows3, db, spec, self.sampler)
         launched = Launched(batch, reqs, [], out.token_ids, kind=kind)
