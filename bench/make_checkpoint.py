@@ -3,6 +3,7 @@
     python bench/make_checkpoint.py --preset llama-3.1-8b -o /tmp/llama8b [--num-layers 4]
     python bench/make_checkpoint.py --config path/to/config.json -o DIR --dtype float16
     python bench/make_checkpoint.py --preset qwen3-30b-a3b --bytes    # its size, nothing written
+    python bench/make_checkpoint.py --preset llama-3.1-8b --successor -o DIR  # greedy t -> next(t)
 
 Big configs are written without instantiating the model (meta device + random tensors shard by
 shard, see kiln.compiler.synth); tiny ones go through transformers' save_pretrained.
@@ -39,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-tokenizer", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--successor",
+        action="store_true",
+        help="zero o/down projections, LM head = embedding permuted by a cycle: greedy decoding emits "
+        "next(t) after t (kiln.compiler.synth.successor_next(vocab, --seed)); Llama-family, untied",
+    )
     a = ap.parse_args(argv)
     if a.bytes:
         print(_size_bound(a.preset, a.config, a.num_layers, a.dtype))
@@ -46,19 +53,26 @@ def main(argv: list[str] | None = None) -> int:
     if a.out is None:
         ap.error("-o/--out is required (or --bytes)")
     config = a.preset if a.preset else json.loads(a.config.read_text())
+    from kiln.errors import KilnError
+
     t0 = time.perf_counter()
-    out = make_checkpoint(
-        a.out,
-        config,
-        a.dtype,
-        a.seed,
-        a.max_shard_size,
-        a.num_layers,
-        not a.no_tokenizer,
-        engine=a.engine,
-        original_format=not a.stacked_experts,
-        threads=a.threads,
-    )
+    try:
+        out = make_checkpoint(
+            a.out,
+            config,
+            a.dtype,
+            a.seed,
+            a.max_shard_size,
+            a.num_layers,
+            not a.no_tokenizer,
+            engine=a.engine,
+            original_format=not a.stacked_experts,
+            threads=a.threads,
+            successor=a.successor,
+        )
+    except KilnError as e:
+        print(f"make_checkpoint: {e}", file=sys.stderr)
+        return 2
     dt = time.perf_counter() - t0
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     n = len(list(out.glob("*.safetensors")))

@@ -12,6 +12,20 @@ Two engines write the same tensor names and shapes Hugging Face's ``save_pretrai
   8B-shaped checkpoint takes seconds, not the minutes a fresh normal draw per element would.
 
 ``engine="auto"`` picks ``hf`` under 200 M parameters, ``fast`` above.
+
+``successor=True`` (Llama-family configs with untied embeddings) makes a checkpoint whose greedy
+continuation of token ``t`` is ``next(t)``, a fixed cycle through the whole vocabulary, so outputs
+copy what a prompt holding a stretch of the cycle already shows (the workload n-gram speculative
+decoding needs, docs/speculative.md section 7): every layer's ``o_proj`` and ``down_proj`` (and
+their biases) are zero, so each layer adds nothing to the residual stream while every weight is
+still read at its full size; the embedding rows are random signs times ``SUCCESSOR_SCALE`` (equal
+norms); and the LM head row ``next(t)`` is the embedding row ``t``. The final hidden state is then
+``RMSNorm(embed[t]) = sign(embed[t]) * g`` (``g`` the final norm weight, 1 + N(0, 0.02)), whose
+logit for ``next(t)`` is ``SUCCESSOR_SCALE * sum(g)`` (~ 0.02 H) while any other row scores
+``SUCCESSOR_SCALE * sum(g * s)`` for an independent sign vector ``s`` (~ 0.02 sqrt(H) spread): a
+margin of 8 standard deviations at H = 64 and 64 at H = 4096, far above bf16 rounding.
+:func:`successor_next` gives ``next``: the ids in the order ``random.Random(seed).shuffle`` puts
+``range(vocab_size)`` in, each followed by the next one, the last by the first.
 """
 
 from __future__ import annotations
@@ -81,9 +95,90 @@ def _is_norm(name: str, t: torch.Tensor) -> bool:
     return t.dim() == 1 and "norm" in name
 
 
+# ----------------------------------------------------------------------------- successor checkpoints
+SUCCESSOR_SCALE = 0.02  # |every embedding value| of a successor checkpoint
+_SUCCESSOR_ZERO = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$")
+_EMBED, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def successor_next(vocab_size: int, seed: int = 0) -> list[int]:
+    """``next`` of a successor checkpoint (module docstring) of ``vocab_size`` ids written with
+    ``seed``: ``next[t]`` is the token its greedy decoding emits after ``t``. One cycle through
+    every id: ``order = list(range(vocab_size))``, ``random.Random(seed).shuffle(order)``, then
+    ``next[order[i]] = order[(i + 1) % vocab_size]``."""
+    order = list(range(vocab_size))
+    random.Random(seed).shuffle(order)
+    nxt = [0] * vocab_size
+    for a, b in zip(order, order[1:] + order[:1]):
+        nxt[a] = b
+    return nxt
+
+
+def successor_tensors(
+    vocab_size: int, hidden_size: int, seed: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(embed, lm_head)``, both ``[vocab_size, hidden_size]`` in ``dtype``: embedding rows of
+    random signs times :data:`SUCCESSOR_SCALE`, and ``lm_head[next[t]] = embed[t]``
+    (:func:`successor_next`)."""
+    g = torch.Generator().manual_seed(seed)
+    embed = torch.empty(vocab_size, hidden_size, dtype=dtype)
+    shifts = torch.arange(8, dtype=torch.uint8)
+    rows = max(1, (1 << 25) // hidden_size)  # 32 Mi signs at a time
+    for s in range(0, vocab_size, rows):
+        n = min(rows, vocab_size - s)
+        packed = torch.randint(0, 256, (n, (hidden_size + 7) // 8), dtype=torch.uint8, generator=g)
+        bits = ((packed.unsqueeze(-1) >> shifts) & 1).reshape(n, -1)[:, :hidden_size]
+        embed[s : s + n] = (bits.to(torch.int8) * 2 - 1).to(dtype) * SUCCESSOR_SCALE
+    lm_head = torch.empty_like(embed)
+    lm_head[torch.tensor(successor_next(vocab_size, seed))] = embed
+    return embed, lm_head
+
+
+def _check_successor(raw: dict[str, Any]) -> None:
+    """Successor checkpoints are Llama-family and untied (module docstring)."""
+    from kiln.compiler.registry import LLAMA, resolve_architecture
+
+    arch = str((raw.get("architectures") or ["?"])[0])
+    if resolve_architecture(arch).model != LLAMA:
+        llama = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+        raise ConfigError(
+            f"successor checkpoints need a Llama-family architecture ({llama}); config.json field "
+            f"'architectures' names {arch}. Pick one of those configs or drop successor."
+        )
+    if raw.get("tie_word_embeddings"):
+        raise ConfigError(
+            "successor checkpoints need untied embeddings (the LM head is the embedding permuted); "
+            "config.json field 'tie_word_embeddings' is true. Set it to false or drop successor."
+        )
+
+
+def _successor_fixed(
+    raw: dict[str, Any], names: list[str], seed: int, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The successor tensors by on-disk name (embedding, LM head) and the names to write as zeros;
+    checks that ``names`` holds the embedding, the LM head and one o and one down projection per
+    layer."""
+    zero = {n for n in names if _SUCCESSOR_ZERO.search(n)}
+    layers = raw["num_hidden_layers"]
+    got = {(m.group(1), m.group(2)) for n in zero if (m := re.search(r"layers\.(\d+)\.(self_attn|mlp)\.", n))}
+    if _EMBED not in names or _LM_HEAD not in names or len(got) != 2 * layers:
+        raise ConfigError(
+            f"successor: the checkpoint's tensor names lack {_EMBED}, {_LM_HEAD} or a layer's o_proj / "
+            "down_proj; only Llama-family layouts are supported."
+        )
+    embed, lm_head = successor_tensors(raw["vocab_size"], raw["hidden_size"], seed, dtype)
+    return {_EMBED: embed, _LM_HEAD: lm_head}, zero
+
+
 # ----------------------------------------------------------------------------- hf engine
 def _write_hf(
-    out: Path, raw: dict[str, Any], dtype: torch.dtype, seed: int, max_shard: int, original: bool
+    out: Path,
+    raw: dict[str, Any],
+    dtype: torch.dtype,
+    seed: int,
+    max_shard: int,
+    original: bool,
+    successor: bool = False,
 ) -> None:
     import inspect
 
@@ -99,6 +194,13 @@ def _write_hf(
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0.0, 0.02)
+        if successor:
+            params = dict(model.named_parameters(remove_duplicate=False))
+            fixed, zero = _successor_fixed(raw, list(params), seed, torch.float32)
+            for name in zero:
+                params[name].zero_()
+            for name, t in fixed.items():
+                params[name].copy_(t)
     model.to(dtype)
     kw: dict[str, Any] = {"max_shard_size": max_shard}
     if "save_original_format" in inspect.signature(model.save_pretrained).parameters:
@@ -172,8 +274,13 @@ def _write_fast(
     max_shard: int,
     original: bool,
     threads: int,
+    successor: bool = False,
 ) -> None:
     items = _meta_tensors(raw, original)
+    fixed: dict[str, torch.Tensor] = {}
+    zero: set[str] = set()
+    if successor:
+        fixed, zero = _successor_fixed(raw, [n for n, _ in items], seed, dtype)
     shards = _shard(items, dtype.itemsize, max_shard)
     largest = max(math.prod(s) for _, s in items)
     pool = _Pool(seed, dtype, min(POOL_NUMEL, 1 << (largest - 1).bit_length()))
@@ -196,7 +303,13 @@ def _write_fast(
 
                 def job(name: str, shape: tuple[int, ...], fd: int = fd, off: int = 0) -> None:
                     try:
-                        pwrite_all(fd, tensor_bytes(pool.fill(name, shape, seed)), off)
+                        if name in fixed:
+                            t = fixed[name]
+                        elif name in zero:
+                            t = torch.zeros(shape, dtype=dtype)
+                        else:
+                            t = pool.fill(name, shape, seed)
+                        pwrite_all(fd, tensor_bytes(t), off)
                     finally:
                         budget.release()
 
@@ -236,6 +349,7 @@ def make_checkpoint(
     engine: str = "auto",
     original_format: bool = True,
     threads: int | None = None,
+    successor: bool = False,
 ) -> Path:
     """Write a random-weight Hugging Face checkpoint of ``config`` (a config.json dict or a bundled
     preset name such as ``llama-3.1-8b``) into ``out_dir``: config.json, safetensors shards of at
@@ -244,20 +358,23 @@ def make_checkpoint(
     config.json and generation_config.json then carry its bos/eos ids).
 
     ``original_format=False`` keeps transformers 5's pre-stacked expert tensors
-    (``mlp.experts.gate_up_proj``) instead of per-expert ones. Returns ``out_dir``.
+    (``mlp.experts.gate_up_proj``) instead of per-expert ones. ``successor=True``: a successor
+    checkpoint (module docstring; greedy decoding emits ``successor_next(vocab_size, seed)[t]``
+    after ``t``). Returns ``out_dir``.
     """
+    raw = resolve_config(config, dtype, num_layers)
+    if successor:
+        _check_successor(raw)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    raw = resolve_config(config, dtype, num_layers)
     tdt = getattr(torch, dtype)
     if engine == "auto":
         engine = "hf" if normalize_config(raw).num_params < HF_ENGINE_MAX_PARAMS else "fast"
     if engine == "hf":
-        _write_hf(out, raw, tdt, seed, parse_size(max_shard_size), original_format)
+        _write_hf(out, raw, tdt, seed, parse_size(max_shard_size), original_format, successor)
     elif engine == "fast":
-        _write_fast(
-            out, raw, tdt, seed, parse_size(max_shard_size), original_format, threads or os.cpu_count() or 4
-        )
+        nthreads = threads or os.cpu_count() or 4
+        _write_fast(out, raw, tdt, seed, parse_size(max_shard_size), original_format, nthreads, successor)
     else:
         raise ValueError(f"engine must be auto, hf or fast, got {engine!r}")
     if with_tokenizer:

@@ -37,6 +37,15 @@ def ratios(report: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def speculation(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The latency rows that ran with speculative decoding on (``kiln bench latency --speculative
+    ngram``): batch, decode tokens/s, drafts accepted / proposed, tokens a request gained per
+    verify step and the verify steps (runtime/benchmark.py ``LatencyResult``)."""
+    keys = ("batch", "decode_tok_s", "spec_acceptance_rate", "spec_mean_emitted", "verify_steps")
+    rows = report.get("latency", {}).get("kiln", [])
+    return [{k: r[k] for k in keys} for r in rows if r.get("verify_steps") is not None]
+
+
 def plot(report: dict[str, Any], path: str) -> None:
     import matplotlib
 

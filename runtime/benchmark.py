@@ -75,6 +75,65 @@ def random_prompts(n: int, length: int | tuple[int, int], vocab: int, seed: int 
     return [[rng.randrange(10, vocab) for _ in range(k)] for k in lens]
 
 
+def cycle_prompts(
+    llm: LLM, n: int, input_len: int, output_len: int, seed: int = 0, skip: int = 0
+) -> list[list[int]]:
+    """``n`` prompts of ``input_len`` tokens whose greedy continuation the prompt already holds
+    when the model continues each token the same way whatever came before (a successor checkpoint,
+    ``bench/make_checkpoint.py --successor``: the greedy continuation of ``t`` is ``next(t)``):
+    the workload n-gram speculative decoding applies to. Each prompt is a stretch ``S`` of the
+    model's own greedy continuation of a random token (generated here, greedy, ``ignore_eos``),
+    then the first ``m = max(1, (input_len - output_len) // 2)`` tokens of ``S`` again, so the
+    output goes on along ``S``: up to ``len(S) - m >= output_len`` tokens (where ``input_len >=
+    2 output_len + 1``) that every n-gram draft predicts. ``skip`` >= 2 drops every ``skip``-th
+    token of the continuation before taking ``S`` (a cycle over a subset): drafts go wrong at each
+    gap, so fewer are accepted; 0 drops none."""
+    if skip == 1 or skip < 0:
+        raise ValueError(f"skip must be 0 (none) or >= 2, got {skip}")
+    eng = llm.engine
+    m = max(1, (input_len - output_len) // 2)
+    k = input_len - m  # len(S)
+    need = k + (k // (skip - 1) + 1 if skip else 0)  # continuation length before the gaps
+    if need > eng.max_seq_len:
+        raise ValueError(
+            f"cycle prompts of {input_len} tokens need {need} <= max_seq_len ({eng.max_seq_len})"
+        )
+    rng = random.Random(seed)
+    starts = [[rng.randrange(10, eng.vocab_size)] for _ in range(n)]
+    sp = SamplingParams(max_tokens=need - 1, temperature=0.0, ignore_eos=True)
+    prompts = []
+    for start, out in zip(starts, llm.generate(starts, sp)):
+        seq = start + list(out.token_ids)
+        stretch = [t for i, t in enumerate(seq) if not skip or (i + 1) % skip][:k]
+        prompts.append(stretch + stretch[:m])
+    return prompts
+
+
+def spec_sums(llm: LLM) -> dict[str, Any] | None:
+    """The engine's speculative-decoding sums (``Engine.step_metrics()["speculative"]``), None
+    with speculation off."""
+    return llm.engine.step_metrics().get("speculative")
+
+
+def spec_figures(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any]:
+    """Speculative decoding over a run, from :func:`spec_sums` before and after it:
+    ``spec_acceptance_rate`` (drafts accepted / proposed), ``spec_mean_emitted`` (tokens a request
+    gained per verify step: accepted drafts + 1), ``spec_verified`` (request-steps verified),
+    ``spec_proposed``, ``spec_accepted``, ``verify_steps``; all None with speculation off."""
+    if before is None or after is None:
+        names = ("acceptance_rate", "mean_emitted", "verified", "proposed", "accepted")
+        return {f"spec_{k}": None for k in names} | {"verify_steps": None}
+    d = {k: after[k] - before[k] for k in ("steps", "verified", "proposed", "accepted", "emitted")}
+    return {
+        "spec_acceptance_rate": d["accepted"] / d["proposed"] if d["proposed"] else 0.0,
+        "spec_mean_emitted": d["emitted"] / d["verified"] if d["verified"] else 0.0,
+        "spec_verified": d["verified"],
+        "spec_proposed": d["proposed"],
+        "spec_accepted": d["accepted"],
+        "verify_steps": d["steps"],
+    }
+
+
 @dataclass
 class LatencyResult:
     batch: int
@@ -88,6 +147,11 @@ class LatencyResult:
     roofline_tok_s: float  # B / (bytes_per_step / read bandwidth)
     frac_roofline: float
     extra: dict[str, Any] = field(default_factory=dict)
+    # speculative decoding (None with it off): drafts accepted / proposed, tokens a request gained
+    # per verify step, and the decode steps that verified drafts (the rest decoded plainly)
+    spec_acceptance_rate: float | None = None
+    spec_mean_emitted: float | None = None
+    verify_steps: int | None = None
 
 
 def weight_bytes_per_step(llm: LLM, batch: int = 1) -> int:
@@ -124,14 +188,21 @@ def kiln_latency(
     read_gbps: float,
     seed: int = 0,
     structured: StructuredOutputs | None = None,
+    prompts: list[list[int]] | None = None,
 ) -> LatencyResult:
     """``structured``: every request's output under this structure (the cost of the grammar's
-    masks; a structure that can end early shortens the run: use one that goes on, e.g. an array)."""
+    masks; a structure that can end early shortens the run: use one that goes on, e.g. an array).
+    ``prompts``: the batch's prompts, ``batch`` of ``input_len`` tokens (default: random tokens;
+    :func:`cycle_prompts` for speculative decoding)."""
     eng = llm.engine
     eng.reset_prefix_cache()
-    prompts = random_prompts(batch, input_len, eng.vocab_size, seed)
+    if prompts is None:
+        prompts = random_prompts(batch, input_len, eng.vocab_size, seed)
+    if len(prompts) != batch or any(len(p) != input_len for p in prompts):
+        raise ValueError(f"kiln_latency: prompts must be {batch} of {input_len} tokens")
     sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, structured=structured)
     masked0 = eng.stats["masked_rows"]
+    spec0 = spec_sums(llm)
     for p in prompts:
         eng.add_request(p, sp)
     if eng.device.type == "cuda":
@@ -167,6 +238,7 @@ def kiln_latency(
     nbytes = weight_bytes_per_step(llm, batch) + batch * mean_ctx * kv_per_tok
     roof = batch / (nbytes / (read_gbps * 1e9)) if read_gbps == read_gbps else float("nan")
     tok_s = batch * (output_len - 1) / decode_s
+    spec = spec_figures(spec0, spec_sums(llm))
     return LatencyResult(
         batch=batch,
         input_len=input_len,
@@ -180,6 +252,9 @@ def kiln_latency(
         frac_roofline=tok_s / roof if roof == roof else float("nan"),
         # mean over decode steps (Engine.host_breakdown); rows a grammar masked over the run
         extra={"ms_per_step_by_part": breakdown, "masked_rows": eng.stats["masked_rows"] - masked0},
+        spec_acceptance_rate=spec["spec_acceptance_rate"],
+        spec_mean_emitted=spec["spec_mean_emitted"],
+        verify_steps=spec["verify_steps"],
     )
 
 
@@ -330,10 +405,12 @@ def step_figures(snap: StepStatsSnapshot, seconds: float) -> dict[str, Any]:
 
 def kiln_throughput(llm: LLM, prompts: list[list[int]], outs: list[int]) -> dict[str, Any]:
     """Offline throughput of a :func:`throughput_workload`: every prompt submitted at once; with
-    the engine's step figures over the run (:func:`step_figures`)."""
+    the engine's step figures over the run (:func:`step_figures`) and its speculative-decoding
+    figures (:func:`spec_figures`)."""
     eng = llm.engine
     eng.reset_prefix_cache()
     eng.reset_step_stats()
+    spec0 = spec_sums(llm)
     num_prompts = len(prompts)
     t = time.perf_counter()
     res = llm.generate(
@@ -352,6 +429,7 @@ def kiln_throughput(llm: LLM, prompts: list[list[int]], outs: list[int]) -> dict
         "requests_s": num_prompts / dt,
         "preemptions": eng.scheduler.num_preemptions,
         **step_figures(eng.step_stats.snapshot(), dt),
+        **spec_figures(spec0, spec_sums(llm)),
     }
 
 

@@ -384,9 +384,11 @@ def verify(logits: torch.Tensor, drafts: DraftBatch, spec: SpecSampling, sampler
 
 @dataclass
 class AcceptanceStats:
-    """Sums over verify steps (for /metrics and ``kiln bench``): requests verified, draft tokens
-    proposed and accepted, tokens emitted, and a histogram of accepted drafts per request-step."""
+    """Sums over verify steps (for /metrics and ``kiln bench``): verify steps, requests verified,
+    draft tokens proposed and accepted, tokens emitted, and a histogram of accepted drafts per
+    request-step."""
 
+    steps: int = 0
     verified: int = 0
     proposed: int = 0
     accepted: int = 0
@@ -395,6 +397,7 @@ class AcceptanceStats:
 
     def record(self, draft_lens: Sequence[int], num_emitted: Sequence[int]) -> None:
         """One verify step's host copies of ``DraftBatch.lens`` and ``VerifyOutput.num_emitted``."""
+        self.steps += 1
         for k, n in zip(draft_lens, num_emitted):
             self.verified += 1
             self.proposed += k
@@ -406,6 +409,7 @@ class AcceptanceStats:
         """The sums plus ``acceptance_rate`` (accepted / proposed) and ``mean_emitted`` (tokens
         per request per verify step, the speed-up's upper bound)."""
         return {
+            "steps": self.steps,
             "verified": self.verified,
             "proposed": self.proposed,
             "accepted": self.accepted,

@@ -12,6 +12,15 @@
 #                        whose 61 GB checkpoint and artifact do not both fit the disk
 #   DTYPE=bfloat16       checkpoint dtype and `kiln compile --dtype`
 #   QUANT=               fp8: `kiln compile --quant fp8`
+#   SUCCESSOR=           1: a successor checkpoint (bench/make_checkpoint.py --successor: greedy decoding
+#                        emits next(t) after t, every weight still read) and `--prompt-kind cycle` in every
+#                        latency run (prompts holding their own continuation): the n-gram speculative
+#                        decoding workload, e.g. with COMPILE_ARGS="--verify-lengths 4,8" BATCHES=1,8,32
+#                        VARIANTS="plain:--speculative off;ngram4:--speculative ngram --num-draft-tokens 4;
+#                        ngram8:--speculative ngram --num-draft-tokens 8;gaps4:--speculative ngram
+#                        --num-draft-tokens 4 --cycle-skip 3" (gaps: every 3rd token of the prompt's
+#                        stretch dropped, lower acceptance); the latency JSON has spec_acceptance_rate,
+#                        spec_mean_emitted and verify_steps per batch. Llama-family untied presets only
 #   COMPILE_ARGS=        more `kiln compile` flags, e.g. "--max-batch-size 64 --page-size 16"
 #   REUSE=               1: use the artifact a warm machine holds from an earlier call of this shape
 #   BATCHES=1,8,64 INLEN=512 OUTLEN=64 KV=40   `kiln bench latency` batch sizes, lengths, KV GiB
@@ -33,7 +42,7 @@
 #                        tokens against a reference build of the same checkpoint, compiled with
 #                        --dtype DTYPE and ACC_REF_ARGS (default none: e.g. QUANT=fp8 against bf16)
 #   GPU_TESTS=           pytest paths run first with -m gpu (see bench/gpu/tests.sh for tests/server)
-# Writes DEST/e2e_<shape>.json (shape: PRESET[-L<LAYERS>][-<DTYPE>][-<QUANT>]) holding compile.log,
+# Writes DEST/e2e_<shape>.json (shape: PRESET[-L<LAYERS>][-<DTYPE>][-<QUANT>][-successor]) holding compile.log,
 # latency_<shape>_<variant>_r<N>.json (per batch: tok/s, ITL, host ms, TTFT, roofline; HF),
 # latency_table.json (the runs side by side, also printed), throughput_<variant>.json, startup.json,
 # profile.json, timeline.json, accuracy.json, tests.log when asked, stamps (seconds at each step's end).
@@ -45,8 +54,10 @@ PRESET=${PRESET:-llama-3.1-8b}; LAYERS=${LAYERS:-}; DTYPE=${DTYPE:-bfloat16}
 BATCHES=${BATCHES:-1,8,64}; INLEN=${INLEN:-512}; OUTLEN=${OUTLEN:-64}; KV=${KV:-40}
 VARIANTS=${VARIANTS:-default:}; ROUNDS=${ROUNDS:-1}; NPROMPTS=${NPROMPTS:-0}; STARTUP=${STARTUP:-0}; STARTUP_ARGS=${STARTUP_ARGS:-}
 TP_INLEN=${TP_INLEN:-256:1024}; TP_OUTLEN=${TP_OUTLEN:-64:256}
-NAME=$(shape_name "$PRESET" "$LAYERS" "$DTYPE" "$QUANT")
-CK=$CKPT_WORK/ckpt-$(shape_name "$PRESET" "$LAYERS" "$DTYPE" ""); ART=$WORK/art-$NAME
+SUCC=${SUCCESSOR:+-successor}  # successor checkpoints get their own names (checkpoint, artifact, call)
+NAME=$(shape_name "$PRESET" "$LAYERS" "$DTYPE" "$QUANT")$SUCC
+CK=$CKPT_WORK/ckpt-$(shape_name "$PRESET" "$LAYERS" "$DTYPE" "")$SUCC; ART=$WORK/art-$NAME
+PROMPT_ARGS=${SUCCESSOR:+--prompt-kind cycle}  # before each variant's words, which may override it
 ACCURACY=${ACCURACY:-0}; ACC_SEQLEN=${ACC_SEQLEN:-512}; REF=$WORK/art-$NAME-accuracy-ref
 call_begin "e2e_$NAME" "$1"
 HERE=$PWD
@@ -58,7 +69,7 @@ if [ -n "$GPU_TESTS" ]; then
 fi
 
 free_work "$CK" "$ART" "$REF"
-make_checkpoint "$PRESET" "$LAYERS" "$DTYPE" "$CK" || { call_end e2e.sh PRESET LAYERS; exit 1; }
+make_checkpoint "$PRESET" "$LAYERS" "$DTYPE" "$CK" ${SUCCESSOR:+--successor} || { call_end e2e.sh PRESET LAYERS SUCCESSOR; exit 1; }
 stamp checkpoint
 if [ -n "$REUSE" ] && [ -f "$ART/manifest.json" ]; then
   echo "artifact $ART: kept from an earlier call (REUSE=1)"
@@ -74,7 +85,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
   for v in "${vs[@]}"; do
     [ -z "$v" ] && continue
     # shellcheck disable=SC2086  # WORDS and flags, split on purpose
-    latency_in "$HERE" "$NAME" "${v%%:*}" "$r" "$ART" ${v#*:} $LAT_ARGS $hf
+    latency_in "$HERE" "$NAME" "${v%%:*}" "$r" "$ART" $PROMPT_ARGS ${v#*:} $LAT_ARGS $hf
     hf=
   done
 done
@@ -121,5 +132,5 @@ if [ "$ACCURACY" -gt 0 ]; then
     --seq-len "$ACC_SEQLEN" --json "$RAW/accuracy.json"
   show accuracy.log "." 12; stamp accuracy
 fi
-call_end e2e.sh PRESET LAYERS CKPT_WORK DTYPE QUANT COMPILE_ARGS REUSE BATCHES INLEN OUTLEN KV LAT_ARGS HF VARIANTS ROUNDS \
+call_end e2e.sh PRESET LAYERS CKPT_WORK DTYPE QUANT SUCCESSOR COMPILE_ARGS REUSE BATCHES INLEN OUTLEN KV LAT_ARGS HF VARIANTS ROUNDS \
   NPROMPTS TP_INLEN TP_OUTLEN TP_VARIANTS TP_HF STARTUP STARTUP_ARGS PROFILE TIMELINE ACCURACY ACC_SEQLEN ACC_REF_ARGS GPU_TESTS BUDGET

@@ -116,8 +116,9 @@ free_work() {  # KEEP...: delete WORK's checkpoints and artifacts other than the
   done
 }
 
-make_checkpoint() {  # PRESET LAYERS DTYPE CKPT: random weights (bench/make_checkpoint.py); kept if there
-  local preset=$1 layers=$2 dtype=$3 ck=$4
+make_checkpoint() {  # PRESET LAYERS DTYPE CKPT [FLAGS...]: random weights (bench/make_checkpoint.py, given
+  # FLAGS too, e.g. --successor); kept if there
+  local preset=$1 layers=$2 dtype=$3 ck=$4; shift 4
   if [ -z "$DRY" ] && [ -f "$ck/config.json" ]; then echo "checkpoint $ck: kept from an earlier call"; return 0; fi
   [ -z "$DRY" ] && rm -rf "$ck.part"
   if [ -z "$DRY" ]; then
@@ -131,7 +132,7 @@ make_checkpoint() {  # PRESET LAYERS DTYPE CKPT: random weights (bench/make_chec
     fi
   fi
   step "checkpoint_${ck##*/ckpt-}.log" 400 python bench/make_checkpoint.py --preset "$preset" ${layers:+--num-layers "$layers"} \
-    --dtype "$dtype" -o "$ck.part" || return 1
+    --dtype "$dtype" "$@" -o "$ck.part" || return 1
   if [ -n "$DRY" ]; then echo "+ mv $ck.part $ck"; return 0; fi
   mv "$ck.part" "$ck"; show "checkpoint_${ck##*/ckpt-}.log" "^wrote" 1
 }
