@@ -87,6 +87,8 @@ _NOT_TAKEN = {
     "output": "the cache chooses the output directory",
     "o": "the cache chooses the output directory",
     "force": "the cache replaces only entries it finds incomplete",
+    "draft_model": "the cache keys on one checkpoint: compile a draft model into an artifact with "
+    "`kiln compile MODEL --draft-model DRAFT -o ART` and serve ART",
 }
 
 Build = Callable[[Path, Path, list[str], str], None]
