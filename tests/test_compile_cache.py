@@ -346,8 +346,10 @@ def test_option_table_matches_kiln_compile(tmp_path):
 
     flags = cc.compile_flags()
     params = {p.name: p for p in compile_cmd.params}
-    # (--revision picks the checkpoint, whose content is in the key: not an artifact option)
-    assert set(flags) == set(params) - {"model_dir", "revision", "out", "device", "force"}
+    # (--revision picks the checkpoint, whose content is in the key: not an artifact option;
+    # --draft-model is refused, cc._NOT_TAKEN)
+    assert set(flags) == set(params) - {"model_dir", "revision", "out", "device", "force", "draft_model"}
+    assert "draft_model" in cc._NOT_TAKEN
     for name, (kind, default) in flags.items():
         assert default == getattr(CompileOptions(), name), name
         p = params[name]
