@@ -330,11 +330,8 @@ def _compile_model(
         if opts.draft_model is not None and not opts.verify_lengths.strip():
             opts = replace(opts, verify_lengths=DRAFT_VERIFY_LENGTH)  # a draft model verifies
         verify = opts.verify  # a bad --verify-lengths fails here
-        if verify is not None and opts.tp > 1:
-            raise CompileError(
-                "--verify-lengths and --draft-model need --tp 1: speculative decoding does not run "
-                "tensor-parallel yet."
-            )
+        if opts.draft_model is not None and opts.tp > 1:
+            raise CompileError("--draft-model needs --tp 1: a draft model does not run tensor-parallel yet.")
         if cfg.moe is not None:
             check_request(opts.moe_backend, torch.device(opts.device), opts.dtype, _experts_quant(opts))
         _prepare_out(out, opts.force)

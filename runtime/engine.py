@@ -167,10 +167,10 @@ class Engine:
         head = Manifest.load(Path(artifact))
         tp = head.tp
         self.spec_mode = _spec_mode(self.settings["speculative"], head)
-        if tp > 1 and self.spec_mode != "off":
+        if tp > 1 and self.spec_mode == "draft":
             raise KilnError(
-                f"speculative decoding does not run tensor-parallel yet (this artifact has tp {tp}); "
-                "use --speculative off"
+                f"a draft model does not run tensor-parallel yet (this artifact has tp {tp}); use "
+                "--speculative ngram or off"
             )
         if tp > 1:
             from kiln.runtime import tensor_parallel as tpl
@@ -236,11 +236,11 @@ class Engine:
         self.bt.stager = self.stager
         self.model.phases["kv_pool"] = time.perf_counter() - t
         t = time.perf_counter()
+        spec_on = self.spec_mode != "off"
         if self.ranks is not None:  # the followers build the same pool, table and runner now
             self.ranks.setup(
-                self.pool.num_slots, self.max_running, opts.cuda_graph, self.settings["graph_greedy"]
+                self.pool.num_slots, self.max_running, opts.cuda_graph, self.settings["graph_greedy"], spec_on
             )
-        spec_on = self.spec_mode != "off"
         if spec_on:
             self._check_verify(m.verify)
         self.runner = ModelRunner(

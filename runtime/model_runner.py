@@ -34,7 +34,7 @@ from kiln.ops.sampling.gumbel import argmax_rows
 from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import LoadedModel
 
-Mode = Literal["decode", "extend"]
+Mode = Literal["decode", "extend", "verify"]  # verify: an extend step with logits at every new token
 
 
 @dataclass
@@ -47,7 +47,7 @@ class StepInputs:
     out_slots: list[int]  # T
     req_rows: list[int]  # B
     seq_lens: list[int]  # B, KV length including this step's tokens
-    extend_lens: list[int] | None = None  # B, extend only
+    extend_lens: list[int] | None = None  # B, extend and verify only
 
     @property
     def batch(self) -> int:
@@ -439,5 +439,7 @@ class ModelRunner:
         self.last_ids = None
         if step.mode == "decode":
             return self.decode(step, subst)
+        if step.mode == "verify":
+            return self.verify(step)
         assert subst is None, "extend steps take their input ids from the host"
         return self.extend(step)

@@ -420,7 +420,7 @@ class Scheduler:
             slots += self.bt.slots(req.row, req.kv_len, req.kv_len + n)
             lens.append(n)
         return StepInputs(
-            mode="extend",
+            mode="verify",
             input_ids=ids,
             positions=pos,
             out_slots=slots,

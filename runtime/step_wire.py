@@ -6,10 +6,11 @@ while step N runs). As a pickled object that costs two collectives, ~1 ms a step
 (a quarter of a batch-1 step); as one tensor, one. Layout (int64)::
 
     [kind, T, B, K, input_ids[T], positions[T], out_slots[T], req_rows[B], seq_lens[B],
-     extend_lens[B] (extend only), flat indices[K], pages[K]]
+     extend_lens[B] (extend and verify only), flat indices[K], pages[K]]
 
 ``kind``: :data:`OBJECT` (the message follows as a Python object: setup, stop, and steps larger
-than the wire), :data:`DECODE`, :data:`EXTEND`, or :data:`DECODE_ARGMAX`: a decode step whose
+than the wire), :data:`DECODE`, :data:`EXTEND`, :data:`VERIFY` (speculative decoding's verify
+step: an extend with logits at every new token), or :data:`DECODE_ARGMAX`: a decode step whose
 input ids are each rank's own argmax of the step before (``ModelRunner.argmax_ids``: every rank has
 the whole logits, so the same ids; rank 0 launched it without reading them, with overlap). ``K`` block-table changes
 ``{flat index: page}`` travel with the step (``BlockTable.pending_changes``).
@@ -23,7 +24,9 @@ import numpy as np
 
 from kiln.runtime.model_runner import StepInputs
 
-OBJECT, DECODE, EXTEND, DECODE_ARGMAX = 0, 1, 2, 3
+OBJECT, DECODE, EXTEND, DECODE_ARGMAX, VERIFY = 0, 1, 2, 3, 4
+_KINDS = {"decode": DECODE, "extend": EXTEND, "verify": VERIFY}
+_MODES = {DECODE: "decode", DECODE_ARGMAX: "decode", EXTEND: "extend", VERIFY: "verify"}
 HEADER = 4
 WIRE_INTS = 1 << 14  # 128 KiB: every decode step of up to ~2,700 requests, prefill chunks to ~5,000 tokens
 
@@ -31,7 +34,7 @@ WIRE_INTS = 1 << 14  # 128 KiB: every decode step of up to ~2,700 requests, pref
 def wire_size(step: StepInputs, pending: dict[int, int]) -> int:
     """Ints the step takes on the wire."""
     b = step.batch
-    return HEADER + 3 * len(step.input_ids) + (3 if step.mode == "extend" else 2) * b + 2 * len(pending)
+    return HEADER + 3 * len(step.input_ids) + (2 if step.mode == "decode" else 3) * b + 2 * len(pending)
 
 
 def encode(
@@ -46,13 +49,13 @@ def encode(
         out[:HEADER] = (OBJECT, 0, 0, 0)
         return False
     t, b, k = len(step.input_ids), step.batch, len(pending)
-    kind = EXTEND if step.mode == "extend" else DECODE_ARGMAX if argmax else DECODE
+    kind = DECODE_ARGMAX if argmax and step.mode == "decode" else _KINDS[step.mode]
     out[:HEADER] = (kind, t, b, k)
     i = HEADER
     for part in (step.input_ids, step.positions, step.out_slots):
         out[i : i + t] = part
         i += t
-    parts = [step.req_rows, step.seq_lens] + ([step.extend_lens] if step.mode == "extend" else [])
+    parts = [step.req_rows, step.seq_lens] + ([] if step.mode == "decode" else [step.extend_lens])
     for part in parts:
         out[i : i + b] = part
         i += b
@@ -67,12 +70,12 @@ def decode(wire: np.ndarray) -> tuple[StepInputs, dict[int, int], bool] | None:
     kind, t, b, k = (int(v) for v in wire[:HEADER])
     if kind == OBJECT:
         return None
-    if kind not in (DECODE, EXTEND, DECODE_ARGMAX):
+    if kind not in _MODES:
         raise ValueError(f"step wire: unknown kind {kind}")
     i = HEADER
     lists: list[Any] = []
-    for n in (t, t, t, b, b) + ((b,) if kind == EXTEND else ()):
+    for n in (t, t, t, b, b) + ((b,) if kind in (EXTEND, VERIFY) else ()):
         lists.append(wire[i : i + n].tolist())
         i += n
     pending = dict(zip(wire[i : i + k].tolist(), wire[i + k : i + 2 * k].tolist(), strict=True))
-    return StepInputs("extend" if kind == EXTEND else "decode", *lists), pending, kind == DECODE_ARGMAX
+    return StepInputs(_MODES[kind], *lists), pending, kind == DECODE_ARGMAX

@@ -169,11 +169,13 @@ def _follower_main(
         model = load_model(artifact, dev, rank=rank, verify=verify)
         msg = _receive()
         assert msg[0] == "setup", msg[0]
-        _, num_slots, max_running, cuda_graph, graph_greedy = msg
+        _, num_slots, max_running, cuda_graph, graph_greedy, verify_graphs = msg
         m = model.artifact.manifest
         pool = KVPool.for_spec(m.kv, num_slots, model.device)
         bt = BlockTable(max_running, m.max_blocks, model.device, m.kv.page_size)
-        runner = ModelRunner(model, pool, bt, cuda_graph=cuda_graph, graph_greedy=graph_greedy)
+        runner = ModelRunner(
+            model, pool, bt, cuda_graph=cuda_graph, graph_greedy=graph_greedy, verify_graphs=verify_graphs
+        )
         while True:
             msg = _receive()
             if msg[0] == "stop":
@@ -200,9 +202,12 @@ class RankGroup:
         self.init = init
         self.closed = False
 
-    def setup(self, num_slots: int, max_running: int, cuda_graph: bool, graph_greedy: bool) -> None:
-        """Step 1 of the protocol, before rank 0 builds its model runner."""
-        self.send(("setup", num_slots, max_running, cuda_graph, graph_greedy))
+    def setup(
+        self, num_slots: int, max_running: int, cuda_graph: bool, graph_greedy: bool, verify_graphs: bool
+    ) -> None:
+        """Step 1 of the protocol, before rank 0 builds its model runner (``verify_graphs``:
+        speculative decoding is on, ``ModelRunner``'s argument)."""
+        self.send(("setup", num_slots, max_running, cuda_graph, graph_greedy, verify_graphs))
 
     def send(self, msg: tuple[Any, ...]) -> None:
         """Broadcast one protocol message to the followers; a dead follower or a failed collective
@@ -266,6 +271,11 @@ class BroadcastRunner:
             step, subst = replace(step, input_ids=host_ids), None
         self.ranks.send(("step", step, self.runner.bt.pending_changes(), argmax))
         return self.runner.forward(step, subst)
+
+    def verify(self, step: StepInputs) -> torch.Tensor:
+        """A speculative verify step (``ModelRunner.verify``), run by every rank."""
+        self.ranks.send(("step", step, self.runner.bt.pending_changes(), False))
+        return self.runner.verify(step)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)

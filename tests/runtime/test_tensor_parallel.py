@@ -218,3 +218,32 @@ def test_compile_warms_up_as_one_rank_beside_a_live_group(checkpoints, tmp_path)
             tp_world()  # the group is back in place after the compile (without one: (0, 1))
     finally:
         set_tp_group(None)
+
+
+def test_speculative_verify_steps_run_on_every_rank(checkpoints, tmp_path):
+    """n-gram speculation on a --tp 2 artifact with verify graphs: each verify step goes to the
+    follower on the step wire (kind VERIFY) and runs there too; greedy and seeded tokens equal the
+    tp=1 engine's without speculation."""
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampling_params import SamplingParams
+
+    name = "qwen3-qknorm"
+    compile_model(checkpoints / name, tmp_path / "tp1", CompileOptions(**BASE), verbose=False)
+    opts = CompileOptions(**BASE, tp=2, verify_lengths="2,4")
+    compile_model(checkpoints / name, tmp_path / "tp2", opts, verbose=False)
+    prompts = [p * 4 for p in PROMPTS]  # they repeat: the n-gram drafts hit
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=7, ignore_eos=True),
+    ]
+    ref = LLM(str(tmp_path / "tp1"), device="cpu", speculative="off")
+    expect = [[o.token_ids for o in ref.generate(prompts, p)] for p in params]
+    llm = LLM(str(tmp_path / "tp2"), device="cpu", speculative="ngram")
+    try:
+        got = [[o.token_ids for o in llm.generate(prompts, p)] for p in params]
+        assert got == expect
+        s = llm.engine.step_metrics()["speculative"]
+        assert s["accepted"] > 0 and llm.engine.runner.verify_steps["graph"] > 0, s
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.close()
