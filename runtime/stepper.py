@@ -319,23 +319,110 @@ class Stepper:
         return self.finish(launched, launched.host_s), launched.kind
 
     # ------------------------------------------------------------------ speculative decoding
+    def _verify_rows(
+        self, rows3: torch.Tensor, reqs: list[Req], drafts: list[list[int]], blocked: list[int]
+    ) -> dict[str, torch.Tensor]:
+        """The emitted tokens of a verify step, on the host: ``ids [B, P]`` (-1 past each
+        request's), ``num_emitted [B]`` and, when a request asked, ``logprobs [B, P]``, ``top_ids``
+        and ``top_logprobs [B, P, N]``. :func:`verify` for the speculating requests, one plain
+        sample at position 0 for those in ``blocked``."""
+        B, P = len(reqs), rows3.shape[1]
+        assert self.spec is not None
+        drafter = self.spec.drafter
+        probs = drafter.probs if isinstance(drafter, DraftModel) else None  # sampled drafts' q
+        spec_i = [i for i in range(B) if i not in set(blocked)]
+        if blocked:
+            idx = self.stager.to_device(spec_i, torch.int64)
+            rows3_s, probs = rows3[idx], probs[idx] if probs is not None else None
+        else:
+            rows3_s = rows3
+        sreqs = [reqs[i] for i in spec_i]
+        db = DraftBatch.from_lists([drafts[i] for i in spec_i], self.device, max_len=P - 1)
+        if probs is not None:
+            db = DraftBatch(db.ids, db.lens, probs[:, : P - 1])
+        spec = SpecSampling.build(
+            [r.params for r in sreqs],
+            [r.row for r in sreqs],
+            [r.seed for r in sreqs],
+            [len(r.output_ids) for r in sreqs],
+            P,
+            self.device,
+            eos_token_ids=self.eos_token_ids,
+            with_uniforms=db.probs is not None,
+        )
+        out = verify(rows3_s, db, spec, self.sampler)
+        if not blocked:
+            host = {"ids": out.token_ids.cpu(), "num_emitted": out.num_emitted.cpu()}  # -1 past num_emitted
+            if out.logprobs is not None:
+                for k in ("logprobs", "top_ids", "top_logprobs"):
+                    host[k] = getattr(out, k).cpu()
+            return host
+        plain = self._sample_rows(
+            [reqs[i] for i in blocked], rows3[self.stager.to_device(blocked, torch.int64), 0]
+        )
+        ids = torch.full((B, P), -1, dtype=torch.int64)
+        ids[spec_i] = out.token_ids.cpu()
+        ids[blocked, 0] = plain.next_ids.cpu()
+        num = torch.ones(B, dtype=torch.int64)
+        num[spec_i] = out.num_emitted.cpu()
+        host = {"ids": ids, "num_emitted": num}
+        tops = [t for t in (out.top_ids, plain.top_ids) if t is not None]
+        if tops:  # logprobs: both parts' in one layout
+            n = max(t.shape[-1] for t in tops)
+            host["logprobs"] = torch.zeros(B, P)
+            host["top_ids"] = torch.zeros(B, P, n, dtype=torch.int64)
+            host["top_logprobs"] = torch.full((B, P, n), float("-inf"))
+            for rows, pos, o in ((spec_i, slice(None), out), (blocked, 0, plain)):
+                if o.logprobs is not None and o.top_ids is not None and o.top_logprobs is not None:
+                    k = o.top_ids.shape[-1]
+                    host["logprobs"][rows, pos] = o.logprobs.cpu()
+                    host["top_ids"][rows, pos, :k] = o.top_ids.cpu()
+                    host["top_logprobs"][rows, pos, :k] = o.top_logprobs.cpu()
+        return host
+
+    def _sample_rows(self, reqs: list[Req], logits: torch.Tensor) -> SampleOutput:
+        """One token for each of ``reqs`` from its ``logits [n, V]`` (a copy), as a decode step samples
+        it: the grammar's mask on structured requests, penalties, logprobs."""
+        constrained = [(i, r.grammar, r.output_ids) for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:
+            self.stats["masked_rows"] += len(constrained)
+            mask_logits(logits, constrained, self.stager)
+        sb = SamplingBatch.build(
+            [r.params for r in reqs],
+            [r.row for r in reqs],
+            self.device,
+            seeds=[r.seed for r in reqs],
+            steps=[len(r.output_ids) for r in reqs],
+            eos_token_ids=self.eos_token_ids,
+        )
+        out = self.sampler.sample(logits, sb)
+        self.sampler.observe(sb.rows, out.next_ids)
+        return out
+
     def _verify_step(self, batch: ScheduledBatch, t0: float) -> list[RequestOutput] | None:
         """A scheduled decode step run as a verify step (docs/speculative.md sections 2-3): each
         request's newest token and its n-gram drafts through the extend graph with logits at every
         new token, :func:`verify` picks the emitted tokens, ``outputs`` applies them. Finished
-        before returning (no overlap). None, with nothing changed, when the step should decode
-        plainly: a request cannot speculate (:func:`speculation_blocker`) or no request has drafts.
-        ``t0``: when this ``step()`` call started scheduling."""
+        before returning (no overlap). A request that cannot speculate (:func:`speculation_blocker`:
+        penalties, structured outputs) or asked not to rides along with no drafts; the first kind is
+        sampled as a decode step samples it (:meth:`_sample_rows`). None, with nothing changed, when
+        the step should decode plainly: no request has drafts, or more requests than the verify
+        graphs take. ``t0``: when this ``step()`` call started scheduling."""
         assert self.spec is not None
         reqs = batch.reqs
-        if any(speculation_blocker(r.params) is not None for r in reqs):
-            return None
         if self.spec.max_batch is not None and len(reqs) > self.spec.max_batch:
+            return None
+        blocked = [i for i, r in enumerate(reqs) if speculation_blocker(r.params) is not None]
+        if len(blocked) == len(reqs):
             return None
         sched = self.scheduler
         # at most the tokens a request may still reach, less one for the bonus token; none for a
-        # request that asked for no speculation
-        limits = [0 if r.params.speculative is False else sched.max_len(r) - r.seq_len - 1 for r in reqs]
+        # request that asked for no speculation or cannot have it
+        no = set(blocked)
+        limits = [
+            0 if i in no or r.params.speculative is False else sched.max_len(r) - r.seq_len - 1
+            for i, r in enumerate(reqs)
+        ]
         drafter = self.spec.drafter
         if isinstance(drafter, DraftModel):  # the draft model reserves the pages it drafts into
             drafts = drafter.propose(reqs, limits, sched)
@@ -354,27 +441,9 @@ class Stepper:
         step = sched.verify_inputs(reqs, drafts)
         rows3 = self.runner.verify(step)  # [B, P, V]: request b's logits after each of its new tokens
         t2 = time.perf_counter()
-        P = rows3.shape[1]
-        db = DraftBatch.from_lists(drafts, self.device, max_len=P - 1)
-        if isinstance(drafter, DraftModel) and drafter.probs is not None:  # sampled drafts: their q
-            db = DraftBatch(db.ids, db.lens, drafter.probs[:, : P - 1])
-        spec = SpecSampling.build(
-            [r.params for r in reqs],
-            step.req_rows,
-            [r.seed for r in reqs],
-            [len(r.output_ids) for r in reqs],
-            P,
-            self.device,
-            eos_token_ids=self.eos_token_ids,
-            with_uniforms=db.probs is not None,
-        )
-        out = verify(rows3, db, spec, self.sampler)
-        launched = Launched(batch, reqs, [], out.token_ids, kind=kind)
-        launched.host["ids"] = out.token_ids.cpu()  # [B, K + 1], -1 past num_emitted
-        launched.host["num_emitted"] = out.num_emitted.cpu()
-        if out.logprobs is not None:
-            for k in ("logprobs", "top_ids", "top_logprobs"):
-                launched.host[k] = getattr(out, k).cpu()
+        host = self._verify_rows(rows3, reqs, drafts, blocked)
+        launched = Launched(batch, reqs, [], host["ids"], kind=kind)
+        launched.host = host
         t3 = time.perf_counter()
         emitted = launched.host["num_emitted"].tolist()
         self.spec.stats.record([len(d) for d in drafts], emitted)

@@ -160,14 +160,46 @@ def test_seeded_sampling_identical(setup):
 
 
 def test_requests_that_cannot_speculate(setup):
-    """A request with a repetition penalty in the batch: its steps decode plainly (correct
-    penalties), the others speculate while it is not running."""
+    """A request that cannot speculate in the batch rides along with no drafts, sampled as a decode
+    step samples it: a repetition penalty with logprobs, beside speculating requests with logprobs;
+    the others keep speculating."""
     art, prompts = setup
-    params = [GREEDY, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)]
-    params += [GREEDY, GREEDY]
-    toks, eng = _same(art, prompts, params)
-    assert toks[1] != _run(art, prompts[1:2], GREEDY, "off")[0][0][:8]  # the penalty mattered
-    assert eng.spec_stats.accepted > 0
+    pen = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, repetition_penalty=1.3, logprobs=2)
+    lp = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=3)
+    params = [lp, pen, GREEDY, GREEDY]
+    off = LLM(str(art), device="cpu", speculative="off").generate(prompts, params)
+    llm = LLM(str(art), device="cpu", speculative="ngram")
+    on = llm.generate(prompts, params)
+    llm.engine.check_integrity()
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert on[1].token_ids != _run(art, prompts[1:2], GREEDY, "off")[0][0]  # the penalty mattered
+    for a, b in zip(on[:2], off[:2]):  # logprobs of both kinds of rows
+        assert [e["token_id"] for e in a.logprobs] == [e["token_id"] for e in b.logprobs]
+        got, want = [e["logprob"] for e in a.logprobs], [e["logprob"] for e in b.logprobs]
+        assert got == pytest.approx(want, abs=1e-4)
+        assert [len(e["top"]) for e in a.logprobs] == [len(e["top"]) for e in b.logprobs]
+    # the penalized request ran all along, yet drafts were verified and accepted
+    assert llm.engine.spec_stats.accepted > 0
+
+
+def test_a_structured_request_rides_along(tmp_path):
+    """A regex-constrained request (the grammar's mask on its row of the verify step) beside
+    speculating ones: every output is plain decoding's, and drafts are still accepted."""
+    from kiln.runtime.grammar import StructuredOutputs
+
+    make_checkpoint(tmp_path / "hf", "qwen3-qknorm", seed=5)  # an EOS id: grammars need one
+    build_tokenizer(tmp_path / "hf", vocab_size=300)
+    opts = CompileOptions(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=128, chunk_size=64)
+    compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
+    pat = list(range(40, 46))
+    prompts = [pat * 4, pat[:3] * 5, [7, 8, 9, 10]]
+    rx = SamplingParams(max_tokens=12, temperature=0.0, structured=StructuredOutputs(regex="[a-z ]{4,12}"))
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    params = [greedy, greedy, rx]
+    off = _run(tmp_path / "art", prompts, params, "off")[0]
+    on, eng = _run(tmp_path / "art", prompts, params, "ngram")
+    assert on == off
+    assert eng.spec_stats.accepted > 0 and eng.stats["masked_rows"] > 0
 
 
 def test_bad_settings_are_one_line_errors(setup):
