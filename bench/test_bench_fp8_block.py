@@ -14,6 +14,15 @@ M tokens from decode (1, 16, 64) to prefill (256, 1024, 4096). Rows (impl):
   without a fused producer run;
 * ``bf16``: ``F.linear``; ``ref_eager``: the op's dequantizing reference (smoke mode only).
 
+``test_fp8_block_moe``: the routed experts of one DeepSeek-V3 MoE layer (E=256, top-8, H=7168,
+I=2048; random uniform routing) through ``kiln.fused_moe`` for 1 to 4096 tokens: ``block`` (e4m3
+experts with 128 x 128 block scales, x and the SiLU-and-mul output quantized per token and group),
+``fp8_channel`` (the same weights quantized per output channel, ``--quant fp8``'s path) and
+``bf16``; ``bytes`` counts the weights of the experts the batch hits (and their scales) plus the
+activations, ``flops`` ``2 * T * k * 3 * H * I``. What it answers: whether the block path's
+128-step K loop (BLOCK_K forced to 128) and its two group-quantization kernels cost more than the
+per-channel path at decode sizes, and the block mode's share of the bf16 matmul rate at 4096.
+
 FP8 rows record ``bf16_ms`` and ``speedup_vs_bf16``, ``config`` the launch configuration;
 ``frac_bw`` counts weight + scales + activation + output bytes (what bounds small M). On a GPU every
 variant is captured in a CUDA graph and replayed; in smoke mode tiny shapes run the kernels in the
@@ -83,3 +92,30 @@ def test_fp8_block_linear(measure, m, n, k, impl):
     wbytes = n * k * (2 if impl == "bf16" else 1) + (ws.numel() * 4 if impl.startswith("block") else 0)
     moved = wbytes + m * k * 2 + m * n * 2
     measure(fn, flops=2.0 * m * n * k, bytes=moved, m=m, n=n, k=k, impl=impl, **info)
+
+
+MOE_TOKENS = pick([1, 8, 64, 512, 4096], [3])
+MOE_SHAPE = pick((7168, 2048, 256, 8), (200, 128, 8, 2))  # H, I, E, top-k
+
+
+@pytest.mark.parametrize("impl", ["block", "fp8_channel", "bf16"])
+@pytest.mark.parametrize("t", MOE_TOKENS)
+def test_fp8_block_moe(measure, t, impl):
+    h, i, e, k = MOE_SHAPE
+    g = torch.Generator(DEV).manual_seed(t)
+    x = torch.randn(t, h, device=DEV, generator=g).to(torch.bfloat16)
+    w13 = torch.randn(e, 2 * i, h, device=DEV, generator=g, dtype=torch.bfloat16) / h**0.5
+    w2 = torch.randn(e, h, i, device=DEV, generator=g, dtype=torch.bfloat16) / i**0.5
+    w, ids = torch.topk(torch.rand(t, e, device=DEV, generator=g), k, dim=-1)
+    w, ids = (w / w.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
+    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    if impl != "bf16":
+        quant = fb.quantize_fp8_block if impl == "block" else quantize_fp8_per_channel
+        (w13, s13), (w2, s2) = quant(w13), quant(w2)
+        scales = (s13, s2)
+    fn = graphed(lambda: torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, *scales, ""))
+    hit = int(torch.unique(ids).numel())
+    wbytes = hit * 3 * h * i * (2 if impl == "bf16" else 1) + sum(
+        s[0].numel() * 4 * hit for s in scales if s is not None
+    )
+    measure(fn, flops=2.0 * t * k * 3 * h * i, bytes=wbytes + 4 * t * h, m=t, impl=impl, hit_experts=hit)

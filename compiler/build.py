@@ -40,7 +40,7 @@ from kiln.compiler.cutlass_build import check_request, cutlass_backend, drop_unu
 from kiln.compiler.graph_code import emit_graph_code
 from kiln.compiler.layers import match_pack_quant, use_gemv_plan
 from kiln.compiler.models.base import DecoderOnlyLM
-from kiln.compiler.moe_layer import FusedMoE
+from kiln.compiler.moe_layer import FusedMoE, block_fp8_experts
 from kiln.compiler.moe_tune import MoEShape, moe_tuning
 from kiln.compiler.norm_folds import norm_folds
 from kiln.compiler.parallel import ParallelConfig, validate_parallel
@@ -333,7 +333,7 @@ def _compile_model(
         if opts.draft_model is not None and opts.tp > 1:
             raise CompileError("--draft-model needs --tp 1: a draft model does not run tensor-parallel yet.")
         if cfg.moe is not None:
-            check_request(opts.moe_backend, torch.device(opts.device), opts.dtype, _experts_quant(opts))
+            check_request(opts.moe_backend, torch.device(opts.device), opts.dtype, _experts_quant(opts, cfg))
         _prepare_out(out, opts.force)
     with timer.phase("weights"):
         pack_checkpoint(
@@ -621,7 +621,7 @@ def _moe_choice(cfg: ModelConfig, opts: CompileOptions, device: torch.device, ou
     assert m is not None
     shape = MoEShape(*_local_experts(cfg, ParallelConfig(opts.tp, opts.ep)), cfg.hidden_size, m.top_k)
     max_tokens = opts.max_tokens
-    quant = _experts_quant(opts)
+    quant = _experts_quant(opts, cfg)
     measure = opts.moe_tune and quant is None
     backend, lib = cutlass_backend(opts.moe_backend, device, opts.dtype, quant, measure, out / "kernels")
     choice = moe_tuning(
@@ -631,10 +631,14 @@ def _moe_choice(cfg: ModelConfig, opts: CompileOptions, device: torch.device, ou
     return choice
 
 
-def _experts_quant(opts: CompileOptions) -> str | None:
-    """The MoE experts' quantization: ``opts.quant``, but None for ``fp8-block`` (its experts stay in
-    the activation dtype, compiler/mappings.py), so their tuning and CUTLASS path are bf16's."""
-    return None if opts.quant == "fp8-block" else opts.quant
+def _experts_quant(opts: CompileOptions, cfg: ModelConfig) -> str | None:
+    """The MoE experts' quantization: ``opts.quant``, but for ``fp8-block`` only where the experts
+    stay block FP8 (compiler/moe_layer.py ``block_fp8_experts``; else they are up-cast to the
+    activation dtype), so their tuning and the CUTLASS path's checks see what the experts are."""
+    if opts.quant != "fp8-block":
+        return opts.quant
+    etp = ParallelConfig(opts.tp, opts.ep).expert_tp
+    return "fp8-block" if block_fp8_experts(cfg, etp) is None else None
 
 
 def _local_experts(cfg: ModelConfig, par: ParallelConfig) -> tuple[int, int]:

@@ -102,6 +102,11 @@ def _quantization(cfg: ModelConfig, tp: int) -> dict[str, Any]:
         out["compile_quant_error"] = str(err)
     if out["compile_quant"] == "fp8-block":
         out["compile_weight_bytes"] = cfg.weight_bytes("fp8-block", tp)
+        if cfg.moe is not None:
+            from kiln.compiler.moe_layer import block_fp8_experts  # (torch modules: only when asked)
+
+            why = block_fp8_experts(cfg, tp)  # expert tp = tp without --ep
+            out["compile_experts"] = "block FP8" if why is None else f"up-cast to --dtype: {why}"
     return out
 
 
@@ -161,6 +166,8 @@ def format_report(r: dict[str, Any]) -> str:
             else "kiln compile up-casts it to --dtype"
         )
         rows.append(("checkpoint quantization", f"fp8 e4m3 weights, {fmt}; {how}"))
+        if "compile_experts" in r:
+            rows.append(("routed experts (fp8-block)", r["compile_experts"]))
     rows += [
         ("parameters", f"{r['num_params'] / 1e9:.3f} B ({r['num_activated_params'] / 1e9:.3f} B activated)"),
         (f"weights / rank (tp={r['tp']}, {r['dtype']})", _human(r["weight_bytes"])),

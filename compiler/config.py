@@ -286,8 +286,9 @@ class ModelConfig:
 
     def weight_bytes(self, dtype: str = "bfloat16", tp: int = 1) -> int:
         """Weight bytes per rank. FP8 counts one byte per GEMM weight, norms and embeddings in bf16;
-        ``fp8-block`` (``--quant fp8-block``) adds a float32 scale per 128 x 128 block and keeps MoE
-        experts in bf16 (the grouped GEMM has no block-scaled path yet).
+        ``fp8-block`` (``--quant fp8-block``) adds a float32 scale per 128 x 128 block, the routed
+        experts included where each rank's slice ``I / tp`` is a multiple of 128 (else they stay in
+        bf16: compiler/moe_layer.py ``block_fp8_experts``).
 
         Embedding, LM head and attention/MLP weights are divided by ``tp``; norms and routers are
         replicated. Padding of uneven splits is ignored (a few rows at most).
@@ -309,7 +310,8 @@ class ModelConfig:
                 assert m is not None
                 router = m.num_experts * h
                 replicated += router
-                routed = m.num_experts * 3 * h * m.intermediate_size if block else 0
+                upcast = block and -(-m.intermediate_size // tp) % 128 != 0  # experts off the block grid
+                routed = m.num_experts * 3 * h * m.intermediate_size if upcast else 0
                 experts += routed
                 gemm += total - router - routed
             else:

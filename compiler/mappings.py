@@ -21,8 +21,11 @@ shapes of docs/internals.md) with its sources and its placement, frozen at const
   With FP8, ``w_kc``/``w_vc`` stay in the activation dtype (batched matmuls, not linears).
 * ``quant="fp8-block"`` (128 x 128 block FP8, compiler/config.py ``resolve_quant``): every 2-D GEMM
   weight but those whose every source module the checkpoint's ``modules_to_not_convert`` names
-  (those stay in the activation dtype, as the checkpoint has them); MoE experts (3-D ``w13``/``w2``)
-  stay in the activation dtype until the grouped GEMM takes block scales.
+  (those stay in the activation dtype, as the checkpoint has them), and the routed experts'
+  ``w13 [E, 2I, H]`` / ``w2 [E, H, I]`` with ``[E, ceil(N/128), ceil(K/128)]`` scales where each
+  rank's ``I / etp`` is a multiple of 128 (compiler/moe_layer.py ``block_fp8_experts``; otherwise
+  they stay in the activation dtype). DeepSeek-V3's ``router.bias`` (``e_score_correction_bias``)
+  is float32.
 
 Next-token-prediction layers (DeepSeek-V3 ``num_nextn_predict_layers``) are packed only with
 ``nextn=True``, as ``layers.{L + j}.*`` plus ``enorm``, ``hnorm``, ``eh_proj`` and
@@ -34,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln.compiler.config import ConfigError, ModelConfig, should_convert
+from kiln.compiler.moe_layer import block_fp8_experts
 from kiln.compiler.parallel import ParallelConfig, validate_parallel
 from kiln.weights.spec import ParamSpec, Piece, Region, even_split
 
@@ -51,12 +55,20 @@ class _Rank:
         return self.par.tp
 
     def add(
-        self, name: str, shape: tuple[int, ...], pieces: list[Piece], placement: str, gemm: bool = False
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        pieces: list[Piece],
+        placement: str,
+        gemm: bool = False,
+        dtype: str = "act",
     ) -> None:
         q = self.quant if gemm else None
-        if q == "fp8-block" and (len(shape) != 2 or not self.converted(pieces)):
+        if q == "fp8-block" and (
+            len(shape) != (3 if placement == "experts" else 2) or not self.converted(pieces)
+        ):
             q = None
-        self.specs.append(ParamSpec(name, tuple(shape), tuple(pieces), placement, quant=q))  # type: ignore[arg-type]
+        self.specs.append(ParamSpec(name, tuple(shape), tuple(pieces), placement, dtype, q))  # type: ignore[arg-type]
 
     def converted(self, pieces: list[Piece]) -> bool:
         """Whether the checkpoint quantizes the modules of ``pieces`` (block FP8): not when its
@@ -65,9 +77,13 @@ class _Rank:
         modules = [r.name.removesuffix(".weight") for p in pieces for r in p.sources]
         return not skip or not modules or any(should_convert(m, skip) for m in modules)
 
-    def replicated(self, name: str, src: str | list[str], shape: tuple[int, ...], gemm: bool = False) -> None:
+    def replicated(
+        self, name: str, src: str | list[str], shape: tuple[int, ...], gemm: bool = False, dtype: str = "act"
+    ) -> None:
         alts = [src] if isinstance(src, str) else src
-        self.add(name, shape, [Piece(tuple(Region(s, tuple(shape)) for s in alts))], "replicated", gemm)
+        self.add(
+            name, shape, [Piece(tuple(Region(s, tuple(shape)) for s in alts))], "replicated", gemm, dtype
+        )
 
     def column(
         self, name: str, src: str, shape: tuple[int, ...], gemm: bool = True, vocab: bool = False
@@ -197,7 +213,8 @@ def _moe(b: _Rank, i: int, p: str, fuse_shared: bool) -> None:
     routers = [f"{p}block_sparse_moe.gate.weight", f"{p}mlp.gate.weight"] if mix else [f"{p}mlp.gate.weight"]
     b.replicated(mo + "router.weight", routers, (ne, h))
     if m.has_correction_bias:
-        b.replicated(mo + "router.bias", f"{p}mlp.gate.e_score_correction_bias", (ne,))
+        # float32, as Hugging Face keeps it (compiler/moe_layer.py Router)
+        b.replicated(mo + "router.bias", f"{p}mlp.gate.e_score_correction_bias", (ne,), dtype="float32")
     start, n, per = even_split(im, etp, etp_r)
     w13: list[Piece] = []
     w2: list[Piece] = []
@@ -237,8 +254,10 @@ def _moe(b: _Rank, i: int, p: str, fuse_shared: bool) -> None:
             },
         )
     slots = e_loc + (n_shared if fuse_shared else 0)
-    b.add(mo + "w13", (slots, 2 * per, h), w13, "experts", gemm=True)
-    b.add(mo + "w2", (slots, h, per), w2, "experts", gemm=True)
+    # block FP8 only where gate and up each start a 128-row block (else up-cast, as the model does)
+    quantized = b.quant != "fp8-block" or block_fp8_experts(cfg, etp) is None
+    b.add(mo + "w13", (slots, 2 * per, h), w13, "experts", gemm=quantized)
+    b.add(mo + "w2", (slots, h, per), w2, "experts", gemm=quantized)
     if n_shared and not fuse_shared:
         b.gate_up(mo + "shared.gate_up.weight", sh + "gate_proj.weight", sh + "up_proj.weight", is_)
         b.row(mo + "shared.down.weight", sh + "down_proj.weight", (h, is_))

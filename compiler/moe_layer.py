@@ -2,8 +2,16 @@
 
 Parameter names (docs/internals.md, under ``layers.{i}.moe.``): ``router.weight [E, H]``
 (``router.bias [E]``: DeepSeek-V3's correction bias), ``w13 [E, 2I, H]`` gate rows then up rows,
-``w2 [E, H, I]``, with FP8 ``w13_scale [E, 2I]`` / ``w2_scale [E, H]``, and ``shared.gate_up.weight``
-/ ``shared.down.weight`` when the config has shared experts.
+``w2 [E, H, I]``, with FP8 ``w13_scale [E, 2I]`` / ``w2_scale [E, H]`` (``--quant fp8``: per output
+channel) or ``w13_scale [E, ceil(2I/128), ceil(H/128)]`` / ``w2_scale [E, ceil(H/128), ceil(I/128)]``
+(``--quant fp8-block``: per 128 x 128 block, a block-FP8 checkpoint's ``weight_scale_inv``), and
+``shared.gate_up.weight`` / ``shared.down.weight`` when the config has shared experts.
+
+Block-FP8 experts (:func:`block_fp8_experts`) need each rank's expert slice ``I / etp`` to be a
+multiple of 128, so that gate and up each start a 128-row block of ``w13`` (the checkpoint's blocks
+are then copied as they are). Otherwise the routed experts fall back to the activation dtype (the
+block-FP8 checkpoint dequantized, as before this path existed), with a note on stderr; the dense
+linears and the shared experts stay block FP8.
 
 Tensor and expert parallelism (``kiln compile --tp N --ep M``; the packs' placement,
 compiler/mappings.py): with ``etp = N / M`` ranks per expert group, a rank holds ``E / M`` experts
@@ -15,10 +23,13 @@ nothing here. Each rank's output is then a partial sum of the block's (routed ex
 experts together), and one ``kiln::tp_all_reduce`` after the block sums the ranks'.
 
 The router needs the un-quantized activation, so with ``--quant fp8`` :class:`MoEDecoderLayer`'s
-post-attention norm emits the activation dtype and ``fused_moe`` quantizes per token itself.
+post-attention norm emits the activation dtype and ``fused_moe`` quantizes per token itself (per
+token and 128-column group with block scales).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import nn
@@ -28,19 +39,44 @@ from kiln.compiler.config import ModelConfig
 from kiln.compiler.context import ForwardContext
 from kiln.compiler.layers import FP8, MLP, norm_linear
 from kiln.compiler.models.base import DecoderLayer
+from kiln.ops.linear.fp8_block import BLOCK as FP8_BLOCK
+from kiln.ops.linear.fp8_block import block_grid
+
+
+def block_fp8_experts(cfg: ModelConfig, expert_tp: int = 1) -> str | None:
+    """Why ``cfg``'s routed experts cannot be packed and run block FP8 with ``expert_tp`` ranks
+    splitting each expert (``tp / ep``), or None when they can: each rank's slice of the
+    intermediate dim must be a multiple of 128, so that gate and up each start a 128-row block of
+    ``w13 [E, 2I, H]``. compiler/mappings.py asks this too, so the pack and the model agree."""
+    m = cfg.moe
+    if m is None:
+        return f"{cfg.architecture} has no routed experts"
+    per = -(-m.intermediate_size // expert_tp)
+    if per % FP8_BLOCK:
+        split = f" split over {expert_tp} ranks (tp / ep)" if expert_tp > 1 else ""
+        return (
+            f"the experts' intermediate size {m.intermediate_size}{split} = {per} is not a multiple of "
+            f"{FP8_BLOCK} (gate and up must each start a {FP8_BLOCK}-row block)"
+        )
+    return None
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+_NOTED: set[str] = set()  # fall-back notes printed by this process (one per reason)
+
+
 class Router(nn.Module):
-    """Replicated router linear ``[E, H]`` (activation dtype), optional correction bias ``[E]``."""
+    """Replicated router linear ``[E, H]`` (activation dtype), optional correction bias ``[E]``
+    (DeepSeek-V3's ``e_score_correction_bias``: float32 whatever the activation dtype, as Hugging Face
+    keeps it; added to float32 sigmoid scores, where a bf16 copy would move near ties)."""
 
     def __init__(self, num_experts: int, hidden: int, dtype: torch.dtype, bias: bool):
         super().__init__()
         self.weight = _param(num_experts, hidden, dtype=dtype)
-        self.bias = _param(num_experts, dtype=dtype) if bias else None
+        self.bias = _param(num_experts, dtype=torch.float32) if bias else None
         self.role = "router"  # the GEMV plan's role (compiler/layers.py use_gemv_plan)
         self.max_m = 0  # the plan's largest T on the router GEMV (0: cuBLAS)
 
@@ -92,11 +128,24 @@ class FusedMoE(nn.Module):
         low = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "")  # f32: no-op
         self.round_to = low if round_weights else ""  # moe_topk's argument
         self.router = Router(m.num_experts, h, dtype, bias=m.has_correction_bias)  # replicated
-        wdtype = FP8 if quant == "fp8" else dtype
+        self.expert_quant = quant if quant == "fp8" else None  # the routed experts': fp8, fp8-block, None
+        if quant == "fp8-block":
+            why = block_fp8_experts(cfg, self.expert_tp)
+            if why is None:
+                self.expert_quant = quant
+            elif why not in _NOTED:
+                _NOTED.add(why)
+                print(f"[kiln compile] routed experts up-cast to {dtype}: {why}", file=sys.stderr, flush=True)
+        wdtype = FP8 if self.expert_quant else dtype
         self.w13 = _param(e, 2 * inter, h, dtype=wdtype)
         self.w2 = _param(e, h, inter, dtype=wdtype)
-        self.w13_scale = _param(e, 2 * inter, dtype=torch.float32) if quant == "fp8" else None
-        self.w2_scale = _param(e, h, dtype=torch.float32) if quant == "fp8" else None
+        self.w13_scale = self.w2_scale = None
+        if self.expert_quant == "fp8":  # per output channel
+            self.w13_scale = _param(e, 2 * inter, dtype=torch.float32)
+            self.w2_scale = _param(e, h, dtype=torch.float32)
+        elif self.expert_quant == "fp8-block":  # per 128 x 128 block
+            self.w13_scale = _param(e, *block_grid(2 * inter, h), dtype=torch.float32)
+            self.w2_scale = _param(e, *block_grid(h, inter), dtype=torch.float32)
         shared = m.num_shared_experts * m.shared_intermediate_size
         # split over all tp ranks (compiler/mappings.py), reduced with the routed experts below
         self.shared = MLP(h, -(-shared // tp), dtype, quant) if shared else None
@@ -112,7 +161,7 @@ class FusedMoE(nn.Module):
         # residual [T, H]: returns residual + the block's output (the routed experts' last kernel
         # adds it when there are no shared experts); expert_map [E] int32: the rank's local-expert
         # map (expert parallelism, ctx.expert_map), None when the rank holds every expert
-        bias = self.router.bias.float() if self.router.bias is not None else None
+        bias = self.router.bias  # [E] f32 or None
         routing = (
             self.top_k,
             self.renormalize,

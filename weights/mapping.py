@@ -78,7 +78,7 @@ def dequantize_fp8_weight(w: torch.Tensor, scale: torch.Tensor, name: str) -> to
 
 
 class BlockFP8:
-    """A checkpoint's e4m3 weight ``[N, K]`` with its 128 x 128 block scales ``[ceil(N/128),
+    """A checkpoint's e4m3 weight ``[(E,) N, K]`` with its 128 x 128 block scales ``[(E,) ceil(N/128),
     ceil(K/128)]`` (converted to float32, which is exact from bf16 or UE8M0), as the checkpoint holds
     them. ``shape`` and ``dtype`` are the weight's; :meth:`dequantized` the float32 values (computed
     once), for packed tensors that do not keep the blocks."""
@@ -102,11 +102,12 @@ class BlockFP8:
 
 
 def is_block_fp8(w: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether ``scale`` is a 128 x 128 block scale of the 2-D e4m3 weight ``w``."""
+    """Whether ``scale`` is a 128 x 128 block scale of the e4m3 weight ``w``: ``[N, K]``, or stacked
+    experts ``[E, N, K]`` with ``[E, ceil(N/128), ceil(K/128)]`` scales."""
     return (
         w.dtype == torch.float8_e4m3fn
-        and w.dim() == 2
-        and scale.dim() == 2
+        and w.dim() in (2, 3)
+        and scale.dim() == w.dim()
         and tuple(scale.shape) == block_grid(tuple(w.shape))
     )
 

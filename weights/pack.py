@@ -13,9 +13,13 @@ the xxh3 of its header (:mod:`weights.integrity`).
 tensor whose pieces keep its blocks whole (``ParamSpec.block_exact``: fused qkv and gate_up of
 128-row multiples, tensor-parallel slices on block boundaries); a packed tensor fed otherwise (a
 piece off the block grid, a weight the checkpoint left in bf16 or scaled another way) is assembled
-in float32 and quantized per block when complete. Weights that are not ``fp8-block`` (MLA
-``w_kc``/``w_vc``, MoE experts) get the dequantized values. pack.json's ``model`` counts both
-(``fp8_block_kept``, ``fp8_block_quantized``).
+in float32 and quantized per block when complete. Stacked routed experts (``w13 [E, 2I, H]``,
+``w2 [E, H, I]``, scales ``[E, ceil(N/128), ceil(K/128)]``) are kept per expert the same way: each
+expert's gate, up and down blocks copied into its slot. Weights that are not ``fp8-block`` (MLA
+``w_kc``/``w_vc``; experts whose slice is off the block grid, compiler/moe_layer.py
+``block_fp8_experts``) get the dequantized values. pack.json's ``model`` counts both
+(``fp8_block_kept``, ``fp8_block_quantized``) and says whether the experts are block FP8
+(``fp8_block_experts``).
 
 **Reproducible**: the same checkpoint, options and kiln version give byte-identical files and
 pack.json (layout, headers and metadata are functions of the specs; nothing time- or
@@ -224,7 +228,15 @@ def pack_checkpoint(
         "dropped_activation_scales": nstats.dropped_activation_scales,
         "dequantized_fp8": nstats.dequantized,
         **(
-            {"fp8_block_kept": bstats.kept, "fp8_block_quantized": bstats.quantized}
+            {
+                "fp8_block_kept": bstats.kept,
+                "fp8_block_quantized": bstats.quantized,
+                "fp8_block_experts": any(
+                    s.quant == "fp8-block" and s.placement == "experts"
+                    for specs in specs_per_rank
+                    for s in specs
+                ),
+            }
             if quant == "fp8-block"
             else {}
         ),
@@ -321,7 +333,7 @@ def _finish(
     elif spec.quant == "fp8-block":
         from kiln.ops.linear.fp8_block import quantize_fp8_block
 
-        w, s = quantize_fp8_block(p.buf)  # w: [N, K] fp8, s: [ceil(N/128), ceil(K/128)] f32
+        w, s = quantize_fp8_block(p.buf)  # w: [(E,) N, K] fp8, s: [(E,) ceil(N/128), ceil(K/128)] f32
         bstats.quantized += 1
     else:
         writer.submit(spec.name, p.buf, slots[spec.name])

@@ -99,9 +99,10 @@ class ParamSpec:
     ``dtype``: ``"act"`` stores it in the pack's activation dtype (bf16/f16/f32), ``"float32"``
     always in float32. ``quant="fp8"``: stored as float8_e4m3fn quantized per output channel (dim -2)
     with a float32 scale tensor ``scale_name`` of shape ``shape[:-1]`` beside it.
-    ``quant="fp8-block"`` (2-D ``[N, K]`` only): float8_e4m3fn with a float32 scale per 128 x 128
-    block, ``scale_name`` of shape ``[ceil(N/128), ceil(K/128)]``; when every piece keeps the blocks
-    whole (:attr:`block_exact`) a block-FP8 checkpoint's bytes and scales are copied as they are.
+    ``quant="fp8-block"`` (``[N, K]``, or stacked experts ``[E, N, K]``): float8_e4m3fn with a float32
+    scale per 128 x 128 block, ``scale_name`` of shape ``[(E,) ceil(N/128), ceil(K/128)]``; when every
+    piece keeps the blocks whole (:attr:`block_exact`) a block-FP8 checkpoint's bytes and scales are
+    copied as they are.
     """
 
     name: str
@@ -136,8 +137,10 @@ class ParamSpec:
             raise ValueError(f"{self.name}: pieces cover {covered} elements of a {self.shape} tensor")
         if self.quant is not None and len(self.shape) < 2:
             raise ValueError(f"{self.name}: only matrices can be quantized, shape is {self.shape}")
-        if self.quant == "fp8-block" and len(self.shape) != 2:
-            raise ValueError(f"{self.name}: block FP8 is for [N, K] weights, shape is {self.shape}")
+        if self.quant == "fp8-block" and len(self.shape) not in (2, 3):
+            raise ValueError(
+                f"{self.name}: block FP8 is for [N, K] weights and [E, N, K] experts, shape is {self.shape}"
+            )
 
     @property
     def numel(self) -> int:
@@ -193,10 +196,14 @@ def block_grid(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def keeps_blocks(piece: Piece, region: Region, dst_shape: tuple[int, ...]) -> bool:
-    """Whether copying ``region`` of a 2-D checkpoint weight to ``piece``'s place in a 2-D tensor of
-    ``dst_shape`` moves whole 128 x 128 blocks: in both dims the source and destination offsets are
-    multiples of 128 and the extent is too, or ends both tensors (the ragged last block)."""
-    if piece.transpose or region.index or piece.dst_index or len(region.shape) != 2 or len(dst_shape) != 2:
+    """Whether copying ``region`` of a checkpoint weight to ``piece``'s place in a tensor of
+    ``dst_shape`` moves whole 128 x 128 blocks: both are matrices once the leading indices are taken
+    (``region.index``: an expert of a stacked ``[E, N, K]`` tensor; ``piece.dst_index``: an expert
+    slot of a stacked output), and in both dims the source and destination offsets are multiples of
+    128 and the extent is too, or ends both tensors (the ragged last block)."""
+    src_shape = region.shape[len(region.index) :]
+    dst_shape = dst_shape[len(piece.dst_index) :]
+    if piece.transpose or len(src_shape) != 2 or len(dst_shape) != 2:
         return False
     ext = region.out_shape
     for d in (0, 1):
@@ -204,16 +211,20 @@ def keeps_blocks(piece: Piece, region: Region, dst_shape: tuple[int, ...]) -> bo
         d0 = piece.dst_start if piece.dst_dim == d else 0
         if s0 % FP8_BLOCK or d0 % FP8_BLOCK:
             return False
-        if ext[d] % FP8_BLOCK and not (s0 + ext[d] == region.shape[d] and d0 + ext[d] == dst_shape[d]):
+        if ext[d] % FP8_BLOCK and not (s0 + ext[d] == src_shape[d] and d0 + ext[d] == dst_shape[d]):
             return False
     return True
 
 
 def place_block_scale(piece: Piece, region: Region, scale: torch.Tensor, out: torch.Tensor) -> None:
     """The scales of the blocks :meth:`Piece.place` copies (``keeps_blocks`` holds): rows/columns of
-    the checkpoint's block scales ``scale`` ``[ceil(N/128), ceil(K/128)]`` into the packed tensor's
-    ``out``."""
+    the checkpoint's block scales ``scale`` ``[(E,) ceil(N/128), ceil(K/128)]`` into the packed tensor's
+    ``out`` (leading indices as :meth:`Piece.place` takes them)."""
     ext = region.out_shape
+    for i in region.index:
+        scale = scale[i]
+    for i in piece.dst_index:
+        out = out[i]
     start, n = region.start // FP8_BLOCK, -(-ext[region.dim] // FP8_BLOCK)
     src = scale.narrow(region.dim, start, n)
     out.narrow(piece.dst_dim, piece.dst_start // FP8_BLOCK, src.shape[piece.dst_dim]).copy_(src)

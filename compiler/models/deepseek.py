@@ -13,7 +13,14 @@ normalized ``topk_method`` of compiler/config.py), on float32 router logits:
 * V2 ``group_limited_greedy``: softmax, groups scored by their best expert.
 * V2-Lite ``greedy``: softmax top-k.
 
-All three multiply the weights by ``routed_scaling_factor``. The next-token-prediction (MTP) layers
+All three multiply the weights by ``routed_scaling_factor``. The correction bias is float32 in every
+dtype (Hugging Face keeps ``e_score_correction_bias`` so; compiler/moe_layer.py ``Router``).
+
+DeepSeek-V3's official block-FP8 checkpoints (``--quant fp8-block``) keep their 128 x 128 blocks in
+the dense linears and, where each rank's expert slice is a multiple of 128 (V3: 2048 / etp), in the
+routed experts too (``kiln::fused_moe`` with block scales); the shared experts are a block-FP8 MLP.
+
+The next-token-prediction (MTP) layers
 of DeepSeek-V3 (``num_nextn_predict_layers``) are not part of this model: the pack leaves them out
 (layers past ``num_hidden_layers``, compiler/mappings.py ``nextn``) until speculative decoding
 serves them.

@@ -8,7 +8,11 @@ tuning, residual=None) -> y [T, H]`` (dtype of ``x``):
 * ``w13``: ``[E, 2I, H]`` gate rows then up rows per expert; ``w2``: ``[E, H, I]``; both in ``x``'s
   dtype, or float8_e4m3fn with ``w13_scale [E, 2I]`` / ``w2_scale [E, H]`` float32 per-output-channel
   scales (the activations are then quantized per token: ``x`` before ``w13``, the SiLU-and-mul
-  output before ``w2``);
+  output before ``w2``), or float8_e4m3fn with 128 x 128 block scales ``w13_scale [E, ceil(2I/128),
+  ceil(H/128)]`` / ``w2_scale [E, ceil(H/128), ceil(I/128)]`` (``--quant fp8-block``, DeepSeek-V3's
+  format: ``x`` and the SiLU-and-mul output are quantized per token and 128-column group by
+  ops/linear/fp8_block.py's ``quantize_fp8_groups`` kernel; ``w13`` runs with the SiLU-and-mul fused,
+  its output in the activation dtype; the reference is ``fp8_block_linear``'s per expert);
 * ``topk_weights [T, k]`` f32, ``topk_ids [T, k]`` int32 (from ``kiln.moe_route`` / ``kiln.moe_topk``);
 * ``expert_map``: ``[E_global]`` int32 global -> local slot (-1: another rank's expert, contributes
   nothing here), or None when ``topk_ids`` are local already;
@@ -35,7 +39,8 @@ no alignment; the w2 GEMV also writes the top-k sum itself (no combine kernel): 
 program) the last program of a token to finish a column block sums the ``k`` rows, in pair order,
 from the per-pair output (the combine kernel does instead inside a CUDA-graph capture that
 would have to allocate the arrival counters: ``COUNTERS`` below).
-Intermediates: ``[T * k, I]`` (``[T * k, 2I]`` for FP8) and ``[T * k, H]`` (but with a w2
+Intermediates: ``[T * k, I]`` (``[T * k, 2I]`` for per-channel FP8; block FP8 adds its e4m3 copy
+and ``[T * k, ceil(I/128)]`` scales, and ``x``'s) and ``[T * k, H]`` (but with a w2
 ``GROUP_M`` above 1) in the activation dtype. The kernels here and in ops/moe/align.py and
 ops/moe/gemm.py are launched with PDL (ops/common/launch.py).
 """
@@ -66,6 +71,13 @@ from kiln.ops.common.quant import (
     tl_add_row,
     tl_round,
 )
+from kiln.ops.linear.fp8_block import BLOCK as FP8_BLOCK
+from kiln.ops.linear.fp8_block import (
+    block_grid,
+    dequantize_fp8_block,
+    quantize_fp8_groups,
+    quantize_fp8_groups_triton,
+)
 from kiln.ops.moe import cutlass as moe_cutlass
 from kiln.ops.moe.align import moe_align_run
 from kiln.ops.moe.gemm import (
@@ -95,23 +107,37 @@ def fused_moe_ref(
     fp8 = w13.dtype == FP8_DTYPE
     if fp8 and (w13_scale is None or w2_scale is None):
         raise ValueError("fused_moe_ref: FP8 weights need w13_scale and w2_scale")
+    blocks = fp8 and w13_scale is not None and w13_scale.dim() == 3  # 128 x 128 block scales
     local = expert_map.long()[topk_ids.long()] if expert_map is not None else topk_ids.long()  # [T, k]
-    xin = dequantize_fp8(*quantize_fp8_per_token(x)) if fp8 else x.float()  # [T, H] f32
+    if blocks:
+        xin = _dequantize_groups(x)  # [T, H] f32, per token and 128-column group
+    else:
+        xin = dequantize_fp8(*quantize_fp8_per_token(x)) if fp8 else x.float()  # [T, H] f32
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(local[local >= 0]).tolist():
         tok, j = torch.where(local == e)
-        if fp8 and w13_scale is not None and w2_scale is not None:  # (both given: checked above)
+        if blocks and w13_scale is not None and w2_scale is not None:
+            w13e, w2e = dequantize_fp8_block(w13[e], w13_scale[e]), dequantize_fp8_block(w2[e], w2_scale[e])
+        elif fp8 and w13_scale is not None and w2_scale is not None:  # (both given: checked above)
             w13e, w2e = dequantize_fp8(w13[e], w13_scale[e]), dequantize_fp8(w2[e], w2_scale[e])
         else:
             w13e, w2e = w13[e].float(), w2[e].float()  # [2I, H], [H, I]
         gu = (xin[tok] @ w13e.t()).to(act)  # [n, 2I]
-        if fp8:
+        if blocks:
+            h = _dequantize_groups(activation.silu_and_mul_ref(gu))  # [n, I] f32
+        elif fp8:
             h = dequantize_fp8(*activation.silu_and_mul_quant_ref(gu, None))  # [n, I] f32
         else:
             h = activation.silu_and_mul_ref(gu).float()
         y = (h @ w2e.t()).to(act).float() * topk_weights[tok, j].float()[:, None]  # [n, H]
         out.index_add_(0, tok, y.to(act).float())
     return out.to(act)
+
+
+def _dequantize_groups(x: torch.Tensor) -> torch.Tensor:
+    """``x [n, K]`` quantized per token and 128-column group (ops/linear/fp8_block.py), as float32."""
+    xq, xs = quantize_fp8_groups(x)
+    return xq.float() * xs.repeat_interleave(FP8_BLOCK, dim=-1)[:, : x.shape[1]]
 
 
 def fused_moe_op_ref(
@@ -191,7 +217,12 @@ def _fused_moe_gemv(
     t, h = x.shape
     i, k = w2.shape[2], topk_ids.shape[1]
     ids, emap = topk_ids, expert_map
-    if w13.dtype == FP8_DTYPE:
+    if w13_scale is not None and w13_scale.dim() == 3:  # block FP8: x and h quantized per 128-group
+        xq, xs = quantize_fp8_groups_triton(x)
+        hid = x.new_empty((t * k, i))
+        moe_gemv_launch(xq, xs, w13, w13_scale, hid, None, ids, emap, c1, a_div=k, fuse_silu=True)
+        a, a_scale = quantize_fp8_groups_triton(hid)
+    elif w13.dtype == FP8_DTYPE:
         xq, xs = quantize_fp8_rows_triton(x)
         gu = x.new_empty((t * k, 2 * i))
         moe_gemv_launch(xq, xs, w13, w13_scale, gu, None, ids, emap, c1, a_div=k)
@@ -247,11 +278,18 @@ def _check(
         raise ValueError(
             f"fused_moe: w13/w2 must both be {x.dtype} or float8_e4m3fn, got {w13.dtype}, {w2.dtype}"
         )
+    blocks = (e, *block_grid(2 * i, h)), (e, *block_grid(h, i))
     if fp8 and (
-        w13_scale is None or w2_scale is None or w13_scale.shape != (e, 2 * i) or w2_scale.shape != (e, h)
+        w13_scale is None
+        or w2_scale is None
+        or (w13_scale.shape, w2_scale.shape) not in (((e, 2 * i), (e, h)), blocks)
+        or w13_scale.dtype != torch.float32
+        or w2_scale.dtype != torch.float32
     ):
         raise ValueError(
-            f"fused_moe: FP8 weights need w13_scale [E, 2I]={(e, 2 * i)} and w2_scale [E, H]={(e, h)}"
+            f"fused_moe: FP8 weights need float32 w13_scale [E, 2I]={(e, 2 * i)} and w2_scale [E, H]={(e, h)} "
+            f"(per channel), or [E, ceil(2I/128), ceil(H/128)]={blocks[0]} and [E, ceil(H/128), "
+            f"ceil(I/128)]={blocks[1]} (128 x 128 blocks)"
         )
     if topk_ids.dtype != torch.int32 or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
         raise ValueError(
@@ -318,7 +356,14 @@ def fused_moe_forward(
     sorted_ids, block_expert, num_padded = moe_align_run(topk_ids, expert_map, e, c1["BLOCK_M"])
     align = (sorted_ids, block_expert, num_padded)
     p = t * k
-    if w13.dtype == FP8_DTYPE:
+    if w13_scale is not None and w13_scale.dim() == 3:  # block FP8: x and h quantized per 128-group
+        xq, xs = quantize_fp8_groups_triton(x)
+        hid = x.new_empty((p, i))
+        moe_gemm_launch(xq, xs, w13, w13_scale, hid, None, *align, c1, a_div=k, fuse_silu=True)
+        hq, hs = quantize_fp8_groups_triton(hid)
+        y2 = x.new_empty((p, h))
+        moe_gemm_launch(hq, hs, w2, w2_scale, y2, topk_weights, *align, c2, a_div=1)
+    elif w13.dtype == FP8_DTYPE:
         xq, xs = quantize_fp8_rows_triton(x)
         gu = x.new_empty((p, 2 * i))
         moe_gemm_launch(xq, xs, w13, w13_scale, gu, None, *align, c1, a_div=k)

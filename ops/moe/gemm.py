@@ -3,16 +3,25 @@
 Both compute, for every local pair ``p = t * k + j`` (token ``t``'s ``j``-th expert ``e``),
 ``C[p] = epilogue(A[p // a_div] @ W[e]^T)``:
 
-* ``A``: ``[rows, K]`` bf16/fp16/fp32, or float8_e4m3fn with per-row scales ``a_scale [rows, 1]`` f32;
+* ``A``: ``[rows, K]`` bf16/fp16/fp32, or float8_e4m3fn with per-row scales ``a_scale [rows, 1]`` f32
+  (per-channel weights) or per-row 128-column-group scales ``a_scale [rows, ceil(K/128)]`` f32 (block
+  weights: ops/linear/fp8_block.py ``quantize_fp8_groups``);
 * ``W``: ``[E, N_w, K]`` (``w13 [E, 2I, H]`` gate rows then up rows, or ``w2 [E, H, I]``), the
-  activation dtype or float8_e4m3fn with per-output-channel scales ``w_scale [E, N_w]`` f32;
+  activation dtype or float8_e4m3fn with per-output-channel scales ``w_scale [E, N_w]`` f32, or
+  128 x 128 block scales ``w_scale [E, ceil(N_w/128), ceil(K/128)]`` f32 (``--quant fp8-block``);
 * epilogues: ``fuse_silu`` (``w13`` only): ``C [P, I] = silu(gate) * up`` from the two halves of
   ``W[e]``; ``mul_weight``: ``C [P, N] = (A W^T) * topk_weights[p]``; neither: ``C [P, N_w] = A W^T``.
 
 Rounding follows Hugging Face's expert MLP in the activation dtype: GEMM results are rounded to it,
 ``silu(gate)`` is rounded, the product with ``up`` is rounded, and the down projection is rounded
 before the (float32) routing weight multiplies it. FP8 products accumulate in float32 and are
-scaled by ``a_scale[row] * w_scale[e, n]`` before rounding.
+scaled by ``a_scale[row] * w_scale[e, n]`` before rounding. Block scales (``BLOCK_SCALE``, picked by
+a 3-D ``w_scale``): the K loop runs in steps of one 128-column group whatever the config's
+``BLOCK_K``, and each step's FP8 product is promoted into the float32 accumulator times
+``a_scale[row, k // 128] * w_scale[e, n // 128, k // 128]`` (as ops/linear/fp8_block.py does; the
+up half of ``w13`` reads the scale rows of its own rows ``I + n``, so any ``I`` works here, the pack
+needing ``I`` a multiple of 128 only to keep a checkpoint's blocks); the epilogue then rounds as
+above.
 
 Variants (``BLOCK_M`` of the launch config picks one):
 
@@ -62,6 +71,7 @@ import triton.language as tl
 from kiln.ops.activation.silu_and_mul import NARROW_ROWS
 from kiln.ops.common.launch import grouped_tile, interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
 from kiln.ops.common.quant import FP8_DTYPE, tl_add_row, tl_round
+from kiln.ops.linear.fp8_block import BLOCK as FP8_BLOCK
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 BACKENDS = ("triton", "cutlass")  # a tuning entry's optional "backend"
@@ -282,6 +292,9 @@ def _moe_gemm_kernel(
     UPCAST: tl.constexpr, PREC: tl.constexpr, ROUND_IN_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr,
+    BLOCK_SCALE: tl.constexpr = False,  # FP8 with block scales (BLOCK_K is the 128 group); FP8 False
+    stride_asm=0,  # BLOCK_SCALE: A_SCALE [rows, KB], W_SCALE [E, NB, KB] (stride_se, stride_sn, 1)
+    stride_sn=0,
 ):  # fmt: skip
     # N: output columns (I when FUSE_SILU: the up rows of W start at row N)
     pdl_trigger(PDL)
@@ -302,14 +315,26 @@ def _moe_gemm_kernel(
     w_ptr = W + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = acc
+    as_ptr = A_SCALE + arow * stride_asm  # [BM] BLOCK_SCALE: each row's group scales
+    ws_ptr = W_SCALE + e * stride_se + (offs_n // BLOCK_K) * stride_sn  # [BN] and each column's block row
+    wsu_ptr = W_SCALE + e * stride_se + ((N + offs_n) // BLOCK_K) * stride_sn  # the up rows'
     for k0 in range(0, K, BLOCK_K):
         kmask = offs_k < K - k0
         a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(w_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc += _dot(a, b, UPCAST, PREC)
+        if BLOCK_SCALE:  # one 128-group per step: its FP8 product promoted into float32, scaled
+            a_s = tl.load(as_ptr + k0 // BLOCK_K, mask=rmask, other=0.0)[:, None]  # [BM, 1]
+            w_s = tl.load(ws_ptr + k0 // BLOCK_K, mask=nmask, other=0.0)[None, :]  # [1, BN]
+            acc += _dot(a, b, UPCAST, PREC) * a_s * w_s
+        else:
+            acc += _dot(a, b, UPCAST, PREC)
         if FUSE_SILU:
             bu = tl.load(w_ptr + N * stride_wn, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            acc_up += _dot(a, bu, UPCAST, PREC)
+            if BLOCK_SCALE:
+                w_s = tl.load(wsu_ptr + k0 // BLOCK_K, mask=nmask, other=0.0)[None, :]
+                acc_up += _dot(a, bu, UPCAST, PREC) * a_s * w_s
+            else:
+                acc_up += _dot(a, bu, UPCAST, PREC)
         a_ptr += BLOCK_K
         w_ptr += BLOCK_K
     out_ty = C.dtype.element_ty
@@ -381,6 +406,9 @@ def _moe_gemv_kernel(
     Z=None,  # ADD_Z: [T, N] residual added to each token's top-k sum (SUM_K, or GROUP k); else any pointer
     stride_zm=0,
     ADD_Z: tl.constexpr = False,
+    BLOCK_SCALE: tl.constexpr = False,  # as _moe_gemm_kernel's
+    stride_asm=0,
+    stride_sn=0,
 ):  # fmt: skip
     # The expert comes from topk_ids (the router's output): no weight is known before the wait.
     pdl_trigger(PDL)
@@ -414,6 +442,9 @@ def _moe_gemv_kernel(
     w_ptr = W + e64[:, None] * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros([P_PAD * BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([P_PAD * BLOCK_N], dtype=tl.float32)
+    as_ptr = A_SCALE + (pair // A_DIV) * stride_asm  # [R] BLOCK_SCALE: each row's group scales
+    ws_ptr = W_SCALE + e64 * stride_se + (offs_n // BLOCK_K) * stride_sn  # [R] and its weight rows'
+    wsu_ptr = W_SCALE + e64 * stride_se + ((N + offs_n) // BLOCK_K) * stride_sn
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         kmask = offs_k[None, :] < K - k0
         if GROUP == 1:
@@ -421,10 +452,19 @@ def _moe_gemv_kernel(
         else:
             a = tl.load(a_ptr, mask=use[:, None] & kmask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr, mask=rmask[:, None] & kmask, other=0.0).to(tl.float32)
-        acc += tl.sum(w * a, axis=1)
+        if BLOCK_SCALE:  # one 128-group per step, promoted with the row's and the block's scales
+            a_s = tl.load(as_ptr + k0 // BLOCK_K, mask=use, other=0.0)  # [R]
+            w_s = tl.load(ws_ptr + k0 // BLOCK_K, mask=rmask, other=0.0)
+            acc += tl.sum(w * a, axis=1) * a_s * w_s
+        else:
+            acc += tl.sum(w * a, axis=1)
         if FUSE_SILU:
             wu = tl.load(w_ptr + N * stride_wn, mask=rmask[:, None] & kmask, other=0.0).to(tl.float32)
-            acc_up += tl.sum(wu * a, axis=1)
+            if BLOCK_SCALE:
+                w_s = tl.load(wsu_ptr + k0 // BLOCK_K, mask=rmask, other=0.0)
+                acc_up += tl.sum(wu * a, axis=1) * a_s * w_s
+            else:
+                acc_up += tl.sum(wu * a, axis=1)
         a_ptr += BLOCK_K
         w_ptr += BLOCK_K
     out_ty = C.dtype.element_ty
@@ -472,6 +512,38 @@ def _moe_gemv_kernel(
 # ---- launchers ------------------------------------------------------------------------------------
 
 
+def _block_scales(
+    a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor | None, what: str
+) -> bool:
+    """Whether the launch is block-scaled FP8 (``w_scale [E, ceil(N_w/128), ceil(K/128)]``), checking
+    that ``a`` is FP8 with ``a_scale [rows, ceil(K/128)]`` then; per-channel FP8 and plain: False."""
+    if w.dtype != FP8_DTYPE or w_scale is None or w_scale.dim() != 3:
+        return False
+    e, n, k = w.shape
+    kb = -(-k // FP8_BLOCK)
+    if (
+        w_scale.shape != (e, -(-n // FP8_BLOCK), kb)
+        or w_scale.stride(2) != 1
+        or w_scale.dtype != torch.float32
+    ):
+        raise ValueError(
+            f"{what}: block scales of w {tuple(w.shape)} must be [E, ceil(N/128), ceil(K/128)] = "
+            f"{(e, -(-n // FP8_BLOCK), kb)} float32 with a unit last stride, got {tuple(w_scale.shape)}"
+        )
+    if a.dtype != FP8_DTYPE or a_scale is None or a_scale.shape != (a.shape[0], kb) or a_scale.stride(1) != 1:
+        raise ValueError(
+            f"{what}: block-scaled weights need a float8_e4m3fn with group scales a_scale "
+            f"[{a.shape[0]}, {kb}] (ops/linear/fp8_block.py quantize_fp8_groups)"
+        )
+    return True
+
+
+def _block_args(blocks: bool, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None) -> dict:
+    if not blocks or a_scale is None or w_scale is None:
+        return {}
+    return dict(BLOCK_SCALE=True, stride_asm=a_scale.stride(0), stride_sn=w_scale.stride(1))
+
+
 def moe_gemm_launch(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -501,6 +573,7 @@ def moe_gemm_launch(
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"] // (2 if fuse_silu else 1)
     num_m = sorted_ids.numel() // bm
     fp8 = w.dtype == FP8_DTYPE
+    blocks = _block_scales(a, a_scale, w, w_scale, "moe_gemm")
     grid = (num_m * triton.cdiv(n_out, bn),)
     pdl = pdl_args(a)
     _moe_gemm_kernel[grid](
@@ -509,10 +582,11 @@ def moe_gemm_launch(
         sorted_ids, block_expert, num_padded,
         num_pairs, num_m, n_out, w.shape[2],
         a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0) if w_scale is not None and fp8 else 0, c.stride(0),
-        A_DIV=a_div, FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None, FP8=fp8,
+        A_DIV=a_div, FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None, FP8=fp8 and not blocks,
         UPCAST=interpreting(), PREC="ieee" if a.dtype == torch.float32 else "tf32",
         ROUND_IN_F32=interpreting(),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=FP8_BLOCK if blocks else cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **_block_args(blocks, a_scale, w_scale), **pdl,
     )  # fmt: skip
 
 
@@ -580,6 +654,7 @@ def moe_gemv_launch(
             "combine or sum_out"
         )
     z = dict(Z=a) if residual is None else dict(Z=residual, stride_zm=residual.stride(0), ADD_Z=True)
+    blocks = _block_scales(a, a_scale, w, w_scale, "moe_gemv")
     pdl = pdl_args(a)
     _moe_gemv_kernel[grid](
         a, a_scale if fp8 else a, w, w_scale if fp8 else w, c,
@@ -590,9 +665,9 @@ def moe_gemv_launch(
         sum_out if sum_out is not None else c, counters if sum_out is not None else topk_ids,
         sum_out.stride(0) if sum_out is not None else 0,
         A_DIV=a_div, GROUP=group, P_PAD=next_pow2(group), HAS_MAP=expert_map is not None,
-        FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None, FP8=fp8, ROUND_IN_F32=interpreting(),
-        BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        SUM_K=k if sum_out is not None else 0, **z, **pdl,
+        FUSE_SILU=fuse_silu, MUL_WEIGHT=topk_weights is not None, FP8=fp8 and not blocks, ROUND_IN_F32=interpreting(),
+        BLOCK_N=bn, BLOCK_K=FP8_BLOCK if blocks else cfg["BLOCK_K"], STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SUM_K=k if sum_out is not None else 0, **z, **_block_args(blocks, a_scale, w_scale), **pdl,
     )  # fmt: skip
 
 

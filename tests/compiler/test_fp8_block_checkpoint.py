@@ -5,13 +5,15 @@ pack holds the checkpoint's FP8 blocks as they are, and the graphs' linears call
 ``kiln::fp8_block_linear``, which quantizes activations per token and 128-column group.
 
 Tiny random Llama (every dim a multiple of 128), Qwen3 (hidden 320: ragged K and N blocks) and
-DeepSeek-V3 (MLA, a dense first layer, a shared expert; routed experts up-cast) checkpoints,
-quantized per block by the test, compiled in float32 on CPU, compared with transformers on the
-float32 model the FP8 checkpoint means (its dequantized weights):
+DeepSeek-V3 (MLA, a dense first layer, a shared expert; routed experts block FP8 too, ``w13``/``w2``
+e4m3 with the checkpoint's per-expert blocks, run by ``kiln::fused_moe``'s block-scaled grouped GEMM)
+checkpoints, quantized per block by the test, compiled in float32 on CPU, compared with transformers
+on the float32 model the FP8 checkpoint means (its dequantized weights):
 
-* against that model with each quantized linear quantizing its input as the op does (the
-  "simulated" reference): the prefill logits of 8 short prompts agree within 1e-5 max relative
-  error (measured: 0 or 7e-7, on 96 prompts of each architecture); allowed: one prompt beyond,
+* against that model with each quantized linear (and each routed expert's two GEMMs) quantizing its
+  input as the ops do (the "simulated" reference): the prefill logits of 8 short prompts agree within
+  1e-5 max relative error (measured: 0 or 7e-7, on 96 prompts of each architecture; DeepSeek-V3 with
+  block-FP8 experts at most 7.7e-7 on 48); allowed: one prompt beyond,
   within 5e-2. float32 summation order differs between the two, which now and then moves an
   activation across an e4m3 rounding boundary (a 2**-3 step of one element): in decode steps,
   where it happens more often, measured on 1-3 of 240 logits rows per architecture, up to 2e-2. So
@@ -20,7 +22,7 @@ float32 model the FP8 checkpoint means (its dequantized weights):
   element): logits max relative error <= 0.15 (measured 0.049 Llama, 0.066 Qwen3, 0.092
   DeepSeek-V3), and greedy agreement: transformers' 32 greedy tokens of 4 prompts fed to kiln one by
   one, kiln's argmax equal to transformers' next token at 124/128 (Llama), 119/128 (Qwen3) and
-  110/128 (DeepSeek-V3) positions; asserted >= 75%. (Left to run free, the two diverge at the first
+  112/128 (DeepSeek-V3; 110/128 with its experts up-cast) positions; asserted >= 75%. (Left to run free, the two diverge at the first
   such flip, on these random models within a few tokens: near ties are common.)
 """
 
@@ -40,10 +42,13 @@ from tiny_models import check_against_hf, hf_greedy, make_checkpoint, randomize,
 from kiln.compiler.build import CompileOptions, compile_model
 from kiln.compiler.cli_inspect import format_report, inspect_report
 from kiln.compiler.config import ConfigError, load_config, resolve_quant
+from kiln.compiler.mappings import all_rank_specs
+from kiln.compiler.parallel import ParallelConfig
 from kiln.manifest import Manifest
 from kiln.ops.linear.fp8_block import dequantize_fp8_block, fp8_block_linear_ref, quantize_fp8_block
 from kiln.runtime.direct import DirectRunner
 from kiln.weights import load_pack
+from kiln.weights.pack import pack_checkpoint
 from kiln.weights.st_format import write_tensor_file
 
 OPTS = dict(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=128, chunk_size=64)
@@ -123,15 +128,45 @@ def write_block_fp8(src: Path, dst: Path, quant_config: dict | None = None) -> P
     return ref
 
 
+def block_experts(ckpt: dict[str, torch.Tensor], layer: int, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """Layer ``layer``'s routed experts of a block-FP8 checkpoint stacked as kiln packs them:
+    ``w13 [E, 2I, H]`` (gate rows, then up rows), ``w13_scale``, ``w2 [E, H, I]``, ``w2_scale``."""
+    p = f"model.layers.{layer}.mlp.experts."
+
+    def stack(part: str, suffix: str) -> torch.Tensor:
+        return torch.stack([ckpt[f"{p}{e}.{part}_proj.{suffix}"] for e in range(num_experts)])
+
+    w13 = torch.cat([stack("gate", "weight"), stack("up", "weight")], dim=1)
+    s13 = torch.cat([stack("gate", "weight_scale_inv"), stack("up", "weight_scale_inv")], dim=1)
+    return w13, s13, stack("down", "weight"), stack("down", "weight_scale_inv")
+
+
 def simulated(hf: torch.nn.Module, fp8_dir: Path) -> torch.nn.Module:
     """A copy of ``hf`` whose block-FP8 linears run ``kiln::fp8_block_linear``'s reference on the
-    checkpoint's FP8 weights (activations quantized per token and group). MLA's ``kv_b_proj``
+    checkpoint's FP8 weights (activations quantized per token and group), and whose routed experts
+    run each expert's gate_up and down GEMMs the same way (the SiLU-and-mul output quantized per
+    token and group before down), as ``kiln::fused_moe`` with block scales does. MLA's ``kv_b_proj``
     stays a float32 linear: kiln uses it dequantized, as the absorbed ``w_kc``/``w_vc``."""
     ckpt: dict[str, torch.Tensor] = {}
     for f in sorted(fp8_dir.glob("*.safetensors")):
         ckpt.update(load_file(f))
     sim = copy.deepcopy(hf)
     for name, mod in sim.named_modules():
+        if name.endswith("mlp.experts") and hasattr(mod, "gate_up_proj"):  # transformers' stacked experts
+            layer = int(name.split(".")[2])
+            w13, s13, w2, s2 = block_experts(ckpt, layer, mod.num_experts)
+
+            def experts(x, ids, weights, w13=w13, s13=s13, w2=w2, s2=s2, act=mod.act_fn):
+                out = torch.zeros_like(x)  # x: [T, H]; ids, weights: [T, k]
+                for e in torch.unique(ids).tolist():
+                    tok, j = torch.where(ids == e)
+                    gate, up = fp8_block_linear_ref(x[tok], w13[e], s13[e], None).chunk(2, dim=-1)
+                    y = fp8_block_linear_ref(act(gate) * up, w2[e], s2[e], None)
+                    out.index_add_(0, tok, y * weights[tok, j, None])
+                return out
+
+            mod.forward = experts
+            continue
         scale = ckpt.get(f"{name}.weight_scale_inv")
         if scale is None or name.endswith("kv_b_proj"):
             continue
@@ -219,6 +254,17 @@ def test_artifact_keeps_the_checkpoint_blocks(compiled):
     assert torch.equal(pack["norm.weight"], ckpt["model.norm.weight"])
     graph = (root / "art" / "graphs" / "model.py").read_text()
     assert "kiln.fp8_block_linear" in graph and "kiln.fp8_linear" not in graph
+    if "layers.1.moe.w13" in pack:  # DeepSeek-V3: the routed experts keep the checkpoint's blocks too
+        w13, s13, w2, s2 = block_experts(ckpt, 1, pack["layers.1.moe.w13"].shape[0])
+        for name, want in (("w13", w13), ("w13_scale", s13), ("w2", w2), ("w2_scale", s2)):
+            got = pack[f"layers.1.moe.{name}"]
+            assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (
+                name
+            )
+        assert info["fp8_block_experts"] is True
+        assert "kiln.fused_moe" in graph
+    else:
+        assert info["fp8_block_experts"] is False
 
 
 def test_inspect_shows_the_checkpoint_format(compiled):
@@ -226,10 +272,59 @@ def test_inspect_shows_the_checkpoint_format(compiled):
     report = json.loads(json.dumps(inspect_report(load_config(root / "fp8"))))  # as `--json` prints it
     assert report["compile_quant"] == "fp8-block"
     assert report["checkpoint_quant"]["weight_block_size"] == [128, 128]
-    assert (
-        "fp8 e4m3 weights, 128x128 block scales; kiln compile keeps it as quant fp8-block"
-        in format_report(report)
+    text = format_report(report)
+    assert "fp8 e4m3 weights, 128x128 block scales; kiln compile keeps it as quant fp8-block" in text
+    moe = report["moe"] is not None
+    assert ("routed experts (fp8-block)" in text) == moe and report.get("compile_experts") == (
+        "block FP8" if moe else None
     )
+
+
+def _pack(src: Path, out: Path, dtype: str, tp: int = 1) -> dict[str, torch.Tensor]:
+    cfg = load_config(src)
+    specs = all_rank_specs(cfg, ParallelConfig(tp=tp), "fp8-block")
+    pack_checkpoint(src, out, specs, tp, dtype=dtype, quant="fp8-block", progress=False)
+    return load_pack(out, 0)
+
+
+@pytest.fixture(scope="module")
+def deepseek_fp8(tmp_path_factory, hf_quiet) -> Path:
+    root = tmp_path_factory.mktemp("ds-pack")
+    deepseek_v3(root / "hf")
+    write_block_fp8(root / "hf", root / "fp8")
+    return root / "fp8"
+
+
+def test_correction_bias_stays_float32_in_a_bf16_pack(deepseek_fp8, tmp_path):
+    """DeepSeek-V3's ``e_score_correction_bias`` is float32 in Hugging Face's model whatever its
+    dtype; a bf16 pack keeps it so (the bias moves near-tied experts), bit for bit."""
+    pack = _pack(deepseek_fp8, tmp_path / "pack", "bfloat16")
+    ckpt = load_file(next(deepseek_fp8.glob("*00001-*.safetensors")))
+    bias = pack["layers.1.moe.router.bias"]
+    assert bias.dtype == torch.float32
+    assert torch.equal(bias, ckpt["model.layers.1.mlp.gate.e_score_correction_bias"])
+    assert pack["layers.1.moe.w13"].dtype == torch.float8_e4m3fn  # the experts: block FP8 in bf16 too
+
+
+def test_experts_off_the_block_grid_are_up_cast_with_a_note(deepseek_fp8, tmp_path, capsys, monkeypatch):
+    """tp 2 splits each expert's 128 intermediate rows into 64: gate and up cannot each start a
+    128-row block, so the pack and the model keep the routed experts in the activation dtype (the
+    checkpoint's blocks dequantized) and the compile says why on stderr."""
+    from kiln.compiler import moe_layer
+
+    pack = _pack(deepseek_fp8, tmp_path / "pack", "float32", tp=2)
+    assert pack["layers.1.moe.w13"].dtype == torch.float32 and "layers.1.moe.w13_scale" not in pack
+    assert pack["layers.1.attn.o.weight"].dtype == torch.float8_e4m3fn  # the linears stay block FP8
+    info = json.loads((tmp_path / "pack" / "pack.json").read_text())["model"]
+    assert info["fp8_block_experts"] is False
+    monkeypatch.setattr(moe_layer, "_NOTED", set())
+    with torch.device("meta"):
+        layer = moe_layer.FusedMoE(
+            load_config(deepseek_fp8), torch.float32, tp=2, quant="fp8-block", float_router=True
+        )
+    assert layer.w13.dtype == torch.float32 and layer.w13_scale is None
+    err = capsys.readouterr().err
+    assert "routed experts up-cast to torch.float32" in err and "128 split over 2 ranks (tp / ep) = 64" in err
 
 
 @pytest.mark.parametrize(
