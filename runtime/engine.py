@@ -330,6 +330,13 @@ class Engine:
                 f"({', '.join(f'{k} {v:.2f}s' for k, v in self.model.phases.items())})",
                 flush=True,
             )
+            if self.drafter is not None:
+                graphs = f"verify graphs k in {list(m.verify.lengths)}" if m.verify else "eager verify steps"
+                print(
+                    f"[kiln] speculative decoding: {self.spec_mode}, up to "
+                    f"{self.settings['num_draft_tokens']} drafts per request ({graphs})",
+                    flush=True,
+                )
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str) -> list[int]:
