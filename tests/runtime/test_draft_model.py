@@ -114,6 +114,21 @@ def test_prefix_cache_hits_and_chunks(setup):
     assert s["accepted"] >= 0.9 * s["proposed"], s
 
 
+def test_retraction(setup):
+    """A KV pool too small for the batch (both pools share its page count): requests are retracted
+    and resumed, the draft catches up on what it lost, outputs are plain decoding's."""
+    root, prompts = setup
+    art = root / "art-same"
+    per_token = Manifest.load(art).kv.bytes_per_token + Manifest.load(art / "draft").kv.bytes_per_token
+    kv = 100 * per_token / 2**30  # about 100 tokens
+    plain, _ = _tokens(art, prompts, GREEDY, speculative="off", kv_memory_gib=kv)
+    on, eng = _tokens(art, prompts, GREEDY, kv_memory_gib=kv)
+    assert on == plain
+    assert eng.scheduler.num_preemptions > 0
+    s = eng.step_metrics()["speculative"]
+    assert s["accepted"] >= 0.9 * s["proposed"] > 0, s
+
+
 def test_a_draft_of_another_vocabulary_is_refused(setup, tmp_path):
     root, _ = setup
     make_checkpoint(tmp_path / "d", "llama-untied", seed=3, eos=None)
