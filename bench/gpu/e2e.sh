@@ -21,6 +21,11 @@
 #                        --num-draft-tokens 4 --cycle-skip 3" (gaps: every 3rd token of the prompt's
 #                        stretch dropped, lower acceptance); the latency JSON has spec_acceptance_rate,
 #                        spec_mean_emitted and verify_steps per batch. Llama-family untied presets only
+#   DRAFT=               a bundled config (e.g. llama-3.2-1b, same vocabulary as llama-3.1-8b): its random
+#                        checkpoint compiled into the artifact as the draft model (`--draft-model`, with
+#                        `--verify-lengths 4,8` unless COMPILE_ARGS has them); VARIANTS pick
+#                        "--speculative draft|off" and --num-draft-tokens. Random weights accept ~nothing:
+#                        the runs give the draft and verify step costs (docs/speculative.md section 7)
 #   COMPILE_ARGS=        more `kiln compile` flags, e.g. "--max-batch-size 64 --page-size 16"
 #   REUSE=               1: use the artifact a warm machine holds from an earlier call of this shape
 #   BATCHES=1,8,64 INLEN=512 OUTLEN=64 KV=40   `kiln bench latency` batch sizes, lengths, KV GiB
@@ -55,7 +60,7 @@ BATCHES=${BATCHES:-1,8,64}; INLEN=${INLEN:-512}; OUTLEN=${OUTLEN:-64}; KV=${KV:-
 VARIANTS=${VARIANTS:-default:}; ROUNDS=${ROUNDS:-1}; NPROMPTS=${NPROMPTS:-0}; STARTUP=${STARTUP:-0}; STARTUP_ARGS=${STARTUP_ARGS:-}
 TP_INLEN=${TP_INLEN:-256:1024}; TP_OUTLEN=${TP_OUTLEN:-64:256}
 SUCC=${SUCCESSOR:+-successor}  # successor checkpoints get their own names (checkpoint, artifact, call)
-NAME=$(shape_name "$PRESET" "$LAYERS" "$DTYPE" "$QUANT")$SUCC
+NAME=$(shape_name "$PRESET" "$LAYERS" "$DTYPE" "$QUANT")$SUCC${DRAFT:+-draft-$DRAFT}
 CK=$CKPT_WORK/ckpt-$(shape_name "$PRESET" "$LAYERS" "$DTYPE" "")$SUCC; ART=$WORK/art-$NAME
 PROMPT_ARGS=${SUCCESSOR:+--prompt-kind cycle}  # before each variant's words, which may override it
 ACCURACY=${ACCURACY:-0}; ACC_SEQLEN=${ACC_SEQLEN:-512}; REF=$WORK/art-$NAME-accuracy-ref
@@ -71,6 +76,13 @@ fi
 free_work "$CK" "$ART" "$REF"
 make_checkpoint "$PRESET" "$LAYERS" "$DTYPE" "$CK" ${SUCCESSOR:+--successor} || { call_end e2e.sh PRESET LAYERS SUCCESSOR; exit 1; }
 stamp checkpoint
+if [ -n "$DRAFT" ]; then  # the draft's checkpoint, compiled into the artifact
+  DCK=$CKPT_WORK/ckpt-$(shape_name "$DRAFT" "" "$DTYPE" "")
+  make_checkpoint "$DRAFT" "" "$DTYPE" "$DCK" || { call_end e2e.sh PRESET DRAFT; exit 1; }
+  COMPILE_ARGS="--draft-model $DCK $COMPILE_ARGS"
+  [[ "$COMPILE_ARGS" == *--verify-lengths* ]] || COMPILE_ARGS="$COMPILE_ARGS --verify-lengths 4,8"
+  stamp draft_checkpoint
+fi
 if [ -n "$REUSE" ] && [ -f "$ART/manifest.json" ]; then
   echo "artifact $ART: kept from an earlier call (REUSE=1)"
 else
@@ -132,5 +144,5 @@ if [ "$ACCURACY" -gt 0 ]; then
     --seq-len "$ACC_SEQLEN" --json "$RAW/accuracy.json"
   show accuracy.log "." 12; stamp accuracy
 fi
-call_end e2e.sh PRESET LAYERS CKPT_WORK DTYPE QUANT SUCCESSOR COMPILE_ARGS REUSE BATCHES INLEN OUTLEN KV LAT_ARGS HF VARIANTS ROUNDS \
+call_end e2e.sh PRESET LAYERS CKPT_WORK DTYPE QUANT SUCCESSOR DRAFT COMPILE_ARGS REUSE BATCHES INLEN OUTLEN KV LAT_ARGS HF VARIANTS ROUNDS \
   NPROMPTS TP_INLEN TP_OUTLEN TP_VARIANTS TP_HF STARTUP STARTUP_ARGS PROFILE TIMELINE ACCURACY ACC_SEQLEN ACC_REF_ARGS GPU_TESTS BUDGET
