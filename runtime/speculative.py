@@ -79,15 +79,21 @@ def _splitmix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+def counter_keys(seeds: Sequence[int], counters: np.ndarray) -> np.ndarray:
+    """``[B, P, 2]`` int64: ``row_keys(seeds[b], counters[b, p])``, the plain sampler's noise keys for
+    request ``b``'s token number ``counters[b, p]`` (``counters`` ``[B, P]`` integers)."""
+    mask = (1 << 64) - 1
+    s = np.array([x & mask for x in seeds], dtype=np.uint64)[:, None]  # [B, 1]
+    with np.errstate(over="ignore"):
+        z = _splitmix64(s ^ _splitmix64(np.asarray(counters).astype(np.uint64)))
+    return np.stack([z & _M32, z >> np.uint64(32)], axis=-1).astype(np.int64)
+
+
 def position_keys(seeds: Sequence[int], steps: Sequence[int], positions: int) -> np.ndarray:
     """``[B, positions, 2]`` int64: ``row_keys(seeds[b], steps[b] + j)`` for ``j < positions``, the
     noise keys the plain sampler uses for request ``b``'s token number ``steps[b] + j``."""
-    mask = (1 << 64) - 1
-    s = np.array([x & mask for x in seeds], dtype=np.uint64)[:, None]  # [B, 1]
     t = np.array(steps, dtype=np.uint64)[:, None] + np.arange(positions, dtype=np.uint64)  # [B, P]
-    with np.errstate(over="ignore"):
-        z = _splitmix64(s ^ _splitmix64(t))
-    return np.stack([z & _M32, z >> np.uint64(32)], axis=-1).astype(np.int64)
+    return counter_keys(seeds, t)
 
 
 def stream_seeds(seeds: Sequence[int], stream: int) -> list[int]:
@@ -95,12 +101,12 @@ def stream_seeds(seeds: Sequence[int], stream: int) -> list[int]:
     return [derive_seed(s, stream) for s in seeds]
 
 
-def _uniforms(keys: np.ndarray) -> np.ndarray:
+def uniforms_from_keys(keys: np.ndarray) -> np.ndarray:
     """Uniforms in (0, 1), 24 bits, from keys ``[..., 2]`` (the high key word's top 24 bits)."""
     return (((keys[..., 1] >> 8).astype(np.float64) + 0.5) / 16777216.0).astype(np.float32)
 
 
-def _h2d(host: torch.Tensor, device: torch.device, stager: Any) -> torch.Tensor:
+def h2d(host: torch.Tensor, device: torch.device, stager: Any) -> torch.Tensor:
     """A host tensor on ``device`` without a host sync (through ``stager`` when given)."""
     if stager is not None:
         return stager.to_device(host, host.dtype)
@@ -154,7 +160,7 @@ class DraftBatch:
                 raise SpeculativeError(f"drafts: request {b} has {len(d)} drafts, more than max_len {k}")
             host[b, : len(d)] = torch.tensor(list(d), dtype=torch.int64)
             host[b, k] = len(d)
-        dev = _h2d(host, torch.device(device), stager)
+        dev = h2d(host, torch.device(device), stager)
         return cls(ids=dev[:, :k], lens=dev[:, k])
 
 
@@ -203,14 +209,14 @@ class SpecSampling:
         rows_p = [r for r in rows for _ in range(P)]
         uniforms = None
         if with_uniforms:
-            u = _uniforms(position_keys(stream_seeds(seeds, ACCEPT_STREAM), steps, P - 1))
-            uniforms = _h2d(torch.from_numpy(u), dev, stager)  # [B, K]
+            u = uniforms_from_keys(position_keys(stream_seeds(seeds, ACCEPT_STREAM), steps, P - 1))
+            uniforms = h2d(torch.from_numpy(u), dev, stager)  # [B, K]
         if SamplingBatch.plain_greedy(params_list):
             return cls(SamplingBatch.greedy_batch(rows_p, dev, stager), uniforms, B, P)
         base = SamplingBatch.build(
             params_list, rows, dev, seeds=seeds, steps=steps, eos_token_ids=eos_token_ids, stager=stager
         )
-        keys = _h2d(torch.from_numpy(position_keys(seeds, steps, P).reshape(B * P, 2)), dev, stager)
+        keys = h2d(torch.from_numpy(position_keys(seeds, steps, P).reshape(B * P, 2)), dev, stager)
         ban_b, ban_t = [], []
         for i, (p, step) in enumerate(zip(params_list, steps)):
             if step >= p.min_tokens:
@@ -221,7 +227,7 @@ class SpecSampling:
                 ban_t += banned
         ban = None
         if ban_b:
-            idx = _h2d(torch.tensor([ban_b, ban_t], dtype=torch.int64), dev, stager)
+            idx = h2d(torch.tensor([ban_b, ban_t], dtype=torch.int64), dev, stager)
             ban = (idx[0], idx[1])
 
         def rep(t: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Paged extend (prefill) attention: new tokens over a cached prefix, causal within the chunk.
 
 ``torch.ops.kiln.extend_attention(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr,
-sm_scale, page_size, sliding_window, logit_cap, k_scale=None, v_scale=None) -> out``
+sm_scale, page_size, sliding_window, logit_cap, k_scale=None, v_scale=None, tree_mask=None) -> out``
 
 * q ``[T, Hq, D]``; k_cache ``[S, Hkv, D]``, v_cache ``[S, Hkv, Dv]``; block_table ``[R, M]``
   int32; req_rows, seq_lens ``[B]`` int32; qo_indptr ``[B + 1]`` int32 with ``qo_indptr[0] == 0``.
@@ -11,6 +11,14 @@ sm_scale, page_size, sliding_window, logit_cap, k_scale=None, v_scale=None) -> o
   ``seq_lens[b] - n_b + j``; their K/V are already in the cache. Query ``i`` sees keys ``j <= i``
   (and ``i - j < sliding_window`` when that is > 0); ``logit_cap > 0`` soft-caps the scores.
 * out ``[T, Hq, Dv]`` in q's dtype; rows past ``qo_indptr[B]`` (bucket padding) are zeros.
+* Token trees (speculative verification, runtime/spec_tree.py): ``tree_mask`` ``[T]`` int64, row
+  ``i`` a bitmask over its request's chunk: bit ``j`` set iff the chunk's token ``j`` is an
+  ancestor of token ``i`` or ``i`` itself (chunks of at most 64 tokens, each token's parent earlier
+  in the chunk). Token ``i`` then sees the whole prefix and, of the chunk, only the tokens of its
+  bits (still only ``j <= i``). The chunk's K/V sit in slots by token index (positions ``seq_lens[b]
+  - n_b + j``, as without a mask); the RoPE positions they were written with (prefix + depth) are
+  the caller's. Sliding windows are refused with a tree (their distances would be by depth). None
+  (the default) is plain causal attention, the kernel compiled without the tree code (``TREE``).
 
 Kernel: flash attention (online softmax in float32, ``exp2`` with log2(e) folded into the scale,
 ``tl.dot`` for QK^T and PV). A program owns ``BLOCK_M`` rows of a query tile: ``BLOCK_M // PACK``
@@ -19,9 +27,10 @@ read once for the pack). The grid is ``(cdiv(T, BLOCK_M // PACK) + B, Hq / PACK)
 shapes only; each program finds its (request, tile) by scanning ``qo_indptr`` (later tiles, which
 see more keys, are handed out first), and programs past the work zero the padding rows or exit.
 Keys below the tile's first query position are visited without masks; the causal diagonal and
-sliding windows with masks. FP8 caches (the ``KV_FP8`` constexpr) as in decode.py: tiles converted
-to q's dtype, key scales on the score columns (folded into the softmax scale), value scales on the
-softmax weights before P @ V (the denominator sums them unscaled).
+sliding windows with masks (with a tree, every key of the chunk is masked). FP8 caches (the
+``KV_FP8`` constexpr) as in decode.py: tiles converted to q's dtype, key scales on the score columns
+(folded into the softmax scale), value scales on the softmax weights before P @ V (the denominator
+sums them unscaled).
 """
 
 from __future__ import annotations
@@ -87,11 +96,15 @@ def _resolve_pack(cfg: ExtendConfig, group: int) -> int:
 def _extend_step(
     q, acc, m_i, l_i, n0, q_pos, kv_end, row, k_base, v_base, bt_ptr, stride_bt, stride_ks,
     stride_vs, sm_scale, logit_cap, sliding_window, ks_base, vs_base, stride_kss, stride_vss,
+    tree_bits, prefix,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+    TREE: tl.constexpr,
 ):  # fmt: skip
-    """One key block: online-softmax update of ``acc [BLOCK_M, BLOCK_DV]``, ``m_i``, ``l_i``."""
+    """One key block: online-softmax update of ``acc [BLOCK_M, BLOCK_DV]``, ``m_i``, ``l_i``.
+    ``TREE``: ``tree_bits [BLOCK_M]`` int64 are the rows' ancestor masks over the chunk, which
+    starts at key position ``prefix`` (unused otherwise)."""
     kpos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
@@ -129,6 +142,10 @@ def _extend_step(
         vis = (kpos[None, :] <= q_pos[:, None]) & kvalid[None, :]
         if HAS_WINDOW:
             vis = vis & (q_pos[:, None] - kpos[None, :] < sliding_window)
+        if TREE:  # a key of the chunk only where the row's bit of its node is set
+            rel = kpos - prefix  # [BLOCK_N] node index of the key in the chunk
+            bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)[None, :]) & 1
+            vis = vis & ((rel < 0)[None, :] | (bit != 0))
         s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 units
     alpha = tl.exp2(m_i - m_new)
@@ -175,7 +192,7 @@ def find_tile(indptr_ptr, num_reqs, t, TOK: tl.constexpr, SCAN: tl.constexpr):
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, rows_ptr, lens_ptr, indptr_ptr, ks_ptr, vs_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, rows_ptr, lens_ptr, indptr_ptr, ks_ptr, vs_ptr, tm_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_ot,
     stride_oh, stride_kss, stride_ksh, stride_vss, stride_vsh, num_reqs, num_tokens, sm_scale,
     logit_cap, sliding_window,
@@ -184,6 +201,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr, SCAN: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr = False,  # fp8 caches with per-row scales ks_ptr / vs_ptr [S, Hkv]
+    TREE: tl.constexpr = False,  # token trees: tm_ptr [T] int64 ancestor bitmasks (else unused)
 ):  # fmt: skip
     TOK = BLOCK_M // PACK  # tokens per tile (constexpr)
     t = tl.num_programs(0) - 1 - tl.program_id(0)  # tile index; late (long) tiles start first
@@ -216,6 +234,10 @@ def _extend_kernel(
             mask=rmask[:, None] & (d[None, :] < D),
             other=0.0,
         )  # q: [BLOCK_M, BLOCK_D]
+        if TREE:
+            tree_bits = tl.load(tm_ptr + q_rows, mask=rmask, other=0).to(tl.int64)  # [BLOCK_M]
+        else:
+            tree_bits = q_pos  # unused
 
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked blocks give p = 0
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -231,20 +253,23 @@ def _extend_kernel(
             full_end = lo  # windows are masked everywhere
         else:
             lo = 0
-            full_end = (first // BLOCK_N) * BLOCK_N  # keys every query of the tile sees
+            if TREE:  # the chunk's keys are seen by some rows only
+                full_end = (prefix // BLOCK_N) * BLOCK_N
+            else:
+                full_end = (first // BLOCK_N) * BLOCK_N  # keys every query of the tile sees
         for n0 in range(lo, full_end, BLOCK_N):
             acc, m_i, l_i = _extend_step(
                 q, acc, m_i, l_i, n0, q_pos, kv_end, row, k_base, v_base, bt_ptr, stride_bt,
                 stride_ks, stride_vs, sm_scale, logit_cap, sliding_window, ks_base, vs_base, stride_kss,
-                stride_vss, D, BLOCK_D, DV, BLOCK_DV, PAGE, BLOCK_N, False, HAS_CAP, HAS_WINDOW, PREC,
-                UPCAST, KV_FP8,
+                stride_vss, tree_bits, prefix, D, BLOCK_D, DV, BLOCK_DV, PAGE, BLOCK_N, False, HAS_CAP,
+                HAS_WINDOW, PREC, UPCAST, KV_FP8, TREE,
             )  # fmt: skip
         for n0 in range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _extend_step(
                 q, acc, m_i, l_i, n0, q_pos, kv_end, row, k_base, v_base, bt_ptr, stride_bt,
                 stride_ks, stride_vs, sm_scale, logit_cap, sliding_window, ks_base, vs_base, stride_kss,
-                stride_vss, D, BLOCK_D, DV, BLOCK_DV, PAGE, BLOCK_N, True, HAS_CAP, HAS_WINDOW, PREC,
-                UPCAST, KV_FP8,
+                stride_vss, tree_bits, prefix, D, BLOCK_D, DV, BLOCK_DV, PAGE, BLOCK_N, True, HAS_CAP,
+                HAS_WINDOW, PREC, UPCAST, KV_FP8, TREE,
             )  # fmt: skip
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
@@ -265,7 +290,7 @@ def _extend_kernel(
 
 
 def check_extend(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
-                 sliding_window, logit_cap, k_scale=None, v_scale=None):  # fmt: skip
+                 sliding_window, logit_cap, k_scale=None, v_scale=None, tree_mask=None):  # fmt: skip
     """``kiln::extend_attention``'s argument check (both paths)."""
     check_attention(q, k_cache, v_cache, page_size, k_scale, v_scale)
     if qo_indptr.shape[0] != req_rows.shape[0] + 1:
@@ -273,6 +298,17 @@ def check_extend(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr
             f"extend_attention: qo_indptr has {qo_indptr.shape[0]} entries, expected B + 1 = "
             f"{req_rows.shape[0] + 1}."
         )
+    if tree_mask is not None:
+        if tree_mask.dtype != torch.int64 or tuple(tree_mask.shape) != (q.shape[0],):
+            raise ValueError(
+                f"extend_attention: tree_mask must be an int64 [T] = [{q.shape[0]}] tensor (one ancestor "
+                f"bitmask per token), got {tree_mask.dtype} {list(tree_mask.shape)}."
+            )
+        if sliding_window > 0:
+            raise ValueError(
+                f"extend_attention: tree_mask cannot be combined with sliding_window ({sliding_window}); "
+                "pass sliding_window=-1 or no tree."
+            )
 
 
 @kiln_op("extend_attention", ref=extend_attention_ref, check=check_extend, fake=empty_attention_out)
@@ -280,10 +316,12 @@ def extend_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     req_rows: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor, sm_scale: float, page_size: int,
     sliding_window: int, logit_cap: float, k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None, *, config: ExtendConfig | None = None,
+    v_scale: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None, *,
+    config: ExtendConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Paged extend attention ``[T, Hq, D] -> [T, Hq, Dv]`` (the module docstring): the Triton
-    kernel; ``k_scale``/``v_scale`` ``[S, Hkv]`` float32 with FP8 caches, else None. ``config``
+    kernel; ``k_scale``/``v_scale`` ``[S, Hkv]`` float32 with FP8 caches, else None; ``tree_mask``
+    ``[T]`` int64 ancestor bitmasks of token trees, else None (causal chunks). ``config``
     overrides tile sizes, GQA packing and launch parameters (benchmarks sweep it)."""
     t, hq, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -300,7 +338,8 @@ def extend_attention_triton(
     ks, vs, scale_strides = kv_scale_args(k_scale, v_scale, k_cache)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, block_table, req_rows, seq_lens, qo_indptr, ks, vs,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        seq_lens if tree_mask is None else tree_mask, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), *scale_strides,
         num_reqs, t, float(sm_scale), float(logit_cap), int(sliding_window),
         GROUP=group, PACK=pack, D=d, BLOCK_D=max(16, next_pow2(d)), DV=dv,
@@ -308,5 +347,6 @@ def extend_attention_triton(
         SCAN=64, HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, KV_FP8=k_scale is not None,
+        TREE=tree_mask is not None,
     )  # fmt: skip
     return out

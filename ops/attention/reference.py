@@ -7,7 +7,9 @@ float32. They are the CPU implementation of the ops and the oracle of the kernel
 not meant to be fast.
 
 Masks: key ``j`` is visible to query position ``i`` iff ``j <= i`` and, with a sliding window
-``W > 0``, ``i - j < W``. Soft-cap ``cap > 0``: ``s = cap * tanh(s / cap)`` on the scaled scores.
+``W > 0``, ``i - j < W``; with a token tree (``tree_mask``, extend only) a key of the request's
+chunk only where the query's ancestor bitmask has its bit (:func:`tree_visible`). Soft-cap
+``cap > 0``: ``s = cap * tanh(s / cap)`` on the scaled scores.
 
 FP8 caches (``float8_e4m3fn``): each cached head row comes with a float32 scale, ``k_scale`` /
 ``v_scale`` ``[S, Hkv]`` (a layer's view of the pool's ``[L, S, Hkv]``), and stands for
@@ -53,9 +55,11 @@ def _attend(
     sm_scale: float,
     sliding_window: int,
     logit_cap: float,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One request: q ``[n, Hq, D]`` at positions ``q_pos [n]`` over keys ``k [L, Hkv, D]``,
-    ``v [L, Hkv, Dv]`` at positions ``0..L-1``. Returns ``[n, Hq, Dv]`` float32."""
+    ``v [L, Hkv, Dv]`` at positions ``0..L-1``; ``allowed [n, L]`` bool, when given, masks further
+    (token trees). Returns ``[n, Hq, Dv]`` float32."""
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
     qf = q.float().transpose(0, 1)  # [Hq, n, D]
@@ -68,13 +72,24 @@ def _attend(
     visible = kpos[None, :] <= q_pos[:, None]  # [n, L]
     if sliding_window > 0:
         visible &= (q_pos[:, None] - kpos[None, :]) < sliding_window
+    if allowed is not None:
+        visible &= allowed
     s = s.masked_fill(~visible, float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key -> zeros
     return torch.matmul(p, vf).transpose(0, 1)  # [n, Hq, Dv]
 
 
+def tree_visible(tree_mask: torch.Tensor, prefix: int, length: int) -> torch.Tensor:
+    """``[n, length]`` bool: which of keys ``0..length-1`` each of a chunk's ``n`` tokens may see
+    under its ancestor bitmask ``tree_mask [n]`` int64 (the chunk starts at key ``prefix``): every
+    prefix key, and chunk key ``prefix + j`` where bit ``j`` is set."""
+    rel = torch.arange(length, device=tree_mask.device) - prefix  # [L]
+    bits = (tree_mask.long()[:, None] >> rel.clamp(0, 63)[None, :]) & 1  # [n, L]
+    return (rel < 0)[None, :] | (bits != 0)
+
+
 def extend_attention_ref(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
-                         sliding_window, logit_cap, k_scale=None, v_scale=None):  # fmt: skip
+                         sliding_window, logit_cap, k_scale=None, v_scale=None, tree_mask=None):  # fmt: skip
     """Extend attention, reference.
 
     q ``[T, Hq, D]``; k_cache ``[S, Hkv, D]``; v_cache ``[S, Hkv, Dv]``; block_table ``[R, M]``
@@ -82,7 +97,8 @@ def extend_attention_ref(q, k_cache, v_cache, block_table, req_rows, seq_lens, q
     tokens are rows ``qo_indptr[b]:qo_indptr[b+1]`` of ``q`` at positions
     ``seq_lens[b] - n_b + j``. Returns ``[T, Hq, Dv]`` in q's dtype; rows of ``q`` that belong
     to no request (bucket padding) are zeros. FP8 caches: ``k_scale``/``v_scale`` ``[S, Hkv]``
-    float32 (the module docstring).
+    float32 (the module docstring). ``tree_mask`` ``[T]`` int64: token trees, each token's
+    ancestor-or-self bitmask over its chunk (:func:`tree_visible`), or None (causal chunks).
     """
     t, hq = q.shape[0], q.shape[1]
     out = torch.zeros(t, hq, v_cache.shape[-1], dtype=torch.float32, device=q.device)
@@ -95,7 +111,8 @@ def extend_attention_ref(q, k_cache, v_cache, block_table, req_rows, seq_lens, q
         q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)  # [n]
         k = gather_rows(k_cache, k_scale, slots)  # [L, Hkv, D]
         v = gather_rows(v_cache, v_scale, slots)  # [L, Hkv, Dv]
-        out[lo:hi] = _attend(q[lo:hi], k, v, q_pos, sm_scale, sliding_window, logit_cap)
+        allowed = None if tree_mask is None else tree_visible(tree_mask[lo:hi], seq_len - (hi - lo), seq_len)
+        out[lo:hi] = _attend(q[lo:hi], k, v, q_pos, sm_scale, sliding_window, logit_cap, allowed)
     return out.to(q.dtype)
 
 

@@ -10,14 +10,13 @@ significance is ALPHA. A deliberately wrong acceptance rule must fail the same c
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
+from markov_oracle import PROMPT, V, chi2_pvalue, plain_seeded_tokens, tables, target_probs
 
 from kiln.ops.sampling.gumbel import derive_seed, row_keys
-from kiln.runtime.sampler import Sampler, SamplingBatch
+from kiln.runtime.sampler import Sampler
 from kiln.runtime.sampling_params import SamplingParams as SP
 from kiln.runtime.speculative import (
     ACCEPT_STREAM,
@@ -35,11 +34,9 @@ from kiln.runtime.speculative import (
     verify,
 )
 
-V = 8  # vocabulary of the statistical tests
 K = 3  # drafts per verify step at most
 N = 12000  # requests (samples) per statistical test
 ALPHA = 1e-3  # significance: a correct rule passes with p-value > ALPHA, the wrong one fails
-PROMPT = [3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 7, 2, 1, 4, 3, 5, 0, 2, 6, 1]  # gives the n-gram drafter matches
 
 
 # ---- noise keys ------------------------------------------------------------------------------------
@@ -258,22 +255,6 @@ def test_acceptance_stats():
 # ---- lossless sampling: chi-square on a small vocabulary -------------------------------------------
 
 
-def _tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target and draft next-token logits [V, V], row = the previous token. The target favours the
-    continuations PROMPT shows (a model that copies), so n-gram drafts are often accepted."""
-    g = torch.Generator().manual_seed(seed)
-    target = torch.randn(V, V, generator=g) * 0.8
-    for a, b in itertools.pairwise(PROMPT):
-        target[a, b] += 1.0
-    return target, target + torch.randn(V, V, generator=g) * 0.8
-
-
-def _target_probs(target: torch.Tensor, params: SP) -> torch.Tensor:
-    """[V, V]: the plain sampler's distribution of the next token after each previous token."""
-    sb = SamplingBatch.build([params] * V, [1] * V, "cpu", seeds=[0] * V, steps=[0] * V)
-    return torch.softmax(Sampler(V, 2, "cpu").filter_logits(target, sb), -1)
-
-
 def _speculate(
     params: SP, source: str, rule: str, seed: int = 0, n: int = N, length: int = 2
 ) -> tuple[torch.Tensor, AcceptanceStats]:
@@ -283,7 +264,7 @@ def _speculate(
     "reject" (verify with q; the n-gram's q is one-hot), "accept_any" (rejection with u = 0: a
     draft is accepted whenever p(x) > 0, the deliberately wrong rule). Also returns the acceptance
     statistics."""
-    target, draft = _tables(seed)
+    target, draft = tables(seed)
     g = torch.Generator().manual_seed(seed + 1)
     sampler = Sampler(V, 2, "cpu")
     drafter = NgramDrafter(NgramConfig(num_draft_tokens=K, ngram_max=3, ngram_min=1))
@@ -336,34 +317,14 @@ def _speculate(
     return out, stats
 
 
-def _chi2_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's chi-square p-value of counts against probabilities (cells expecting fewer than 5
-    pooled into one; cells of probability 0 must be empty)."""
-    observed, probs = observed.double().flatten(), probs.double().flatten()
-    assert observed[probs == 0].sum() == 0, "a token of probability 0 was emitted"
-    total = observed.sum()
-    expected = probs * total
-    big = expected >= 5
-    small = (~big) & (probs > 0)
-    o = torch.cat([observed[big], observed[small].sum()[None]])
-    e = torch.cat([expected[big], expected[small].sum()[None]])
-    if e[-1] < 5:  # the pooled cell still too small: into the smallest big one
-        o, e = o[:-1], e[:-1]
-        o[e.argmin()] += observed[small].sum()
-        e[e.argmin()] += expected[small].sum()
-    stat = ((o - e) ** 2 / e).sum()
-    df = o.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
-
-
 def _pvalues(tokens: torch.Tensor, params: SP, seed: int = 0) -> tuple[float, float]:
     """p-values of the first token and of the (first, second) pair against the target's law."""
-    p = _target_probs(_tables(seed)[0], params)  # [V, V]
+    p = target_probs(tables(seed)[0], params)  # [V, V]
     first = p[PROMPT[-1]]  # [V]
     pair = first[:, None] * p  # [V, V]: P(t0) * P(t1 | t0)
     c1 = torch.bincount(tokens[:, 0], minlength=V)
     c2 = torch.bincount(tokens[:, 0] * V + tokens[:, 1], minlength=V * V)
-    return _chi2_pvalue(c1, first), _chi2_pvalue(c2, pair)
+    return chi2_pvalue(c1, first), chi2_pvalue(c2, pair)
 
 
 PARAMS = {
@@ -398,20 +359,13 @@ def test_a_wrong_acceptance_rule_fails_the_same_check(source):
 def test_point_mass_speculation_emits_the_plain_samplers_seeded_tokens():
     """n-gram speculation, verified by matching the target's own seeded samples, emits exactly what
     plain decoding emits for the same seeds (min_tokens bans per position included)."""
-    target, _ = _tables(5)
+    target, _ = tables(5)
     eos = 2
     target[:, eos] += 2.0  # EOS likely: the per-position min_tokens ban matters
     params = SP(temperature=1.1, top_k=6, top_p=0.95, min_tokens=4)
     R, length = 24, 16
     sampler = Sampler(V, 2, "cpu")
-    plain = []
-    for r in range(R):
-        seq: list[int] = []
-        for step in range(length):
-            sb = SamplingBatch.build([params], [1], "cpu", seeds=[r], steps=[step], eos_token_ids=[eos])
-            prev = seq[-1] if seq else PROMPT[-1]
-            seq.append(int(sampler.sample(target[prev][None], sb).next_ids[0]))
-        plain.append(seq)
+    plain = plain_seeded_tokens(target, params, R, length, PROMPT[-1], eos)
     drafter = NgramDrafter(NgramConfig(num_draft_tokens=K, ngram_max=3))
     spec_out: list[list[int]] = [[] for _ in range(R)]
     accepted = 0

@@ -1,0 +1,164 @@
+"""Tree attention in paged extend attention (``tree_mask``, speculative token trees): the Triton kernel
+(interpreter on CPU, real on GPU) against the torch reference and against a plain computation per
+path: for a random tree, each node's output must equal the last output of the chain made of its
+ancestors (the prefix, then root..node), which is what attention over a tree means.
+
+Chunks' K/V sit in slots by node index, as the kernel reads them; the caches are random (no RoPE),
+so a node's keys are the same tensors in the tree and in its chain.
+"""
+
+from __future__ import annotations
+
+import pytest
+import test_decode_attention as decode_tests
+import torch
+from test_decode_attention import TOL, rel_err
+
+from kiln.ops.attention import paged  # noqa: F401  (registers the attention ops)
+from kiln.ops.attention.extend import ExtendConfig, extend_attention_triton
+from kiln.ops.attention.reference import extend_attention_ref, random_block_table, request_slots
+
+seed, triton_on_cpu = decode_tests.seed, decode_tests.triton_on_cpu  # the fixtures, shared
+
+
+def random_parents(n: int, gen: torch.Generator) -> list[int]:
+    """A random tree of ``n`` nodes: node 0 the root, node i's parent one of 0..i-1 (-1 for the root).
+    Biased to the latest nodes, so trees get deep as well as wide."""
+    parents = [-1]
+    for i in range(1, n):
+        lo = max(0, i - 3) if torch.rand(1, generator=gen).item() < 0.6 else 0
+        parents.append(int(torch.randint(lo, i, (1,), generator=gen)))
+    return parents
+
+
+def ancestors(parents: list[int], i: int) -> list[int]:
+    """Root..i, the path of node i."""
+    path = [i]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def masks_of(parents: list[int]) -> list[int]:
+    """Each node's ancestor-or-self bitmask as a signed int64 value (bit 63 is the sign)."""
+    out = []
+    for i in range(len(parents)):
+        m = sum(1 << j for j in ancestors(parents, i))
+        out.append(m - (1 << 64) if m >= 1 << 63 else m)
+    return out
+
+
+def make_tree_inputs(sizes, prefix, pad, hq, hkv, d, dv, page_size, dtype, gen):
+    """Requests with trees of ``sizes[b]`` nodes over ``prefix[b]`` cached tokens; ``pad`` padding rows."""
+    lens = [n + p for n, p in zip(sizes, prefix)]
+    block_table, req_rows, num_slots = random_block_table(lens, page_size)
+    indptr = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(sizes) + pad, hq, d, dtype=dtype)
+    k_cache = torch.randn(num_slots, hkv, d, dtype=dtype)
+    v_cache = torch.randn(num_slots, hkv, dv, dtype=dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    parents = [random_parents(n, gen) for n in sizes]
+    masks = [m for p in parents for m in masks_of(p)] + [0] * pad
+    tree_mask = torch.tensor(masks, dtype=torch.int64)
+    return (q, k_cache, v_cache, block_table, req_rows, seq_lens, indptr), tree_mask, parents
+
+
+def per_path(args, parents, page_size, sm_scale, logit_cap=0.0) -> torch.Tensor:
+    """Each node's attention over its chain (the prefix, then its ancestors and itself), plain dense
+    float32 softmax: ``[T, Hq, Dv]`` (padding rows zero)."""
+    q, k_cache, v_cache, block_table, req_rows, seq_lens, indptr = args
+    group = q.shape[1] // k_cache.shape[1]
+    out = torch.zeros(q.shape[0], q.shape[1], v_cache.shape[2])
+    for b, (row, seq_len) in enumerate(zip(req_rows.tolist(), seq_lens.tolist())):
+        lo, n = int(indptr[b]), len(parents[b])
+        prefix = seq_len - n
+        slots = request_slots(block_table, row, seq_len, page_size)
+        for i in range(n):
+            keys = torch.cat([slots[:prefix], slots[[prefix + j for j in ancestors(parents[b], i)]]])
+            k = k_cache[keys].float().repeat_interleave(group, 1)  # [L, Hq, D]
+            v = v_cache[keys].float().repeat_interleave(group, 1)
+            s = torch.einsum("hd,lhd->hl", q[lo + i].float(), k) * sm_scale
+            if logit_cap > 0:
+                s = logit_cap * torch.tanh(s / logit_cap)
+            out[lo + i] = torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v)
+    return out
+
+
+def check_tree(seed, sizes, prefix, pad, hq, hkv, d, dv, page_size, dtype, cap=0.0, config=None):
+    gen = torch.Generator().manual_seed(seed)
+    args, tree_mask, parents = make_tree_inputs(sizes, prefix, pad, hq, hkv, d, dv, page_size, dtype, gen)
+    full = (*args, d**-0.5, page_size, -1, cap, None, None, tree_mask)
+    if config is None:
+        out = torch.ops.kiln.extend_attention(*full)
+    else:
+        out = extend_attention_triton(*full, config=config)
+    ref = extend_attention_ref(*full)
+    plain = per_path(args, parents, page_size, d**-0.5, cap)
+    assert not out.isnan().any(), f"seed {seed}: NaN in the output"
+    if pad:
+        assert torch.equal(out[-pad:], torch.zeros_like(out[-pad:])), f"seed {seed}: padding rows not zero"
+    assert rel_err(ref, plain) < TOL[dtype], f"seed {seed}: the reference is not attention over each path"
+    err = rel_err(out, plain)
+    assert err < TOL[dtype], f"seed {seed}: kernel vs per-path relative error {err:.2e}"
+    # the tree matters: causal attention over the chunk (no mask) differs wherever a node has a
+    # non-ancestor before it
+    causal = extend_attention_ref(*full[:-1])
+    if any(p != list(range(-1, len(p) - 1)) for p in parents):
+        assert rel_err(causal, plain) > 1e-3
+    return out
+
+
+@pytest.mark.parametrize(
+    "sizes, prefix, pad, hq, hkv, d, dv, page_size, dtype",
+    [
+        ([5, 9, 1, 17], [0, 3, 30, 50], 3, 8, 2, 64, 64, 16, torch.float32),  # mixed, a 1-node tree
+        ([33], [21], 0, 4, 4, 32, 32, 1, torch.float32),  # chunk over several key blocks, page 1
+        ([64, 6], [5, 16], 2, 4, 2, 32, 48, 16, torch.float32),  # 64 nodes: bit 63 (the sign bit)
+        ([12, 7], [40, 9], 1, 8, 2, 64, 64, 16, torch.bfloat16),
+    ],
+)
+def test_tree_kernel_matches_reference_and_paths(
+    triton_on_cpu, seed, sizes, prefix, pad, hq, hkv, d, dv, page_size, dtype
+):
+    check_tree(seed, sizes, prefix, pad, hq, hkv, d, dv, page_size, dtype)
+
+
+def test_tree_with_softcap_and_packing(triton_on_cpu, seed):
+    cfg = ExtendConfig(block_m=32, block_n=16, pack=2, num_warps=1, num_stages=1)
+    check_tree(seed, [11, 20], [7, 33], 1, 8, 2, 32, 32, 16, torch.float32, cap=5.0, config=cfg)
+
+
+def test_chain_mask_is_causal_attention(triton_on_cpu, seed):
+    """A chain (each node's parent the one before) is the plain causal chunk."""
+    from test_extend_attention import make_inputs
+
+    args = make_inputs([9, 4], [13, 0], 0, 4, 2, 32, 32, 16, torch.float32)
+    chain = torch.tensor([(1 << (i + 1)) - 1 for n in (9, 4) for i in range(n)], dtype=torch.int64)
+    full = (*args, 32**-0.5, 16, -1, 0.0)
+    plain = torch.ops.kiln.extend_attention(*full)
+    tree = torch.ops.kiln.extend_attention(*full, None, None, chain)
+    assert rel_err(tree, plain) < TOL[torch.float32]
+
+
+def test_tree_mask_errors_name_the_argument(seed):
+    from test_extend_attention import make_inputs
+
+    args = make_inputs([3], [2], 0, 4, 2, 32, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="tree_mask must be an int64"):
+        torch.ops.kiln.extend_attention(*args, 1.0, 16, -1, 0.0, None, None, torch.ones(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="tree_mask must be an int64"):
+        torch.ops.kiln.extend_attention(*args, 1.0, 16, -1, 0.0, None, None, torch.ones(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="sliding_window"):
+        torch.ops.kiln.extend_attention(*args, 1.0, 16, 8, 0.0, None, None, torch.ones(3, dtype=torch.int64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tree_gpu(seed, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    sizes, prefix = [9, 5, 64, 1], [700, 33, 1000, 5]
+    args, tree_mask, parents = make_tree_inputs(sizes, prefix, 3, 32, 8, 128, 128, 16, dtype, gen)
+    dev = [a.cuda() for a in args]
+    out = torch.ops.kiln.extend_attention(*dev, 128**-0.5, 16, -1, 0.0, None, None, tree_mask.cuda())
+    plain = per_path(args, parents, 16, 128**-0.5)
+    assert rel_err(out.cpu(), plain) < TOL[torch.bfloat16], f"seed {seed}"
