@@ -237,9 +237,10 @@ class Engine:
         self.model.phases["kv_pool"] = time.perf_counter() - t
         t = time.perf_counter()
         spec_on = self.spec_mode != "off"
+        drafts = self.settings["num_draft_tokens"] if spec_on else 0  # the verify graphs to capture
         if self.ranks is not None:  # the followers build the same pool, table and runner now
             self.ranks.setup(
-                self.pool.num_slots, self.max_running, opts.cuda_graph, self.settings["graph_greedy"], spec_on
+                self.pool.num_slots, self.max_running, opts.cuda_graph, self.settings["graph_greedy"], drafts
             )
         if spec_on:
             self._check_verify(m.verify)
@@ -249,7 +250,7 @@ class Engine:
             self.bt,
             cuda_graph=opts.cuda_graph,
             graph_greedy=self.settings["graph_greedy"],
-            verify_graphs=spec_on,
+            num_draft_tokens=drafts,
         )
         if self.ranks is not None:
             from kiln.runtime.tensor_parallel import BroadcastRunner

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -115,11 +115,12 @@ class ModelRunner:
         block_table: BlockTable,
         cuda_graph: bool = True,
         graph_greedy: bool | None = None,
-        verify_graphs: bool = False,
+        num_draft_tokens: int = 0,
     ):
         """``graph_greedy``: the module docstring's switch (None: the ``graph_greedy`` setting).
-        ``verify_graphs``: speculative decoding is on: capture the artifact's verify graphs too
-        (:meth:`verify`; the manifest's ``verify``)."""
+        ``num_draft_tokens``: speculative decoding is on with at most this many drafts per request:
+        capture the artifact's verify graphs too (:meth:`verify`; the manifest's ``verify``), those
+        of the lengths up to the first that holds that many (a step never needs a longer one)."""
         self.m = model
         self.pool = pool
         self.bt = block_table
@@ -157,7 +158,7 @@ class ModelRunner:
         self.last_ids: torch.Tensor | None = None  # [n] int64: the last decode step's argmax ids
         self.ids_in_place = 0  # decode steps whose input ids the previous graph left in place
         self.capture_seconds = 0.0
-        self._init_verify(m.verify if verify_graphs else None)
+        self._init_verify(m.verify if num_draft_tokens else None, num_draft_tokens)
         if self.use_cuda_graph:
             self._capture_all()
 
@@ -276,7 +277,7 @@ class ModelRunner:
         return run_extend_graph(self.m, self.pool, self.bt, ids, pos, slots, rows, lens, indptr)
 
     # ------------------------------------------------------------------ verify
-    def _init_verify(self, spec: VerifySpec | None) -> None:
+    def _init_verify(self, spec: VerifySpec | None, num_draft_tokens: int = 0) -> None:
         """Static inputs of the verify graphs (docs/speculative.md section 2), one set for every
         ``(B, k)``: ids / positions / slots int64 ``[3, B_max * (k_max + 1)]``, rows / lengths int32
         ``[2, B_max]``, and the constant layout: ``qo_indptr`` steps of ``k + 1``, every token's logits."""
@@ -286,6 +287,8 @@ class ModelRunner:
         self.verify_steps = {"graph": 0, "eager": 0}  # verify steps by how they ran
         if spec is None:
             return
+        i = bisect.bisect_left(spec.lengths, num_draft_tokens)
+        spec = replace(spec, lengths=spec.lengths[: i + 1])  # what steps of <= num_draft_tokens drafts use
         self._vspec = spec
         self._vshapes = tuple((b, k) for b in spec.buckets for k in spec.lengths)
         bmax, kmax = spec.buckets[-1], spec.lengths[-1]
@@ -304,6 +307,12 @@ class ModelRunner:
         self._vindptr = {k: steps * (k + 1) for k in spec.lengths}
         self._vrows = torch.arange(tmax, dtype=torch.int64, device=self.device)
         self._max_len = self.m.artifact.manifest.max_blocks * self.pool.page_size  # a block-table row's slots
+
+    @property
+    def verify_lengths(self) -> tuple[int, ...]:
+        """The draft counts k this runner has verify graphs for (empty: speculation off, or an
+        artifact without verify graphs)."""
+        return self._vspec.lengths if self._vshapes else ()
 
     def verify_shape(self, step: StepInputs) -> tuple[int, int] | None:
         """The ``(B, k)`` verify graph that holds ``step`` (the smallest batch bucket, then the

@@ -169,12 +169,17 @@ def _follower_main(
         model = load_model(artifact, dev, rank=rank, verify=verify)
         msg = _receive()
         assert msg[0] == "setup", msg[0]
-        _, num_slots, max_running, cuda_graph, graph_greedy, verify_graphs = msg
+        _, num_slots, max_running, cuda_graph, graph_greedy, num_draft_tokens = msg
         m = model.artifact.manifest
         pool = KVPool.for_spec(m.kv, num_slots, model.device)
         bt = BlockTable(max_running, m.max_blocks, model.device, m.kv.page_size)
         runner = ModelRunner(
-            model, pool, bt, cuda_graph=cuda_graph, graph_greedy=graph_greedy, verify_graphs=verify_graphs
+            model,
+            pool,
+            bt,
+            cuda_graph=cuda_graph,
+            graph_greedy=graph_greedy,
+            num_draft_tokens=num_draft_tokens,
         )
         while True:
             msg = _receive()
@@ -203,11 +208,11 @@ class RankGroup:
         self.closed = False
 
     def setup(
-        self, num_slots: int, max_running: int, cuda_graph: bool, graph_greedy: bool, verify_graphs: bool
+        self, num_slots: int, max_running: int, cuda_graph: bool, graph_greedy: bool, num_draft_tokens: int
     ) -> None:
-        """Step 1 of the protocol, before rank 0 builds its model runner (``verify_graphs``:
-        speculative decoding is on, ``ModelRunner``'s argument)."""
-        self.send(("setup", num_slots, max_running, cuda_graph, graph_greedy, verify_graphs))
+        """Step 1 of the protocol, before rank 0 builds its model runner (``num_draft_tokens``:
+        ``ModelRunner``'s, 0 with speculative decoding off)."""
+        self.send(("setup", num_slots, max_running, cuda_graph, graph_greedy, num_draft_tokens))
 
     def send(self, msg: tuple[Any, ...]) -> None:
         """Broadcast one protocol message to the followers; a dead follower or a failed collective

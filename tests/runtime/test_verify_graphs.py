@@ -135,6 +135,19 @@ def test_a_request_without_speculation_joins_with_no_drafts(setup):
     assert s["verified"] > alone["verified"]  # the others rode along in the verify steps
 
 
+def test_only_the_lengths_a_step_can_use_are_captured(setup):
+    """A step carries at most --num-draft-tokens drafts, so lengths past the first that holds them are
+    never used: not captured (start-up time and memory)."""
+    root, _ = setup
+    art = str(root / "art")
+    got = {
+        n: LLM(art, device="cpu", speculative="ngram", num_draft_tokens=n).engine.runner.verify_lengths
+        for n in (1, 2, 3)
+    }
+    assert got == {1: (2,), 2: (2,), 3: (2, 4)}
+    assert LLM(art, device="cpu", speculative="off").engine.runner.verify_lengths == ()
+
+
 def test_too_many_drafts_for_the_graphs_is_refused(setup):
     root, _ = setup
     with pytest.raises(KilnError, match=r"num-draft-tokens is 6.*at most 4"):
