@@ -50,6 +50,9 @@ def main() -> None:
             "bf16_tflops": ceil.get("ceiling_bf16_tflops"),
         },
     }
+    spec = speculative_table(rows)
+    if spec:
+        report["speculative_computed"] = spec
     with open(a.out, "w") as f:
         json.dump(report, f, indent=1)
     print(
@@ -63,6 +66,36 @@ def main() -> None:
         kind = "bw" if "frac_bw" in r else "mm"
         extra = f" x{r['speedup_vs_bf16']:.2f}" if "speedup_vs_bf16" in r else ""
         print(f"{r['name'][:70]:<70} {r['ms']:>9.4f} ms {'' if f is None else f'{f:6.1%} {kind}'}{extra}")
+
+
+def speculative_table(rows: list[dict]) -> list[dict]:
+    """Issue 30's figures from test_bench_decode_step.py's ``test_verify_step`` (plan ``gemv``: what
+    an artifact's verify graphs run) and ``test_draft_step`` rows, per batch: verify(k) / decode, and
+    per draft source the tok/s at acceptance length L (tokens per verify step) = ``B L / (t_verify(4)
+    + 4 t_draft)``, COMPUTED from the measured step costs (random weights accept nothing real),
+    beside plain decoding's ``B / t_decode``. Printed, and returned for the results file."""
+    ver = {
+        (r["batch"], r["drafts"]): r["ms"]
+        for r in rows
+        if "drafts" in r and r.get("plan") == "gemv" and "ms" in r
+    }
+    drafts = {(r["batch"], r["draft"]): r["ms"] for r in rows if "draft" in r and "ms" in r}
+    out = []
+    for b in sorted({b for b, _ in ver}):
+        dec = ver.get((b, 0))
+        if dec is None:
+            continue
+        row: dict = {"batch": b, "decode_ms": dec, "plain_tok_s": b / dec * 1e3}
+        row |= {f"verify{k}_over_decode": ver[(b, k)] / dec for k in (2, 4, 8) if (b, k) in ver}
+        for (db, name), t in sorted(drafts.items()):
+            if db == b and (b, 4) in ver:
+                row[f"{name}_draft_ms"] = t
+                for L in (2, 3, 4):
+                    row[f"{name}_L{L}_tok_s_computed"] = b * L / (ver[(b, 4)] + 4 * t) * 1e3
+        out.append(row)
+    for row in out:
+        print("  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    return out
 
 
 if __name__ == "__main__":

@@ -66,12 +66,16 @@ VARIANTS = {  # settings (kiln/settings.py) per case: fold_norms at trace, the o
 
 
 MODELS = ("qwen3-30b-a3b", "llama-3.1-8b")  # bundled configs (compiler/configs)
+FULL = pick(None, 2)  # speculative steps: every layer of the config (the computed tok/s need whole steps)
 
 
 @functools.lru_cache(maxsize=len(MODELS))
-def _model(preset: str):
-    """(config, model on the meta device, random weights on DEV) for ``preset``, ``LAYERS`` layers."""
-    raw = json.loads(bundled_configs()[preset].read_text()) | {"num_hidden_layers": LAYERS}
+def _model(preset: str, layers: int | None = LAYERS, vocab: int | None = None):
+    """(config, model on the meta device, random weights on DEV) for ``preset``, ``layers`` layers
+    (None: the config's), ``vocab`` rows of embedding and LM head (None: the config's)."""
+    raw = json.loads(bundled_configs()[preset].read_text())
+    raw |= {"num_hidden_layers": layers} if layers else {}
+    raw |= {"vocab_size": vocab} if vocab else {}
     cfg = normalize_config(raw | TINY if SMOKE else raw)
     dtype = torch.float32 if SMOKE else torch.bfloat16
     with torch.device("meta"):
@@ -161,7 +165,7 @@ def test_verify_step(measure, monkeypatch, batch, k, plan):
     from kiln.compiler.layers import use_gemv_plan
     from kiln.ops.linear.gemv import DOT_M, gemv_plan
 
-    cfg, model, weights = _model("llama-3.1-8b")
+    cfg, model, weights = _model("llama-3.1-8b", FULL)
     t = batch * (k + 1)
     base = gemv_plan()
     on_gemv = plan == "gemv" and t <= DOT_M
@@ -173,6 +177,52 @@ def test_verify_step(measure, monkeypatch, batch, k, plan):
         logits = step()
         assert logits.shape == (t, cfg.vocab_size) and torch.isfinite(logits).all()
         info = dict(model="llama-3.1-8b", batch=batch, drafts=k, tokens=t, plan=plan, on_gemv=on_gemv)
-        measure(graphed(step), bytes=_bytes(cfg, weights, batch), num_layers=LAYERS, context=CONTEXT, **info)
+        measure(
+            graphed(step),
+            bytes=_bytes(cfg, weights, batch),
+            num_layers=cfg.num_layers,
+            context=CONTEXT,
+            **info,
+        )
     finally:
         use_gemv_plan(model, base)
+
+
+# A draft step per speculative draft source (docs/speculative.md section 7.2): a Llama-3.2-1B-shaped
+# draft model's decode step, and an EAGLE-3-shaped head modeled as one Llama-3.1-8B layer with a 32k
+# LM head, plus its fc [H, 3H] and the second H of its q/k/v input as one more [qkv rows, H] GEMV
+# (EAGLE-3's q/k/v read cat(embed, hidden) [T, 2H]); both at the draft's own KV of CONTEXT tokens.
+DRAFTS = {"llama-3.2-1b": ("llama-3.2-1b", FULL, None), "eagle3-8b": ("llama-3.1-8b", 1, 32000)}
+
+
+@pytest.mark.parametrize("draft", list(DRAFTS))
+@pytest.mark.parametrize("batch", pick([1, 8, 32], [1]))
+def test_draft_step(measure, monkeypatch, batch, draft):
+    """One draft step at ``batch`` (docs/speculative.md section 7.2); with test_verify_step's
+    figures bench/report.py computes the tok/s of speculation at acceptance lengths 2, 3 and 4."""
+    from kiln.ops.linear.gemv import gemv_plan
+
+    preset, layers, vocab = DRAFTS[draft]
+    cfg, model, weights = _model(preset, layers, vocab)
+    monkeypatch.setattr(model, "fold_norms", False)
+    ids, ctx = _context(cfg, batch)
+    h = cfg.hidden_size
+    extra: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if draft.startswith("eagle3"):  # fc over the target's three hidden states; the 2H q/k/v input
+        g = torch.Generator(DEV).manual_seed(1)
+        qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        for rows, cols in ((h, 3 * h), (qkv_rows, h)):
+            w = (0.02 * torch.randn(rows, cols, generator=g, device=DEV)).to(weights["embed.weight"].dtype)
+            extra.append((torch.randn(batch, cols, device=DEV).to(w.dtype), w))
+    max_m = gemv_plan().get("mlp", 1)
+
+    def step():
+        for x, w in extra:
+            torch.ops.kiln.linear(x, w, None, max_m)
+        return torch.func.functional_call(model, weights, (ids, ctx), strict=True)
+
+    logits = step()
+    assert logits.shape == (batch, cfg.vocab_size) and torch.isfinite(logits).all()
+    nbytes = _bytes(cfg, weights, batch) + sum(w.numel() * w.element_size() for _, w in extra)
+    info = dict(draft=draft, batch=batch, num_layers=cfg.num_layers, vocab=cfg.vocab_size, context=CONTEXT)
+    measure(graphed(step), bytes=nbytes, **info)
