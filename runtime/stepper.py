@@ -11,12 +11,13 @@ Overlap is used only between pure decode steps with enough free KV pages (no adm
 retraction); anything else finishes the step in flight first. A request that finishes in the step
 being finished was already included in the next launched step: that extra token is discarded.
 
-Speculative decoding (``StepParts.spec``; docs/speculative.md): a scheduled decode step whose
-requests can all speculate and have n-gram drafts runs as a *verify* step instead
-(:meth:`Stepper._verify_step`): each request's newest token and its drafts through the extend graph
-(eagerly, logits at every new token), :func:`~kiln.runtime.speculative.verify` picks 1..k+1 tokens
-per request, and the step is finished at once (no overlap while speculation is on). Its pages come
-from ``Scheduler.reserve_drafts``; the engine applies the tokens (``Launched.host["num_emitted"]``).
+Speculative decoding (``StepParts.spec``; docs/speculative.md): a scheduled decode step with drafts
+runs as a *verify* step instead (:meth:`Stepper._verify_step`): each request's newest token and its
+drafts (n-gram or the draft model's) through a verify graph or the extend graph, logits at every new
+token; :func:`~kiln.runtime.speculative.verify` picks 1..k+1 tokens per request, and the step is
+finished at once. Its pages come from ``Scheduler.reserve_drafts``; the engine applies the tokens
+(``Launched.host["num_emitted"]``). Drafting needs the tokens on the host, so decode steps overlap
+only where they cannot verify: batches above the artifact's verify graphs (:meth:`Stepper._overlaps`).
 
 The stepper sees its engine only through :class:`StepParts` (the scheduler, the model runner, the
 sampler, the host stager, the EOS ids, the shared counters and the ``outputs`` callback that turns a
@@ -117,7 +118,7 @@ class Stepper:
         self.stats = parts.stats
         self.outputs = parts.outputs
         self.spec = parts.spec
-        self.overlap = overlap and parts.spec is None  # verify steps finish before the next launch
+        self.overlap = overlap  # with speculation, only above the verify batches (_overlaps)
         self.inflight: Launched | None = None
         self.overlapped = 0  # decode steps launched while the previous one was in flight
         self.last_step_mode = ""
@@ -294,7 +295,7 @@ class Stepper:
             prev, self.inflight = self.inflight, None
             nxt = None
             t0 = time.perf_counter()
-            if self.overlap:
+            if self._overlaps(len(self.scheduler.running)):  # a decode-all step: every running request
                 batch = self.scheduler.schedule_decode_all()
                 nxt = self.launch(batch, prev, time.perf_counter() - t0) if batch is not None else None
                 self.overlapped += nxt is not None
@@ -312,11 +313,20 @@ class Stepper:
         launched = self.launch(batch, sched_s=time.perf_counter() - t0)
         if launched is None:
             return [], self.launched_kind
-        if self.overlap and batch.mode == "decode":
+        if batch.mode == "decode" and self._overlaps(len(batch.reqs)):
             self.inflight = launched
             self.last_step_host_s = launched.host_s
             return [], launched.kind
         return self.finish(launched, launched.host_s), launched.kind
+
+    def _overlaps(self, n: int) -> bool:
+        """Whether a decode step of ``n`` requests may stay in flight while the next is launched:
+        with overlap on, always without speculation; with it, only for batches above the verify
+        graphs' (such steps decode plainly, and nothing drafts from their placeholder tokens)."""
+        if not self.overlap:
+            return False
+        spec = self.spec
+        return spec is None or (spec.max_batch is not None and n > spec.max_batch)
 
     # ------------------------------------------------------------------ speculative decoding
     def _verify_rows(

@@ -160,3 +160,24 @@ def test_the_server_field_reaches_the_request():
     off = sampling_params(CompletionRequest(prompt="x", max_tokens=4, speculative=False), 300)
     assert off.speculative is False
     assert sampling_params(CompletionRequest(prompt="x", max_tokens=4), 300).speculative is None
+
+
+def test_large_batches_overlap_and_small_ones_speculate(tmp_path):
+    """Above the verify graphs' batches (32) decode steps run plainly and overlapped; once the batch
+    shrinks to 32 they verify drafts again; the tokens are plain decoding's throughout."""
+    make_checkpoint(tmp_path / "hf", "qwen3-qknorm", seed=5, eos=None)
+    opts = CompileOptions(
+        device="cpu", dtype="float32", max_batch_size=64, max_seq_len=128, chunk_size=64, verify_lengths="2"
+    )
+    compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (3,), generator=g).tolist() * 4 for _ in range(40)]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)  # the prefill staggers them
+    art = str(tmp_path / "art")
+    off = [o.token_ids for o in LLM(art, device="cpu").generate(prompts, params)]
+    llm = LLM(art, device="cpu", speculative="ngram", num_draft_tokens=2)
+    on = [o.token_ids for o in llm.generate(prompts, params)]
+    llm.engine.check_integrity()
+    assert on == off
+    assert llm.engine.stepper.overlapped > 0  # the 40-request steps
+    assert llm.engine.spec_stats.accepted > 0  # the 32-request ones
