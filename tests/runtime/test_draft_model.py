@@ -96,6 +96,22 @@ def test_sampled_drafts_carry_their_distribution(setup):
     assert _tokens(root / "art-same", prompts, seeded)[0] == first
 
 
+def test_a_penalized_request_beside_sampled_drafts(setup):
+    """A request with a repetition penalty rides along with no drafts (sampled as a decode step
+    samples it) while sampling requests verify the draft's q: its tokens are plain decoding's and
+    the others' drafts are still nearly all accepted (q rows picked for the speculating requests)."""
+    root, prompts = setup
+    art = root / "art-same"
+    pen = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    hot = SamplingParams(max_tokens=NEW, temperature=1.0, seed=3, ignore_eos=True)
+    params = [hot, pen, hot]
+    plain, _ = _tokens(art, prompts, params, speculative="off")
+    on, eng = _tokens(art, prompts, params)
+    assert on[1] == plain[1]
+    s = eng.step_metrics()["speculative"]
+    assert s["proposed"] > 0 and s["accepted"] >= 0.9 * s["proposed"], s
+
+
 def test_prefix_cache_hits_and_chunks(setup):
     """A long prompt in two chunks (chunk size 32), then a second request sharing its first 32
     tokens (a prefix-cache hit: the draft trusts its pool's pages there)."""
