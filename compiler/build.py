@@ -122,6 +122,9 @@ class CompileOptions:
     verify_lengths: str = settings.SETTINGS["verify_lengths"].default
     # --draft-model: a smaller checkpoint of the same tokenizer compiled into ART/draft (compiler/draft.py)
     draft_model: str | None = None
+    # layers whose input residual stream every graph hands out (0..L, L: before the final norm), for
+    # drafts that read the target's hidden states (EAGLE-3, DeepSeek MTP: docs/speculative.md section 4)
+    aux_layers: tuple[int, ...] = ()
     force: bool = False
 
     @property
@@ -242,8 +245,13 @@ def _norm_folds(model: torch.nn.Module, fold: bool, verbose: bool) -> dict[str, 
     return folds
 
 
-def _graph_entry(name: str, batch: int | None, kv_dtype: torch.dtype, **kw: Any) -> GraphEntry:
-    return GraphEntry(file=f"graphs/{name}.pt2", inputs=graph_inputs(kv_dtype), batch=batch, **kw)
+def _graph_entry(name: str, batch: int | None, cache: CacheSpec, **kw: Any) -> GraphEntry:
+    return GraphEntry(file=f"graphs/{name}.pt2", inputs=_inputs(cache), batch=batch, **kw)
+
+
+def _inputs(cache: CacheSpec) -> tuple[str, ...]:
+    """The graphs' inputs after the weights (compiler/context.py ``graph_inputs``)."""
+    return graph_inputs(cache.dtype, aux=cache.aux_width > 0)
 
 
 KV_DTYPES = ("auto", "fp8")  # --kv-dtype
@@ -330,6 +338,13 @@ def _compile_model(
         if opts.draft_model is not None and not opts.verify_lengths.strip():
             opts = replace(opts, verify_lengths=DRAFT_VERIFY_LENGTH)  # a draft model verifies
         verify = opts.verify  # a bad --verify-lengths fails here
+        if list(opts.aux_layers) != sorted(set(opts.aux_layers)) or not all(
+            0 <= i <= cfg.num_layers for i in opts.aux_layers
+        ):
+            raise CompileError(
+                f"aux_layers {opts.aux_layers}: ascending distinct layer indices 0..{cfg.num_layers} "
+                f"({cfg.num_layers}: the stream before the final norm)"
+            )
         if opts.draft_model is not None and opts.tp > 1:
             raise CompileError("--draft-model needs --tp 1: a draft model does not run tensor-parallel yet.")
         if cfg.moe is not None:
@@ -370,8 +385,15 @@ def _compile_model(
         folds = _norm_folds(model, opts.fold_norms and opts.tp == 1, verbose)
         apply_norm_folds(weights, folds)  # as the runtime will, before the warm-up runs the graphs
         kv = _kv_spec(cfg, opts)
+        model.aux_layers = opts.aux_layers  # the residual streams the graphs hand out
         cache = CacheSpec(
-            kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.v_head_dim, getattr(torch, kv.dtype), kv.page_size
+            kv.num_layers,
+            kv.num_kv_heads,
+            kv.head_dim,
+            kv.v_head_dim,
+            getattr(torch, kv.dtype),
+            kv.page_size,
+            aux_width=len(opts.aux_layers) * cfg.hidden_size,
         )
         graphs: dict[str, GraphEntry] = {}
         (out / "graphs").mkdir()
@@ -388,7 +410,7 @@ def _compile_model(
             max_tokens=opts.max_tokens,
             max_batch=max(opts.max_batch_size, 2),
         )
-        graphs["model"] = _graph_entry("model", None, cache.dtype, max_tokens=opts.max_tokens)
+        graphs["model"] = _graph_entry("model", None, cache, max_tokens=opts.max_tokens)
         # Static decode graphs: every bucket's with "per-bucket"; with folded norms, batch 1's in the
         # residual-stream layout (the shared graph keeps the add+norm kernels, faster from batch 2:
         # bench/results/2026-11-30_h200_s9d_fold_step.json).
@@ -399,7 +421,7 @@ def _compile_model(
                 ex = example_inputs(b, b, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
                 programs[f"decode_b{b}"] = export_graph(model, weights, ex, opts.page_size, static_batch=True)
                 kind = "residual_stream" if model.fold_norms else "add_norm"
-                graphs[f"decode_b{b}"] = _graph_entry(f"decode_b{b}", b, cache.dtype, layout=kind)
+                graphs[f"decode_b{b}"] = _graph_entry(f"decode_b{b}", b, cache, layout=kind)
         finally:
             model.fold_norms = False
         for b, k, t in _verify_shapes(verify):  # static verify graphs: the GEMV on every token
@@ -414,7 +436,7 @@ def _compile_model(
                 programs[name] = export_graph(model, weights, ex, opts.page_size, static_batch=True)
             finally:
                 use_gemv_plan(model, plan)
-            graphs[name] = _graph_entry(name, b, cache.dtype, tokens=t)
+            graphs[name] = _graph_entry(name, b, cache, tokens=t)
     with timer.phase("kernels"):
         kernels_dir = out / "kernels"
         kernels_dir.mkdir(exist_ok=True)  # the FP8 and MoE phases may have put CUTLASS libraries there
@@ -448,7 +470,7 @@ def _compile_model(
         for name, ep in programs.items():
             torch.export.save(ep, out / graphs[name].file)
             layout = emit_graph_code(
-                modules[name], out / "graphs" / f"{name}.py", list(weights), len(graph_inputs(cache.dtype))
+                modules[name], out / "graphs" / f"{name}.py", list(weights), len(_inputs(cache))
             )
             if layout is not None:
                 code = GraphCode.from_json({"file": f"graphs/{name}.py", **layout}, f"graphs.{name}.python")
@@ -491,6 +513,7 @@ def _compile_model(
             decode_buckets=buckets,
             verify=verify,
             draft=draft,
+            aux_layers=opts.aux_layers or None,
             graphs=graphs,
             kv=kv,
             rope=_rope_spec(cfg),
@@ -600,7 +623,7 @@ def _warm_up(
             rows=max(8, b + 1),
             every_token=every_token,
         )
-        logits = modules[name](weights, *(ex[n] for n in graph_inputs(cache.dtype)))
+        logits = modules[name](weights, *(ex[n] for n in _inputs(cache)))
         if not torch.isfinite(logits).all():
             raise CompileError(
                 f"graph {name} produced non-finite logits during warm-up (batch {b}, tokens {t})"

@@ -35,6 +35,10 @@ class ForwardContext:
     # for another rank's expert, [E] int32. Not a graph input: the model builds it once per forward
     # (kiln::ep_expert_map, compiler/models/moe.py) and its MoE layers pass it to kiln::fused_moe.
     expert_map: torch.Tensor | None = None
+    # Artifacts whose model hands hidden states out (``manifest.aux_layers``: speculative drafts that
+    # read the target's residual stream): [>= T, len(aux_layers) * H], row t's block j the stream at
+    # the input of layer aux_layers[j] (kiln::save_hidden; layer L: before the final norm)
+    aux_hidden: torch.Tensor | None = None
 
 
 # Names and order of the graph inputs after the weights dict. The runtime binds by these names.
@@ -53,8 +57,11 @@ GRAPH_INPUTS = (
 )
 # After GRAPH_INPUTS in the graphs of an artifact with an FP8 KV cache (``kiln compile --kv-dtype fp8``).
 KV_SCALE_INPUTS = ("k_scale", "v_scale")
+# Last, in the graphs of an artifact whose model hands hidden states out (``manifest.aux_layers``).
+AUX_INPUTS = ("aux_hidden",)
 
 
-def graph_inputs(kv_dtype: torch.dtype) -> tuple[str, ...]:
-    """Names and order of a graph's inputs after the weights dict, for caches of ``kv_dtype``."""
-    return GRAPH_INPUTS + (KV_SCALE_INPUTS if kv_dtype == FP8_KV_DTYPE else ())
+def graph_inputs(kv_dtype: torch.dtype, aux: bool = False) -> tuple[str, ...]:
+    """Names and order of a graph's inputs after the weights dict, for caches of ``kv_dtype``
+    (``aux``: the model hands hidden states out)."""
+    return GRAPH_INPUTS + (KV_SCALE_INPUTS if kv_dtype == FP8_KV_DTYPE else ()) + (AUX_INPUTS if aux else ())

@@ -19,18 +19,21 @@ import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram
 
-from kiln.compiler.context import KV_SCALE_INPUTS, ForwardContext, graph_inputs
+from kiln.compiler.context import GRAPH_INPUTS, KV_SCALE_INPUTS, ForwardContext, graph_inputs
 from kiln.ops.attention.reference import FP8_KV_DTYPE
 
 
 class GraphModule(nn.Module):
-    """Wraps a model so the exported graph's inputs are (weights, *per-batch tensors)."""
+    """Wraps a model so the exported graph's inputs are (weights, *per-batch tensors): GRAPH_INPUTS,
+    then the optional ones ``tail`` names (compiler/context.py ``graph_inputs``: an FP8 cache's
+    scales, the aux hidden-state buffer), in that order."""
 
-    def __init__(self, model: nn.Module, page_size: int, num_splits: int = 0):
+    def __init__(self, model: nn.Module, page_size: int, num_splits: int = 0, tail: tuple[str, ...] = ()):
         super().__init__()
         self.model = model
         self.page_size = page_size
         self.num_splits = num_splits
+        self.tail = tail
 
     def forward(
         self,
@@ -46,9 +49,9 @@ class GraphModule(nn.Module):
         seq_lens: torch.Tensor,
         qo_indptr: torch.Tensor,
         logits_indices: torch.Tensor,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
+        *tail: torch.Tensor,
     ) -> torch.Tensor:
+        named = dict(zip(self.tail, tail, strict=True))
         ctx = ForwardContext(
             positions=positions,
             out_slots=out_slots,
@@ -62,8 +65,9 @@ class GraphModule(nn.Module):
             logits_indices=logits_indices,
             page_size=self.page_size,
             num_splits=self.num_splits,
-            k_scale=k_scale,
-            v_scale=v_scale,
+            k_scale=named.get("k_scale"),
+            v_scale=named.get("v_scale"),
+            aux_hidden=named.get("aux_hidden"),
         )
         return torch.func.functional_call(self.model, weights, (input_ids, ctx), strict=True)
 
@@ -78,6 +82,7 @@ class CacheSpec:
     v_head_dim: int
     dtype: torch.dtype
     page_size: int = 1
+    aux_width: int = 0  # > 0: the graphs take the aux hidden-state buffer [rows, aux_width] (last input)
 
 
 def example_inputs(
@@ -122,6 +127,8 @@ def example_inputs(
     if cache.dtype == FP8_KV_DTYPE:  # one float32 scale per cached head row
         for name in KV_SCALE_INPUTS:
             out[name] = torch.zeros(cache.num_layers, num_slots, cache.num_kv_heads, device=dev)
+    if cache.aux_width:
+        out["aux_hidden"] = torch.zeros(max(tokens, 2), cache.aux_width, dtype=torch.float32, device=dev)
     return out
 
 
@@ -134,11 +141,12 @@ def export_graph(
     max_batch: int = 1024,
     static_batch: bool = False,
 ) -> ExportedProgram:
-    """Export ``model`` with dynamic T and B (default) or with the example's static shapes."""
-    gm = GraphModule(model, page_size)
-    names = graph_inputs(inputs["k_cache"].dtype)
+    """Export ``model`` with dynamic T and B (default) or with the example's static shapes; with the
+    aux hidden-state input when ``inputs`` has one (``aux_hidden``)."""
+    names = graph_inputs(inputs["k_cache"].dtype, aux="aux_hidden" in inputs)
+    gm = GraphModule(model, page_size, tail=names[len(GRAPH_INPUTS) :])
     args = (dict(weights), *(inputs[n] for n in names))
-    # The pool, rope table and block table are sized by the runtime: dynamic in every graph.
+    # The pool, rope table and block table (and the aux buffer) are sized by the runtime: dynamic.
     S, P, R, M = Dim("S", min=2), Dim("P", min=2), Dim("R", min=2), Dim("M", min=2)
     per_input: dict[str, dict[int, Dim] | None] = {
         "cos_sin": {0: P},
@@ -147,6 +155,7 @@ def export_graph(
         "k_scale": {1: S},
         "v_scale": {1: S},
         "block_table": {0: R, 1: M},
+        "aux_hidden": {0: Dim("X", min=2)},
     }
     if not static_batch:
         T, B = Dim("T", min=1, max=max_tokens), Dim("B", min=1, max=max_batch)
@@ -162,7 +171,12 @@ def export_graph(
             "qo_indptr": {0: B + 1},
             "logits_indices": {0: N},
         }
-    dynamic = ({k: None for k in weights}, *(per_input.get(n) for n in names))
+    fixed = len(GRAPH_INPUTS)
+    dynamic = (
+        {k: None for k in weights},
+        *(per_input.get(n) for n in names[:fixed]),
+        *((tuple(per_input.get(n) for n in names[fixed:]),) if len(names) > fixed else ()),
+    )
     with torch.no_grad():
         return torch.export.export(gm, args, dynamic_shapes=dynamic, strict=False)
 

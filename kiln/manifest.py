@@ -230,6 +230,9 @@ class Manifest(JsonRecord):
     ep: int = 1  # --ep: MoE experts split into ep groups of tp/ep ranks (compiler/parallel.py)
     verify: VerifySpec | None = None  # --verify-lengths: speculative decoding's verify graphs
     draft: DraftSpec | None = None  # --draft-model: a draft model's artifact inside this one
+    # the layers whose input residual stream every graph writes into its last input, aux_hidden
+    # [rows, len(aux_layers) * hidden] float32 (CompileOptions.aux_layers; None: no such input)
+    aux_layers: tuple[int, ...] | None = None
 
     SHARED_GRAPH: ClassVar[str] = "model"
 

@@ -9,4 +9,4 @@ that call them are deserialized).
 """
 
 from kiln.ops import activation, attention, linear, moe, norm, sampling  # noqa: F401  (registers the ops)
-from kiln.ops.common import collective  # noqa: F401  (the tensor-parallel collectives)
+from kiln.ops.common import collective, hidden  # noqa: F401  (the tensor-parallel collectives, save_hidden)

@@ -53,7 +53,7 @@ from kiln.errors import KilnError
 from kiln.manifest import Manifest
 from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import LoadedModel, load_model, use_artifact_kernels
-from kiln.runtime.model_runner import run_extend_graph
+from kiln.runtime.model_runner import aux_buffer, run_extend_graph
 from kiln.weights.index import PackIndex
 
 # Bytes of one call's [T, V] float32 logits per model (T = budget // (4 V), at most the chunk size);
@@ -254,7 +254,17 @@ class _TeacherForced:
         use_artifact_kernels(self.model.artifact)  # the process-wide Triton cache: this artifact's kernels
         m = self.model
         logits = run_extend_graph(
-            m, self.pool, self.bt, ids, pos, slots, rows, lens, indptr, every_token=True
+            m,
+            self.pool,
+            self.bt,
+            ids,
+            pos,
+            slots,
+            rows,
+            lens,
+            indptr,
+            every_token=True,
+            aux=aux_buffer(m, len(ids)),
         )
         for i, _, end in segments:
             if end == len(seqs[i]):

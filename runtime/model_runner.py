@@ -65,11 +65,13 @@ def run_extend_graph(
     lens: list[int],
     indptr: list[int],
     every_token: bool = False,
+    aux: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
     """One run of the shared (extend) graph over ``len(rows)`` requests' new tokens (``ids``,
     their ``pos``itions and KV ``slots``, request ``i``'s at ``indptr[i]:indptr[i + 1]``; ``lens``:
     each request's length after them): float32 logits ``[B, V]`` at each request's last new token,
     or with ``every_token`` ``[T, V]`` at every token (teacher-forced figures, runtime/accuracy.py).
+    ``aux``: the artifact's aux hidden-state buffer (:func:`aux_buffer`), which the graph fills.
 
     One host->device copy per dtype. Every segment starts 16-byte aligned: Triton specializes
     kernels on pointer alignment, and the artifact's kernels were built for aligned inputs."""
@@ -103,8 +105,20 @@ def run_extend_graph(
         i32[2, : b + 1],
         i64[3, :n],
         *pool.scale_args,  # an FP8 pool's scales (compiler/context.py KV_SCALE_INPUTS)
+        *aux,
     )
     return logits[:n]
+
+
+def aux_buffer(m: LoadedModel, rows: int) -> tuple[torch.Tensor, ...]:
+    """The buffer an artifact's graphs write the residual streams of ``manifest.aux_layers`` into
+    (their last input, ``[rows, len(aux_layers) * hidden]`` float32; row t's block j: token t's
+    stream at layer ``aux_layers[j]``), or () for an artifact without them."""
+    man = m.artifact.manifest
+    if not man.aux_layers:
+        return ()
+    width = len(man.aux_layers) * int(man.model["hidden_size"])
+    return (torch.zeros(rows, width, dtype=torch.float32, device=m.device),)
 
 
 class ModelRunner:
@@ -159,6 +173,9 @@ class ModelRunner:
         self.ids_in_place = 0  # decode steps whose input ids the previous graph left in place
         self.capture_seconds = 0.0
         self._init_verify(m.verify if num_draft_tokens else None, num_draft_tokens)
+        vrows = self._v64.shape[1] if self._vshapes else 0
+        # the aux hidden states of the last step (runtime/model_runner.py aux_buffer), or ()
+        self.aux_args = aux_buffer(model, max(m.chunk_size, self.max_batch_size, vrows))
         if self.use_cuda_graph:
             self._capture_all()
 
@@ -185,6 +202,7 @@ class ModelRunner:
             self._indptr[: b + 1],
             self._rows_out[:b],
             *self.pool.scale_args,
+            *self.aux_args,
         )
 
     def _run_decode_graph(self, b: int) -> torch.Tensor:
@@ -274,7 +292,9 @@ class ModelRunner:
         indptr = [0]
         for e in ext:
             indptr.append(indptr[-1] + e)
-        return run_extend_graph(self.m, self.pool, self.bt, ids, pos, slots, rows, lens, indptr)
+        return run_extend_graph(
+            self.m, self.pool, self.bt, ids, pos, slots, rows, lens, indptr, aux=self.aux_args
+        )
 
     # ------------------------------------------------------------------ verify
     def _init_verify(self, spec: VerifySpec | None, num_draft_tokens: int = 0) -> None:
@@ -355,6 +375,7 @@ class ModelRunner:
             self._vindptr[k][: b + 1],
             self._vrows[:t],
             *self.pool.scale_args,
+            *self.aux_args,
         )
 
     def verify(self, step: StepInputs) -> torch.Tensor:
@@ -386,6 +407,7 @@ class ModelRunner:
                 step.seq_lens,
                 indptr.tolist(),
                 every_token=True,
+                aux=self.aux_args,
             )
             # request b's rows: its j-th new token's, the last one repeated past its own tokens
             idx = indptr[:-1, None] + np.minimum(np.arange(p)[None, :], np.asarray(ext)[:, None] - 1)

@@ -149,9 +149,16 @@ class DecoderOnlyLM(nn.Module):
         self.lm_head = LMHead(cfg.vocab_size, v_rank, cfg.hidden_size, dtype, cfg.tie_word_embeddings, tp)
         self.tp = tp
         self.fold_norms = False  # the residual-stream layout (module docstring); the compiler sets it
+        # layers whose input residual stream the graphs hand out in ctx.aux_hidden (L: the stream
+        # before the final norm); the compiler sets them (manifest.aux_layers)
+        self.aux_layers: tuple[int, ...] = ()
         # role -> the largest T on the GEMV (None: the default plan)
         self.gemv_plan = dict(parse_gemv_plan() if gemv_plan is None else gemv_plan)
         use_gemv_plan(self, self.gemv_plan)
+
+    def _save_stream(self, aux: torch.Tensor, layer: int, stream: torch.Tensor) -> None:
+        """The residual stream at ``layer``'s input into its block of ``aux`` (kiln::save_hidden)."""
+        torch.ops.kiln.save_hidden(aux, stream, self.aux_layers.index(layer) * stream.shape[1])
 
     def make_layer(self, i: int, dtype: torch.dtype, tp: int, quant: str | None) -> DecoderLayer:
         """Layer ``i`` (``self.cfg`` is set): Llama-style attention and the dense MLP."""
@@ -163,14 +170,23 @@ class DecoderOnlyLM(nn.Module):
         """input_ids [T] int64 -> logits [B, V] f32 at the rows ``ctx.logits_indices``."""
         h = self.embed(input_ids)  # [T, H]
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        aux = ctx.aux_hidden if self.aux_layers else None
         if self.fold_norms:
-            for layer in layers:
+            for i, layer in enumerate(layers):
+                if aux is not None and i in self.aux_layers:
+                    self._save_stream(aux, i, h)
                 h = layer.stream(h, ctx)
+            if aux is not None and len(layers) in self.aux_layers:
+                self._save_stream(aux, len(layers), h)
             h = self.norm(h)  # [T, H]
         else:
             residual: torch.Tensor | None = None
-            for layer in layers:
+            for i, layer in enumerate(layers):
+                if aux is not None and i in self.aux_layers:
+                    self._save_stream(aux, i, h if residual is None else h + residual)
                 h, residual = layer(h, residual, ctx)
+            if aux is not None and len(layers) in self.aux_layers:
+                self._save_stream(aux, len(layers), h if residual is None else h + residual)
             h = self.norm(h, residual)  # [T, H]
         h = h.index_select(0, ctx.logits_indices)  # [B, H]
         return self.lm_head(h, self.embed.weight)
