@@ -178,15 +178,19 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         quant: str | None = None,
         tp_reduce: bool = False,
+        in_features: int | None = None,
     ):
         super().__init__()
+        # in_features: what the QKV projection reads (default ``hidden``; EAGLE-3's layer reads 2H)
         # tp_reduce: this rank's o projection is a partial sum (row-parallel): kiln::tp_all_reduce after it
         self.tp_reduce = tp_reduce
         self.layer, self.hq, self.hkv, self.d = layer, num_heads, num_kv_heads, head_dim
         self.rotary_dim, self.is_neox, self.eps = rotary_dim, is_neox, eps
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window or -1
-        self.qkv = Linear((num_heads + 2 * num_kv_heads) * head_dim, hidden, dtype, qkv_bias, quant)
+        self.qkv = Linear(
+            (num_heads + 2 * num_kv_heads) * head_dim, in_features or hidden, dtype, qkv_bias, quant
+        )
         self.o = Linear(hidden, num_heads * head_dim, dtype, False, quant)
         self.qkv.role = self.o.role = "attn"
         self.q_norm = RMSNorm(head_dim, eps, dtype) if qk_norm else None

@@ -1,0 +1,89 @@
+"""The EAGLE-3 draft head (its published layout, ``LlamaForCausalLMEagle3``) as kiln layers: the
+draft side of EAGLE-3 speculative decoding (docs/speculative.md section 4). Not yet compiled into an
+artifact: the ``--eagle3`` compile and its drafter are the next steps; the target side (the hidden
+states it reads, ``manifest.aux_layers``) is built.
+
+One step over T tokens (``forward(input_ids, hidden, ctx)``):
+
+* ``hidden`` is the target's residual streams at three layers, ``[T, 3 H_target]`` (the first draft
+  step after a verify step: ``h = fc(hidden)``), or the head's own previous output ``[T, H]``;
+* ``residual = h``; ``x = cat(input_norm(embed(ids)), hidden_norm(h))`` ``[T, 2H]`` into the one
+  decoder layer's q/k/v (``Attention(in_features=2H)``, its own one-layer KV cache);
+  ``post_attn_norm`` adds the attention output to the residual; the MLP; ``h_out = mlp + residual``;
+* logits ``lm_head(norm(h_out))`` over the draft vocabulary at ``ctx.logits_indices``, float32;
+  ``h_out`` (pre-norm: what the next draft step takes) is returned beside them. Draft id ``i`` is
+  target id ``i + d2t[i]`` (the checkpoint's ``d2t``: the drafter maps, not the graph).
+
+Checkpoint names (:data:`CHECKPOINT_NAMES`): ``fc.weight``, ``midlayer.{input_layernorm,
+hidden_norm, post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v,o}_proj.weight``,
+``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``,
+and ``embed_tokens.weight`` when the head has its own (else the target's).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.compiler.config import ModelConfig
+from kiln.compiler.context import ForwardContext
+from kiln.compiler.layers import MLP, Attention, Embedding, Linear, RMSNorm
+
+# kiln parameter -> the published checkpoint's tensor names (fused ones listed in order)
+CHECKPOINT_NAMES = {
+    "embed.weight": ("embed_tokens.weight",),
+    "fc.weight": ("fc.weight",),
+    "input_norm.weight": ("midlayer.input_layernorm.weight",),
+    "hidden_norm.weight": ("midlayer.hidden_norm.weight",),
+    "attn.qkv.weight": tuple(f"midlayer.self_attn.{p}_proj.weight" for p in "qkv"),
+    "attn.o.weight": ("midlayer.self_attn.o_proj.weight",),
+    "post_attn_norm.weight": ("midlayer.post_attention_layernorm.weight",),
+    "mlp.gate_up.weight": ("midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight"),
+    "mlp.down.weight": ("midlayer.mlp.down_proj.weight",),
+    "norm.weight": ("norm.weight",),
+    "lm_head.weight": ("lm_head.weight",),
+}
+
+
+class Eagle3Head(nn.Module):
+    """The head (module docstring) for a draft config ``cfg`` (its ``hidden_size``, heads,
+    ``intermediate_size``, RoPE), the target's hidden size ``target_hidden`` and ``draft_vocab``
+    LM-head rows; one layer, its KV cache layer 0 of ``ctx``."""
+
+    def __init__(self, cfg: ModelConfig, target_hidden: int, draft_vocab: int, dtype: torch.dtype):
+        super().__init__()
+        h = cfg.hidden_size
+        self.hidden = h
+        self.embed = Embedding(cfg.vocab_size, h, dtype)
+        self.fc = Linear(h, 3 * target_hidden, dtype, False, None)
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(
+            0,
+            h,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.rotary_dim,
+            cfg.rope_is_neox,
+            dtype,
+            eps=cfg.rms_norm_eps,
+            in_features=2 * h,
+        )
+        self.post_attn_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(h, cfg.intermediate_size, dtype, None)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.lm_head = Linear(draft_vocab, h, dtype, False, None)
+
+    def forward(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits [N, draft_vocab] f32 at ctx.logits_indices, h_out [T, H])``."""
+        h = self.fc(hidden) if hidden.shape[-1] != self.hidden else hidden
+        residual = h.clone()  # fused_add_rmsnorm updates it in place to attn + h
+        x = torch.cat([self.input_norm(self.embed(input_ids)), self.hidden_norm(h)], dim=-1)
+        a = self.attn(x, ctx)
+        y = self.mlp(self.post_attn_norm(a, residual))
+        h_out = y + residual
+        logits = self.lm_head(self.norm(h_out).index_select(0, ctx.logits_indices))
+        return logits.float(), h_out
