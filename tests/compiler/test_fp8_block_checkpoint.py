@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from fp8_block_checkpoints import QUANT_CONFIG, write_block_fp8
 from safetensors.torch import load_file
 from tiny_models import check_against_hf, hf_greedy, make_checkpoint, randomize, rel_err
 
@@ -45,23 +45,12 @@ from kiln.compiler.config import ConfigError, load_config, resolve_quant
 from kiln.compiler.mappings import all_rank_specs
 from kiln.compiler.parallel import ParallelConfig
 from kiln.manifest import Manifest
-from kiln.ops.linear.fp8_block import dequantize_fp8_block, fp8_block_linear_ref, quantize_fp8_block
+from kiln.ops.linear.fp8_block import fp8_block_linear_ref
 from kiln.runtime.direct import DirectRunner
 from kiln.weights import load_pack
 from kiln.weights.pack import pack_checkpoint
-from kiln.weights.st_format import write_tensor_file
 
 OPTS = dict(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=128, chunk_size=64)
-QUANT_CONFIG = {
-    "quant_method": "fp8",
-    "fmt": "e4m3",
-    "activation_scheme": "dynamic",
-    "weight_block_size": [128, 128],
-}
-GEMM = re.compile(
-    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|"
-    r"kv_b_proj)\.weight$"
-)
 NEW = 32
 
 
@@ -94,38 +83,6 @@ ARCHS = {
     ),
     "deepseek-v3": deepseek_v3,
 }  # fmt: skip
-
-
-def write_block_fp8(src: Path, dst: Path, quant_config: dict | None = None) -> Path:
-    """``src``'s linear weights quantized per 128 x 128 block into ``dst`` in the official layout
-    (``W`` e4m3, ``W_scale_inv`` float32, in another shard than some of the weights), config.json
-    with ``quantization_config``; and beside it the float32 checkpoint it means (dequantized), whose
-    directory is returned."""
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    fp8: list[dict[str, torch.Tensor]] = [{}, {}]
-    meaning = {}
-    for i, (name, w) in enumerate(sorted(tensors.items())):
-        if GEMM.search(name):
-            q, s = quantize_fp8_block(w)
-            fp8[i % 2][name], fp8[1][name.removesuffix("weight") + "weight_scale_inv"] = q, s
-            meaning[name] = dequantize_fp8_block(q, s)
-        else:
-            fp8[0][name] = meaning[name] = w
-    dst.mkdir()
-    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    for fname, part in zip(files, fp8):
-        write_tensor_file(dst / fname, part)
-    wmap = {n: fname for fname, part in zip(files, fp8) for n in part}
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wmap}))
-    cfg = json.loads((src / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps(cfg | {"quantization_config": quant_config or QUANT_CONFIG}))
-    ref = dst.with_name(dst.name + "-meaning")
-    ref.mkdir()
-    write_tensor_file(ref / "model.safetensors", meaning)
-    (ref / "config.json").write_text(json.dumps(cfg))
-    return ref
 
 
 def block_experts(ckpt: dict[str, torch.Tensor], layer: int, num_experts: int) -> tuple[torch.Tensor, ...]:
@@ -337,7 +294,9 @@ def test_experts_off_the_block_grid_are_up_cast_with_a_note(deepseek_fp8, tmp_pa
 )
 def test_combinations_that_make_no_sense_are_one_line_errors(tmp_path, block, quant, error):
     make_checkpoint(tmp_path / "hf", "llama-tied", hidden_size=128, intermediate_size=128)
-    write_block_fp8(tmp_path / "hf", tmp_path / "fp8", QUANT_CONFIG | {"weight_block_size": block})
+    write_block_fp8(
+        tmp_path / "hf", tmp_path / "fp8", quant_config=QUANT_CONFIG | {"weight_block_size": block}
+    )
     with pytest.raises(ConfigError, match=error) as err:
         compile_model(tmp_path / "fp8", tmp_path / "art", CompileOptions(**OPTS, quant=quant), verbose=False)
     assert "\n" not in str(err.value)

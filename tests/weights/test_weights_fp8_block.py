@@ -11,12 +11,11 @@ FP8 one means (its dequantized values), so every fused, sharded and padded tenso
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
 import pytest
 import torch
+from fp8_block_checkpoints import write_block_fp8
 from weights_helpers import CONFIGS, hf_tensors, load_ranks, pack
 
 from kiln.compiler.synth import make_checkpoint
@@ -24,67 +23,11 @@ from kiln.ops.common.quant import fp8_error_bound
 from kiln.ops.linear.fp8_block import dequantize_fp8_block, expand_block_scale, quantize_fp8_block
 from kiln.weights.st_format import write_tensor_file
 
-# the linear weights DeepSeek-V3's and transformers' FP8 checkpoints store in e4m3 (routers, norms,
-# embeddings and the LM head stay in bf16)
-GEMM = re.compile(
-    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|"
-    r"kv_b_proj)\.weight$"
-)
 # hidden 256 with 2 heads of 128 and one KV head, intermediate 256: every fused and tp-2 sharded
 # tensor keeps 128 x 128 blocks whole
 ALIGNED = dict(
     CONFIGS["llama"], hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256
 )
-
-
-def pow2_block_quant(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block quantization with power-of-two scales (DeepSeek's UE8M0 ``scale_fmt``): unlike amax / 448
-    scales, re-quantizing the dequantized weight would give other scales and values."""
-    _, amax_scale = quantize_fp8_block(w)
-    scale = torch.exp2(torch.ceil(torch.log2(amax_scale)))
-    q = (w / expand_block_scale(scale, *w.shape)).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q, scale
-
-
-def write_fp8_checkpoint(
-    src: Path, dst: Path, keep: tuple[str, ...] = (), pow2: bool = False, scale_dtype=torch.float32
-) -> Path:
-    """``src`` rewritten as a block-FP8 checkpoint in ``dst`` (weights in one shard, their
-    ``weight_scale_inv`` in another, with an index; ``keep``: modules left in float and listed in
-    ``modules_to_not_convert``). Returns a float32 checkpoint beside it holding what the FP8 one
-    means: the dequantized weights (``dst.with_name(dst.name + "-meaning")``)."""
-    tensors = hf_tensors(src)
-    shards: list[dict[str, torch.Tensor]] = [{}, {}]
-    meaning: dict[str, torch.Tensor] = {}
-    for name, w in tensors.items():
-        module = name.removesuffix(".weight")
-        if GEMM.search(name) and module not in keep:
-            q, s = pow2_block_quant(w) if pow2 else quantize_fp8_block(w)
-            s = s.to(scale_dtype)
-            shards[0][name], shards[1][f"{module}.weight_scale_inv"] = q, s
-            meaning[name] = dequantize_fp8_block(q, s.float())
-        else:
-            shards[0][name] = meaning[name] = w
-    dst.mkdir(parents=True)
-    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    for fname, part in zip(names, shards):
-        write_tensor_file(dst / fname, part)
-    wmap = {n: fname for fname, part in zip(names, shards) for n in part}
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wmap}))
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-        **({"modules_to_not_convert": list(keep)} if keep else {}),
-    }
-    (dst / "config.json").write_text(json.dumps(cfg))
-    ref = dst.with_name(dst.name + "-meaning")
-    ref.mkdir()
-    write_tensor_file(ref / "model.safetensors", meaning)
-    (ref / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "quantization_config"}))
-    return ref
 
 
 def float_checkpoint(tmp_path: Path, config: dict, seed: int = 0) -> Path:
@@ -109,7 +52,7 @@ def dequantized_ranks(packs: list[dict[str, torch.Tensor]], specs) -> list[dict[
 @pytest.mark.parametrize("tp", [1, 2])
 def test_block_checkpoint_keeps_its_blocks(tmp_path, tp):
     # UE8M0 scales stored as float8_e8m0fnu: powers of two that a re-quantization would not give back
-    ref_dir = write_fp8_checkpoint(
+    ref_dir = write_block_fp8(
         float_checkpoint(tmp_path, ALIGNED), tmp_path / "fp8", pow2=True, scale_dtype=torch.float8_e8m0fnu
     )
     index, specs = pack(tmp_path / "fp8", tmp_path / "pack", tp=tp, quant="fp8-block")
@@ -133,7 +76,7 @@ def test_block_checkpoint_keeps_its_blocks(tmp_path, tp):
 
 def test_pieces_off_the_block_grid_are_quantized_again(tmp_path):
     # hidden 64, 4 heads of 16, intermediate 90 over 2 ranks: no piece keeps a block whole
-    ref_dir = write_fp8_checkpoint(float_checkpoint(tmp_path, CONFIGS["llama"]), tmp_path / "fp8")
+    ref_dir = write_block_fp8(float_checkpoint(tmp_path, CONFIGS["llama"]), tmp_path / "fp8")
     index, specs = pack(tmp_path / "fp8", tmp_path / "pack", tp=2, quant="fp8-block")
     _, ref_specs = pack(ref_dir, tmp_path / "ref", tp=2)
     block = [s for spec_list in specs for s in spec_list if s.quant == "fp8-block"]
@@ -169,8 +112,8 @@ def test_float_checkpoint_quantized_per_block(tmp_path):
 
 def test_modules_to_not_convert_stay_as_the_checkpoint_has_them(tmp_path):
     keep = ("model.layers.0.mlp.down_proj", "layers.1.self_attn.o_proj")  # a full name and a suffix
-    ref_dir = write_fp8_checkpoint(float_checkpoint(tmp_path, ALIGNED), tmp_path / "fp8", keep=keep)
-    # the suffix is not a checkpoint module name: write_fp8_checkpoint quantized layer 1's o_proj
+    ref_dir = write_block_fp8(float_checkpoint(tmp_path, ALIGNED), tmp_path / "fp8", keep=keep)
+    # the suffix is not a checkpoint module name: write_block_fp8 quantized layer 1's o_proj
     fp8 = hf_tensors(tmp_path / "fp8")
     assert fp8["model.layers.1.self_attn.o_proj.weight"].dtype == torch.float8_e4m3fn
     fp8["model.layers.1.self_attn.o_proj.weight"] = hf_tensors(ref_dir)[
@@ -194,9 +137,10 @@ def test_modules_to_not_convert_stay_as_the_checkpoint_has_them(tmp_path):
 
 
 def test_deepseek_v3_non_block_weights_are_dequantized(tmp_path):
-    """kv_b_proj (MLA w_kc / w_vc, batched matmuls) and the routed experts (the grouped GEMM has no
-    block-scaled path yet) are packed as the dequantized checkpoint; the router stays bf16."""
-    ref_dir = write_fp8_checkpoint(float_checkpoint(tmp_path, CONFIGS["deepseek_v3"]), tmp_path / "fp8")
+    """kv_b_proj (MLA w_kc / w_vc, batched matmuls) and the routed experts (intermediate size 16: off
+    the 128 grid, compiler/moe_layer.py ``block_fp8_experts``) are packed as the dequantized
+    checkpoint; the router stays bf16."""
+    ref_dir = write_block_fp8(float_checkpoint(tmp_path, CONFIGS["deepseek_v3"]), tmp_path / "fp8")
     index, specs = pack(tmp_path / "fp8", tmp_path / "pack", quant="fp8-block")
     _, ref_specs = pack(ref_dir, tmp_path / "ref")
     quantized = {s.name for s in specs[0] if s.quant}
