@@ -32,9 +32,11 @@ whose last tokens no draft step saw) costs acceptance, never correctness.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kiln import artifact_format as fmt
@@ -46,7 +48,7 @@ from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import LoadedModel, load_model
 from kiln.runtime.model_runner import ModelRunner, StepInputs
 from kiln.runtime.sampler import SamplingBatch, filter_logits
-from kiln.runtime.speculative import DRAFT_STREAM, stream_seeds
+from kiln.runtime.speculative import DRAFT_STREAM, h2d, position_keys, stream_seeds
 
 if TYPE_CHECKING:
     from kiln.runtime.request import Req
@@ -97,7 +99,6 @@ class DraftModel:
         cuda_graph: bool,
         eos_token_ids: tuple[int, ...] = (),
     ):
-        self.pool = pool
         self.runner = ModelRunner(model, pool, block_table, cuda_graph=cuda_graph, graph_greedy=False)
         self.bt = block_table
         self.k = num_draft_tokens
@@ -142,20 +143,28 @@ class DraftModel:
             self.probs = torch.zeros(len(reqs), n, self.target_vocab, device=self.device)
             seeds = stream_seeds([r.seed for r in reqs], DRAFT_STREAM)
             steps = [len(r.output_ids) for r in reqs]
+            rows = [r.row for r in reqs]
+            base = SamplingBatch.build(
+                params, rows, self.device, seeds=seeds, steps=steps, eos_token_ids=self.eos_token_ids
+            )
+            # every draft position's noise keys in one copy; only min_tokens bans change with the
+            # position (then the batch is built per position)
+            pk = np.ascontiguousarray(position_keys(seeds, steps, n).transpose(1, 0, 2))
+            keys = h2d(torch.from_numpy(pk), self.device, None)  # [n, B, 2]: position i's keys contiguous
+            banning = any(p.min_tokens > t for p, t in zip(params, steps))
 
         def pick(i: int, logits: torch.Tensor) -> torch.Tensor:
             """Draft ``i + 1`` of each request from the draft's logits ``[B, >= vocab]``."""
             x = logits[:, : self.vocab].float()
             if not sampling:
                 return x.argmax(-1)
-            sb = SamplingBatch.build(
-                params,
-                [r.row for r in reqs],
-                self.device,
-                seeds=seeds,
-                steps=[t + i for t in steps],
-                eos_token_ids=self.eos_token_ids,
-            )
+            if banning:
+                steps_i = [t + i for t in steps]
+                sb = SamplingBatch.build(
+                    params, rows, self.device, seeds=seeds, steps=steps_i, eos_token_ids=self.eos_token_ids
+                )
+            else:
+                sb = dataclasses.replace(base, keys=keys[i])
             if sb.ban is not None:
                 x = x.index_put(sb.ban, x.new_full((1,), float("-inf")))
             filt = filter_logits(x, sb)

@@ -340,7 +340,8 @@ class Stepper:
         assert self.spec is not None
         drafter = self.spec.drafter
         probs = drafter.probs if isinstance(drafter, DraftModel) else None  # sampled drafts' q
-        spec_i = [i for i in range(B) if i not in set(blocked)]
+        no = set(blocked)
+        spec_i = [i for i in range(B) if i not in no]
         if blocked:
             idx = self.stager.to_device(spec_i, torch.int64)
             rows3_s, probs = rows3[idx], probs[idx] if probs is not None else None

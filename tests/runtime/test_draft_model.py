@@ -94,6 +94,11 @@ def test_sampled_drafts_carry_their_distribution(setup):
     s = eng.step_metrics()["speculative"]
     assert s["proposed"] > 0 and s["accepted"] >= 0.9 * s["proposed"], s
     assert _tokens(root / "art-same", prompts, seeded)[0] == first
+    # min_tokens: the draft's sampling batch is rebuilt per position (its bans move with it)
+    banned = SamplingParams(max_tokens=NEW, temperature=1.0, seed=1, min_tokens=NEW, ignore_eos=True)
+    _, eng = _tokens(root / "art-same", prompts, banned)
+    s = eng.step_metrics()["speculative"]
+    assert s["proposed"] > 0 and s["accepted"] >= 0.9 * s["proposed"], s
 
 
 def test_a_penalized_request_beside_sampled_drafts(setup):
