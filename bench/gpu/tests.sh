@@ -8,6 +8,8 @@
 #                        GPU image lacks: its conftest skips at import, and that stops the whole
 #                        pytest run. It is left out unless TESTS names it (carry their wheels in .whl).
 #   TESTS_K=             pytest -k expression for the tests
+#   TESTS_ARGS=          more pytest arguments, e.g. "-v" (each test's outcome in the log even when
+#                        the step is cut by its timeout, which loses pytest's summary)
 #   TESTS_TIMEOUT=400    seconds for the tests (the whole GPU suite may not finish in one call:
 #                        name the folders or files to run)
 #   BENCH=               kernel microbenchmarks: "all" (the bench/ folder, test_ceilings.py too) or
@@ -29,7 +31,7 @@ call_begin tests "$1"
 if [ "$TESTS" != none ]; then
   ignore=(); for p in $IGNORE; do ignore+=("--ignore=$p"); done
   # shellcheck disable=SC2086  # paths, split on purpose
-  gpu_tests tests.log "$TESTS_TIMEOUT" $TESTS "${ignore[@]}" ${TESTS_K:+-k "$TESTS_K"}
+  gpu_tests tests.log "$TESTS_TIMEOUT" $TESTS "${ignore[@]}" ${TESTS_K:+-k "$TESTS_K"} $TESTS_ARGS
   stamp tests
 fi
 
@@ -52,4 +54,4 @@ if [ -n "$BENCH" ]; then
   fi
   stamp bench
 fi
-call_end tests.sh TESTS IGNORE TESTS_K TESTS_TIMEOUT BENCH BENCH_K BENCH_TIMEOUT BUDGET
+call_end tests.sh TESTS IGNORE TESTS_K TESTS_ARGS TESTS_TIMEOUT BENCH BENCH_K BENCH_TIMEOUT BUDGET
