@@ -39,6 +39,10 @@ class ForwardContext:
     # read the target's residual stream): [>= T, len(aux_layers) * H], row t's block j the stream at
     # the input of layer aux_layers[j] (kiln::save_hidden; layer L: before the final norm)
     aux_hidden: torch.Tensor | None = None
+    # Graphs traced for token trees (speculative tree verification, runtime/spec_tree.py): [T] int64,
+    # token t's ancestor-or-self bitmask over its request's chunk (ops/attention/extend.py), which every
+    # attention layer passes to kiln::paged_attention (always its extend path then). None: causal chunks.
+    tree_mask: torch.Tensor | None = None
 
 
 # Names and order of the graph inputs after the weights dict. The runtime binds by these names.
@@ -57,11 +61,19 @@ GRAPH_INPUTS = (
 )
 # After GRAPH_INPUTS in the graphs of an artifact with an FP8 KV cache (``kiln compile --kv-dtype fp8``).
 KV_SCALE_INPUTS = ("k_scale", "v_scale")
+# Next, in graphs traced for token trees (tree verification): ``[T]`` int64 ancestor bitmasks.
+TREE_INPUTS = ("tree_mask",)
 # Last, in the graphs of an artifact whose model hands hidden states out (``manifest.aux_layers``).
 AUX_INPUTS = ("aux_hidden",)
 
 
-def graph_inputs(kv_dtype: torch.dtype, aux: bool = False) -> tuple[str, ...]:
-    """Names and order of a graph's inputs after the weights dict, for caches of ``kv_dtype``
-    (``aux``: the model hands hidden states out)."""
-    return GRAPH_INPUTS + (KV_SCALE_INPUTS if kv_dtype == FP8_KV_DTYPE else ()) + (AUX_INPUTS if aux else ())
+def graph_inputs(kv_dtype: torch.dtype, aux: bool = False, tree: bool = False) -> tuple[str, ...]:
+    """Names and order of a graph's inputs after the weights dict: GRAPH_INPUTS, then KV_SCALE_INPUTS
+    for caches of ``kv_dtype`` FP8, then TREE_INPUTS (``tree``: a graph for token trees), then
+    AUX_INPUTS (``aux``: the model hands hidden states out). Tree before aux: aux stays last."""
+    return (
+        GRAPH_INPUTS
+        + (KV_SCALE_INPUTS if kv_dtype == FP8_KV_DTYPE else ())
+        + (TREE_INPUTS if tree else ())
+        + (AUX_INPUTS if aux else ())
+    )

@@ -244,7 +244,8 @@ class Attention(nn.Module):
             self.sliding_window,
             0.0,
             *scales,
-        )  # [T, Hq, Dv]; decode kernel when every request brings one token
+            *(() if ctx.tree_mask is None else (ctx.tree_mask,)),
+        )  # [T, Hq, Dv]; decode kernel when every request brings one token (and no tree mask)
         if self.tp_reduce:
             assert residual is None, "the residual stream is not for tensor parallelism (compile: no folds)"
             return torch.ops.kiln.tp_all_reduce(self.o(o.flatten(1)))  # [T, H]

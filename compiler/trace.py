@@ -26,7 +26,7 @@ from kiln.ops.attention.reference import FP8_KV_DTYPE
 class GraphModule(nn.Module):
     """Wraps a model so the exported graph's inputs are (weights, *per-batch tensors): GRAPH_INPUTS,
     then the optional ones ``tail`` names (compiler/context.py ``graph_inputs``: an FP8 cache's
-    scales, the aux hidden-state buffer), in that order."""
+    scales, the token-tree mask, the aux hidden-state buffer), in that order."""
 
     def __init__(self, model: nn.Module, page_size: int, num_splits: int = 0, tail: tuple[str, ...] = ()):
         super().__init__()
@@ -68,6 +68,7 @@ class GraphModule(nn.Module):
             k_scale=named.get("k_scale"),
             v_scale=named.get("v_scale"),
             aux_hidden=named.get("aux_hidden"),
+            tree_mask=named.get("tree_mask"),
         )
         return torch.func.functional_call(self.model, weights, (input_ids, ctx), strict=True)
 
@@ -95,10 +96,13 @@ def example_inputs(
     max_blocks: int = 16,
     rows: int = 8,
     every_token: bool = False,
+    tree: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Small, valid per-batch inputs (everything but the weights) for tracing and warm-up:
     ``batch`` requests sharing ``tokens`` new tokens (tokens == batch: a decode step), logits at
-    each request's last token (``every_token``: at every token, as a verify step)."""
+    each request's last token (``every_token``: at every token, as a verify step). ``tree``: with
+    a ``tree_mask`` ``[T]`` int64, each request's chunk a chain (every earlier token an ancestor,
+    which is causal attention; chunks of at most 64 tokens)."""
     dev = torch.device(device)
     i32, i64 = torch.int32, torch.int64
     per_req = tokens // batch
@@ -127,6 +131,12 @@ def example_inputs(
     if cache.dtype == FP8_KV_DTYPE:  # one float32 scale per cached head row
         for name in KV_SCALE_INPUTS:
             out[name] = torch.zeros(cache.num_layers, num_slots, cache.num_kv_heads, device=dev)
+    if tree:
+        if max(lens) > 64:
+            raise ValueError(f"example_inputs: tree chunks hold at most 64 tokens, got {max(lens)}")
+        # token j of a chunk: bits 0..j (bit 63 of a 64-token chunk's last is the sign bit: -1)
+        chain = [(1 << (j + 1)) - 1 if j < 63 else -1 for n in lens for j in range(n)]
+        out["tree_mask"] = torch.tensor(chain, dtype=i64, device=dev)
     if cache.aux_width:
         out["aux_hidden"] = torch.zeros(max(tokens, 2), cache.aux_width, dtype=torch.float32, device=dev)
     return out
@@ -142,8 +152,9 @@ def export_graph(
     static_batch: bool = False,
 ) -> ExportedProgram:
     """Export ``model`` with dynamic T and B (default) or with the example's static shapes; with the
-    aux hidden-state input when ``inputs`` has one (``aux_hidden``)."""
-    names = graph_inputs(inputs["k_cache"].dtype, aux="aux_hidden" in inputs)
+    token-tree mask input when ``inputs`` has one (``tree_mask``, example_inputs ``tree``: its T
+    is the input ids'), and the aux hidden-state input when it has one (``aux_hidden``)."""
+    names = graph_inputs(inputs["k_cache"].dtype, aux="aux_hidden" in inputs, tree="tree_mask" in inputs)
     gm = GraphModule(model, page_size, tail=names[len(GRAPH_INPUTS) :])
     args = (dict(weights), *(inputs[n] for n in names))
     # The pool, rope table and block table (and the aux buffer) are sized by the runtime: dynamic.
@@ -166,6 +177,7 @@ def export_graph(
             "input_ids": {0: T},
             "positions": {0: T},
             "out_slots": {0: T},
+            "tree_mask": {0: T},
             "req_rows": {0: B},
             "seq_lens": {0: B},
             "qo_indptr": {0: B + 1},

@@ -6,16 +6,21 @@ decode's ``num_splits``:
 
     paged_attention(q[T, Hq, D], k_cache[S, Hkv, D], v_cache[S, Hkv, Dv], block_table[R, M] i32,
                     req_rows[B] i32, seq_lens[B] i32, qo_indptr[B + 1] i32, sm_scale, page_size,
-                    num_splits, sliding_window, logit_cap, k_scale=None, v_scale=None) -> [T, Hq, Dv]
+                    num_splits, sliding_window, logit_cap, k_scale=None, v_scale=None,
+                    tree_mask=None) -> [T, Hq, Dv]
 
 (``k_scale``/``v_scale``: ``[S, Hkv]`` float32 per-row scales of ``float8_e4m3fn`` caches, else
-None; passed through to both.)
+None; passed through to both. ``tree_mask``: ``[T]`` int64 ancestor bitmasks of token trees,
+speculative verification, as extend attention takes them (ops/attention/extend.py), else None.)
 
 Dispatch is on shapes only (capture-safe): ``T == B`` is a decode step (every request of a batch
 brings at least one new token, so ``T == B`` means exactly one each) and runs split-KV decode
 attention with ``num_splits`` (0 = chosen from the batch and the block table's width); otherwise
-extend attention (``num_splits`` unused). The op's launch, reference and check are :func:`by_step`
-over decode's and extend's (ops/common/op.py ``kiln_op``); its fake is their shape rule.
+extend attention (``num_splits`` unused). With a ``tree_mask`` (a graph traced with the tree input,
+compiler/context.py) it is always extend attention: a tree step of one node per request (the roots
+alone) is still a tree chunk. Without one, the calls are exactly those of a plain step. The op's
+launch, reference and check are :func:`by_step` over decode's and extend's (ops/common/op.py
+``kiln_op``); its fake is their shape rule.
 """
 
 from __future__ import annotations
@@ -33,17 +38,22 @@ from kiln.ops.common.op import kiln_op
 
 def by_step(decode: Callable[..., Any], extend: Callable[..., Any]) -> Callable[..., Any]:
     """Paged attention's parameters over a decode and an extend function that take their ops'
-    (``kiln::decode_attention``'s, ``kiln::extend_attention``'s): ``decode`` when ``T == B``,
-    else ``extend``. The op's launch, reference and check are this over the two ops' launches,
-    references and checks."""
+    (``kiln::decode_attention``'s, ``kiln::extend_attention``'s): ``decode`` when ``T == B`` and
+    there is no tree mask, else ``extend`` (with the tree mask when there is one). The op's launch,
+    reference and check are this over the two ops' launches, references and checks."""
 
     def paged_attention(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
         req_rows: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor, sm_scale: float,
         page_size: int, num_splits: int, sliding_window: int, logit_cap: float,
         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Decode attention when ``T == B``, extend attention otherwise (see the module docstring)."""
+        """Decode attention when ``T == B`` without a tree mask, extend attention otherwise (see the
+        module docstring)."""
+        if tree_mask is not None:
+            return extend(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale,
+                          page_size, sliding_window, logit_cap, k_scale, v_scale, tree_mask)  # fmt: skip
         if q.shape[0] == req_rows.shape[0]:
             return decode(q, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size,
                           num_splits, sliding_window, logit_cap, k_scale, v_scale)  # fmt: skip

@@ -16,7 +16,12 @@ from test_decode_attention import TOL, rel_err
 
 from kiln.ops.attention import paged  # noqa: F401  (registers the attention ops)
 from kiln.ops.attention.extend import ExtendConfig, extend_attention_triton
-from kiln.ops.attention.reference import extend_attention_ref, random_block_table, request_slots
+from kiln.ops.attention.reference import (
+    decode_attention_ref,
+    extend_attention_ref,
+    random_block_table,
+    request_slots,
+)
 
 seed, triton_on_cpu = decode_tests.seed, decode_tests.triton_on_cpu  # the fixtures, shared
 
@@ -150,6 +155,84 @@ def test_tree_mask_errors_name_the_argument(seed):
         torch.ops.kiln.extend_attention(*args, 1.0, 16, -1, 0.0, None, None, torch.ones(4, dtype=torch.int64))
     with pytest.raises(ValueError, match="sliding_window"):
         torch.ops.kiln.extend_attention(*args, 1.0, 16, 8, 0.0, None, None, torch.ones(3, dtype=torch.int64))
+
+
+# --------------------------------------------------------------------------- kiln::paged_attention
+@pytest.mark.parametrize("kernel", ["1", "0"])  # the Triton launches (interpreter), then the references
+def test_paged_attention_passes_the_tree_mask_on(seed, monkeypatch, kernel):
+    """The graphs' op (compiler/layers.py ``Attention``) with a tree mask is extend attention with it."""
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", kernel)
+    gen = torch.Generator().manual_seed(seed)
+    args, tree_mask, parents = make_tree_inputs([7, 12], [5, 20], 2, 4, 2, 32, 32, 16, torch.float32, gen)
+    meta = (32**-0.5, 16)
+    out = torch.ops.kiln.paged_attention(*args, *meta, 2, -1, 0.0, None, None, tree_mask)
+    want = torch.ops.kiln.extend_attention(*args, *meta, -1, 0.0, None, None, tree_mask)
+    assert torch.equal(out, want), f"seed {seed}: paged_attention is not extend_attention with the mask"
+    assert rel_err(out, per_path(args, parents, 16, 32**-0.5)) < TOL[torch.float32], f"seed {seed}"
+    # without the mask: the causal chunk, as before (the trees branch, so it differs)
+    plain = torch.ops.kiln.paged_attention(*args, *meta, 2, -1, 0.0)
+    assert torch.equal(plain, torch.ops.kiln.extend_attention(*args, *meta, -1, 0.0))
+    assert rel_err(plain, out) > 1e-3, f"seed {seed}: the mask changed nothing"
+
+
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_one_node_per_request_with_a_mask_is_extend(seed, monkeypatch, kernel):
+    """T == B with a tree mask is a tree chunk, not a decode step: the extend path reads qo_indptr
+    (here [0, 0, 2]: two root-level nodes of request 1, none of request 0), decode would not."""
+    from test_extend_attention import make_inputs
+
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", kernel)
+    q, k, v, bt, rows, lens, _ = make_inputs([1, 1], [6, 9], 0, 4, 2, 32, 32, 16, torch.float32)
+    meta = (32**-0.5, 16)
+    # roots alone (the natural case): the prefix and the root, which decode attention also computes
+    roots = torch.ones(2, dtype=torch.int64)
+    indptr = torch.tensor([0, 1, 2], dtype=torch.int32)
+    out = torch.ops.kiln.paged_attention(
+        q, k, v, bt, rows, lens, indptr, *meta, 2, -1, 0.0, None, None, roots
+    )
+    assert torch.equal(out, torch.ops.kiln.extend_attention(q, k, v, bt, rows, lens, indptr, *meta, -1, 0.0))
+    assert rel_err(out, decode_attention_ref(q, k, v, bt, rows, lens, *meta, 2, -1, 0.0)) < TOL[torch.float32]
+    # siblings of one request: each sees the prefix and itself only
+    uneven, siblings = torch.tensor([0, 0, 2], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int64)
+    out = torch.ops.kiln.paged_attention(
+        q, k, v, bt, rows, lens, uneven, *meta, 2, -1, 0.0, None, None, siblings
+    )
+    want = extend_attention_ref(q, k, v, bt, rows, lens, uneven, *meta, -1, 0.0, None, None, siblings)
+    assert rel_err(out, want) < TOL[torch.float32], f"seed {seed}: not the extend path"
+    decode = decode_attention_ref(q, k, v, bt, rows, lens, *meta, 2, -1, 0.0)
+    assert rel_err(out, decode) > 1e-3
+
+
+def test_paged_attention_checks_the_tree_mask(seed, monkeypatch):
+    """Its check is extend attention's, on both paths, also when T == B."""
+    from test_extend_attention import make_inputs
+
+    args = make_inputs([1, 1], [2, 3], 0, 4, 2, 32, 32, 16, torch.float32)
+    for kernel in ("1", "0"):
+        monkeypatch.setenv("KILN_TRITON_ON_CPU", kernel)
+        for bad in (torch.ones(2, dtype=torch.int32), torch.ones(3, dtype=torch.int64)):
+            with pytest.raises(ValueError, match="tree_mask must be an int64"):
+                torch.ops.kiln.paged_attention(*args, 1.0, 16, 2, -1, 0.0, None, None, bad)
+        with pytest.raises(ValueError, match="sliding_window"):
+            torch.ops.kiln.paged_attention(
+                *args, 1.0, 16, 2, 8, 0.0, None, None, torch.ones(2, dtype=torch.int64)
+            )
+
+
+def test_paged_attention_fake_with_a_tree_mask():
+    """The shape rule torch.export runs: ``[T, Hq, Dv]`` with a mask too (T == B included)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = torch.empty(7, 8, 64), torch.empty(40, 2, 64), torch.empty(40, 2, 32)
+        bt, rows, lens = torch.empty(3, 4, dtype=torch.int32), *torch.empty(2, 2, dtype=torch.int32)
+        indptr, mask = torch.empty(3, dtype=torch.int32), torch.empty(7, dtype=torch.int64)
+        meta = (0.125, 16, 2, -1, 0.0, None, None)
+        outs = [
+            torch.ops.kiln.paged_attention(q, k, v, bt, rows, lens, indptr, *meta, mask),
+            torch.ops.kiln.paged_attention(q[:2], k, v, bt, rows, lens, indptr, *meta, mask[:2]),
+        ]
+    assert [tuple(o.shape) for o in outs] == [(7, 8, 32), (2, 8, 32)]
 
 
 @pytest.mark.gpu
