@@ -38,7 +38,7 @@ from kiln.compiler.config import ConfigError, ModelConfig, load_config, resolve_
 from kiln.compiler.context import graph_inputs
 from kiln.compiler.cutlass_build import check_request, cutlass_backend, drop_unused, fp8_library
 from kiln.compiler.graph_code import emit_graph_code
-from kiln.compiler.layers import match_pack_quant, use_gemv_plan
+from kiln.compiler.layers import match_pack_quant
 from kiln.compiler.models.base import DecoderOnlyLM
 from kiln.compiler.moe_layer import FusedMoE, block_fp8_experts
 from kiln.compiler.moe_tune import MoEShape, moe_tuning
@@ -64,15 +64,15 @@ from kiln.manifest import (
 )
 from kiln.ops.common.collective import without_tp_group
 from kiln.ops.common.quant import FP8_DTYPE
-from kiln.ops.linear.gemv import DOT_M as GEMV_MAX_TOKENS
 from kiln.ops.linear.gemv import gemv_plan
 from kiln.weights.fold import apply_norm_folds
 
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # compiler/eagle3.py: compiled only into a target's artifact
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Speculative decoding's verify graphs (--verify-lengths): for decode buckets up to this batch (larger
 # batches decode plainly: their steps are bound by compute more than by the weight read), k up to
-# VERIFY_MAX_LENGTH drafts; a verify graph of at most GEMV_MAX_TOKENS tokens is a static graph whose
-# linears take the GEMV (ops/linear/gemv.py: its tensor-core kernel pads x to 16 rows).
+# VERIFY_MAX_LENGTH drafts. Every verify step runs the shared graph (captured per (B, k) at load):
+# static graphs with the GEMV on every token measured slower (docs/speculative.md section 7).
 VERIFY_MAX_BATCH = 32
 # --draft-model without --verify-lengths: verify graphs for the run's default num_draft_tokens
 DRAFT_VERIFY_LENGTH = settings.SETTINGS["num_draft_tokens"].default
@@ -122,6 +122,9 @@ class CompileOptions:
     verify_lengths: str = settings.SETTINGS["verify_lengths"].default
     # --draft-model: a smaller checkpoint of the same tokenizer compiled into ART/draft (compiler/draft.py)
     draft_model: str | None = None
+    # --eagle3: an EAGLE-3 head checkpoint compiled into ART/eagle3 (compiler/eagle3.py); the target's
+    # graphs then hand out the streams it reads (aux_layers)
+    eagle3: str | None = None
     # layers whose input residual stream every graph hands out (0..L, L: before the final norm), for
     # drafts that read the target's hidden states (EAGLE-3, DeepSeek MTP: docs/speculative.md section 4)
     aux_layers: tuple[int, ...] = ()
@@ -333,10 +336,24 @@ def _compile_model(
         par = ParallelConfig(tp=opts.tp, ep=opts.ep)
         validate_parallel(cfg, par)  # --tp/--ep: a layout that cannot shard the model fails here
         max_seq = opts.max_seq_len or min(cfg.max_position_embeddings, 32768)
+        if cfg.architecture == EAGLE3_ARCHITECTURE:
+            raise CompileError(
+                f"{model_dir} is an EAGLE-3 head; it compiles into its target's artifact: "
+                f"kiln compile TARGET --eagle3 {model_dir}"
+            )
         model_class(cfg.architecture)  # fail before any work if the architecture cannot compile
         _kv_spec(cfg, opts)  # likewise a KV cache it cannot have (--kv-dtype fp8 for MLA)
-        if opts.draft_model is not None and not opts.verify_lengths.strip():
-            opts = replace(opts, verify_lengths=DRAFT_VERIFY_LENGTH)  # a draft model verifies
+        head = None
+        if opts.eagle3 is not None:
+            from kiln.compiler.eagle3 import load_eagle3_config
+
+            if opts.draft_model is not None:
+                raise CompileError("--eagle3 and --draft-model: an artifact has one draft source; pass one.")
+            head = load_eagle3_config(opts.eagle3, cfg)  # a head that does not fit the target fails here
+            opts = replace(opts, aux_layers=head.aux_layers)
+        drafted = opts.draft_model is not None or head is not None
+        if drafted and not opts.verify_lengths.strip():
+            opts = replace(opts, verify_lengths=DRAFT_VERIFY_LENGTH)  # a draft verifies
         verify = opts.verify  # a bad --verify-lengths fails here
         if list(opts.aux_layers) != sorted(set(opts.aux_layers)) or not all(
             0 <= i <= cfg.num_layers for i in opts.aux_layers
@@ -345,8 +362,9 @@ def _compile_model(
                 f"aux_layers {opts.aux_layers}: ascending distinct layer indices 0..{cfg.num_layers} "
                 f"({cfg.num_layers}: the stream before the final norm)"
             )
-        if opts.draft_model is not None and opts.tp > 1:
-            raise CompileError("--draft-model needs --tp 1: a draft model does not run tensor-parallel yet.")
+        if drafted and opts.tp > 1:
+            flag = "--draft-model" if opts.draft_model is not None else "--eagle3"
+            raise CompileError(f"{flag} needs --tp 1: drafts do not run tensor-parallel yet.")
         if cfg.moe is not None:
             check_request(opts.moe_backend, torch.device(opts.device), opts.dtype, _experts_quant(opts, cfg))
         _prepare_out(out, opts.force)
@@ -424,29 +442,10 @@ def _compile_model(
                 graphs[f"decode_b{b}"] = _graph_entry(f"decode_b{b}", b, cache, layout=kind)
         finally:
             model.fold_norms = False
-        for b, k, t in _verify_shapes(verify):  # static verify graphs: the GEMV on every token
-            if t > GEMV_MAX_TOKENS or not plan:
-                continue
-            name = verify.graph_name(b, k)  # type: ignore[union-attr]
-            use_gemv_plan(model, {role: max(m, t) for role, m in plan.items()})
-            try:
-                ex = example_inputs(
-                    b, t, cache, cfg.rotary_dim, device, max_blocks=max_blocks, every_token=True
-                )
-                programs[name] = export_graph(model, weights, ex, opts.page_size, static_batch=True)
-            finally:
-                use_gemv_plan(model, plan)
-            graphs[name] = _graph_entry(name, b, cache, tokens=t)
     with timer.phase("kernels"):
-        kernels_dir = out / "kernels"
-        kernels_dir.mkdir(exist_ok=True)  # the FP8 and MoE phases may have put CUTLASS libraries there
-        forget_loaded_kernels()  # kernels this process launched would never be looked up on disk
-        # into the artifact, group files with relative paths; C modules built reproducibly
-        with _reproducible_c_builds(), kernel_cache(write=kernels_dir):
-            # runnable, unlifted; without the stored example inputs (the module would also carry
-            # an input-guard submodule the graph's Python source cannot hold)
-            modules = {name: strip_example_inputs(ep).module() for name, ep in programs.items()}
-            moe_table = moe_choice["table"] if moe_choice else ""
+        moe_table = moe_choice["table"] if moe_choice else ""
+
+        def warm(modules: dict[str, Any]) -> None:
             _warm_up(
                 modules,
                 graphs,
@@ -462,27 +461,22 @@ def _compile_model(
                 verify,
             )
             _warm_up_sampler(cfg.vocab_size, device)
-            if device.type == "cuda":
-                from kiln.weights.checksum import warm_up as warm_up_checksum
 
-                warm_up_checksum(weights)  # the check a verified load_pack runs on the arena
-                _build_driver_utils(kernels_dir)
-        for name, ep in programs.items():
-            torch.export.save(ep, out / graphs[name].file)
-            layout = emit_graph_code(
-                modules[name], out / "graphs" / f"{name}.py", list(weights), len(_inputs(cache))
-            )
-            if layout is not None:
-                code = GraphCode.from_json({"file": f"graphs/{name}.py", **layout}, f"graphs.{name}.python")
-                graphs[name] = replace(graphs[name], python=code)
+        graphs = build_graphs(out, programs, graphs, weights, cache, device, warm)
     with timer.phase("tokenizer"):
         tok_files = _copy_tokenizer(model_dir, out)
     draft = None
+    nested = replace(opts, max_seq_len=max_seq)  # a draft's block table is the target's
     if opts.draft_model is not None:
         from kiln.compiler.draft import compile_draft
 
         with timer.phase("draft"):
-            draft = compile_draft(opts.draft_model, out, opts, verbose)
+            draft = compile_draft(opts.draft_model, out, nested, verbose)
+    if head is not None:
+        from kiln.compiler.eagle3 import compile_eagle3
+
+        with timer.phase("eagle3"):
+            draft = compile_eagle3(model_dir, head, out, nested, verbose)
     with timer.phase("manifest"):
         records, measured = split_build_facts(
             {
@@ -547,6 +541,44 @@ def _compile_model(
     return manifest
 
 
+def build_graphs(
+    out: Path,
+    programs: dict[str, Any],
+    graphs: dict[str, GraphEntry],
+    weights: dict[str, torch.Tensor],
+    cache: CacheSpec,
+    device: torch.device,
+    warm: Any,
+) -> dict[str, GraphEntry]:
+    """Run ``warm(modules)`` over the exported ``programs`` (runnable modules by graph name) with
+    the Triton cache pointed at ``out/kernels``, then write every graph (``graphs/{name}.pt2`` and
+    its generated Python); returns ``graphs`` with their ``python`` entries."""
+    kernels_dir = out / "kernels"
+    kernels_dir.mkdir(exist_ok=True)  # the FP8 and MoE phases may have put CUTLASS libraries there
+    forget_loaded_kernels()  # kernels this process launched would never be looked up on disk
+    # into the artifact, group files with relative paths; C modules built reproducibly
+    with _reproducible_c_builds(), kernel_cache(write=kernels_dir):
+        # runnable, unlifted; without the stored example inputs (the module would also carry
+        # an input-guard submodule the graph's Python source cannot hold)
+        modules = {name: strip_example_inputs(ep).module() for name, ep in programs.items()}
+        warm(modules)
+        if device.type == "cuda":
+            from kiln.weights.checksum import warm_up as warm_up_checksum
+
+            warm_up_checksum(weights)  # the check a verified load_pack runs on the arena
+            _build_driver_utils(kernels_dir)
+    graphs = dict(graphs)
+    for name, ep in programs.items():
+        torch.export.save(ep, out / graphs[name].file)
+        layout = emit_graph_code(
+            modules[name], out / "graphs" / f"{name}.py", list(weights), len(_inputs(cache))
+        )
+        if layout is not None:
+            code = GraphCode.from_json({"file": f"graphs/{name}.py", **layout}, f"graphs.{name}.python")
+            graphs[name] = replace(graphs[name], python=code)
+    return graphs
+
+
 # Extend warm-up shapes (tokens, requests): Triton specializes integer arguments by value class
 # (== 1, divisible by 16, other), so each class of T and B must run once for the cache to cover
 # every launch the runtime can make.
@@ -587,9 +619,7 @@ def _warm_up(
     runs = [(decode_graph.get(b, "model"), b, b, False) for b in buckets]  # decode steps: T == B
     # T == B never reaches the extend graph: the runner sends one-token-each extends to decode
     runs += [("model", b, t, False) for t, b in EXTEND_WARMUP if t <= chunk and b <= buckets[-1] and t != b]
-    for b, k, t in _verify_shapes(verify):  # verify steps, on their static graph or the shared one
-        name = verify.graph_name(b, k)  # type: ignore[union-attr]
-        runs.append((name if name in graphs else "model", b, t, True))
+    runs += [("model", b, t, True) for b, _, t in _verify_shapes(verify)]  # verify steps
     max_len = max_blocks * cache.page_size  # the longest request
 
     def prefills(sizes: Iterable[int]) -> list[tuple[str, int, int, bool]]:
@@ -624,7 +654,8 @@ def _warm_up(
             every_token=every_token,
         )
         logits = modules[name](weights, *(ex[n] for n in _inputs(cache)))
-        if not torch.isfinite(logits).all():
+        # -inf: an id the model never emits (an EAGLE-3 head's outside its draft vocabulary)
+        if not (torch.isfinite(logits) | (logits == float("-inf"))).all():
             raise CompileError(
                 f"graph {name} produced non-finite logits during warm-up (batch {b}, tokens {t})"
             )

@@ -148,6 +148,15 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
     "compiled into ART/draft with this compile's shape options; `serve`/`generate` then draft with it "
     "(--speculative auto). Implies --verify-lengths 4 unless given.",
 )
+@click.option(
+    "--eagle3",
+    default=None,
+    metavar="HEAD",
+    help="Speculative decoding: an EAGLE-3 head trained for this model (LlamaForCausalLMEagle3, "
+    "safetensors; a directory or a Hub id) compiled into ART/eagle3; the model's graphs then hand "
+    "the head the hidden states of the three layers its config names. `serve`/`generate` draft with "
+    "it (--speculative auto). Implies --verify-lengths 4 unless given; not with --draft-model.",
+)
 @settings.click_options("compile")
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 def compile_cmd(
@@ -170,6 +179,7 @@ def compile_cmd(
     moe_cutlass_min_tokens: int,
     fp8_cutlass: bool,
     draft_model: str | None,
+    eagle3: str | None,
     force: bool,
     **kw: Any,
 ) -> None:
@@ -214,4 +224,6 @@ def compile_cmd(
 
     if draft_model is not None:
         opts = replace(opts, draft_model=str(resolve_checkpoint(draft_model, None)))
+    if eagle3 is not None:
+        opts = replace(opts, eagle3=str(resolve_checkpoint(eagle3, None)))
     compile_model(resolve_checkpoint(model_dir, revision), out, opts)

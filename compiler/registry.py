@@ -27,6 +27,7 @@ class ArchSpec:
 LLAMA = "kiln.compiler.models.llama:LlamaForCausalLM"
 MOE = "kiln.compiler.models.moe:MoEForCausalLM"
 DEEPSEEK = "kiln.compiler.models.deepseek:DeepseekForCausalLM"
+EAGLE3 = "kiln.compiler.models.eagle3:Eagle3ForCausalLM"  # only inside a target's artifact (--eagle3)
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     s.name: s
@@ -39,6 +40,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("MixtralForCausalLM", "moe", model=MOE),
         ArchSpec("DeepseekV2ForCausalLM", "mla", model=DEEPSEEK),
         ArchSpec("DeepseekV3ForCausalLM", "mla", model=DEEPSEEK),
+        ArchSpec("LlamaForCausalLMEagle3", "dense", model=EAGLE3),
     )
 }
 

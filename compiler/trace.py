@@ -166,7 +166,8 @@ def export_graph(
         "k_scale": {1: S},
         "v_scale": {1: S},
         "block_table": {0: R, 1: M},
-        "aux_hidden": {0: Dim("X", min=2)},
+        # at least a step's tokens (a static graph's T is a number, which its slices guard on)
+        "aux_hidden": {0: Dim("X", min=max(2, inputs["input_ids"].shape[0]) if static_batch else 2)},
     }
     if not static_batch:
         T, B = Dim("T", min=1, max=max_tokens), Dim("B", min=1, max=max_batch)

@@ -17,7 +17,9 @@ Layout (JSON keys are the field names; schema :data:`~kiln.artifact_format.SCHEM
      "norm_folds": {norm weight: [consumer weights]},
      "kernel_choices": KernelChoices, "files": {relative path: FileEntry},
      "verify": VerifySpec,             only with --verify-lengths (speculative decoding)
-     "draft": DraftSpec}               only with --draft-model (its artifact under draft/)
+     "draft": DraftSpec,               with --draft-model / --eagle3 (its artifact under draft/ or eagle3/)
+     "aux_layers": [...],              the target of an EAGLE-3 head: streams its graphs hand out
+     "eagle3": Eagle3Spec}             an EAGLE-3 head's own artifact (the one nested in its target's)
 
 The records are :class:`kiln.json_record.JsonRecord` dataclasses: a field whose default is ``None``
 is left out of the JSON when it is None (and may be absent); every other field is always written
@@ -119,16 +121,15 @@ class GraphEntry(JsonRecord):
     max_tokens: int | None = None  # the dynamic graph: the most tokens one call takes
     layout: str | None = None  # static decode graphs: "residual_stream" (folded norms) or "add_norm"
     python: GraphCode | None = None
-    tokens: int | None = None  # static verify graphs: batch * (k + 1) tokens, logits at every one
 
 
 @dataclass(frozen=True)
 class VerifySpec(JsonRecord):
     """Speculative decoding's verify steps (``kiln compile --verify-lengths``; docs/speculative.md
     section 2): a verify step of ``B`` requests with up to ``k`` drafts each runs ``B * (k + 1)``
-    tokens with logits at every one, as a CUDA graph per ``(B, k)`` in ``buckets x lengths``: the
-    static graph ``verify_b{B}_k{k}`` where the artifact has one (few tokens: traced with the GEMV
-    on every token), else the shared graph at those shapes. Steps outside the buckets run eagerly."""
+    tokens with logits at every one, as a CUDA graph of the shared graph per ``(B, k)`` in
+    ``buckets x lengths``, captured at load and warmed up at compile time. Steps outside the
+    buckets run eagerly."""
 
     lengths: tuple[int, ...]  # the draft counts k verify graphs exist for (ascending)
     buckets: tuple[int, ...]  # the batch sizes they exist for: decode buckets (ascending)
@@ -140,9 +141,6 @@ class VerifySpec(JsonRecord):
         if not set(self.buckets) <= set(decode_buckets):
             yield f"'verify.buckets' {list(self.buckets)} are not all decode buckets {list(decode_buckets)}"
 
-    def graph_name(self, batch: int, k: int) -> str:
-        return f"verify_b{batch}_k{k}"
-
 
 @dataclass(frozen=True)
 class DraftSpec(JsonRecord):
@@ -150,9 +148,25 @@ class DraftSpec(JsonRecord):
     section 4): a whole artifact of its own under ``path`` (its manifest checks its files), pinned
     here by its manifest's self-hash, with the same tokenizer vocabulary and KV page size."""
 
-    path: str  # "draft": the nested artifact's directory, relative to this one
+    path: str  # "draft" or "eagle3": the nested artifact's directory, relative to this one
     manifest_xxh3_128: str  # the draft manifest's fmt.MANIFEST_HASH_KEY: a swapped draft is refused
     vocab_size: int  # its LM head's rows (may pad past the target's; drafts stay below both)
+    kind: str = "model"  # "model" (--draft-model) or "eagle3" (--eagle3: runtime/spec_eagle.py)
+
+    KINDS: ClassVar[tuple[str, ...]] = ("model", "eagle3")
+
+
+@dataclass(frozen=True)
+class Eagle3Spec(JsonRecord):
+    """An EAGLE-3 head's artifact (``kiln compile TARGET --eagle3 HEAD``, nested under the
+    target's; compiler/eagle3.py): its graphs take the hidden-state buffer ``aux_hidden [rows,
+    aux_width]`` float32, read the target's three streams (``[:T, :3 target_hidden_size]``, the
+    shared graph, through ``fc``) or their own last output (``[:B, :hidden_size]``, the decode
+    graphs) and write their output into ``[:T, :hidden_size]``; their logits are over the target's
+    ids, ``-inf`` outside the ``draft_vocab_size`` the head predicts."""
+
+    target_hidden_size: int
+    draft_vocab_size: int
 
 
 @dataclass(frozen=True)
@@ -233,6 +247,7 @@ class Manifest(JsonRecord):
     # the layers whose input residual stream every graph writes into its last input, aux_hidden
     # [rows, len(aux_layers) * hidden] float32 (CompileOptions.aux_layers; None: no such input)
     aux_layers: tuple[int, ...] | None = None
+    eagle3: Eagle3Spec | None = None  # an EAGLE-3 head's artifact (its graphs' hidden-state buffer)
 
     SHARED_GRAPH: ClassVar[str] = "model"
 
@@ -240,6 +255,15 @@ class Manifest(JsonRecord):
     def max_blocks(self) -> int:
         """Block-table width: the pages of a ``max_seq_len`` sequence (compile warm-up and runtime)."""
         return self.kv.pages_for(self.max_seq_len)
+
+    @property
+    def aux_width(self) -> int:
+        """Columns of the hidden-state buffer the graphs take last (0: none): a target's streams at
+        ``aux_layers``, or an EAGLE-3 head's input and output (:class:`Eagle3Spec`)."""
+        hidden = int(self.model["hidden_size"])
+        if self.eagle3 is not None:
+            return max(3 * self.eagle3.target_hidden_size, hidden)
+        return len(self.aux_layers or ()) * hidden
 
     @property
     def routed_experts(self) -> tuple[int, int] | None:
@@ -272,6 +296,8 @@ class Manifest(JsonRecord):
             yield f"'graphs.{self.SHARED_GRAPH}' is missing"
         if self.verify is not None:
             yield from self.verify.problems(self.decode_buckets)
+        if self.draft is not None and self.draft.kind not in DraftSpec.KINDS:
+            yield f"'draft.kind' is {self.draft.kind!r}, not one of {', '.join(DraftSpec.KINDS)}"
         for rel, entry in self.files.items():
             key = fmt.CHECKED_BY_KEY if fmt.is_weight_data(rel) else fmt.HASH_KEY
             if getattr(entry, key) is None:

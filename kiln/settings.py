@@ -237,9 +237,10 @@ _ALL: tuple[Setting, ...] = (
        choices=("auto", "nccl"), when="engine start"),
     _s("speculative", "run", "choice", "auto",
        "Speculative decoding (lossless): draft = each decode step verifies up to --num-draft-tokens tokens "
-       "drafted by the artifact's draft model (kiln compile --draft-model); ngram = drafted from the "
-       "request's own prompt and output (prompt lookup); auto = draft if the artifact has a draft model, "
-       "else off. Requests with penalties or structured outputs decode without it.", env="KILN_SPECULATIVE",
+       "drafted by the artifact's draft model or EAGLE-3 head (kiln compile --draft-model / --eagle3); "
+       "ngram = drafted from the request's own prompt and output (prompt lookup); auto = draft if the "
+       "artifact has a draft, else off. Requests with penalties or structured outputs decode without it.",
+       env="KILN_SPECULATIVE",
        flag=True, choices=("auto", "off", "ngram", "draft"), when="engine start"),
     _s("num_draft_tokens", "run", "int", "4",
        "Draft tokens per request and verify step (speculative decoding; at least 1).",

@@ -30,6 +30,7 @@ from kiln.runtime.sampler import Sampler, resolve_seed
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler, SchedulerConfig
 from kiln.runtime.spec_draft import DraftModel, load_draft
+from kiln.runtime.spec_eagle import Eagle3Drafter
 from kiln.runtime.speculative import AcceptanceStats, NgramConfig, NgramDrafter
 from kiln.runtime.staging import HostStager
 from kiln.runtime.stepper import PLACEHOLDER, Launched, SpecParts, StepParts, Stepper
@@ -115,13 +116,13 @@ def _kv_bytes(opts: EngineOptions, device: torch.device, kv_bytes_per_token: int
 
 def _spec_mode(setting: str, m: Manifest) -> str:
     """The ``speculative`` setting resolved for an artifact: ``auto`` is ``draft`` when it has a
-    draft model, else ``off``; ``draft`` without one is refused."""
+    draft (a draft model or an EAGLE-3 head), else ``off``; ``draft`` without one is refused."""
     if setting == "auto":
         return "draft" if m.draft is not None else "off"
     if setting == "draft" and m.draft is None:
         raise KilnError(
-            "--speculative draft: this artifact has no draft model; compile it with --draft-model, or "
-            "use --speculative ngram"
+            "--speculative draft: this artifact has no draft model; compile it with --draft-model or "
+            "--eagle3, or use --speculative ngram"
         )
     return setting
 
@@ -287,7 +288,19 @@ class Engine:
         # Speculative decoding (docs/speculative.md): n-gram drafts verified in decode steps.
         self.spec_stats = AcceptanceStats()
         self.drafter: NgramDrafter | DraftModel | None = None
-        if draft is not None:
+        if draft is not None and m.draft is not None and m.draft.kind == "eagle3":
+            self.drafter = Eagle3Drafter(
+                draft,
+                KVPool.for_spec(draft.artifact.manifest.kv, slots, self.device),
+                self.bt,
+                self.settings["num_draft_tokens"],
+                m.vocab_size,
+                opts.cuda_graph,
+                self.runner.aux_args[0],  # the target's streams at manifest.aux_layers
+                self.stager,
+                tuple(sorted(m.eos_token_ids)),
+            )
+        elif draft is not None:
             self.drafter = DraftModel(
                 draft,
                 KVPool.for_spec(draft.artifact.manifest.kv, slots, self.device),

@@ -213,8 +213,10 @@ def _listed(art: Artifact, rel: str) -> FileEntry:
 def check_vocab(art: Artifact, weights: dict[str, torch.Tensor]) -> None:
     """The manifest's ``vocab_size`` is the weights' vocabulary (rows of the LM head, or of the
     embedding when they are tied; a tensor-parallel rank holds ``ceil(vocab / tp)`` of them): the
-    sampler and the graphs' logits are sized by each."""
-    name = "lm_head.weight" if "lm_head.weight" in weights else "embed.weight"
+    sampler and the graphs' logits are sized by each. An EAGLE-3 head's LM head holds its draft
+    vocabulary only (its graphs place those logits among the target's ids): its embedding is checked."""
+    head = "lm_head.weight" in weights and art.manifest.eagle3 is None
+    name = "lm_head.weight" if head else "embed.weight"
     rows = weights[name].shape[0] if name in weights else None
     vocab, tp = art.manifest.vocab_size, art.manifest.tp
     if rows != -(-vocab // tp):

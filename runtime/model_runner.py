@@ -111,13 +111,14 @@ def run_extend_graph(
 
 
 def aux_buffer(m: LoadedModel, rows: int) -> tuple[torch.Tensor, ...]:
-    """The buffer an artifact's graphs write the residual streams of ``manifest.aux_layers`` into
-    (their last input, ``[rows, len(aux_layers) * hidden]`` float32; row t's block j: token t's
-    stream at layer ``aux_layers[j]``), or () for an artifact without them."""
-    man = m.artifact.manifest
-    if not man.aux_layers:
+    """The hidden-state buffer an artifact's graphs take last (``[rows, manifest.aux_width]``
+    float32), or () for an artifact without one. A target's graphs write the residual streams of
+    ``manifest.aux_layers`` into it (row t's block j: token t's stream at layer ``aux_layers[j]``);
+    an EAGLE-3 head's graphs read their input from it and write their output into it
+    (runtime/spec_eagle.py)."""
+    width = m.artifact.manifest.aux_width
+    if not width:
         return ()
-    width = len(man.aux_layers) * int(man.model["hidden_size"])
     return (torch.zeros(rows, width, dtype=torch.float32, device=m.device),)
 
 
@@ -130,11 +131,13 @@ class ModelRunner:
         cuda_graph: bool = True,
         graph_greedy: bool | None = None,
         num_draft_tokens: int = 0,
+        aux_rows: int = 0,
     ):
         """``graph_greedy``: the module docstring's switch (None: the ``graph_greedy`` setting).
         ``num_draft_tokens``: speculative decoding is on with at most this many drafts per request:
         capture the artifact's verify graphs too (:meth:`verify`; the manifest's ``verify``), those
-        of the lengths up to the first that holds that many (a step never needs a longer one)."""
+        of the lengths up to the first that holds that many (a step never needs a longer one).
+        ``aux_rows``: the least rows of the aux buffer (:func:`aux_buffer`; else a step's most tokens)."""
         self.m = model
         self.pool = pool
         self.bt = block_table
@@ -175,7 +178,7 @@ class ModelRunner:
         self._init_verify(m.verify if num_draft_tokens else None, num_draft_tokens)
         vrows = self._v64.shape[1] if self._vshapes else 0
         # the aux hidden states of the last step (runtime/model_runner.py aux_buffer), or ()
-        self.aux_args = aux_buffer(model, max(m.chunk_size, self.max_batch_size, vrows))
+        self.aux_args = aux_buffer(model, max(m.chunk_size, self.max_batch_size, vrows, aux_rows))
         if self.use_cuda_graph:
             self._capture_all()
 
@@ -305,6 +308,7 @@ class ModelRunner:
         self.vgraphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._vout: dict[tuple[int, int], torch.Tensor] = {}
         self.verify_steps = {"graph": 0, "eager": 0}  # verify steps by how they ran
+        self._vfirst: list[int] = []  # the last verify step's first row of each request (verify_rows)
         if spec is None:
             return
         i = bisect.bisect_left(spec.lengths, num_draft_tokens)
@@ -360,8 +364,7 @@ class ModelRunner:
 
     def _run_verify_graph(self, b: int, k: int) -> torch.Tensor:
         t = b * (k + 1)
-        graph = self.m.graphs.get(self._vspec.graph_name(b, k)) or self.m.graphs["model"]
-        return graph(
+        return self.m.graphs["model"](
             self.m.weights,
             self.m.cos_sin,
             self.pool.k_cache,
@@ -409,11 +412,13 @@ class ModelRunner:
                 every_token=True,
                 aux=self.aux_args,
             )
+            self._vfirst = indptr[:-1].tolist()
             # request b's rows: its j-th new token's, the last one repeated past its own tokens
             idx = indptr[:-1, None] + np.minimum(np.arange(p)[None, :], np.asarray(ext)[:, None] - 1)
             return logits[torch.from_numpy(idx.reshape(-1)).to(self.device)].view(n, p, -1)
         self.verify_steps["graph"] += 1
         b, k = shape
+        self._vfirst = list(range(0, n * (k + 1), k + 1))
         t = b * (k + 1)
         h64, h32 = self._vh64, self._vh32
         e = np.asarray(ext)
@@ -436,6 +441,11 @@ class ModelRunner:
         else:
             logits = self._run_verify_graph(b, k)
         return logits[:t].view(b, k + 1, -1)[:n, :p]
+
+    def verify_rows(self) -> list[int]:
+        """Each request's first row in the last verify step's per-token outputs (the aux buffer's
+        rows, :attr:`aux_args`); its other tokens' rows follow it."""
+        return self._vfirst
 
     def argmax_ids(self, n: int) -> torch.Tensor:
         """The decode input row's first ``n`` ids: where the last decode graph's argmax is

@@ -33,6 +33,7 @@ whose last tokens no draft step saw) costs acceptance, never correctness.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -98,8 +99,11 @@ class DraftModel:
         target_vocab: int,
         cuda_graph: bool,
         eos_token_ids: tuple[int, ...] = (),
+        aux_rows: int = 0,
     ):
-        self.runner = ModelRunner(model, pool, block_table, cuda_graph=cuda_graph, graph_greedy=False)
+        self.runner = ModelRunner(
+            model, pool, block_table, cuda_graph=cuda_graph, graph_greedy=False, aux_rows=aux_rows
+        )
         self.bt = block_table
         self.k = num_draft_tokens
         self.vocab = min(target_vocab, model.artifact.manifest.vocab_size)  # ids both heads have
@@ -126,6 +130,11 @@ class DraftModel:
                 self.done[req.rid] = end
 
     # ------------------------------------------------------------------ drafting
+    # A draft decode step feeds draft i at position ``start - SHIFT + i`` (``start``: the request's
+    # length when its drafts are made): 0 for a draft model, whose catch-up ends at the newest
+    # token; 1 for an EAGLE-3 head, whose position p reads token p + 1 (runtime/spec_eagle.py).
+    SHIFT = 0
+
     def propose(self, reqs: list[Req], limits: list[int], sched: Scheduler) -> list[list[int]]:
         """Up to ``min(k, limits[i])`` greedy drafts per request, with the target's pages reserved
         for them (:meth:`Scheduler.reserve_drafts`: a request whose pages cannot grow drafts less)."""
@@ -137,48 +146,13 @@ class DraftModel:
         if n == 0:
             return [[] for _ in reqs]
         ids = torch.empty(len(reqs), n, dtype=torch.int64, device=self.device)
-        params = [r.params for r in reqs]
-        sampling = not SamplingBatch.plain_greedy(params)
-        if sampling:
-            self.probs = torch.zeros(len(reqs), n, self.target_vocab, device=self.device)
-            seeds = stream_seeds([r.seed for r in reqs], DRAFT_STREAM)
-            steps = [len(r.output_ids) for r in reqs]
-            rows = [r.row for r in reqs]
-            base = SamplingBatch.build(
-                params, rows, self.device, seeds=seeds, steps=steps, eos_token_ids=self.eos_token_ids
-            )
-            # every draft position's noise keys in one copy; only min_tokens bans change with the
-            # position (then the batch is built per position)
-            pk = np.ascontiguousarray(position_keys(seeds, steps, n).transpose(1, 0, 2))
-            keys = h2d(torch.from_numpy(pk), self.device, None)  # [n, B, 2]: position i's keys contiguous
-            banning = any(p.min_tokens > t for p, t in zip(params, steps))
-
-        def pick(i: int, logits: torch.Tensor) -> torch.Tensor:
-            """Draft ``i + 1`` of each request from the draft's logits ``[B, >= vocab]``."""
-            x = logits[:, : self.vocab].float()
-            if not sampling:
-                return x.argmax(-1)
-            if banning:
-                steps_i = [t + i for t in steps]
-                sb = SamplingBatch.build(
-                    params, rows, self.device, seeds=seeds, steps=steps_i, eos_token_ids=self.eos_token_ids
-                )
-            else:
-                sb = dataclasses.replace(base, keys=keys[i])
-            if sb.ban is not None:
-                x = x.index_put(sb.ban, x.new_full((1,), float("-inf")))
-            filt = filter_logits(x, sb)
-            tok = torch.where(sb.greedy, x.argmax(-1), gumbel_argmax(filt, sb.keys))
-            assert self.probs is not None
-            self.probs[:, i, : self.vocab] = torch.softmax(filt, dim=-1)
-            return tok
-
+        pick = self._picker(reqs, n)
         ids[:, 0] = pick(0, self._catch_up(reqs))
-        for i in range(1, n):  # draft i + 1 from draft i, fed at position s - 1 + i
+        for i in range(1, n):  # draft i + 1 from draft i
             pos, slots, lens = [], [], []
             for req, s, c in zip(reqs, self._starts, counts):
                 live = i < c  # its K/V lands in a reserved slot and its next draft is wanted
-                p = s - 1 + i if live else s - 1
+                p = s - 1 - self.SHIFT + (i if live else 0)
                 pos.append(p)
                 slots.append(self.bt.slots(req.row, p, p + 1)[0] if live else 0)
                 lens.append(p + 1)
@@ -186,6 +160,42 @@ class DraftModel:
             ids[:, i] = pick(i, self.runner.decode(step, subst=(None, ids[:, i - 1])))
         host = ids.cpu().tolist()
         return [row[:c] for row, c in zip(host, counts)]
+
+    def _picker(self, reqs: list[Req], n: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """``pick(i, logits [B, >= vocab])``: draft ``i + 1`` of each request (module docstring:
+        argmax for greedy requests, else a sample from the filtered ``q``, kept in :attr:`probs`)."""
+        params = [r.params for r in reqs]
+        if SamplingBatch.plain_greedy(params):
+            return lambda i, logits: logits[:, : self.vocab].float().argmax(-1)
+        self.probs = probs = torch.zeros(len(reqs), n, self.target_vocab, device=self.device)
+        seeds = stream_seeds([r.seed for r in reqs], DRAFT_STREAM)
+        steps = [len(r.output_ids) for r in reqs]
+        rows = [r.row for r in reqs]
+        eos = self.eos_token_ids
+        base = SamplingBatch.build(params, rows, self.device, seeds=seeds, steps=steps, eos_token_ids=eos)
+        # every draft position's noise keys in one copy; only min_tokens bans change with the
+        # position (then the batch is built per position)
+        pk = np.ascontiguousarray(position_keys(seeds, steps, n).transpose(1, 0, 2))
+        keys = h2d(torch.from_numpy(pk), self.device, None)  # [n, B, 2]: position i's keys contiguous
+        banning = any(p.min_tokens > t for p, t in zip(params, steps))
+
+        def pick(i: int, logits: torch.Tensor) -> torch.Tensor:
+            x = logits[:, : self.vocab].float()
+            if banning:
+                steps_i = [t + i for t in steps]
+                sb = SamplingBatch.build(
+                    params, rows, self.device, seeds=seeds, steps=steps_i, eos_token_ids=eos
+                )
+            else:
+                sb = dataclasses.replace(base, keys=keys[i])
+            if sb.ban is not None:
+                x = x.index_put(sb.ban, x.new_full((1,), float("-inf")))
+            filt = filter_logits(x, sb)
+            tok = torch.where(sb.greedy, x.argmax(-1), gumbel_argmax(filt, sb.keys))
+            probs[:, i, : self.vocab] = torch.softmax(filt, dim=-1)
+            return tok
+
+        return pick
 
     def _catch_up(self, reqs: list[Req]) -> torch.Tensor:
         """One draft extend (more when the backlog exceeds a chunk) over each request's tokens the

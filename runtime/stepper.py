@@ -43,6 +43,7 @@ from kiln.runtime.request import Req, RequestOutput
 from kiln.runtime.sampler import SampleOutput, Sampler, SamplingBatch
 from kiln.runtime.scheduler import ScheduledBatch, Scheduler
 from kiln.runtime.spec_draft import DraftModel
+from kiln.runtime.spec_eagle import Eagle3Drafter
 from kiln.runtime.speculative import (
     AcceptanceStats,
     DraftBatch,
@@ -174,8 +175,12 @@ class Stepper:
                 subst = (idx[0], prev.ids.index_select(0, idx[1]))
         t1 = time.perf_counter()
         logits = self.runner.forward(step, subst)  # [B, V]
-        if batch.mode != "decode" and self.spec is not None and isinstance(self.spec.drafter, DraftModel):
-            self.spec.drafter.mirror(step, batch.reqs)  # the draft model's K/V of the same tokens
+        drafter = self.spec.drafter if self.spec is not None else None
+        if batch.mode != "decode" and isinstance(drafter, DraftModel):
+            drafter.mirror(step, batch.reqs)  # the draft model's K/V of the same tokens
+        elif isinstance(drafter, Eagle3Drafter):  # a decode step's hidden states, for the head
+            n = len(batch.reqs)
+            drafter.harvest(batch.reqs, step.positions, [1] * n, list(range(n)))
         t2 = time.perf_counter()
         hb = self.host_breakdown
         hb["launch"] += t2 - t1
@@ -460,6 +465,9 @@ class Stepper:
         self.spec.stats.record([len(d) for d in drafts], emitted)
         if isinstance(drafter, DraftModel):
             drafter.accepted(reqs, drafts, emitted)
+        if isinstance(drafter, Eagle3Drafter):  # the head's input for the accepted tokens
+            first = [s - e for s, e in zip(step.seq_lens, step.extend_lens or [])]
+            drafter.harvest(reqs, first, emitted, self.runner.verify_rows())
         outs = self.outputs(launched)
         t4 = time.perf_counter()
         hb = self.host_breakdown

@@ -1,7 +1,7 @@
 """The EAGLE-3 draft head (its published layout, ``LlamaForCausalLMEagle3``) as kiln layers: the
-draft side of EAGLE-3 speculative decoding (docs/speculative.md section 4). Not yet compiled into an
-artifact: the ``--eagle3`` compile and its drafter are the next steps; the target side (the hidden
-states it reads, ``manifest.aux_layers``) is built.
+draft side of EAGLE-3 speculative decoding (docs/speculative.md section 4), compiled by
+``kiln compile TARGET --eagle3 HEAD`` (compiler/eagle3.py) as :class:`Eagle3ForCausalLM`'s graphs
+and run by runtime/spec_eagle.py.
 
 One step over T tokens (``forward(input_ids, hidden, ctx)``):
 
@@ -79,7 +79,12 @@ class Eagle3Head(nn.Module):
         self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [N, draft_vocab] f32 at ctx.logits_indices, h_out [T, H])``."""
-        h = self.fc(hidden) if hidden.shape[-1] != self.hidden else hidden
+        return self.layer(input_ids, self.fc(hidden) if hidden.shape[-1] != self.hidden else hidden, ctx)
+
+    def layer(
+        self, input_ids: torch.Tensor, h: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` from the layer's hidden input ``h [T, H]`` (after ``fc``, or fed back)."""
         residual = h.clone()  # fused_add_rmsnorm updates it in place to attn + h
         x = torch.cat([self.input_norm(self.embed(input_ids)), self.hidden_norm(h)], dim=-1)
         a = self.attn(x, ctx)
@@ -87,3 +92,51 @@ class Eagle3Head(nn.Module):
         h_out = y + residual
         logits = self.lm_head(self.norm(h_out).index_select(0, ctx.logits_indices))
         return logits.float(), h_out
+
+
+class Eagle3ForCausalLM(Eagle3Head):
+    """The head as its graphs run it (compiler/eagle3.py; the artifact's ``manifest.eagle3``):
+    ``forward(input_ids, ctx)`` reads its hidden input from ``ctx.aux_hidden`` (``[rows, W]``
+    float32): with :attr:`fused` (the shared graph: a catch-up over the target's streams) the first
+    ``3 target_hidden`` columns of rows ``0 .. T - 1`` through ``fc``, else (the decode graphs: a
+    chain step) the first ``H`` columns, the head's own previous output; it writes ``h_out`` into
+    the first ``H`` columns of rows ``0 .. T - 1`` (kiln::save_hidden, after the read). Its logits
+    are over the target's ``target_vocab`` ids, float32: draft id ``i``'s at target id
+    ``i + d2t[i]`` (``d2t`` packed as float32: exact below 2^24), ``-inf`` at the ids the head
+    cannot draft. Without ``d2t`` (a head over the whole vocabulary) the draft ids are the
+    target's."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        target_hidden: int,
+        draft_vocab: int,
+        target_vocab: int,
+        dtype: torch.dtype,
+        d2t: bool,
+    ):
+        super().__init__(cfg, target_hidden, draft_vocab, dtype)
+        self.dtype = dtype
+        self.width = 3 * target_hidden
+        self.target_vocab = target_vocab
+        self.fused = True  # the compiler sets it per graph
+        self.d2t = nn.Parameter(torch.empty(draft_vocab), requires_grad=False) if d2t else None
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # type: ignore[override]
+        aux = ctx.aux_hidden
+        assert aux is not None, "an EAGLE-3 head's graphs take the aux_hidden buffer"
+        # rows 0 .. T - 1 gathered, not sliced: a slice would guard the buffer's (dynamic) rows
+        rows = torch.arange(input_ids.shape[0], device=aux.device)
+        if self.fused:
+            h = self.fc(aux[:, : self.width].index_select(0, rows).to(self.dtype))
+        else:
+            h = aux[:, : self.hidden].index_select(0, rows).to(self.dtype)
+        logits, h_out = self.layer(input_ids, h, ctx)
+        torch.ops.kiln.save_hidden(aux, h_out.float(), 0)
+        if self.d2t is None and logits.shape[1] == self.target_vocab:
+            return logits
+        ids = torch.arange(logits.shape[1], device=logits.device)
+        if self.d2t is not None:
+            ids = ids + self.d2t.to(torch.int64)
+        out = logits.new_full((logits.shape[0], self.target_vocab), float("-inf"))
+        return out.index_copy(1, ids, logits)

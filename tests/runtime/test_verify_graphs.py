@@ -1,6 +1,6 @@
 """Speculative decoding's verify graphs (``kiln compile --verify-lengths``; docs/speculative.md
-section 2), float32 on CPU: the compile records them and traces the small ones as static graphs
-on the GEMV, a verify step on them gives the extend graph's logits (padded chunks, padding
+section 2), float32 on CPU: the compile records them (the shared graph warmed up at their shapes),
+a verify step on them gives the extend graph's logits (padded chunks, padding
 requests), and the engine's tokens with speculation on them equal plain decoding's, at batches that
 need padding requests, with requests that asked for no speculation."""
 
@@ -37,17 +37,8 @@ def test_manifest_records_the_verify_graphs(setup):
     root, _ = setup
     m = Manifest.load(root / "art")
     assert m.verify == VerifySpec(lengths=(2, 4), buckets=(1, 2, 4))
-    static = {n: g.tokens for n, g in m.graphs.items() if n.startswith("verify_")}
-    # batch * (k + 1) tokens up to 16 are static graphs on the GEMV; (4, 4) = 20 tokens is not
-    assert static == {
-        "verify_b1_k2": 3,
-        "verify_b1_k4": 5,
-        "verify_b2_k2": 6,
-        "verify_b2_k4": 10,
-        "verify_b4_k2": 12,
-    }
-    code = (root / "art" / "graphs" / "verify_b1_k4.py").read_text()
-    assert "kiln.linear" in code.replace("::", ".")  # the GEMV op, with max_m >= 5 at its call sites
+    # every verify step runs the shared graph (captured per (B, k)); no graphs of their own
+    assert set(m.graphs) == {"model", "decode_b1"}
 
 
 @pytest.mark.parametrize(("lengths", "why"), [("0,4", "1..32"), ("4,x", "1..32"), ("33", "1..32")])

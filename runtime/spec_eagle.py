@@ -1,0 +1,231 @@
+"""Drafts from an EAGLE-3 head compiled into the artifact (``kiln compile TARGET --eagle3 HEAD``;
+docs/speculative.md section 4): the draft source of ``--speculative draft`` (``auto``) on an artifact
+whose ``manifest.draft.kind`` is ``"eagle3"``.
+
+The head is one decoder layer with its own one-layer KV pool (as many slots as the target's,
+addressed through the target's block table, as a draft model's). Its position ``p`` reads token
+``x[p + 1]`` and a hidden state for position ``p``: the target's residual streams at three layers
+(``manifest.aux_layers``, ``[3 H]`` per token, which every target graph writes into the target
+runner's aux buffer; the head's ``model`` graph fuses them through ``fc``), or in a chain of drafts
+the head's own output at ``p - 1`` (its ``decode_b{b}`` graphs). Its logits at ``p`` are over the
+target's ids (``-inf`` outside the draft vocabulary) and predict ``x[p + 2]``. The head's graphs read
+and write one buffer, :attr:`Eagle3Drafter.hidden` (``[rows, W]`` float32: its first ``3 H_target``
+columns the fused input, its first ``H`` columns the head's output, written after every read).
+
+Protocol, per request (``rid``), with ``done[rid]`` the head positions below which its K/V are
+right, and a ring of the target's streams at the request's newest positions that the head has not
+consumed yet (:attr:`store`, ``[rows, depth, 3 H]``, ``depth = k + 1``):
+
+* every target step hands its streams over (:meth:`harvest`, right after the step's launch, in
+  stream order before the next step can overwrite the target's buffer); an extend step (prefill
+  chunks, mixed steps) is also run on the head at once (:meth:`mirror`): the chunk's positions
+  ``lo .. hi - 2``, after the ring's from ``done`` up to ``lo - 1``, leaving position ``hi - 1`` in
+  the ring: its token ``x[hi]`` is not known yet;
+* a verify step (:meth:`propose`) catches the head up on the positions the ring holds from
+  ``done`` to ``s - 2`` (``s``: the request's length; one head extend, from the ring), whose last
+  logits give draft 1 and whose last output starts the chain; draft ``i + 1`` is the head's decode
+  step at position ``s - 2 + i`` on draft ``i`` and its own previous output (CUDA graphs, chained
+  on the device);
+* after the verify step (:meth:`accepted`), ``done = s - 1``: the chain's positions were computed
+  from the head's own outputs, so the next catch-up redoes them from the target's streams of the
+  accepted tokens, which :meth:`accepted` puts in the ring.
+
+Positions that fell out of the ring before the head consumed them (plain decode steps above the
+verify batches, more than ``depth`` of them in a row) keep stale head K/V: fewer drafts accepted,
+never a wrong token (the target verifies every draft).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kiln.runtime.kv_pool import BlockTable, KVPool
+from kiln.runtime.loader import LoadedModel
+from kiln.runtime.model_runner import StepInputs, run_extend_graph
+from kiln.runtime.spec_draft import DraftModel
+from kiln.runtime.staging import HostStager
+
+if TYPE_CHECKING:
+    from kiln.runtime.request import Req
+
+
+class Eagle3Drafter(DraftModel):
+    """The EAGLE-3 draft source (module docstring) over the head's runner and the target's aux
+    buffer ``target_hidden`` (``ModelRunner.aux_args[0]``: ``[rows, 3 H]``)."""
+
+    SHIFT = 1  # a chain step feeds draft i at position start - 2 + i
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        pool: KVPool,
+        block_table: BlockTable,
+        num_draft_tokens: int,
+        target_vocab: int,
+        cuda_graph: bool,
+        target_hidden: torch.Tensor,
+        stager: HostStager,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
+        # the head's buffer holds a catch-up of up to k + 1 positions per request
+        rows = max(model.artifact.manifest.decode_buckets) * (num_draft_tokens + 1)
+        super().__init__(
+            model, pool, block_table, num_draft_tokens, target_vocab, cuda_graph, eos_token_ids, aux_rows=rows
+        )
+        (self.hidden,) = self.runner.aux_args  # the head graphs' input and output
+        self.width = target_hidden.shape[1]  # 3 H of the target: the fused input
+        if self.hidden.shape[1] < self.width:
+            raise ValueError(
+                f"the EAGLE-3 head reads {self.hidden.shape[1]} hidden columns, the target hands out "
+                f"{self.width}; recompile the artifact with --eagle3"
+            )
+        self.target_hidden = target_hidden
+        self.stager = stager
+        self.depth = num_draft_tokens + 1  # a verify step's accepted positions
+        rows = block_table.num_rows
+        self.store = torch.zeros(rows * self.depth, self.width, dtype=torch.float32, device=self.device)
+        # rid -> (block-table row, lo, hi): the ring holds the target's streams at positions [lo, hi)
+        self.held: dict[str, tuple[int, int, int]] = {}
+
+    def forget(self, rid: str) -> None:
+        super().forget(rid)
+        self.held.pop(rid, None)
+
+    # ------------------------------------------------------------------ the ring
+    def _ring(self, row: int, pos: int) -> int:
+        return row * self.depth + pos % self.depth
+
+    def _held(self, req: Req) -> tuple[int, int]:
+        """The positions ``[lo, hi)`` whose target streams the ring holds for ``req``."""
+        row, lo, hi = self.held.get(req.rid, (req.row, 0, 0))
+        return (lo, hi) if row == req.row else (0, 0)
+
+    def _keep(self, req: Req, lo: int, hi: int, src: list[int], dst: list[int], first_row: int) -> None:
+        """Plan the ring's copies of positions ``[lo, hi)`` of ``req``, whose streams are at target
+        rows ``first_row ..``: the ring's range grows (or restarts after a gap)."""
+        if hi <= lo:
+            return
+        held_lo, held_hi = self._held(req)
+        if held_hi != lo:
+            held_lo = lo
+        keep = max(lo, hi - self.depth)
+        src += range(first_row + keep - lo, first_row + hi - lo)
+        dst += (self._ring(req.row, p) for p in range(keep, hi))
+        self.held[req.rid] = (req.row, max(held_lo, hi - self.depth), hi)
+
+    def _copy(self, out: torch.Tensor, dst: list[int], src_t: torch.Tensor, src: list[int]) -> None:
+        """``out[dst] = src_t[src]`` (rows), its index lists staged to the device in one copy."""
+        if dst:
+            idx = self.stager.to_device([dst, src], torch.int64)
+            out.index_copy_(0, idx[0], src_t.index_select(0, idx[1]))
+
+    def harvest(
+        self, reqs: list[Req], positions: list[int], counts: list[int], first_rows: list[int]
+    ) -> None:
+        """Put the target's streams of request ``b``'s positions ``positions[b] ..`` (``counts[b]``
+        of them, at the target buffer's rows ``first_rows[b] ..``) into the ring: a plain decode
+        step's (one each, rows ``0 ..``), a verify step's accepted ones."""
+        src: list[int] = []
+        dst: list[int] = []
+        for req, p, c, r in zip(reqs, positions, counts, first_rows):
+            self._keep(req, p, p + c, src, dst, r)
+        self._copy(self.store, dst, self.target_hidden, src)
+
+    # ------------------------------------------------------------------ prefill
+    def mirror(self, step: StepInputs, reqs: list[Req]) -> None:
+        """Run the target's extend ``step`` (of ``reqs``) on the head: each chunk's positions
+        ``lo .. hi - 2``, after those the ring holds from ``done`` up to ``lo - 1``; then position
+        ``hi - 1`` into the ring (module docstring)."""
+        assert step.extend_lens is not None
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        rows, lens, indptr = [], [], [0]
+        from_ring: list[int] = []
+        ring_rows: list[int] = []
+        from_target: list[int] = []
+        target_rows: list[int] = []
+        keep_src: list[int] = []
+        keep_dst: list[int] = []
+        first = 0  # the chunk's first target row
+        for req, hi, n in zip(reqs, step.seq_lens, step.extend_lens):
+            lo = hi - n
+            held_lo, held_hi = self._held(req)
+            # the ring's positions the head has not run, when they lead up to the chunk (a first
+            # chunk of one token leaves its position in the ring and nothing done)
+            start = min(max(self.done.get(req.rid, held_lo), held_lo), lo) if held_hi == lo else lo
+            if hi - 1 > start:
+                t = len(ids)
+                ids += req.token_view[start + 1 : hi]
+                pos += range(start, hi - 1)
+                slots += self.bt.slots(req.row, start, hi - 1)
+                from_ring += range(t, t + lo - start)
+                ring_rows += (self._ring(req.row, p) for p in range(start, lo))
+                t += lo - start
+                from_target += range(t, t + hi - 1 - lo)
+                target_rows += range(first, first + hi - 1 - lo)
+                rows.append(req.row)
+                lens.append(hi - 1)
+                indptr.append(len(ids))
+                self.done[req.rid] = hi - 1
+            self._keep(req, hi - 1, hi, keep_src, keep_dst, first + n - 1)
+            first += n
+        if ids:
+            self._copy(self.hidden[:, : self.width], from_ring, self.store, ring_rows)
+            self._copy(self.hidden[:, : self.width], from_target, self.target_hidden, target_rows)
+            run_extend_graph(
+                self.runner.m, self.runner.pool, self.bt, ids, pos, slots, rows, lens, indptr,
+                aux=self.runner.aux_args,
+            )  # fmt: skip
+        self._copy(self.store, keep_dst, self.target_hidden, keep_src)
+
+    # ------------------------------------------------------------------ drafting
+    def _catch_up(self, reqs: list[Req]) -> torch.Tensor:
+        """One head extend over each request's positions from ``done`` to ``s - 2`` that the ring
+        holds (the fused input from the ring); its logits ``[B, vocab]`` at each request's last
+        position (zeros for a request with none), and its outputs there in the head's decode input
+        rows ``0 .. B - 1`` (the chain's first hidden states)."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        ring_rows: list[int] = []
+        rows, lens, indptr, which = [], [], [0], []
+        for i, (req, s) in enumerate(zip(reqs, self._starts)):
+            held_lo, held_hi = self._held(req)
+            lo, hi = max(self.done.get(req.rid, 0), held_lo), min(s - 1, held_hi)
+            if hi > lo:
+                ids += req.token_view[lo + 1 : hi + 1]
+                pos += range(lo, hi)
+                slots += self.bt.slots(req.row, lo, hi)
+                ring_rows += (self._ring(req.row, p) for p in range(lo, hi))
+                rows.append(req.row)
+                lens.append(hi)
+                indptr.append(len(ids))
+                which.append(i)
+            self.done[req.rid] = s - 1
+        logits = torch.zeros(len(reqs), self.vocab, device=self.device)
+        if not ids:
+            return logits
+        self._copy(self.hidden[:, : self.width], list(range(len(ids))), self.store, ring_rows)
+        out = run_extend_graph(
+            self.runner.m, self.runner.pool, self.bt, ids, pos, slots, rows, lens, indptr,
+            aux=self.runner.aux_args,
+        )  # fmt: skip
+        self.caught_up += len(ids)
+        idx = self.stager.to_device([which, [e - 1 for e in indptr[1:]]], torch.int64)
+        logits.index_copy_(0, idx[0], out[:, : self.vocab].float())
+        h = self.hidden[:, : self.runner.m.artifact.manifest.model["hidden_size"]]
+        last = h.index_select(0, idx[1])  # a copy: the chain's rows may overlap the catch-up's
+        h[: len(reqs)].zero_()
+        h.index_copy_(0, idx[0], last)
+        return logits
+
+    def accepted(self, reqs: list[Req], drafts: list[list[int]], num_emitted: list[int]) -> None:
+        """After the verify step of :meth:`propose`'s drafts: the head's K/V are right below
+        ``s - 1`` (the chain's positions are redone from the target's streams); the target's
+        streams of each request's newest token and accepted drafts go into the ring, from the rows
+        the verify step wrote (:attr:`ModelRunner.verify_rows`), by :meth:`harvest`."""
+        for req, s in zip(reqs, self._starts):
+            self.done[req.rid] = s - 1

@@ -1,0 +1,186 @@
+"""EAGLE-3 speculative decoding in the engine (``kiln compile --eagle3``; runtime/spec_eagle.py),
+float32 on CPU.
+
+The target is a successor checkpoint (compiler/synth.py: every layer adds nothing, so each residual
+stream at position p is ``embed[x_p]`` and greedy decoding emits ``next(t)`` after ``t``). The head
+is a published-layout checkpoint (tests/eagle3_checkpoints.py) made to predict two tokens ahead from
+the target's streams: ``fc`` picks the first stream, its LM head row ``next(next(t))`` is
+``embed[t]``, and its attention and MLP outputs are small random matrices, so every input of the
+head (its token, position, K/V history and hidden state) moves its logits. A head position ``p``
+that reads the target's stream at ``p`` predicts ``x[p + 2]`` right: every verify step's first
+draft must be accepted, and a slip of one position in the head's bookkeeping shows at once. The
+drafts the engine proposes must equal a from-scratch reference: the target run over the whole
+sequence for its streams, the head run over positions ``0 .. s - 2`` with tokens ``1 .. s - 1``,
+then its chain of decode steps on its own outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from eagle3_checkpoints import write_eagle3_head
+from safetensors.torch import load_file, save_file
+
+from kiln import LLM, SamplingParams
+from kiln.compiler.build import CompileOptions, compile_model
+from kiln.compiler.synth import make_checkpoint, successor_next
+from kiln.manifest import Manifest
+from kiln.runtime.direct import DirectRunner
+from kiln.runtime.loader import load_model
+
+LAYERS = 4
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 300,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+SEED = 3
+VOCAB = CONFIG["vocab_size"]
+NEXT = successor_next(VOCAB, SEED)
+NEW = 16
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+OPTS = dict(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=128, chunk_size=64)
+
+
+def successor_head(path, target) -> None:
+    """The head of the module docstring, written over a random one in the published layout."""
+    write_eagle3_head(path, target, aux_ids=[0, 1, 2], seed=1)
+    f = path / "model.safetensors"
+    w = load_file(f)
+    embed = load_file(next(target.glob("*.safetensors")))["model.embed_tokens.weight"]
+    h = CONFIG["hidden_size"]
+    g = torch.Generator().manual_seed(11)
+    fc = torch.zeros(h, 3 * h)
+    fc[:, :h] = torch.eye(h)
+    w["fc.weight"] = fc
+    for name in ("midlayer.self_attn.o_proj.weight", "midlayer.mlp.down_proj.weight"):
+        w[name] = 0.002 * torch.randn(w[name].shape, generator=g)
+    head = torch.empty_like(embed)
+    head[torch.tensor([NEXT[NEXT[t]] for t in range(len(NEXT))])] = embed
+    w["lm_head.weight"] = head
+    w["norm.weight"] = torch.ones(h)
+    w.pop("d2t", None)
+    save_file({k: v.contiguous() for k, v in w.items()}, f)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3")
+    make_checkpoint(
+        root / "target", CONFIG, "float32", seed=SEED, with_tokenizer=False, engine="hf", successor=True
+    )
+    successor_head(root / "head", root / "target")
+    compile_model(
+        root / "target", root / "art", CompileOptions(**OPTS, eagle3=str(root / "head")), verbose=False
+    )
+    return root
+
+
+def walk(t: int, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        t = NEXT[t]
+        out.append(t)
+    return out
+
+
+def prompts() -> list[list[int]]:
+    """Stretches of the cycle (the target continues them) with a few random tokens inside."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for start, n in ((5, 23), (40, 40), (200, 9)):
+        p = [start, *walk(start, n - 1)]
+        for i in torch.randint(0, n, (2,), generator=g).tolist():
+            p[i] = int(torch.randint(3, 300, (1,), generator=g))
+        out.append(p)
+    return out
+
+
+def _run(art, ps, params=GREEDY, spy=False, **kw):
+    llm = LLM(str(art), device="cpu", **kw)
+    log: list[tuple[list[list[int]], list[list[int]]]] = []
+    eng = llm.engine
+    if spy:  # each verify step's sequences, drafts and the head's logits of every draft
+        propose, picker = eng.drafter.propose, eng.drafter._picker
+        rows: list[torch.Tensor] = []
+
+        def logged_picker(reqs, n):
+            pick = picker(reqs, n)
+            return lambda i, logits: (rows.append(logits[:, :VOCAB].float().clone()), pick(i, logits))[1]
+
+        def logged(reqs, limits, sched):
+            rows.clear()
+            drafts = propose(reqs, limits, sched)
+            seqs = [list(r.token_view[: r.seq_len]) for r in reqs]
+            log.append((seqs, drafts, [[x[b] for x in rows] for b in range(len(reqs))]))
+            return drafts
+
+        eng.drafter.propose, eng.drafter._picker = logged, logged_picker
+    outs = [o.token_ids for o in llm.generate(ps, params)]
+    eng.check_integrity()
+    return outs, eng, log
+
+
+def test_the_artifact_holds_the_head(root):
+    m = Manifest.load(root / "art")
+    assert m.draft is not None and m.draft.kind == "eagle3"
+    assert m.aux_layers == (1, 2, 3)  # the head config's eagle_aux_hidden_state_layer_ids, plus one
+    assert m.verify is not None
+    head = Manifest.load(root / "art" / m.draft.path)
+    assert head.kv.num_layers == 1 and head.aux_width == 3 * CONFIG["hidden_size"]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_first_drafts_are_accepted_and_outputs_are_plain_decodings(root, batch):
+    ps = prompts()[:batch]
+    plain, _, _ = _run(root / "art", ps, speculative="off")
+    on, eng, _ = _run(root / "art", ps, chunk_size=16)  # auto: the artifact's head; prompts in chunks
+    assert on == plain
+    s = eng.step_metrics()["speculative"]
+    assert s["verified"] > 0 and s["accepted"] >= 0.9 * s["verified"], s  # draft 1 every step
+    assert eng.runner.verify_steps["graph"] > 0
+
+
+def test_drafts_equal_a_from_scratch_reference(root):
+    ps = prompts()
+    _, _, log = _run(root / "art", ps, spy=True, chunk_size=16)
+    assert log
+    target = load_model(str(root / "art"), "cpu")
+    head = load_model(str(root / "art" / "eagle3"), "cpu")
+    checked = 0
+    for seqs, drafts, logits in log:
+        for tokens, got, rows in zip(seqs, drafts, logits):
+            if got:
+                want, want_rows = reference_drafts(target, head, tokens, len(got))
+                assert got == want, (tokens, got)
+                for x, y in zip(rows, want_rows):  # every input of the head moves them
+                    torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+                checked += 1
+    assert checked >= len(log)
+
+
+def reference_drafts(target, head, tokens: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """The head's ``n`` greedy drafts after ``tokens`` and its logits of each, from scratch (module
+    docstring)."""
+    s = len(tokens)
+    t = DirectRunner("", model=target)
+    width = 3 * CONFIG["hidden_size"]
+    (streams,) = t.runner.aux_args = (torch.zeros(2 * s, width),)
+    t.prefill([tokens[:-1]])  # the streams at positions 0 .. s - 2
+    d = DirectRunner("", model=head)
+    (buf,) = d.runner.aux_args = (torch.zeros(2 * s, head.artifact.manifest.aux_width),)
+    buf[: s - 1, :width] = streams[: s - 1]
+    rows = [d.prefill([tokens[1:]])[0, :VOCAB].float()]
+    h = CONFIG["hidden_size"]
+    buf[0, :h] = buf[s - 2, :h].clone()  # the last position's output starts the chain
+    while len(rows) < n:
+        rows.append(d.decode([int(rows[-1].argmax())])[0, :VOCAB].float())
+    return [int(x.argmax()) for x in rows], rows
