@@ -34,8 +34,19 @@ def _to_fp8(v: torch.Tensor) -> torch.Tensor:
 
 
 def amax_scale(amax: torch.Tensor) -> torch.Tensor:
-    """Dequantization scale from an absolute maximum (float32): ``max(amax / 448, FP8_MIN_SCALE)``."""
-    return (amax.float() / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    """Dequantization scale from an absolute maximum (float32): ``max(amax / 448, FP8_MIN_SCALE)``,
+    ``amax / 448`` the correctly rounded float32 quotient on every device, as the kernels'
+    ``tl_dynamic_scale`` (``div_rn``) computes it.
+
+    Not ``amax.float() / 448``: on CUDA tensors torch divides by a Python scalar as a product with
+    its float32 reciprocal, one ulp off the quotient for about half of the amaxes, and bf16
+    activations put about 0.1% of the scaled values ``x / scale`` exactly on an e4m3 rounding
+    midpoint (``x = 1.9375``, ``amax = 3.5``: 248, between 240 and 256), where a scale one ulp off
+    rounds the other way; at DeepSeek-V3's expert shape that moved the GPU reference of block-FP8
+    ``fused_moe`` 1-2% from the kernels (H200, twenty-second session). The quotient is taken in
+    float64 and rounded once: ``amax / 448 = (amax / 64) / 7`` is never closer than 1/14 ulp to a
+    float32 midpoint, so the float64 result (within 2**-52 of it) rounds to the right float32."""
+    return (amax.double() / FP8_MAX).float().clamp(min=FP8_MIN_SCALE)
 
 
 def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
