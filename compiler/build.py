@@ -252,6 +252,13 @@ def _graph_entry(name: str, batch: int | None, cache: CacheSpec, **kw: Any) -> G
     return GraphEntry(file=f"graphs/{name}.pt2", inputs=_inputs(cache), batch=batch, **kw)
 
 
+def _trees_traceable(cfg: ModelConfig, opts: CompileOptions) -> bool:
+    """Whether the artifact gets the token-tree verify graph (``Manifest.TREE_GRAPH``) beside its
+    verify graphs: not for MLA attention (no tree path), sliding windows (refused with trees) or
+    tensor-parallel artifacts (tree verification runs at tp 1 only)."""
+    return cfg.mla is None and not cfg.sliding_window and opts.tp == 1 and opts.ep == 1
+
+
 def _inputs(cache: CacheSpec) -> tuple[str, ...]:
     """The graphs' inputs after the weights (compiler/context.py ``graph_inputs``)."""
     return graph_inputs(cache.dtype, aux=cache.aux_width > 0)
@@ -442,6 +449,27 @@ def _compile_model(
                 graphs[f"decode_b{b}"] = _graph_entry(f"decode_b{b}", b, cache, layout=kind)
         finally:
             model.fold_norms = False
+        if verify is not None and _trees_traceable(cfg, opts):
+            # token trees (speculative tree verification): the shared graph's dynamic shapes with the
+            # tree_mask input, logits at every token; run eagerly by the runtime
+            ex = example_inputs(
+                2, 8, cache, cfg.rotary_dim, device, max_blocks=max_blocks, every_token=True, tree=True
+            )
+            name = Manifest.TREE_GRAPH
+            programs[name] = export_graph(
+                model,
+                weights,
+                ex,
+                opts.page_size,
+                max_tokens=opts.max_tokens,
+                max_batch=max(opts.max_batch_size, 2),
+            )
+            graphs[name] = GraphEntry(
+                file=f"graphs/{name}.pt2",
+                inputs=graph_inputs(cache.dtype, aux=cache.aux_width > 0, tree=True),
+                batch=None,
+                max_tokens=opts.max_tokens,
+            )
     with timer.phase("kernels"):
         moe_table = moe_choice["table"] if moe_choice else ""
 
@@ -571,7 +599,7 @@ def build_graphs(
     for name, ep in programs.items():
         torch.export.save(ep, out / graphs[name].file)
         layout = emit_graph_code(
-            modules[name], out / "graphs" / f"{name}.py", list(weights), len(_inputs(cache))
+            modules[name], out / "graphs" / f"{name}.py", list(weights), len(graphs[name].inputs)
         )
         if layout is not None:
             code = GraphCode.from_json({"file": f"graphs/{name}.py", **layout}, f"graphs.{name}.python")
@@ -620,6 +648,8 @@ def _warm_up(
     # T == B never reaches the extend graph: the runner sends one-token-each extends to decode
     runs += [("model", b, t, False) for t, b in EXTEND_WARMUP if t <= chunk and b <= buckets[-1] and t != b]
     runs += [("model", b, t, True) for b, _, t in _verify_shapes(verify)]  # verify steps
+    if Manifest.TREE_GRAPH in graphs:  # tree verify steps (eager): a few shapes, chain masks
+        runs += [(Manifest.TREE_GRAPH, b, t, True) for b, t in _tree_shapes(verify)]
     max_len = max_blocks * cache.page_size  # the longest request
 
     def prefills(sizes: Iterable[int]) -> list[tuple[str, int, int, bool]]:
@@ -652,13 +682,25 @@ def _warm_up(
             num_slots=max(64, 2 * t),
             rows=max(8, b + 1),
             every_token=every_token,
+            tree=name == Manifest.TREE_GRAPH,
         )
-        logits = modules[name](weights, *(ex[n] for n in _inputs(cache)))
+        logits = modules[name](weights, *(ex[n] for n in graphs[name].inputs))
         # -inf: an id the model never emits (an EAGLE-3 head's outside its draft vocabulary)
         if not (torch.isfinite(logits) | (logits == float("-inf"))).all():
             raise CompileError(
                 f"graph {name} produced non-finite logits during warm-up (batch {b}, tokens {t})"
             )
+
+
+def _tree_shapes(verify: VerifySpec | None) -> list[tuple[int, int]]:
+    """``(batch, tokens)`` the token-tree graph is warmed up at: one request of the shortest and of
+    the longest verify length, two requests of the shortest, and the largest verify batch at the
+    longest (T of each Triton value class: 1 mod 16 aside, the runtime's tree steps are eager)."""
+    if verify is None:
+        return []
+    k0, k1, bmax = verify.lengths[0], verify.lengths[-1], verify.buckets[-1]
+    shapes = {(1, k0 + 1), (1, k1 + 1), (min(2, bmax), min(2, bmax) * (k0 + 1)), (bmax, bmax * (k1 + 1))}
+    return sorted(shapes)
 
 
 def _verify_shapes(verify: VerifySpec | None) -> list[tuple[int, int, int]]:

@@ -250,6 +250,10 @@ class Manifest(JsonRecord):
     eagle3: Eagle3Spec | None = None  # an EAGLE-3 head's artifact (its graphs' hidden-state buffer)
 
     SHARED_GRAPH: ClassVar[str] = "model"
+    # The shared graph traced for token trees (its inputs with "tree_mask"; logits at every token):
+    # speculative tree verification (runtime/spec_tree.py). Compiled beside the verify graphs; an
+    # artifact without it verifies chains only.
+    TREE_GRAPH: ClassVar[str] = "verify_tree"
 
     @property
     def max_blocks(self) -> int:
@@ -296,6 +300,9 @@ class Manifest(JsonRecord):
             yield f"'graphs.{self.SHARED_GRAPH}' is missing"
         if self.verify is not None:
             yield from self.verify.problems(self.decode_buckets)
+        tree = self.graphs.get(self.TREE_GRAPH)
+        if tree is not None and "tree_mask" not in tree.inputs:
+            yield f"'graphs.{self.TREE_GRAPH}.inputs' lack 'tree_mask'"
         if self.draft is not None and self.draft.kind not in DraftSpec.KINDS:
             yield f"'draft.kind' is {self.draft.kind!r}, not one of {', '.join(DraftSpec.KINDS)}"
         for rel, entry in self.files.items():

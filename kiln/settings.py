@@ -251,6 +251,11 @@ _ALL: tuple[Setting, ...] = (
     _s("ngram_min", "run", "int", "1",
        "Shortest suffix looked up for n-gram drafts (at least 1).", env="KILN_NGRAM_MIN", flag=True,
        when="engine start"),
+    _s("ngram_branches", "run", "int", "1",
+       "N-gram draft trees: up to this many distinct continuations of the suffix's earlier occurrences "
+       "merged into one tree of --num-draft-tokens nodes, verified in one step (1 = chains). Needs an "
+       "artifact with the verify_tree graph (kiln compile --verify-lengths) and --tp 1; else chains.",
+       env="KILN_NGRAM_BRANCHES", flag=True, when="engine start", allowed_text="an integer >= 1"),
     # ---- test
     _s("triton_on_cpu", "test", "bool", "0",
        "With TRITON_INTERPRET=1: CPU tensors run the ops' Triton kernels in the interpreter instead of "

@@ -10,7 +10,7 @@ import atexit
 import itertools
 import time
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -97,6 +97,7 @@ class EngineOptions:
     num_draft_tokens: int | None = None  # drafts per request and verify step
     ngram_max: int | None = None  # longest suffix the n-gram drafter looks up
     ngram_min: int | None = None  # shortest suffix the n-gram drafter looks up
+    ngram_branches: int | None = None  # distinct continuations an n-gram draft tree merges (1: chains)
 
     def setting_values(self) -> dict[str, Any]:
         """``{run-time setting name: this option's value or None}`` (for :func:`kiln.settings.apply`)."""
@@ -311,16 +312,21 @@ class Engine:
                 tuple(sorted(m.eos_token_ids)),
             )
         elif self.spec_mode == "ngram":
-            self.drafter = NgramDrafter(
-                NgramConfig(
-                    num_draft_tokens=self.settings["num_draft_tokens"],
-                    ngram_max=self.settings["ngram_max"],
-                    ngram_min=self.settings["ngram_min"],
-                )
+            ngram = NgramConfig(
+                num_draft_tokens=self.settings["num_draft_tokens"],
+                ngram_max=self.settings["ngram_max"],
+                ngram_min=self.settings["ngram_min"],
+                branches=self.settings["ngram_branches"],
             )
+            if ngram.branches > 1 and not self._trees_possible(tp):
+                ngram = replace(ngram, branches=1)
+            self.drafter = NgramDrafter(ngram)
         spec = None
         if self.drafter is not None:
-            spec = SpecParts(self.drafter, self.spec_stats, m.verify.buckets[-1] if m.verify else None)
+            trees = isinstance(self.drafter, NgramDrafter) and self.drafter.cfg.branches > 1
+            spec = SpecParts(
+                self.drafter, self.spec_stats, m.verify.buckets[-1] if m.verify else None, trees=trees
+            )
         parts = StepParts(
             self.scheduler,
             self.runner,
@@ -432,6 +438,23 @@ class Engine:
                 f"{verify.lengths[-1]} drafts (manifest verify.lengths {list(verify.lengths)}); lower "
                 f"--num-draft-tokens or compile with --verify-lengths including {k}"
             )
+
+    def _trees_possible(self, tp: int) -> bool:
+        """Whether n-gram draft trees (``ngram_branches`` > 1) can run: at tp 1 on an artifact with
+        the token-tree graph (``Manifest.TREE_GRAPH``, compiled with the verify graphs); else a
+        warning says why the drafts go as chains."""
+        why = None
+        if tp > 1:
+            why = f"tree verification runs at tp 1 only (this artifact has tp {tp})"
+        elif not self.runner.has_tree_graph:
+            why = (
+                f"this artifact has no {Manifest.TREE_GRAPH} graph (compile it with --verify-lengths, "
+                "e.g. 4,8; MLA and sliding-window models have none)"
+            )
+        if why is not None:
+            warnings.warn(f"kiln: --ngram-branches {self.settings['ngram_branches']}: {why}; n-gram "
+                          "drafts go as chains", stacklevel=4)  # fmt: skip
+        return why is None
 
     def _grammar_matcher(self, spec: StructuredOutputs) -> Matcher:
         """A matcher for a structured-output request (runtime/grammar.py); the compiler is built

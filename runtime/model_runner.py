@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kiln import settings
-from kiln.manifest import VerifySpec
+from kiln.manifest import Manifest, VerifySpec
 from kiln.ops.sampling.gumbel import argmax_rows
 from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import LoadedModel
@@ -48,6 +48,9 @@ class StepInputs:
     req_rows: list[int]  # B
     seq_lens: list[int]  # B, KV length including this step's tokens
     extend_lens: list[int] | None = None  # B, extend and verify only
+    # verify steps of token trees (runtime/spec_tree.py): T ancestor-or-self bitmasks, each token's
+    # over its request's chunk (positions by depth, slots by node index); None: causal chunks
+    tree_mask: list[int] | None = None
 
     @property
     def batch(self) -> int:
@@ -66,12 +69,15 @@ def run_extend_graph(
     indptr: list[int],
     every_token: bool = False,
     aux: tuple[torch.Tensor, ...] = (),
+    tree_mask: list[int] | None = None,
 ) -> torch.Tensor:
     """One run of the shared (extend) graph over ``len(rows)`` requests' new tokens (``ids``,
     their ``pos``itions and KV ``slots``, request ``i``'s at ``indptr[i]:indptr[i + 1]``; ``lens``:
     each request's length after them): float32 logits ``[B, V]`` at each request's last new token,
     or with ``every_token`` ``[T, V]`` at every token (teacher-forced figures, runtime/accuracy.py).
     ``aux``: the artifact's aux hidden-state buffer (:func:`aux_buffer`), which the graph fills.
+    ``tree_mask``: each token's ancestor bitmask in its request's chunk (token trees): the run is
+    the artifact's tree graph (``Manifest.TREE_GRAPH``) instead.
 
     One host->device copy per dtype. Every segment starts 16-byte aligned: Triton specializes
     kernels on pointer alignment, and the artifact's kernels were built for aligned inputs."""
@@ -79,8 +85,10 @@ def run_extend_graph(
     t, b = len(ids), len(rows)
     n = t if every_token else b
     tp, bp = -(-max(t, n) // 2) * 2, -(-(b + 1) // 4) * 4
-    h64 = torch.zeros(4, tp, dtype=torch.int64)
+    h64 = torch.zeros(5 if tree_mask is not None else 4, tp, dtype=torch.int64)
     h64[:3, :t] = torch.tensor([ids, pos, slots], dtype=torch.int64)
+    if tree_mask is not None:
+        h64[4, :t] = torch.tensor(tree_mask, dtype=torch.int64)
     if every_token:
         h64[3, :t] = torch.arange(t)
     else:  # each request's last new token
@@ -91,7 +99,9 @@ def run_extend_graph(
     h32[2, : b + 1] = torch.tensor(indptr, dtype=torch.int32)
     i64, i32 = h64.to(dev, non_blocking=True), h32.to(dev, non_blocking=True)
     bt.flush()
-    logits = m.graphs["model"](
+    tree = (i64[4, :t],) if tree_mask is not None else ()
+    graph = m.graphs[Manifest.TREE_GRAPH if tree_mask is not None else Manifest.SHARED_GRAPH]
+    logits = graph(
         m.weights,
         m.cos_sin,
         pool.k_cache,
@@ -105,6 +115,7 @@ def run_extend_graph(
         i32[2, : b + 1],
         i64[3, :n],
         *pool.scale_args,  # an FP8 pool's scales (compiler/context.py KV_SCALE_INPUTS)
+        *tree,  # compiler/context.py TREE_INPUTS, before the aux buffer
         *aux,
     )
     return logits[:n]
@@ -176,6 +187,8 @@ class ModelRunner:
         self.ids_in_place = 0  # decode steps whose input ids the previous graph left in place
         self.capture_seconds = 0.0
         self._init_verify(m.verify if num_draft_tokens else None, num_draft_tokens)
+        # token trees: the artifact's tree graph (run eagerly, :meth:`verify` of a tree step)
+        self.has_tree_graph = Manifest.TREE_GRAPH in model.graphs
         vrows = self._v64.shape[1] if self._vshapes else 0
         # the aux hidden states of the last step (runtime/model_runner.py aux_buffer), or ()
         self.aux_args = aux_buffer(model, max(m.chunk_size, self.max_batch_size, vrows, aux_rows))
@@ -309,6 +322,7 @@ class ModelRunner:
         self._vout: dict[tuple[int, int], torch.Tensor] = {}
         self.verify_steps = {"graph": 0, "eager": 0}  # verify steps by how they ran
         self._vfirst: list[int] = []  # the last verify step's first row of each request (verify_rows)
+        self.tree_verify_steps = 0  # token-tree verify steps (eager, on the tree graph)
         if spec is None:
             return
         i = bisect.bisect_left(spec.lengths, num_draft_tokens)
@@ -390,14 +404,22 @@ class ModelRunner:
         On the ``(B, k)`` verify graph that holds the step (:meth:`verify_shape`; a CUDA-graph replay
         on a GPU): each request's chunk padded to ``k + 1`` tokens whose K/V go to slot 0 (the sink)
         at its last real position, padding requests on block-table row 0. Else the extend graph,
-        eagerly, with logits at every new token."""
+        eagerly, with logits at every new token. A step of token trees (``step.tree_mask``: the
+        new tokens are each request's tree nodes in index order) runs the tree graph eagerly, row
+        ``[b, j]`` then node ``j``'s."""
         assert step.extend_lens is not None
         self.last_ids = None
         ext = step.extend_lens
         n, p = step.batch, max(ext)
-        shape = self.verify_shape(step)
-        if shape is None:
+        tree = step.tree_mask is not None
+        if tree and not self.has_tree_graph:
+            raise ValueError(f"a token-tree verify step, but the artifact has no {Manifest.TREE_GRAPH} graph")
+        shape = None if tree else self.verify_shape(step)
+        if tree:
+            self.tree_verify_steps += 1
+        elif shape is None:
             self.verify_steps["eager"] += 1
+        if shape is None:
             indptr = np.concatenate([[0], np.cumsum(ext)])
             logits = run_extend_graph(
                 self.m,
@@ -411,6 +433,7 @@ class ModelRunner:
                 indptr.tolist(),
                 every_token=True,
                 aux=self.aux_args,
+                tree_mask=step.tree_mask,
             )
             self._vfirst = indptr[:-1].tolist()
             # request b's rows: its j-th new token's, the last one repeated past its own tokens

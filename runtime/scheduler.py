@@ -25,11 +25,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kiln.runtime.kv_pool import BlockTable, KVPool, KVPoolError
 from kiln.runtime.model_runner import StepInputs
 from kiln.runtime.radix_cache import RadixCache
 from kiln.runtime.request import Req, Status
+
+if TYPE_CHECKING:
+    from kiln.runtime.spec_tree import TreeDraft
 
 
 @dataclass
@@ -427,6 +431,35 @@ class Scheduler:
             req_rows=[r.row for r in reqs],
             seq_lens=[r.kv_len + n for r, n in zip(reqs, lens)],
             extend_lens=lens,
+        )
+
+    def tree_verify_inputs(self, reqs: list[Req], trees: list[TreeDraft]) -> StepInputs:
+        """A verify step of token trees (runtime/spec_tree.py): request ``i`` brings its newest token
+        (node 0) and ``trees[i]``'s draft nodes in index order, node ``j``'s K/V into the slot of
+        position ``kv_len + j`` (pages from :meth:`reserve_drafts` for the node count), its RoPE
+        position ``kv_len + depth(j)``, its attention by ``tree_mask`` (ancestors and itself)."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        masks: list[int] = []
+        lens = []
+        for req, t in zip(reqs, trees):
+            n = t.size
+            ids.append(req.output_ids[-1] if req.output_ids else req.prompt_ids[-1])
+            ids += t.tokens
+            pos += [req.kv_len + d for d in t.depths()]
+            slots += self.bt.slots(req.row, req.kv_len, req.kv_len + n)
+            masks += t.masks()
+            lens.append(n)
+        return StepInputs(
+            mode="verify",
+            input_ids=ids,
+            positions=pos,
+            out_slots=slots,
+            req_rows=[r.row for r in reqs],
+            seq_lens=[r.kv_len + n for r, n in zip(reqs, lens)],
+            extend_lens=lens,
+            tree_mask=masks,
         )
 
     def after_step(self, batch: ScheduledBatch) -> None:

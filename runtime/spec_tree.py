@@ -75,6 +75,8 @@ from kiln.runtime.speculative import (
     SpeculativeError,
     counter_keys,
     h2d,
+    ngram_continuation,
+    ngram_occurrences,
     stream_seeds,
     uniforms_from_keys,
 )
@@ -221,6 +223,58 @@ class TreeBatch:
 def _bit(j: torch.Tensor) -> torch.Tensor:
     """``1 << j`` as int64 for ``j`` in 0..63 (bit 63: the sign bit)."""
     return torch.where(j == 63, torch.tensor(-(1 << 63)), torch.ones_like(j) << j.clamp(max=62))
+
+
+# ---- n-gram trees ----------------------------------------------------------------------------------
+
+NGRAM_TREE_SCAN = 64  # occurrences looked at (latest first) for a tree's distinct continuations
+
+
+def ngram_tree(
+    tokens: np.ndarray, num_nodes: int, ngram_max: int, ngram_min: int, branches: int
+) -> TreeDraft:
+    """An n-gram draft tree for the sequence ``tokens`` (prompt and output so far): the
+    continuations of the occurrences of its longest matching suffix (the lookup of
+    :func:`~kiln.runtime.speculative.propose_ngram`), latest occurrence first, up to ``branches``
+    distinct ones (of the latest :data:`NGRAM_TREE_SCAN` occurrences), merged into a trie of at most
+    ``num_nodes`` draft nodes. The trie is filled depth by depth, each depth's nodes in the order of
+    preference of the continuations that reach them (siblings in order of preference; shared
+    prefixes cost one node), so every branch gets about the same depth. With ``branches`` 1 (or a
+    single distinct continuation) it is :func:`~kiln.runtime.speculative.propose_ngram`'s chain."""
+    seq = np.asarray(tokens)
+    if num_nodes <= 0:
+        return TreeDraft((), ())
+    ends = ngram_occurrences(seq, ngram_max, ngram_min)
+    conts: list[list[int]] = []
+    for end in ends[::-1][:NGRAM_TREE_SCAN]:
+        c = ngram_continuation(seq, int(end), num_nodes).tolist()
+        if c not in conts:
+            conts.append(c)
+            if len(conts) == branches:
+                break
+    toks: list[int] = []
+    parents: list[int] = []
+    at = [0] * len(conts)  # each continuation's node so far (-1: out of room)
+    child: dict[tuple[int, int], int] = {}
+    for d in range(num_nodes):
+        for i, c in enumerate(conts):
+            if at[i] < 0:
+                continue
+            node = child.get((at[i], c[d]))
+            if node is None:
+                if len(toks) == num_nodes:
+                    at[i] = -1
+                    continue
+                toks.append(c[d])
+                parents.append(at[i])
+                node = child[(at[i], c[d])] = len(toks)
+            at[i] = node
+    return TreeDraft(tuple(toks), tuple(parents))
+
+
+def branching(tree: TreeDraft) -> bool:
+    """Whether some node of ``tree`` has two children or more (not a chain)."""
+    return len(set(tree.parents)) < len(tree.parents)
 
 
 # ---- sampling inputs -------------------------------------------------------------------------------

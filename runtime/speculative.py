@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -55,6 +55,9 @@ from kiln.errors import KilnError
 from kiln.ops.sampling.gumbel import argmax_rows, derive_seed, gumbel_argmax
 from kiln.runtime.sampler import Sampler, SamplingBatch
 from kiln.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kiln.runtime.spec_tree import TreeDraft
 
 # Noise streams of a request, each a seed derived from the request's seed (``derive_seed(seed,
 # stream)``; completions of ``n > 1`` use indices 1, 2, ... of the same derivation, far below these).
@@ -431,16 +434,20 @@ class AcceptanceStats:
 
 @dataclass(frozen=True)
 class NgramConfig:
-    """num_draft_tokens: drafts per request and step (K). ngram_max, ngram_min: the lengths of the
-    sequence's suffix looked up earlier in it, longest first."""
+    """num_draft_tokens: drafts per request and step (K; a tree's draft nodes). ngram_max, ngram_min:
+    the lengths of the sequence's suffix looked up earlier in it, longest first. branches: the most
+    distinct continuations a draft tree merges (runtime/spec_tree.py ``ngram_tree``; 1: chains)."""
 
     num_draft_tokens: int = 4
     ngram_max: int = 4
     ngram_min: int = 1
+    branches: int = 1
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
             raise SpeculativeError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.branches < 1:
+            raise SpeculativeError(f"ngram_branches must be >= 1, got {self.branches}")
         if self.ngram_min < 1:
             raise SpeculativeError(f"ngram_min must be >= 1, got {self.ngram_min}")
         if self.ngram_max < self.ngram_min:
@@ -462,8 +469,21 @@ def propose_ngram(tokens: np.ndarray, num_draft_tokens: int, ngram_max: int, ngr
 
     Vectorized: one comparison of the last token against the sequence, then the candidates only."""
     seq = np.asarray(tokens)
+    if num_draft_tokens <= 0:
+        return _NO_DRAFTS
+    ends = ngram_occurrences(seq, ngram_max, ngram_min)
+    if ends.size == 0:
+        return _NO_DRAFTS
+    return ngram_continuation(seq, int(ends[-1]), num_draft_tokens)  # the latest occurrence's
+
+
+def ngram_occurrences(tokens: np.ndarray, ngram_max: int, ngram_min: int) -> np.ndarray:
+    """The occurrences (each its last index, ascending) earlier in ``tokens`` of the sequence's
+    longest suffix of length ``ngram_min..ngram_max`` that occurs there (:func:`propose_ngram`'s
+    lookup); empty when none does."""
+    seq = np.asarray(tokens)
     size = seq.shape[0]
-    if num_draft_tokens <= 0 or size <= ngram_min:
+    if size <= ngram_min:
         return _NO_DRAFTS
     last = size - 1
     ends = np.flatnonzero(seq[:last] == seq[last])  # occurrences (their last index) of the last token
@@ -476,9 +496,15 @@ def propose_ngram(tokens: np.ndarray, num_draft_tokens: int, ngram_max: int, ngr
         ends, n = cand, n + 1
     if ends.size == 0 or n < ngram_min:
         return _NO_DRAFTS
-    start = int(ends[-1]) + 1  # the latest occurrence's next token
-    period = size - start
-    return seq[start + np.arange(num_draft_tokens) % period].astype(np.int64)
+    return ends
+
+
+def ngram_continuation(tokens: np.ndarray, end: int, num_draft_tokens: int) -> np.ndarray:
+    """The ``num_draft_tokens`` tokens that follow the occurrence ending at ``end`` (int64), continued
+    LZ77-style past the sequence's end (period: the occurrence's distance from it)."""
+    start = end + 1
+    period = tokens.shape[0] - start
+    return np.asarray(tokens)[start + np.arange(num_draft_tokens) % period].astype(np.int64)
 
 
 class _History:
@@ -530,6 +556,26 @@ class NgramDrafter:
         """:meth:`propose` for each request (lists, for :meth:`DraftBatch.from_lists`)."""
         lim = limits if limits is not None else [None] * len(keys)
         return [self.propose(k, t, m).tolist() for k, t, m in zip(keys, token_lists, lim)]
+
+    def propose_tree(self, key: str, tokens: Sequence[int], limit: int | None = None) -> TreeDraft:
+        """A draft tree for ``key`` (runtime/spec_tree.py ``ngram_tree``: up to ``cfg.branches``
+        distinct continuations of the suffix's occurrences, at most ``limit`` and
+        ``num_draft_tokens`` draft nodes); with ``branches`` 1 the chain of :meth:`propose`."""
+        from kiln.runtime.spec_tree import ngram_tree
+
+        hist = self._hist.get(key)
+        if hist is None:
+            hist = self._hist[key] = _History()
+        cfg = self.cfg
+        k = cfg.num_draft_tokens if limit is None else min(limit, cfg.num_draft_tokens)
+        return ngram_tree(hist.sync(tokens), k, cfg.ngram_max, cfg.ngram_min, cfg.branches)
+
+    def propose_tree_batch(
+        self, keys: Sequence[str], token_lists: Sequence[Sequence[int]], limits: Sequence[int] | None = None
+    ) -> list[TreeDraft]:
+        """:meth:`propose_tree` for each request."""
+        lim = limits if limits is not None else [None] * len(keys)
+        return [self.propose_tree(k, t, m) for k, t, m in zip(keys, token_lists, lim)]
 
     def forget(self, key: str) -> None:
         self._hist.pop(key, None)

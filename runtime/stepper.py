@@ -19,6 +19,14 @@ finished at once. Its pages come from ``Scheduler.reserve_drafts``; the engine a
 (``Launched.host["num_emitted"]``). Drafting needs the tokens on the host, so decode steps overlap
 only where they cannot verify: batches above the artifact's verify graphs (:meth:`Stepper._overlaps`).
 
+Token trees (``SpecParts.trees``: ``ngram_branches`` > 1 on an artifact with the tree graph, tp 1):
+the n-gram drafter proposes a tree per request (runtime/spec_tree.py ``ngram_tree``); a step in
+which some tree branches runs every request's tree (chains as chain-shaped trees) eagerly on the
+tree graph (positions ``kv_len + depth``, slots ``kv_len + node``, ``tree_mask``), picks the tokens
+with :func:`~kiln.runtime.spec_tree.verify_tree` and moves the accepted path's K/V to ``kv_len + d``
+(:meth:`Stepper._move_accepted`) before the engine applies them as for chains; a step whose trees
+are all chains runs as a chain step (the verify graphs; the same tokens).
+
 The stepper sees its engine only through :class:`StepParts` (the scheduler, the model runner, the
 sampler, the host stager, the EOS ids, the shared counters and the ``outputs`` callback that turns a
 finished step's tokens into the step's ``RequestOutput`` list); the engine builds it.
@@ -44,11 +52,22 @@ from kiln.runtime.sampler import SampleOutput, Sampler, SamplingBatch
 from kiln.runtime.scheduler import ScheduledBatch, Scheduler
 from kiln.runtime.spec_draft import DraftModel
 from kiln.runtime.spec_eagle import Eagle3Drafter
+from kiln.runtime.spec_tree import (
+    TreeBatch,
+    TreeDraft,
+    TreeSampling,
+    TreeVerifyOutput,
+    branching,
+    compact_moves,
+    move_kv,
+    verify_tree,
+)
 from kiln.runtime.speculative import (
     AcceptanceStats,
     DraftBatch,
     NgramDrafter,
     SpecSampling,
+    VerifyOutput,
     speculation_blocker,
     verify,
 )
@@ -84,6 +103,7 @@ class SpecParts:
     drafter: NgramDrafter | DraftModel  # drafts from the request's tokens, or from the draft model
     stats: AcceptanceStats
     max_batch: int | None = None  # larger decode steps decode plainly (the artifact's verify buckets)
+    trees: bool = False  # n-gram draft trees (runtime/spec_tree.py) on the artifact's tree graph
 
 
 @dataclass(frozen=True)
@@ -131,6 +151,9 @@ class Stepper:
         self.last_step_host_s = 0.0
         self.step_stats = StepStats()
         self.launched_kind = 0  # the step_stats kind of the step launched last
+        # token-tree verify steps: steps, those with a branching tree, draft nodes verified, and
+        # requests whose accepted nodes were not the first ones (their K/V moved)
+        self.tree_stats = {"steps": 0, "branching": 0, "nodes": 0, "moved": 0}
 
     # ------------------------------------------------------------------ launching
     def launch(
@@ -335,12 +358,19 @@ class Stepper:
 
     # ------------------------------------------------------------------ speculative decoding
     def _verify_rows(
-        self, rows3: torch.Tensor, reqs: list[Req], drafts: list[list[int]], blocked: list[int]
+        self,
+        rows3: torch.Tensor,
+        reqs: list[Req],
+        drafts: list[list[int]],
+        blocked: list[int],
+        trees: list[TreeDraft] | None = None,
     ) -> dict[str, torch.Tensor]:
         """The emitted tokens of a verify step, on the host: ``ids [B, P]`` (-1 past each
         request's), ``num_emitted [B]`` and, when a request asked, ``logprobs [B, P]``, ``top_ids``
         and ``top_logprobs [B, P, N]``. :func:`verify` for the speculating requests, one plain
-        sample at position 0 for those in ``blocked``."""
+        sample at position 0 for those in ``blocked``. With ``trees`` (a token-tree step; ``drafts``
+        their node tokens) :func:`verify_tree` instead, and the accepted nodes' K/V moved into place
+        (:meth:`_move_accepted`)."""
         B, P = len(reqs), rows3.shape[1]
         assert self.spec is not None
         drafter = self.spec.drafter
@@ -353,20 +383,24 @@ class Stepper:
         else:
             rows3_s = rows3
         sreqs = [reqs[i] for i in spec_i]
-        db = DraftBatch.from_lists([drafts[i] for i in spec_i], self.device, max_len=P - 1)
-        if probs is not None:
-            db = DraftBatch(db.ids, db.lens, probs[:, : P - 1])
-        spec = SpecSampling.build(
-            [r.params for r in sreqs],
-            [r.row for r in sreqs],
-            [r.seed for r in sreqs],
-            [len(r.output_ids) for r in sreqs],
-            P,
-            self.device,
-            eos_token_ids=self.eos_token_ids,
-            with_uniforms=db.probs is not None,
-        )
-        out = verify(rows3_s, db, spec, self.sampler)
+        out: VerifyOutput | TreeVerifyOutput
+        if trees is not None:
+            out = self._verify_trees(rows3_s, sreqs, [trees[i] for i in spec_i], P)
+        else:
+            db = DraftBatch.from_lists([drafts[i] for i in spec_i], self.device, max_len=P - 1)
+            if probs is not None:
+                db = DraftBatch(db.ids, db.lens, probs[:, : P - 1])
+            spec = SpecSampling.build(
+                [r.params for r in sreqs],
+                [r.row for r in sreqs],
+                [r.seed for r in sreqs],
+                [len(r.output_ids) for r in sreqs],
+                P,
+                self.device,
+                eos_token_ids=self.eos_token_ids,
+                with_uniforms=db.probs is not None,
+            )
+            out = verify(rows3_s, db, spec, self.sampler)
         if not blocked:
             host = {"ids": out.token_ids.cpu(), "num_emitted": out.num_emitted.cpu()}  # -1 past num_emitted
             if out.logprobs is not None:
@@ -395,6 +429,40 @@ class Stepper:
                     host["top_ids"][rows, pos, :k] = o.top_ids.cpu()
                     host["top_logprobs"][rows, pos, :k] = o.top_logprobs.cpu()
         return host
+
+    def _verify_trees(
+        self, rows3: torch.Tensor, reqs: list[Req], trees: list[TreeDraft], P: int
+    ) -> TreeVerifyOutput:
+        """:func:`verify_tree` over ``reqs``' trees (``rows3 [B, P, V]``: row ``j`` node ``j``'s
+        logits), then :meth:`_move_accepted`: the emitted tokens, the accepted path's K/V in place."""
+        tb = TreeBatch.from_trees(trees, self.device, max_len=P - 1, stager=self.stager)
+        ts = TreeSampling.build(
+            [r.params for r in reqs],
+            [r.row for r in reqs],
+            [r.seed for r in reqs],
+            [len(r.output_ids) for r in reqs],
+            tb,
+            self.device,
+            eos_token_ids=self.eos_token_ids,
+            stager=self.stager,
+        )
+        out = verify_tree(rows3, tb, ts, self.sampler)
+        self._move_accepted(reqs, out)
+        d = torch.arange(P, device=out.path.device)
+        self.tree_stats["moved"] += int(((out.path >= 0) & (out.path != d)).any(dim=1).sum())
+        return out
+
+    def _move_accepted(self, reqs: list[Req], out: TreeVerifyOutput) -> None:
+        """After a tree verify step: node ``path[d]``'s K/V (written at position ``kv_len +
+        path[d]``) moved to position ``kv_len + d`` in every pool tensor of the target (K, V and an
+        FP8 pool's scales), so the accepted tokens' K/V are the positions ``kv_len ..`` as after a
+        chain step (runtime/spec_tree.py ``compact_moves``, ``move_kv``; on the device, no sync)."""
+        idx = self.stager.to_device([[r.row for r in reqs], [r.kv_len for r in reqs]], torch.int64)
+        src, dst = compact_moves(
+            self.runner.bt.table, idx[0], idx[1], out.path, out.num_emitted, self.scheduler.page_size
+        )
+        pool = self.runner.pool
+        move_kv([pool.k_cache, pool.v_cache, *pool.scale_args], src, dst)
 
     def _sample_rows(self, reqs: list[Req], logits: torch.Tensor) -> SampleOutput:
         """One token for each of ``reqs`` from its ``logits [n, V]`` (a copy), as a decode step samples
@@ -440,10 +508,21 @@ class Stepper:
             for i, r in enumerate(reqs)
         ]
         drafter = self.spec.drafter
+        trees: list[TreeDraft] | None = None
         if isinstance(drafter, DraftModel):  # the draft model reserves the pages it drafts into
             drafts = drafter.propose(reqs, limits, sched)
             if not any(drafts):
                 return None
+        elif self.spec.trees:  # n-gram trees: every request's drafts as a tree (chains included)
+            proposed = drafter.propose_tree_batch([r.rid for r in reqs], [r.token_view for r in reqs], limits)
+            if not any(t.tokens for t in proposed):
+                return None
+            # pages for kv_len + 1 + nodes; a request short of pages keeps its first nodes (a tree)
+            kept = sched.reserve_drafts(reqs, [list(t.tokens) for t in proposed])
+            trees = [TreeDraft(t.tokens[: len(d)], t.parents[: len(d)]) for t, d in zip(proposed, kept)]
+            drafts = [list(t.tokens) for t in trees]
+            if not any(branching(t) for t in trees):  # all chains: a chain step, the same tokens
+                trees = None
         else:
             drafts = drafter.propose_batch([r.rid for r in reqs], [r.token_view for r in reqs], limits)
             if not any(drafts):
@@ -454,10 +533,17 @@ class Stepper:
         self.stats["steps"] += 1
         self.last_step_mode = "decode"
         kind = self.launched_kind = self.step_stats.count(len(reqs), 0, n_tok)
-        step = sched.verify_inputs(reqs, drafts)
+        if trees is not None:
+            step = sched.tree_verify_inputs(reqs, trees)
+            ts = self.tree_stats
+            ts["steps"] += 1
+            ts["branching"] += any(branching(t) for t in trees)
+            ts["nodes"] += n_tok - len(reqs)
+        else:
+            step = sched.verify_inputs(reqs, drafts)
         rows3 = self.runner.verify(step)  # [B, P, V]: request b's logits after each of its new tokens
         t2 = time.perf_counter()
-        host = self._verify_rows(rows3, reqs, drafts, blocked)
+        host = self._verify_rows(rows3, reqs, drafts, blocked, trees)
         launched = Launched(batch, reqs, [], host["ids"], kind=kind)
         launched.host = host
         t3 = time.perf_counter()

@@ -37,8 +37,8 @@ def test_manifest_records_the_verify_graphs(setup):
     root, _ = setup
     m = Manifest.load(root / "art")
     assert m.verify == VerifySpec(lengths=(2, 4), buckets=(1, 2, 4))
-    # every verify step runs the shared graph (captured per (B, k)); no graphs of their own
-    assert set(m.graphs) == {"model", "decode_b1"}
+    # every chain verify step runs the shared graph (captured per (B, k)); token trees their own
+    assert set(m.graphs) == {"model", "decode_b1", "verify_tree"}
 
 
 @pytest.mark.parametrize(("lengths", "why"), [("0,4", "1..32"), ("4,x", "1..32"), ("33", "1..32")])
