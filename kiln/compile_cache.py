@@ -89,6 +89,8 @@ _NOT_TAKEN = {
     "force": "the cache replaces only entries it finds incomplete",
     "draft_model": "the cache keys on one checkpoint: compile a draft model into an artifact with "
     "`kiln compile MODEL --draft-model DRAFT -o ART` and serve ART",
+    "eagle3": "the cache keys on one checkpoint: compile an EAGLE-3 head into an artifact with "
+    "`kiln compile MODEL --eagle3 HEAD -o ART` and serve ART",
 }
 
 Build = Callable[[Path, Path, list[str], str], None]

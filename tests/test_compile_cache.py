@@ -347,9 +347,10 @@ def test_option_table_matches_kiln_compile(tmp_path):
     flags = cc.compile_flags()
     params = {p.name: p for p in compile_cmd.params}
     # (--revision picks the checkpoint, whose content is in the key: not an artifact option;
-    # --draft-model is refused, cc._NOT_TAKEN)
-    assert set(flags) == set(params) - {"model_dir", "revision", "out", "device", "force", "draft_model"}
-    assert "draft_model" in cc._NOT_TAKEN
+    # --draft-model and --eagle3 are refused, cc._NOT_TAKEN)
+    drafts = {"draft_model", "eagle3"}
+    assert set(flags) == set(params) - {"model_dir", "revision", "out", "device", "force", *drafts}
+    assert drafts <= set(cc._NOT_TAKEN)
     for name, (kind, default) in flags.items():
         assert default == getattr(CompileOptions(), name), name
         p = params[name]
