@@ -557,6 +557,19 @@ TUNED: dict[tuple[int, int, int, bool, int], GemvConfig] = {
     (1, 4096, 14336, False, 2): GemvConfig(4, 1024, 8, 1, 1, False),
     (1, 5120, 2048, False, 2): GemvConfig(2, 512, 2, 1, 1, False),
     (1, 2048, 4096, False, 2): GemvConfig(2, 2048, 4, 1, 1, False),
+    # M classes 8 and 16 (T = 5..16: speculative verify steps, small decode batches), tensor cores,
+    # H100 (twenty-third session, bench/results/2026-12-05_h100_s23a_*.json; chain mode, 400 MB), the
+    # whole chain against cuBLAS's at M = 8: qkv 164.5 vs 167.3 us, o 168.8 vs 189.9, gate_up + SiLU
+    # 163.9 vs 172.0, down 172.1 vs 178.0 (81-95% of the read ceiling; the heuristic's 16-row tiles
+    # 62-80%); at M = 16 within 1-16% of those.
+    (8, 6144, 4096, False, 2): GemvConfig(64, 128, 4, 4, 4, True),
+    (16, 6144, 4096, False, 2): GemvConfig(64, 128, 4, 4, 1, True),
+    (8, 4096, 4096, False, 2): GemvConfig(64, 128, 4, 4, 2, True),
+    (16, 4096, 4096, False, 2): GemvConfig(64, 128, 4, 4, 2, True),
+    (8, 14336, 4096, True, 2): GemvConfig(64, 128, 4, 4, 1, True),
+    (16, 14336, 4096, True, 2): GemvConfig(64, 128, 4, 4, 1, True),
+    (8, 4096, 14336, False, 2): GemvConfig(64, 128, 4, 4, 2, True),
+    (16, 4096, 14336, False, 2): GemvConfig(64, 128, 4, 4, 2, True),
     # FP8 operands (fp8_linear's decode path; gate_up is a plain [2I, K] product there), one graph
     # replay per call (bench/results/2026-11-29_h200_fp8_gemv_sweep.json), against cuBLAS FP8:
     # M = 1: qkv 12.1 vs 21.7 us, o 10.0 vs 18.1, gate_up 34.1 vs 51.0, down 19.6 vs 46.7;

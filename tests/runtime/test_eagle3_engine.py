@@ -71,16 +71,19 @@ def successor_head(path, target) -> None:
     save_file({k: v.contiguous() for k, v in w.items()}, f)
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle3")
+def _build(root, device: str) -> None:
     make_checkpoint(
         root / "target", CONFIG, "float32", seed=SEED, with_tokenizer=False, engine="hf", successor=True
     )
     successor_head(root / "head", root / "target")
-    compile_model(
-        root / "target", root / "art", CompileOptions(**OPTS, eagle3=str(root / "head")), verbose=False
-    )
+    opts = CompileOptions(**OPTS | {"device": device}, eagle3=str(root / "head"))
+    compile_model(root / "target", root / "art", opts, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3")
+    _build(root, "cpu")
     return root
 
 
@@ -104,8 +107,8 @@ def prompts() -> list[list[int]]:
     return out
 
 
-def _run(art, ps, params=GREEDY, spy=False, **kw):
-    llm = LLM(str(art), device="cpu", **kw)
+def _run(art, ps, params=GREEDY, spy=False, device="cpu", **kw):
+    llm = LLM(str(art), device=device, **kw)
     log: list[tuple[list[list[int]], list[list[int]]]] = []
     eng = llm.engine
     if spy:  # each verify step's sequences, drafts and the head's logits of every draft
@@ -147,6 +150,20 @@ def test_first_drafts_are_accepted_and_outputs_are_plain_decodings(root, batch):
     s = eng.step_metrics()["speculative"]
     assert s["verified"] > 0 and s["accepted"] >= 0.9 * s["verified"], s  # draft 1 every step
     assert eng.runner.verify_steps["graph"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_drafts_on_cuda_graphs(tmp_path, compiled_gpu):
+    """On the GPU: the head's chain steps replay its decode graphs, verify steps the target's
+    verify graphs; the first drafts are accepted and the tokens are plain decoding's."""
+    _build(tmp_path, "cuda")
+    ps = prompts()
+    plain, _, _ = _run(tmp_path / "art", ps, device="cuda", speculative="off")
+    on, eng, _ = _run(tmp_path / "art", ps, device="cuda", chunk_size=16)
+    assert on == plain
+    s = eng.step_metrics()["speculative"]
+    assert s["verified"] > 0 and s["accepted"] >= 0.9 * s["verified"], s
+    assert eng.runner.verify_steps["graph"] > 0 and eng.drafter.runner.graphs
 
 
 def test_drafts_equal_a_from_scratch_reference(root):
