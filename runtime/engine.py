@@ -289,28 +289,14 @@ class Engine:
         # Speculative decoding (docs/speculative.md): n-gram drafts verified in decode steps.
         self.spec_stats = AcceptanceStats()
         self.drafter: NgramDrafter | DraftModel | None = None
-        if draft is not None and m.draft is not None and m.draft.kind == "eagle3":
-            self.drafter = Eagle3Drafter(
-                draft,
-                KVPool.for_spec(draft.artifact.manifest.kv, slots, self.device),
-                self.bt,
-                self.settings["num_draft_tokens"],
-                m.vocab_size,
-                opts.cuda_graph,
-                self.runner.aux_args[0],  # the target's streams at manifest.aux_layers
-                self.stager,
-                tuple(sorted(m.eos_token_ids)),
-            )
-        elif draft is not None:
-            self.drafter = DraftModel(
-                draft,
-                KVPool.for_spec(draft.artifact.manifest.kv, slots, self.device),
-                self.bt,
-                self.settings["num_draft_tokens"],
-                m.vocab_size,
-                opts.cuda_graph,
-                tuple(sorted(m.eos_token_ids)),
-            )
+        if draft is not None:
+            pool = KVPool.for_spec(draft.artifact.manifest.kv, slots, self.device)
+            common = (draft, pool, self.bt, self.settings["num_draft_tokens"], m.vocab_size, opts.cuda_graph)
+            eos = tuple(sorted(m.eos_token_ids))
+            if m.draft is not None and m.draft.kind == "eagle3":  # the target's streams at aux_layers
+                self.drafter = Eagle3Drafter(*common, self.runner.aux_args[0], self.stager, eos)
+            else:
+                self.drafter = DraftModel(*common, eos)
         elif self.spec_mode == "ngram":
             ngram = NgramConfig(
                 num_draft_tokens=self.settings["num_draft_tokens"],

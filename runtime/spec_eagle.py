@@ -82,6 +82,7 @@ class Eagle3Drafter(DraftModel):
                 f"{self.width}; recompile the artifact with --eagle3"
             )
         self.target_hidden = target_hidden
+        self.hidden_size = int(model.artifact.manifest.model["hidden_size"])  # the head's output columns
         self.stager = stager
         self.depth = num_draft_tokens + 1  # a verify step's accepted positions
         rows = block_table.num_rows
@@ -216,7 +217,7 @@ class Eagle3Drafter(DraftModel):
         self.caught_up += len(ids)
         idx = self.stager.to_device([which, [e - 1 for e in indptr[1:]]], torch.int64)
         logits.index_copy_(0, idx[0], out[:, : self.vocab].float())
-        h = self.hidden[:, : self.runner.m.artifact.manifest.model["hidden_size"]]
+        h = self.hidden[:, : self.hidden_size]
         last = h.index_select(0, idx[1])  # a copy: the chain's rows may overlap the catch-up's
         h[: len(reqs)].zero_()
         h.index_copy_(0, idx[0], last)
