@@ -27,8 +27,9 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# Two workers (CI has 2 cores), a file per worker at a time: module fixtures build once.
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 	$(PY) -m pytest -q bench --benchmark-disable -p no:cacheprovider
 
 clean:

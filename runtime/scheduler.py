@@ -24,6 +24,7 @@ behind a stream of cache-hitting newcomers.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -412,44 +413,35 @@ class Scheduler:
     def verify_inputs(self, reqs: list[Req], drafts: list[list[int]]) -> StepInputs:
         """An extend step in which request ``i`` brings its newest token (position ``kv_len``, whose
         K/V no step wrote yet) and ``drafts[i]`` after it (pages from :meth:`reserve_drafts`)."""
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        lens = []
-        for req, d in zip(reqs, drafts):
-            n = 1 + len(d)
-            ids.append(req.output_ids[-1] if req.output_ids else req.prompt_ids[-1])
-            ids += d
-            pos += range(req.kv_len, req.kv_len + n)
-            slots += self.bt.slots(req.row, req.kv_len, req.kv_len + n)
-            lens.append(n)
-        return StepInputs(
-            mode="verify",
-            input_ids=ids,
-            positions=pos,
-            out_slots=slots,
-            req_rows=[r.row for r in reqs],
-            seq_lens=[r.kv_len + n for r, n in zip(reqs, lens)],
-            extend_lens=lens,
-        )
+        return self._verify_inputs(reqs, drafts, [range(1 + len(d)) for d in drafts])
 
     def tree_verify_inputs(self, reqs: list[Req], trees: list[TreeDraft]) -> StepInputs:
         """A verify step of token trees (runtime/spec_tree.py): request ``i`` brings its newest token
         (node 0) and ``trees[i]``'s draft nodes in index order, node ``j``'s K/V into the slot of
         position ``kv_len + j`` (pages from :meth:`reserve_drafts` for the node count), its RoPE
         position ``kv_len + depth(j)``, its attention by ``tree_mask`` (ancestors and itself)."""
+        masks = [m for t in trees for m in t.masks()]
+        return self._verify_inputs(reqs, [list(t.tokens) for t in trees], [t.depths() for t in trees], masks)
+
+    def _verify_inputs(
+        self,
+        reqs: list[Req],
+        drafts: list[list[int]],
+        depths: list[Sequence[int]],
+        tree_mask: list[int] | None = None,
+    ) -> StepInputs:
+        """Request ``i``'s newest token and ``drafts[i]``: token ``j`` at position ``kv_len +
+        depths[i][j]``, its K/V into the slot of position ``kv_len + j``."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        masks: list[int] = []
         lens = []
-        for req, t in zip(reqs, trees):
-            n = t.size
+        for req, d, depth in zip(reqs, drafts, depths):
+            n = 1 + len(d)
             ids.append(req.output_ids[-1] if req.output_ids else req.prompt_ids[-1])
-            ids += t.tokens
-            pos += [req.kv_len + d for d in t.depths()]
+            ids += d
+            pos += [req.kv_len + x for x in depth]
             slots += self.bt.slots(req.row, req.kv_len, req.kv_len + n)
-            masks += t.masks()
             lens.append(n)
         return StepInputs(
             mode="verify",
@@ -459,7 +451,7 @@ class Scheduler:
             req_rows=[r.row for r in reqs],
             seq_lens=[r.kv_len + n for r, n in zip(reqs, lens)],
             extend_lens=lens,
-            tree_mask=masks,
+            tree_mask=tree_mask,
         )
 
     def after_step(self, batch: ScheduledBatch) -> None:

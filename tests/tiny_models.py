@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import transformers
+
+from kiln.compiler.synth import make_checkpoint as synth_checkpoint
+from kiln.compiler.synth import successor_next
 
 TINY = dict(
     hidden_size=64,
@@ -103,3 +108,28 @@ def check_against_hf(runner, hf, prompts: list[list[int]], decode_steps: int, to
         for s, t in zip(seqs, nxt):
             s.append(t)
         logits = runner.decode(nxt)
+
+
+# Successor checkpoints (kiln.compiler.synth, ``successor=True``): greedy decoding emits
+# ``SUCCESSOR_NEXT[t]`` after ``t`` whatever came before, the workload the speculative tests need.
+SUCCESSOR_SEED = 3
+
+
+def successor_config(num_layers: int = 2) -> dict:
+    """config.json of the tiny Llama (:data:`TINY`, untied) the speculative tests build successor
+    checkpoints from."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **TINY} | {
+        "num_hidden_layers": num_layers,
+        "tie_word_embeddings": False,
+    }
+
+
+SUCCESSOR_NEXT = successor_next(TINY["vocab_size"], SUCCESSOR_SEED)
+
+
+def make_successor(path, num_layers: int = 2, dtype: str = "float32", engine: str = "hf") -> Path:
+    """A successor checkpoint of :func:`successor_config` in ``path`` (no tokenizer)."""
+    return synth_checkpoint(
+        path, successor_config(num_layers), dtype, seed=SUCCESSOR_SEED, with_tokenizer=False, engine=engine,
+        successor=True,
+    )  # fmt: skip

@@ -330,7 +330,13 @@ def test_gpu_bf16_artifact_matches_the_simulated_model(compiled_gpu, tmp_path):
     prompts = prompts_of(1, (32, 20))
     logits = runner.prefill(prompts)
     sim = simulated(hf.eval(), tmp_path / "fp8")
+    # The yardstick: the same simulation in bf16 on the CPU. bf16 between the FP8 GEMMs flips the FP8
+    # rounding of some activations, which moves these logits as far as quantizing the activations at
+    # all does (4-6% here, measured on the CPU).
+    sim_bf16 = simulated(copy.deepcopy(hf).to(torch.bfloat16), tmp_path / "fp8")
     with torch.no_grad():
         for i, p in enumerate(prompts):
             want = sim(torch.tensor([p])).logits[0, -1]
-            assert rel_err(logits[i].float().cpu(), want) < 0.05  # bf16 activations between the FP8 GEMMs
+            bf16_move = rel_err(sim_bf16(torch.tensor([p])).logits[0, -1].float(), want)
+            err = rel_err(logits[i].float().cpu(), want)
+            assert err < 1.5 * bf16_move, (err, bf16_move)

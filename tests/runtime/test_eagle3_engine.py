@@ -20,31 +20,18 @@ import pytest
 import torch
 from eagle3_checkpoints import write_eagle3_head
 from safetensors.torch import load_file, save_file
+from tiny_models import SUCCESSOR_NEXT, make_successor, successor_config
 
 from kiln import LLM, SamplingParams
 from kiln.compiler.build import CompileOptions, compile_model
-from kiln.compiler.synth import make_checkpoint, successor_next
 from kiln.manifest import Manifest
 from kiln.runtime.direct import DirectRunner
 from kiln.runtime.loader import load_model
 
 LAYERS = 4
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": LAYERS,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 300,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-}
-SEED = 3
+CONFIG = successor_config(LAYERS)
 VOCAB = CONFIG["vocab_size"]
-NEXT = successor_next(VOCAB, SEED)
+NEXT = SUCCESSOR_NEXT
 NEW = 16
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 OPTS = dict(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=128, chunk_size=64)
@@ -72,9 +59,7 @@ def successor_head(path, target) -> None:
 
 
 def _build(root, device: str) -> None:
-    make_checkpoint(
-        root / "target", CONFIG, "float32", seed=SEED, with_tokenizer=False, engine="hf", successor=True
-    )
+    make_successor(root / "target", LAYERS)
     successor_head(root / "head", root / "target")
     opts = CompileOptions(**OPTS | {"device": device}, eagle3=str(root / "head"))
     compile_model(root / "target", root / "art", opts, verbose=False)
@@ -158,8 +143,9 @@ def test_gpu_drafts_on_cuda_graphs(tmp_path, compiled_gpu):
     verify graphs; the first drafts are accepted and the tokens are plain decoding's."""
     _build(tmp_path, "cuda")
     ps = prompts()
-    plain, _, _ = _run(tmp_path / "art", ps, device="cuda", speculative="off")
-    on, eng, _ = _run(tmp_path / "art", ps, device="cuda", chunk_size=16)
+    # a bounded pool each: the first engine is still alive when the second sizes its pool from free memory
+    plain, _, _ = _run(tmp_path / "art", ps, device="cuda", speculative="off", kv_memory_gib=0.25)
+    on, eng, _ = _run(tmp_path / "art", ps, device="cuda", chunk_size=16, kv_memory_gib=0.25)
     assert on == plain
     s = eng.step_metrics()["speculative"]
     assert s["verified"] > 0 and s["accepted"] >= 0.9 * s["verified"], s

@@ -15,6 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
+from tiny_models import SUCCESSOR_NEXT, make_successor, successor_config
 
 from kiln import LLM, SamplingParams
 from kiln.cli import cli
@@ -23,21 +24,8 @@ from kiln.compiler.config import ConfigError
 from kiln.compiler.synth import SUCCESSOR_SCALE, make_checkpoint, successor_next, successor_tensors
 
 LAYERS = 2
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": LAYERS,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 300,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-}
-SEED = 3
-NEXT = successor_next(CONFIG["vocab_size"], SEED)
+CONFIG = successor_config(LAYERS)
+NEXT = SUCCESSOR_NEXT
 NEW = 24
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 
@@ -46,9 +34,7 @@ GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 def root(tmp_path_factory):
     """The successor checkpoint (root/hf) and its artifact (root/art)."""
     root = tmp_path_factory.mktemp("successor")
-    make_checkpoint(
-        root / "hf", CONFIG, "float32", seed=SEED, with_tokenizer=False, engine="hf", successor=True
-    )
+    make_successor(root / "hf", LAYERS)
     opts = CompileOptions(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=128, chunk_size=64)
     compile_model(root / "hf", root / "art", opts, verbose=False)
     return root
@@ -111,9 +97,7 @@ def check_successor_weights(ckpt, dtype: torch.dtype) -> dict[str, torch.Tensor]
 
 def test_successor_tensors_in_both_engines(root, tmp_path):
     hf = check_successor_weights(root / "hf", torch.float32)
-    fast = make_checkpoint(
-        tmp_path / "fast", CONFIG, "bfloat16", seed=SEED, with_tokenizer=False, engine="fast", successor=True
-    )
+    fast = make_successor(tmp_path / "fast", LAYERS, "bfloat16", engine="fast")
     w = check_successor_weights(fast, torch.bfloat16)
     assert torch.equal(w["lm_head.weight"], hf["lm_head.weight"].to(torch.bfloat16))
 

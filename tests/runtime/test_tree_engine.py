@@ -25,33 +25,20 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from tiny_models import SUCCESSOR_NEXT, make_successor, successor_config
 from tiny_models import make_checkpoint as make_tiny
 
 from kiln import LLM, SamplingParams
 from kiln.compiler.build import CompileOptions, _trees_traceable, compile_model
 from kiln.compiler.config import load_config
-from kiln.compiler.synth import make_checkpoint, successor_next
 from kiln.errors import KilnError
 from kiln.manifest import Manifest
 from kiln.runtime.engine import Engine
 from kiln.runtime.spec_tree import TreeDraft, branching, ngram_tree
 from kiln.runtime.speculative import propose_ngram
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 300,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-}
-SEED = 3
-NEXT = successor_next(CONFIG["vocab_size"], SEED)
+CONFIG = successor_config(2)
+NEXT = SUCCESSOR_NEXT
 NEW = 20
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 K = 6  # draft nodes per request and step
@@ -61,9 +48,7 @@ K = 6  # draft nodes per request and step
 def succ(tmp_path_factory):
     """The successor checkpoint's artifact, with verify graphs (so the tree graph)."""
     root = tmp_path_factory.mktemp("tree-succ")
-    make_checkpoint(
-        root / "hf", CONFIG, "float32", seed=SEED, with_tokenizer=False, engine="hf", successor=True
-    )
+    make_successor(root / "hf", 2)
     opts = CompileOptions(
         device="cpu", dtype="float32", max_batch_size=4, max_seq_len=256, chunk_size=64, verify_lengths="4,6"
     )

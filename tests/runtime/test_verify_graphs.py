@@ -51,7 +51,8 @@ def _compare_verify_paths(art, prompts, device: str, tol: float) -> None:
     """One verify step of three requests (2, 0 and 1 drafts: bucket (4, 2) with a padding request and
     padded chunks) run on the verify graph (a CUDA-graph replay on a GPU) and on the extend graph:
     the same logits."""
-    llm = LLM(str(art), device=device, speculative="ngram")
+    # a bounded pool: engines of earlier tests in the process may still hold GPU memory
+    llm = LLM(str(art), device=device, speculative="ngram", kv_memory_gib=0.25)
     eng = llm.engine
     for i, p in enumerate(prompts):
         eng.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), rid=f"r{i}")
