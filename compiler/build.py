@@ -125,6 +125,9 @@ class CompileOptions:
     # --eagle3: an EAGLE-3 head checkpoint compiled into ART/eagle3 (compiler/eagle3.py); the target's
     # graphs then hand out the streams it reads (aux_layers)
     eagle3: str | None = None
+    # --mtp: a DeepSeek-V3 checkpoint's next-token-prediction layer compiled into ART/mtp
+    # (compiler/mtp.py); the target's graphs then hand out their last layer's output (aux_layers)
+    mtp: bool = False
     # layers whose input residual stream every graph hands out (0..L, L: before the final norm), for
     # drafts that read the target's hidden states (EAGLE-3, DeepSeek MTP: docs/speculative.md section 4)
     aux_layers: tuple[int, ...] = ()
@@ -351,6 +354,11 @@ def _compile_model(
         model_class(cfg.architecture)  # fail before any work if the architecture cannot compile
         _kv_spec(cfg, opts)  # likewise a KV cache it cannot have (--kv-dtype fp8 for MLA)
         head = None
+        if opts.mtp:
+            from kiln.compiler.mtp import check_mtp
+
+            check_mtp(model_dir, cfg, opts)  # no MTP layer, another draft source, --tp > 1: fails here
+            opts = replace(opts, aux_layers=(cfg.num_layers,))  # the stream before the final norm
         if opts.eagle3 is not None:
             from kiln.compiler.eagle3 import load_eagle3_config
 
@@ -358,7 +366,7 @@ def _compile_model(
                 raise CompileError("--eagle3 and --draft-model: an artifact has one draft source; pass one.")
             head = load_eagle3_config(opts.eagle3, cfg)  # a head that does not fit the target fails here
             opts = replace(opts, aux_layers=head.aux_layers)
-        drafted = opts.draft_model is not None or head is not None
+        drafted = opts.draft_model is not None or head is not None or opts.mtp
         if drafted and not opts.verify_lengths.strip():
             opts = replace(opts, verify_lengths=DRAFT_VERIFY_LENGTH)  # a draft verifies
         verify = opts.verify  # a bad --verify-lengths fails here
@@ -370,7 +378,7 @@ def _compile_model(
                 f"({cfg.num_layers}: the stream before the final norm)"
             )
         if drafted and opts.tp > 1:
-            flag = "--draft-model" if opts.draft_model is not None else "--eagle3"
+            flag = "--draft-model" if opts.draft_model is not None else "--eagle3" if head else "--mtp"
             raise CompileError(f"{flag} needs --tp 1: drafts do not run tensor-parallel yet.")
         if cfg.moe is not None:
             check_request(opts.moe_backend, torch.device(opts.device), opts.dtype, _experts_quant(opts, cfg))
@@ -505,6 +513,11 @@ def _compile_model(
 
         with timer.phase("eagle3"):
             draft = compile_eagle3(model_dir, head, out, nested, verbose)
+    if opts.mtp:
+        from kiln.compiler.mtp import compile_mtp
+
+        with timer.phase("mtp"):
+            draft = compile_mtp(model_dir, cfg, out, nested, verbose)
     with timer.phase("manifest"):
         records, measured = split_build_facts(
             {

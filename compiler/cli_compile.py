@@ -157,6 +157,15 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
     "the head the hidden states of the three layers its config names. `serve`/`generate` draft with "
     "it (--speculative auto). Implies --verify-lengths 4 unless given; not with --draft-model.",
 )
+@click.option(
+    "--mtp",
+    is_flag=True,
+    help="Speculative decoding: compile a DeepSeek-V3 checkpoint's own next-token-prediction layer "
+    "(config.json num_nextn_predict_layers; its weights under model.layers.{num_hidden_layers}) into "
+    "ART/mtp; the model's graphs then hand it their last layer's hidden state. `serve`/`generate` "
+    "draft with it (--speculative auto). Implies --verify-lengths 4 unless given; --tp 1; not with "
+    "--draft-model or --eagle3.",
+)
 @settings.click_options("compile")
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 def compile_cmd(
@@ -180,6 +189,7 @@ def compile_cmd(
     fp8_cutlass: bool,
     draft_model: str | None,
     eagle3: str | None,
+    mtp: bool,
     force: bool,
     **kw: Any,
 ) -> None:
@@ -216,6 +226,7 @@ def compile_cmd(
         moe_backend=moe_backend,
         moe_cutlass_min_tokens=moe_cutlass_min_tokens,
         fp8_cutlass=fp8_cutlass,
+        mtp=mtp,
         force=force,
         # --gemv-plan, --fold-norms: given ones only (the others keep CompileOptions' defaults)
         **{k: v for k, v in settings.pop_options(kw, "compile").items() if v is not None},

@@ -17,6 +17,9 @@ when the head has none. The compile:
   back (a chain of drafts);
 * pins it in the target's manifest (``DraftSpec`` of kind ``"eagle3"``), as a draft model is.
 
+:func:`compile_head` is that nested compile for any head fed the target's hidden states
+(:class:`HeadBuild`): DeepSeek's MTP layer (compiler/mtp.py) is the other.
+
 Safetensors only (a head published as ``pytorch_model.bin`` is refused: convert it first); no
 tensor parallelism; the head keeps the activation dtype (no FP8).
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -51,7 +55,7 @@ from kiln.compiler.build import (
 )
 from kiln.compiler.config import ConfigError, ModelConfig, normalize_config
 from kiln.compiler.layers import use_gemv_plan
-from kiln.compiler.models.eagle3 import CHECKPOINT_NAMES, Eagle3ForCausalLM
+from kiln.compiler.models.eagle3 import CHECKPOINT_NAMES, AuxHeadGraph, Eagle3ForCausalLM
 from kiln.compiler.trace import CacheSpec, example_inputs, export_graph
 from kiln.manifest import DraftSpec, Eagle3Spec, GraphEntry, KernelChoices, Manifest, Versions, file_table
 from kiln.ops.linear.gemv import gemv_plan
@@ -133,7 +137,7 @@ def load_eagle3_config(head_dir: str | Path, target: ModelConfig) -> Eagle3Confi
             f"{where}: the head's weights are {files.format} files; kiln reads safetensors only "
             "(convert them, e.g. with safetensors.torch.save_file)."
         )
-    names = _tensor_names(files.files)
+    names = tensor_names(files.files)
     if draft_vocab < cfg.vocab_size and "d2t" not in names:
         raise CompileError(
             f"{where}: its draft vocabulary ({draft_vocab}) is smaller than the target's "
@@ -176,7 +180,8 @@ def param_specs(head: Eagle3Config, d2t: bool) -> list[ParamSpec]:
     return specs
 
 
-def _tensor_names(files: tuple[Path, ...]) -> set[str]:
+def tensor_names(files: tuple[Path, ...]) -> set[str]:
+    """Every tensor name in the safetensors ``files`` (their headers only)."""
     names: set[str] = set()
     for f in files:
         with safe_open(str(f), "pt") as st:
@@ -202,42 +207,87 @@ def _stage(head: Eagle3Config, target_dir: Path, tmp: Path) -> None:
     raise CompileError(f"--eagle3: the head has no {EMBED} and the target no model.{EMBED}.")
 
 
+@dataclass(frozen=True)
+class HeadBuild:
+    """A draft head fed the target's hidden states (an EAGLE-3 head, a DeepSeek MTP layer), as
+    :func:`compile_head` builds it into ``ART/{kind}``."""
+
+    kind: str  # DraftSpec.kind, and the nested artifact's directory
+    cfg: ModelConfig  # the head's config: one layer (its manifest's model, KV cache and RoPE)
+    width: int  # the columns of the target's streams its shared graph fuses
+    specs: list[ParamSpec]  # its packed tensors
+    skip: tuple[str, ...]  # checkpoint names not packed
+    model: Callable[[torch.dtype], AuxHeadGraph]  # the head, built on the meta device
+    stage: Callable[[Path], Path]  # a scratch directory -> the checkpoint directory to pack from
+    record: dict[str, Any]  # its manifest's own field: {"eagle3": Eagle3Spec} or {"mtp": MtpSpec}
+    source: Path  # where it came from (the build log)
+
+
 def compile_eagle3(
     target_dir: Path, head: Eagle3Config, out: Path, opts: CompileOptions, verbose: bool
 ) -> DraftSpec:
     """Compile the head ``opts.eagle3`` (checked: ``head``) into ``out/eagle3`` for a target
     compiled from ``target_dir`` with ``opts`` (its ``max_seq_len`` resolved); returns the record
     the target's manifest keeps."""
+    assert opts.eagle3 is not None
+    cfg, d2t = head.cfg, "d2t" in head.tensors
+
+    def stage(tmp: Path) -> Path:
+        _stage(head, target_dir, tmp)
+        return tmp
+
+    def model(dtype: torch.dtype) -> AuxHeadGraph:
+        return Eagle3ForCausalLM(cfg, head.target_hidden, head.draft_vocab, cfg.vocab_size, dtype, d2t)
+
+    build = HeadBuild(
+        kind=EAGLE3_DIR,
+        cfg=cfg,
+        width=3 * head.target_hidden,
+        specs=param_specs(head, d2t),
+        skip=NOT_PACKED,
+        model=model,
+        stage=stage,
+        record={
+            "eagle3": Eagle3Spec(target_hidden_size=head.target_hidden, draft_vocab_size=head.draft_vocab)
+        },
+        source=Path(opts.eagle3),
+    )
+    return compile_head(build, out, opts, verbose)
+
+
+def compile_head(head: HeadBuild, out: Path, opts: CompileOptions, verbose: bool) -> DraftSpec:
+    """Compile ``head`` into ``out/{head.kind}`` with the target's shape options ``opts`` (its
+    ``max_seq_len`` resolved: one block table serves both KV pools page for page): its pack, the
+    shared graph (:attr:`~AuxHeadGraph.fused`: a catch-up from the target's streams), a static
+    ``decode_b{b}`` graph per bucket (a chain step on its own output), their kernels and its
+    manifest; returns the record the target's manifest keeps (``DraftSpec`` of ``head.kind``).
+    Activation dtype (no FP8), one rank."""
     from kiln.weights import load_pack, pack_checkpoint
 
-    assert opts.eagle3 is not None and opts.max_seq_len is not None
-    head_dir, dst = Path(opts.eagle3), out / EAGLE3_DIR
+    assert opts.max_seq_len is not None
+    dst = out / head.kind
     if verbose:
-        print(f"[kiln compile] EAGLE-3 head {head_dir} -> {dst}", flush=True)
+        print(f"[kiln compile] {head.kind} head {head.source} -> {dst}", flush=True)
     timer = PhaseTimer(verbose=verbose)
     cfg, device = head.cfg, torch.device(opts.device)
     opts = replace(opts, quant=None, tp=1, ep=1)
     dst.mkdir(parents=True)
-    with timer.phase("eagle3 weights"), tempfile.TemporaryDirectory(prefix="kiln-eagle3-") as tmp:
-        _stage(head, target_dir, Path(tmp))
-        d2t = "d2t" in head.tensors
-        specs = param_specs(head, d2t)
+    with timer.phase(f"{head.kind} weights"), tempfile.TemporaryDirectory(prefix=f"kiln-{head.kind}-") as tmp:
+        src = head.stage(Path(tmp))
         pack_checkpoint(
-            tmp, dst / "weights", [specs], tp=1, dtype=opts.dtype, progress=verbose, skip=NOT_PACKED
+            src, dst / "weights", [head.specs], tp=1, dtype=opts.dtype, progress=verbose, skip=head.skip
         )
     max_seq = opts.max_seq_len
-    with timer.phase("eagle3 trace"):
+    with timer.phase(f"{head.kind} trace"):
         (dst / "graphs").mkdir()
         plan = gemv_plan(opts.gemv_plan)
         with torch.device("meta"):
-            model = Eagle3ForCausalLM(
-                cfg, head.target_hidden, head.draft_vocab, cfg.vocab_size, DTYPES[opts.dtype], d2t
-            )
+            model = head.model(DTYPES[opts.dtype])
         use_gemv_plan(model, plan)
         weights = load_pack(dst / "weights", 0, device, verify=False)
         _check_pack_matches(model, weights)
         kv = _kv_spec(cfg, opts)
-        width = max(3 * head.target_hidden, cfg.hidden_size)
+        width = max(head.width, cfg.hidden_size)
         cache = CacheSpec(
             1, kv.num_kv_heads, kv.head_dim, kv.v_head_dim, getattr(torch, kv.dtype), kv.page_size, width
         )
@@ -256,7 +306,7 @@ def compile_eagle3(
             ex = example_inputs(b, b, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
             programs[f"decode_b{b}"] = export_graph(model, weights, ex, opts.page_size, static_batch=True)
             graphs[f"decode_b{b}"] = _graph_entry(f"decode_b{b}", b, cache, layout="add_norm")
-    with timer.phase("eagle3 kernels"):
+    with timer.phase(f"{head.kind} kernels"):
 
         def warm(modules: dict[str, Any]) -> None:
             _warm_up(modules, graphs, weights, cache, cfg, device, buckets, max_blocks, opts.chunk_size)
@@ -289,14 +339,14 @@ def compile_eagle3(
             gemv_plan=plan,
         ),
         files=file_table(dst),
-        eagle3=Eagle3Spec(target_hidden_size=head.target_hidden, draft_vocab_size=head.draft_vocab),
+        **head.record,
     )
     manifest.save(dst)
-    write_build_log(dst, {"compile_seconds": timer.times, "source": str(head_dir.resolve())})
+    write_build_log(dst, {"compile_seconds": timer.times, "source": str(head.source.resolve())})
     doc = json.loads((dst / fmt.MANIFEST).read_text())
     return DraftSpec(
-        path=EAGLE3_DIR,
+        path=head.kind,
         manifest_xxh3_128=doc[fmt.MANIFEST_HASH_KEY],
         vocab_size=cfg.vocab_size,
-        kind="eagle3",
+        kind=head.kind,
     )

@@ -13,6 +13,13 @@ Two engines write the same tensor names and shapes Hugging Face's ``save_pretrai
 
 ``engine="auto"`` picks ``hf`` under 200 M parameters, ``fast`` above.
 
+A config with ``num_nextn_predict_layers`` (DeepSeek-V3) also gets its next-token-prediction (MTP)
+layers, which transformers' model does not create, by both engines: layer ``L + j`` (``L =
+num_hidden_layers``) under ``model.layers.{L + j}.*`` with any decoder layer's tensor names (taken
+from the model built with ``L + n`` layers), plus ``enorm``, ``hnorm``, ``eh_proj [H, 2H]``,
+``shared_head.norm`` and ``shared_head.head [V, H]`` (random, as the engine's other tensors) and
+``embed_tokens`` (a copy of the model's), listed in ``model.safetensors.index.json``.
+
 ``successor=True`` (Llama-family configs with untied embeddings) makes a checkpoint whose greedy
 continuation of token ``t`` is ``next(t)``, a fixed cycle through the whole vocabulary, so outputs
 copy what a prompt holding a stretch of the cycle already shows (the workload n-gram speculative
@@ -170,6 +177,48 @@ def _successor_fixed(
     return {_EMBED: embed, _LM_HEAD: lm_head}, zero
 
 
+# ----------------------------------------------------------------------------- MTP layers
+def _nextn_items(raw: dict[str, Any], original: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the MTP layers' tensors (module docstring), after the model's."""
+    n = int(raw.get("num_nextn_predict_layers") or 0)
+    if not n:
+        return []
+    first, h, v = raw["num_hidden_layers"], raw["hidden_size"], raw["vocab_size"]
+    longer = _meta_tensors(raw | {"num_hidden_layers": first + n}, original)
+    items: list[tuple[str, tuple[int, ...]]] = []
+    for i in range(first, first + n):
+        p = f"model.layers.{i}."
+        items += [(name, shape) for name, shape in longer if name.startswith(p)]
+        items += [(p + "enorm.weight", (h,)), (p + "hnorm.weight", (h,)), (p + "eh_proj.weight", (h, 2 * h))]
+        items += [(p + "embed_tokens.weight", (v, h)), (p + "shared_head.norm.weight", (h,))]
+        items.append((p + "shared_head.head.weight", (v, h)))
+    return items
+
+
+def _is_embed_copy(name: str) -> bool:
+    return name.startswith("model.layers.") and name.endswith(".embed_tokens.weight")
+
+
+def _add_nextn_file(out: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write the hf engine's MTP tensors as a shard of their own and list them in the index. A
+    single-file checkpoint becomes two shards: readers take a ``model.safetensors`` alone."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = out / "model.safetensors.index.json"
+    if path.is_file():
+        index, name = json.loads(path.read_text()), "model-mtp.safetensors"
+    else:
+        first, name = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+        (out / "model.safetensors").rename(out / first)
+        with safe_open(str(out / first), "pt") as st:
+            index = {"metadata": {}, "weight_map": dict.fromkeys(st.keys(), first)}
+    save_file(tensors, str(out / name))
+    index["weight_map"].update(dict.fromkeys(tensors, name))
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    path.write_text(json.dumps(index, indent=2))
+
+
 # ----------------------------------------------------------------------------- hf engine
 def _write_hf(
     out: Path,
@@ -206,6 +255,15 @@ def _write_hf(
     if "save_original_format" in inspect.signature(model.save_pretrained).parameters:
         kw["save_original_format"] = original
     model.save_pretrained(out, **kw)
+    nextn = _nextn_items(raw, original)
+    if nextn:
+        g = torch.Generator().manual_seed(seed + 1)
+        embed = model.get_input_embeddings().weight.detach()
+        mtp = {}
+        for name, shape in nextn:
+            t = embed.clone() if _is_embed_copy(name) else torch.randn(shape, generator=g) * 0.02
+            mtp[name] = (t + 1 if _is_norm(name, t) else t).to(dtype).contiguous()
+        _add_nextn_file(out, mtp)
 
 
 # ----------------------------------------------------------------------------- fast engine
@@ -276,7 +334,7 @@ def _write_fast(
     threads: int,
     successor: bool = False,
 ) -> None:
-    items = _meta_tensors(raw, original)
+    items = _meta_tensors(raw, original) + _nextn_items(raw, original)
     fixed: dict[str, torch.Tensor] = {}
     zero: set[str] = set()
     if successor:
@@ -307,6 +365,8 @@ def _write_fast(
                             t = fixed[name]
                         elif name in zero:
                             t = torch.zeros(shape, dtype=dtype)
+                        elif _is_embed_copy(name):  # an MTP layer's: the model's embedding
+                            t = fixed[_EMBED] if _EMBED in fixed else pool.fill(_EMBED, shape, seed)
                         else:
                             t = pool.fill(name, shape, seed)
                         pwrite_all(fd, tensor_bytes(t), off)

@@ -80,6 +80,8 @@ _FLAGS: dict[str, tuple[str, Any]] = {
     "moe_backend": ("str", "triton"),
     "moe_cutlass_min_tokens": ("int", 2048),
     "fp8_cutlass": ("bool", True),
+    # --mtp: listed (the table mirrors kiln compile's flags) but refused, as --eagle3 is: _NOT_TAKEN
+    "mtp": ("flag", False),
 }
 # Flags of `kiln compile` the cache sets itself.
 _NOT_TAKEN = {
@@ -91,6 +93,8 @@ _NOT_TAKEN = {
     "`kiln compile MODEL --draft-model DRAFT -o ART` and serve ART",
     "eagle3": "the cache keys on one checkpoint: compile an EAGLE-3 head into an artifact with "
     "`kiln compile MODEL --eagle3 HEAD -o ART` and serve ART",
+    "mtp": "the cache builds no draft sources: compile a DeepSeek-V3 checkpoint's MTP layer into an "
+    "artifact with `kiln compile MODEL --mtp -o ART` and serve ART",
 }
 
 Build = Callable[[Path, Path, list[str], str], None]
@@ -178,7 +182,8 @@ def normalize_options(compile_args: Sequence[str] | Mapping[str, Any]) -> dict[s
     if isinstance(compile_args, Mapping):
         given = dict(compile_args)
         for name in given:
-            if name in _NOT_TAKEN:
+            # a listed one at its default passes: normalized options hold --mtp's False
+            if name in _NOT_TAKEN and given[name] != flags.get(name, ("", _NOT_TAKEN))[1]:
                 raise CacheError(f"compile option {name!r} is not taken here: {_NOT_TAKEN[name]}")
             if name not in flags:
                 raise CacheError(

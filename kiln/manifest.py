@@ -17,9 +17,11 @@ Layout (JSON keys are the field names; schema :data:`~kiln.artifact_format.SCHEM
      "norm_folds": {norm weight: [consumer weights]},
      "kernel_choices": KernelChoices, "files": {relative path: FileEntry},
      "verify": VerifySpec,             only with --verify-lengths (speculative decoding)
-     "draft": DraftSpec,               with --draft-model / --eagle3 (its artifact under draft/ or eagle3/)
-     "aux_layers": [...],              the target of an EAGLE-3 head: streams its graphs hand out
-     "eagle3": Eagle3Spec}             an EAGLE-3 head's own artifact (the one nested in its target's)
+     "draft": DraftSpec,               with --draft-model / --eagle3 / --mtp (its artifact under draft/,
+                                       eagle3/ or mtp/)
+     "aux_layers": [...],              the target of an EAGLE-3 head or MTP layer: streams its graphs hand out
+     "eagle3": Eagle3Spec,             an EAGLE-3 head's own artifact (the one nested in its target's)
+     "mtp": MtpSpec}                   a DeepSeek MTP layer's own artifact (likewise)
 
 The records are :class:`kiln.json_record.JsonRecord` dataclasses: a field whose default is ``None``
 is left out of the JSON when it is None (and may be absent); every other field is always written
@@ -148,12 +150,15 @@ class DraftSpec(JsonRecord):
     section 4): a whole artifact of its own under ``path`` (its manifest checks its files), pinned
     here by its manifest's self-hash, with the same tokenizer vocabulary and KV page size."""
 
-    path: str  # "draft" or "eagle3": the nested artifact's directory, relative to this one
+    path: str  # "draft", "eagle3" or "mtp": the nested artifact's directory, relative to this one
     manifest_xxh3_128: str  # the draft manifest's fmt.MANIFEST_HASH_KEY: a swapped draft is refused
     vocab_size: int  # its LM head's rows (may pad past the target's; drafts stay below both)
-    kind: str = "model"  # "model" (--draft-model) or "eagle3" (--eagle3: runtime/spec_eagle.py)
+    # "model" (--draft-model), "eagle3" (--eagle3) or "mtp" (--mtp); the last two read the target's
+    # hidden states (runtime/spec_eagle.py)
+    kind: str = "model"
 
-    KINDS: ClassVar[tuple[str, ...]] = ("model", "eagle3")
+    KINDS: ClassVar[tuple[str, ...]] = ("model", "eagle3", "mtp")
+    HEADS: ClassVar[tuple[str, ...]] = ("eagle3", "mtp")  # kinds fed the target's aux_layers streams
 
 
 @dataclass(frozen=True)
@@ -167,6 +172,18 @@ class Eagle3Spec(JsonRecord):
 
     target_hidden_size: int
     draft_vocab_size: int
+
+
+@dataclass(frozen=True)
+class MtpSpec(JsonRecord):
+    """A DeepSeek-V3 next-token-prediction (MTP) layer's artifact (``kiln compile TARGET --mtp``,
+    nested under the target's; compiler/mtp.py): its graphs follow an EAGLE-3 head's protocol
+    (:class:`Eagle3Spec`) over one stream of ``hidden_size`` columns: they read the target's last
+    decoder layer output (``aux_hidden[:T, :hidden_size]``, the shared graph, which applies the
+    target's final norm to it) or their own last output (``[:B, :hidden_size]``, the decode graphs)
+    and write their output into ``[:T, :hidden_size]``; their logits are over the whole vocabulary."""
+
+    layer: int  # the checkpoint's layer index of the MTP module (the target's num_hidden_layers)
 
 
 @dataclass(frozen=True)
@@ -248,6 +265,7 @@ class Manifest(JsonRecord):
     # [rows, len(aux_layers) * hidden] float32 (CompileOptions.aux_layers; None: no such input)
     aux_layers: tuple[int, ...] | None = None
     eagle3: Eagle3Spec | None = None  # an EAGLE-3 head's artifact (its graphs' hidden-state buffer)
+    mtp: MtpSpec | None = None  # a DeepSeek MTP layer's artifact (likewise, one stream)
 
     SHARED_GRAPH: ClassVar[str] = "model"
     # The shared graph traced for token trees (its inputs with "tree_mask"; logits at every token):
@@ -263,10 +281,13 @@ class Manifest(JsonRecord):
     @property
     def aux_width(self) -> int:
         """Columns of the hidden-state buffer the graphs take last (0: none): a target's streams at
-        ``aux_layers``, or an EAGLE-3 head's input and output (:class:`Eagle3Spec`)."""
+        ``aux_layers``, or an EAGLE-3 head's or MTP layer's input and output (:class:`Eagle3Spec`,
+        :class:`MtpSpec`)."""
         hidden = int(self.model["hidden_size"])
         if self.eagle3 is not None:
             return max(3 * self.eagle3.target_hidden_size, hidden)
+        if self.mtp is not None:
+            return hidden
         return len(self.aux_layers or ()) * hidden
 
     @property
@@ -305,6 +326,8 @@ class Manifest(JsonRecord):
             yield f"'graphs.{self.TREE_GRAPH}.inputs' lack 'tree_mask'"
         if self.draft is not None and self.draft.kind not in DraftSpec.KINDS:
             yield f"'draft.kind' is {self.draft.kind!r}, not one of {', '.join(DraftSpec.KINDS)}"
+        if self.eagle3 is not None and self.mtp is not None:
+            yield "'eagle3' and 'mtp' are both set; a head artifact is one or the other"
         for rel, entry in self.files.items():
             key = fmt.CHECKED_BY_KEY if fmt.is_weight_data(rel) else fmt.HASH_KEY
             if getattr(entry, key) is None:

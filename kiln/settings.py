@@ -237,7 +237,8 @@ _ALL: tuple[Setting, ...] = (
        choices=("auto", "nccl"), when="engine start"),
     _s("speculative", "run", "choice", "auto",
        "Speculative decoding (lossless): draft = each decode step verifies up to --num-draft-tokens tokens "
-       "drafted by the artifact's draft model or EAGLE-3 head (kiln compile --draft-model / --eagle3); "
+       "drafted by the artifact's draft model, EAGLE-3 head or DeepSeek MTP layer (kiln compile "
+       "--draft-model / --eagle3 / --mtp); "
        "ngram = drafted from the request's own prompt and output (prompt lookup); auto = draft if the "
        "artifact has a draft, else off. Requests with penalties or structured outputs decode without it.",
        env="KILN_SPECULATIVE",

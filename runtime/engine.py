@@ -18,7 +18,7 @@ import torch
 
 from kiln import gc_paused, settings
 from kiln.errors import KilnError
-from kiln.manifest import Manifest, VerifySpec
+from kiln.manifest import DraftSpec, Manifest, VerifySpec
 from kiln.runtime.detokenizer import prepare as prepare_detokenizer
 from kiln.runtime.grammar import GrammarCompiler, GrammarError, Matcher, StructuredOutputs
 from kiln.runtime.kv_pool import BlockTable, KVPool, size_for_memory
@@ -117,13 +117,14 @@ def _kv_bytes(opts: EngineOptions, device: torch.device, kv_bytes_per_token: int
 
 def _spec_mode(setting: str, m: Manifest) -> str:
     """The ``speculative`` setting resolved for an artifact: ``auto`` is ``draft`` when it has a
-    draft (a draft model or an EAGLE-3 head), else ``off``; ``draft`` without one is refused."""
+    draft (a draft model, an EAGLE-3 head or a DeepSeek MTP layer), else ``off``; ``draft`` without
+    one is refused."""
     if setting == "auto":
         return "draft" if m.draft is not None else "off"
     if setting == "draft" and m.draft is None:
         raise KilnError(
-            "--speculative draft: this artifact has no draft model; compile it with --draft-model or "
-            "--eagle3, or use --speculative ngram"
+            "--speculative draft: this artifact has no draft model; compile it with --draft-model, "
+            "--eagle3 or --mtp (DeepSeek-V3), or use --speculative ngram"
         )
     return setting
 
@@ -293,7 +294,8 @@ class Engine:
             pool = KVPool.for_spec(draft.artifact.manifest.kv, slots, self.device)
             common = (draft, pool, self.bt, self.settings["num_draft_tokens"], m.vocab_size, opts.cuda_graph)
             eos = tuple(sorted(m.eos_token_ids))
-            if m.draft is not None and m.draft.kind == "eagle3":  # the target's streams at aux_layers
+            # an EAGLE-3 head or MTP layer: the target's streams at aux_layers (one drafter for both)
+            if m.draft is not None and m.draft.kind in DraftSpec.HEADS:
                 self.drafter = Eagle3Drafter(*common, self.runner.aux_args[0], self.stager, eos)
             else:
                 self.drafter = DraftModel(*common, eos)

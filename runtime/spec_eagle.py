@@ -1,6 +1,10 @@
 """Drafts from an EAGLE-3 head compiled into the artifact (``kiln compile TARGET --eagle3 HEAD``;
 docs/speculative.md section 4): the draft source of ``--speculative draft`` (``auto``) on an artifact
-whose ``manifest.draft.kind`` is ``"eagle3"``.
+whose ``manifest.draft.kind`` is ``"eagle3"``, and likewise of one whose draft is a DeepSeek-V3 MTP
+layer (``kiln compile TARGET --mtp``, kind ``"mtp"``): its graphs keep the same protocol over one
+stream, the target's last decoder layer output (``manifest.aux_layers == (L,)``, ``3 H`` below
+reads ``H``), which its graph puts through the target's final norm where an EAGLE-3 head fuses
+its three through ``fc``.
 
 The head is one decoder layer with its own one-layer KV pool (as many slots as the target's,
 addressed through the target's block table, as a draft model's). Its position ``p`` reads token
@@ -52,8 +56,8 @@ if TYPE_CHECKING:
 
 
 class Eagle3Drafter(DraftModel):
-    """The EAGLE-3 draft source (module docstring) over the head's runner and the target's aux
-    buffer ``target_hidden`` (``ModelRunner.aux_args[0]``: ``[rows, 3 H]``)."""
+    """The EAGLE-3 (or MTP) draft source (module docstring) over the head's runner and the target's
+    aux buffer ``target_hidden`` (``ModelRunner.aux_args[0]``: ``[rows, 3 H]``, MTP ``[rows, H]``)."""
 
     SHIFT = 1  # a chain step feeds draft i at position start - 2 + i
 
@@ -75,11 +79,11 @@ class Eagle3Drafter(DraftModel):
             model, pool, block_table, num_draft_tokens, target_vocab, cuda_graph, eos_token_ids, aux_rows=rows
         )
         (self.hidden,) = self.runner.aux_args  # the head graphs' input and output
-        self.width = target_hidden.shape[1]  # 3 H of the target: the fused input
+        self.width = target_hidden.shape[1]  # 3 H of the target (MTP: H): the fused input
         if self.hidden.shape[1] < self.width:
             raise ValueError(
-                f"the EAGLE-3 head reads {self.hidden.shape[1]} hidden columns, the target hands out "
-                f"{self.width}; recompile the artifact with --eagle3"
+                f"the draft head reads {self.hidden.shape[1]} hidden columns, the target hands out "
+                f"{self.width}; recompile the artifact with --eagle3 or --mtp"
             )
         self.target_hidden = target_hidden
         self.hidden_size = int(model.artifact.manifest.model["hidden_size"])  # the head's output columns

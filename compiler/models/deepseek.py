@@ -20,10 +20,10 @@ DeepSeek-V3's official block-FP8 checkpoints (``--quant fp8-block``) keep their 
 the dense linears and, where each rank's expert slice is a multiple of 128 (V3: 2048 / etp), in the
 routed experts too (``kiln::fused_moe`` with block scales); the shared experts are a block-FP8 MLP.
 
-The next-token-prediction (MTP) layers
-of DeepSeek-V3 (``num_nextn_predict_layers``) are not part of this model: the pack leaves them out
-(layers past ``num_hidden_layers``, compiler/mappings.py ``nextn``) until speculative decoding
-serves them.
+The next-token-prediction (MTP) layer of DeepSeek-V3 (``num_nextn_predict_layers``) is not part
+of this model: its pack leaves it out (layers past ``num_hidden_layers``, compiler/mappings.py
+``nextn``). ``kiln compile --mtp`` compiles it as a draft head of its own (compiler/models/mtp.py,
+its decoder layer built by :func:`deepseek_layer`).
 
 Not folded into the residual-stream layout (compiler/norm_folds.py refuses MLA layers): every graph
 runs the add+norm kernels.
@@ -33,11 +33,34 @@ from __future__ import annotations
 
 import torch
 
-from kiln.compiler.config import ConfigError
+from kiln.compiler.config import ConfigError, ModelConfig
 from kiln.compiler.mla_layer import MLAAttention
 from kiln.compiler.models.base import DecoderLayer, dense_mlp
 from kiln.compiler.models.moe import MoEForCausalLM
 from kiln.compiler.moe_layer import FusedMoE, MoEDecoderLayer
+
+
+def deepseek_layer(
+    cfg: ModelConfig,
+    i: int,
+    dtype: torch.dtype,
+    tp: int,
+    quant: str | None,
+    ep: int = 1,
+    kv_layer: int | None = None,
+) -> DecoderLayer:
+    """Checkpoint layer ``i`` of a DeepSeek-V2/V3 config (module docstring): MLA attention over KV
+    cache layer ``kv_layer`` (default ``i``; an MTP layer's own one-layer cache: 0), the dense MLP
+    in the first ``first_k_dense_replace`` layers, else DeepSeek's MoE."""
+    if cfg.qkv_bias:
+        raise ConfigError(
+            f"config.json field 'attention_bias' is true; kiln's MLA ({cfg.architecture}) has no "
+            "attention biases (DeepSeek's checkpoints have none). Set it to false."
+        )
+    attn = MLAAttention(cfg, i if kv_layer is None else kv_layer, dtype, tp, quant)
+    if not cfg.is_moe_layer(i):  # the first first_k_dense_replace layers
+        return DecoderLayer(cfg, attn, dense_mlp(cfg, dtype, tp, quant), dtype, quant)
+    return MoEDecoderLayer(cfg, attn, FusedMoE(cfg, dtype, tp, quant, ep=ep, float_router=True), dtype, quant)
 
 
 class DeepseekForCausalLM(MoEForCausalLM):
@@ -45,15 +68,4 @@ class DeepseekForCausalLM(MoEForCausalLM):
     forward (the local-expert map with ``--ep``)."""
 
     def make_layer(self, i: int, dtype: torch.dtype, tp: int, quant: str | None) -> DecoderLayer:
-        cfg = self.cfg
-        if cfg.qkv_bias:
-            raise ConfigError(
-                f"config.json field 'attention_bias' is true; kiln's MLA ({cfg.architecture}) has no "
-                "attention biases (DeepSeek's checkpoints have none). Set it to false."
-            )
-        attn = MLAAttention(cfg, i, dtype, tp, quant)
-        if not cfg.is_moe_layer(i):  # the first first_k_dense_replace layers
-            return DecoderLayer(cfg, attn, dense_mlp(cfg, dtype, tp, quant), dtype, quant)
-        return MoEDecoderLayer(
-            cfg, attn, FusedMoE(cfg, dtype, tp, quant, ep=self.ep, float_router=True), dtype, quant
-        )
+        return deepseek_layer(self.cfg, i, dtype, tp, quant, self.ep)

@@ -22,6 +22,8 @@ and ``embed_tokens.weight`` when the head has its own (else the target's).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -94,17 +96,58 @@ class Eagle3Head(nn.Module):
         return logits.float(), h_out
 
 
-class Eagle3ForCausalLM(Eagle3Head):
-    """The head as its graphs run it (compiler/eagle3.py; the artifact's ``manifest.eagle3``):
-    ``forward(input_ids, ctx)`` reads its hidden input from ``ctx.aux_hidden`` (``[rows, W]``
-    float32): with :attr:`fused` (the shared graph: a catch-up over the target's streams) the first
-    ``3 target_hidden`` columns of rows ``0 .. T - 1`` through ``fc``, else (the decode graphs: a
-    chain step) the first ``H`` columns, the head's own previous output; it writes ``h_out`` into
-    the first ``H`` columns of rows ``0 .. T - 1`` (kiln::save_hidden, after the read). Its logits
-    are over the target's ``target_vocab`` ids, float32: draft id ``i``'s at target id
-    ``i + d2t[i]`` (``d2t`` packed as float32: exact below 2^24), ``-inf`` at the ids the head
-    cannot draft. Without ``d2t`` (a head over the whole vocabulary) the draft ids are the
-    target's."""
+class AuxHeadGraph(nn.Module):
+    """A draft head as its graphs run it, over the hidden-state buffer ``ctx.aux_hidden`` (``[rows,
+    W]`` float32; runtime/spec_eagle.py): ``forward(input_ids, ctx)`` reads its hidden input there:
+    with :attr:`fused` (the shared graph: a catch-up over the target's streams) the first
+    :attr:`width` columns of rows ``0 .. T - 1`` through :meth:`fuse`, else (the decode graphs: a
+    chain step) the first :attr:`hidden` columns, the head's own previous output; runs
+    :meth:`layer`; writes its output into the first :attr:`hidden` columns of rows ``0 .. T - 1``
+    (kiln::save_hidden, after the read) and returns :meth:`place` of its logits. The EAGLE-3 head
+    (:class:`Eagle3ForCausalLM`) and DeepSeek's MTP layer (compiler/models/mtp.py) are two."""
+
+    hidden: int  # H: the head's output columns
+    width: int  # the fused input's columns (the target's streams)
+    dtype: torch.dtype
+    fused: bool = True  # the compiler sets it per graph
+
+    def fuse(self, x: torch.Tensor) -> torch.Tensor:
+        """The target's streams ``[T, width]`` -> the layer's hidden input ``[T, H]``."""
+        return x
+
+    if TYPE_CHECKING:  # each head's own (a base method here would come first in a mixed-in MRO)
+
+        def layer(
+            self, input_ids: torch.Tensor, h: torch.Tensor, ctx: ForwardContext
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            """``(logits [N, V] f32 at ctx.logits_indices, h_out [T, H])`` from the hidden input."""
+            ...
+
+    def place(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits over the target's ids."""
+        return logits
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        aux = ctx.aux_hidden
+        assert aux is not None, "a draft head's graphs take the aux_hidden buffer"
+        # rows 0 .. T - 1 gathered, not sliced: a slice would guard the buffer's (dynamic) rows
+        rows = torch.arange(input_ids.shape[0], device=aux.device)
+        if self.fused:
+            h = self.fuse(aux[:, : self.width].index_select(0, rows).to(self.dtype))
+        else:
+            h = aux[:, : self.hidden].index_select(0, rows).to(self.dtype)
+        logits, h_out = self.layer(input_ids, h, ctx)
+        torch.ops.kiln.save_hidden(aux, h_out.float(), 0)
+        return self.place(logits)
+
+
+class Eagle3ForCausalLM(AuxHeadGraph, Eagle3Head):  # type: ignore[misc]
+    """The head as its graphs run it (compiler/eagle3.py; the artifact's ``manifest.eagle3``;
+    :class:`AuxHeadGraph`): the fused input is the target's three streams, ``3 target_hidden``
+    columns, through ``fc``. Its logits are over the target's ``target_vocab`` ids, float32: draft
+    id ``i``'s at target id ``i + d2t[i]`` (``d2t`` packed as float32: exact below 2^24), ``-inf``
+    at the ids the head cannot draft. Without ``d2t`` (a head over the whole vocabulary) the draft
+    ids are the target's."""
 
     def __init__(
         self,
@@ -115,24 +158,17 @@ class Eagle3ForCausalLM(Eagle3Head):
         dtype: torch.dtype,
         d2t: bool,
     ):
-        super().__init__(cfg, target_hidden, draft_vocab, dtype)
+        super().__init__(cfg, target_hidden, draft_vocab, dtype)  # Eagle3Head's
         self.dtype = dtype
         self.width = 3 * target_hidden
         self.target_vocab = target_vocab
-        self.fused = True  # the compiler sets it per graph
+        self.fused = True
         self.d2t = nn.Parameter(torch.empty(draft_vocab), requires_grad=False) if d2t else None
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # type: ignore[override]
-        aux = ctx.aux_hidden
-        assert aux is not None, "an EAGLE-3 head's graphs take the aux_hidden buffer"
-        # rows 0 .. T - 1 gathered, not sliced: a slice would guard the buffer's (dynamic) rows
-        rows = torch.arange(input_ids.shape[0], device=aux.device)
-        if self.fused:
-            h = self.fc(aux[:, : self.width].index_select(0, rows).to(self.dtype))
-        else:
-            h = aux[:, : self.hidden].index_select(0, rows).to(self.dtype)
-        logits, h_out = self.layer(input_ids, h, ctx)
-        torch.ops.kiln.save_hidden(aux, h_out.float(), 0)
+    def fuse(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+    def place(self, logits: torch.Tensor) -> torch.Tensor:
         if self.d2t is None and logits.shape[1] == self.target_vocab:
             return logits
         ids = torch.arange(logits.shape[1], device=logits.device)
