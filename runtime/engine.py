@@ -254,6 +254,8 @@ class Engine:
             cuda_graph=opts.cuda_graph,
             graph_greedy=self.settings["graph_greedy"],
             num_draft_tokens=drafts,
+            # n-gram trees (tp 1): their verify steps get the tree graph's (B, k) graphs too
+            tree_graphs=self.spec_mode == "ngram" and self.settings["ngram_branches"] > 1 and tp == 1,
         )
         if self.ranks is not None:
             from kiln.runtime.tensor_parallel import BroadcastRunner

@@ -143,12 +143,15 @@ class ModelRunner:
         graph_greedy: bool | None = None,
         num_draft_tokens: int = 0,
         aux_rows: int = 0,
+        tree_graphs: bool = False,
     ):
         """``graph_greedy``: the module docstring's switch (None: the ``graph_greedy`` setting).
         ``num_draft_tokens``: speculative decoding is on with at most this many drafts per request:
         capture the artifact's verify graphs too (:meth:`verify`; the manifest's ``verify``), those
         of the lengths up to the first that holds that many (a step never needs a longer one).
-        ``aux_rows``: the least rows of the aux buffer (:func:`aux_buffer`; else a step's most tokens)."""
+        ``aux_rows``: the least rows of the aux buffer (:func:`aux_buffer`; else a step's most tokens).
+        ``tree_graphs``: token-tree steps run on the artifact's tree graph per ``(B, k)`` verify
+        shape as chains do (captured on a GPU; :meth:`verify`), where it has one."""
         self.m = model
         self.pool = pool
         self.bt = block_table
@@ -186,9 +189,9 @@ class ModelRunner:
         self.last_ids: torch.Tensor | None = None  # [n] int64: the last decode step's argmax ids
         self.ids_in_place = 0  # decode steps whose input ids the previous graph left in place
         self.capture_seconds = 0.0
-        self._init_verify(m.verify if num_draft_tokens else None, num_draft_tokens)
-        # token trees: the artifact's tree graph (run eagerly, :meth:`verify` of a tree step)
+        # token trees: the artifact's tree graph (:meth:`verify` of a tree step)
         self.has_tree_graph = Manifest.TREE_GRAPH in model.graphs
+        self._init_verify(m.verify if num_draft_tokens else None, num_draft_tokens, tree_graphs)
         vrows = self._v64.shape[1] if self._vshapes else 0
         # the aux hidden states of the last step (runtime/model_runner.py aux_buffer), or ()
         self.aux_args = aux_buffer(model, max(m.chunk_size, self.max_batch_size, vrows, aux_rows))
@@ -245,14 +248,16 @@ class ModelRunner:
                 with torch.cuda.graph(g, pool=pool, stream=stream):
                     self._out[b] = self._run_decode_graph(b)
                 self.graphs[b] = g
-            for key in sorted(self._vshapes, reverse=True):
-                self._pad_verify(*key)
-                for _ in range(2):
-                    self._run_verify_graph(*key)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
-                    self._vout[key] = self._run_verify_graph(*key)
-                self.vgraphs[key] = g
+            for tree in (False, True) if self._vtree else (False,):
+                graphs, outs = (self.tgraphs, self._tout) if tree else (self.vgraphs, self._vout)
+                for key in sorted(self._vshapes, reverse=True):
+                    self._pad_verify(*key)
+                    for _ in range(2):
+                        self._run_verify_graph(*key, tree)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool, stream=stream):
+                        outs[key] = self._run_verify_graph(*key, tree)
+                    graphs[key] = g
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
@@ -313,16 +318,20 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------ verify
-    def _init_verify(self, spec: VerifySpec | None, num_draft_tokens: int = 0) -> None:
+    def _init_verify(self, spec: VerifySpec | None, num_draft_tokens: int = 0, trees: bool = False) -> None:
         """Static inputs of the verify graphs (docs/speculative.md section 2), one set for every
-        ``(B, k)``: ids / positions / slots int64 ``[3, B_max * (k_max + 1)]``, rows / lengths int32
-        ``[2, B_max]``, and the constant layout: ``qo_indptr`` steps of ``k + 1``, every token's logits."""
+        ``(B, k)``: ids / positions / slots / tree masks int64 ``[4, B_max * (k_max + 1)]``, rows /
+        lengths int32 ``[2, B_max]``, and the constant layout: ``qo_indptr`` steps of ``k + 1``, every
+        token's logits. ``trees``: the tree graph runs token-tree steps on the same inputs."""
         self._vshapes: tuple[tuple[int, int], ...] = ()
         self.vgraphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._vout: dict[tuple[int, int], torch.Tensor] = {}
+        self.tgraphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # the tree graph's, likewise
+        self._tout: dict[tuple[int, int], torch.Tensor] = {}
+        self._vtree = trees and spec is not None and self.has_tree_graph
         self.verify_steps = {"graph": 0, "eager": 0}  # verify steps by how they ran
         self._vfirst: list[int] = []  # the last verify step's first row of each request (verify_rows)
-        self.tree_verify_steps = 0  # token-tree verify steps (eager, on the tree graph)
+        self.tree_verify_steps = 0  # token-tree verify steps (on the tree graph)
         if spec is None:
             return
         i = bisect.bisect_left(spec.lengths, num_draft_tokens)
@@ -332,14 +341,14 @@ class ModelRunner:
         bmax, kmax = spec.buckets[-1], spec.lengths[-1]
         bmax += -bmax % 4
         tmax = bmax * (kmax + 1)
-        n64 = 3 * tmax * 8
+        n64 = 4 * tmax * 8
         self._vbuf = torch.zeros(n64 + 2 * bmax * 4, dtype=torch.uint8, device=self.device)
         self._vhost = torch.zeros(
             self._vbuf.numel(), dtype=torch.uint8, pin_memory=self.device.type == "cuda"
         )
-        self._v64 = self._vbuf[:n64].view(torch.int64).view(3, tmax)
+        self._v64 = self._vbuf[:n64].view(torch.int64).view(4, tmax)
         self._v32 = self._vbuf[n64:].view(torch.int32).view(2, bmax)
-        self._vh64 = self._vhost[:n64].numpy().view(np.int64).reshape(3, tmax)
+        self._vh64 = self._vhost[:n64].numpy().view(np.int64).reshape(4, tmax)
         self._vh32 = self._vhost[n64:].numpy().view(np.int32).reshape(2, bmax)
         steps = torch.arange(bmax + 1, dtype=torch.int32, device=self.device)
         self._vindptr = {k: steps * (k + 1) for k in spec.lengths}
@@ -370,15 +379,19 @@ class ModelRunner:
 
     def _pad_verify(self, b: int, k: int) -> None:
         """Every row of the ``(b, k)`` shape a padding request: block-table row 0, slot 0, its
-        ``k + 1`` tokens at positions 0.. (valid and harmless; before a capture)."""
+        ``k + 1`` tokens at positions 0.., each a tree node that sees itself (valid and harmless;
+        before a capture)."""
         t = b * (k + 1)
         self._v64[:, :t].zero_()
+        self._v64[3, :t] = 1 << (self._vrows[:t] % (k + 1))
         self._v32[0, :b].zero_()
         self._v32[1, :b].fill_(k + 1)
 
-    def _run_verify_graph(self, b: int, k: int) -> torch.Tensor:
+    def _run_verify_graph(self, b: int, k: int, tree: bool = False) -> torch.Tensor:
         t = b * (k + 1)
-        return self.m.graphs["model"](
+        mask = (self._v64[3, :t],) if tree else ()  # compiler/context.py TREE_INPUTS
+        graph = self.m.graphs[Manifest.TREE_GRAPH if tree else Manifest.SHARED_GRAPH]
+        return graph(
             self.m.weights,
             self.m.cos_sin,
             self.pool.k_cache,
@@ -392,6 +405,7 @@ class ModelRunner:
             self._vindptr[k][: b + 1],
             self._vrows[:t],
             *self.pool.scale_args,
+            *mask,
             *self.aux_args,
         )
 
@@ -405,8 +419,9 @@ class ModelRunner:
         on a GPU): each request's chunk padded to ``k + 1`` tokens whose K/V go to slot 0 (the sink)
         at its last real position, padding requests on block-table row 0. Else the extend graph,
         eagerly, with logits at every new token. A step of token trees (``step.tree_mask``: the
-        new tokens are each request's tree nodes in index order) runs the tree graph eagerly, row
-        ``[b, j]`` then node ``j``'s."""
+        new tokens are each request's tree nodes in index order) runs the tree graph, row ``[b, j]``
+        then node ``j``'s: on its ``(B, k)`` graph when the runner has them (``tree_graphs``; a
+        padding node sees only itself), else eagerly."""
         assert step.extend_lens is not None
         self.last_ids = None
         ext = step.extend_lens
@@ -414,10 +429,9 @@ class ModelRunner:
         tree = step.tree_mask is not None
         if tree and not self.has_tree_graph:
             raise ValueError(f"a token-tree verify step, but the artifact has no {Manifest.TREE_GRAPH} graph")
-        shape = None if tree else self.verify_shape(step)
-        if tree:
-            self.tree_verify_steps += 1
-        elif shape is None:
+        shape = self.verify_shape(step) if self._vtree or not tree else None
+        self.tree_verify_steps += tree
+        if shape is None:
             self.verify_steps["eager"] += 1
         if shape is None:
             indptr = np.concatenate([[0], np.cumsum(ext)])
@@ -451,18 +465,23 @@ class ModelRunner:
             h64[row, : n * (k + 1)] = np.asarray(vals, dtype=np.int64)[src]
         pad = (np.arange(k + 1)[None, :] >= e[:, None]).reshape(-1)
         h64[2, : n * (k + 1)][pad] = 0  # padding tokens' K/V into the sink slot
-        h64[:, n * (k + 1) : t] = 0
+        h64[:3, n * (k + 1) : t] = 0
+        if step.tree_mask is not None:
+            # real nodes their masks, padding nodes (and padding requests) themselves alone
+            h64[3, :t] = 1 << (np.arange(t) % (k + 1))
+            h64[3, : n * (k + 1)][~pad] = step.tree_mask
         h32[0, :n] = step.req_rows
         h32[1, :n] = np.asarray(step.seq_lens) - e + k + 1
         h32[0, n:b] = 0
         h32[1, n:b] = k + 1
         self._vbuf.copy_(self._vhost, non_blocking=True)
         self.bt.flush()
-        if shape in self.vgraphs:
-            self.vgraphs[shape].replay()
-            logits = self._vout[shape]
+        graphs, outs = (self.tgraphs, self._tout) if tree else (self.vgraphs, self._vout)
+        if shape in graphs:
+            graphs[shape].replay()
+            logits = outs[shape]
         else:
-            logits = self._run_verify_graph(b, k)
+            logits = self._run_verify_graph(b, k, tree)
         return logits[:t].view(b, k + 1, -1)[:n, :p]
 
     def verify_rows(self) -> list[int]:
@@ -489,12 +508,13 @@ class ModelRunner:
         """Free the captured decode graphs (their replays fall back to eager runs). A tensor-parallel
         rank calls it before leaving its NCCL group: a communicator whose collectives a live CUDA
         graph holds never finishes ``ncclCommDestroy`` (the process hung at exit on the H200 pair)."""
-        if self.graphs or self.vgraphs:
+        if self.graphs or self.vgraphs or self.tgraphs:
             torch.cuda.synchronize(self.device)
-            for g in [*self.graphs.values(), *self.vgraphs.values()]:
+            for g in [*self.graphs.values(), *self.vgraphs.values(), *self.tgraphs.values()]:
                 g.reset()
             self.graphs.clear()
             self.vgraphs.clear()
+            self.tgraphs.clear()
         self.use_cuda_graph = False
 
     def forward(

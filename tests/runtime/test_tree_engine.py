@@ -194,6 +194,55 @@ def test_kv_after_tree_steps_equals_plain_decoding(succ):
         torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-5)
 
 
+def _compare_tree_paths(art, prompts, device: str, tol: float) -> None:
+    """One tree verify step of three requests (a branching tree, no drafts, a chain: the (4, 6)
+    shape with padding nodes and a padding request) on the tree graph's (B, k) verify graph (a
+    CUDA-graph replay on a GPU) and on the tree graph run eagerly: the same logits at every node."""
+    llm = LLM(
+        str(art), device=device, speculative="ngram", num_draft_tokens=K, ngram_branches=3, kv_memory_gib=0.25
+    )
+    eng = llm.engine
+    assert eng.runner._vtree  # tree steps take the (B, k) graphs
+    for i, p in enumerate(prompts[:3]):
+        eng.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), rid=f"r{i}")
+    while not all(r.output_ids for r in eng.scheduler.running) or len(eng.scheduler.running) < 3:
+        eng.step()
+    reqs = list(eng.scheduler.running)
+    trees = [TreeDraft((11, 12, 13, 14), (0, 0, 1, 2)), TreeDraft((), ()), TreeDraft((15,), (0,))]
+    eng.scheduler.reserve_drafts(reqs, [list(t.tokens) for t in trees])
+    step = eng.scheduler.tree_verify_inputs(reqs, trees)
+    runner = eng.runner
+    assert runner.verify_shape(step) == (4, 6)
+    assert (4, 6) in runner.tgraphs or device == "cpu"
+    graph = runner.verify(step).clone()
+    runner._vtree = False  # the tree graph eagerly, as for a step no verify graph holds
+    eager = runner.verify(step)
+    assert graph.shape == eager.shape == (3, 5, eng.vocab_size)
+    for b, t in enumerate(trees):
+        torch.testing.assert_close(graph[b, : t.size], eager[b, : t.size], rtol=tol, atol=tol)
+    assert runner.verify_steps == {"graph": 1, "eager": 1} and runner.tree_verify_steps == 2
+
+
+def test_tree_step_on_its_verify_graph_equals_the_eager_tree_graph(tiny):
+    art, prompts = tiny
+    _compare_tree_paths(art, prompts, "cpu", 1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_tree_step_replay_equals_the_eager_tree_graph(tmp_path):
+    """The same on the GPU: the tree graph captured per (B, k) and replayed."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; this machine has none (run on the H200)")
+    make_tiny(tmp_path / "hf", "qwen3-qknorm", seed=5, eos=None)
+    opts = CompileOptions(
+        device="cuda", dtype="float32", max_batch_size=4, max_seq_len=160, chunk_size=64, verify_lengths="6"
+    )
+    compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (21, 9, 30)]
+    _compare_tree_paths(tmp_path / "art", prompts, "cuda", 1e-4)
+
+
 # ----------------------------------------------------------------- random model: exact outputs
 
 
@@ -214,6 +263,7 @@ def test_greedy_identical(tiny, batch):
     ts = eng.stepper.tree_stats
     assert ts["steps"] > 0 and ts["branching"] > 0 and eng.spec_stats.accepted > 0, ts
     assert eng.runner.tree_verify_steps == ts["steps"]
+    assert eng.runner.verify_steps["eager"] == 0  # tree and chain steps on the (B, k) graphs
     m = eng.step_metrics()
     assert m["all"]["prefill_tokens"] == sum(len(p) for p in prompts[:batch])  # no token prefilled twice
 
