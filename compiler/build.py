@@ -708,7 +708,8 @@ def _warm_up(
 def _tree_shapes(verify: VerifySpec | None) -> list[tuple[int, int]]:
     """``(batch, tokens)`` the token-tree graph is warmed up at: one request of the shortest and of
     the longest verify length, two requests of the shortest, and the largest verify batch at the
-    longest (T of each Triton value class: 1 mod 16 aside, the runtime's tree steps are eager)."""
+    longest (T of each Triton value class, 1 mod 16 aside: the runtime runs tree steps on these
+    verify shapes' captured graphs, or eagerly at any T when none holds the step)."""
     if verify is None:
         return []
     k0, k1, bmax = verify.lengths[0], verify.lengths[-1], verify.buckets[-1]
