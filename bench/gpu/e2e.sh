@@ -41,7 +41,10 @@
 #                        "default:;mixed:--mixed-steps"; TP_HF goes with the first
 #   STARTUP=0            >0: `kiln bench startup --runs N` (process start to first token, by phase);
 #                        STARTUP_ARGS: more of its flags, e.g. "--imports 15" (the costliest imports)
-#   PROFILE=             batch sizes, e.g. 1,64: bench/gpu/profile_decode.py (GPU time per kernel)
+#   PROFILE=             batch sizes, e.g. 1,64: bench/gpu/profile_decode.py (GPU time per kernel);
+#                        PROFILE_ARGS: more of its flags, e.g. "--drafts 0,4,8" (verify steps' kernels)
+#                        or, with SUCCESSOR=1, "--engine-ngram 4" (whole speculative engine steps:
+#                        wall, GPU kernel time and host parts per step)
 #   TIMELINE=            a batch size, e.g. 1: bench/gpu/replay_timeline.py (a replay's critical path)
 #   ACCURACY=0           >0: `kiln bench accuracy` of the artifact over that many sequences of ACC_SEQLEN=512
 #                        tokens against a reference build of the same checkpoint, compiled with
@@ -125,7 +128,9 @@ if [ "$STARTUP" -gt 0 ]; then
   show startup.log "ready|first token|phases" 4; stamp startup
 fi
 if [ -n "$PROFILE" ]; then
-  step profile.log 200 python bench/gpu/profile_decode.py "$ART" --batch-sizes "$PROFILE" --json "$RAW/profile.json"
+  # shellcheck disable=SC2086  # flags, split on purpose
+  step profile.log 200 python bench/gpu/profile_decode.py "$ART" --batch-sizes "$PROFILE" --json "$RAW/profile.json" \
+    $PROFILE_ARGS
   show profile.log "." 30; stamp profile
 fi
 if [ -n "$TIMELINE" ]; then
@@ -145,4 +150,4 @@ if [ "$ACCURACY" -gt 0 ]; then
   show accuracy.log "." 12; stamp accuracy
 fi
 call_end e2e.sh PRESET LAYERS CKPT_WORK DTYPE QUANT SUCCESSOR DRAFT COMPILE_ARGS REUSE BATCHES INLEN OUTLEN KV LAT_ARGS HF VARIANTS ROUNDS \
-  NPROMPTS TP_INLEN TP_OUTLEN TP_VARIANTS TP_HF STARTUP STARTUP_ARGS PROFILE TIMELINE ACCURACY ACC_SEQLEN ACC_REF_ARGS GPU_TESTS BUDGET
+  NPROMPTS TP_INLEN TP_OUTLEN TP_VARIANTS TP_HF STARTUP STARTUP_ARGS PROFILE PROFILE_ARGS TIMELINE ACCURACY ACC_SEQLEN ACC_REF_ARGS GPU_TESTS BUDGET

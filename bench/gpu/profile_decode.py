@@ -10,19 +10,25 @@ the last profiled step in launch order (duration and the gap or overlap to the p
 end), which tells one layer's GEMVs (qkv, o, router) apart. ``--drafts K`` profiles speculative
 verify steps instead (each request's newest token and K random drafts, the eager extend graph that
 the verify CUDA graphs capture), to set beside the decode step of the same call.
+``--engine-ngram K`` profiles whole engine steps instead (``eng.step()`` with n-gram speculation of
+K drafts on prompts that hold their continuation, :func:`kiln.runtime.benchmark.cycle_prompts`: on
+a successor checkpoint every step is a verify step), CUDA graphs and overlap as served: per step its
+wall time, the GPU's kernel time and the host parts (``Engine.host_breakdown``), so the time a
+verify step spends outside its forward shows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kiln import LLM, SamplingParams
-from kiln.runtime.benchmark import random_prompts
+from kiln.runtime.benchmark import cycle_prompts, random_prompts
 
 
 def main() -> None:
@@ -36,7 +42,17 @@ def main() -> None:
     ap.add_argument(
         "--drafts", default="0", help="comma list of K: 0 a decode step, K > 0 a verify step of K drafts"
     )
+    ap.add_argument(
+        "--engine-ngram", type=int, default=0, help="K > 0: whole engine steps, n-gram drafts of K"
+    )
     a = ap.parse_args()
+    if a.engine_ngram:
+        result = {str(b): profile_engine_steps(a.artifact, b, a.context, a.steps, a.engine_ngram)
+                  for b in (int(x) for x in a.batch_sizes.split(","))}  # fmt: skip
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     # no overlap: a verify step reads each request's newest token, which an overlapped step leaves
     # in flight (the kernels' durations are the same either way)
     llm = LLM(a.artifact, cuda_graph=False, kv_memory_gib=40, overlap=False)
@@ -97,6 +113,54 @@ def profile_decode_steps(
             run()
         torch.cuda.synchronize()
     return prof
+
+
+def profile_engine_steps(
+    artifact: str, batch: int, context: int, steps: int, k: int, kv_gib: float = 40
+) -> dict:
+    """``steps`` engine steps of ``batch`` greedy requests on cycle prompts of ``context`` tokens
+    with n-gram drafts of ``k`` (after two warm steps), under torch.profiler: per step the wall
+    time, the GPU kernel time and the host parts, and the costliest kernels."""
+    llm = LLM(artifact, kv_memory_gib=kv_gib, speculative="ngram", num_draft_tokens=k)
+    eng = llm.engine
+    out_len = (steps + 4) * (k + 1)
+    prompts = cycle_prompts(llm, batch, max(context, 2 * out_len + 1), out_len)
+    for p in prompts:
+        eng.add_request(p, SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True))
+    while any(r.prefilling for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    for _ in range(2):
+        eng.step()
+    hb = eng.host_breakdown
+    before, verified = dict(hb), eng.spec_stats.steps
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    per: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name] += e.device_time / steps
+    parts = {name: 1e3 * (hb[name] - before[name]) / steps for name in hb}
+    out = {
+        "wall_ms_per_step": 1e3 * wall / steps,
+        "gpu_kernel_ms_per_step": sum(per.values()) / 1e3,
+        "host_ms_per_step_by_part": parts,
+        "verify_steps": eng.spec_stats.steps - verified,
+        "top": sorted(per.items(), key=lambda kv: -kv[1])[:20],
+    }
+    print(
+        f"\nbatch {batch}, n-gram k {k}: {out['verify_steps']} of {steps} steps verified; wall "
+        f"{out['wall_ms_per_step']:.3f} ms a step, GPU kernels {out['gpu_kernel_ms_per_step']:.3f} ms; "
+        "host parts (ms): " + ", ".join(f"{n} {v:.3f}" for n, v in parts.items())
+    )
+    for name, us in out["top"]:
+        print(f"  {us:9.1f} us  {name[:90]}")
+    eng.run_until_done()
+    return out
 
 
 def _sequence(prof, steps: int, n: int) -> list[tuple[str, float, float]]:
