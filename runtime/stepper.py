@@ -387,7 +387,9 @@ class Stepper:
         if trees is not None:
             out = self._verify_trees(rows3_s, sreqs, [trees[i] for i in spec_i], P)
         else:
-            db = DraftBatch.from_lists([drafts[i] for i in spec_i], self.device, max_len=P - 1)
+            db = DraftBatch.from_lists(
+                [drafts[i] for i in spec_i], self.device, max_len=P - 1, stager=self.stager
+            )
             if probs is not None:
                 db = DraftBatch(db.ids, db.lens, probs[:, : P - 1])
             spec = SpecSampling.build(
@@ -399,6 +401,7 @@ class Stepper:
                 self.device,
                 eos_token_ids=self.eos_token_ids,
                 with_uniforms=db.probs is not None,
+                stager=self.stager,
             )
             out = verify(rows3_s, db, spec, self.sampler)
         if not blocked:
