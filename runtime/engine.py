@@ -247,6 +247,9 @@ class Engine:
             )
         if spec_on:
             self._check_verify(m.verify)
+        # n-gram draft trees (ngram_branches > 1; tp 1, an artifact with the tree graph): their verify
+        # steps get the tree graph's (B, k) graphs too
+        trees = self.spec_mode == "ngram" and self.settings["ngram_branches"] > 1 and self._trees_possible(tp)
         self.runner = ModelRunner(
             self.model,
             self.pool,
@@ -254,8 +257,7 @@ class Engine:
             cuda_graph=opts.cuda_graph,
             graph_greedy=self.settings["graph_greedy"],
             num_draft_tokens=drafts,
-            # n-gram trees (tp 1): their verify steps get the tree graph's (B, k) graphs too
-            tree_graphs=self.spec_mode == "ngram" and self.settings["ngram_branches"] > 1 and tp == 1,
+            tree_graphs=trees,
         )
         if self.ranks is not None:
             from kiln.runtime.tensor_parallel import BroadcastRunner
@@ -308,12 +310,11 @@ class Engine:
                 ngram_min=self.settings["ngram_min"],
                 branches=self.settings["ngram_branches"],
             )
-            if ngram.branches > 1 and not self._trees_possible(tp):
+            if not trees:
                 ngram = replace(ngram, branches=1)
             self.drafter = NgramDrafter(ngram)
         spec = None
         if self.drafter is not None:
-            trees = isinstance(self.drafter, NgramDrafter) and self.drafter.cfg.branches > 1
             spec = SpecParts(
                 self.drafter, self.spec_stats, m.verify.buckets[-1] if m.verify else None, trees=trees
             )
@@ -436,7 +437,7 @@ class Engine:
         why = None
         if tp > 1:
             why = f"tree verification runs at tp 1 only (this artifact has tp {tp})"
-        elif not self.runner.has_tree_graph:
+        elif Manifest.TREE_GRAPH not in self.model.graphs:
             why = (
                 f"this artifact has no {Manifest.TREE_GRAPH} graph (compile it with --verify-lengths, "
                 "e.g. 4,8; MLA and sliding-window models have none)"

@@ -433,7 +433,6 @@ class ModelRunner:
         self.tree_verify_steps += tree
         if shape is None:
             self.verify_steps["eager"] += 1
-        if shape is None:
             indptr = np.concatenate([[0], np.cumsum(ext)])
             logits = run_extend_graph(
                 self.m,

@@ -21,8 +21,9 @@ only where they cannot verify: batches above the artifact's verify graphs (:meth
 
 Token trees (``SpecParts.trees``: ``ngram_branches`` > 1 on an artifact with the tree graph, tp 1):
 the n-gram drafter proposes a tree per request (runtime/spec_tree.py ``ngram_tree``); a step in
-which some tree branches runs every request's tree (chains as chain-shaped trees) eagerly on the
-tree graph (positions ``kv_len + depth``, slots ``kv_len + node``, ``tree_mask``), picks the tokens
+which some tree branches runs every request's tree (chains as chain-shaped trees) on the tree graph
+(its (B, k) CUDA graph where one holds the step; positions ``kv_len + depth``, slots ``kv_len +
+node``, ``tree_mask``), picks the tokens
 with :func:`~kiln.runtime.spec_tree.verify_tree` and moves the accepted path's K/V to ``kv_len + d``
 (:meth:`Stepper._move_accepted`) before the engine applies them as for chains; a step whose trees
 are all chains runs as a chain step (the verify graphs; the same tokens).
@@ -540,7 +541,7 @@ class Stepper:
             step = sched.tree_verify_inputs(reqs, trees)
             ts = self.tree_stats
             ts["steps"] += 1
-            ts["branching"] += any(branching(t) for t in trees)
+            ts["branching"] += 1  # trees is None when no tree branches
             ts["nodes"] += n_tok - len(reqs)
         else:
             step = sched.verify_inputs(reqs, drafts)
