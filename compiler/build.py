@@ -251,8 +251,21 @@ def _norm_folds(model: torch.nn.Module, fold: bool, verbose: bool) -> dict[str, 
     return folds
 
 
-def _graph_entry(name: str, batch: int | None, cache: CacheSpec, **kw: Any) -> GraphEntry:
-    return GraphEntry(file=f"graphs/{name}.pt2", inputs=_inputs(cache), batch=batch, **kw)
+def _graph_entry(name: str, batch: int | None, cache: CacheSpec, tree: bool = False, **kw: Any) -> GraphEntry:
+    """The manifest entry of graph ``name``: its inputs after the weights (compiler/context.py
+    ``graph_inputs``; ``tree``: with the token-tree mask)."""
+    inputs = graph_inputs(cache.dtype, aux=cache.aux_width > 0, tree=tree)
+    return GraphEntry(file=f"graphs/{name}.pt2", inputs=inputs, batch=batch, **kw)
+
+
+def _export_dynamic(
+    model: torch.nn.Module, weights: dict[str, torch.Tensor], ex: dict[str, Any], opts: CompileOptions
+) -> Any:
+    """A graph over dynamic tokens and requests (the shared graph, the token-tree graph, a draft
+    head's catch-up graph): up to ``opts.max_tokens`` tokens of ``opts.max_batch_size`` requests."""
+    return export_graph(
+        model, weights, ex, opts.page_size, max_tokens=opts.max_tokens, max_batch=max(opts.max_batch_size, 2)
+    )
 
 
 def _trees_traceable(cfg: ModelConfig, opts: CompileOptions) -> bool:
@@ -260,11 +273,6 @@ def _trees_traceable(cfg: ModelConfig, opts: CompileOptions) -> bool:
     verify graphs: not for MLA attention (no tree path), sliding windows (refused with trees) or
     tensor-parallel artifacts (tree verification runs at tp 1 only)."""
     return cfg.mla is None and not cfg.sliding_window and opts.tp == 1 and opts.ep == 1
-
-
-def _inputs(cache: CacheSpec) -> tuple[str, ...]:
-    """The graphs' inputs after the weights (compiler/context.py ``graph_inputs``)."""
-    return graph_inputs(cache.dtype, aux=cache.aux_width > 0)
 
 
 KV_DTYPES = ("auto", "fp8")  # --kv-dtype
@@ -435,14 +443,7 @@ def _compile_model(
         programs: dict[str, Any] = {}
         # The shared graph: dynamic tokens and requests; serves prefill and (captured per bucket) decode.
         ex = example_inputs(2, 8, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
-        programs["model"] = export_graph(
-            model,
-            weights,
-            ex,
-            opts.page_size,
-            max_tokens=opts.max_tokens,
-            max_batch=max(opts.max_batch_size, 2),
-        )
+        programs["model"] = _export_dynamic(model, weights, ex, opts)
         graphs["model"] = _graph_entry("model", None, cache, max_tokens=opts.max_tokens)
         # Static decode graphs: every bucket's with "per-bucket"; with folded norms, batch 1's in the
         # residual-stream layout (the shared graph keeps the add+norm kernels, faster from batch 2:
@@ -459,25 +460,13 @@ def _compile_model(
             model.fold_norms = False
         if verify is not None and _trees_traceable(cfg, opts):
             # token trees (speculative tree verification): the shared graph's dynamic shapes with the
-            # tree_mask input, logits at every token; run eagerly by the runtime
+            # tree_mask input, logits at every token; the runtime captures it per verify shape
             ex = example_inputs(
                 2, 8, cache, cfg.rotary_dim, device, max_blocks=max_blocks, every_token=True, tree=True
             )
             name = Manifest.TREE_GRAPH
-            programs[name] = export_graph(
-                model,
-                weights,
-                ex,
-                opts.page_size,
-                max_tokens=opts.max_tokens,
-                max_batch=max(opts.max_batch_size, 2),
-            )
-            graphs[name] = GraphEntry(
-                file=f"graphs/{name}.pt2",
-                inputs=graph_inputs(cache.dtype, aux=cache.aux_width > 0, tree=True),
-                batch=None,
-                max_tokens=opts.max_tokens,
-            )
+            programs[name] = _export_dynamic(model, weights, ex, opts)
+            graphs[name] = _graph_entry(name, None, cache, tree=True, max_tokens=opts.max_tokens)
     with timer.phase("kernels"):
         moe_table = moe_choice["table"] if moe_choice else ""
 

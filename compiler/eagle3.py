@@ -47,6 +47,7 @@ from kiln.compiler.build import (
     PhaseTimer,
     _check_pack_matches,
     _decode_splits,
+    _export_dynamic,
     _graph_entry,
     _kv_spec,
     _rope_spec,
@@ -214,7 +215,6 @@ class HeadBuild:
 
     kind: str  # DraftSpec.kind, and the nested artifact's directory
     cfg: ModelConfig  # the head's config: one layer (its manifest's model, KV cache and RoPE)
-    width: int  # the columns of the target's streams its shared graph fuses
     specs: list[ParamSpec]  # its packed tensors
     skip: tuple[str, ...]  # checkpoint names not packed
     model: Callable[[torch.dtype], AuxHeadGraph]  # the head, built on the meta device
@@ -242,7 +242,6 @@ def compile_eagle3(
     build = HeadBuild(
         kind=EAGLE3_DIR,
         cfg=cfg,
-        width=3 * head.target_hidden,
         specs=param_specs(head, d2t),
         skip=NOT_PACKED,
         model=model,
@@ -287,17 +286,13 @@ def compile_head(head: HeadBuild, out: Path, opts: CompileOptions, verbose: bool
         weights = load_pack(dst / "weights", 0, device, verify=False)
         _check_pack_matches(model, weights)
         kv = _kv_spec(cfg, opts)
-        width = max(head.width, cfg.hidden_size)
+        width = max(model.width, cfg.hidden_size)
         cache = CacheSpec(
             1, kv.num_kv_heads, kv.head_dim, kv.v_head_dim, getattr(torch, kv.dtype), kv.page_size, width
         )
         buckets, max_blocks = opts.decode_buckets, kv.pages_for(max_seq)
         ex = example_inputs(2, 8, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
-        programs = {
-            "model": export_graph(
-                model, weights, ex, opts.page_size, opts.max_tokens, max(opts.max_batch_size, 2)
-            )
-        }
+        programs = {"model": _export_dynamic(model, weights, ex, opts)}
         graphs: dict[str, GraphEntry] = {
             "model": _graph_entry("model", None, cache, max_tokens=opts.max_tokens)
         }

@@ -127,7 +127,6 @@ def compile_mtp(
     build = HeadBuild(
         kind=MTP_DIR,
         cfg=head_config(cfg),
-        width=cfg.hidden_size,
         specs=param_specs(cfg),
         skip=skip_patterns(cfg),
         model=model,
