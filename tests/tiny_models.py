@@ -127,6 +127,16 @@ def successor_config(num_layers: int = 2) -> dict:
 SUCCESSOR_NEXT = successor_next(TINY["vocab_size"], SUCCESSOR_SEED)
 
 
+def walk(t: int, n: int) -> list[int]:
+    """The ``n`` tokens that follow ``t`` along a successor checkpoint's cycle (:data:`SUCCESSOR_NEXT`):
+    its greedy continuation of ``t``."""
+    out = []
+    for _ in range(n):
+        t = SUCCESSOR_NEXT[t]
+        out.append(t)
+    return out
+
+
 def make_successor(path, num_layers: int = 2, dtype: str = "float32", engine: str = "hf") -> Path:
     """A successor checkpoint of :func:`successor_config` in ``path`` (no tokenizer)."""
     return synth_checkpoint(

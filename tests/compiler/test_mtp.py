@@ -25,8 +25,9 @@ import pytest
 import torch
 import transformers
 from click.testing import CliRunner
+from mtp_checkpoints import V3, H, L, V, make_mtp_checkpoint
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from kiln import compile_cache as cc
 from kiln.compiler.build import CompileError, CompileOptions, compile_model
@@ -37,15 +38,7 @@ from kiln.runtime.direct import DirectRunner
 from kiln.runtime.loader import load_model
 from kiln.weights import load_pack
 
-H, V, L, T = 64, 300, 2, 9  # hidden, vocab, target layers (the MTP layer is layer L), prompt length
-V3 = dict(
-    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=H, intermediate_size=96,
-    moe_intermediate_size=32, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=4,
-    kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=V,
-    max_position_embeddings=512, rms_norm_eps=1e-6, first_k_dense_replace=1, n_routed_experts=4,
-    num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
-    norm_topk_prob=True, num_nextn_predict_layers=1, tie_word_embeddings=False,
-)  # fmt: skip
+T = 9  # prompt length
 OPTS = dict(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64, chunk_size=16)
 
 
@@ -53,24 +46,10 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
-def sharpen(ckpt: Path, scale: float = 5.0) -> None:
-    """The MTP layer's attention and MLP matrices scaled up in the checkpoint: at its random 0.02
-    scale the attention is near uniform, and a wrong position or K/V row would hide below 1e-4."""
-    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    for f in {f for n, f in index.items() if n.startswith(f"model.layers.{L}.")}:
-        w = load_file(ckpt / f)
-        for n, t in w.items():
-            inside = n.startswith((f"model.layers.{L}.self_attn.", f"model.layers.{L}.mlp."))
-            if inside and t.dim() == 2 and not n.endswith("mlp.gate.weight"):
-                w[n] = t * scale
-        save_file(w, str(ckpt / f))
-
-
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mtp")
-    make_checkpoint(root / "ckpt", dict(V3), "float32", seed=3, with_tokenizer=False, engine="hf")
-    sharpen(root / "ckpt")
+    make_mtp_checkpoint(root / "ckpt", seed=3)
     compile_model(root / "ckpt", root / "art", CompileOptions(**OPTS, mtp=True), verbose=False)
     return root
 

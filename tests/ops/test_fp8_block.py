@@ -66,22 +66,6 @@ def test_group_quantization_matches_per_token_on_each_group():
         assert torch.equal(q[:, cols].view(torch.uint8), ref.view(torch.uint8))
 
 
-@pytest.fixture
-def cuda_scalar_division(monkeypatch):
-    """``tensor / python_number`` as torch computes it on CUDA tensors: a product with the divisor's
-    reciprocal in the tensor's dtype (ATen's ``div_true_kernel_cuda`` for a CPU-scalar divisor), one
-    ulp off the IEEE quotient for about half of the float32 inputs. On CPU torch divides."""
-    true_div = torch.Tensor.__truediv__
-
-    def div(self, other):
-        if isinstance(other, (int, float)) and self.is_floating_point():
-            return self * (1.0 / other)
-        return true_div(self, other)
-
-    monkeypatch.setattr(torch.Tensor, "__truediv__", div)
-    assert not torch.equal(torch.tensor([3.0]) / 448.0, torch.tensor([3.0]).double().div(448.0).float())
-
-
 def test_scales_are_the_correctly_rounded_quotient_on_every_device(cuda_scalar_division):
     """``amax / 448`` rounded once, whatever torch's division by a scalar does on the device: the
     kernels (``tl_dynamic_scale``) divide exactly, and bf16 activations put ~0.1% of ``x / scale``

@@ -106,21 +106,6 @@ def test_reference_is_fp8_block_linear_per_expert():
     assert rel(got, want) < 1e-5
 
 
-@pytest.fixture
-def cuda_scalar_division(monkeypatch):
-    """``tensor / python_number`` as torch computes it on CUDA tensors: a product with the divisor's
-    reciprocal (ATen's ``div_true_kernel_cuda``), one ulp off the IEEE quotient for about half of the
-    float32 inputs (tests/ops/test_fp8_block.py has the same fixture)."""
-    true_div = torch.Tensor.__truediv__
-
-    def div(self, other):
-        if isinstance(other, (int, float)) and self.is_floating_point():
-            return self * (1.0 / other)
-        return true_div(self, other)
-
-    monkeypatch.setattr(torch.Tensor, "__truediv__", div)
-
-
 @pytest.mark.parametrize("variant", ["gemv", "grouped"])
 def test_reference_and_kernels_agree_under_cuda_scalar_division(kernel_on_cpu, variant, cuda_scalar_division):
     """Issue 29: with torch's CUDA division by a scalar the reference's group scales (``amax / 448``)

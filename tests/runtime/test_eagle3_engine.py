@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draft_spy import spy_drafts
 from eagle3_checkpoints import write_eagle3_head
 from safetensors.torch import load_file, save_file
-from tiny_models import SUCCESSOR_NEXT, make_successor, successor_config
+from tiny_models import SUCCESSOR_NEXT, make_successor, successor_config, walk
 
 from kiln import LLM, SamplingParams
 from kiln.compiler.build import CompileOptions, compile_model
@@ -72,14 +73,6 @@ def root(tmp_path_factory):
     return root
 
 
-def walk(t: int, n: int) -> list[int]:
-    out = []
-    for _ in range(n):
-        t = NEXT[t]
-        out.append(t)
-    return out
-
-
 def prompts() -> list[list[int]]:
     """Stretches of the cycle (the target continues them) with a few random tokens inside."""
     g = torch.Generator().manual_seed(7)
@@ -94,24 +87,9 @@ def prompts() -> list[list[int]]:
 
 def _run(art, ps, params=GREEDY, spy=False, device="cpu", **kw):
     llm = LLM(str(art), device=device, **kw)
-    log: list[tuple[list[list[int]], list[list[int]]]] = []
     eng = llm.engine
-    if spy:  # each verify step's sequences, drafts and the head's logits of every draft
-        propose, picker = eng.drafter.propose, eng.drafter._picker
-        rows: list[torch.Tensor] = []
-
-        def logged_picker(reqs, n):
-            pick = picker(reqs, n)
-            return lambda i, logits: (rows.append(logits[:, :VOCAB].float().clone()), pick(i, logits))[1]
-
-        def logged(reqs, limits, sched):
-            rows.clear()
-            drafts = propose(reqs, limits, sched)
-            seqs = [list(r.token_view[: r.seq_len]) for r in reqs]
-            log.append((seqs, drafts, [[x[b] for x in rows] for b in range(len(reqs))]))
-            return drafts
-
-        eng.drafter.propose, eng.drafter._picker = logged, logged_picker
+    # each verify step's sequences, drafts and the head's logits of every draft
+    log = spy_drafts(eng, VOCAB) if spy else []
     outs = [o.token_ids for o in llm.generate(ps, params)]
     eng.check_integrity()
     return outs, eng, log

@@ -12,50 +12,24 @@ accepts few drafts: the reference, not the acceptance, shows its inputs are righ
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from draft_spy import spy_drafts
+from mtp_checkpoints import H, V, make_mtp_checkpoint
 
 from kiln import LLM, SamplingParams
 from kiln.compiler.build import CompileOptions, compile_model
-from kiln.compiler.synth import make_checkpoint
 from kiln.runtime.direct import DirectRunner
 from kiln.runtime.loader import LoadedModel, load_model
 
-H, V = 64, 300
-V3 = dict(
-    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=H, intermediate_size=96,
-    moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-    kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=V,
-    max_position_embeddings=512, rms_norm_eps=1e-6, first_k_dense_replace=1, n_routed_experts=4,
-    num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
-    norm_topk_prob=True, num_nextn_predict_layers=1, tie_word_embeddings=False,
-)  # fmt: skip
 OPTS = dict(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=128, chunk_size=64)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-def sharpen(ckpt: Path, scale: float = 5.0) -> None:
-    """The MTP layer's attention and MLP matrices scaled up in the checkpoint: at its random 0.02
-    scale the attention is near uniform, and a wrong position or K/V row would hide below 1e-4."""
-    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    for f in {f for n, f in index.items() if n.startswith(f"model.layers.{2}.")}:
-        w = load_file(ckpt / f)
-        for n, t in w.items():
-            inside = n.startswith((f"model.layers.{2}.self_attn.", f"model.layers.{2}.mlp."))
-            if inside and t.dim() == 2 and not n.endswith("mlp.gate.weight"):
-                w[n] = t * scale
-        save_file(w, str(ckpt / f))
 
 
 @pytest.fixture(scope="module")
 def art(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp-engine")
-    make_checkpoint(root / "ckpt", dict(V3), "float32", seed=5, with_tokenizer=False, engine="hf")
-    sharpen(root / "ckpt")
+    make_mtp_checkpoint(root / "ckpt", seed=5)
     compile_model(root / "ckpt", root / "art", CompileOptions(**OPTS, mtp=True), verbose=False)
     return root / "art"
 
@@ -70,23 +44,7 @@ def _run(art, ps, spy=False, **kw):
     head's logits of every draft."""
     llm = LLM(str(art), device="cpu", **kw)
     eng = llm.engine
-    log: list = []
-    if spy:
-        propose, picker = eng.drafter.propose, eng.drafter._picker
-        rows: list[torch.Tensor] = []
-
-        def logged_picker(reqs, n):
-            pick = picker(reqs, n)
-            return lambda i, logits: (rows.append(logits[:, :V].float().clone()), pick(i, logits))[1]
-
-        def logged(reqs, limits, sched):
-            rows.clear()
-            drafts = propose(reqs, limits, sched)
-            seqs = [list(r.token_view[: r.seq_len]) for r in reqs]
-            log.append((seqs, drafts, [[x[b] for x in rows] for b in range(len(reqs))]))
-            return drafts
-
-        eng.drafter.propose, eng.drafter._picker = logged, logged_picker
+    log = spy_drafts(eng, V) if spy else []
     outs = [o.token_ids for o in llm.generate(ps, GREEDY)]
     eng.check_integrity()
     return outs, eng, log

@@ -15,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from tiny_models import SUCCESSOR_NEXT, make_successor, successor_config
+from tiny_models import SUCCESSOR_NEXT, make_successor, successor_config, walk
 
 from kiln import LLM, SamplingParams
 from kiln.cli import cli
@@ -43,15 +43,6 @@ def root(tmp_path_factory):
 @pytest.fixture
 def art(root):
     return root / "art"
-
-
-def walk(t: int, n: int) -> list[int]:
-    """The n tokens that follow t along the cycle."""
-    out = []
-    for _ in range(n):
-        t = NEXT[t]
-        out.append(t)
-    return out
 
 
 def cycle_prompt(start: int, input_len: int, output_len: int, skip: int = 0) -> list[int]:

@@ -25,7 +25,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from tiny_models import SUCCESSOR_NEXT, make_successor, successor_config
+from tiny_models import SUCCESSOR_NEXT, make_successor, successor_config, walk
 from tiny_models import make_checkpoint as make_tiny
 
 from kiln import LLM, SamplingParams
@@ -76,14 +76,6 @@ def tiny(tmp_path_factory):
         pat * 4,
     ]
     return root / "art", prompts
-
-
-def walk(t: int, n: int) -> list[int]:
-    out = []
-    for _ in range(n):
-        t = NEXT[t]
-        out.append(t)
-    return out
 
 
 def branchy_prompt(start: int, length: int, m: int, rng: random.Random) -> list[int]:
