@@ -80,8 +80,6 @@ _FLAGS: dict[str, tuple[str, Any]] = {
     "moe_backend": ("str", "triton"),
     "moe_cutlass_min_tokens": ("int", 2048),
     "fp8_cutlass": ("bool", True),
-    # --mtp: listed (the table mirrors kiln compile's flags) but refused, as --eagle3 is: _NOT_TAKEN
-    "mtp": ("flag", False),
 }
 # Flags of `kiln compile` the cache sets itself.
 _NOT_TAKEN = {
@@ -182,8 +180,7 @@ def normalize_options(compile_args: Sequence[str] | Mapping[str, Any]) -> dict[s
     if isinstance(compile_args, Mapping):
         given = dict(compile_args)
         for name in given:
-            # a listed one at its default passes: normalized options hold --mtp's False
-            if name in _NOT_TAKEN and given[name] != flags.get(name, ("", _NOT_TAKEN))[1]:
+            if name in _NOT_TAKEN:
                 raise CacheError(f"compile option {name!r} is not taken here: {_NOT_TAKEN[name]}")
             if name not in flags:
                 raise CacheError(

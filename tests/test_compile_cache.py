@@ -347,8 +347,8 @@ def test_option_table_matches_kiln_compile(tmp_path):
     flags = cc.compile_flags()
     params = {p.name: p for p in compile_cmd.params}
     # (--revision picks the checkpoint, whose content is in the key: not an artifact option;
-    # --draft-model and --eagle3 are refused, cc._NOT_TAKEN)
-    drafts = {"draft_model", "eagle3"}
+    # --draft-model, --eagle3 and --mtp are refused, cc._NOT_TAKEN)
+    drafts = {"draft_model", "eagle3", "mtp"}
     assert set(flags) == set(params) - {"model_dir", "revision", "out", "device", "force", *drafts}
     assert drafts <= set(cc._NOT_TAKEN)
     for name, (kind, default) in flags.items():
