@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import collections
-import time
 
 import pytest
+import stream_probe
 import torch
 from weights_helpers import hf_tensors
 
 from kiln.weights import CheckpointError, CheckpointStream, discover_weights
-from kiln.weights.memory import PeakAnonMemory
 from kiln.weights.st_format import read_header, write_tensor_file
 
 MIB = 1024 * 1024
@@ -47,36 +46,21 @@ def big_shards(tmp_path_factory):
     return d
 
 
-def _consume(stream: CheckpointStream) -> None:
-    for i, (_, t) in enumerate(stream):
-        float(t[::4096].sum())  # touch the data like a consumer would
-        # slower than the readers, so read-ahead fills its window; a long first pause lets it fill
-        # even on a loaded 2-core machine (the full suite once saw only one shard held, at 10 ms)
-        time.sleep(0.5 if i == 0 else 0.01)
-        del t
-
-
 def test_readahead_peak_memory_is_bounded_by_the_window(big_shards):
-    wf = discover_weights(big_shards)
-    shard = max(f.stat().st_size for f in wf.files)
+    shard = max(f.stat().st_size for f in discover_weights(big_shards).files)
     k = 2
-    stream = CheckpointStream(wf, readahead=k)
-    with PeakAnonMemory() as mem:
-        _consume(stream)
+    got = stream_probe.measure(big_shards, readahead=k)
     bound = (k + 1) * shard  # documented in kiln.weights.stream
-    assert stream.stats.peak_buffered_bytes == bound
-    assert mem.growth <= bound + 16 * MIB, (mem.growth / MIB, bound / MIB)
-    assert mem.growth >= 2 * shard, "read-ahead should really hold shards in memory"
+    assert got["peak_buffered_bytes"] == bound
+    assert got["growth"] <= bound + 16 * MIB, (got["growth"] / MIB, bound / MIB)
+    assert got["growth"] >= 2 * shard, "read-ahead should really hold shards in memory"
 
 
 def test_mmap_stream_holds_no_anonymous_memory(big_shards):
-    wf = discover_weights(big_shards)
-    shard = max(f.stat().st_size for f in wf.files)
-    stream = CheckpointStream(wf)
-    with PeakAnonMemory() as mem:
-        _consume(stream)
-    assert stream.stats.bytes == 5 * 40 * MIB
-    assert mem.growth < shard // 2, mem.growth / MIB
+    shard = max(f.stat().st_size for f in discover_weights(big_shards).files)
+    got = stream_probe.measure(big_shards, readahead=0)
+    assert got["bytes"] == 5 * 40 * MIB
+    assert got["growth"] < shard // 2, got["growth"] / MIB
 
 
 class NotATensor:
