@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 
+import memory_probe
 import pytest
 import torch
 from weights_helpers import hf_tensors, load_ranks, pack
@@ -27,7 +28,6 @@ from kiln.weights import (
     load_pack,
     verify_pack,
 )
-from kiln.weights.memory import PeakAnonMemory
 
 
 @pytest.fixture
@@ -176,10 +176,11 @@ def test_streaming_pack_memory_is_bounded(tmp_path):
     )
     size = sum(p.stat().st_size for p in d.glob("*.safetensors"))
     assert size > 90e6
-    with PeakAnonMemory() as mem:
-        index, _ = pack(d, tmp_path / "p", tp=2, write_budget_bytes=8 << 20)
-    assert index.provenance.peak_write_queue_bytes <= 8 << 20
-    assert mem.growth < 32 << 20, f"{mem.growth / 2**20:.1f} MiB for a {size / 2**20:.0f} MiB checkpoint"
+    got = memory_probe.measure("pack", d, tmp_path / "p", 2, 8 << 20)
+    assert got["peak_write_queue_bytes"] <= 8 << 20
+    assert got["growth"] < 32 << 20, (
+        f"{got['growth'] / 2**20:.1f} MiB for a {size / 2**20:.0f} MiB checkpoint"
+    )
 
 
 @pytest.mark.parametrize("chunk,threads", [(4096, 3), (1000, 1), (1 << 20, 8)])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import collections
 
+import memory_probe
 import pytest
-import stream_probe
 import torch
 from weights_helpers import hf_tensors
 
@@ -49,7 +49,7 @@ def big_shards(tmp_path_factory):
 def test_readahead_peak_memory_is_bounded_by_the_window(big_shards):
     shard = max(f.stat().st_size for f in discover_weights(big_shards).files)
     k = 2
-    got = stream_probe.measure(big_shards, readahead=k)
+    got = memory_probe.measure("stream", big_shards, k)
     bound = (k + 1) * shard  # documented in kiln.weights.stream
     assert got["peak_buffered_bytes"] == bound
     assert got["growth"] <= bound + 16 * MIB, (got["growth"] / MIB, bound / MIB)
@@ -58,7 +58,7 @@ def test_readahead_peak_memory_is_bounded_by_the_window(big_shards):
 
 def test_mmap_stream_holds_no_anonymous_memory(big_shards):
     shard = max(f.stat().st_size for f in discover_weights(big_shards).files)
-    got = stream_probe.measure(big_shards, readahead=0)
+    got = memory_probe.measure("stream", big_shards, 0)
     assert got["bytes"] == 5 * 40 * MIB
     assert got["growth"] < shard // 2, got["growth"] / MIB
 
