@@ -252,11 +252,14 @@ _ALL: tuple[Setting, ...] = (
     _s("ngram_min", "run", "int", "1",
        "Shortest suffix looked up for n-gram drafts (at least 1).", env="KILN_NGRAM_MIN", flag=True,
        when="engine start"),
-    _s("ngram_branches", "run", "int", "1",
-       "N-gram draft trees: up to this many distinct continuations of the suffix's earlier occurrences "
-       "merged into one tree of --num-draft-tokens nodes, verified in one step (1 = chains). Needs an "
-       "artifact with the verify_tree graph (kiln compile --verify-lengths) and --tp 1; else chains.",
-       env="KILN_NGRAM_BRANCHES", flag=True, when="engine start", allowed_text="an integer >= 1"),
+    _s("draft_branches", "run", "int", "1",
+       "Draft trees: candidates per draft position, verified in one step as a token tree (1 = chains). "
+       "N-gram drafts: up to this many distinct continuations of the suffix's earlier occurrences, "
+       "merged into one tree of --num-draft-tokens nodes. An EAGLE-3 head: its top-N tokens at each "
+       "depth of its chain (the chain's token and N-1 alternatives beside it; --num-draft-tokens nodes, "
+       "depth ceil(nodes / N)). Needs an artifact with the verify_tree graph (kiln compile "
+       "--verify-lengths; not MLA models, so not --mtp) and --tp 1; a draft model drafts chains.",
+       env="KILN_DRAFT_BRANCHES", flag=True, when="engine start", allowed_text="an integer >= 1"),
     # ---- test
     _s("triton_on_cpu", "test", "bool", "0",
        "With TRITON_INTERPRET=1: CPU tensors run the ops' Triton kernels in the interpreter instead of "

@@ -97,7 +97,7 @@ class EngineOptions:
     num_draft_tokens: int | None = None  # drafts per request and verify step
     ngram_max: int | None = None  # longest suffix the n-gram drafter looks up
     ngram_min: int | None = None  # shortest suffix the n-gram drafter looks up
-    ngram_branches: int | None = None  # distinct continuations an n-gram draft tree merges (1: chains)
+    draft_branches: int | None = None  # candidates per draft position: token trees (1: chains)
 
     def setting_values(self) -> dict[str, Any]:
         """``{run-time setting name: this option's value or None}`` (for :func:`kiln.settings.apply`)."""
@@ -247,9 +247,9 @@ class Engine:
             )
         if spec_on:
             self._check_verify(m.verify)
-        # n-gram draft trees (ngram_branches > 1; tp 1, an artifact with the tree graph): their verify
-        # steps get the tree graph's (B, k) graphs too
-        trees = self.spec_mode == "ngram" and self.settings["ngram_branches"] > 1 and self._trees_possible(tp)
+        # draft trees (draft_branches > 1; n-gram or an EAGLE-3 head, tp 1, an artifact with the tree
+        # graph): their verify steps get the tree graph's (B, k) graphs too
+        trees = self.settings["draft_branches"] > 1 and self._trees_possible(tp)
         self.runner = ModelRunner(
             self.model,
             self.pool,
@@ -300,7 +300,8 @@ class Engine:
             eos = tuple(sorted(m.eos_token_ids))
             # an EAGLE-3 head or MTP layer: the target's streams at aux_layers (one drafter for both)
             if m.draft is not None and m.draft.kind in DraftSpec.HEADS:
-                self.drafter = Eagle3Drafter(*common, self.runner.aux_args[0], self.stager, eos)
+                branches = self.settings["draft_branches"] if trees else 1
+                self.drafter = Eagle3Drafter(*common, self.runner.aux_args[0], self.stager, eos, branches)
             else:
                 self.drafter = DraftModel(*common, eos)
         elif self.spec_mode == "ngram":
@@ -308,7 +309,7 @@ class Engine:
                 num_draft_tokens=self.settings["num_draft_tokens"],
                 ngram_max=self.settings["ngram_max"],
                 ngram_min=self.settings["ngram_min"],
-                branches=self.settings["ngram_branches"],
+                branches=self.settings["draft_branches"],
             )
             if not trees:
                 ngram = replace(ngram, branches=1)
@@ -431,21 +432,25 @@ class Engine:
             )
 
     def _trees_possible(self, tp: int) -> bool:
-        """Whether n-gram draft trees (``ngram_branches`` > 1) can run: at tp 1 on an artifact with
-        the token-tree graph (``Manifest.TREE_GRAPH``, compiled with the verify graphs); else a
-        warning says why the drafts go as chains."""
+        """Whether draft trees (``draft_branches`` > 1) can run: n-gram drafts or an EAGLE-3 head, at
+        tp 1, on an artifact with the token-tree graph (``Manifest.TREE_GRAPH``, compiled with the
+        verify graphs); else a warning says why the drafts go as chains."""
         why = None
-        if tp > 1:
+        draft = self.model.artifact.manifest.draft
+        if self.spec_mode == "draft" and draft is not None and draft.kind != "eagle3":
+            source = "a draft model" if draft.kind == "model" else f"the {draft.kind.upper()} layer"
+            why = f"{source} drafts chains (trees come from n-gram drafts and EAGLE-3 heads)"
+        elif tp > 1:
             why = f"tree verification runs at tp 1 only (this artifact has tp {tp})"
         elif Manifest.TREE_GRAPH not in self.model.graphs:
             why = (
                 f"this artifact has no {Manifest.TREE_GRAPH} graph (compile it with --verify-lengths, "
                 "e.g. 4,8; MLA and sliding-window models have none)"
             )
-        if why is not None:
-            warnings.warn(f"kiln: --ngram-branches {self.settings['ngram_branches']}: {why}; n-gram "
+        if why is not None and self.spec_mode != "off":
+            warnings.warn(f"kiln: --draft-branches {self.settings['draft_branches']}: {why}; the "
                           "drafts go as chains", stacklevel=4)  # fmt: skip
-        return why is None
+        return why is None and self.spec_mode != "off"
 
     def _grammar_matcher(self, spec: StructuredOutputs) -> Matcher:
         """A matcher for a structured-output request (runtime/grammar.py); the compiler is built

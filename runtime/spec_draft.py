@@ -149,17 +149,24 @@ class DraftModel:
         pick = self._picker(reqs, n)
         ids[:, 0] = pick(0, self._catch_up(reqs))
         for i in range(1, n):  # draft i + 1 from draft i
-            pos, slots, lens = [], [], []
-            for req, s, c in zip(reqs, self._starts, counts):
-                live = i < c  # its K/V lands in a reserved slot and its next draft is wanted
-                p = s - 1 - self.SHIFT + (i if live else 0)
-                pos.append(p)
-                slots.append(self.bt.slots(req.row, p, p + 1)[0] if live else 0)
-                lens.append(p + 1)
-            step = StepInputs("decode", [0] * len(reqs), pos, slots, [r.row for r in reqs], lens)
-            ids[:, i] = pick(i, self.runner.decode(step, subst=(None, ids[:, i - 1])))
+            ids[:, i] = pick(
+                i, self.runner.decode(self._chain_step(reqs, counts, i), subst=(None, ids[:, i - 1]))
+            )
         host = ids.cpu().tolist()
         return [row[:c] for row, c in zip(host, counts)]
+
+    def _chain_step(self, reqs: list[Req], counts: list[int], i: int) -> StepInputs:
+        """The draft decode step that feeds each request's draft ``i`` (its ids substituted on the
+        device) for draft ``i + 1``: request ``j`` at position ``start - SHIFT + i`` while ``i <
+        counts[j]`` (its K/V in a reserved slot), else a row that writes the sink slot."""
+        pos, slots, lens = [], [], []
+        for req, s, c in zip(reqs, self._starts, counts):
+            live = i < c  # its K/V lands in a reserved slot and its next draft is wanted
+            p = s - 1 - self.SHIFT + (i if live else 0)
+            pos.append(p)
+            slots.append(self.bt.slots(req.row, p, p + 1)[0] if live else 0)
+            lens.append(p + 1)
+        return StepInputs("decode", [0] * len(reqs), pos, slots, [r.row for r in reqs], lens)
 
     def _picker(self, reqs: list[Req], n: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
         """``pick(i, logits [B, >= vocab])``: draft ``i + 1`` of each request (module docstring:

@@ -41,6 +41,7 @@ never a wrong token (the target verifies every draft).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,10 +50,12 @@ from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import LoadedModel
 from kiln.runtime.model_runner import StepInputs, run_extend_graph
 from kiln.runtime.spec_draft import DraftModel
+from kiln.runtime.spec_tree import TreeDraft, head_tree
 from kiln.runtime.staging import HostStager
 
 if TYPE_CHECKING:
     from kiln.runtime.request import Req
+    from kiln.runtime.scheduler import Scheduler
 
 
 class Eagle3Drafter(DraftModel):
@@ -72,6 +75,7 @@ class Eagle3Drafter(DraftModel):
         target_hidden: torch.Tensor,
         stager: HostStager,
         eos_token_ids: tuple[int, ...] = (),
+        branches: int = 1,
     ):
         # the head's buffer holds a catch-up of up to k + 1 positions per request
         rows = max(model.artifact.manifest.decode_buckets) * (num_draft_tokens + 1)
@@ -93,6 +97,7 @@ class Eagle3Drafter(DraftModel):
         self.store = torch.zeros(rows * self.depth, self.width, dtype=torch.float32, device=self.device)
         # rid -> (block-table row, lo, hi): the ring holds the target's streams at positions [lo, hi)
         self.held: dict[str, tuple[int, int, int]] = {}
+        self.branches = branches  # top tokens per depth of a tree step (:meth:`propose_tree`; 1: chains)
 
     def forget(self, rid: str) -> None:
         super().forget(rid)
@@ -107,16 +112,17 @@ class Eagle3Drafter(DraftModel):
         row, lo, hi = self.held.get(req.rid, (req.row, 0, 0))
         return (lo, hi) if row == req.row else (0, 0)
 
-    def _keep(self, req: Req, lo: int, hi: int, src: list[int], dst: list[int], first_row: int) -> None:
-        """Plan the ring's copies of positions ``[lo, hi)`` of ``req``, whose streams are at target
-        rows ``first_row ..``: the ring's range grows (or restarts after a gap)."""
+    def _keep(self, req: Req, lo: int, rows: Sequence[int], src: list[int], dst: list[int]) -> None:
+        """Plan the ring's copies of positions ``lo, lo + 1, ..`` of ``req``, whose streams are at
+        target rows ``rows``: the ring's range grows (or restarts after a gap)."""
+        hi = lo + len(rows)
         if hi <= lo:
             return
         held_lo, held_hi = self._held(req)
         if held_hi != lo:
             held_lo = lo
         keep = max(lo, hi - self.depth)
-        src += range(first_row + keep - lo, first_row + hi - lo)
+        src += rows[keep - lo :]
         dst += (self._ring(req.row, p) for p in range(keep, hi))
         self.held[req.rid] = (req.row, max(held_lo, hi - self.depth), hi)
 
@@ -126,16 +132,14 @@ class Eagle3Drafter(DraftModel):
             idx = self.stager.to_device([dst, src], torch.int64)
             out.index_copy_(0, idx[0], src_t.index_select(0, idx[1]))
 
-    def harvest(
-        self, reqs: list[Req], positions: list[int], counts: list[int], first_rows: list[int]
-    ) -> None:
-        """Put the target's streams of request ``b``'s positions ``positions[b] ..`` (``counts[b]``
-        of them, at the target buffer's rows ``first_rows[b] ..``) into the ring: a plain decode
-        step's (one each, rows ``0 ..``), a verify step's accepted ones."""
+    def harvest(self, reqs: list[Req], positions: list[int], rows: list[Sequence[int]]) -> None:
+        """Put the target's streams of request ``b``'s positions ``positions[b] ..`` (at the target
+        buffer's rows ``rows[b]``, one per position) into the ring: a plain decode step's (one
+        each), a verify step's accepted ones (a tree step's: the rows of its accepted path)."""
         src: list[int] = []
         dst: list[int] = []
-        for req, p, c, r in zip(reqs, positions, counts, first_rows):
-            self._keep(req, p, p + c, src, dst, r)
+        for req, p, r in zip(reqs, positions, rows):
+            self._keep(req, p, r, src, dst)
         self._copy(self.store, dst, self.target_hidden, src)
 
     # ------------------------------------------------------------------ prefill
@@ -175,7 +179,7 @@ class Eagle3Drafter(DraftModel):
                 lens.append(hi - 1)
                 indptr.append(len(ids))
                 self.done[req.rid] = hi - 1
-            self._keep(req, hi - 1, hi, keep_src, keep_dst, first + n - 1)
+            self._keep(req, hi - 1, [first + n - 1], keep_src, keep_dst)
             first += n
         if ids:
             self._copy(self.hidden[:, : self.width], from_ring, self.store, ring_rows)
@@ -226,6 +230,34 @@ class Eagle3Drafter(DraftModel):
         h[: len(reqs)].zero_()
         h.index_copy_(0, idx[0], last)
         return logits
+
+    def propose_tree(self, reqs: list[Req], limits: list[int], sched: Scheduler) -> list[TreeDraft]:
+        """A token tree per request (:func:`~kiln.runtime.spec_tree.head_tree`): ``min(k,
+        limits[i])`` nodes (fewer where its pages cannot grow, :meth:`Scheduler.reserve_drafts`),
+        the head's top :attr:`branches` tokens at each depth of its chain of best tokens (the chain
+        as in :meth:`propose`, ``ceil(nodes / branches) - 1`` decode steps). Every request's tokens
+        are point masses, a sampling request's too (lossless by the tree's point-mass rule; the
+        ``q`` rule of :meth:`propose`'s sampled chains is not used)."""
+        want = [[0] * max(0, min(self.k, lim)) for lim in limits]
+        counts = [len(d) for d in sched.reserve_drafts(reqs, want)]
+        self._starts = [r.seq_len for r in reqs]
+        self.probs = None
+        b = self.branches
+        depths = [-(-c // b) for c in counts]
+        n = max(depths, default=0)
+        if n == 0:
+            return [TreeDraft((), ()) for _ in reqs]
+        top = torch.empty(len(reqs), n, b, dtype=torch.int64, device=self.device)
+        top[:, 0] = self._top(self._catch_up(reqs))
+        for i in range(1, n):  # depth i + 1 from the chain token of depth i
+            logits = self.runner.decode(self._chain_step(reqs, depths, i), subst=(None, top[:, i - 1, 0]))
+            top[:, i] = self._top(logits)
+        host = top.cpu().tolist()
+        return [head_tree(rows[:d], c) for rows, d, c in zip(host, depths, counts)]
+
+    def _top(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's :attr:`branches` best target ids per row of ``logits [B, >= vocab]``."""
+        return logits[:, : self.vocab].float().topk(self.branches, dim=-1).indices
 
     def accepted(self, reqs: list[Req], drafts: list[list[int]], num_emitted: list[int]) -> None:
         """After the verify step of :meth:`propose`'s drafts: the head's K/V are right below

@@ -272,6 +272,27 @@ def ngram_tree(
     return TreeDraft(tuple(toks), tuple(parents))
 
 
+def head_tree(top: Sequence[Sequence[int]], num_nodes: int) -> TreeDraft:
+    """A draft head's tree of ``num_nodes`` draft nodes from its chain's top tokens: ``top[d]`` are
+    the head's top-``b`` tokens at depth ``d + 1`` (best first), computed on the chain of best
+    tokens ``top[0][0], top[1][0], ...``. Depth ``d + 1`` holds that chain token followed by its
+    ``b - 1`` alternatives as leaves (siblings, parent the chain token of depth ``d``; the root at
+    depth 1), ``ceil(num_nodes / b)`` depths in all, the last one cut to the nodes left. With ``b``
+    1 it is the chain ``top[0][0], top[1][0], ...``. The tokens go as point masses (top-``b`` is a
+    choice without replacement: runtime/spec_tree.py's module docstring)."""
+    toks: list[int] = []
+    parents: list[int] = []
+    parent = 0
+    for row in top:
+        take = min(len(row), num_nodes - len(toks))
+        if take <= 0:
+            break
+        toks += row[:take]
+        parents += [parent] * take
+        parent = len(toks) - take + 1  # this depth's chain node (its first)
+    return TreeDraft(tuple(toks), tuple(parents))
+
+
 def branching(tree: TreeDraft) -> bool:
     """Whether some node of ``tree`` has two children or more (not a chain)."""
     return len(set(tree.parents)) < len(tree.parents)

@@ -447,7 +447,7 @@ class NgramConfig:
         if self.num_draft_tokens < 1:
             raise SpeculativeError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.branches < 1:
-            raise SpeculativeError(f"ngram_branches must be >= 1, got {self.branches}")
+            raise SpeculativeError(f"draft_branches must be >= 1, got {self.branches}")
         if self.ngram_min < 1:
             raise SpeculativeError(f"ngram_min must be >= 1, got {self.ngram_min}")
         if self.ngram_max < self.ngram_min:

@@ -19,14 +19,16 @@ finished at once. Its pages come from ``Scheduler.reserve_drafts``; the engine a
 (``Launched.host["num_emitted"]``). Drafting needs the tokens on the host, so decode steps overlap
 only where they cannot verify: batches above the artifact's verify graphs (:meth:`Stepper._overlaps`).
 
-Token trees (``SpecParts.trees``: ``ngram_branches`` > 1 on an artifact with the tree graph, tp 1):
-the n-gram drafter proposes a tree per request (runtime/spec_tree.py ``ngram_tree``); a step in
+Token trees (``SpecParts.trees``: ``draft_branches`` > 1 on an artifact with the tree graph, tp 1):
+the n-gram drafter proposes a tree per request (runtime/spec_tree.py ``ngram_tree``), an EAGLE-3 head
+its chain's top tokens at each depth (``head_tree``, :meth:`Eagle3Drafter.propose_tree`); a step in
 which some tree branches runs every request's tree (chains as chain-shaped trees) on the tree graph
 (its (B, k) CUDA graph where one holds the step; positions ``kv_len + depth``, slots ``kv_len +
 node``, ``tree_mask``), picks the tokens
 with :func:`~kiln.runtime.spec_tree.verify_tree` and moves the accepted path's K/V to ``kv_len + d``
-(:meth:`Stepper._move_accepted`) before the engine applies them as for chains; a step whose trees
-are all chains runs as a chain step (the verify graphs; the same tokens).
+(:meth:`Stepper._move_accepted`) before the engine applies them as for chains (the head gets the
+target's streams of the accepted path's rows); a step whose trees are all chains runs as a chain
+step (the verify graphs; the same tokens).
 
 The stepper sees its engine only through :class:`StepParts` (the scheduler, the model runner, the
 sampler, the host stager, the EOS ids, the shared counters and the ``outputs`` callback that turns a
@@ -104,7 +106,7 @@ class SpecParts:
     drafter: NgramDrafter | DraftModel  # drafts from the request's tokens, or from the draft model
     stats: AcceptanceStats
     max_batch: int | None = None  # larger decode steps decode plainly (the artifact's verify buckets)
-    trees: bool = False  # n-gram draft trees (runtime/spec_tree.py) on the artifact's tree graph
+    trees: bool = False  # draft trees (n-gram, EAGLE-3 head; runtime/spec_tree.py) on the tree graph
 
 
 @dataclass(frozen=True)
@@ -204,7 +206,7 @@ class Stepper:
             drafter.mirror(step, batch.reqs)  # the draft model's K/V of the same tokens
         elif isinstance(drafter, Eagle3Drafter):  # a decode step's hidden states, for the head
             n = len(batch.reqs)
-            drafter.harvest(batch.reqs, step.positions, [1] * n, list(range(n)))
+            drafter.harvest(batch.reqs, step.positions, [[i] for i in range(n)])
         t2 = time.perf_counter()
         hb = self.host_breakdown
         hb["launch"] += t2 - t1
@@ -407,6 +409,8 @@ class Stepper:
             out = verify(rows3_s, db, spec, self.sampler)
         if not blocked:
             host = {"ids": out.token_ids.cpu(), "num_emitted": out.num_emitted.cpu()}  # -1 past num_emitted
+            if isinstance(out, TreeVerifyOutput):
+                host["path"] = out.path.cpu()  # the accepted node at each depth
             if out.logprobs is not None:
                 for k in ("logprobs", "top_ids", "top_logprobs"):
                     host[k] = getattr(out, k).cpu()
@@ -420,6 +424,10 @@ class Stepper:
         num = torch.ones(B, dtype=torch.int64)
         num[spec_i] = out.num_emitted.cpu()
         host = {"ids": ids, "num_emitted": num}
+        if isinstance(out, TreeVerifyOutput):  # the accepted node at each depth; node 0 alone if blocked
+            host["path"] = torch.full((B, P), -1, dtype=torch.int64)
+            host["path"][:, 0] = 0
+            host["path"][spec_i] = out.path.cpu()
         tops = [t for t in (out.top_ids, plain.top_ids) if t is not None]
         if tops:  # logprobs: both parts' in one layout
             n = max(t.shape[-1] for t in tops)
@@ -513,7 +521,12 @@ class Stepper:
         ]
         drafter = self.spec.drafter
         trees: list[TreeDraft] | None = None
-        if isinstance(drafter, DraftModel):  # the draft model reserves the pages it drafts into
+        if isinstance(drafter, Eagle3Drafter) and self.spec.trees:  # the head's top tokens as trees
+            trees = drafter.propose_tree(reqs, limits, sched)  # it reserves the pages it drafts into
+            drafts = [list(t.tokens) for t in trees]
+            if not any(drafts):
+                return None
+        elif isinstance(drafter, DraftModel):  # the draft model reserves the pages it drafts into
             drafts = drafter.propose(reqs, limits, sched)
             if not any(drafts):
                 return None
@@ -525,13 +538,13 @@ class Stepper:
             kept = sched.reserve_drafts(reqs, [list(t.tokens) for t in proposed])
             trees = [TreeDraft(t.tokens[: len(d)], t.parents[: len(d)]) for t, d in zip(proposed, kept)]
             drafts = [list(t.tokens) for t in trees]
-            if not any(branching(t) for t in trees):  # all chains: a chain step, the same tokens
-                trees = None
         else:
             drafts = drafter.propose_batch([r.rid for r in reqs], [r.token_view for r in reqs], limits)
             if not any(drafts):
                 return None
             drafts = sched.reserve_drafts(reqs, drafts)  # pages for kv_len + 1 + drafts
+        if trees is not None and not any(branching(t) for t in trees):  # chains: a chain step, same tokens
+            trees = None
         t1 = time.perf_counter()
         n_tok = len(reqs) + sum(len(d) for d in drafts)
         self.stats["steps"] += 1
@@ -557,7 +570,9 @@ class Stepper:
             drafter.accepted(reqs, drafts, emitted)
         if isinstance(drafter, Eagle3Drafter):  # the head's input for the accepted tokens
             first = [s - e for s, e in zip(step.seq_lens, step.extend_lens or [])]
-            drafter.harvest(reqs, first, emitted, self.runner.verify_rows())
+            rows = self.runner.verify_rows()  # each request's node 0; its nodes follow in index order
+            path = host["path"].tolist() if trees is not None else [range(e) for e in emitted]
+            drafter.harvest(reqs, first, [[r + j for j in p[:e]] for r, p, e in zip(rows, path, emitted)])
         outs = self.outputs(launched)
         t4 = time.perf_counter()
         hb = self.host_breakdown

@@ -73,6 +73,15 @@ def test_the_target_as_its_own_draft_is_accepted(setup, batch):
     assert eng.drafter.caught_up <= 2 * s["verified"], (eng.drafter.caught_up, s)
 
 
+def test_a_draft_model_drafts_chains_with_a_warning(setup):
+    """--draft-branches > 1 with a draft model: one line says it drafts chains; outputs unchanged."""
+    root, prompts = setup
+    plain, _ = _tokens(root / "art-same", prompts[:1], GREEDY, speculative="off")
+    with pytest.warns(UserWarning, match="--draft-branches 2: a draft model drafts chains"):
+        on, eng = _tokens(root / "art-same", prompts[:1], GREEDY, draft_branches=2)
+    assert on == plain and not eng.stepper.spec.trees and eng.stepper.tree_stats["steps"] == 0
+
+
 def test_a_random_draft_changes_nothing(setup):
     root, prompts = setup
     art = root / "art-other"

@@ -38,8 +38,10 @@ GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 OPTS = dict(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=128, chunk_size=64)
 
 
-def successor_head(path, target) -> None:
-    """The head of the module docstring, written over a random one in the published layout."""
+def successor_head(path, target, decoy: float = 0.0) -> None:
+    """The head of the module docstring, written over a random one in the published layout. With
+    ``decoy`` > 1 its LM head row of ``next(next(t))`` is ``embed[t] + decoy * embed[t + 1]``: from
+    the stream of ``t`` its best token is ``next(next(t - 1))`` (wrong), its second the right one."""
     write_eagle3_head(path, target, aux_ids=[0, 1, 2], seed=1)
     f = path / "model.safetensors"
     w = load_file(f)
@@ -52,16 +54,16 @@ def successor_head(path, target) -> None:
     for name in ("midlayer.self_attn.o_proj.weight", "midlayer.mlp.down_proj.weight"):
         w[name] = 0.002 * torch.randn(w[name].shape, generator=g)
     head = torch.empty_like(embed)
-    head[torch.tensor([NEXT[NEXT[t]] for t in range(len(NEXT))])] = embed
+    head[torch.tensor([NEXT[NEXT[t]] for t in range(len(NEXT))])] = embed + decoy * embed.roll(-1, 0)
     w["lm_head.weight"] = head
     w["norm.weight"] = torch.ones(h)
     w.pop("d2t", None)
     save_file({k: v.contiguous() for k, v in w.items()}, f)
 
 
-def _build(root, device: str) -> None:
+def _build(root, device: str, decoy: float = 0.0) -> None:
     make_successor(root / "target", LAYERS)
-    successor_head(root / "head", root / "target")
+    successor_head(root / "head", root / "target", decoy)
     opts = CompileOptions(**OPTS | {"device": device}, eagle3=str(root / "head"))
     compile_model(root / "target", root / "art", opts, verbose=False)
 
@@ -128,6 +130,59 @@ def test_gpu_drafts_on_cuda_graphs(tmp_path, compiled_gpu):
     s = eng.step_metrics()["speculative"]
     assert s["verified"] > 0 and s["accepted"] >= 0.9 * s["verified"], s
     assert eng.runner.verify_steps["graph"] > 0 and eng.drafter.runner.graphs
+
+
+@pytest.fixture(scope="module")
+def decoy_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3-decoy")
+    _build(root, "cpu", decoy=1.2)
+    return root
+
+
+def test_head_trees_take_the_heads_second_token(decoy_root):
+    """A head whose best token is always wrong and whose second is right: its chains have next to
+    nothing accepted; its trees of two tokens a depth (--draft-branches 2) take the second at depth 1
+    on every verify step, on the tree graph; the tokens are plain decoding's, at batch 3 with
+    chunked prefill. If the head got the streams of the verified chain's rows instead of the
+    accepted path's, its next best two would both be wrong."""
+    ps = prompts()
+    plain, _, _ = _run(decoy_root / "art", ps, speculative="off")
+    chains, ceng, _ = _run(decoy_root / "art", ps, chunk_size=16)
+    trees, teng, _ = _run(decoy_root / "art", ps, chunk_size=16, draft_branches=2)
+    assert chains == plain and trees == plain
+    c, t = (e.step_metrics()["speculative"] for e in (ceng, teng))
+    assert c["verified"] > 0 and c["accepted"] <= 0.1 * c["verified"], c
+    assert t["verified"] > 0 and t["accepted"] >= 0.9 * t["verified"], t
+    assert teng.stepper.tree_stats["branching"] > 0 and teng.runner.verify_steps["graph"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_head_trees_on_cuda_graphs(tmp_path, compiled_gpu):
+    """On the GPU: the decoy head's trees replay the target's tree graphs and take the second
+    token at depth 1 on every verify step; the tokens are plain decoding's."""
+    _build(tmp_path, "cuda", decoy=1.2)
+    ps = prompts()
+    plain, _, _ = _run(tmp_path / "art", ps, device="cuda", speculative="off", kv_memory_gib=0.25)
+    on, eng, _ = _run(
+        tmp_path / "art", ps, device="cuda", chunk_size=16, draft_branches=2, kv_memory_gib=0.25
+    )
+    assert on == plain
+    s = eng.step_metrics()["speculative"]
+    assert s["verified"] > 0 and s["accepted"] >= 0.9 * s["verified"], s
+    assert eng.runner.verify_steps["graph"] > 0 and eng.runner.tgraphs
+
+
+def test_head_trees_keep_seeded_samples(decoy_root):
+    """Seeded sampling through the head's trees emits plain decoding's very tokens: tree drafts go
+    as point masses (runtime/spec_tree.py), unlike the head's sampled chains (their ``q`` rule draws
+    other uniforms: the same law, other tokens)."""
+    ps = prompts()
+    params = SamplingParams(max_tokens=NEW, temperature=0.7, seed=3, ignore_eos=True)
+    plain, _, _ = _run(decoy_root / "art", ps, params, speculative="off")
+    trees, eng, _ = _run(decoy_root / "art", ps, params, chunk_size=16, draft_branches=3)
+    assert trees == plain
+    s = eng.step_metrics()["speculative"]
+    assert s["accepted"] > 0 and eng.stepper.tree_stats["branching"] > 0, s
 
 
 def test_drafts_equal_a_from_scratch_reference(root):

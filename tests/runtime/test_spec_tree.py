@@ -19,6 +19,7 @@ from kiln.runtime.spec_tree import (
     TreeDraft,
     TreeSampling,
     compact_moves,
+    head_tree,
     move_kv,
     verify_tree,
     walk_matches,
@@ -449,3 +450,13 @@ def test_verify_tree_runs_on_cuda_without_host_syncs():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert ((out.num_emitted >= 1) & (out.num_emitted <= tb.lens + 1)).all()
+
+
+def test_head_tree_puts_the_top_tokens_beside_the_chain():
+    """A head's top-b tokens per depth: the chain token first, its alternatives after it as leaves,
+    the next depth under the chain token; the node budget cuts the last depth."""
+    t = head_tree([[5, 6], [7, 8], [9, 10]], 5)
+    assert t == TreeDraft((5, 6, 7, 8, 9), (0, 0, 1, 1, 3)) and t.depths() == [0, 1, 1, 2, 2, 3]
+    assert head_tree([[5, 6, 1], [7, 8, 2]], 4) == TreeDraft((5, 6, 1, 7), (0, 0, 0, 1))
+    assert head_tree([[5], [7], [9]], 3) == TreeDraft.chain([5, 7, 9])
+    assert head_tree([[5, 6]], 0) == TreeDraft((), ())

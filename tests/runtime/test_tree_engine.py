@@ -1,6 +1,6 @@
 """N-gram draft trees in the engine (issue 30; docs/speculative.md section 4 "Trees"), float32 on CPU.
 
-``ngram_branches`` > 1 drafts each request's tree from the distinct continuations of its suffix's
+``draft_branches`` > 1 drafts each request's tree from the distinct continuations of its suffix's
 earlier occurrences (runtime/spec_tree.py ``ngram_tree``), verifies it in one step on the artifact's
 token-tree graph (``verify_tree``, compiled beside the verify graphs), then moves the accepted
 path's K/V into place (``compact_moves`` + ``move_kv``). Checked here:
@@ -145,7 +145,7 @@ def test_trees_accept_what_chains_miss(succ, batch):
     want = [walk(p[-1], NEW) for p in prompts]
     runs = {}
     for name, spec, br in (("off", "off", 1), ("chain", "ngram", 1), ("tree", "ngram", 2)):
-        llm = _llm(succ, spec, ngram_branches=br)
+        llm = _llm(succ, spec, draft_branches=br)
         assert _generate(llm, prompts) == want, name
         runs[name] = (llm.engine.spec_stats, llm.engine.stepper.tree_stats, llm.engine.status()["steps"])
     (chain, chain_tree, chain_steps), (tree, ts, tree_steps) = runs["chain"], runs["tree"]
@@ -168,7 +168,7 @@ def test_kv_after_tree_steps_equals_plain_decoding(succ):
     only): the accepted path was moved, and its keys rotated by depth."""
     prompts = [branchy_prompt(s, 26, 4, random.Random(s)) for s in (17, 120)]
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    on = _llm(succ, "ngram", ngram_branches=2).engine
+    on = _llm(succ, "ngram", draft_branches=2).engine
     reqs = [on.add_request(p, params) for p in prompts]
     while on.stepper.tree_stats["moved"] < 4 or min(len(r.output_ids) for r in reqs) < NEW:
         on.step()
@@ -191,7 +191,7 @@ def _compare_tree_paths(art, prompts, device: str, tol: float) -> None:
     shape with padding nodes and a padding request) on the tree graph's (B, k) verify graph (a
     CUDA-graph replay on a GPU) and on the tree graph run eagerly: the same logits at every node."""
     llm = LLM(
-        str(art), device=device, speculative="ngram", num_draft_tokens=K, ngram_branches=3, kv_memory_gib=0.25
+        str(art), device=device, speculative="ngram", num_draft_tokens=K, draft_branches=3, kv_memory_gib=0.25
     )
     eng = llm.engine
     assert eng.runner._vtree  # tree steps take the (B, k) graphs
@@ -241,7 +241,7 @@ def test_gpu_tree_step_replay_equals_the_eager_tree_graph(tmp_path):
 def _same(art, prompts, params, **opts):
     """The tokens with speculation off and with n-gram trees (asserted equal), and that engine."""
     off = _generate(LLM(str(art), device="cpu", speculative="off", **opts), prompts, params)
-    llm = _llm(art, "ngram", ngram_branches=3, **opts)
+    llm = _llm(art, "ngram", draft_branches=3, **opts)
     on = _generate(llm, prompts, params)
     assert on == off
     return on, llm.engine
@@ -269,7 +269,7 @@ def test_prefix_cache_chunked_prefill_and_retraction(tiny):
     second = first[:20] + torch.randint(3, 300, (5,), generator=g).tolist()
     runs = []
     for spec, br in (("off", 1), ("ngram", 3)):
-        llm = _llm(art, spec, ngram_branches=br)
+        llm = _llm(art, spec, draft_branches=br)
         a = llm.generate([first], params)[0]
         b = llm.generate([second], params)[0]
         c = llm.generate([first + a.token_ids[:30] + [7, 8]], params)[0]
@@ -306,7 +306,7 @@ def test_logprobs_and_a_request_that_cannot_speculate(tiny):
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     params = [lp, pen, greedy, lp]
     off = LLM(str(art), device="cpu", speculative="off").generate(prompts, params)
-    llm = _llm(art, "ngram", ngram_branches=3)
+    llm = _llm(art, "ngram", draft_branches=3)
     on = llm.generate(prompts, params)
     llm.engine.check_integrity()
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
@@ -325,14 +325,14 @@ def test_logprobs_and_a_request_that_cannot_speculate(tiny):
 
 def test_fallbacks_and_refusals(tiny, tmp_path):
     art, prompts = tiny
-    with pytest.raises(KilnError, match="ngram_branches must be >= 1"):
-        _llm(art, "ngram", ngram_branches=0)
+    with pytest.raises(KilnError, match="draft_branches must be >= 1"):
+        _llm(art, "ngram", draft_branches=0)
     make_tiny(tmp_path / "hf", "qwen3-qknorm", seed=5, eos=None)
     opts = CompileOptions(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=160, chunk_size=64)
     m = compile_model(tmp_path / "hf", tmp_path / "plain", opts, verbose=False)
     assert Manifest.TREE_GRAPH not in m.graphs  # no verify graphs, no tree graph
     with pytest.warns(UserWarning, match="no verify_tree graph.*chains"):
-        llm = _llm(tmp_path / "plain", "ngram", ngram_branches=2)
+        llm = _llm(tmp_path / "plain", "ngram", draft_branches=2)
     assert llm.engine.drafter.cfg.branches == 1
     out = _generate(llm, prompts[:2])
     assert out == _generate(LLM(str(art), device="cpu", speculative="off"), prompts[:2])
