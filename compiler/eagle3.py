@@ -51,6 +51,7 @@ from kiln.compiler.build import (
     _graph_entry,
     _kv_spec,
     _rope_spec,
+    _trees_traceable,
     _warm_up,
     build_graphs,
 )
@@ -258,8 +259,9 @@ def compile_head(head: HeadBuild, out: Path, opts: CompileOptions, verbose: bool
     """Compile ``head`` into ``out/{head.kind}`` with the target's shape options ``opts`` (its
     ``max_seq_len`` resolved: one block table serves both KV pools page for page): its pack, the
     shared graph (:attr:`~AuxHeadGraph.fused`: a catch-up from the target's streams), a static
-    ``decode_b{b}`` graph per bucket (a chain step on its own output), their kernels and its
-    manifest; returns the record the target's manifest keeps (``DraftSpec`` of ``head.kind``).
+    ``decode_b{b}`` graph per bucket (a chain step on its own output), with verify graphs and a
+    model that can have them the tree graph (``Manifest.TREE_GRAPH``: draft-tree steps on the
+    parents' outputs), their kernels and its manifest; returns the record the target's manifest keeps (``DraftSpec`` of ``head.kind``).
     Activation dtype (no FP8), one rank."""
     from kiln.weights import load_pack, pack_checkpoint
 
@@ -301,10 +303,31 @@ def compile_head(head: HeadBuild, out: Path, opts: CompileOptions, verbose: bool
             ex = example_inputs(b, b, cache, cfg.rotary_dim, device, max_blocks=max_blocks)
             programs[f"decode_b{b}"] = export_graph(model, weights, ex, opts.page_size, static_batch=True)
             graphs[f"decode_b{b}"] = _graph_entry(f"decode_b{b}", b, cache, layout="add_norm")
+        verify = opts.verify
+        if verify is not None and _trees_traceable(cfg, opts):
+            # draft trees (runtime/spec_eagle.py propose_tree): the expanded nodes of a request's tree
+            # on their parents' outputs, a tree mask, logits at every token
+            ex = example_inputs(
+                2, 8, cache, cfg.rotary_dim, device, max_blocks=max_blocks, every_token=True, tree=True
+            )
+            name = Manifest.TREE_GRAPH
+            programs[name] = _export_dynamic(model, weights, ex, opts)
+            graphs[name] = _graph_entry(name, None, cache, tree=True, max_tokens=opts.max_tokens)
     with timer.phase(f"{head.kind} kernels"):
 
         def warm(modules: dict[str, Any]) -> None:
-            _warm_up(modules, graphs, weights, cache, cfg, device, buckets, max_blocks, opts.chunk_size)
+            _warm_up(
+                modules,
+                graphs,
+                weights,
+                cache,
+                cfg,
+                device,
+                buckets,
+                max_blocks,
+                opts.chunk_size,
+                verify=verify,
+            )
 
         graphs = build_graphs(dst, programs, graphs, weights, cache, device, warm)
     manifest = Manifest(

@@ -22,7 +22,7 @@ from kiln.manifest import DraftSpec, Manifest, VerifySpec
 from kiln.runtime.detokenizer import prepare as prepare_detokenizer
 from kiln.runtime.grammar import GrammarCompiler, GrammarError, Matcher, StructuredOutputs
 from kiln.runtime.kv_pool import BlockTable, KVPool, size_for_memory
-from kiln.runtime.loader import load_model
+from kiln.runtime.loader import LoadedModel, load_model
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.radix_cache import RadixCache
 from kiln.runtime.request import Req, RequestOutput, Status
@@ -249,7 +249,7 @@ class Engine:
             self._check_verify(m.verify)
         # draft trees (draft_branches > 1; n-gram or an EAGLE-3 head, tp 1, an artifact with the tree
         # graph): their verify steps get the tree graph's (B, k) graphs too
-        trees = self.settings["draft_branches"] > 1 and self._trees_possible(tp)
+        trees = self.settings["draft_branches"] > 1 and self._trees_possible(tp, draft)
         self.runner = ModelRunner(
             self.model,
             self.pool,
@@ -431,15 +431,18 @@ class Engine:
                 f"--num-draft-tokens or compile with --verify-lengths including {k}"
             )
 
-    def _trees_possible(self, tp: int) -> bool:
-        """Whether draft trees (``draft_branches`` > 1) can run: n-gram drafts or an EAGLE-3 head, at
-        tp 1, on an artifact with the token-tree graph (``Manifest.TREE_GRAPH``, compiled with the
-        verify graphs); else a warning says why the drafts go as chains."""
+    def _trees_possible(self, tp: int, head: LoadedModel | None) -> bool:
+        """Whether draft trees (``draft_branches`` > 1) can run: n-gram drafts or an EAGLE-3 head
+        (``head``: the loaded draft), at tp 1, the target and the head with the token-tree graph
+        (``Manifest.TREE_GRAPH``, compiled with the verify graphs); else a warning says why the
+        drafts go as chains."""
         why = None
         draft = self.model.artifact.manifest.draft
         if self.spec_mode == "draft" and draft is not None and draft.kind != "eagle3":
             source = "a draft model" if draft.kind == "model" else f"the {draft.kind.upper()} layer"
             why = f"{source} drafts chains (trees come from n-gram drafts and EAGLE-3 heads)"
+        elif self.spec_mode == "draft" and head is not None and Manifest.TREE_GRAPH not in head.graphs:
+            why = f"this artifact's EAGLE-3 head has no {Manifest.TREE_GRAPH} graph (compiled before it had one)"
         elif tp > 1:
             why = f"tree verification runs at tp 1 only (this artifact has tp {tp})"
         elif Manifest.TREE_GRAPH not in self.model.graphs:

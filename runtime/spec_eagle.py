@@ -50,7 +50,7 @@ from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import LoadedModel
 from kiln.runtime.model_runner import StepInputs, run_extend_graph
 from kiln.runtime.spec_draft import DraftModel
-from kiln.runtime.spec_tree import TreeDraft, head_tree
+from kiln.runtime.spec_tree import TreeDraft, TreeSearch
 from kiln.runtime.staging import HostStager
 
 if TYPE_CHECKING:
@@ -97,7 +97,8 @@ class Eagle3Drafter(DraftModel):
         self.store = torch.zeros(rows * self.depth, self.width, dtype=torch.float32, device=self.device)
         # rid -> (block-table row, lo, hi): the ring holds the target's streams at positions [lo, hi)
         self.held: dict[str, tuple[int, int, int]] = {}
-        self.branches = branches  # top tokens per depth of a tree step (:meth:`propose_tree`; 1: chains)
+        self.branches = branches  # a draft tree's width (:meth:`propose_tree`; 1: chains)
+        self.tree_rows = 0  # tokens the head's tree steps ran
 
     def forget(self, rid: str) -> None:
         super().forget(rid)
@@ -232,32 +233,85 @@ class Eagle3Drafter(DraftModel):
         return logits
 
     def propose_tree(self, reqs: list[Req], limits: list[int], sched: Scheduler) -> list[TreeDraft]:
-        """A token tree per request (:func:`~kiln.runtime.spec_tree.head_tree`): ``min(k,
-        limits[i])`` nodes (fewer where its pages cannot grow, :meth:`Scheduler.reserve_drafts`),
-        the head's top :attr:`branches` tokens at each depth of its chain of best tokens (the chain
-        as in :meth:`propose`, ``ceil(nodes / branches) - 1`` decode steps). Every request's tokens
-        are point masses, a sampling request's too (lossless by the tree's point-mass rule; the
-        ``q`` rule of :meth:`propose`'s sampled chains is not used)."""
+        """A draft tree per request of ``min(k, limits[i])`` nodes (fewer where its pages cannot grow,
+        :meth:`Scheduler.reserve_drafts`), searched as EAGLE-2 does
+        (:class:`~kiln.runtime.spec_tree.TreeSearch`, ``width`` = :attr:`branches`): the catch-up's
+        top tokens, then per depth one run of the head's tree graph over each request's expanded
+        nodes (:meth:`_tree_step`) whose newest ones offer their top tokens. Every node is a point
+        mass, a sampling request's too (lossless by the tree's point-mass rule; the ``q`` rule of
+        :meth:`propose`'s sampled chains is not used). One host sync per depth (the search runs on
+        the host)."""
         want = [[0] * max(0, min(self.k, lim)) for lim in limits]
         counts = [len(d) for d in sched.reserve_drafts(reqs, want)]
         self._starts = [r.seq_len for r in reqs]
         self.probs = None
-        b = self.branches
-        depths = [-(-c // b) for c in counts]
-        n = max(depths, default=0)
-        if n == 0:
+        searches = [TreeSearch(c, self.branches) for c in counts]
+        live = [i for i, c in enumerate(counts) if c > 0]
+        if not live:
             return [TreeDraft((), ()) for _ in reqs]
-        top = torch.empty(len(reqs), n, b, dtype=torch.int64, device=self.device)
-        top[:, 0] = self._top(self._catch_up(reqs))
-        for i in range(1, n):  # depth i + 1 from the chain token of depth i
-            logits = self.runner.decode(self._chain_step(reqs, depths, i), subst=(None, top[:, i - 1, 0]))
-            top[:, i] = self._top(logits)
-        host = top.cpu().tolist()
-        return [head_tree(rows[:d], c) for rows, d, c in zip(host, depths, counts)]
+        logits = self._catch_up(reqs)
+        # each request's head output at s - 2 (the catch-up's last): its depth-1 nodes' input
+        roots = self.hidden[: len(reqs), : self.hidden_size].clone()
+        prev = (roots, [0] * len(reqs))  # the inputs' source rows, each request's first there
+        rows = live
+        while rows:
+            top = logits.index_select(0, self.stager.to_device(rows, torch.int64))[:, : self.vocab]
+            lp, ids = torch.log_softmax(top.float(), -1).topk(self.branches, -1)
+            lp_h, ids_h = lp.tolist(), ids.tolist()
+            at = 0
+            for i in live:  # the rows of its frontier (of the root at first), in order
+                n = len(searches[i].frontier) or 1
+                searches[i].offer(ids_h[at : at + n], lp_h[at : at + n])
+                at += n
+            live = [i for i in live if searches[i].frontier]
+            if not live:
+                break
+            logits, prev, rows = self._tree_step(reqs, searches, live, roots, prev)
+        return [s.tree() for s in searches]
 
-    def _top(self, logits: torch.Tensor) -> torch.Tensor:
-        """The head's :attr:`branches` best target ids per row of ``logits [B, >= vocab]``."""
-        return logits[:, : self.vocab].float().topk(self.branches, dim=-1).indices
+    def _tree_step(
+        self,
+        reqs: list[Req],
+        searches: list[TreeSearch],
+        live: list[int],
+        roots: torch.Tensor,
+        prev: tuple[torch.Tensor, list[int]],
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, list[int]], list[int]]:
+        """One run of the head's tree graph over the expanded nodes of the requests ``live``: node
+        ``j`` of request ``i`` (token, parent, depth from :meth:`TreeSearch.chunk`) at position
+        ``s - 2 + depth``, its K/V in the slot of position ``s - 1 + j``, seeing the head's K/V
+        below ``s - 1`` and its ancestors (``tree_mask``), on its parent's output (``roots[i]`` at
+        depth 1, else the previous run's row ``prev[1][i] + parent``). Returns the logits, the run's
+        outputs with each request's first row there, and the logits rows of the frontier nodes."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        masks: list[int] = []
+        src: list[int] = []
+        rows, lens, indptr, first = [], [], [0], [0] * len(reqs)
+        frontier: list[int] = []
+        for i in live:
+            req, s = reqs[i], self._starts[i]
+            toks, parents, depths = searches[i].chunk()
+            first[i] = t = len(ids)
+            ids += toks
+            pos += (s - 2 + d for d in depths)
+            slots += self.bt.slots(req.row, s - 1, s - 1 + len(toks))
+            for j, p in enumerate(parents):
+                masks.append((1 << j) | (masks[t + p] if p >= 0 else 0))
+                src.append(i if p < 0 else len(roots) + prev[1][i] + p)
+            frontier += (t + f for f in searches[i].frontier)
+            rows.append(req.row)
+            lens.append(s - 1 + len(toks))
+            indptr.append(len(ids))
+        h = self.hidden[:, : self.hidden_size]
+        self._copy(h, list(range(len(ids))), torch.cat([roots, prev[0]]), src)
+        logits = run_extend_graph(
+            self.runner.m, self.runner.pool, self.bt, ids, pos, slots, rows, lens, indptr,
+            every_token=True, aux=self.runner.aux_args, tree_mask=masks,
+        )  # fmt: skip
+        self.tree_rows += len(ids)
+        return logits, (h[: len(ids)].clone(), first), frontier
 
     def accepted(self, reqs: list[Req], drafts: list[list[int]], num_emitted: list[int]) -> None:
         """After the verify step of :meth:`propose`'s drafts: the head's K/V are right below

@@ -272,25 +272,59 @@ def ngram_tree(
     return TreeDraft(tuple(toks), tuple(parents))
 
 
-def head_tree(top: Sequence[Sequence[int]], num_nodes: int) -> TreeDraft:
-    """A draft head's tree of ``num_nodes`` draft nodes from its chain's top tokens: ``top[d]`` are
-    the head's top-``b`` tokens at depth ``d + 1`` (best first), computed on the chain of best
-    tokens ``top[0][0], top[1][0], ...``. Depth ``d + 1`` holds that chain token followed by its
-    ``b - 1`` alternatives as leaves (siblings, parent the chain token of depth ``d``; the root at
-    depth 1), ``ceil(num_nodes / b)`` depths in all, the last one cut to the nodes left. With ``b``
-    1 it is the chain ``top[0][0], top[1][0], ...``. The tokens go as point masses (top-``b`` is a
-    choice without replacement: runtime/spec_tree.py's module docstring)."""
-    toks: list[int] = []
-    parents: list[int] = []
-    parent = 0
-    for row in top:
-        take = min(len(row), num_nodes - len(toks))
-        if take <= 0:
-            break
-        toks += row[:take]
-        parents += [parent] * take
-        parent = len(toks) - take + 1  # this depth's chain node (its first)
-    return TreeDraft(tuple(toks), tuple(parents))
+class TreeSearch:
+    """A draft head's tree for one request, searched as EAGLE-2 does (on the host): ``width``
+    candidates per expanded node, the ``width`` best candidates of each depth expanded, and the tree
+    the ``num_nodes`` best candidates of all depths, scored by their path's summed log-probability.
+
+    Protocol: :meth:`offer` the head's top ``width`` tokens and log-probabilities at the root (the
+    catch-up's logits), then at each node of :attr:`frontier` (the head's tree step over
+    :meth:`chunk`), until :attr:`frontier` is empty (after ``depth = ceil(num_nodes / width)``
+    depths); :meth:`tree` is the draft. A candidate's score is at most its parent's and ties go to
+    the shallower one, so the best ``num_nodes`` hold every selected node's parent (a tree). With
+    ``width`` 1 it is the head's greedy chain."""
+
+    def __init__(self, num_nodes: int, width: int):
+        self.num_nodes, self.width = num_nodes, width
+        self.depth = -(-num_nodes // width) if num_nodes > 0 else 0
+        # candidates: (score, depth, token, parent candidate or -1 for the root)
+        self.cands: list[tuple[float, int, int, int]] = []
+        self.expanded: list[int] = []  # the candidates the head runs (:meth:`chunk`), in order
+        self.frontier: list[int] = []  # positions in ``expanded`` whose children are wanted next
+
+    def offer(self, tokens: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]]) -> None:
+        """Candidates: ``tokens[i]`` with ``logprobs[i]`` under the ``i``-th node of
+        :attr:`frontier` (the root when nothing is expanded yet); then the next frontier."""
+        if self.cands and not self.frontier:
+            raise ValueError("TreeSearch.offer: nothing to expand (the search is over: call tree())")
+        parents = [self.expanded[f] for f in self.frontier] if self.expanded else [-1]
+        new: list[int] = []
+        for parent, toks, lps in zip(parents, tokens, logprobs, strict=True):
+            base, depth = (0.0, 1) if parent < 0 else (self.cands[parent][0], self.cands[parent][1] + 1)
+            for t, lp in zip(toks, lps):
+                if lp != float("-inf"):  # an id the head cannot draft
+                    new.append(len(self.cands))
+                    self.cands.append((base + lp, depth, int(t), parent))
+        self.frontier = []
+        if new and self.cands[new[0]][1] < self.depth:
+            best = sorted(new, key=lambda c: -self.cands[c][0])[: self.width]
+            self.frontier = list(range(len(self.expanded), len(self.expanded) + len(best)))
+            self.expanded += best
+
+    def chunk(self) -> tuple[list[int], list[int], list[int]]:
+        """The expanded nodes as the head's tree step runs them: tokens, each one's parent (a
+        position in this list, -1 for the root) and depth (1 under the root)."""
+        where = {c: i for i, c in enumerate(self.expanded)}
+        cs = [self.cands[c] for c in self.expanded]
+        return [c[2] for c in cs], [where.get(c[3], -1) for c in cs], [c[1] for c in cs]
+
+    def tree(self) -> TreeDraft:
+        """The ``num_nodes`` best candidates as a draft tree (by depth, best first in a depth)."""
+        ranked = sorted(range(len(self.cands)), key=lambda c: (-self.cands[c][0], self.cands[c][1], c))
+        chosen = sorted(ranked[: self.num_nodes], key=lambda c: (self.cands[c][1], -self.cands[c][0], c))
+        node = {c: i + 1 for i, c in enumerate(chosen)}
+        parents = [0 if self.cands[c][3] < 0 else node[self.cands[c][3]] for c in chosen]
+        return TreeDraft(tuple(self.cands[c][2] for c in chosen), tuple(parents))
 
 
 def branching(tree: TreeDraft) -> bool:

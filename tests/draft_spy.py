@@ -27,3 +27,32 @@ def spy_drafts(eng, vocab: int) -> list:
 
     eng.drafter.propose, eng.drafter._picker = logged, logged_picker
     return log
+
+
+def spy_tree_steps(eng, vocab: int) -> list:
+    """Wrap ``eng.drafter``'s ``propose_tree`` and ``_tree_step`` (an EAGLE-3 head's draft trees):
+    the returned list gets, per request of every head tree step, ``(sequence, paths, logits)``: the
+    request's tokens, each node the step ran as its path of tokens from the root, and the head's
+    logits there (``[:vocab]``, float32)."""
+    log: list = []
+    propose_tree, tree_step = eng.drafter.propose_tree, eng.drafter._tree_step
+    seqs: list[list[int]] = []
+
+    def logged_propose(reqs, limits, sched):
+        seqs[:] = [list(r.token_view[: r.seq_len]) for r in reqs]
+        return propose_tree(reqs, limits, sched)
+
+    def logged_step(reqs, searches, live, roots, prev):
+        logits, out, frontier = tree_step(reqs, searches, live, roots, prev)
+        at = 0
+        for i in live:
+            toks, parents, _ = searches[i].chunk()
+            paths: list[list[int]] = []
+            for t, p in zip(toks, parents):
+                paths.append([*(paths[p] if p >= 0 else []), t])
+            log.append((seqs[i], paths, logits[at : at + len(toks), :vocab].float().clone()))
+            at += len(toks)
+        return logits, out, frontier
+
+    eng.drafter.propose_tree, eng.drafter._tree_step = logged_propose, logged_step
+    return log

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from draft_spy import spy_drafts
+from draft_spy import spy_drafts, spy_tree_steps
 from eagle3_checkpoints import write_eagle3_head
 from safetensors.torch import load_file, save_file
 from tiny_models import SUCCESSOR_NEXT, make_successor, successor_config, walk
@@ -27,6 +27,7 @@ from kiln import LLM, SamplingParams
 from kiln.compiler.build import CompileOptions, compile_model
 from kiln.manifest import Manifest
 from kiln.runtime.direct import DirectRunner
+from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_model
 
 LAYERS = 4
@@ -61,10 +62,12 @@ def successor_head(path, target, decoy: float = 0.0) -> None:
     save_file({k: v.contiguous() for k, v in w.items()}, f)
 
 
-def _build(root, device: str, decoy: float = 0.0) -> None:
+def _build(root, device: str, decoy: float = 0.0, verify_lengths: str = "") -> None:
     make_successor(root / "target", LAYERS)
     successor_head(root / "head", root / "target", decoy)
-    opts = CompileOptions(**OPTS | {"device": device}, eagle3=str(root / "head"))
+    opts = CompileOptions(
+        **OPTS | {"device": device}, eagle3=str(root / "head"), verify_lengths=verify_lengths
+    )
     compile_model(root / "target", root / "art", opts, verbose=False)
 
 
@@ -104,6 +107,7 @@ def test_the_artifact_holds_the_head(root):
     assert m.verify is not None
     head = Manifest.load(root / "art" / m.draft.path)
     assert head.kv.num_layers == 1 and head.aux_width == 3 * CONFIG["hidden_size"]
+    assert Manifest.TREE_GRAPH in head.graphs  # its draft trees' steps
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -135,16 +139,16 @@ def test_gpu_drafts_on_cuda_graphs(tmp_path, compiled_gpu):
 @pytest.fixture(scope="module")
 def decoy_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle3-decoy")
-    _build(root, "cpu", decoy=1.2)
+    _build(root, "cpu", decoy=1.2, verify_lengths="4,6")  # 6 nodes of width 2: three depths
     return root
 
 
 def test_head_trees_take_the_heads_second_token(decoy_root):
     """A head whose best token is always wrong and whose second is right: its chains have next to
-    nothing accepted; its trees of two tokens a depth (--draft-branches 2) take the second at depth 1
-    on every verify step, on the tree graph; the tokens are plain decoding's, at batch 3 with
-    chunked prefill. If the head got the streams of the verified chain's rows instead of the
-    accepted path's, its next best two would both be wrong."""
+    nothing accepted; its trees of width 2 (--draft-branches 2: both of its best two expanded)
+    take the second at depth 1 on every verify step, verified on the tree graph; the tokens are
+    plain decoding's, at batch 3 with chunked prefill. If the head got the streams of the verified
+    chain's rows instead of the accepted path's, its next best two would both be wrong."""
     ps = prompts()
     plain, _, _ = _run(decoy_root / "art", ps, speculative="off")
     chains, ceng, _ = _run(decoy_root / "art", ps, chunk_size=16)
@@ -154,6 +158,7 @@ def test_head_trees_take_the_heads_second_token(decoy_root):
     assert c["verified"] > 0 and c["accepted"] <= 0.1 * c["verified"], c
     assert t["verified"] > 0 and t["accepted"] >= 0.9 * t["verified"], t
     assert teng.stepper.tree_stats["branching"] > 0 and teng.runner.verify_steps["graph"] > 0
+    assert teng.drafter.tree_rows > 0  # the head's own tree steps ran
 
 
 @pytest.mark.gpu
@@ -170,6 +175,32 @@ def test_gpu_head_trees_on_cuda_graphs(tmp_path, compiled_gpu):
     s = eng.step_metrics()["speculative"]
     assert s["verified"] > 0 and s["accepted"] >= 0.9 * s["verified"], s
     assert eng.runner.verify_steps["graph"] > 0 and eng.runner.tgraphs
+
+
+def test_tree_steps_equal_a_from_scratch_reference(decoy_root):
+    """Every node of every head tree step (three depths: nodes of depth 2 on their parents' outputs,
+    beside their parents' siblings) has the head's logits of a from-scratch chain along its path:
+    the tree mask, the positions by depth, the slots and the inputs from the parents."""
+    ps = prompts()
+    llm = LLM(str(decoy_root / "art"), device="cpu", chunk_size=16, draft_branches=2, num_draft_tokens=6)
+    log = spy_tree_steps(llm.engine, VOCAB)
+    llm.generate(ps, GREEDY)
+    assert any(len(p) == 2 for _, paths, _ in log for p in paths)  # depth 2 ran
+    target = load_model(str(decoy_root / "art"), "cpu")
+    head = load_model(str(decoy_root / "art" / "eagle3"), "cpu")
+    for tokens, paths, logits in log:
+        for path, row in zip(paths, logits):
+            _, want = reference_drafts(target, head, tokens, len(path) + 1, path=path)
+            torch.testing.assert_close(row, want[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_head_without_the_tree_graph_drafts_chains(decoy_root):
+    eng = LLM(str(decoy_root / "art"), device="cpu", draft_branches=2).engine
+    head = eng.drafter.runner.m
+    assert Manifest.TREE_GRAPH in head.graphs and eng.stepper.spec.trees
+    del head.graphs[Manifest.TREE_GRAPH]  # a head compiled before heads had one
+    with pytest.warns(UserWarning, match="EAGLE-3 head has no verify_tree graph.*chains"):
+        assert not Engine._trees_possible(eng, 1, head)
 
 
 def test_head_trees_keep_seeded_samples(decoy_root):
@@ -203,9 +234,11 @@ def test_drafts_equal_a_from_scratch_reference(root):
     assert checked >= len(log)
 
 
-def reference_drafts(target, head, tokens: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+def reference_drafts(
+    target, head, tokens: list[int], n: int, path: list[int] | None = None
+) -> tuple[list[int], list[torch.Tensor]]:
     """The head's ``n`` greedy drafts after ``tokens`` and its logits of each, from scratch (module
-    docstring)."""
+    docstring); with ``path`` its chain on those tokens instead of its own (``n = len(path) + 1``)."""
     s = len(tokens)
     t = DirectRunner("", model=target)
     width = 3 * CONFIG["hidden_size"]
@@ -218,5 +251,6 @@ def reference_drafts(target, head, tokens: list[int], n: int) -> tuple[list[int]
     h = CONFIG["hidden_size"]
     buf[0, :h] = buf[s - 2, :h].clone()  # the last position's output starts the chain
     while len(rows) < n:
-        rows.append(d.decode([int(rows[-1].argmax())])[0, :VOCAB].float())
+        fed = int(rows[-1].argmax()) if path is None else path[len(rows) - 1]
+        rows.append(d.decode([fed])[0, :VOCAB].float())
     return [int(x.argmax()) for x in rows], rows

@@ -6,6 +6,8 @@ compacting K/V move in a real pool.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from markov_oracle import PROMPT, V, chi2_pvalue, plain_seeded_tokens, tables, target_probs
@@ -18,8 +20,8 @@ from kiln.runtime.spec_tree import (
     TreeBatch,
     TreeDraft,
     TreeSampling,
+    TreeSearch,
     compact_moves,
-    head_tree,
     move_kv,
     verify_tree,
     walk_matches,
@@ -452,11 +454,31 @@ def test_verify_tree_runs_on_cuda_without_host_syncs():
         assert ((out.num_emitted >= 1) & (out.num_emitted <= tb.lens + 1)).all()
 
 
-def test_head_tree_puts_the_top_tokens_beside_the_chain():
-    """A head's top-b tokens per depth: the chain token first, its alternatives after it as leaves,
-    the next depth under the chain token; the node budget cuts the last depth."""
-    t = head_tree([[5, 6], [7, 8], [9, 10]], 5)
-    assert t == TreeDraft((5, 6, 7, 8, 9), (0, 0, 1, 1, 3)) and t.depths() == [0, 1, 1, 2, 2, 3]
-    assert head_tree([[5, 6, 1], [7, 8, 2]], 4) == TreeDraft((5, 6, 1, 7), (0, 0, 0, 1))
-    assert head_tree([[5], [7], [9]], 3) == TreeDraft.chain([5, 7, 9])
-    assert head_tree([[5, 6]], 0) == TreeDraft((), ())
+def test_tree_search_keeps_the_best_paths():
+    """EAGLE-2's search: both root candidates expanded (width 2), the two best of the four at depth
+    2 expanded, the tree the five best candidates of all depths by path probability."""
+    t = TreeSearch(5, 2)
+    assert t.depth == 3
+    t.offer([[10, 11]], [[math.log(0.6), math.log(0.3)]])
+    assert t.chunk() == ([10, 11], [-1, -1], [1, 1]) and t.frontier == [0, 1]
+    t.offer([[20, 21], [30, 31]], [[math.log(0.9), math.log(0.05)], [math.log(0.5), math.log(0.4)]])
+    # 20: .54, 21: .03, 30: .15, 31: .12 -> 20 and 30 expanded
+    assert t.chunk() == ([10, 11, 20, 30], [-1, -1, 0, 1], [1, 1, 2, 2]) and t.frontier == [2, 3]
+    t.offer([[40, 41], [50, 51]], [[math.log(0.9), math.log(0.05)], [math.log(0.5), math.log(0.4)]])
+    assert t.frontier == []  # depth 3 is the last
+    # 10 .6, 20 .54, 40 .486, 11 .3, 30 .15 (then 31 .12, 50 .075)
+    assert t.tree() == TreeDraft((10, 11, 20, 30, 40), (0, 0, 1, 2, 3))
+
+
+def test_tree_search_of_width_one_is_the_chain_and_ties_keep_parents():
+    t = TreeSearch(3, 1)
+    for tok in (7, 8, 9):
+        t.offer([[tok]], [[0.0]])  # probability 1: every score ties with its parent's
+    assert t.tree() == TreeDraft.chain([7, 8, 9])
+    u = TreeSearch(3, 2)
+    u.offer([[5, 6]], [[0.0, float("-inf")]])  # an id the head cannot draft is no candidate
+    assert u.frontier == [0]
+    u.offer([[7, 8]], [[-1.0, -2.0]])
+    assert u.tree() == TreeDraft((5, 7, 8), (0, 1, 1))
+    with pytest.raises(ValueError, match="nothing to expand"):
+        u.offer([[9]], [[0.0]])

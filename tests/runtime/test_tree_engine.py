@@ -340,6 +340,6 @@ def test_fallbacks_and_refusals(tiny, tmp_path):
     # tensor parallel: trees refused (chains), and a tp artifact gets no tree graph
     eng = llm.engine
     with pytest.warns(UserWarning, match="tp 1 only.*chains"):
-        assert not Engine._trees_possible(eng, 2)
+        assert not Engine._trees_possible(eng, 2, None)
     cfg = load_config(tmp_path / "hf")
     assert _trees_traceable(cfg, opts) and not _trees_traceable(cfg, replace(opts, tp=2))
