@@ -270,9 +270,9 @@ def _export_dynamic(
 
 def _trees_traceable(cfg: ModelConfig, opts: CompileOptions) -> bool:
     """Whether the artifact gets the token-tree verify graph (``Manifest.TREE_GRAPH``) beside its
-    verify graphs: not for MLA attention (no tree path), sliding windows (refused with trees) or
-    tensor-parallel artifacts (tree verification runs at tp 1 only)."""
-    return cfg.mla is None and not cfg.sliding_window and opts.tp == 1 and opts.ep == 1
+    verify graphs: not for sliding windows (refused with trees) or tensor-parallel artifacts (tree
+    verification runs at tp 1 only)."""
+    return not cfg.sliding_window and opts.tp == 1 and opts.ep == 1
 
 
 KV_DTYPES = ("auto", "fp8")  # --kv-dtype

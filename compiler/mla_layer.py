@@ -37,7 +37,6 @@ import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
 from kiln.compiler.config import ModelConfig
 from kiln.compiler.context import ForwardContext
 from kiln.compiler.layers import Act, Linear, RMSNorm
-from kiln.errors import KilnError
 from kiln.ops.attention.mla import absorb_q, apply_uv, mla_softmax_scale
 
 LORA_NORM_EPS = 1e-6  # transformers' DeepseekV2RMSNorm default: q_a_layernorm and kv_a_layernorm
@@ -79,11 +78,6 @@ class MLAAttention(nn.Module):
             lin.role = "attn"  # the GEMV plan's role (compiler/layers.py use_gemv_plan)
 
     def forward(self, x: Act, ctx: ForwardContext) -> torch.Tensor:
-        if ctx.tree_mask is not None:  # at trace time: kiln::mla_attention has no tree path yet
-            raise KilnError(
-                f"{self.__class__.__name__} (layer {self.layer}): MLA attention has no token-tree path; "
-                "trace MLA models without the tree_mask input (example_inputs tree=False)."
-            )
         if self.q_lora:
             q = self.q_b(self.q_a_norm(self.q_a(x)))  # [T, H (dn + dr)]
         else:
@@ -100,7 +94,7 @@ class MLAAttention(nn.Module):
         q_latent = absorb_q(q[..., : self.dn], self.w_kc)  # [T, H, r]
         o = torch.ops.kiln.mla_attention(
             q_latent, q_pe, cache, ctx.block_table, ctx.req_rows, ctx.seq_lens, ctx.qo_indptr, self.scale,
-            ctx.page_size, ctx.num_splits,
+            ctx.page_size, ctx.num_splits, *(() if ctx.tree_mask is None else (ctx.tree_mask,)),
         )  # fmt: skip
         # o: [T, H, r] latent outputs -> the heads' values [T, H, dv]
         out = self.o(apply_uv(o, self.w_vc).reshape(t, self.heads * self.dv))  # [T, hidden]

@@ -432,23 +432,25 @@ class Engine:
             )
 
     def _trees_possible(self, tp: int, head: LoadedModel | None) -> bool:
-        """Whether draft trees (``draft_branches`` > 1) can run: n-gram drafts or an EAGLE-3 head
-        (``head``: the loaded draft), at tp 1, the target and the head with the token-tree graph
-        (``Manifest.TREE_GRAPH``, compiled with the verify graphs); else a warning says why the
-        drafts go as chains."""
+        """Whether draft trees (``draft_branches`` > 1) can run: n-gram drafts or a draft head
+        (EAGLE-3, MTP; ``head``: the loaded draft), at tp 1, the target and the head with the
+        token-tree graph (``Manifest.TREE_GRAPH``, compiled with the verify graphs); else a warning
+        says why the drafts go as chains."""
         why = None
         draft = self.model.artifact.manifest.draft
-        if self.spec_mode == "draft" and draft is not None and draft.kind != "eagle3":
-            source = "a draft model" if draft.kind == "model" else f"the {draft.kind.upper()} layer"
-            why = f"{source} drafts chains (trees come from n-gram drafts and EAGLE-3 heads)"
+        if self.spec_mode == "draft" and draft is not None and draft.kind not in DraftSpec.HEADS:
+            why = "a draft model drafts chains (trees come from n-gram drafts, EAGLE-3 heads and MTP layers)"
         elif self.spec_mode == "draft" and head is not None and Manifest.TREE_GRAPH not in head.graphs:
-            why = f"this artifact's EAGLE-3 head has no {Manifest.TREE_GRAPH} graph (compiled before it had one)"
+            kind = {"eagle3": "EAGLE-3", "mtp": "MTP"}.get(draft.kind if draft else "", "draft")
+            why = (
+                f"this artifact's {kind} head has no {Manifest.TREE_GRAPH} graph (compiled before it had one)"
+            )
         elif tp > 1:
             why = f"tree verification runs at tp 1 only (this artifact has tp {tp})"
         elif Manifest.TREE_GRAPH not in self.model.graphs:
             why = (
                 f"this artifact has no {Manifest.TREE_GRAPH} graph (compile it with --verify-lengths, "
-                "e.g. 4,8; MLA and sliding-window models have none)"
+                "e.g. 4,8; sliding-window models have none)"
             )
         if why is not None and self.spec_mode != "off":
             warnings.warn(f"kiln: --draft-branches {self.settings['draft_branches']}: {why}; the "

@@ -35,11 +35,14 @@ Ops (``torch.ops.kiln.*``; outputs in ``q_latent``'s dtype, float32 accumulation
   sm_scale, page_size, num_splits) -> [B, H, r]``: one query per request at ``seq_lens[b] - 1``
   (zeros for ``seq_lens[b] == 0``); ``num_splits = 0`` picks the split-KV factor.
 * ``mla_extend(q_latent [T, H, r], q_pe [T, H, dr], cache, block_table, req_rows, seq_lens,
-  qo_indptr, sm_scale, page_size) -> [T, H, r]``: request ``b``'s new tokens are rows
-  ``qo_indptr[b]:qo_indptr[b+1]`` at positions ``seq_lens[b] - n_b + j``; causal, full over the
-  prefix; rows past ``qo_indptr[B]`` are zeros.
-* ``mla_attention(..., qo_indptr, sm_scale, page_size, num_splits)``: ``mla_decode`` when ``T == B``,
-  else ``mla_extend`` (one graph serves both, as ``kiln::paged_attention``).
+  qo_indptr, sm_scale, page_size, tree_mask=None) -> [T, H, r]``: request ``b``'s new tokens are
+  rows ``qo_indptr[b]:qo_indptr[b+1]`` at positions ``seq_lens[b] - n_b + j``; causal, full over the
+  prefix; rows past ``qo_indptr[B]`` are zeros. ``tree_mask`` ``[T]`` int64: token trees
+  (speculative verification), a chunk key only where the query's ancestor bitmask has its bit, as
+  GQA extend attention takes them (ops/attention/extend.py).
+* ``mla_attention(..., qo_indptr, sm_scale, page_size, num_splits, tree_mask=None)``: ``mla_decode``
+  when ``T == B`` without a tree mask, else ``mla_extend`` (one graph serves both, as
+  ``kiln::paged_attention``).
 
 Kernels. ``mla_decode``: split-KV flash decoding, grid ``(cdiv(H, BLOCK_H), B, num_splits)``; a
 program takes ``BLOCK_H`` heads of one request and its share of the keys, loads each key block's
@@ -78,6 +81,7 @@ from kiln.ops.attention.decode import (
     tl_dot,
 )
 from kiln.ops.attention.extend import find_tile
+from kiln.ops.attention.reference import tree_visible
 from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
 from kiln.ops.common.op import kiln_op
 
@@ -140,18 +144,24 @@ def _rows(
     return cache[slots // cache.shape[1], slots % cache.shape[1]]
 
 
-def mla_attend(q_latent, q_pe, rows, q_pos, sm_scale):
+def mla_attend(q_latent, q_pe, rows, q_pos, sm_scale, tree_mask=None):
     """One request, absorbed form, float32: ``q_latent [n, H, r]``, ``q_pe [n, H, dr]`` at positions
-    ``q_pos [n]`` over ``rows [L, r + dr]`` (positions ``0..L-1``). Returns ``[n, H, r]``."""
+    ``q_pos [n]`` over ``rows [L, r + dr]`` (positions ``0..L-1``); with ``tree_mask [n]`` (the
+    chunk's ancestor bitmasks, the chunk the last ``n`` rows) a chunk key only under its bit.
+    Returns ``[n, H, r]``."""
     r = q_latent.shape[-1]
     c, pe = rows[:, :r].float(), rows[:, r:].float()  # [L, r], [L, dr]
     s = torch.einsum("nhr,lr->hnl", q_latent.float(), c) + torch.einsum("nhd,ld->hnl", q_pe.float(), pe)
     visible = torch.arange(rows.shape[0], device=rows.device)[None, :] <= q_pos[:, None]  # [n, L]
+    if tree_mask is not None:
+        visible = visible & tree_visible(tree_mask, rows.shape[0] - q_latent.shape[0], rows.shape[0])
     p = torch.softmax((s * sm_scale).masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
     return torch.einsum("hnl,lr->nhr", p, c)
 
 
-def mla_extend_ref(q_latent, q_pe, cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size):
+def mla_extend_ref(
+    q_latent, q_pe, cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size, tree_mask=None
+):
     """``kiln::mla_extend``, plain torch (module docstring): a host loop over requests."""
     out = torch.zeros(q_latent.shape, dtype=torch.float32, device=q_latent.device)
     indptr = qo_indptr.tolist()
@@ -160,7 +170,8 @@ def mla_extend_ref(q_latent, q_pe, cache, block_table, req_rows, seq_lens, qo_in
         if hi > lo:
             q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q_latent.device)
             rows = _rows(cache, block_table, row, seq_len, page_size)
-            out[lo:hi] = mla_attend(q_latent[lo:hi], q_pe[lo:hi], rows, q_pos, sm_scale)
+            tm = None if tree_mask is None else tree_mask[lo:hi]
+            out[lo:hi] = mla_attend(q_latent[lo:hi], q_pe[lo:hi], rows, q_pos, sm_scale, tm)
     return out.to(q_latent.dtype)
 
 
@@ -222,9 +233,18 @@ def check_mla_decode(q_latent, q_pe, cache, block_table, req_rows, seq_lens, sm_
         raise ValueError(f"mla_decode: num_splits must be >= 0 (0 = auto), got {num_splits}.")
 
 
-def check_mla_extend(q_latent, q_pe, cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size):
+def check_mla_extend(
+    q_latent, q_pe, cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size, tree_mask=None
+):
     """``kiln::mla_extend``'s argument check (both paths)."""
     check_mla(q_latent, q_pe, cache, page_size)
+    if tree_mask is not None and (
+        tree_mask.dtype != torch.int64 or tuple(tree_mask.shape) != (q_latent.shape[0],)
+    ):
+        raise ValueError(
+            f"mla_extend: tree_mask must be an int64 [T] = [{q_latent.shape[0]}] tensor (one ancestor "
+            f"bitmask per token), got {tree_mask.dtype} {list(tree_mask.shape)}."
+        )
     if qo_indptr.shape[0] != req_rows.shape[0] + 1 or seq_lens.shape[0] != req_rows.shape[0]:
         raise ValueError(
             f"mla_extend: qo_indptr has {qo_indptr.shape[0]} entries and seq_lens {seq_lens.shape[0]}; "
@@ -362,12 +382,15 @@ def _load_rows(ptrs, kvalid, cols, limit, MASKED: tl.constexpr, COL_MASK: tl.con
 @triton.jit
 def _mla_extend_step(
     ql, qp, acc, m_i, l_i, n0, q_pos, kv_end, bt_row, cache_ptr, stride_cp, stride_ct, v0, qk_scale,
+    tree_bits, prefix,
     R: tl.constexpr, BLOCK_R: tl.constexpr, DR: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_V: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, TREE: tl.constexpr,
 ):  # fmt: skip
     """One key block: online-softmax update of ``acc [BLOCK_M, BLOCK_V]`` (latent columns ``v0 +
-    [0, BLOCK_V)``), ``m_i``, ``l_i`` (log2 units). ``MASKED``: the causal diagonal and the end."""
+    [0, BLOCK_V)``), ``m_i``, ``l_i`` (log2 units). ``MASKED``: the causal diagonal and the end.
+    ``TREE``: ``tree_bits [BLOCK_M]`` int64, the rows' ancestor masks over the chunk that starts at
+    key position ``prefix`` (extend.py's tree path)."""
     kpos = n0 + tl.arange(0, BLOCK_N)
     kvalid = kpos < kv_end  # all true in the unmasked phase
     if MASKED:
@@ -381,7 +404,12 @@ def _mla_extend_step(
     pe = _load_rows(tok[:, None] + R + e[None, :], kvalid, e, DR, MASKED, DR != BLOCK_DR)
     s = tl_dot(ql, tl.trans(c), PREC, UPCAST) + tl_dot(qp, tl.trans(pe), PREC, UPCAST)  # [BLOCK_M, BLOCK_N]
     if MASKED:
-        s = tl.where((kpos[None, :] <= q_pos[:, None]) & kvalid[None, :], s, float("-inf"))
+        vis = (kpos[None, :] <= q_pos[:, None]) & kvalid[None, :]
+        if TREE:  # a key of the chunk only where the row's bit of its node is set
+            rel = kpos - prefix  # [BLOCK_N] node index of the key in the chunk
+            bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)[None, :]) & 1
+            vis = vis & ((rel < 0)[None, :] | (bit != 0))
+        s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * qk_scale - m_new[:, None])
@@ -397,12 +425,13 @@ def _mla_extend_step(
 
 @triton.jit
 def _mla_extend_kernel(
-    ql_ptr, qp_ptr, cache_ptr, bt_ptr, rows_ptr, lens_ptr, indptr_ptr, out_ptr,
+    ql_ptr, qp_ptr, cache_ptr, bt_ptr, rows_ptr, lens_ptr, indptr_ptr, out_ptr, tm_ptr,
     stride_lt, stride_lh, stride_pt, stride_ph, stride_cp, stride_ct, stride_bt, stride_ot, stride_oh,
     num_reqs, num_tokens, num_heads, sm_scale,
     R: tl.constexpr, BLOCK_R: tl.constexpr, DR: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_V: tl.constexpr, PAGE: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SCAN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    TREE: tl.constexpr = False,  # token trees: tm_ptr [T] int64 ancestor bitmasks (else unused)
 ):  # fmt: skip
     TOK = BLOCK_M // PACK  # tokens per tile (constexpr)
     t = tl.num_programs(0) - 1 - tl.program_id(0)  # tile index: late (long) tiles start first
@@ -441,6 +470,10 @@ def _mla_extend_kernel(
             mask=rmask[:, None] & (e[None, :] < DR),
             other=0.0,
         )  # [BLOCK_M, BLOCK_DR]
+        if TREE:
+            tree_bits = tl.load(tm_ptr + q_rows, mask=rmask, other=0).to(tl.int64)  # [BLOCK_M]
+        else:
+            tree_bits = q_pos  # unused
         qk_scale = sm_scale * 1.4426950408889634  # log2(e): softmax on exp2
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked blocks give p = 0
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -448,16 +481,21 @@ def _mla_extend_kernel(
         bt_row = bt_ptr + row * stride_bt
         first = prefix + m0  # the tile's first query position
         kv_end = prefix + tl.minimum(m0 + TOK, ext)  # one past the last key it sees
-        full_end = (first // BLOCK_N) * BLOCK_N  # key blocks every query of the tile sees whole
+        if TREE:  # the chunk's keys are seen by some rows only
+            full_end = (prefix // BLOCK_N) * BLOCK_N
+        else:
+            full_end = (first // BLOCK_N) * BLOCK_N  # key blocks every query of the tile sees whole
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _mla_extend_step(
                 ql, qp, acc, m_i, l_i, n0, q_pos, kv_end, bt_row, cache_ptr, stride_cp, stride_ct, v0,
-                qk_scale, R, BLOCK_R, DR, BLOCK_DR, BLOCK_V, PAGE, BLOCK_N, False, PREC, UPCAST,
+                qk_scale, tree_bits, prefix, R, BLOCK_R, DR, BLOCK_DR, BLOCK_V, PAGE, BLOCK_N, False, PREC,
+                UPCAST, TREE,
             )  # fmt: skip
         for n0 in range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _mla_extend_step(
                 ql, qp, acc, m_i, l_i, n0, q_pos, kv_end, bt_row, cache_ptr, stride_cp, stride_ct, v0,
-                qk_scale, R, BLOCK_R, DR, BLOCK_DR, BLOCK_V, PAGE, BLOCK_N, True, PREC, UPCAST,
+                qk_scale, tree_bits, prefix, R, BLOCK_R, DR, BLOCK_DR, BLOCK_V, PAGE, BLOCK_N, True, PREC,
+                UPCAST, TREE,
             )  # fmt: skip
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
@@ -582,10 +620,12 @@ def _extend_tiling(cfg: MLAExtendConfig, heads: int, r: int) -> tuple[int, int, 
 def mla_extend_triton(
     q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
     req_rows: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor, sm_scale: float, page_size: int,
-    *, config: MLAExtendConfig | None = None,
+    tree_mask: torch.Tensor | None = None, *, config: MLAExtendConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """MLA extend ``[T, H, r] -> [T, H, r]`` (module docstring): the flash kernel, grid from shapes
-    only (CUDA-graph safe); ``config`` overrides the tiling and launch (benchmarks sweep it)."""
+    only (CUDA-graph safe); ``tree_mask`` ``[T]`` int64 ancestor bitmasks of token trees (extend.py's
+    meaning), else None (causal chunks); ``config`` overrides the tiling and launch (benchmarks
+    sweep it)."""
     t, heads, r = q_latent.shape
     dr = q_pe.shape[2]
     num_reqs = req_rows.shape[0]
@@ -602,26 +642,40 @@ def mla_extend_triton(
     grid = (triton.cdiv(t, cfg.block_m // pack) + num_reqs, triton.cdiv(heads, pack), triton.cdiv(r, block_v))
     _mla_extend_kernel[grid](
         q_latent, q_pe, cache, block_table, req_rows, seq_lens, qo_indptr, out,
-        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), stride_page, stride_token,
+        seq_lens if tree_mask is None else tree_mask, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), stride_page, stride_token,
         block_table.stride(0), out.stride(0), out.stride(1), num_reqs, t, heads, float(sm_scale),
         R=r, BLOCK_R=block_r, DR=dr, BLOCK_DR=max(16, next_pow2(dr)), BLOCK_V=block_v, PAGE=page_size,
         PACK=pack, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SCAN=64,
         PREC="ieee" if q_latent.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TREE=tree_mask is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
 
 def by_step(decode: Any, extend: Any) -> Any:
     """``kiln::mla_attention``'s parameters over a decode and an extend function taking their ops':
-    ``decode`` when ``T == B`` (one new token per request), else ``extend``."""
+    ``decode`` when ``T == B`` (one new token per request) without a tree mask, else ``extend``
+    (with the tree mask when there is one: a tree step of roots alone is still a tree chunk)."""
 
     def mla_attention(
         q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
         req_rows: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor, sm_scale: float,
-        page_size: int, num_splits: int,
+        page_size: int, num_splits: int, tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """MLA decode when ``T == B``, MLA extend otherwise (the module docstring)."""
+        """MLA decode when ``T == B`` without a tree mask, MLA extend otherwise (the module docstring)."""
+        if tree_mask is not None:
+            return extend(
+                q_latent,
+                q_pe,
+                cache,
+                block_table,
+                req_rows,
+                seq_lens,
+                qo_indptr,
+                sm_scale,
+                page_size,
+                tree_mask,
+            )
         if q_latent.shape[0] == req_rows.shape[0]:
             return decode(
                 q_latent, q_pe, cache, block_table, req_rows, seq_lens, sm_scale, page_size, num_splits
