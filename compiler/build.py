@@ -641,9 +641,11 @@ def _warm_up(
     moe_table: str = "",
     par: ParallelConfig | None = None,
     verify: VerifySpec | None = None,
+    tree_shapes: list[tuple[int, int]] | None = None,
 ) -> None:
     """Run every graph at every shape class the runtime will use (compiling each Triton kernel
-    specialization into the cache) and check the logits are finite."""
+    specialization into the cache) and check the logits are finite. ``tree_shapes``: ``(batch,
+    tokens)`` of the tree graph's runs (default :func:`_tree_shapes` of ``verify``)."""
     decode_graph = {b: f"decode_b{b}" for b in buckets if f"decode_b{b}" in graphs}
     # (graph, requests, tokens, logits at every token)
     runs = [(decode_graph.get(b, "model"), b, b, False) for b in buckets]  # decode steps: T == B
@@ -651,7 +653,8 @@ def _warm_up(
     runs += [("model", b, t, False) for t, b in EXTEND_WARMUP if t <= chunk and b <= buckets[-1] and t != b]
     runs += [("model", b, t, True) for b, _, t in _verify_shapes(verify)]  # verify steps
     if Manifest.TREE_GRAPH in graphs:  # tree verify steps (eager): a few shapes, chain masks
-        runs += [(Manifest.TREE_GRAPH, b, t, True) for b, t in _tree_shapes(verify)]
+        shapes = _tree_shapes(verify) if tree_shapes is None else tree_shapes
+        runs += [(Manifest.TREE_GRAPH, b, t, True) for b, t in shapes]
     max_len = max_blocks * cache.page_size  # the longest request
 
     def prefills(sizes: Iterable[int]) -> list[tuple[str, int, int, bool]]:

@@ -59,7 +59,16 @@ from kiln.compiler.config import ConfigError, ModelConfig, normalize_config
 from kiln.compiler.layers import use_gemv_plan
 from kiln.compiler.models.eagle3 import CHECKPOINT_NAMES, AuxHeadGraph, Eagle3ForCausalLM
 from kiln.compiler.trace import CacheSpec, example_inputs, export_graph
-from kiln.manifest import DraftSpec, Eagle3Spec, GraphEntry, KernelChoices, Manifest, Versions, file_table
+from kiln.manifest import (
+    DraftSpec,
+    Eagle3Spec,
+    GraphEntry,
+    KernelChoices,
+    Manifest,
+    VerifySpec,
+    Versions,
+    file_table,
+)
 from kiln.ops.linear.gemv import gemv_plan
 from kiln.weights.discover import discover_weights
 from kiln.weights.spec import ParamSpec, Piece, Region
@@ -255,6 +264,16 @@ def compile_eagle3(
     return compile_head(build, out, opts, verbose)
 
 
+def _head_tree_shapes(verify: VerifySpec) -> list[tuple[int, int]]:
+    """``(batch, tokens)`` a head's tree graph is warmed up at: its tree steps run eagerly over 1 to
+    ``B (k - 1)`` expanded nodes (runtime/spec_eagle.py ``_tree_step``), so every Triton value class
+    of both (1, a multiple of 16, other) up to the largest verify batch at the longest length."""
+    bmax, k = verify.buckets[-1], verify.lengths[-1]
+    shapes = {(1, 1), (1, 2), (1, 16), (min(2, bmax), 16), (min(2, bmax), 3)}
+    shapes.add((bmax, max(bmax, bmax * (k - 1))))
+    return sorted(shapes)
+
+
 def compile_head(head: HeadBuild, out: Path, opts: CompileOptions, verbose: bool) -> DraftSpec:
     """Compile ``head`` into ``out/{head.kind}`` with the target's shape options ``opts`` (its
     ``max_seq_len`` resolved: one block table serves both KV pools page for page): its pack, the
@@ -316,18 +335,11 @@ def compile_head(head: HeadBuild, out: Path, opts: CompileOptions, verbose: bool
     with timer.phase(f"{head.kind} kernels"):
 
         def warm(modules: dict[str, Any]) -> None:
+            shapes = _head_tree_shapes(verify) if verify is not None else []
             _warm_up(
-                modules,
-                graphs,
-                weights,
-                cache,
-                cfg,
-                device,
-                buckets,
-                max_blocks,
-                opts.chunk_size,
-                verify=verify,
-            )
+                modules, graphs, weights, cache, cfg, device, buckets, max_blocks, opts.chunk_size,
+                tree_shapes=shapes,
+            )  # fmt: skip
 
         graphs = build_graphs(dst, programs, graphs, weights, cache, device, warm)
     manifest = Manifest(

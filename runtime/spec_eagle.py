@@ -30,9 +30,15 @@ consumed yet (:attr:`store`, ``[rows, depth, 3 H]``, ``depth = k + 1``):
   logits give draft 1 and whose last output starts the chain; draft ``i + 1`` is the head's decode
   step at position ``s - 2 + i`` on draft ``i`` and its own previous output (CUDA graphs, chained
   on the device);
-* after the verify step (:meth:`accepted`), ``done = s - 1``: the chain's positions were computed
+* with draft trees (:meth:`propose_tree`, ``--draft-branches`` > 1) the same catch-up gives the
+  root's candidates, and each further depth is one run of the head's tree graph over the request's
+  expanded nodes (node ``j`` of depth ``d`` at position ``s - 2 + d``, its K/V in the slot of
+  position ``s - 1 + j``, seeing the head's K/V below ``s - 1`` and its ancestors) on its parent's
+  output; the slots lie inside the pages reserved for the target's tree;
+* after the verify step (:meth:`accepted`), ``done = s - 1``: the drafts' positions were computed
   from the head's own outputs, so the next catch-up redoes them from the target's streams of the
-  accepted tokens, which :meth:`accepted` puts in the ring.
+  accepted tokens, which :meth:`harvest` puts in the ring (a tree step's from its accepted path's
+  rows).
 
 Positions that fell out of the ring before the head consumed them (plain decode steps above the
 verify batches, more than ``depth`` of them in a row) keep stale head K/V: fewer drafts accepted,
@@ -217,6 +223,7 @@ class Eagle3Drafter(DraftModel):
             self.done[req.rid] = s - 1
         logits = torch.zeros(len(reqs), self.vocab, device=self.device)
         if not ids:
+            self.hidden[: len(reqs), : self.hidden_size].zero_()  # no last outputs: zeros, as for one
             return logits
         self._copy(self.hidden[:, : self.width], list(range(len(ids))), self.store, ring_rows)
         out = run_extend_graph(
@@ -314,7 +321,7 @@ class Eagle3Drafter(DraftModel):
         return logits, (h[: len(ids)].clone(), first), frontier
 
     def accepted(self, reqs: list[Req], drafts: list[list[int]], num_emitted: list[int]) -> None:
-        """After the verify step of :meth:`propose`'s drafts: the head's K/V are right below
+        """After the verify step of :meth:`propose`'s (or :meth:`propose_tree`'s) drafts: the head's K/V are right below
         ``s - 1`` (the chain's positions are redone from the target's streams); the target's
         streams of each request's newest token and accepted drafts go into the ring, from the rows
         the verify step wrote (:attr:`ModelRunner.verify_rows`), by :meth:`harvest`."""

@@ -302,7 +302,7 @@ class TreeSearch:
         for parent, toks, lps in zip(parents, tokens, logprobs, strict=True):
             base, depth = (0.0, 1) if parent < 0 else (self.cands[parent][0], self.cands[parent][1] + 1)
             for t, lp in zip(toks, lps):
-                if lp != float("-inf"):  # an id the head cannot draft
+                if lp > float("-inf"):  # not an id the head cannot draft (nor a NaN row)
                     new.append(len(self.cands))
                     self.cands.append((base + lp, depth, int(t), parent))
         self.frontier = []

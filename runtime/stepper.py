@@ -21,7 +21,7 @@ only where they cannot verify: batches above the artifact's verify graphs (:meth
 
 Token trees (``SpecParts.trees``: ``draft_branches`` > 1 on an artifact with the tree graph, tp 1):
 the n-gram drafter proposes a tree per request (runtime/spec_tree.py ``ngram_tree``), an EAGLE-3 head
-its chain's top tokens at each depth (``head_tree``, :meth:`Eagle3Drafter.propose_tree`); a step in
+or MTP layer a tree it searched (``TreeSearch``, :meth:`Eagle3Drafter.propose_tree`); a step in
 which some tree branches runs every request's tree (chains as chain-shaped trees) on the tree graph
 (its (B, k) CUDA graph where one holds the step; positions ``kv_len + depth``, slots ``kv_len +
 node``, ``tree_mask``), picks the tokens

@@ -194,6 +194,21 @@ def test_tree_steps_equal_a_from_scratch_reference(decoy_root):
             torch.testing.assert_close(row, want[-1], rtol=1e-4, atol=1e-4)
 
 
+def test_head_trees_beside_requests_without_drafts_at_a_full_batch(decoy_root):
+    """A full batch (4) at the longest verify length (6 nodes a tree): two requests speculate
+    through the head's trees, one penalized request cannot (it rides along, sampled as a decode step
+    samples it), one asked for no speculation; every output equals plain decoding's."""
+    ps = [*prompts(), [9, *walk(9, 14)]]
+    pen = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    off = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, speculative=False)
+    params = [GREEDY, pen, off, GREEDY]
+    plain, _, _ = _run(decoy_root / "art", ps, params, speculative="off")
+    on, eng, _ = _run(decoy_root / "art", ps, params, chunk_size=16, draft_branches=2, num_draft_tokens=6)
+    assert on == plain
+    assert eng.stepper.tree_stats["branching"] > 0 and eng.drafter.tree_rows > 0
+    assert eng.step_metrics()["speculative"]["accepted"] > 0
+
+
 def test_a_head_without_the_tree_graph_drafts_chains(decoy_root):
     eng = LLM(str(decoy_root / "art"), device="cpu", draft_branches=2).engine
     head = eng.drafter.runner.m
