@@ -155,27 +155,6 @@ def test_tree_step_equals_each_path_as_a_chain(graphs):
     assert bad[0] == 0 and bad[2] > 1e-3, bad
 
 
-def test_mla_refuses_trees(tmp_path):
-    """MLA attention has no tree path: tracing a DeepSeek model with the tree input says so."""
-    from test_deepseek import CONFIGS
-
-    from kiln.errors import KilnError
-
-    cls, fields = CONFIGS["v2-lite"]
-    cls(**(TINY | fields), architectures=[cls.__name__.replace("Config", "ForCausalLM")]).save_pretrained(
-        tmp_path
-    )
-    cfg = load_config(tmp_path)
-    with torch.device("meta"):
-        model = model_class(cfg.architecture)(cfg, torch.float32)
-    weights = {name: torch.zeros(p.shape) for name, p in model.named_parameters()}
-    m = cfg.mla
-    cache = CacheSpec(cfg.num_layers, 1, m.kv_lora_rank + m.qk_rope_head_dim, 0, torch.float32, PAGE)
-    ex = example_inputs(2, 8, cache, m.qk_rope_head_dim, "cpu", max_blocks=MAX_BLOCKS, tree=True)
-    with pytest.raises(KilnError, match="MLA attention has no token-tree path"):
-        export_graph(model, weights, ex, PAGE)
-
-
 def test_graph_module_binds_the_tail_by_name():
     seen = {}
 
