@@ -268,6 +268,20 @@ def _export_dynamic(
     )
 
 
+def _add_tree_graph(
+    programs: dict[str, Any], graphs: dict[str, GraphEntry], model: torch.nn.Module,
+    weights: dict[str, torch.Tensor], cache: CacheSpec, rotary_dim: int, device: torch.device,
+    max_blocks: int, opts: CompileOptions,
+) -> None:  # fmt: skip
+    """Export ``Manifest.TREE_GRAPH`` (the model's dynamic shapes with the ``tree_mask`` input, logits
+    at every token) into ``programs`` and its entry into ``graphs``: a target's tree verify graph, a
+    draft head's tree-step graph."""
+    ex = example_inputs(2, 8, cache, rotary_dim, device, max_blocks=max_blocks, every_token=True, tree=True)
+    name = Manifest.TREE_GRAPH
+    programs[name] = _export_dynamic(model, weights, ex, opts)
+    graphs[name] = _graph_entry(name, None, cache, tree=True, max_tokens=opts.max_tokens)
+
+
 def _trees_traceable(cfg: ModelConfig, opts: CompileOptions) -> bool:
     """Whether the artifact gets the token-tree verify graph (``Manifest.TREE_GRAPH``) beside its
     verify graphs: not for sliding windows (refused with trees) or tensor-parallel artifacts (tree
@@ -459,14 +473,8 @@ def _compile_model(
         finally:
             model.fold_norms = False
         if verify is not None and _trees_traceable(cfg, opts):
-            # token trees (speculative tree verification): the shared graph's dynamic shapes with the
-            # tree_mask input, logits at every token; the runtime captures it per verify shape
-            ex = example_inputs(
-                2, 8, cache, cfg.rotary_dim, device, max_blocks=max_blocks, every_token=True, tree=True
-            )
-            name = Manifest.TREE_GRAPH
-            programs[name] = _export_dynamic(model, weights, ex, opts)
-            graphs[name] = _graph_entry(name, None, cache, tree=True, max_tokens=opts.max_tokens)
+            # token trees (speculative tree verification); the runtime captures it per verify shape
+            _add_tree_graph(programs, graphs, model, weights, cache, cfg.rotary_dim, device, max_blocks, opts)
     with timer.phase("kernels"):
         moe_table = moe_choice["table"] if moe_choice else ""
 

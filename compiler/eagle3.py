@@ -45,6 +45,7 @@ from kiln.compiler.build import (
     CompileError,
     CompileOptions,
     PhaseTimer,
+    _add_tree_graph,
     _check_pack_matches,
     _decode_splits,
     _export_dynamic,
@@ -324,14 +325,8 @@ def compile_head(head: HeadBuild, out: Path, opts: CompileOptions, verbose: bool
             graphs[f"decode_b{b}"] = _graph_entry(f"decode_b{b}", b, cache, layout="add_norm")
         verify = opts.verify
         if verify is not None and _trees_traceable(cfg, opts):
-            # draft trees (runtime/spec_eagle.py propose_tree): the expanded nodes of a request's tree
-            # on their parents' outputs, a tree mask, logits at every token
-            ex = example_inputs(
-                2, 8, cache, cfg.rotary_dim, device, max_blocks=max_blocks, every_token=True, tree=True
-            )
-            name = Manifest.TREE_GRAPH
-            programs[name] = _export_dynamic(model, weights, ex, opts)
-            graphs[name] = _graph_entry(name, None, cache, tree=True, max_tokens=opts.max_tokens)
+            # draft trees (runtime/spec_eagle.py propose_tree): expanded nodes on their parents' outputs
+            _add_tree_graph(programs, graphs, model, weights, cache, cfg.rotary_dim, device, max_blocks, opts)
     with timer.phase(f"{head.kind} kernels"):
 
         def warm(modules: dict[str, Any]) -> None:
