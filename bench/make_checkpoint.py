@@ -4,6 +4,7 @@
     python bench/make_checkpoint.py --config path/to/config.json -o DIR --dtype float16
     python bench/make_checkpoint.py --preset qwen3-30b-a3b --bytes    # its size, nothing written
     python bench/make_checkpoint.py --preset llama-3.1-8b --successor -o DIR  # greedy t -> next(t)
+    python bench/make_checkpoint.py --preset llama-3.1-8b --successor -o DIR --eagle3-head HEAD [--decoy 1.2]
 
 Big configs are written without instantiating the model (meta device + random tensors shard by
 shard, see kiln.compiler.synth); tiny ones go through transformers' save_pretrained.
@@ -46,7 +47,22 @@ def main(argv: list[str] | None = None) -> int:
         help="zero o/down projections, LM head = embedding permuted by a cycle: greedy decoding emits "
         "next(t) after t (kiln.compiler.synth.successor_next(vocab, --seed)); Llama-family, untied",
     )
+    ap.add_argument(
+        "--eagle3-head",
+        type=Path,
+        metavar="DIR",
+        help="with --successor: also an EAGLE-3 head into DIR that drafts the successor's tokens "
+        "(kiln.compiler.synth_eagle3.successor_eagle3_head)",
+    )
+    ap.add_argument(
+        "--decoy",
+        type=float,
+        default=0.0,
+        help="with --eagle3-head: > 1 makes the head's best draft always wrong and its second right",
+    )
     a = ap.parse_args(argv)
+    if a.eagle3_head is not None and not a.successor:
+        ap.error("--eagle3-head needs --successor (the head drafts a successor checkpoint's tokens)")
     if a.bytes:
         print(_size_bound(a.preset, a.config, a.num_layers, a.dtype))
         return 0
@@ -77,6 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     n = len(list(out.glob("*.safetensors")))
     print(f"wrote {out}: {n} shard(s), {size / 1e9:.2f} GB in {dt:.1f} s ({size / 1e9 / dt:.2f} GB/s)")
+    if a.eagle3_head is not None:
+        import torch
+
+        from kiln.compiler.synth_eagle3 import successor_eagle3_head
+
+        t0 = time.perf_counter()
+        successor_eagle3_head(a.eagle3_head, out, a.seed, a.decoy, dtype=getattr(torch, a.dtype))
+        dt = time.perf_counter() - t0
+        print(f"wrote the EAGLE-3 head {a.eagle3_head} (decoy {a.decoy}) in {dt:.1f} s")
     return 0
 
 

@@ -125,13 +125,16 @@ def test_mla_decode(measure, batch, ctx, heads, impl):
 
 # (block_h, block_n, num_warps, num_stages); the first is the default
 DECODE_SWEEP = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 16, 4, 2), (16, 32, 4, 3), (16, 32, 8, 2),
-                (32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2)]  # fmt: skip
+                (16, 64, 8, 2), (16, 64, 4, 3), (16, 32, 8, 4), (32, 32, 8, 2), (64, 32, 8, 2),
+                (64, 16, 8, 2)]  # fmt: skip
 
 
 @pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")
 @pytest.mark.parametrize("splits_factor", [1, 2])
 @pytest.mark.parametrize("cfg", DECODE_SWEEP, ids=lambda c: "h{}-n{}-w{}-s{}".format(*c))
-@pytest.mark.parametrize("batch, ctx, heads", [(64, 8192, 16), (64, 8192, 128), (1, 32768, 16)])
+@pytest.mark.parametrize(
+    "batch, ctx, heads", [(64, 8192, 16), (64, 8192, 128), (1, 32768, 16), (256, 32768, 16), (64, 1024, 16)]
+)
 def test_mla_decode_sweep(measure, batch, ctx, heads, cfg, splits_factor):
     config = MLADecodeConfig(block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
     splits = _splits(batch, ctx, heads, config.block_h) * splits_factor

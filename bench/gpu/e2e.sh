@@ -21,6 +21,12 @@
 #                        --num-draft-tokens 4 --cycle-skip 3" (gaps: every 3rd token of the prompt's
 #                        stretch dropped, lower acceptance); the latency JSON has spec_acceptance_rate,
 #                        spec_mean_emitted and verify_steps per batch. Llama-family untied presets only
+#   HEAD=                with SUCCESSOR=1: an EAGLE-3 head that drafts the successor's tokens (bench/make_checkpoint.py
+#                        --eagle3-head, written into CKPT/eagle3-head) compiled into the artifact (`--eagle3`, with
+#                        `--verify-lengths 4,6` unless COMPILE_ARGS has them); HEAD is its --decoy: 0 = its best
+#                        draft right, 1.2 = its best wrong and its second right (chains accept ~nothing, trees of
+#                        width 2 ~everything), e.g. VARIANTS="plain:--speculative off;chain4:--speculative draft
+#                        --num-draft-tokens 4;tree4:--speculative draft --num-draft-tokens 4 --draft-branches 2"
 #   DRAFT=               a bundled config (e.g. llama-3.2-1b, same vocabulary as llama-3.1-8b): its random
 #                        checkpoint compiled into the artifact as the draft model (`--draft-model`, with
 #                        `--verify-lengths 4,8` unless COMPILE_ARGS has them); VARIANTS pick
@@ -62,7 +68,8 @@ PRESET=${PRESET:-llama-3.1-8b}; LAYERS=${LAYERS:-}; DTYPE=${DTYPE:-bfloat16}
 BATCHES=${BATCHES:-1,8,64}; INLEN=${INLEN:-512}; OUTLEN=${OUTLEN:-64}; KV=${KV:-40}
 VARIANTS=${VARIANTS:-default:}; ROUNDS=${ROUNDS:-1}; NPROMPTS=${NPROMPTS:-0}; STARTUP=${STARTUP:-0}; STARTUP_ARGS=${STARTUP_ARGS:-}
 TP_INLEN=${TP_INLEN:-256:1024}; TP_OUTLEN=${TP_OUTLEN:-64:256}
-SUCC=${SUCCESSOR:+-successor}  # successor checkpoints get their own names (checkpoint, artifact, call)
+HEAD=${HEAD:-}; [ -n "$HEAD" ] && [ -z "$SUCCESSOR" ] && { echo "HEAD needs SUCCESSOR=1" >&2; exit 2; }
+SUCC=${SUCCESSOR:+-successor}${HEAD:+-eagle3-d$HEAD}  # successor checkpoints get their own names (checkpoint, artifact, call)
 NAME=$(shape_name "$PRESET" "$LAYERS" "$DTYPE" "$QUANT")$SUCC${DRAFT:+-draft-$DRAFT}
 CK=$CKPT_WORK/ckpt-$(shape_name "$PRESET" "$LAYERS" "$DTYPE" "")$SUCC; ART=$WORK/art-$NAME
 PROMPT_ARGS=${SUCCESSOR:+--prompt-kind cycle}  # before each variant's words, which may override it
@@ -77,8 +84,13 @@ if [ -n "$GPU_TESTS" ]; then
 fi
 
 free_work "$CK" "$ART" "$REF"
-make_checkpoint "$PRESET" "$LAYERS" "$DTYPE" "$CK" ${SUCCESSOR:+--successor} || { call_end e2e.sh PRESET LAYERS SUCCESSOR; exit 1; }
+make_checkpoint "$PRESET" "$LAYERS" "$DTYPE" "$CK" ${SUCCESSOR:+--successor} \
+  ${HEAD:+--eagle3-head "$CK.part/eagle3-head" --decoy "$HEAD"} || { call_end e2e.sh PRESET LAYERS SUCCESSOR HEAD; exit 1; }
 stamp checkpoint
+if [ -n "$HEAD" ]; then  # the head, compiled into the artifact
+  COMPILE_ARGS="--eagle3 $CK/eagle3-head $COMPILE_ARGS"
+  [[ "$COMPILE_ARGS" == *--verify-lengths* ]] || COMPILE_ARGS="$COMPILE_ARGS --verify-lengths 4,6"
+fi
 if [ -n "$DRAFT" ]; then  # the draft's checkpoint, compiled into the artifact
   DCK=$CKPT_WORK/ckpt-$(shape_name "$DRAFT" "" "$DTYPE" "")
   make_checkpoint "$DRAFT" "" "$DTYPE" "$DCK" || { call_end e2e.sh PRESET DRAFT; exit 1; }
@@ -149,5 +161,5 @@ if [ "$ACCURACY" -gt 0 ]; then
     --seq-len "$ACC_SEQLEN" --json "$RAW/accuracy.json"
   show accuracy.log "." 12; stamp accuracy
 fi
-call_end e2e.sh PRESET LAYERS CKPT_WORK DTYPE QUANT SUCCESSOR DRAFT COMPILE_ARGS REUSE BATCHES INLEN OUTLEN KV LAT_ARGS HF VARIANTS ROUNDS \
+call_end e2e.sh PRESET LAYERS CKPT_WORK DTYPE QUANT SUCCESSOR HEAD DRAFT COMPILE_ARGS REUSE BATCHES INLEN OUTLEN KV LAT_ARGS HF VARIANTS ROUNDS \
   NPROMPTS TP_INLEN TP_OUTLEN TP_VARIANTS TP_HF STARTUP STARTUP_ARGS PROFILE PROFILE_ARGS TIMELINE ACCURACY ACC_SEQLEN ACC_REF_ARGS GPU_TESTS BUDGET

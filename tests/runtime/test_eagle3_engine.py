@@ -19,12 +19,11 @@ from __future__ import annotations
 import pytest
 import torch
 from draft_spy import spy_drafts, spy_tree_steps
-from eagle3_checkpoints import write_eagle3_head
-from safetensors.torch import load_file, save_file
-from tiny_models import SUCCESSOR_NEXT, make_successor, successor_config, walk
+from tiny_models import SUCCESSOR_NEXT, SUCCESSOR_SEED, make_successor, successor_config, walk
 
 from kiln import LLM, SamplingParams
 from kiln.compiler.build import CompileOptions, compile_model
+from kiln.compiler.synth_eagle3 import successor_eagle3_head
 from kiln.manifest import Manifest
 from kiln.runtime.direct import DirectRunner
 from kiln.runtime.engine import Engine
@@ -39,32 +38,9 @@ GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 OPTS = dict(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=128, chunk_size=64)
 
 
-def successor_head(path, target, decoy: float = 0.0) -> None:
-    """The head of the module docstring, written over a random one in the published layout. With
-    ``decoy`` > 1 its LM head row of ``next(next(t))`` is ``embed[t] + decoy * embed[t + 1]``: from
-    the stream of ``t`` its best token is ``next(next(t - 1))`` (wrong), its second the right one."""
-    write_eagle3_head(path, target, aux_ids=[0, 1, 2], seed=1)
-    f = path / "model.safetensors"
-    w = load_file(f)
-    embed = load_file(next(target.glob("*.safetensors")))["model.embed_tokens.weight"]
-    h = CONFIG["hidden_size"]
-    g = torch.Generator().manual_seed(11)
-    fc = torch.zeros(h, 3 * h)
-    fc[:, :h] = torch.eye(h)
-    w["fc.weight"] = fc
-    for name in ("midlayer.self_attn.o_proj.weight", "midlayer.mlp.down_proj.weight"):
-        w[name] = 0.002 * torch.randn(w[name].shape, generator=g)
-    head = torch.empty_like(embed)
-    head[torch.tensor([NEXT[NEXT[t]] for t in range(len(NEXT))])] = embed + decoy * embed.roll(-1, 0)
-    w["lm_head.weight"] = head
-    w["norm.weight"] = torch.ones(h)
-    w.pop("d2t", None)
-    save_file({k: v.contiguous() for k, v in w.items()}, f)
-
-
 def _build(root, device: str, decoy: float = 0.0, verify_lengths: str = "") -> None:
     make_successor(root / "target", LAYERS)
-    successor_head(root / "head", root / "target", decoy)
+    successor_eagle3_head(root / "head", root / "target", SUCCESSOR_SEED, decoy)
     opts = CompileOptions(
         **OPTS | {"device": device}, eagle3=str(root / "head"), verify_lengths=verify_lengths
     )
