@@ -115,7 +115,7 @@ def test_mla_decode(measure, batch, ctx, heads, impl):
     if impl == "eager" and batch * ctx > EAGER_MAX_TOKENS:
         pytest.skip(f"eager gathers B * L = {batch * ctx} latent rows; the bound is {EAGER_MAX_TOKENS}")
     case = _decode_case(batch, ctx, heads)
-    splits = _splits(batch, ctx, heads, default_decode_config().block_h)
+    splits = _splits(batch, ctx, heads, default_decode_config(heads).block_h)
     fn = _decode_fn(impl, case, ctx, splits)
     out = fn()
     assert out.shape == (batch, heads, R) and not out.isnan().any()
