@@ -379,7 +379,7 @@ def _compile_model(
         if opts.mtp:
             from kiln.compiler.mtp import check_mtp
 
-            check_mtp(model_dir, cfg, opts)  # no MTP layer, another draft source, --tp > 1: fails here
+            check_mtp(model_dir, cfg, opts)  # no MTP layer or another draft source: fails here
             opts = replace(opts, aux_layers=(cfg.num_layers,))  # the stream before the final norm
         if opts.eagle3 is not None:
             from kiln.compiler.eagle3 import load_eagle3_config
@@ -399,9 +399,6 @@ def _compile_model(
                 f"aux_layers {opts.aux_layers}: ascending distinct layer indices 0..{cfg.num_layers} "
                 f"({cfg.num_layers}: the stream before the final norm)"
             )
-        if drafted and opts.tp > 1:
-            flag = "--draft-model" if opts.draft_model is not None else "--eagle3" if head else "--mtp"
-            raise CompileError(f"{flag} needs --tp 1: drafts do not run tensor-parallel yet.")
         if cfg.moe is not None:
             check_request(opts.moe_backend, torch.device(opts.device), opts.dtype, _experts_quant(opts, cfg))
         _prepare_out(out, opts.force)

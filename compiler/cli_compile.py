@@ -163,8 +163,8 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
     help="Speculative decoding: compile a DeepSeek-V3 checkpoint's own next-token-prediction layer "
     "(config.json num_nextn_predict_layers; its weights under model.layers.{num_hidden_layers}) into "
     "ART/mtp; the model's graphs then hand it their last layer's hidden state. `serve`/`generate` "
-    "draft with it (--speculative auto). Implies --verify-lengths 4 unless given; --tp 1; not with "
-    "--draft-model or --eagle3.",
+    "draft with it (--speculative auto). Implies --verify-lengths 4 unless given; with --tp N the layer "
+    "is compiled for one rank and drafts on rank 0; not with --draft-model or --eagle3.",
 )
 @settings.click_options("compile")
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")

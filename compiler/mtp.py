@@ -59,8 +59,6 @@ def check_mtp(model_dir: Path, cfg: ModelConfig, opts: CompileOptions) -> None:
             f"--mtp: config.json 'architectures' is {cfg.architecture}; kiln compiles the MTP layers of "
             "DeepSeek-V3 checkpoints only."
         )
-    if opts.tp > 1:
-        raise CompileError("--mtp needs --tp 1: drafts do not run tensor-parallel yet.")
     files = discover_weights(model_dir)
     if files.format != "safetensors":
         raise CompileError(

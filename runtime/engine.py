@@ -170,11 +170,6 @@ class Engine:
         head = Manifest.load(Path(artifact))
         tp = head.tp
         self.spec_mode = _spec_mode(self.settings["speculative"], head)
-        if tp > 1 and self.spec_mode == "draft":
-            raise KilnError(
-                f"a draft model does not run tensor-parallel yet (this artifact has tp {tp}); use "
-                "--speculative ngram or off"
-            )
         if tp > 1:
             from kiln.runtime import tensor_parallel as tpl
 

@@ -227,7 +227,6 @@ def test_the_compiled_head_matches_the_reference(compiled):
             {},
             "default layers (2, L/2, L-3) do not name three distinct layers of the target's 4",
         ),
-        ({}, {"tp": 2}, "--eagle3 needs --tp 1"),
         ({}, {"draft_model": "x"}, "one draft source"),
     ],
 )

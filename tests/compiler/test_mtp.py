@@ -185,7 +185,6 @@ def _variant(src: Path, dst: Path, config: dict | None = None, drop_mtp: bool = 
         ({}, True, {}, f"lacks the layer (model.layers.{L}.enorm.weight)"),
         ({}, False, {"draft_model": "x"}, "--mtp and --draft-model: an artifact has one draft source"),
         ({}, False, {"eagle3": "x"}, "--mtp and --eagle3: an artifact has one draft source"),
-        ({}, False, {"tp": 2}, "--mtp needs --tp 1"),
     ],
 )
 def test_mtp_is_refused_where_it_cannot_compile(ckpt, tmp_path, config, drop, opts, message):
