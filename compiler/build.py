@@ -284,9 +284,8 @@ def _add_tree_graph(
 
 def _trees_traceable(cfg: ModelConfig, opts: CompileOptions) -> bool:
     """Whether the artifact gets the token-tree verify graph (``Manifest.TREE_GRAPH``) beside its
-    verify graphs: not for sliding windows (refused with trees) or tensor-parallel artifacts (tree
-    verification runs at tp 1 only)."""
-    return not cfg.sliding_window and opts.tp == 1 and opts.ep == 1
+    verify graphs: not for sliding windows (refused with trees)."""
+    return not cfg.sliding_window
 
 
 KV_DTYPES = ("auto", "fp8")  # --kv-dtype

@@ -258,7 +258,7 @@ _ALL: tuple[Setting, ...] = (
        "merged into one tree of --num-draft-tokens nodes. An EAGLE-3 head or MTP layer: a tree searched "
        "as EAGLE-2 does (the N best candidates of each depth expanded into their top N, ceil(nodes / N) "
        "depths, the --num-draft-tokens most probable kept). Needs an artifact with the verify_tree "
-       "graph (kiln compile --verify-lengths) and --tp 1; a draft model drafts chains.",
+       "graph (kiln compile --verify-lengths); a draft model drafts chains.",
        env="KILN_DRAFT_BRANCHES", flag=True, when="engine start", allowed_text="an integer >= 1"),
     # ---- test
     _s("triton_on_cpu", "test", "bool", "0",

@@ -236,15 +236,20 @@ class Engine:
         t = time.perf_counter()
         spec_on = self.spec_mode != "off"
         drafts = self.settings["num_draft_tokens"] if spec_on else 0  # the verify graphs to capture
+        # draft trees (draft_branches > 1; n-gram or an EAGLE-3 head / MTP layer, an artifact with the
+        # tree graph): their verify steps get the tree graph's (B, k) graphs too
+        trees = self.settings["draft_branches"] > 1 and self._trees_possible(draft)
         if self.ranks is not None:  # the followers build the same pool, table and runner now
             self.ranks.setup(
-                self.pool.num_slots, self.max_running, opts.cuda_graph, self.settings["graph_greedy"], drafts
+                self.pool.num_slots,
+                self.max_running,
+                opts.cuda_graph,
+                self.settings["graph_greedy"],
+                drafts,
+                trees,
             )
         if spec_on:
             self._check_verify(m.verify)
-        # draft trees (draft_branches > 1; n-gram or an EAGLE-3 head, tp 1, an artifact with the tree
-        # graph): their verify steps get the tree graph's (B, k) graphs too
-        trees = self.settings["draft_branches"] > 1 and self._trees_possible(tp, draft)
         self.runner = ModelRunner(
             self.model,
             self.pool,
@@ -426,9 +431,9 @@ class Engine:
                 f"--num-draft-tokens or compile with --verify-lengths including {k}"
             )
 
-    def _trees_possible(self, tp: int, head: LoadedModel | None) -> bool:
+    def _trees_possible(self, head: LoadedModel | None) -> bool:
         """Whether draft trees (``draft_branches`` > 1) can run: n-gram drafts or a draft head
-        (EAGLE-3, MTP; ``head``: the loaded draft), at tp 1, the target and the head with the
+        (EAGLE-3, MTP; ``head``: the loaded draft), the target and the head with the
         token-tree graph (``Manifest.TREE_GRAPH``, compiled with the verify graphs); else a warning
         says why the drafts go as chains."""
         why = None
@@ -440,8 +445,6 @@ class Engine:
             why = (
                 f"this artifact's {kind} head has no {Manifest.TREE_GRAPH} graph (compiled before it had one)"
             )
-        elif tp > 1:
-            why = f"tree verification runs at tp 1 only (this artifact has tp {tp})"
         elif Manifest.TREE_GRAPH not in self.model.graphs:
             why = (
                 f"this artifact has no {Manifest.TREE_GRAPH} graph (compile it with --verify-lengths, "

@@ -516,6 +516,14 @@ class ModelRunner:
             self.tgraphs.clear()
         self.use_cuda_graph = False
 
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slot ``src[i]``'s K/V to slot ``dst[i]`` in every pool tensor (K, V and an FP8 pool's
+        scales), after a token-tree step (runtime/spec_tree.py ``compact_moves``, ``move_kv``)."""
+        from kiln.runtime.spec_tree import move_kv
+
+        pool = self.pool
+        move_kv([pool.k_cache, pool.v_cache, *pool.scale_args], src.to(self.device), dst.to(self.device))
+
     def forward(
         self, step: StepInputs, subst: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:

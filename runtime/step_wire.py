@@ -45,7 +45,8 @@ def encode(
     a decode step whose ids are the ranks' own argmax (:data:`DECODE_ARGMAX`). Returns whether the
     step is on the wire."""
     pending = pending or {}
-    if step is None or wire_size(step, pending) > out.shape[0]:
+    # token-tree steps (their masks) travel as objects: rare enough at tp > 1 to skip the wire
+    if step is None or step.tree_mask is not None or wire_size(step, pending) > out.shape[0]:
         out[:HEADER] = (OBJECT, 0, 0, 0)
         return False
     t, b, k = len(step.input_ids), step.batch, len(pending)

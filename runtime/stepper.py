@@ -62,7 +62,6 @@ from kiln.runtime.spec_tree import (
     TreeVerifyOutput,
     branching,
     compact_moves,
-    move_kv,
     verify_tree,
 )
 from kiln.runtime.speculative import (
@@ -473,8 +472,7 @@ class Stepper:
         src, dst = compact_moves(
             self.runner.bt.table, idx[0], idx[1], out.path, out.num_emitted, self.scheduler.page_size
         )
-        pool = self.runner.pool
-        move_kv([pool.k_cache, pool.v_cache, *pool.scale_args], src, dst)
+        self.runner.move_kv(src, dst)  # on every rank of a tensor-parallel run
 
     def _sample_rows(self, reqs: list[Req], logits: torch.Tensor) -> SampleOutput:
         """One token for each of ``reqs`` from its ``logits [n, V]`` (a copy), as a decode step samples

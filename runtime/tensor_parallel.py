@@ -169,7 +169,7 @@ def _follower_main(
         model = load_model(artifact, dev, rank=rank, verify=verify)
         msg = _receive()
         assert msg[0] == "setup", msg[0]
-        _, num_slots, max_running, cuda_graph, graph_greedy, num_draft_tokens = msg
+        _, num_slots, max_running, cuda_graph, graph_greedy, num_draft_tokens, tree_graphs = msg
         m = model.artifact.manifest
         pool = KVPool.for_spec(m.kv, num_slots, model.device)
         bt = BlockTable(max_running, m.max_blocks, model.device, m.kv.page_size)
@@ -180,6 +180,7 @@ def _follower_main(
             cuda_graph=cuda_graph,
             graph_greedy=graph_greedy,
             num_draft_tokens=num_draft_tokens,
+            tree_graphs=tree_graphs,
         )
         while True:
             msg = _receive()
@@ -188,6 +189,11 @@ def _follower_main(
                     group=_CONTROL
                 )  # with rank 0: no rank closes its connections while another uses them
                 break
+            if msg[0] == "move":  # after a token-tree step: rank 0's K/V moves, on this rank's pool
+                runner.move_kv(
+                    torch.tensor(msg[1], dtype=torch.int64), torch.tensor(msg[2], dtype=torch.int64)
+                )
+                continue
             _, step, pending, argmax = msg
             bt.queue_changes(pending)
             # argmax: the ids are this rank's argmax of the last step, in place
@@ -208,11 +214,17 @@ class RankGroup:
         self.closed = False
 
     def setup(
-        self, num_slots: int, max_running: int, cuda_graph: bool, graph_greedy: bool, num_draft_tokens: int
+        self,
+        num_slots: int,
+        max_running: int,
+        cuda_graph: bool,
+        graph_greedy: bool,
+        num_draft_tokens: int,
+        tree_graphs: bool = False,
     ) -> None:
-        """Step 1 of the protocol, before rank 0 builds its model runner (``num_draft_tokens``:
-        ``ModelRunner``'s, 0 with speculative decoding off)."""
-        self.send(("setup", num_slots, max_running, cuda_graph, graph_greedy, num_draft_tokens))
+        """Step 1 of the protocol, before rank 0 builds its model runner (``num_draft_tokens``,
+        ``tree_graphs``: ``ModelRunner``'s; 0 and False with speculative decoding off)."""
+        self.send(("setup", num_slots, max_running, cuda_graph, graph_greedy, num_draft_tokens, tree_graphs))
 
     def send(self, msg: tuple[Any, ...]) -> None:
         """Broadcast one protocol message to the followers; a dead follower or a failed collective
@@ -281,6 +293,12 @@ class BroadcastRunner:
         """A speculative verify step (``ModelRunner.verify``), run by every rank."""
         self.ranks.send(("step", step, self.runner.bt.pending_changes(), False))
         return self.runner.verify(step)
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """A token-tree step's K/V moves (``ModelRunner.move_kv``) on every rank: the slots go to
+        the followers on the host (this waits for the acceptance that computed them)."""
+        self.ranks.send(("move", src.tolist(), dst.tolist()))
+        self.runner.move_kv(src, dst)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)

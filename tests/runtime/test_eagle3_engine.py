@@ -191,7 +191,7 @@ def test_a_head_without_the_tree_graph_drafts_chains(decoy_root):
     assert Manifest.TREE_GRAPH in head.graphs and eng.stepper.spec.trees
     del head.graphs[Manifest.TREE_GRAPH]  # a head compiled before heads had one
     with pytest.warns(UserWarning, match="EAGLE-3 head has no verify_tree graph.*chains"):
-        assert not Engine._trees_possible(eng, 1, head)
+        assert not Engine._trees_possible(eng, head)
 
 
 def test_head_trees_keep_seeded_samples(decoy_root):

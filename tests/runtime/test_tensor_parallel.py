@@ -310,3 +310,74 @@ def test_draft_sources_run_beside_a_tp_target(tmp_path, source):
     else:
         assert got == run("tp1", "draft")
     assert got[0] == run("plain", "off")[0]
+
+
+def test_head_trees_beside_a_tp_target(tmp_path):
+    """Token trees at --tp 2 (the tree graph traced per rank, tree steps sent to the followers as
+    objects): an EAGLE-3 head whose best draft is wrong and second right (``decoy``) drafts trees
+    of width 2 on rank 0; greedy and seeded tokens equal plain decoding (tree drafts are point
+    masses), and the steps branched, accepted and moved K/V."""
+    from tiny_models import SUCCESSOR_SEED, make_successor, walk
+
+    from kiln.compiler.synth_eagle3 import successor_eagle3_head
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampling_params import SamplingParams
+
+    target = make_successor(tmp_path / "target", 4)
+    successor_eagle3_head(tmp_path / "head", target, SUCCESSOR_SEED, decoy=1.2)
+    compile_model(target, tmp_path / "plain", CompileOptions(**BASE), verbose=False)
+    opts = CompileOptions(**BASE, tp=2, verify_lengths="4,6", eagle3=str(tmp_path / "head"))
+    compile_model(target, tmp_path / "tp2", opts, verbose=False)
+    prompts = [[5, *walk(5, 20)], [40, *walk(40, 11)], [200, *walk(200, 30)]]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=7, ignore_eos=True),
+    ]
+    ref = LLM(str(tmp_path / "plain"), device="cpu", speculative="off")
+    expect = [[o.token_ids for o in ref.generate(prompts, p)] for p in params]
+    llm = LLM(str(tmp_path / "tp2"), device="cpu", speculative="draft", num_draft_tokens=4, draft_branches=2)
+    try:
+        assert [[o.token_ids for o in llm.generate(prompts, p)] for p in params] == expect
+        ts, s = llm.engine.stepper.tree_stats, llm.engine.step_metrics()["speculative"]
+        assert ts["branching"] > 0 and ts["moved"] > 0 and s["accepted"] > 0, (ts, s)
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.close()
+
+
+def test_ngram_trees_move_kv_on_every_rank(tmp_path):
+    """n-gram trees at --tp 2 on a random Qwen3 (its attention reads the K/V, unlike a successor
+    checkpoint's): after each tree step the accepted nodes' K/V moves run on the followers too
+    (``BroadcastRunner.move_kv``); greedy tokens equal plain decoding. Without the followers' moves
+    their stale K/V change the tokens within 30."""
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampling_params import SamplingParams
+
+    make_checkpoint(tmp_path / "hf", "qwen3-qknorm", seed=5, eos=None)
+    base = BASE | dict(max_seq_len=160, chunk_size=64)
+    compile_model(tmp_path / "hf", tmp_path / "plain", CompileOptions(**base), verbose=False)
+    compile_model(
+        tmp_path / "hf", tmp_path / "tp2", CompileOptions(**base, tp=2, verify_lengths="6"), verbose=False
+    )
+    g = torch.Generator().manual_seed(7)
+    pat = torch.randint(3, 300, (4,), generator=g).tolist()
+    x = torch.randint(3, 300, (8,), generator=g).tolist()
+    prompts = [  # patterns repeated with different continuations: trees
+        pat + x[:2] + pat + x[2:4] + pat + x[4:6] + pat,
+        torch.randint(3, 300, (23,), generator=g).tolist(),
+        (pat[:2] + x[:1]) * 3 + pat[:2] + x[1:2] + pat[:2],
+        pat * 4,
+    ]
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    expect = [
+        o.token_ids
+        for o in LLM(str(tmp_path / "plain"), device="cpu", speculative="off").generate(prompts, greedy)
+    ]
+    llm = LLM(str(tmp_path / "tp2"), device="cpu", speculative="ngram", num_draft_tokens=6, draft_branches=3)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == expect
+        ts = llm.engine.stepper.tree_stats
+        assert ts["branching"] > 0 and ts["moved"] > 0, ts
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.close()

@@ -20,7 +20,6 @@ path's K/V into place (``compact_moves`` + ``move_kv``). Checked here:
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -29,11 +28,9 @@ from tiny_models import SUCCESSOR_NEXT, make_successor, successor_config, walk
 from tiny_models import make_checkpoint as make_tiny
 
 from kiln import LLM, SamplingParams
-from kiln.compiler.build import CompileOptions, _trees_traceable, compile_model
-from kiln.compiler.config import load_config
+from kiln.compiler.build import CompileOptions, compile_model
 from kiln.errors import KilnError
 from kiln.manifest import Manifest
-from kiln.runtime.engine import Engine
 from kiln.runtime.spec_tree import TreeDraft, branching, ngram_tree
 from kiln.runtime.speculative import propose_ngram
 
@@ -337,9 +334,3 @@ def test_fallbacks_and_refusals(tiny, tmp_path):
     out = _generate(llm, prompts[:2])
     assert out == _generate(LLM(str(art), device="cpu", speculative="off"), prompts[:2])
     assert llm.engine.stepper.tree_stats["steps"] == 0 and llm.engine.spec_stats.verified > 0
-    # tensor parallel: trees refused (chains), and a tp artifact gets no tree graph
-    eng = llm.engine
-    with pytest.warns(UserWarning, match="tp 1 only.*chains"):
-        assert not Engine._trees_possible(eng, 2, None)
-    cfg = load_config(tmp_path / "hf")
-    assert _trees_traceable(cfg, opts) and not _trees_traceable(cfg, replace(opts, tp=2))
