@@ -16,6 +16,9 @@ the pool's layer view ``[S, 1, r + dr]``; ``H`` = 16 heads (V2-Lite, V3 at tp 8)
 Beside the kernels: ``eager`` (torch: gather the latents by slot, bf16 matmuls, softmax in
 float32) for decode, and ``reference`` for extend (the host loop the CUDA path ran before the
 kernel; not capturable, so timed eagerly). Sizes whose eager temporaries pass a few GB are skipped.
+* per-head latent maps (``kiln::mla_head_matmul`` beside the graphs' batched matmuls) at 1..512
+  tokens: ``bytes`` = weights, input and output once (docs/mla.md's batch-1 plan).
+
 On a GPU the kernels and ``eager`` are timed as CUDA-graph replays. The ``*_sweep`` benchmarks
 (GPU only, ``-k sweep``) time launch configurations at the target shapes, to tune
 ``MLADecodeConfig`` / ``MLAExtendConfig``. Smoke mode (CPU): tiny widths and sizes, the kernels
@@ -220,3 +223,39 @@ def test_bench_bytes_and_flops_formulas():
     assert decode_bytes(2, 48, 4) == 2 * (2 * 48 * (R + DR) + 2 * 4 * (R + DR) + 2 * 4 * R)
     assert extend_flops([(5, 3)], 4) == 4 * (2 * (R + DR) + 2 * R) * (6 + 7 + 8)
     assert extend_flops([(0, 2), (1, 0)], 1) == (2 * (R + DR) + 2 * R) * (1 + 2)
+
+
+# --------------------------------------------------------------------------- per-head latent maps
+DN, DV = pick(128, 24), pick(128, 20)  # qk_nope_head_dim, v_head_dim
+HEAD_TOKENS = pick([1, 8, 64, 512], [1, 5])
+
+
+@pytest.mark.parametrize("impl", ["triton", "bmm"])
+@pytest.mark.parametrize("use", ["absorb_q", "apply_uv"])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("tokens", HEAD_TOKENS)
+def test_mla_head_matmul(measure, tokens, heads, use, impl):
+    """``absorb_q`` / ``apply_uv`` as the graphs run them today (``bmm``: cuBLAS batched matmuls of
+    the ``[H, T, .]`` transposes, and for ``apply_uv`` the copy into the o projection's ``[T, H dv]``
+    input) beside ``kiln::mla_head_matmul`` (ops/attention/mla_heads.py); ``bytes`` = the weights,
+    ``x`` and the output once (docs/mla.md's batch-1 plan: 12.5 us a layer on cuBLAS at batch 1)."""
+    from kiln.ops.attention.mla import absorb_q, apply_uv
+    from kiln.ops.attention.mla_heads import mla_head_matmul_triton
+
+    k, n = (DN, R) if use == "absorb_q" else (R, DV)
+    if use == "absorb_q":  # the q projection's output, its nope part a strided slice
+        x = torch.randn(tokens, heads, DN + DR, dtype=DTYPE, device=DEV)[..., :DN]
+    else:
+        x = torch.randn(tokens, heads, R, dtype=DTYPE, device=DEV)
+    w = torch.randn(heads, k, n, dtype=DTYPE, device=DEV) * k**-0.5
+    if impl == "triton":
+        fn = lambda: mla_head_matmul_triton(x, w)
+    elif use == "absorb_q":
+        fn = lambda: absorb_q(x, w)
+    else:
+        fn = lambda: apply_uv(x, w).reshape(tokens, heads * n)
+    out = fn()
+    torch.testing.assert_close(out.reshape(tokens, heads, n).float(), absorb_q(x, w).float() if use == "absorb_q"
+                               else apply_uv(x, w).float(), rtol=2e-2, atol=2e-2)  # fmt: skip
+    nbytes = 2 * (heads * k * n + tokens * heads * (k + n))
+    measure(graphed(fn), bytes=nbytes, impl=impl, tokens=tokens, heads=heads, use=use)
