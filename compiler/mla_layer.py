@@ -76,6 +76,8 @@ class MLAAttention(nn.Module):
         self.o = Linear(h, self.heads * self.dv, dtype, False, quant)
         for lin in (*linears, self.kv_a, self.o):
             lin.role = "attn"  # the GEMV plan's role (compiler/layers.py use_gemv_plan)
+        # the per-head latent maps: kiln::mla_head_matmul up to max_m tokens where the plan has them
+        self.role, self.max_m = "latent", 0
 
     def forward(self, x: Act, ctx: ForwardContext) -> torch.Tensor:
         if self.q_lora:
@@ -91,11 +93,18 @@ class MLAAttention(nn.Module):
             self.is_neox,
         )  # fmt: skip
         # q_pe: [T, H, dr]; the cache holds this step's rows before attention reads them
-        q_latent = absorb_q(q[..., : self.dn], self.w_kc)  # [T, H, r]
+        if self.max_m:  # [T, H, r]
+            q_latent = torch.ops.kiln.mla_head_matmul(q[..., : self.dn], self.w_kc, self.max_m)
+        else:
+            q_latent = absorb_q(q[..., : self.dn], self.w_kc)
         o = torch.ops.kiln.mla_attention(
             q_latent, q_pe, cache, ctx.block_table, ctx.req_rows, ctx.seq_lens, ctx.qo_indptr, self.scale,
             ctx.page_size, ctx.num_splits, *(() if ctx.tree_mask is None else (ctx.tree_mask,)),
         )  # fmt: skip
         # o: [T, H, r] latent outputs -> the heads' values [T, H, dv]
-        out = self.o(apply_uv(o, self.w_vc).reshape(t, self.heads * self.dv))  # [T, hidden]
+        if self.max_m:
+            v = torch.ops.kiln.mla_head_matmul(o, self.w_vc, self.max_m).view(t, self.heads * self.dv)
+        else:
+            v = apply_uv(o, self.w_vc).reshape(t, self.heads * self.dv)
+        out = self.o(v)  # [T, hidden]
         return torch.ops.kiln.tp_all_reduce(out) if self.tp_reduce else out

@@ -161,7 +161,8 @@ _ALL: tuple[Setting, ...] = (
     # ---- compile: flags of `kiln compile`, recorded in the manifest
     _s("gemv_plan", "compile", "plan", "attn:1,mlp:1,router:1",
        "Which bf16 linears trace the Triton GEMV (kiln::linear) and up to which batch (roles: attn = qkv "
-       "and o, mlp = gate_up and down, router = the MoE router); the rest trace cuBLAS linears.",
+       "and o, mlp = gate_up and down, router = the MoE router, latent = MLA's per-head latent maps on "
+       "kiln::mla_head_matmul); the rest trace cuBLAS linears.",
        flag=True, recorded="kernel_choices.gemv_plan",
        allowed_text="0 (none), 1 or all (every role up to 8), or a comma list of ROLE or ROLE:MAX_T"),
     _s("fold_norms", "compile", "bool", "1",

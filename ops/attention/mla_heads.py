@@ -8,7 +8,9 @@ weights, plus 6 us of copies (docs/mla.md, the batch-1 profile).
 
 Op (``torch.ops.kiln.*``):
 
-* ``mla_head_matmul(x [T, H, K], w [H, K, N]) -> [T, H, N]``: ``out[t, h] = x[t, h] @ w[h]``,
+* ``mla_head_matmul(x [T, H, K], w [H, K, N], max_t) -> [T, H, N]``: ``out[t, h] = x[t, h] @ w[h]``
+  (the kernel up to ``max_t`` tokens, decided at run time as ``kiln::linear`` does; the batched
+  matmul above),
   float32 accumulation, in ``x``'s dtype, contiguous ``[T, H, N]`` (so ``apply_uv``'s result is the
   o projection's ``[T, H * dv]`` input without a copy). ``x`` may be a strided view with a unit last
   stride (``absorb_q`` passes the slice ``q[..., :dn]`` of the q projection's output as it is); ``w``
@@ -18,8 +20,9 @@ Kernel: grid ``(H, cdiv(T, BLOCK_T), cdiv(N, BLOCK_N))``; a program walks ``K`` 
 steps, loading ``x``'s ``[BLOCK_T, BLOCK_K]`` and ``w[h]``'s ``[BLOCK_K, BLOCK_N]`` tiles into one
 ``tl.dot`` each (rows past ``T`` masked). At decode sizes (a few tokens) the bytes are the weights',
 read once; narrow ``BLOCK_N`` columns then spread them over enough programs to keep the SMs busy.
-Not in the graphs yet: it goes there once measured faster than the batched matmul on the GPU
-(bench/test_bench_mla.py ``test_mla_head_matmul``).
+The graphs trace it where the GEMV plan has the ``latent`` role (``kiln compile --gemv-plan
+attn:1,mlp:1,router:1,latent:16``; not in the default plan until measured faster than the batched
+matmul on the GPU: bench/test_bench_mla.py ``test_mla_head_matmul``).
 """
 
 from __future__ import annotations
@@ -35,12 +38,12 @@ from kiln.ops.common.launch import interpreting, pdl_args, pdl_trigger, pdl_wait
 from kiln.ops.common.op import kiln_op
 
 
-def mla_head_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def mla_head_matmul_ref(x: torch.Tensor, w: torch.Tensor, max_t: int = 1 << 30) -> torch.Tensor:
     """``x [T, H, K] @ w [H, K, N]`` per head, ``[T, H, N]`` contiguous (the graphs' batched matmul)."""
     return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).contiguous()
 
 
-def check_mla_head_matmul(x: torch.Tensor, w: torch.Tensor) -> None:
+def check_mla_head_matmul(x: torch.Tensor, w: torch.Tensor, *_: object) -> None:
     if x.dim() != 3 or w.dim() != 3:
         raise ValueError(
             f"mla_head_matmul: x must be [T, H, K] and w [H, K, N]; got {tuple(x.shape)} and {tuple(w.shape)}."
@@ -104,12 +107,15 @@ def _head_matmul_kernel(
 
 @kiln_op("mla_head_matmul", ref=mla_head_matmul_ref, check=check_mla_head_matmul)
 def mla_head_matmul_triton(
-    x: torch.Tensor, w: torch.Tensor, *, config: HeadMatmulConfig | None = None
+    x: torch.Tensor, w: torch.Tensor, max_t: int = 1 << 30, *, config: HeadMatmulConfig | None = None
 ) -> torch.Tensor:
-    """``x [T, H, K] @ w [H, K, N]`` per head (module docstring); ``config`` overrides the launch
+    """``x [T, H, K] @ w [H, K, N]`` per head (module docstring): the kernel up to ``max_t`` tokens
+    (the GEMV plan's ``latent`` role), the batched matmul above; ``config`` overrides the launch
     (benchmarks sweep it)."""
     t, heads, k = x.shape
     n = w.shape[2]
+    if t > max_t:
+        return mla_head_matmul_ref(x, w)
     out = torch.empty(t, heads, n, dtype=x.dtype, device=x.device)
     if t == 0:
         return out

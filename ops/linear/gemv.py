@@ -103,8 +103,9 @@ FMA_MAX_M = 4  # the CUDA-core kernel keeps one accumulator per x row, up to 4
 REDUCE_BLOCK = 256
 
 
-# qkv and o; gate_up and down (compiler/layers.py); MoE router (compiler/moe_layer.py)
-ROLES = ("attn", "mlp", "router")
+# qkv and o; gate_up and down (compiler/layers.py); MoE router (compiler/moe_layer.py); MLA's
+# per-head latent maps (compiler/mla_layer.py: kiln::mla_head_matmul instead of batched matmuls)
+ROLES = ("attn", "mlp", "router", "latent")
 # The plan a compile uses by default (kiln/settings.py gemv_plan): every role at T = 1, cuBLAS from
 # T = 2. On the
 # H200 the tuned GEMV beats cuBLAS on each Llama-3.1-8B and Qwen3-30B-A3B projection at T = 1 when

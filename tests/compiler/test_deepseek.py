@@ -170,6 +170,30 @@ def test_triton_kernels_in_the_graph_match_hf(tmp_path, hf_quiet, monkeypatch):
     check_against_hf(runner, hf, [[7, 3, 11, 5, 2, 9], [4, 8, 15]], decode_steps=1)
 
 
+def test_latent_maps_on_their_kernel_match_hf(tmp_path, hf_quiet, monkeypatch):
+    """``--gemv-plan ...,latent:16``: the graphs trace MLA's per-head latent maps as
+    ``kiln::mla_head_matmul`` (ops/attention/mla_heads.py) instead of batched matmuls, and with the
+    Triton kernels (the interpreter) the V2-Lite artifact (q from one projection: the kernel reads
+    its nope slice in place) still gives HF's logits for a prefill of 9 tokens and a decode step;
+    a chunk longer than the plan's 16 tokens takes the batched matmul in the same op."""
+    from kiln.ops.common.launch import interpreting
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
+    hf = make_deepseek_checkpoint(tmp_path / "hf", "v2-lite", seed=5)
+    opts = CompileOptions(**OPTS, gemv_plan="attn:1,mlp:1,router:1,latent:16")
+    compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
+    src = (tmp_path / "art" / "graphs" / "model.py").read_text()
+    assert src.count("torch.ops.kiln.mla_head_matmul.default(") == 2 * hf.config.num_hidden_layers
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert manifest["kernel_choices"]["gemv_plan"]["latent"] == 16
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+    runner = DirectRunner(str(tmp_path / "art"), device="cpu", num_slots=128)
+    check_against_hf(runner, hf, [[7, 3, 11, 5, 2, 9], [4, 8, 15]], decode_steps=1)
+    runner = DirectRunner(str(tmp_path / "art"), device="cpu", num_slots=128)
+    check_against_hf(runner, hf, [list(range(3, 23))], decode_steps=0)  # 20 tokens: the bmm
+
+
 @pytest.fixture(scope="module")
 def page1(tmp_path_factory, hf_quiet):
     """The V2 group_limited_greedy checkpoint compiled with pages of one slot."""

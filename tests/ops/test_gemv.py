@@ -220,8 +220,9 @@ def test_linear_dispatch(kernel_on_cpu, count_gemv, monkeypatch):
     [
         ("", {}),
         ("0", {}),
-        ("1", {"attn": 8, "mlp": 8, "router": 8}),
-        ("all", {"attn": 8, "mlp": 8, "router": 8}),
+        ("1", {"attn": 8, "mlp": 8, "router": 8, "latent": 8}),
+        ("all", {"attn": 8, "mlp": 8, "router": 8, "latent": 8}),
+        ("attn:1,latent:16", {"attn": 1, "latent": 16}),
         ("attn", {"attn": 8}),
         ("attn:1", {"attn": 1}),
         ("attn:1, mlp:4", {"attn": 1, "mlp": 4}),

@@ -63,3 +63,29 @@ def test_no_tokens(kernel_on_cpu):
 def test_bad_arguments_are_refused(x, w, message):
     with pytest.raises(ValueError, match=message):
         torch.ops.kiln.mla_head_matmul(x, w)
+
+
+def test_above_max_t_the_batched_matmul(kernel_on_cpu, monkeypatch):
+    """The GEMV plan's bound: up to ``max_t`` tokens the kernel, above it the batched matmul."""
+    import kiln.ops.attention.mla_heads as mh
+
+    calls = []
+    monkeypatch.setattr(mh, "_head_matmul_kernel", _Spy(mh._head_matmul_kernel, calls))
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(H, R, DV, generator=g)
+    for tokens in (4, 5):
+        x = torch.randn(tokens, H, R, generator=g)
+        got = torch.ops.kiln.mla_head_matmul(x, w, 4)
+        assert _rel(got, mla_head_matmul_ref(x, w)) < 1e-6
+    assert len(calls) == 1  # the 4-token call only
+
+
+class _Spy:
+    """A Triton kernel's ``kernel[grid](...)`` launches, counted."""
+
+    def __init__(self, kernel, calls: list) -> None:
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
