@@ -166,6 +166,6 @@ def test_gemv_roles_pick_the_traced_linears(compiled, tmp_path, roles):
     want = (2 * layers, 0, 0) if roles == "attn:1" else (3 * layers, layers, 0)
     assert (linears, fused, normed) == want
     plan = json.loads((tmp_path / "g" / "manifest.json").read_text())["kernel_choices"]["gemv_plan"]
-    assert plan == ({"attn": 1} if roles == "attn:1" else {"attn": 8, "mlp": 8, "router": 8})
+    assert plan == ({"attn": 1} if roles == "attn:1" else {"attn": 8, "mlp": 8, "router": 8, "latent": 8})
     runner = DirectRunner(str(tmp_path / "g"), device="cpu", num_slots=512)
     check_against_hf(runner, hf, [list(range(3, 20))], decode_steps=3)
