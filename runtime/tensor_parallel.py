@@ -267,6 +267,19 @@ class RankGroup:
                 os.remove(self.init)
 
 
+def _in_step(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """Rank 0's share of a step; a collective inside it (the graphs' all-reduces) that times out or
+    loses a rank fails as :class:`TensorParallelError`, as the step's broadcast does (which of the
+    two meets a hung rank first depends on the transport's buffering)."""
+    try:
+        return fn(*args)
+    except RuntimeError as e:
+        text = str(e)
+        if isinstance(e, dist.DistError) or "gloo" in text or "NCCL" in text:
+            raise TensorParallelError(f"tensor-parallel collective failed: {text.splitlines()[0]}") from None
+        raise
+
+
 class BroadcastRunner:
     """Rank 0's model runner for a tensor-parallel artifact: each forward is sent to the followers
     (step 2 of the protocol) before it runs here. Every other attribute is the runner's."""
@@ -287,12 +300,12 @@ class BroadcastRunner:
                 host_ids[r] = i
             step, subst = replace(step, input_ids=host_ids), None
         self.ranks.send(("step", step, self.runner.bt.pending_changes(), argmax))
-        return self.runner.forward(step, subst)
+        return _in_step(self.runner.forward, step, subst)
 
     def verify(self, step: StepInputs) -> torch.Tensor:
         """A speculative verify step (``ModelRunner.verify``), run by every rank."""
         self.ranks.send(("step", step, self.runner.bt.pending_changes(), False))
-        return self.runner.verify(step)
+        return _in_step(self.runner.verify, step)
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """A token-tree step's K/V moves (``ModelRunner.move_kv``) on every rank: the slots go to

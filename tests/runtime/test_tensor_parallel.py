@@ -381,3 +381,23 @@ def test_ngram_trees_move_kv_on_every_rank(tmp_path):
         llm.engine.check_integrity()
     finally:
         llm.engine.close()
+
+
+def test_a_collective_failing_inside_rank_0s_step_is_a_tensor_parallel_error():
+    """A hung follower can meet rank 0 in the step's broadcast or, when the transport buffered the
+    broadcast, in an all-reduce inside rank 0's forward: both fail as TensorParallelError (the
+    gloo timeout text as the hung-rank test saw it); other errors of the forward pass through."""
+    from kiln.runtime.tensor_parallel import TensorParallelError, _in_step
+
+    def gloo_timeout():
+        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv")
+
+    def bad_shape():
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(TensorParallelError, match=r"tensor-parallel collective failed: .*Timed out"):
+        _in_step(gloo_timeout)
+    with pytest.raises(RuntimeError, match="shapes") as err:
+        _in_step(bad_shape)
+    assert not isinstance(err.value, TensorParallelError)
+    assert _in_step(lambda x: x + 1, torch.ones(1)).item() == 2
