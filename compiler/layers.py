@@ -334,10 +334,9 @@ def match_pack_quant(model: nn.Module, pack: Mapping[str, torch.Tensor]) -> list
 
 
 def use_gemv_plan(model: nn.Module, plan: Mapping[str, int]) -> None:
-    """Give every module of ``model`` with a GEMV ``role`` (the linears, the MoE router, MLA's
-    latent maps) its
-    ``max_m`` from ``plan`` (ops/linear/gemv.py ``gemv_plan``: role -> the largest T on the GEMV; a role
-    left out: 0, cuBLAS). The layers read their own ``max_m`` while tracing."""
+    """Give every module of ``model`` with a GEMV ``role`` (the linears, the MoE router, MLA's latent
+    maps) its ``max_m`` from ``plan`` (ops/linear/gemv.py ``gemv_plan``: role -> the largest T on the
+    GEMV; a role left out: 0, cuBLAS). The layers read their own ``max_m`` while tracing."""
     for mod in model.modules():
         role = getattr(mod, "role", None)  # Linear, moe_layer.Router, mla_layer.MLAAttention
         if role is not None:

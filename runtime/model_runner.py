@@ -33,6 +33,7 @@ from kiln.manifest import Manifest, VerifySpec
 from kiln.ops.sampling.gumbel import argmax_rows
 from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import LoadedModel
+from kiln.runtime.spec_tree import move_kv
 
 Mode = Literal["decode", "extend", "verify"]  # verify: an extend step with logits at every new token
 
@@ -519,8 +520,6 @@ class ModelRunner:
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Slot ``src[i]``'s K/V to slot ``dst[i]`` in every pool tensor (K, V and an FP8 pool's
         scales), after a token-tree step (runtime/spec_tree.py ``compact_moves``, ``move_kv``)."""
-        from kiln.runtime.spec_tree import move_kv
-
         pool = self.pool
         move_kv([pool.k_cache, pool.v_cache, *pool.scale_args], src.to(self.device), dst.to(self.device))
 

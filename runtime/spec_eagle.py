@@ -321,9 +321,9 @@ class Eagle3Drafter(DraftModel):
         return logits, (h[: len(ids)].clone(), first), frontier
 
     def accepted(self, reqs: list[Req], drafts: list[list[int]], num_emitted: list[int]) -> None:
-        """After the verify step of :meth:`propose`'s (or :meth:`propose_tree`'s) drafts: the head's K/V are right below
-        ``s - 1`` (the chain's positions are redone from the target's streams); the target's
-        streams of each request's newest token and accepted drafts go into the ring, from the rows
-        the verify step wrote (:attr:`ModelRunner.verify_rows`), by :meth:`harvest`."""
+        """After the verify step of :meth:`propose`'s (or :meth:`propose_tree`'s) drafts: the head's
+        K/V are right below ``s - 1`` (the drafts' positions are redone from the target's streams);
+        the target's streams of each request's newest token and accepted drafts go into the ring,
+        from the rows the verify step wrote (:attr:`ModelRunner.verify_rows`), by :meth:`harvest`."""
         for req, s in zip(reqs, self._starts):
             self.done[req.rid] = s - 1

@@ -6,11 +6,12 @@ while step N runs). As a pickled object that costs two collectives, ~1 ms a step
 (a quarter of a batch-1 step); as one tensor, one. Layout (int64)::
 
     [kind, T, B, K, input_ids[T], positions[T], out_slots[T], req_rows[B], seq_lens[B],
-     extend_lens[B] (extend and verify only), flat indices[K], pages[K]]
+     extend_lens[B] (extend and verify only), tree_mask[T] (tree verify only), flat indices[K], pages[K]]
 
 ``kind``: :data:`OBJECT` (the message follows as a Python object: setup, stop, and steps larger
 than the wire), :data:`DECODE`, :data:`EXTEND`, :data:`VERIFY` (speculative decoding's verify
-step: an extend with logits at every new token), or :data:`DECODE_ARGMAX`: a decode step whose
+step: an extend with logits at every new token), :data:`VERIFY_TREE` (a verify step of token trees:
+each token's ancestor bitmask follows), or :data:`DECODE_ARGMAX`: a decode step whose
 input ids are each rank's own argmax of the step before (``ModelRunner.argmax_ids``: every rank has
 the whole logits, so the same ids; rank 0 launched it without reading them, with overlap). ``K`` block-table changes
 ``{flat index: page}`` travel with the step (``BlockTable.pending_changes``).
@@ -24,17 +25,24 @@ import numpy as np
 
 from kiln.runtime.model_runner import StepInputs
 
-OBJECT, DECODE, EXTEND, DECODE_ARGMAX, VERIFY = 0, 1, 2, 3, 4
+OBJECT, DECODE, EXTEND, DECODE_ARGMAX, VERIFY, VERIFY_TREE = 0, 1, 2, 3, 4, 5
 _KINDS = {"decode": DECODE, "extend": EXTEND, "verify": VERIFY}
-_MODES = {DECODE: "decode", DECODE_ARGMAX: "decode", EXTEND: "extend", VERIFY: "verify"}
+_MODES = {
+    DECODE: "decode",
+    DECODE_ARGMAX: "decode",
+    EXTEND: "extend",
+    VERIFY: "verify",
+    VERIFY_TREE: "verify",
+}
 HEADER = 4
 WIRE_INTS = 1 << 14  # 128 KiB: every decode step of up to ~2,700 requests, prefill chunks to ~5,000 tokens
 
 
 def wire_size(step: StepInputs, pending: dict[int, int]) -> int:
     """Ints the step takes on the wire."""
-    b = step.batch
-    return HEADER + 3 * len(step.input_ids) + (2 if step.mode == "decode" else 3) * b + 2 * len(pending)
+    b, t = step.batch, len(step.input_ids)
+    tree = t if step.tree_mask is not None else 0
+    return HEADER + 3 * t + tree + (2 if step.mode == "decode" else 3) * b + 2 * len(pending)
 
 
 def encode(
@@ -45,12 +53,14 @@ def encode(
     a decode step whose ids are the ranks' own argmax (:data:`DECODE_ARGMAX`). Returns whether the
     step is on the wire."""
     pending = pending or {}
-    # token-tree steps (their masks) travel as objects: rare enough at tp > 1 to skip the wire
-    if step is None or step.tree_mask is not None or wire_size(step, pending) > out.shape[0]:
+    if step is None or wire_size(step, pending) > out.shape[0]:
         out[:HEADER] = (OBJECT, 0, 0, 0)
         return False
     t, b, k = len(step.input_ids), step.batch, len(pending)
-    kind = DECODE_ARGMAX if argmax and step.mode == "decode" else _KINDS[step.mode]
+    if argmax and step.mode == "decode":
+        kind = DECODE_ARGMAX
+    else:
+        kind = VERIFY_TREE if step.tree_mask is not None else _KINDS[step.mode]
     out[:HEADER] = (kind, t, b, k)
     i = HEADER
     for part in (step.input_ids, step.positions, step.out_slots):
@@ -60,6 +70,9 @@ def encode(
     for part in parts:
         out[i : i + b] = part
         i += b
+    if kind == VERIFY_TREE:
+        out[i : i + t] = step.tree_mask
+        i += t
     out[i : i + k] = np.fromiter(pending.keys(), np.int64, k)
     out[i + k : i + 2 * k] = np.fromiter(pending.values(), np.int64, k)
     return True
@@ -75,8 +88,12 @@ def decode(wire: np.ndarray) -> tuple[StepInputs, dict[int, int], bool] | None:
         raise ValueError(f"step wire: unknown kind {kind}")
     i = HEADER
     lists: list[Any] = []
-    for n in (t, t, t, b, b) + ((b,) if kind in (EXTEND, VERIFY) else ()):
+    for n in (t, t, t, b, b) + ((b,) if kind in (EXTEND, VERIFY, VERIFY_TREE) else ()):
         lists.append(wire[i : i + n].tolist())
         i += n
+    tree_mask = None
+    if kind == VERIFY_TREE:
+        tree_mask = wire[i : i + t].tolist()
+        i += t
     pending = dict(zip(wire[i : i + k].tolist(), wire[i + k : i + 2 * k].tolist(), strict=True))
-    return StepInputs(_MODES[kind], *lists), pending, kind == DECODE_ARGMAX
+    return StepInputs(_MODES[kind], *lists, tree_mask=tree_mask), pending, kind == DECODE_ARGMAX

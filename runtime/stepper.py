@@ -19,7 +19,8 @@ finished at once. Its pages come from ``Scheduler.reserve_drafts``; the engine a
 (``Launched.host["num_emitted"]``). Drafting needs the tokens on the host, so decode steps overlap
 only where they cannot verify: batches above the artifact's verify graphs (:meth:`Stepper._overlaps`).
 
-Token trees (``SpecParts.trees``: ``draft_branches`` > 1 on an artifact with the tree graph, tp 1):
+Token trees (``SpecParts.trees``: ``draft_branches`` > 1 on an artifact with the tree graph; at
+tp > 1 the accepted path's K/V moves run on every rank, ``BroadcastRunner.move_kv``):
 the n-gram drafter proposes a tree per request (runtime/spec_tree.py ``ngram_tree``), an EAGLE-3 head
 or MTP layer a tree it searched (``TreeSearch``, :meth:`Eagle3Drafter.propose_tree`); a step in
 which some tree branches runs every request's tree (chains as chain-shaped trees) on the tree graph

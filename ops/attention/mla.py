@@ -649,7 +649,8 @@ def mla_extend_triton(
     grid = (triton.cdiv(t, cfg.block_m // pack) + num_reqs, triton.cdiv(heads, pack), triton.cdiv(r, block_v))
     _mla_extend_kernel[grid](
         q_latent, q_pe, cache, block_table, req_rows, seq_lens, qo_indptr, out,
-        seq_lens if tree_mask is None else tree_mask, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), stride_page, stride_token,
+        seq_lens if tree_mask is None else tree_mask,  # tm_ptr: any tensor when TREE is off
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), stride_page, stride_token,
         block_table.stride(0), out.stride(0), out.stride(1), num_reqs, t, heads, float(sm_scale),
         R=r, BLOCK_R=block_r, DR=dr, BLOCK_DR=max(16, next_pow2(dr)), BLOCK_V=block_v, PAGE=page_size,
         PACK=pack, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SCAN=64,
@@ -670,24 +671,13 @@ def by_step(decode: Any, extend: Any) -> Any:
         page_size: int, num_splits: int, tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """MLA decode when ``T == B`` without a tree mask, MLA extend otherwise (the module docstring)."""
-        if tree_mask is not None:
-            return extend(
-                q_latent,
-                q_pe,
-                cache,
-                block_table,
-                req_rows,
-                seq_lens,
-                qo_indptr,
-                sm_scale,
-                page_size,
-                tree_mask,
-            )
-        if q_latent.shape[0] == req_rows.shape[0]:
+        if tree_mask is None and q_latent.shape[0] == req_rows.shape[0]:
             return decode(
                 q_latent, q_pe, cache, block_table, req_rows, seq_lens, sm_scale, page_size, num_splits
             )
-        return extend(q_latent, q_pe, cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size)
+        return extend(
+            q_latent, q_pe, cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size, tree_mask
+        )
 
     return mla_attention
 

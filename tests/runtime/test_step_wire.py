@@ -16,7 +16,17 @@ def test_decode_and_extend_steps_round_trip_with_their_table_changes():
     dec = StepInputs("decode", [5, 6, 7], [100, 3, 41], [900, 12, 77], [2, 0, 1], [101, 4, 42])
     ext = StepInputs("extend", [9, 8, 7, 6, 5], [0, 1, 2, 7, 8], [0, 1, 2, 30, 31], [3, 4], [3, 9], [3, 2])
     ver = StepInputs("verify", [9, 8, 7, 6, 5], [4, 5, 6, 7, 8], [4, 5, 6, 30, 31], [3, 4], [7, 9], [3, 2])
-    cases = ((dec, {7: 12, 130: 4}, False), (ext, {}, False), (dec, {}, True), (ver, {5: 6}, False))
+    # a token tree: request 0's root and two children at depth 1, request 1's chain of two
+    tree = StepInputs(
+        "verify", [9, 8, 7, 6, 5], [4, 5, 5, 7, 8], [4, 5, 6, 30, 31], [3, 4], [7, 9], [3, 2], [1, 3, 5, 1, 3]
+    )
+    cases = (
+        (dec, {7: 12, 130: 4}, False),
+        (ext, {}, False),
+        (dec, {}, True),
+        (ver, {5: 6}, False),
+        (tree, {5: 6, 9: 1}, False),
+    )
     for step, pending, argmax in cases:
         wire = _buf()
         assert step_wire.encode(wire, step, pending, argmax)
