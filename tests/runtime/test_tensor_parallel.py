@@ -313,8 +313,8 @@ def test_draft_sources_run_beside_a_tp_target(tmp_path, source):
 
 
 def test_head_trees_beside_a_tp_target(tmp_path):
-    """Token trees at --tp 2 (the tree graph traced per rank, tree steps sent to the followers as
-    objects): an EAGLE-3 head whose best draft is wrong and second right (``decoy``) drafts trees
+    """Token trees at --tp 2 (the tree graph traced per rank, tree steps sent to the followers on the
+    step wire): an EAGLE-3 head whose best draft is wrong and second right (``decoy``) drafts trees
     of width 2 on rank 0; greedy and seeded tokens equal plain decoding (tree drafts are point
     masses), and the steps branched, accepted and moved K/V."""
     from tiny_models import SUCCESSOR_SEED, make_successor, walk
