@@ -58,6 +58,21 @@ class StepInputs:
         return len(self.req_rows)
 
 
+def with_drafts(step: StepInputs, draft_ids: torch.Tensor | None) -> StepInputs:
+    """``step`` (a verify step whose draft tokens are placeholders) with request ``b``'s drafts
+    ``draft_ids[b, :extend_lens[b] - 1]`` read to the host (waits for them): for the paths that take
+    their inputs from the host (the eager verify, a tensor-parallel step's followers)."""
+    if draft_ids is None:
+        return step
+    assert step.extend_lens is not None
+    ids = list(step.input_ids)
+    at = 0
+    for row, e in zip(draft_ids.tolist(), step.extend_lens):
+        ids[at + 1 : at + e] = row[: e - 1]
+        at += e
+    return replace(step, input_ids=ids)
+
+
 def run_extend_graph(
     m: LoadedModel,
     pool: KVPool,
@@ -410,11 +425,14 @@ class ModelRunner:
             *self.aux_args,
         )
 
-    def verify(self, step: StepInputs) -> torch.Tensor:
+    def verify(self, step: StepInputs, draft_ids: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits ``[B, P, V]`` of a verify step (an extend step in which request ``b``
         brings its newest token and ``extend_lens[b] - 1`` drafts; ``P = max(extend_lens)``):
         ``[b, j]`` follows the request's ``j``-th new token; past its own tokens a request's rows
-        repeat its last one or are padding (never read by ``verify``).
+        repeat its last one or are padding (never read by ``verify``). ``draft_ids`` (``[B, >= P -
+        1]`` on the device; ``step.input_ids`` hold placeholders for the drafts): the drafts of a
+        draft model's chain, copied into the graph's inputs on the device (:func:`with_drafts` on
+        the eager path).
 
         On the ``(B, k)`` verify graph that holds the step (:meth:`verify_shape`; a CUDA-graph replay
         on a GPU): each request's chunk padded to ``k + 1`` tokens whose K/V go to slot 0 (the sink)
@@ -434,6 +452,7 @@ class ModelRunner:
         self.tree_verify_steps += tree
         if shape is None:
             self.verify_steps["eager"] += 1
+            step = with_drafts(step, draft_ids)
             indptr = np.concatenate([[0], np.cumsum(ext)])
             logits = run_extend_graph(
                 self.m,
@@ -475,6 +494,9 @@ class ModelRunner:
         h32[0, n:b] = 0
         h32[1, n:b] = k + 1
         self._vbuf.copy_(self._vhost, non_blocking=True)
+        if draft_ids is not None:  # the chain's drafts after each request's newest token
+            d = min(draft_ids.shape[1], k)
+            self._v64[0, : n * (k + 1)].view(n, k + 1)[:, 1 : 1 + d].copy_(draft_ids[:n, :d])
         self.bt.flush()
         graphs, outs = (self.tgraphs, self._tout) if tree else (self.vgraphs, self._vout)
         if shape in graphs:

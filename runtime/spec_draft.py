@@ -11,17 +11,17 @@ which the draft's K/V are the request's tokens:
 * every extend step of the target (prefill chunks, mixed steps) runs on the draft too, on the same
   :class:`~kiln.runtime.model_runner.StepInputs` (:meth:`DraftModel.mirror`): the chunk's draft K/V;
   a request new to the draft takes what its prefix-cache hit left in the draft pool as its own;
-* a verify step first reserves the target's pages for ``k`` drafts, then (:meth:`DraftModel.propose`)
-  runs one draft extend over the tokens the draft has not seen (after the last verify step: the
-  bonus token, or the last draft and the bonus token; after plain decode steps: those tokens) whose
-  last logits give draft 1, then ``k - 1`` draft decode steps feeding each draft back (the ids stay
-  on the device; one copy to the host at the end). Over the ids both vocabularies have, a greedy
-  request's drafts are the draft's argmax; a sampling request's are sampled from the draft's
-  distribution ``q`` under the request's own temperature / top-k / top-p / min-p (and min_tokens
-  bans), with noise from its ``DRAFT_STREAM`` keys, and ``q`` is kept (:attr:`DraftModel.probs`) for
-  the rejection rule (:func:`~kiln.runtime.speculative.rejection_sample`): lossless, and a draft
-  close to the target is accepted about as often as it agrees in distribution, not only where its
-  sample hits the target's;
+* a verify step first reserves the target's pages for ``k`` drafts, then
+  (:meth:`DraftModel.propose`) runs one draft extend over the tokens the draft has not seen (after
+  the last verify step: the bonus token, or the last draft and the bonus token; after plain decode
+  steps: those tokens) whose last logits give draft 1, then ``k - 1`` draft decode steps feeding
+  each draft back; the ids stay on the device (:class:`DeviceDrafts`), where the verify step's
+  inputs take them. Over the ids both vocabularies have, a greedy request's drafts are the draft's
+  argmax; a sampling request's are sampled from the draft's distribution ``q`` under the request's
+  own temperature / top-k / top-p / min-p (and min_tokens bans), with noise from its
+  ``DRAFT_STREAM`` keys, and ``q`` is kept (:attr:`DraftModel.probs`) for the rejection rule
+  (:func:`~kiln.runtime.speculative.rejection_sample`): lossless, and a draft close to the target is
+  accepted about as often as it agrees in distribution, not only where its sample hits the target's;
 * after the verify step (:meth:`DraftModel.accepted`), with ``a`` of a request's ``n`` drafts accepted,
   its draft K/V are right up to position ``s - 1 + min(a, n - 1)`` (``s``: its length before the
   step): the drafts the draft itself fed were the accepted tokens.
@@ -54,6 +54,26 @@ from kiln.runtime.speculative import DRAFT_STREAM, h2d, position_keys, stream_se
 if TYPE_CHECKING:
     from kiln.runtime.request import Req
     from kiln.runtime.scheduler import Scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceDrafts:
+    """A draft chain per request, on the device: request ``b``'s drafts are ``ids[b, :counts[b]]``
+    (``ids [B, max(counts)]`` int64; columns past a request's count hold whatever its chain step
+    picked there, never verified). The counts are on the host (the scheduler reserved their pages)."""
+
+    ids: torch.Tensor
+    counts: list[int]
+
+    def placeholders(self) -> list[list[int]]:
+        """Host lists of the right lengths whose token values are not known (0): the verify step's
+        layout, its draft ids taken from :attr:`ids` on the device."""
+        return [[0] * c for c in self.counts]
+
+    def lists(self) -> list[list[int]]:
+        """The drafts on the host (waits for the chain)."""
+        host = self.ids.tolist()
+        return [row[:c] for row, c in zip(host, self.counts)]
 
 
 def load_draft(
@@ -135,16 +155,18 @@ class DraftModel:
     # token; 1 for an EAGLE-3 head, whose position p reads token p + 1 (runtime/spec_eagle.py).
     SHIFT = 0
 
-    def propose(self, reqs: list[Req], limits: list[int], sched: Scheduler) -> list[list[int]]:
-        """Up to ``min(k, limits[i])`` greedy drafts per request, with the target's pages reserved
-        for them (:meth:`Scheduler.reserve_drafts`: a request whose pages cannot grow drafts less)."""
+    def propose(self, reqs: list[Req], limits: list[int], sched: Scheduler) -> DeviceDrafts:
+        """Up to ``min(k, limits[i])`` drafts per request, with the target's pages reserved for them
+        (:meth:`Scheduler.reserve_drafts`: a request whose pages cannot grow drafts less), left on
+        the device: the verify step takes them from there (no host read between the draft chain
+        and the verify step)."""
         want = [[0] * max(0, min(self.k, lim)) for lim in limits]
         counts = [len(d) for d in sched.reserve_drafts(reqs, want)]
         self._starts = [r.seq_len for r in reqs]
         self.probs = None
         n = max(counts, default=0)
         if n == 0:
-            return [[] for _ in reqs]
+            return DeviceDrafts(torch.zeros(len(reqs), 0, dtype=torch.int64, device=self.device), counts)
         ids = torch.empty(len(reqs), n, dtype=torch.int64, device=self.device)
         pick = self._picker(reqs, n)
         ids[:, 0] = pick(0, self._catch_up(reqs))
@@ -152,8 +174,7 @@ class DraftModel:
             ids[:, i] = pick(
                 i, self.runner.decode(self._chain_step(reqs, counts, i), subst=(None, ids[:, i - 1]))
             )
-        host = ids.cpu().tolist()
-        return [row[:c] for row, c in zip(host, counts)]
+        return DeviceDrafts(ids, counts)
 
     def _chain_step(self, reqs: list[Req], counts: list[int], i: int) -> StepInputs:
         """The draft decode step that feeds each request's draft ``i`` (its ids substituted on the

@@ -367,13 +367,15 @@ class Stepper:
         drafts: list[list[int]],
         blocked: list[int],
         trees: list[TreeDraft] | None = None,
+        draft_ids: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """The emitted tokens of a verify step, on the host: ``ids [B, P]`` (-1 past each
         request's), ``num_emitted [B]`` and, when a request asked, ``logprobs [B, P]``, ``top_ids``
         and ``top_logprobs [B, P, N]``. :func:`verify` for the speculating requests, one plain
         sample at position 0 for those in ``blocked``. With ``trees`` (a token-tree step; ``drafts``
         their node tokens) :func:`verify_tree` instead, and the accepted nodes' K/V moved into place
-        (:meth:`_move_accepted`)."""
+        (:meth:`_move_accepted`). ``draft_ids``: a draft model's chains on the device (``drafts``
+        then hold placeholders of the right lengths)."""
         B, P = len(reqs), rows3.shape[1]
         assert self.spec is not None
         drafter = self.spec.drafter
@@ -390,9 +392,15 @@ class Stepper:
         if trees is not None:
             out = self._verify_trees(rows3_s, sreqs, [trees[i] for i in spec_i], P)
         else:
-            db = DraftBatch.from_lists(
-                [drafts[i] for i in spec_i], self.device, max_len=P - 1, stager=self.stager
-            )
+            if draft_ids is not None:  # on the device: the lengths from the host
+                assert draft_ids.shape[1] == P - 1
+                lens = self.stager.to_device([[len(drafts[i]) for i in spec_i]], torch.int64)[0]
+                ids = draft_ids[self.stager.to_device(spec_i, torch.int64)] if blocked else draft_ids
+                db = DraftBatch(ids, lens)
+            else:
+                db = DraftBatch.from_lists(
+                    [drafts[i] for i in spec_i], self.device, max_len=P - 1, stager=self.stager
+                )
             if probs is not None:
                 db = DraftBatch(db.ids, db.lens, probs[:, : P - 1])
             spec = SpecSampling.build(
@@ -520,15 +528,18 @@ class Stepper:
         ]
         drafter = self.spec.drafter
         trees: list[TreeDraft] | None = None
+        draft_ids: torch.Tensor | None = None  # a draft model's chains, on the device
         if isinstance(drafter, Eagle3Drafter) and self.spec.trees:  # the head's top tokens as trees
             trees = drafter.propose_tree(reqs, limits, sched)  # it reserves the pages it drafts into
             drafts = [list(t.tokens) for t in trees]
             if not any(drafts):
                 return None
         elif isinstance(drafter, DraftModel):  # the draft model reserves the pages it drafts into
-            drafts = drafter.propose(reqs, limits, sched)
-            if not any(drafts):
+            chain = drafter.propose(reqs, limits, sched)  # left on the device
+            if not any(chain.counts):
                 return None
+            drafts = chain.placeholders()
+            draft_ids = chain.ids
         elif self.spec.trees:  # n-gram trees: every request's drafts as a tree (chains included)
             proposed = drafter.propose_tree_batch([r.rid for r in reqs], [r.token_view for r in reqs], limits)
             if not any(t.tokens for t in proposed):
@@ -557,9 +568,9 @@ class Stepper:
             ts["nodes"] += n_tok - len(reqs)
         else:
             step = sched.verify_inputs(reqs, drafts)
-        rows3 = self.runner.verify(step)  # [B, P, V]: request b's logits after each of its new tokens
+        rows3 = self.runner.verify(step, draft_ids)  # [B, P, V]: request b's logits after each new token
         t2 = time.perf_counter()
-        host = self._verify_rows(rows3, reqs, drafts, blocked, trees)
+        host = self._verify_rows(rows3, reqs, drafts, blocked, trees, draft_ids)
         launched = Launched(batch, reqs, [], host["ids"], kind=kind)
         launched.host = host
         t3 = time.perf_counter()

@@ -55,7 +55,7 @@ from kiln.ops.common.collective import enable_symmetric_all_reduce, set_tp_group
 from kiln.runtime import step_wire
 from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import load_model
-from kiln.runtime.model_runner import ModelRunner, StepInputs
+from kiln.runtime.model_runner import ModelRunner, StepInputs, with_drafts
 
 if TYPE_CHECKING:
     from kiln.runtime.engine import EngineOptions
@@ -302,8 +302,10 @@ class BroadcastRunner:
         self.ranks.send(("step", step, self.runner.bt.pending_changes(), argmax))
         return _in_step(self.runner.forward, step, subst)
 
-    def verify(self, step: StepInputs) -> torch.Tensor:
-        """A speculative verify step (``ModelRunner.verify``), run by every rank."""
+    def verify(self, step: StepInputs, draft_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """A speculative verify step (``ModelRunner.verify``), run by every rank; a draft chain's
+        ids on rank 0's device go to the followers on the host (``with_drafts``)."""
+        step = with_drafts(step, draft_ids)
         self.ranks.send(("step", step, self.runner.bt.pending_changes(), False))
         return _in_step(self.runner.verify, step)
 

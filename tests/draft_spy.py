@@ -22,7 +22,7 @@ def spy_drafts(eng, vocab: int) -> list:
         rows.clear()
         drafts = propose(reqs, limits, sched)
         seqs = [list(r.token_view[: r.seq_len]) for r in reqs]
-        log.append((seqs, drafts, [[x[b] for x in rows] for b in range(len(reqs))]))
+        log.append((seqs, drafts.lists(), [[x[b] for x in rows] for b in range(len(reqs))]))
         return drafts
 
     eng.drafter.propose, eng.drafter._picker = logged, logged_picker
