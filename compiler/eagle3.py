@@ -278,10 +278,11 @@ def _head_tree_shapes(verify: VerifySpec) -> list[tuple[int, int]]:
 def compile_head(head: HeadBuild, out: Path, opts: CompileOptions, verbose: bool) -> DraftSpec:
     """Compile ``head`` into ``out/{head.kind}`` with the target's shape options ``opts`` (its
     ``max_seq_len`` resolved: one block table serves both KV pools page for page): its pack, the
-    shared graph (:attr:`~AuxHeadGraph.fused`: a catch-up from the target's streams), a static
-    ``decode_b{b}`` graph per bucket (a chain step on its own output), with verify graphs and a
-    model that can have them the tree graph (``Manifest.TREE_GRAPH``: draft-tree steps on the
-    parents' outputs), their kernels and its manifest; returns the record the target's manifest keeps (``DraftSpec`` of ``head.kind``).
+    shared graph (:attr:`~AuxHeadGraph.fused`: a catch-up from the target's streams, also run at
+    the target's verify shapes: the runtime captures the catch-up per ``(B, k)`` as the target's
+    verify steps), a static ``decode_b{b}`` graph per bucket (a chain step on its own output), with
+    verify graphs and a model that can have them the tree graph (``Manifest.TREE_GRAPH``:
+    draft-tree steps on the parents' outputs), their kernels and its manifest; returns the record the target's manifest keeps (``DraftSpec`` of ``head.kind``).
     Activation dtype (no FP8), one rank."""
     from kiln.weights import load_pack, pack_checkpoint
 
@@ -333,7 +334,7 @@ def compile_head(head: HeadBuild, out: Path, opts: CompileOptions, verbose: bool
             shapes = _head_tree_shapes(verify) if verify is not None else []
             _warm_up(
                 modules, graphs, weights, cache, cfg, device, buckets, max_blocks, opts.chunk_size,
-                tree_shapes=shapes,
+                verify=verify, tree_shapes=shapes,
             )  # fmt: skip
 
         graphs = build_graphs(dst, programs, graphs, weights, cache, device, warm)
@@ -364,6 +365,7 @@ def compile_head(head: HeadBuild, out: Path, opts: CompileOptions, verbose: bool
             gemv_plan=plan,
         ),
         files=file_table(dst),
+        verify=verify,  # the catch-up's (B, k) graphs (runtime/spec_eagle.py _catch_up)
         **head.record,
     )
     manifest.save(dst)

@@ -120,10 +120,14 @@ class DraftModel:
         cuda_graph: bool,
         eos_token_ids: tuple[int, ...] = (),
         aux_rows: int = 0,
+        verify_graphs: bool = False,
     ):
+        """``verify_graphs``: the draft's runner captures its artifact's verify graphs too (an
+        EAGLE-3 head's catch-up runs on them)."""
         self.runner = ModelRunner(
-            model, pool, block_table, cuda_graph=cuda_graph, graph_greedy=False, aux_rows=aux_rows
-        )
+            model, pool, block_table, cuda_graph=cuda_graph, graph_greedy=False, aux_rows=aux_rows,
+            num_draft_tokens=num_draft_tokens if verify_graphs else 0,
+        )  # fmt: skip
         self.bt = block_table
         self.k = num_draft_tokens
         self.vocab = min(target_vocab, model.artifact.manifest.vocab_size)  # ids both heads have

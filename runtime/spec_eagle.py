@@ -47,6 +47,7 @@ never a wrong token (the target verifies every draft).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -83,11 +84,15 @@ class Eagle3Drafter(DraftModel):
         eos_token_ids: tuple[int, ...] = (),
         branches: int = 1,
     ):
-        # the head's buffer holds a catch-up of up to k + 1 positions per request
-        rows = max(model.artifact.manifest.decode_buckets) * (num_draft_tokens + 1)
+        # the head's buffer holds a catch-up of up to k + 1 positions per request, padded to its
+        # verify graph's length
+        m = model.artifact.manifest
+        longest = max((*m.verify.lengths, num_draft_tokens) if m.verify else (num_draft_tokens,))
+        rows = max(m.decode_buckets) * (longest + 1)
         super().__init__(
-            model, pool, block_table, num_draft_tokens, target_vocab, cuda_graph, eos_token_ids, aux_rows=rows
-        )
+            model, pool, block_table, num_draft_tokens, target_vocab, cuda_graph, eos_token_ids, aux_rows=rows,
+            verify_graphs=True,
+        )  # fmt: skip
         (self.hidden,) = self.runner.aux_args  # the head graphs' input and output
         self.width = target_hidden.shape[1]  # 3 H of the target (MTP: H): the fused input
         if self.hidden.shape[1] < self.width:
@@ -202,12 +207,14 @@ class Eagle3Drafter(DraftModel):
         """One head extend over each request's positions from ``done`` to ``s - 2`` that the ring
         holds (the fused input from the ring); its logits ``[B, vocab]`` at each request's last
         position (zeros for a request with none), and its outputs there in the head's decode input
-        rows ``0 .. B - 1`` (the chain's first hidden states)."""
+        rows ``0 .. B - 1`` (the chain's first hidden states). On the head's ``(B, k)`` verify graph
+        where one holds the step (a replay on a GPU; request ``j``'s positions at buffer rows ``j (k
+        + 1) ..``), else on its extend graph."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         ring_rows: list[int] = []
-        rows, lens, indptr, which = [], [], [0], []
+        rows, lens, ext, which = [], [], [], []
         for i, (req, s) in enumerate(zip(reqs, self._starts)):
             held_lo, held_hi = self._held(req)
             lo, hi = max(self.done.get(req.rid, 0), held_lo), min(s - 1, held_hi)
@@ -218,21 +225,39 @@ class Eagle3Drafter(DraftModel):
                 ring_rows += (self._ring(req.row, p) for p in range(lo, hi))
                 rows.append(req.row)
                 lens.append(hi)
-                indptr.append(len(ids))
+                ext.append(hi - lo)
                 which.append(i)
             self.done[req.rid] = s - 1
         logits = torch.zeros(len(reqs), self.vocab, device=self.device)
         if not ids:
             self.hidden[: len(reqs), : self.hidden_size].zero_()  # no last outputs: zeros, as for one
             return logits
-        self._copy(self.hidden[:, : self.width], list(range(len(ids))), self.store, ring_rows)
-        out = run_extend_graph(
-            self.runner.m, self.runner.pool, self.bt, ids, pos, slots, rows, lens, indptr,
-            aux=self.runner.aux_args,
-        )  # fmt: skip
+        step = StepInputs("verify", ids, pos, slots, rows, lens, ext)
+        shape = self.runner.verify_shape(step)
+        fused = self.hidden[:, : self.width]
+        if shape is not None:  # each request's positions padded to k + 1 rows
+            k1 = shape[1] + 1
+            self._copy(
+                fused, [j * k1 + t for j, e in enumerate(ext) for t in range(e)], self.store, ring_rows
+            )
+            out = self.runner.verify(step)  # [n, P, V]
+            first = self.runner.verify_rows()
+            idx = self.stager.to_device(
+                [which, [f + e - 1 for f, e in zip(first, ext)], range(len(ext)), [e - 1 for e in ext]],
+                torch.int64,
+            )
+            last_logits = out[idx[2], idx[3]]
+        else:
+            self._copy(fused, list(range(len(ids))), self.store, ring_rows)
+            indptr = [0, *itertools.accumulate(ext)]
+            out = run_extend_graph(
+                self.runner.m, self.runner.pool, self.bt, ids, pos, slots, rows, lens, indptr,
+                aux=self.runner.aux_args,
+            )  # fmt: skip
+            idx = self.stager.to_device([which, [e - 1 for e in indptr[1:]]], torch.int64)
+            last_logits = out
         self.caught_up += len(ids)
-        idx = self.stager.to_device([which, [e - 1 for e in indptr[1:]]], torch.int64)
-        logits.index_copy_(0, idx[0], out[:, : self.vocab].float())
+        logits.index_copy_(0, idx[0], last_logits[:, : self.vocab].float())
         h = self.hidden[:, : self.hidden_size]
         last = h.index_select(0, idx[1])  # a copy: the chain's rows may overlap the catch-up's
         h[: len(reqs)].zero_()

@@ -49,7 +49,7 @@
 #                        STARTUP_ARGS: more of its flags, e.g. "--imports 15" (the costliest imports)
 #   PROFILE=             batch sizes, e.g. 1,64: bench/gpu/profile_decode.py (GPU time per kernel);
 #                        PROFILE_ARGS: more of its flags, e.g. "--drafts 0,4,8" (verify steps' kernels)
-#                        or, with SUCCESSOR=1, "--engine-ngram 4" (whole speculative engine steps:
+#                        or, with SUCCESSOR=1, "--engine-ngram 4" / "--engine-draft 4" (whole speculative engine steps:
 #                        wall, GPU kernel time and host parts per step)
 #   TIMELINE=            a batch size, e.g. 1: bench/gpu/replay_timeline.py (a replay's critical path)
 #   ACCURACY=0           >0: `kiln bench accuracy` of the artifact over that many sequences of ACC_SEQLEN=512

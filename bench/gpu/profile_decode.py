@@ -14,15 +14,21 @@ the verify CUDA graphs capture), to set beside the decode step of the same call.
 K drafts on prompts that hold their continuation, :func:`kiln.runtime.benchmark.cycle_prompts`: on
 a successor checkpoint every step is a verify step), CUDA graphs and overlap as served: per step its
 wall time, the GPU's kernel time and the host parts (``Engine.host_breakdown``), so the time a
-verify step spends outside its forward shows.
+verify step spends outside its forward shows. ``--engine-draft K`` does the same with the
+artifact's draft (a draft model, an EAGLE-3 head or an MTP layer: ``--speculative draft``). Both
+then also run the same number of steps under cProfile and list the host functions that took
+longest (cumulative), so the host path of a speculative step can be read function by function.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -45,9 +51,16 @@ def main() -> None:
     ap.add_argument(
         "--engine-ngram", type=int, default=0, help="K > 0: whole engine steps, n-gram drafts of K"
     )
+    ap.add_argument(
+        "--engine-draft",
+        type=int,
+        default=0,
+        help="K > 0: whole engine steps, the artifact's draft, K drafts",
+    )
     a = ap.parse_args()
-    if a.engine_ngram:
-        result = {str(b): profile_engine_steps(a.artifact, b, a.context, a.steps, a.engine_ngram)
+    if a.engine_ngram or a.engine_draft:
+        source, k = ("draft", a.engine_draft) if a.engine_draft else ("ngram", a.engine_ngram)
+        result = {str(b): profile_engine_steps(a.artifact, b, a.context, a.steps, k, source=source)
                   for b in (int(x) for x in a.batch_sizes.split(","))}  # fmt: skip
         if a.json:
             with open(a.json, "w") as f:
@@ -116,14 +129,16 @@ def profile_decode_steps(
 
 
 def profile_engine_steps(
-    artifact: str, batch: int, context: int, steps: int, k: int, kv_gib: float = 40
+    artifact: str, batch: int, context: int, steps: int, k: int, kv_gib: float = 40, source: str = "ngram"
 ) -> dict:
     """``steps`` engine steps of ``batch`` greedy requests on cycle prompts of ``context`` tokens
-    with n-gram drafts of ``k`` (after two warm steps), under torch.profiler: per step the wall
-    time, the GPU kernel time and the host parts, and the costliest kernels."""
-    llm = LLM(artifact, kv_memory_gib=kv_gib, speculative="ngram", num_draft_tokens=k)
+    with ``source`` drafts (``ngram``, or ``draft``: the artifact's) of ``k`` (after two warm
+    steps), under torch.profiler: per step the wall time, the GPU kernel time and the host parts,
+    and the costliest kernels; then as many steps under cProfile: the host functions by
+    cumulative time."""
+    llm = LLM(artifact, kv_memory_gib=kv_gib, speculative=source, num_draft_tokens=k)
     eng = llm.engine
-    out_len = (steps + 4) * (k + 1)
+    out_len = (2 * steps + 4) * (k + 1)
     prompts = cycle_prompts(llm, batch, max(context, 2 * out_len + 1), out_len)
     for p in prompts:
         eng.add_request(p, SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True))
@@ -152,13 +167,28 @@ def profile_engine_steps(
         "verify_steps": eng.spec_stats.steps - verified,
         "top": sorted(per.items(), key=lambda kv: -kv[1])[:20],
     }
+    prof_host = cProfile.Profile()
+    prof_host.enable()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    prof_host.disable()
+    stats: dict = pstats.Stats(prof_host).stats  # type: ignore[attr-defined]
+    rows = [
+        (f"{Path(f).name}:{line}({fn})", ct / steps * 1e3, tt / steps * 1e3, nc / steps)
+        for (f, line, fn), (_, nc, tt, ct, _) in stats.items()
+    ]
+    out["host_top_cumulative_ms"] = sorted(rows, key=lambda r: -r[1])[:40]
     print(
-        f"\nbatch {batch}, n-gram k {k}: {out['verify_steps']} of {steps} steps verified; wall "
+        f"\nbatch {batch}, {source} k {k}: {out['verify_steps']} of {steps} steps verified; wall "
         f"{out['wall_ms_per_step']:.3f} ms a step, GPU kernels {out['gpu_kernel_ms_per_step']:.3f} ms; "
         "host parts (ms): " + ", ".join(f"{n} {v:.3f}" for n, v in parts.items())
     )
     for name, us in out["top"]:
         print(f"  {us:9.1f} us  {name[:90]}")
+    print("  host, per step (cumulative ms, own ms, calls):")
+    for name, cum, own, calls in out["host_top_cumulative_ms"][:30]:
+        print(f"  {cum:8.3f} {own:8.3f} {calls:6.1f}  {name[:90]}")
     eng.run_until_done()
     return out
 

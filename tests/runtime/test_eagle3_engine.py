@@ -66,9 +66,27 @@ def prompts() -> list[list[int]]:
     return out
 
 
-def _run(art, ps, params=GREEDY, spy=False, device="cpu", **kw):
+def _no_syncs(obj, name: str) -> None:
+    """``obj.name`` raises on any host sync with the GPU (torch's sync debug mode)."""
+    fn = getattr(obj, name)
+
+    def strict(*a, **kw):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(*a, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    setattr(obj, name, strict)
+
+
+def _run(art, ps, params=GREEDY, spy=False, device="cpu", strict=False, **kw):
+    """``strict``: the head's drafting and the verify step's launch must not sync with the GPU."""
     llm = LLM(str(art), device=device, **kw)
     eng = llm.engine
+    if strict:
+        _no_syncs(eng.drafter, "propose")
+        _no_syncs(eng.runner, "verify")
     # each verify step's sequences, drafts and the head's logits of every draft
     log = spy_drafts(eng, VOCAB) if spy else []
     outs = [o.token_ids for o in llm.generate(ps, params)]
@@ -84,6 +102,7 @@ def test_the_artifact_holds_the_head(root):
     head = Manifest.load(root / "art" / m.draft.path)
     assert head.kv.num_layers == 1 and head.aux_width == 3 * CONFIG["hidden_size"]
     assert Manifest.TREE_GRAPH in head.graphs  # its draft trees' steps
+    assert head.verify == m.verify  # its catch-up's (B, k) graphs
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -95,21 +114,26 @@ def test_first_drafts_are_accepted_and_outputs_are_plain_decodings(root, batch):
     s = eng.step_metrics()["speculative"]
     assert s["verified"] > 0 and s["accepted"] >= 0.9 * s["verified"], s  # draft 1 every step
     assert eng.runner.verify_steps["graph"] > 0
+    assert eng.drafter.runner.verify_steps["graph"] > 0  # the head's catch-ups on its verify graphs
 
 
 @pytest.mark.gpu
 def test_gpu_drafts_on_cuda_graphs(tmp_path, compiled_gpu):
-    """On the GPU: the head's chain steps replay its decode graphs, verify steps the target's
-    verify graphs; the first drafts are accepted and the tokens are plain decoding's."""
+    """On the GPU: the head's catch-ups replay its verify graphs and its chain steps its decode
+    graphs, verify steps the target's verify graphs, and nothing from the head's catch-up to the
+    verify step's launch waits for the GPU (the drafts reach the verify graph on the device); the
+    first drafts are accepted and the tokens are plain decoding's."""
     _build(tmp_path, "cuda")
     ps = prompts()
     # a bounded pool each: the first engine is still alive when the second sizes its pool from free memory
     plain, _, _ = _run(tmp_path / "art", ps, device="cuda", speculative="off", kv_memory_gib=0.25)
-    on, eng, _ = _run(tmp_path / "art", ps, device="cuda", chunk_size=16, kv_memory_gib=0.25)
+    on, eng, _ = _run(tmp_path / "art", ps, device="cuda", chunk_size=16, kv_memory_gib=0.25, strict=True)
     assert on == plain
     s = eng.step_metrics()["speculative"]
     assert s["verified"] > 0 and s["accepted"] >= 0.9 * s["verified"], s
     assert eng.runner.verify_steps["graph"] > 0 and eng.drafter.runner.graphs
+    head = eng.drafter.runner
+    assert head.vgraphs and head.verify_steps["graph"] > 0 and head.verify_steps["eager"] == 0
 
 
 @pytest.fixture(scope="module")
