@@ -174,7 +174,7 @@ class FusedMoE(nn.Module):
         fused_res = None if self.shared is not None else residual  # added by fused_moe
         if self.float_router:
             assert logits is None, "a float32 router computes its logits itself"
-            logits = torch.nn.functional.linear(x.float(), self.router.weight.float())  # [T, E] f32
+            logits = torch.ops.kiln.router_linear(x, self.router.weight, self.router.max_m)  # [T, E] f32
         if logits is not None:
             w, ids = torch.ops.kiln.moe_topk(logits, bias, *routing, self.group_score)
         else:  # T up to the plan's router max: the router GEMV, then the top-k kernel

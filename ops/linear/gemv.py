@@ -731,6 +731,9 @@ def gemv(
     FP8 (``fp8_linear``'s decode path): ``x`` and ``w`` float8_e4m3fn with ``x_scale`` ``[M, 1]`` or
     ``[1]`` and ``w_scale`` ``[N]`` float32; ``y = (x @ w^T) * x_scale * w_scale (+ bias)`` in
     ``out_dtype`` (default bf16), on the CUDA-core kernel (M <= 4), not with ``gate_up``.
+    bf16/fp16 ``x`` with ``out_dtype=torch.float32`` (no ``gate_up``, no ``residual``): the float32
+    sums unrounded, ``F.linear(x.float(), w.float())`` up to the order of the sums (the products of
+    two bf16/fp16 values are exact in float32): a float32 MoE router.
 
     ``norm`` (:class:`NormIn`): an RMSNorm on the one x row first, on the CUDA-core kernel without
     split-K (``gemv_config``'s launch, on the CUDA-core path, one split).
@@ -749,7 +752,13 @@ def gemv(
         use_dot = False
     elif x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"gemv: x and w must share a bf16/fp16/fp32 dtype, got {x.dtype} and {w.dtype}")
-    odt = (out_dtype or torch.bfloat16) if scaled else x.dtype
+    elif out_dtype not in (None, x.dtype) and (
+        out_dtype != torch.float32 or gate_up or residual is not None
+    ):
+        raise ValueError(
+            f"gemv: out_dtype must be x's ({x.dtype}) or float32 without gate_up or residual, got {out_dtype}"
+        )
+    odt = (out_dtype or torch.bfloat16) if scaled else (out_dtype or x.dtype)
     n_w = w.shape[0]
     if gate_up and n_w % 2:
         raise ValueError(f"gemv: gate_up needs an even number of weight rows, got {n_w}")

@@ -10,11 +10,18 @@ topk_groups, scale, round_to, max_t) -> (weights [T, k] float32, ids [T, k] int3
   on ``F.linear(x.float(), weight.float())``);
 * ``max_t``: a constant of the call site (the compile's GEMV plan, role ``router``): at
   ``1 <= T <= max_t`` on a device that runs Triton the router linear is ``kiln.linear``'s GEMV
-  (ops/linear/gemv.py; sigmoid scoring: the float32 linear), then ``moe_topk``'s kernel; otherwise the
+  (ops/linear/gemv.py; sigmoid scoring: ``kiln.router_linear``), then ``moe_topk``'s kernel; otherwise the
   router linear (cuBLAS), then ``moe_topk``'s kernel.
 
 (A kernel that ran the router GEMV and the top-k in one launch measured slower on the H200 and was
 removed: docs/decode_budget.md, "Removed variants".)
+
+Op ``torch.ops.kiln.router_linear(x, weight, max_t) -> [T, E] float32``: the float32 router linear
+``F.linear(x.float(), weight.float())`` alone (DeepSeek-V2's routers, whose group scoring
+``kiln.moe_topk`` takes from the logits, and the sigmoid path above): at ``1 <= T <= max_t`` on a
+device that runs Triton the GEMV with float32 output straight from the bf16 operands (their products
+are exact in float32, so the sums differ from the reference's only in their order), one launch where
+the reference casts ``x`` and ``weight`` (two copies) and runs cuBLAS's float32 GEMV (two kernels).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from kiln.ops.common.op import DIRECT, kiln_op
+from kiln.ops.linear.gemv import gemv
 from kiln.ops.moe.topk import check_routing, moe_topk_ref, moe_topk_triton
 
 
@@ -30,6 +38,28 @@ def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, scoring: str) -> to
     if scoring == "sigmoid":
         return torch.nn.functional.linear(x.float(), weight.float())
     return torch.nn.functional.linear(x, weight)
+
+
+def router_linear_ref(x: torch.Tensor, weight: torch.Tensor, max_t: int) -> torch.Tensor:
+    """``F.linear(x.float(), weight.float())``: ``[T, E]`` float32."""
+    return torch.nn.functional.linear(x.float(), weight.float())
+
+
+def _check_router_linear(x: torch.Tensor, weight: torch.Tensor, *_) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.dtype != x.dtype:
+        raise ValueError(
+            f"router_linear: need x [T, H] and weight [E, H] of one dtype, got {tuple(x.shape)} "
+            f"{x.dtype} and {tuple(weight.shape)} {weight.dtype}"
+        )
+
+
+@kiln_op("router_linear", ref=router_linear_ref, check=_check_router_linear)
+def router_linear_forward(x: torch.Tensor, weight: torch.Tensor, max_t: int) -> torch.Tensor:
+    """The float32 router linear (module docstring): the GEMV at ``1 <= T <= max_t``."""
+    if 1 <= x.shape[0] <= max_t and x.dtype != torch.float32:
+        x = x if x.stride(1) == 1 else x.contiguous()
+        return gemv(x, weight, out_dtype=torch.float32)
+    return router_linear_ref(x, weight, max_t)
 
 
 def moe_route_ref(
@@ -73,8 +103,10 @@ def moe_route_forward(
     if 1 <= x.shape[0] <= max_t:
         x = x if x.stride(1) == 1 else x.contiguous()
         weight = weight if weight.stride(1) == 1 else weight.contiguous()
-        gemv = scoring != "sigmoid"  # sigmoid routes on float32 logits
-        logits = DIRECT["linear"](x, weight, None, max_t) if gemv else router_logits_ref(x, weight, scoring)
+        if scoring == "sigmoid":  # float32 logits
+            logits = DIRECT["router_linear"](x, weight, max_t)
+        else:
+            logits = DIRECT["linear"](x, weight, None, max_t)
     else:
         logits = router_logits_ref(x, weight, scoring)  # [T, E]
     return moe_topk_triton(

@@ -53,6 +53,33 @@ def test_op_matches_reference(kernel_on_cpu, case, dtype):
         torch.testing.assert_close(got_w, ref_w, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
 
 
+@pytest.mark.parametrize("t", [1, 3])
+def test_router_linear_is_the_float32_linear(kernel_on_cpu, t):
+    """``kiln.router_linear`` at ``T <= max_t`` (the GEMV with float32 output): the float32 sums of the
+    bf16 operands, as ``F.linear(x.float(), w.float())`` within float32 rounding (a bf16-rounded
+    output would be far outside it); above ``max_t`` the reference itself."""
+    x, w, _ = make((t, 96, 64, 6, True, "softmax"), torch.bfloat16, seed=t)
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    got = torch.ops.kiln.router_linear(x, w, t)
+    assert got.dtype == torch.float32 and got.shape == (t, 64)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(ref.to(torch.bfloat16).float(), ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.ops.kiln.router_linear(x, w, 0), ref)
+
+
+def test_router_linear_and_gemv_refuse_what_they_cannot_do():
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="router_linear: need x"):
+        torch.ops.kiln.router_linear(x, torch.randn(8, 16, dtype=torch.bfloat16), 4)
+    from kiln.ops.linear.gemv import gemv
+
+    w = torch.randn(8, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out_dtype must be"):
+        gemv(x, w, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="out_dtype must be"):
+        gemv(x, w, gate_up=True, out_dtype=torch.float32)
+
+
 def test_op_on_plain_cpu_is_the_reference():
     case = CASES[3]
     x, w, bias = make(case, torch.float32, seed=2)
