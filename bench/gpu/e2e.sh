@@ -34,9 +34,10 @@
 #                        the runs give the draft and verify step costs (docs/speculative.md section 7)
 #   COMPILE_ARGS=        more `kiln compile` flags, e.g. "--max-batch-size 64 --page-size 16"
 #   REUSE=               1: use the artifact a warm machine holds from an earlier call of this shape
-#   ALT_COMPILE=         "NAME:FLAGS;...": a compile option's A/B on the same checkpoint: after the runs on
-#                        the artifact, each NAME's artifact (COMPILE_ARGS and FLAGS; the previous one deleted
-#                        first, for the disk) gets the same latency variants, labelled NAME-variant, e.g.
+#   ALT_COMPILE=         "NAME:FLAGS;...": a compile option's A/B on the same checkpoint: last in the call
+#                        (after every other step on the artifact), each NAME's artifact (COMPILE_ARGS and
+#                        FLAGS; the previous one deleted first, for the disk) gets the same latency
+#                        variants, labelled NAME-variant, and the table again, e.g.
 #                        "latent:--gemv-plan attn:1,mlp:1,router:1,latent:64"
 #   BATCHES=1,8,64 INLEN=512 OUTLEN=64 KV=40   `kiln bench latency` batch sizes, lengths, KV GiB
 #   LAT_ARGS=            more `kiln bench latency` flags for every run, e.g. --no-overlap
@@ -121,24 +122,6 @@ for ((r = 1; r <= ROUNDS; r++)); do
   done
 done
 stamp latency
-IFS=';' read -ra alts <<< "${ALT_COMPILE:-}"
-for a in "${alts[@]}"; do
-  [ -z "$a" ] && continue
-  an=${a%%:*}
-  [ -n "$DRY" ] || rm -rf "$ART"
-  ART=$WORK/art-$NAME-$an
-  # shellcheck disable=SC2086  # flags, split on purpose
-  compile_in "$HERE" "compile_$an.log" "$CK" "$ART" --dtype "$DTYPE" ${QUANT:+--quant "$QUANT"} $COMPILE_ARGS ${a#*:} \
-    || continue
-  stamp "compile $an"
-  IFS=';' read -ra vs <<< "$VARIANTS"
-  for v in "${vs[@]}"; do
-    [ -z "$v" ] && continue
-    # shellcheck disable=SC2086  # WORDS and flags, split on purpose
-    latency_in "$HERE" "$NAME" "$an-${v%%:*}" 1 "$ART" $PROMPT_ARGS ${v#*:} $LAT_ARGS
-  done
-  stamp "latency $an"
-done
 latency_table
 
 if [ "$NPROMPTS" -gt 0 ]; then
@@ -183,5 +166,24 @@ if [ "$ACCURACY" -gt 0 ]; then
     --seq-len "$ACC_SEQLEN" --json "$RAW/accuracy.json"
   show accuracy.log "." 12; stamp accuracy
 fi
+IFS=';' read -ra alts <<< "${ALT_COMPILE:-}"
+for a in "${alts[@]}"; do
+  [ -z "$a" ] && continue
+  an=${a%%:*}
+  [ -n "$DRY" ] || rm -rf "$ART"
+  ART=$WORK/art-$NAME-$an
+  # shellcheck disable=SC2086  # flags, split on purpose
+  compile_in "$HERE" "compile_$an.log" "$CK" "$ART" --dtype "$DTYPE" ${QUANT:+--quant "$QUANT"} $COMPILE_ARGS ${a#*:} \
+    || continue
+  stamp "compile $an"
+  IFS=';' read -ra vs <<< "$VARIANTS"
+  for v in "${vs[@]}"; do
+    [ -z "$v" ] && continue
+    # shellcheck disable=SC2086  # WORDS and flags, split on purpose
+    latency_in "$HERE" "$NAME" "$an-${v%%:*}" 1 "$ART" $PROMPT_ARGS ${v#*:} $LAT_ARGS
+  done
+  stamp "latency $an"
+done
+[ -n "${ALT_COMPILE:-}" ] && latency_table
 call_end e2e.sh PRESET LAYERS CKPT_WORK DTYPE QUANT SUCCESSOR HEAD DRAFT COMPILE_ARGS REUSE ALT_COMPILE BATCHES INLEN OUTLEN KV LAT_ARGS HF VARIANTS ROUNDS \
   NPROMPTS TP_INLEN TP_OUTLEN TP_VARIANTS TP_HF STARTUP STARTUP_ARGS PROFILE PROFILE_ARGS TIMELINE ACCURACY ACC_SEQLEN ACC_REF_ARGS GPU_TESTS BUDGET
