@@ -25,11 +25,12 @@ consumed yet (:attr:`store`, ``[rows, depth, 3 H]``, ``depth = k + 1``):
   chunks, mixed steps) is also run on the head at once (:meth:`mirror`): the chunk's positions
   ``lo .. hi - 2``, after the ring's from ``done`` up to ``lo - 1``, leaving position ``hi - 1`` in
   the ring: its token ``x[hi]`` is not known yet;
-* a verify step (:meth:`propose`) catches the head up on the positions the ring holds from
-  ``done`` to ``s - 2`` (``s``: the request's length; one head extend, from the ring), whose last
-  logits give draft 1 and whose last output starts the chain; draft ``i + 1`` is the head's decode
-  step at position ``s - 2 + i`` on draft ``i`` and its own previous output (CUDA graphs, chained
-  on the device);
+* a verify step (:meth:`propose`) catches the head up on the positions the ring holds from ``done``
+  to ``s - 2`` (``s``: the request's length; one head extend, from the ring, on the head's ``(B,
+  k)`` verify graph where one holds it), whose last logits give draft 1 and whose last output starts
+  the chain; draft ``i + 1`` is the head's decode step at position ``s - 2 + i`` on draft ``i`` and
+  its own previous output (CUDA graphs, chained on the device; the drafts stay there for the verify
+  step);
 * with draft trees (:meth:`propose_tree`, ``--draft-branches`` > 1) the same catch-up gives the
   root's candidates, and each further depth is one run of the head's tree graph over the request's
   expanded nodes (node ``j`` of depth ``d`` at position ``s - 2 + d``, its K/V in the slot of
