@@ -131,6 +131,9 @@ class CompileOptions:
     # layers whose input residual stream every graph hands out (0..L, L: before the final norm), for
     # drafts that read the target's hidden states (EAGLE-3, DeepSeek MTP: docs/speculative.md section 4)
     aux_layers: tuple[int, ...] = ()
+    # the token-tree verify graph beside the verify graphs (a draft model's compile sets it off: it
+    # drafts chains; its verify graphs serve its catch-up, compiler/draft.py)
+    tree_graph: bool = True
     force: bool = False
 
     @property
@@ -284,8 +287,8 @@ def _add_tree_graph(
 
 def _trees_traceable(cfg: ModelConfig, opts: CompileOptions) -> bool:
     """Whether the artifact gets the token-tree verify graph (``Manifest.TREE_GRAPH``) beside its
-    verify graphs: not for sliding windows (refused with trees)."""
-    return not cfg.sliding_window
+    verify graphs: not for sliding windows (refused with trees), nor a draft model's."""
+    return opts.tree_graph and not cfg.sliding_window
 
 
 KV_DTYPES = ("auto", "fp8")  # --kv-dtype

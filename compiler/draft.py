@@ -3,8 +3,11 @@ docs/speculative.md section 4).
 
 The draft is compiled as an artifact of its own under ``ART/draft`` with the target's shape options
 (device, dtype, KV dtype, page size, longest sequence, batch buckets, chunk size), so that one block
-table serves both KV pools page for page; it gets no verify graphs and no draft of its own, and it
-keeps its checkpoint's quantization. The target's manifest pins it (:class:`~kiln.manifest.DraftSpec`:
+table serves both KV pools page for page; it gets no draft of its own and keeps its checkpoint's
+quantization. Its verify graphs are those of one draft (``CATCH_UP_LENGTH``: two tokens per request,
+no tree graph): its catch-up before a chain (runtime/spec_draft.py) brings two tokens per request
+after a verify step that accepted every draft (the last draft and the bonus token), which then
+replays a captured graph instead of running the extend graph eagerly. The target's manifest pins it (:class:`~kiln.manifest.DraftSpec`:
 its manifest's self-hash) and leaves its files to the draft's own file table.
 
 The compile refuses a draft whose tokenizer vocabulary differs from the target's: the same vocabulary
@@ -24,6 +27,7 @@ from kiln.compiler.build import CompileError, CompileOptions, compile_model
 from kiln.manifest import DraftSpec
 
 DRAFT_DIR = "draft"
+CATCH_UP_LENGTH = "1"  # the draft's --verify-lengths: (B, 1) graphs of two tokens per request
 VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 
 
@@ -54,8 +58,9 @@ def compile_draft(draft_dir: str | Path, out: Path, opts: CompileOptions, verbos
     is already in ``out/tokenizer``); returns the record the target's manifest keeps."""
     dst = out / DRAFT_DIR
     draft_opts = replace(
-        opts, quant=None, tp=1, ep=1, verify_lengths="", draft_model=None, moe_tune=False, force=False
-    )
+        opts, quant=None, tp=1, ep=1, verify_lengths=CATCH_UP_LENGTH, tree_graph=False, draft_model=None,
+        moe_tune=False, force=False,
+    )  # fmt: skip
     if verbose:
         print(f"[kiln compile] draft model {draft_dir} -> {dst}", flush=True)
     manifest = compile_model(draft_dir, dst, draft_opts, verbose=verbose)

@@ -120,13 +120,11 @@ class DraftModel:
         cuda_graph: bool,
         eos_token_ids: tuple[int, ...] = (),
         aux_rows: int = 0,
-        verify_graphs: bool = False,
     ):
-        """``verify_graphs``: the draft's runner captures its artifact's verify graphs too (an
-        EAGLE-3 head's catch-up runs on them)."""
+        # with the artifact's verify graphs, where its compile gave it some: the catch-up runs there
         self.runner = ModelRunner(
             model, pool, block_table, cuda_graph=cuda_graph, graph_greedy=False, aux_rows=aux_rows,
-            num_draft_tokens=num_draft_tokens if verify_graphs else 0,
+            num_draft_tokens=num_draft_tokens,
         )  # fmt: skip
         self.bt = block_table
         self.k = num_draft_tokens
@@ -231,11 +229,18 @@ class DraftModel:
 
     def _catch_up(self, reqs: list[Req]) -> torch.Tensor:
         """One draft extend (more when the backlog exceeds a chunk) over each request's tokens the
-        draft has not seen, up to and including its newest; the draft's logits ``[B, vocab]`` there."""
-        last: list[torch.Tensor | None] = [None] * len(reqs)
+        draft has not seen, up to and including its newest; the draft's logits ``[B, vocab]`` there.
+        One token each runs on the decode graphs (``ModelRunner.extend``); a few each (after a
+        verify step that accepted every draft: the last draft and the bonus token) on the draft's
+        verify graph where one holds them (a replay on a GPU); else the extend graph."""
         todo = [
             (i, min(self.done.get(r.rid, 0), s - 1), s) for i, (r, s) in enumerate(zip(reqs, self._starts))
         ]
+        if self.runner.verify_lengths and max(s - lo for _, lo, s in todo) > 1:
+            logits = self._catch_up_verify(reqs, todo)
+            if logits is not None:
+                return logits
+        last: list[torch.Tensor | None] = [None] * len(reqs)
         per = max(1, self.chunk // len(reqs))
         while todo:
             ids: list[int] = []
@@ -263,6 +268,28 @@ class DraftModel:
         for r, s in zip(reqs, self._starts):
             self.done[r.rid] = s
         return torch.stack([x for x in last if x is not None])
+
+    def _catch_up_verify(self, reqs: list[Req], todo: list[tuple[int, int, int]]) -> torch.Tensor | None:
+        """:meth:`_catch_up` on the draft's ``(B, k)`` verify graph (request ``i``'s tokens ``lo ..
+        s - 1`` padded to ``k + 1``), or None (nothing changed) when none holds the step."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for i, lo, s in todo:
+            ids += reqs[i].token_view[lo:s]
+            pos += range(lo, s)
+            slots += self.bt.slots(reqs[i].row, lo, s)
+        lens = [s for _, _, s in todo]
+        ext = [s - lo for _, lo, s in todo]
+        step = StepInputs("verify", ids, pos, slots, [r.row for r in reqs], lens, ext)
+        if self.runner.verify_shape(step) is None:
+            return None
+        out = self.runner.verify(step)  # [B, P, V]
+        self.caught_up += len(ids)
+        for r, s in zip(reqs, self._starts):
+            self.done[r.rid] = s
+        idx = h2d(torch.tensor([list(range(len(ext))), [e - 1 for e in ext]]), self.device, None)
+        return out[idx[0], idx[1], : self.vocab]
 
     def accepted(self, reqs: list[Req], drafts: list[list[int]], num_emitted: list[int]) -> None:
         """After the verify step of :meth:`propose`'s drafts: each request's draft K/V are right up

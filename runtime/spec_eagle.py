@@ -91,9 +91,8 @@ class Eagle3Drafter(DraftModel):
         longest = max((*m.verify.lengths, num_draft_tokens) if m.verify else (num_draft_tokens,))
         rows = max(m.decode_buckets) * (longest + 1)
         super().__init__(
-            model, pool, block_table, num_draft_tokens, target_vocab, cuda_graph, eos_token_ids, aux_rows=rows,
-            verify_graphs=True,
-        )  # fmt: skip
+            model, pool, block_table, num_draft_tokens, target_vocab, cuda_graph, eos_token_ids, aux_rows=rows
+        )
         (self.hidden,) = self.runner.aux_args  # the head graphs' input and output
         self.width = target_hidden.shape[1]  # 3 H of the target (MTP: H): the fused input
         if self.hidden.shape[1] < self.width:

@@ -56,7 +56,8 @@ def test_the_artifact_holds_the_draft(setup):
     assert not any(f.startswith("draft/") for f in m.files)  # the draft's own manifest lists them
     inner = Manifest.load(root / "art-same" / "draft")
     assert inner.kv.page_size == m.kv.page_size and inner.max_seq_len == m.max_seq_len
-    assert inner.draft is None and inner.verify is None
+    assert inner.draft is None and inner.verify is not None and inner.verify.lengths == (1,)  # catch-ups
+    assert Manifest.TREE_GRAPH not in inner.graphs  # a draft model drafts chains
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -69,8 +70,10 @@ def test_the_target_as_its_own_draft_is_accepted(setup, batch):
     assert s["proposed"] > 0 and s["accepted"] >= 0.9 * s["proposed"], s
     assert eng.runner.verify_steps["graph"] > 0
     assert eng.step_metrics()["decode"]["steps"] <= (NEW - 1) // 4 + 3
-    # the draft saw the prompts in the target's prefill; each verify step caught up 1-2 tokens
+    # the draft saw the prompts in the target's prefill; each verify step caught up 1-2 tokens, two
+    # (every draft accepted) on the draft's verify graph instead of its extend graph
     assert eng.drafter.caught_up <= 2 * s["verified"], (eng.drafter.caught_up, s)
+    assert eng.drafter.runner.verify_steps["graph"] > 0 and eng.drafter.runner.verify_steps["eager"] == 0
 
 
 def test_a_draft_model_drafts_chains_with_a_warning(setup):
