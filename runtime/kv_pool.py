@@ -230,6 +230,9 @@ class BlockTable:
         self._in_use = bytearray(self.num_rows)
         # row * max_blocks + block (the flat index into ``table``) -> page; last write wins
         self._pending: dict[int, int] = {}
+        # tensor-parallel rank 0 (track_changes): the changes flush wrote here since take_changes
+        # last ran, which the other ranks' tables have not been sent (None: not tracked)
+        self._unsent: dict[int, int] | None = None
         self.stager: Any = None  # a runtime.staging.HostStager, set by the engine
 
     # rows -------------------------------------------------------------------------------------
@@ -341,13 +344,24 @@ class BlockTable:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
-    def pending_changes(self) -> dict[int, int]:
-        """A copy of the changes ``flush`` has yet to write, ``{row * max_blocks + block: page}``
-        (another rank's table mirrors this one with :meth:`queue_changes`)."""
-        return dict(self._pending)
+    def track_changes(self) -> None:
+        """Keep what :meth:`flush` writes for :meth:`take_changes` (tensor-parallel rank 0, whose
+        table other ranks mirror: a step that runs on rank 0 alone, a draft's, flushes changes
+        the next broadcast step must still carry)."""
+        self._unsent = {}
+
+    def take_changes(self) -> dict[int, int]:
+        """The changes since the last call, flushed or not, ``{row * max_blocks + block: page}``
+        (last write wins; a change may come twice): what another rank's table applies with
+        :meth:`queue_changes` to mirror this one. Needs :meth:`track_changes`."""
+        if self._unsent is None:
+            raise KVPoolError("BlockTable.take_changes: call track_changes() first")
+        out, self._unsent = self._unsent, {}
+        out.update(self._pending)
+        return out
 
     def queue_changes(self, changes: dict[int, int]) -> None:
-        """Queue another table's :meth:`pending_changes` for the next ``flush`` (the device table
+        """Queue another table's :meth:`take_changes` for the next ``flush`` (the device table
         only: this table's host page lists are left alone)."""
         self._pending.update(changes)
 
@@ -360,6 +374,8 @@ class BlockTable:
         packed = np.empty((2, n), dtype=np.int32)  # [flat index, page] x n (the table is int32)
         packed[0] = np.fromiter(pending.keys(), np.int32, n)
         packed[1] = np.fromiter(pending.values(), np.int32, n)
+        if self._unsent is not None:
+            self._unsent.update(pending)
         pending.clear()
         host = torch.from_numpy(packed)
         if self.stager is not None:  # persistent pinned buffers (no allocation, no sync)

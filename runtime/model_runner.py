@@ -429,7 +429,7 @@ class ModelRunner:
         """float32 logits ``[B, P, V]`` of a verify step (an extend step in which request ``b``
         brings its newest token and ``extend_lens[b] - 1`` drafts; ``P = max(extend_lens)``):
         ``[b, j]`` follows the request's ``j``-th new token; past its own tokens a request's rows
-        repeat its last one or are padding (never read by ``verify``). ``draft_ids`` (``[B, >= P -
+        are padding (its last token repeated, or a chain's unverified picks; never read by ``verify``). ``draft_ids`` (``[B, >= P -
         1]`` on the device; ``step.input_ids`` hold placeholders for the drafts): the drafts of a
         draft model's chain, copied into the graph's inputs on the device (:func:`with_drafts` on
         the eager path).

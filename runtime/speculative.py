@@ -135,9 +135,9 @@ def speculation_blocker(params: SamplingParams) -> str | None:
 class DraftBatch:
     """Drafts of B requests, padded to ``K`` (``max_len``).
 
-    ids: [B, K] int64 (padding 0). lens: [B] int64 in [0, K]. probs: [B, K, >= V] float32, the
-    distribution each draft token was sampled from (rows past ``lens`` ignored), or None for
-    point-mass drafts (n-gram, greedy draft models)."""
+    ids: [B, K] int64 (past ``lens``: padding, 0 or a chain's unverified picks, never read). lens:
+    [B] int64 in [0, K]. probs: [B, K, >= V] float32, the distribution each draft token was sampled
+    from (rows past ``lens`` ignored), or None for point-mass drafts (n-gram, greedy draft models)."""
 
     ids: torch.Tensor
     lens: torch.Tensor

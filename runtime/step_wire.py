@@ -14,7 +14,7 @@ step: an extend with logits at every new token), :data:`VERIFY_TREE` (a verify s
 each token's ancestor bitmask follows), or :data:`DECODE_ARGMAX`: a decode step whose
 input ids are each rank's own argmax of the step before (``ModelRunner.argmax_ids``: every rank has
 the whole logits, so the same ids; rank 0 launched it without reading them, with overlap). ``K`` block-table changes
-``{flat index: page}`` travel with the step (``BlockTable.pending_changes``).
+``{flat index: page}`` travel with the step (``BlockTable.take_changes``).
 """
 
 from __future__ import annotations

@@ -287,6 +287,9 @@ class BroadcastRunner:
     def __init__(self, runner: ModelRunner, ranks: RankGroup):
         self.runner = runner
         self.ranks = ranks
+        # a draft on rank 0 (its catch-up, chain and mirror steps) flushes the shared block table
+        # between broadcast steps: each step carries every change since the last one
+        runner.bt.track_changes()
 
     def forward(self, step: StepInputs, subst: Any = None) -> torch.Tensor:
         """``subst``: the step's input ids still on the device (overlap, ``ModelRunner.decode``).
@@ -299,14 +302,14 @@ class BroadcastRunner:
             for r, i in zip(range(len(ids)) if rows is None else rows.tolist(), ids.tolist(), strict=True):
                 host_ids[r] = i
             step, subst = replace(step, input_ids=host_ids), None
-        self.ranks.send(("step", step, self.runner.bt.pending_changes(), argmax))
+        self.ranks.send(("step", step, self.runner.bt.take_changes(), argmax))
         return _in_step(self.runner.forward, step, subst)
 
     def verify(self, step: StepInputs, draft_ids: torch.Tensor | None = None) -> torch.Tensor:
         """A speculative verify step (``ModelRunner.verify``), run by every rank; a draft chain's
         ids on rank 0's device go to the followers on the host (``with_drafts``)."""
         step = with_drafts(step, draft_ids)
-        self.ranks.send(("step", step, self.runner.bt.pending_changes(), False))
+        self.ranks.send(("step", step, self.runner.bt.take_changes(), False))
         return _in_step(self.runner.verify, step)
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:

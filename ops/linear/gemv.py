@@ -4,7 +4,8 @@ At batch 1..8 a linear layer is a pass over its weight: the kernel's only job is
 at HBM bandwidth. Each program owns ``BLOCK_N`` rows of ``W`` (and, with split-K, one slice of
 ``K``), walks ``K`` in ``BLOCK_K`` chunks with 16-byte vector loads, and applies every chunk to all
 ``M`` rows of ``x`` at once, so ``W`` is read exactly once. Accumulation is float32; the output is
-rounded once to the activation dtype (as cuBLAS does).
+rounded once to the activation dtype (as cuBLAS does), or kept in float32 (``out_dtype``: a float32
+MoE router, ops/moe/router.py).
 
 Ops (``torch.ops.kiln.*``); ``x [T, K]`` and ``w [N, K]`` of one dtype (bf16, fp16 or fp32), ``w``
 row-major, ``bias [N]`` or None:
@@ -725,8 +726,8 @@ def gemv(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the GEMV (no dispatch: always the Triton kernel). ``x [M, K]``, ``w [N, K]`` (``[2I, K]``
-    with ``gate_up``), ``bias [N]`` / ``[2I]``; returns ``[M, N]`` / ``[M, I]`` in ``x.dtype``
-    (into ``out`` when given). Keywords override the :func:`gemv_config` choice.
+    with ``gate_up``), ``bias [N]`` / ``[2I]``; returns ``[M, N]`` / ``[M, I]`` in ``x.dtype``, or
+    ``out_dtype`` (below), into ``out`` when given. Keywords override the :func:`gemv_config` choice.
 
     FP8 (``fp8_linear``'s decode path): ``x`` and ``w`` float8_e4m3fn with ``x_scale`` ``[M, 1]`` or
     ``[1]`` and ``w_scale`` ``[N]`` float32; ``y = (x @ w^T) * x_scale * w_scale (+ bias)`` in
@@ -752,9 +753,7 @@ def gemv(
         use_dot = False
     elif x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"gemv: x and w must share a bf16/fp16/fp32 dtype, got {x.dtype} and {w.dtype}")
-    elif out_dtype not in (None, x.dtype) and (
-        out_dtype != torch.float32 or gate_up or residual is not None
-    ):
+    elif out_dtype not in (None, x.dtype) and (out_dtype != torch.float32 or gate_up or residual is not None):
         raise ValueError(
             f"gemv: out_dtype must be x's ({x.dtype}) or float32 without gate_up or residual, got {out_dtype}"
         )

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from kiln.ops.common.op import DIRECT, kiln_op
-from kiln.ops.linear.gemv import gemv
+from kiln.ops.linear.gemv import gemv, gemv_enabled
 from kiln.ops.moe.topk import check_routing, moe_topk_ref, moe_topk_triton
 
 
@@ -55,8 +55,9 @@ def _check_router_linear(x: torch.Tensor, weight: torch.Tensor, *_) -> None:
 
 @kiln_op("router_linear", ref=router_linear_ref, check=_check_router_linear)
 def router_linear_forward(x: torch.Tensor, weight: torch.Tensor, max_t: int) -> torch.Tensor:
-    """The float32 router linear (module docstring): the GEMV at ``1 <= T <= max_t``."""
-    if 1 <= x.shape[0] <= max_t and x.dtype != torch.float32:
+    """The float32 router linear (module docstring): the GEMV at ``1 <= T <= max_t`` (unless the
+    run-time ``gemv`` setting is off, as for ``kiln::linear``)."""
+    if 1 <= x.shape[0] <= max_t and x.dtype != torch.float32 and gemv_enabled():
         x = x if x.stride(1) == 1 else x.contiguous()
         return gemv(x, weight, out_dtype=torch.float32)
     return router_linear_ref(x, weight, max_t)

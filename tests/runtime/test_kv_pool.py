@@ -182,6 +182,34 @@ def test_block_table_one_write_per_flush(monkeypatch):
     assert bt.table[row].tolist() == [7, 8, 9, 0]
 
 
+def test_block_table_changes_reach_a_mirror_though_flushed_between():
+    """``take_changes`` (tensor-parallel rank 0): every change since the last call, those a flush
+    already wrote included, so a mirror table that applies them (``queue_changes``) equals this one
+    although steps on this rank alone flushed in between."""
+    bt, mirror = BlockTable(3, 4, "cpu"), BlockTable(3, 4, "cpu")
+    with pytest.raises(KVPoolError, match="track_changes"):
+        bt.take_changes()
+    bt.track_changes()
+    rows = [bt.alloc_row(), bt.alloc_row()]
+    bt.append(rows[0], [5, 6])
+    bt.flush()  # a draft's step on this rank alone
+    bt.append(rows[1], [7])
+    changes = bt.take_changes()
+    assert changes == {rows[0] * 4: 5, rows[0] * 4 + 1: 6, rows[1] * 4: 7}
+    bt.flush()
+    bt.release(rows[0])
+    bt.flush()
+    bt.append(rows[1], [8])
+    for c in (changes, bt.take_changes()):
+        mirror.queue_changes(c)
+        mirror.flush()
+    bt.flush()
+    assert torch.equal(mirror.table, bt.table)
+    mirror.queue_changes(bt.take_changes())  # the last flush's changes again: harmless
+    mirror.flush()
+    assert torch.equal(mirror.table, bt.table) and bt.take_changes() == {}
+
+
 def test_block_table_slots_and_limits():
     bt = BlockTable(max_running=1, max_blocks=3, device="cpu", page_size=4)
     row = bt.alloc_row()

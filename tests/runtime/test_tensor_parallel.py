@@ -251,6 +251,34 @@ def test_speculative_verify_steps_run_on_every_rank(checkpoints, tmp_path):
         llm.engine.close()
 
 
+def test_a_draft_models_pages_reach_every_rank(tmp_path):
+    """A draft model beside a --tp 2 target whose attention reads its pages (a random Qwen3 drafting
+    for itself): the pages reserved for the drafts reach the follower's block table, though the
+    draft's own steps on rank 0 flush them before the verify step is sent
+    (``BlockTable.take_changes``). Greedy tokens equal plain decoding's and nearly every draft is
+    accepted; without the tracked changes the follower attends to other pages and they differ."""
+    from kiln.compiler.synth_tokenizer import build_tokenizer
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampling_params import SamplingParams
+
+    ck = tmp_path / "qwen3"
+    make_checkpoint(ck, "qwen3-qknorm", seed=5, eos=None)
+    build_tokenizer(ck, vocab_size=300)  # the draft's vocabulary is checked against the target's
+    compile_model(ck, tmp_path / "tp1", CompileOptions(**BASE), verbose=False)
+    opts = CompileOptions(**BASE, tp=2, verify_lengths="2,4", draft_model=str(ck))
+    compile_model(ck, tmp_path / "tp2", opts, verbose=False)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expect = [o.token_ids for o in LLM(str(tmp_path / "tp1"), device="cpu").generate(PROMPTS, greedy)]
+    llm = LLM(str(tmp_path / "tp2"), device="cpu", speculative="draft", num_draft_tokens=4)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == expect
+        s = llm.engine.step_metrics()["speculative"]
+        assert s["proposed"] > 0 and s["accepted"] >= 0.9 * s["proposed"], s
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.close()
+
+
 @pytest.mark.parametrize("source", ["eagle3", "draft", "mtp"])
 def test_draft_sources_run_beside_a_tp_target(tmp_path, source):
     """A --tp 2 artifact with an EAGLE-3 head or a draft model: the draft is compiled for one rank
