@@ -12,6 +12,9 @@ of a decode step do, and every figure is per layer (``ms`` and ``bytes`` are for
   experts' weights and the activations.
 * ``test_moe_route_chain``: the router (``[128, 2048]`` weights) and top-k at batch 1
   (``kiln.moe_route``: the router GEMV, then the top-k kernel).
+* ``test_float_router_chain[max_t]``: DeepSeek's float32 router at batch 1 (``kiln.router_linear``,
+  then ``kiln.moe_topk``): ``max_t=1`` the GEMV with float32 output, ``0`` the reference (both
+  operands cast to float32, cuBLAS's float32 GEMV) — the A/B of ops/moe/router.py in one call.
 
 Smoke mode (CPU): tiny shapes through the interpreter, two layers, one round.
 """
@@ -66,3 +69,18 @@ def test_moe_route_chain(measure):
             _route(x, r)
 
     measure(graphed(chain), bytes=LAYERS * E * H * 2, layers=LAYERS, E=E, H=H, top_k=K)
+
+
+@pytest.mark.parametrize("max_t", [1, 0])
+def test_float_router_chain(measure, max_t):
+    layers = _layers()
+    x = torch.randn(1, H, device=DEV).to(torch.bfloat16)
+    ref = torch.nn.functional.linear(x.float(), layers[0][2].float())
+    torch.testing.assert_close(torch.ops.kiln.router_linear(x, layers[0][2], max_t), ref, rtol=1e-4, atol=1e-4)
+
+    def chain():
+        for _, _, r in layers:
+            logits = torch.ops.kiln.router_linear(x, r, max_t)
+            torch.ops.kiln.moe_topk(logits, None, K, True, "softmax", 1, 1, 1.0, "", "max")
+
+    measure(graphed(chain), bytes=LAYERS * E * H * 2, layers=LAYERS, E=E, H=H, top_k=K, max_t=max_t)
