@@ -76,7 +76,9 @@ def test_float_router_chain(measure, max_t):
     layers = _layers()
     x = torch.randn(1, H, device=DEV).to(torch.bfloat16)
     ref = torch.nn.functional.linear(x.float(), layers[0][2].float())
-    torch.testing.assert_close(torch.ops.kiln.router_linear(x, layers[0][2], max_t), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        torch.ops.kiln.router_linear(x, layers[0][2], max_t), ref, rtol=1e-4, atol=1e-4
+    )
 
     def chain():
         for _, _, r in layers:
