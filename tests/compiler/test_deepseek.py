@@ -153,6 +153,8 @@ def test_artifact_caches_the_latent_and_packs_deepseek_layers(compiled):
     assert src.count("torch.ops.kiln.mla_rope_kvwrite.default(") == layers
     assert src.count("torch.ops.kiln.mla_attention.default(") == layers
     assert src.count("torch.ops.kiln.moe_topk.default(") == moe and "qkv_rope_kvwrite" not in src
+    # the float32 router gate on its op (the GEMV with float32 output at decode sizes), no casts
+    assert src.count("torch.ops.kiln.router_linear.default(") == moe
 
 
 @pytest.mark.slow
