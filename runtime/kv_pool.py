@@ -233,6 +233,7 @@ class BlockTable:
         # tensor-parallel rank 0 (track_changes): the changes flush wrote here since take_changes
         # last ran, which the other ranks' tables have not been sent (None: not tracked)
         self._unsent: dict[int, int] | None = None
+        self._sent: dict[int, int] = {}  # the pending changes take_changes handed out (not twice)
         self.stager: Any = None  # a runtime.staging.HostStager, set by the engine
 
     # rows -------------------------------------------------------------------------------------
@@ -352,12 +353,13 @@ class BlockTable:
 
     def take_changes(self) -> dict[int, int]:
         """The changes since the last call, flushed or not, ``{row * max_blocks + block: page}``
-        (last write wins; a change may come twice): what another rank's table applies with
-        :meth:`queue_changes` to mirror this one. Needs :meth:`track_changes`."""
+        (last write wins): what another rank's table applies with :meth:`queue_changes` to mirror
+        this one. Needs :meth:`track_changes`."""
         if self._unsent is None:
             raise KVPoolError("BlockTable.take_changes: call track_changes() first")
         out, self._unsent = self._unsent, {}
         out.update(self._pending)
+        self._sent = dict(self._pending)  # the next flush writes them: not unsent then
         return out
 
     def queue_changes(self, changes: dict[int, int]) -> None:
@@ -375,7 +377,9 @@ class BlockTable:
         packed[0] = np.fromiter(pending.keys(), np.int32, n)
         packed[1] = np.fromiter(pending.values(), np.int32, n)
         if self._unsent is not None:
-            self._unsent.update(pending)
+            sent = self._sent
+            self._unsent.update((k, v) for k, v in pending.items() if sent.get(k, -1) != v)
+            self._sent = {}
         pending.clear()
         host = torch.from_numpy(packed)
         if self.stager is not None:  # persistent pinned buffers (no allocation, no sync)

@@ -15,7 +15,8 @@ holds a step whole or says that the message follows as a Python object over the 
    chose; every rank builds the same pool, table and model runner (capturing its CUDA graphs, whose
    collectives meet the other ranks' captures in the same order).
 2. ``("step", step, pending, argmax)`` per forward: the step's inputs (``model_runner.StepInputs``,
-   host lists) and the block table's changes not yet written to the device (``{flat index: page}``);
+   host lists) and the block table's changes since the last step, flushed on rank 0 or not
+   (``BlockTable.take_changes``, ``{flat index: page}``: a draft's steps on rank 0 flush too);
    each follower applies the changes and runs the same forward, whose collectives pair with rank
    0's. Only rank 0 reads the logits (every rank has them whole). With overlap, rank 0 launches a
    decode step before it has read the last one's ids: ``argmax`` says they are the decode graph's

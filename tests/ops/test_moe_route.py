@@ -67,6 +67,16 @@ def test_router_linear_is_the_float32_linear(kernel_on_cpu, t):
     assert torch.equal(torch.ops.kiln.router_linear(x, w, 0), ref)
 
 
+def test_router_linear_follows_the_gemv_setting(kernel_on_cpu, monkeypatch):
+    """The run-time ``gemv`` setting off (``KILN_GEMV=0``) sends ``kiln.router_linear`` to the
+    reference at every T, as it does ``kiln.linear``."""
+    x, w, _ = make((1, 96, 64, 6, True, "softmax"), torch.bfloat16, seed=3)
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    assert not torch.equal(torch.ops.kiln.router_linear(x, w, 1), ref)  # the GEMV's order of sums
+    monkeypatch.setenv("KILN_GEMV", "0")
+    assert torch.equal(torch.ops.kiln.router_linear(x, w, 1), ref)
+
+
 def test_router_linear_and_gemv_refuse_what_they_cannot_do():
     x = torch.randn(2, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="router_linear: need x"):

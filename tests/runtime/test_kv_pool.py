@@ -205,9 +205,19 @@ def test_block_table_changes_reach_a_mirror_though_flushed_between():
         mirror.flush()
     bt.flush()
     assert torch.equal(mirror.table, bt.table)
-    mirror.queue_changes(bt.take_changes())  # the last flush's changes again: harmless
-    mirror.flush()
-    assert torch.equal(mirror.table, bt.table) and bt.take_changes() == {}
+    assert bt.take_changes() == {}  # each change went once
+    bt.append(rows[1], [9])
+    bt.assign(rows[1], [7, 8, 10])  # pending rewrites of what was handed out, then flushed
+    first = bt.take_changes()
+    bt.flush()
+    bt.assign(rows[1], [7, 11, 10])
+    bt.flush()  # block 1 back to a value the mirror has not seen: sent again
+    second = bt.take_changes()
+    assert second == {rows[1] * 4 + 1: 11}
+    for c in (first, second):
+        mirror.queue_changes(c)
+        mirror.flush()
+    assert torch.equal(mirror.table, bt.table)
 
 
 def test_block_table_slots_and_limits():
