@@ -7,8 +7,9 @@ table serves both KV pools page for page; it gets no draft of its own and keeps 
 quantization. Its verify graphs are those of one draft (``CATCH_UP_LENGTH``: two tokens per request,
 no tree graph): its catch-up before a chain (runtime/spec_draft.py) brings two tokens per request
 after a verify step that accepted every draft (the last draft and the bonus token), which then
-replays a captured graph instead of running the extend graph eagerly. The target's manifest pins it (:class:`~kiln.manifest.DraftSpec`:
-its manifest's self-hash) and leaves its files to the draft's own file table.
+replays a captured graph instead of running the extend graph eagerly. The target's manifest pins it
+(:class:`~kiln.manifest.DraftSpec`: its manifest's self-hash) and leaves its files to the draft's
+own file table.
 
 The compile refuses a draft whose tokenizer vocabulary differs from the target's: the same vocabulary
 files, ``tokenizer.json`` compared by its ``model`` (type, vocab, merges) and ``added_tokens``, the

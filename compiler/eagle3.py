@@ -282,8 +282,9 @@ def compile_head(head: HeadBuild, out: Path, opts: CompileOptions, verbose: bool
     the target's verify shapes: the runtime captures the catch-up per ``(B, k)`` as the target's
     verify steps), a static ``decode_b{b}`` graph per bucket (a chain step on its own output), with
     verify graphs and a model that can have them the tree graph (``Manifest.TREE_GRAPH``:
-    draft-tree steps on the parents' outputs), their kernels and its manifest; returns the record the target's manifest keeps (``DraftSpec`` of ``head.kind``).
-    Activation dtype (no FP8), one rank."""
+    draft-tree steps on the parents' outputs), their kernels and its manifest; returns the record
+    the target's manifest keeps (``DraftSpec`` of ``head.kind``). Activation dtype (no FP8), one
+    rank."""
     from kiln.weights import load_pack, pack_checkpoint
 
     assert opts.max_seq_len is not None

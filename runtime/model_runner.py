@@ -429,10 +429,10 @@ class ModelRunner:
         """float32 logits ``[B, P, V]`` of a verify step (an extend step in which request ``b``
         brings its newest token and ``extend_lens[b] - 1`` drafts; ``P = max(extend_lens)``):
         ``[b, j]`` follows the request's ``j``-th new token; past its own tokens a request's rows
-        are padding (its last token repeated, or a chain's unverified picks; never read by ``verify``). ``draft_ids`` (``[B, >= P -
-        1]`` on the device; ``step.input_ids`` hold placeholders for the drafts): the drafts of a
-        draft model's chain, copied into the graph's inputs on the device (:func:`with_drafts` on
-        the eager path).
+        are padding (its last token repeated, or a chain's unverified picks; never read by
+        ``verify``). ``draft_ids`` (``[B, >= P - 1]`` on the device; ``step.input_ids`` hold
+        placeholders for the drafts): a draft chain's drafts, copied into the graph's inputs on the
+        device (:func:`with_drafts` on the eager path).
 
         On the ``(B, k)`` verify graph that holds the step (:meth:`verify_shape`; a CUDA-graph replay
         on a GPU): each request's chunk padded to ``k + 1`` tokens whose K/V go to slot 0 (the sink)

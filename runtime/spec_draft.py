@@ -236,7 +236,8 @@ class DraftModel:
         todo = [
             (i, min(self.done.get(r.rid, 0), s - 1), s) for i, (r, s) in enumerate(zip(reqs, self._starts))
         ]
-        if self.runner.verify_lengths and max(s - lo for _, lo, s in todo) > 1:
+        lengths = self.runner.verify_lengths
+        if lengths and 1 < max(s - lo for _, lo, s in todo) <= lengths[-1] + 1:
             logits = self._catch_up_verify(reqs, todo)
             if logits is not None:
                 return logits
@@ -272,8 +273,6 @@ class DraftModel:
     def _catch_up_verify(self, reqs: list[Req], todo: list[tuple[int, int, int]]) -> torch.Tensor | None:
         """:meth:`_catch_up` on the draft's ``(B, k)`` verify graph (request ``i``'s tokens ``lo ..
         s - 1`` padded to ``k + 1``), or None (nothing changed) when none holds the step."""
-        if max(s - lo for _, lo, s in todo) > self.runner.verify_lengths[-1] + 1:
-            return None  # a long backlog (a request new to the draft): the extend graph
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []

@@ -85,11 +85,9 @@ class Eagle3Drafter(DraftModel):
         eos_token_ids: tuple[int, ...] = (),
         branches: int = 1,
     ):
-        # the head's buffer holds a catch-up of up to k + 1 positions per request, padded to its
-        # verify graph's length
-        m = model.artifact.manifest
-        longest = max((*m.verify.lengths, num_draft_tokens) if m.verify else (num_draft_tokens,))
-        rows = max(m.decode_buckets) * (longest + 1)
+        # the head's buffer holds an eager catch-up of up to k + 1 positions per request (the runner
+        # sizes it for its verify graphs' padded catch-ups too)
+        rows = max(model.artifact.manifest.decode_buckets) * (num_draft_tokens + 1)
         super().__init__(
             model, pool, block_table, num_draft_tokens, target_vocab, cuda_graph, eos_token_ids, aux_rows=rows
         )

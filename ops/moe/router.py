@@ -10,8 +10,8 @@ topk_groups, scale, round_to, max_t) -> (weights [T, k] float32, ids [T, k] int3
   on ``F.linear(x.float(), weight.float())``);
 * ``max_t``: a constant of the call site (the compile's GEMV plan, role ``router``): at
   ``1 <= T <= max_t`` on a device that runs Triton the router linear is ``kiln.linear``'s GEMV
-  (ops/linear/gemv.py; sigmoid scoring: ``kiln.router_linear``), then ``moe_topk``'s kernel; otherwise the
-  router linear (cuBLAS), then ``moe_topk``'s kernel.
+  (ops/linear/gemv.py; sigmoid scoring: ``kiln.router_linear``), then ``moe_topk``'s kernel;
+  otherwise the router linear (cuBLAS), then ``moe_topk``'s kernel.
 
 (A kernel that ran the router GEMV and the top-k in one launch measured slower on the H200 and was
 removed: docs/decode_budget.md, "Removed variants".)
@@ -36,7 +36,7 @@ from kiln.ops.moe.topk import check_routing, moe_topk_ref, moe_topk_triton
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, scoring: str) -> torch.Tensor:
     """The model's router linear: ``x``'s dtype for softmax scoring, float32 for sigmoid."""
     if scoring == "sigmoid":
-        return torch.nn.functional.linear(x.float(), weight.float())
+        return router_linear_ref(x, weight, 0)
     return torch.nn.functional.linear(x, weight)
 
 
@@ -58,7 +58,6 @@ def router_linear_forward(x: torch.Tensor, weight: torch.Tensor, max_t: int) -> 
     """The float32 router linear (module docstring): the GEMV at ``1 <= T <= max_t`` (unless the
     run-time ``gemv`` setting is off, as for ``kiln::linear``)."""
     if 1 <= x.shape[0] <= max_t and x.dtype != torch.float32 and gemv_enabled():
-        x = x if x.stride(1) == 1 else x.contiguous()
         return gemv(x, weight, out_dtype=torch.float32)
     return router_linear_ref(x, weight, max_t)
 
