@@ -200,12 +200,15 @@ class Attention(nn.Module):
         self,
         x: Act,
         ctx: ForwardContext,
-        qkv: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
+        norm: RMSNorm | None = None,
     ) -> torch.Tensor:
-        # qkv: the projection when a norm fused into it computed it (x is then unused);
-        # residual [T, H]: added by the o projection (the residual stream, compiler/models/base.py)
-        if qkv is None:
+        # residual [T, H]: added by the o projection; norm: the layer's folded input norm, run inside
+        # the qkv projection (x is then the stream; both: the residual stream, compiler/models/base.py)
+        if norm is not None:
+            assert isinstance(x, torch.Tensor)
+            qkv, _ = norm_linear(norm, x, self.qkv.weight, self.qkv.bias, self.qkv.max_m)
+        else:
             qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
         k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]  # [S, Hkv, D]
         # FP8 caches: each head row's float32 scale, [S, Hkv] (the ops' trailing arguments; None

@@ -36,7 +36,7 @@ from torch import nn
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
 from kiln.compiler.config import ModelConfig
 from kiln.compiler.context import ForwardContext
-from kiln.compiler.layers import Act, Linear, RMSNorm
+from kiln.compiler.layers import Act, Linear, RMSNorm, norm_linear
 from kiln.ops.attention.mla import absorb_q, apply_uv, mla_softmax_scale
 
 LORA_NORM_EPS = 1e-6  # transformers' DeepseekV2RMSNorm default: q_a_layernorm and kv_a_layernorm
@@ -79,11 +79,24 @@ class MLAAttention(nn.Module):
         # the per-head latent maps: kiln::mla_head_matmul up to max_m tokens where the plan has them
         self.role, self.max_m = "latent", 0
 
-    def forward(self, x: Act, ctx: ForwardContext) -> torch.Tensor:
-        if self.q_lora:
-            q = self.q_b(self.q_a_norm(self.q_a(x)))  # [T, H (dn + dr)]
+    def forward(
+        self, x: Act, ctx: ForwardContext, residual: torch.Tensor | None = None, norm: RMSNorm | None = None
+    ) -> torch.Tensor:
+        # residual [T, hidden]: added by the o projection; norm: the layer's folded input norm, run
+        # inside the first projection (q or q_a), which writes the normalized row that kv_a reads
+        # (x is then the stream; both: the residual stream, compiler/models/base.py)
+        first = self.q_a if self.q_lora else self.q
+        if norm is not None:
+            assert isinstance(x, torch.Tensor)
+            y, x = norm_linear(norm, x, first.weight, None, first.max_m, normed=True)
         else:
-            q = self.q(x)
+            y = first(x)
+        if not self.q_lora:
+            q = y  # [T, H (dn + dr)]
+        elif norm is not None:  # q_a_norm folded into q_b too
+            q, _ = norm_linear(self.q_a_norm, y, self.q_b.weight, None, self.q_b.max_m)
+        else:
+            q = self.q_b(self.q_a_norm(y))
         t = q.shape[0]
         q = q.view(t, self.heads, self.dn + self.dr)
         kv_a = self.kv_a(x)  # [T, r + dr]
@@ -106,5 +119,7 @@ class MLAAttention(nn.Module):
             v = torch.ops.kiln.mla_head_matmul(o, self.w_vc, self.max_m).view(t, self.heads * self.dv)
         else:
             v = apply_uv(o, self.w_vc).reshape(t, self.heads * self.dv)
-        out = self.o(v)  # [T, hidden]
-        return torch.ops.kiln.tp_all_reduce(out) if self.tp_reduce else out
+        if self.tp_reduce:
+            assert residual is None, "the residual stream is not for tensor parallelism (compile: no folds)"
+            return torch.ops.kiln.tp_all_reduce(self.o(v))  # [T, hidden]
+        return self.o(v, residual)  # [T, hidden]

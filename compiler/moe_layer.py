@@ -156,11 +156,14 @@ class FusedMoE(nn.Module):
         logits: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
         expert_map: torch.Tensor | None = None,
+        shared_act: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # x: [T, H]; logits: [T, E] router logits when a norm fused into the router computed them;
         # residual [T, H]: returns residual + the block's output (the routed experts' last kernel
         # adds it when there are no shared experts); expert_map [E] int32: the rank's local-expert
-        # map (expert parallelism, ctx.expert_map), None when the rank holds every expert
+        # map (expert parallelism, ctx.expert_map), None when the rank holds every expert;
+        # shared_act [T, I_s]: the shared experts' silu(gate) * up when a norm fused into their
+        # gate_up computed it (the routed experts then add residual, the shared down adds their sum)
         bias = self.router.bias  # [E] f32 or None
         routing = (
             self.top_k,
@@ -171,7 +174,7 @@ class FusedMoE(nn.Module):
             self.scale,
             self.round_to,  # HF's cast of the weights to the activation dtype, fused
         )
-        fused_res = None if self.shared is not None else residual  # added by fused_moe
+        fused_res = residual if self.shared is None or shared_act is not None else None  # fused_moe adds it
         if self.float_router:
             assert logits is None, "a float32 router computes its logits itself"
             logits = torch.ops.kiln.router_linear(x, self.router.weight, self.router.max_m)  # [T, E] f32
@@ -183,6 +186,9 @@ class FusedMoE(nn.Module):
         y = torch.ops.kiln.fused_moe(
             x, self.w13, self.w2, w, ids, expert_map, self.w13_scale, self.w2_scale, self.tuning, fused_res
         )  # [T, H]
+        if shared_act is not None:  # [T, H]: residual + routed + shared, the last add in the GEMV
+            assert self.shared is not None and not self.tp_reduce
+            return self.shared(x, shared_act, residual=y)
         if self.shared is not None:
             y = y + self.shared(x)
         if self.tp_reduce:  # routed and shared experts' partial sums, one all-reduce
@@ -216,10 +222,19 @@ class MoEDecoderLayer(DecoderLayer):
     def stream_feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         """``h + moe(post_attn_norm(h))`` (the residual-stream layout, compiler/models/base.py): the
         norm inside the router GEMV, which writes the normalized row for the experts (sigmoid
-        routing: the norm kernel, then ``moe_route``), the add in the experts' last kernel."""
+        routing or a float32 router: the norm kernel, then the router), the add in the experts'
+        last kernel. DeepSeek's float32 router with shared experts: the norm inside the shared
+        experts' gate_up GEMV instead (which writes the normalized row for the router and the routed
+        experts), the routed experts adding ``h``, the shared down GEMV adding their sum."""
         moe = self.mlp
         assert isinstance(moe, FusedMoE)
-        if moe.scoring == "sigmoid":
+        if moe.float_router and moe.shared is not None:  # DeepSeek: the norm inside the shared gate_up
+            gu = moe.shared.gate_up
+            act, x = norm_linear(
+                self.post_attn_norm, h, gu.weight, gu.bias, gu.max_m, gate_up=True, normed=True
+            )
+            return moe(x, residual=h, shared_act=act)
+        if moe.scoring == "sigmoid" or moe.float_router:
             return moe(self.post_attn_norm(h), residual=h)
         m = moe.router.max_m
         logits, x = norm_linear(self.post_attn_norm, h, moe.router.weight, None, m, normed=True)

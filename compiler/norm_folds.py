@@ -2,8 +2,9 @@
 folds at load time; compiler/models/base.py's residual-stream layout is what they buy).
 
 A norm folds when every reader of its normalized row is a known linear weight: per decoder layer,
-``input_norm`` into the qkv projection and ``post_attn_norm`` into the dense gate_up, or into the
-MoE router, the stacked experts' ``w13`` and a shared expert's gate_up. Exact block types only:
+``input_norm`` into the qkv projection (MLA: into ``q`` or ``q_a`` and ``kv_a``, and ``q_a_norm``
+into ``q_b``) and ``post_attn_norm`` into the dense gate_up, or into the MoE router, the stacked
+experts' ``w13`` and a shared expert's gate_up. Exact block types only:
 a subclass could read the row somewhere this list does not know.
 
 A compile folds them where :func:`norm_folds` allows it unless ``kiln compile --no-fold-norms``
@@ -19,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from kiln.compiler.layers import MLP, Attention
+from kiln.compiler.mla_layer import MLAAttention
 from kiln.compiler.models.base import DecoderLayer, DecoderOnlyLM
 from kiln.compiler.moe_layer import FusedMoE, MoEDecoderLayer
 
@@ -34,10 +36,14 @@ def norm_folds(model: nn.Module) -> tuple[dict[str, list[str]], str]:
     for i, layer in enumerate(model.layers):
         attn: Any = getattr(layer, "attn", None)
         ffn: Any = getattr(layer, "mlp", None)
-        if type(layer) not in (DecoderLayer, MoEDecoderLayer) or type(attn) is not Attention:
-            return {}, f"layer {i}: not a Llama-style decoder layer"
+        if type(layer) not in (DecoderLayer, MoEDecoderLayer) or type(attn) not in (Attention, MLAAttention):
+            return {}, f"layer {i}: not a Llama-style or MLA decoder layer"
+        if type(attn) is MLAAttention:  # the first projection writes the normalized row for kv_a
+            first = [attn.q_a if attn.q_lora else attn.q, attn.kv_a]
+        else:
+            first = [attn.qkv]
         if (
-            attn.qkv.quant is not None
+            any(lin.quant is not None for lin in first)
             or getattr(ffn, "quant", None)
             or getattr(ffn, "w13_scale", None) is not None
         ):
@@ -50,6 +56,8 @@ def norm_folds(model: nn.Module) -> tuple[dict[str, list[str]], str]:
                 consumers.append(ffn.shared.gate_up.weight)
         else:
             return {}, f"layer {i}: its feed-forward is neither a dense MLP nor a FusedMoE"
-        folds[names[id(layer.input_norm.weight)]] = [names[id(attn.qkv.weight)]]
+        folds[names[id(layer.input_norm.weight)]] = [names[id(lin.weight)] for lin in first]
+        if type(attn) is MLAAttention and attn.q_lora:
+            folds[names[id(attn.q_a_norm.weight)]] = [names[id(attn.q_b.weight)]]
         folds[names[id(layer.post_attn_norm.weight)]] = [names[id(p)] for p in consumers]
     return folds, ""

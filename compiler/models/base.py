@@ -110,10 +110,7 @@ class DecoderLayer(nn.Module):
 
     def stream(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The residual-stream layout (module docstring): ``h [T, H]`` in, ``h`` after the layer out."""
-        assert isinstance(self.attn, Attention)
-        qkv = self.attn.qkv
-        y, _ = norm_linear(self.input_norm, h, qkv.weight, qkv.bias, qkv.max_m)
-        h = self.attn(h, ctx, qkv=y, residual=h)  # [T, H]: h + o(attention)
+        h = self.attn(h, ctx, residual=h, norm=self.input_norm)  # [T, H]: h + o(attention)
         return self.stream_feed_forward(h)
 
     def stream_feed_forward(self, h: torch.Tensor) -> torch.Tensor:

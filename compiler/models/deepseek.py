@@ -25,8 +25,11 @@ of this model: its pack leaves it out (layers past ``num_hidden_layers``, compil
 ``nextn``). ``kiln compile --mtp`` compiles it as a draft head of its own (compiler/models/mtp.py,
 its decoder layer built by :func:`deepseek_layer`).
 
-Not folded into the residual-stream layout (compiler/norm_folds.py refuses MLA layers): every graph
-runs the add+norm kernels.
+At tp 1 without FP8 the norms fold (compiler/norm_folds.py) and the batch-1 decode graph runs the
+residual-stream layout: the input norm inside the ``q`` (or ``q_a``) GEMV, which writes the
+normalized row for ``kv_a``; ``q_a_norm`` inside ``q_b``; the post-attention norm inside the shared
+experts' gate_up GEMV (its normalized row feeds the float32 router and the routed experts), the
+routed experts adding the stream and the shared down GEMV adding their sum.
 """
 
 from __future__ import annotations

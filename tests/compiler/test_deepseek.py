@@ -196,6 +196,71 @@ def test_latent_maps_on_their_kernel_match_hf(tmp_path, hf_quiet, monkeypatch):
     check_against_hf(runner, hf, [list(range(3, 23))], decode_steps=0)  # 20 tokens: the bmm
 
 
+def _graph_targets(art, graph: str) -> list[str]:
+    ep = torch.export.load(art / "graphs" / f"{graph}.pt2")
+    return [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("name", ["v2-lite", "v3"])
+def test_folded_norms_run_batch_one_in_the_residual_stream(tmp_path, hf_quiet, name):
+    """The norms fold (compiler/norm_folds.py) and batch 1's decode graph runs no norm kernel but
+    the final one: the input norm inside ``q`` (V2-Lite) or ``q_a`` (V3, its ``q_a_norm`` inside
+    ``q_b``) with ``kv_a`` reading the normalized row, the post-attention norm inside the dense
+    gate_up or the shared experts' gate_up; its logits and 32 greedy tokens are HF's."""
+    hf = make_deepseek_checkpoint(tmp_path / "hf", name, seed=2)
+    manifest = compile_model(tmp_path / "hf", tmp_path / "art", CompileOptions(**OPTS), verbose=False)
+    c, folds = hf.config, manifest.norm_folds
+    first = "q_a" if c.q_lora_rank else "q"
+    layers, dense = c.num_hidden_layers, c.first_k_dense_replace
+    for i in range(layers):
+        attn = f"layers.{i}.attn"
+        assert folds[f"layers.{i}.input_norm.weight"] == (f"{attn}.{first}.weight", f"{attn}.kv_a.weight")
+        assert folds.get(f"{attn}.q_a_norm.weight") == ((f"{attn}.q_b.weight",) if c.q_lora_rank else None)
+    moe = f"layers.{dense}.moe"
+    expect = (f"{moe}.router.weight", f"{moe}.w13", f"{moe}.shared.gate_up.weight")
+    assert folds[f"layers.{dense}.post_attn_norm.weight"] == expect
+    assert manifest.graphs["decode_b1"].layout == "residual_stream"
+    targets = _graph_targets(tmp_path / "art", "decode_b1")
+    assert "kiln.fused_add_rmsnorm.default" not in targets and targets.count("kiln.rmsnorm.default") == 1
+    assert targets.count("kiln.rmsnorm_linear.default") == (3 if c.q_lora_rank else 2) * layers
+    runner = DirectRunner(str(tmp_path / "art"), device="cpu", num_slots=256)
+    check_against_hf(runner, hf, prompts_of(3, (17,)), decode_steps=3)  # decode_b1
+    prompt = prompts_of(4, (9,))
+    out = LLM(str(tmp_path / "art"), device="cpu").generate(prompt, GREEDY)
+    assert out[0].token_ids == hf_greedy(hf, prompt, NEW)[0]
+
+
+@pytest.mark.slow
+def test_folded_norms_on_the_gemv_in_the_interpreter_match_hf(tmp_path, hf_quiet, monkeypatch):
+    """V3 (q LoRA, sigmoid routing, a shared expert) with every GEMV role on: batch 1's decode step
+    runs the GEMV with the norm inside (the interpreter), the o and shared down GEMVs and the routed
+    experts' last kernel adding the stream, and still gives HF's logits."""
+    from kiln.ops.common.launch import interpreting
+    from kiln.ops.linear import gemv as G
+    from kiln.ops.linear import norm_linear as NL
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
+    hf = make_deepseek_checkpoint(tmp_path / "hf", "v3", seed=6)
+    opts = CompileOptions(**OPTS, gemv_plan="1")
+    compile_model(tmp_path / "hf", tmp_path / "art", opts, verbose=False)
+    monkeypatch.setenv("KILN_TRITON_ON_CPU", "1")
+    calls: list[str] = []
+    real = G.gemv
+
+    def spy(*a, **kw):
+        calls.append("norm" if kw.get("norm") else "res" if kw.get("residual") is not None else "plain")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(G, "gemv", spy)
+    monkeypatch.setattr(NL, "gemv", spy)
+    runner = DirectRunner(str(tmp_path / "art"), device="cpu", num_slots=128)
+    check_against_hf(runner, hf, [[7, 3, 11, 5, 2, 9]], decode_steps=1)
+    layers = hf.config.num_hidden_layers
+    assert calls.count("norm") == 3 * layers  # q_a, q_b, gate_up (dense or shared)
+    assert calls.count("res") == 2 * layers  # o, and the dense down or the shared down
+
+
 @pytest.fixture(scope="module")
 def page1(tmp_path_factory, hf_quiet):
     """The V2 group_limited_greedy checkpoint compiled with pages of one slot."""
