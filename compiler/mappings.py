@@ -17,7 +17,9 @@ shapes of docs/internals.md) with its sources and its placement, frozen at const
   ``fuse_shared_experts``, extra experts appended to every rank's local experts (shared expert
   ``s`` is slice ``s`` of the shared MLP's intermediate dim);
 * MLA: ``kv_b_proj [H*(nope+v), kv_lora]`` -> ``w_kc[h] = rows of head h's nope part`` and
-  ``w_vc[h] = (rows of head h's v part)^T``; the rest of MLA as column/row/replicated linears.
+  ``w_vc[h] = (rows of head h's v part)^T``; ``qkv_a = [q_a_proj | kv_a_proj_with_mqa]`` (without a
+  q LoRA ``[the rank's q_proj heads | kv_a_proj_with_mqa]``: the latent's rows on every rank); the
+  rest of MLA as column/row/replicated linears.
   With FP8, ``w_kc``/``w_vc`` stay in the activation dtype (batched matmuls, not linears).
 * ``quant="fp8-block"`` (128 x 128 block FP8, compiler/config.py ``resolve_quant``): every 2-D GEMM
   weight but those whose every source module the checkpoint's ``modules_to_not_convert`` names
@@ -149,18 +151,19 @@ def _mla(b: _Rank, i: int, p: str) -> None:
     h, hq = cfg.hidden_size, cfg.num_heads
     hl = hq // tp
     a, s = f"layers.{i}.attn.", f"{p}self_attn."
+    # qkv_a: the projections of the layer's input, q_a_proj (or this rank's q_proj heads) then
+    # kv_a_proj_with_mqa, one [first + r + dr, hidden] GEMM (compiler/mla_layer.py)
     if m.q_lora_rank:
-        b.replicated(a + "q_a.weight", s + "q_a_proj.weight", (m.q_lora_rank, h), gemm=True)
+        first, placement = m.q_lora_rank, "replicated"
+        q = Piece((Region(s + "q_a_proj.weight", (first, h)),))
         b.replicated(a + "q_a_norm.weight", s + "q_a_layernorm.weight", (m.q_lora_rank,))
         b.column(a + "q_b.weight", s + "q_b_proj.weight", (hq * m.qk_head_dim, m.q_lora_rank))
     else:
-        b.column(a + "q.weight", s + "q_proj.weight", (hq * m.qk_head_dim, h))
-    b.replicated(
-        a + "kv_a.weight",
-        s + "kv_a_proj_with_mqa.weight",
-        (m.kv_lora_rank + m.qk_rope_head_dim, h),
-        gemm=True,
-    )
+        first, placement = hl * m.qk_head_dim, "mla-q-heads"  # the latent's rows on every rank
+        q = Piece((Region(s + "q_proj.weight", (hq * m.qk_head_dim, h), start=r * first, length=first),))
+    kv_rows = m.kv_lora_rank + m.qk_rope_head_dim
+    kv_a = Piece((Region(s + "kv_a_proj_with_mqa.weight", (kv_rows, h)),), dst_start=first)
+    b.add(a + "qkv_a.weight", (first + kv_rows, h), [q, kv_a], placement, gemm=True)
     b.replicated(a + "kv_a_norm.weight", s + "kv_a_layernorm.weight", (m.kv_lora_rank,))
     per = m.qk_nope_head_dim + m.v_head_dim
     kv_b = (s + "kv_b_proj.weight", (hq * per, m.kv_lora_rank))

@@ -2,15 +2,18 @@
 
 Parameter names (the packs' ``layers.{i}.attn.*``, compiler/mappings.py ``_mla``; shapes per
 tensor-parallel rank, ``H`` heads of the rank, ``r = kv_lora_rank``, ``dn``/``dr``/``dv`` the nope,
-rope and value head dims): ``q.weight [H (dn + dr), hidden]`` without a q LoRA (V2-Lite), else
-``q_a.weight [q_lora_rank, hidden]``, ``q_a_norm.weight`` and ``q_b.weight [H (dn + dr),
-q_lora_rank]``; ``kv_a.weight [r + dr, hidden]``, ``kv_a_norm.weight [r]``; ``w_kc [H, dn, r]``,
-``w_vc [H, r, dv]`` (``kv_b_proj`` split per head); ``o.weight [hidden, H dv]``.
+rope and value head dims): ``qkv_a.weight [first + r + dr, hidden]``, the projections of the
+layer's input in one GEMM: ``q_a_proj`` (``first = q_lora_rank``) or, without a q LoRA (V2-Lite),
+the rank's ``q_proj`` rows (``first = H (dn + dr)``), then ``kv_a_proj_with_mqa`` (SGLang's
+``fused_qkv_a_proj_with_mqa``; one launch, and the folded input norm runs inside it);
+``q_a_norm.weight`` and ``q_b.weight [H (dn + dr), q_lora_rank]`` with a q LoRA;
+``kv_a_norm.weight [r]``; ``w_kc [H, dn, r]``, ``w_vc [H, r, dv]`` (``kv_b_proj`` split per head);
+``o.weight [hidden, H dv]``.
 
 Forward (``T`` tokens)::
 
-    q    = q_b(q_a_norm(q_a(x)))  or  q(x)                     [T, H, dn + dr]
-    kv_a = kv_a(x)                                             [T, r + dr] = [c | k_pe]
+    [q_a | kv_a] = qkv_a(x)                                    [T, first], [T, r + dr] = [c | k_pe]
+    q    = q_b(q_a_norm(q_a))  or  q_a                         [T, H, dn + dr]
     q_pe = kiln::mla_rope_kvwrite(kv_a, q, ...)                [T, H, dr]; cache row [norm(c) | rope(k_pe)]
     o    = kiln::mla_attention(absorb_q(q_nope, w_kc), q_pe, cache, ...)   [T, H, r]
     out  = o_proj(apply_uv(o, w_vc))                           [T, hidden]
@@ -60,21 +63,19 @@ class MLAAttention(nn.Module):
         self.tp_reduce = tp > 1  # o is row-parallel: kiln::tp_all_reduce after it
         h, q_out = cfg.hidden_size, self.heads * m.qk_head_dim
         self.q_lora = bool(m.q_lora_rank)
+        self.first = m.q_lora_rank or q_out  # qkv_a's rows before the latent's: q_a's, or q's
+        self.qkv_a = Linear(self.first + self.r + self.dr, h, dtype, False, quant)
+        linears = [self.qkv_a]
         if m.q_lora_rank:
-            self.q_a = Linear(m.q_lora_rank, h, dtype, False, quant)
             self.q_a_norm = RMSNorm(m.q_lora_rank, LORA_NORM_EPS, dtype, quant_out=quant == "fp8")
             self.q_b = Linear(q_out, m.q_lora_rank, dtype, False, quant)
-            linears = [self.q_a, self.q_b]
-        else:
-            self.q = Linear(q_out, h, dtype, False, quant)
-            linears = [self.q]
-        self.kv_a = Linear(self.r + self.dr, h, dtype, False, quant)
+            linears.append(self.q_b)
         self.kv_a_norm = RMSNorm(self.r, LORA_NORM_EPS, dtype)  # its weight, fused into mla_rope_kvwrite
         # bmm operands, in the activation dtype also with --quant fp8 (compiler/mappings.py)
         self.w_kc = nn.Parameter(torch.empty(self.heads, self.dn, self.r, dtype=dtype), requires_grad=False)
         self.w_vc = nn.Parameter(torch.empty(self.heads, self.r, self.dv, dtype=dtype), requires_grad=False)
         self.o = Linear(h, self.heads * self.dv, dtype, False, quant)
-        for lin in (*linears, self.kv_a, self.o):
+        for lin in (*linears, self.o):
             lin.role = "attn"  # the GEMV plan's role (compiler/layers.py use_gemv_plan)
         # the per-head latent maps: kiln::mla_head_matmul up to max_m tokens where the plan has them
         self.role, self.max_m = "latent", 0
@@ -83,23 +84,22 @@ class MLAAttention(nn.Module):
         self, x: Act, ctx: ForwardContext, residual: torch.Tensor | None = None, norm: RMSNorm | None = None
     ) -> torch.Tensor:
         # residual [T, hidden]: added by the o projection; norm: the layer's folded input norm, run
-        # inside the first projection (q or q_a), which writes the normalized row that kv_a reads
-        # (x is then the stream; both: the residual stream, compiler/models/base.py)
-        first = self.q_a if self.q_lora else self.q
+        # inside the qkv_a projection (x is then the stream; both: the residual stream,
+        # compiler/models/base.py)
         if norm is not None:
             assert isinstance(x, torch.Tensor)
-            y, x = norm_linear(norm, x, first.weight, None, first.max_m, normed=True)
+            y, _ = norm_linear(norm, x, self.qkv_a.weight, None, self.qkv_a.max_m)
         else:
-            y = first(x)
+            y = self.qkv_a(x)  # [T, first + r + dr]: q_a(x) or q(x), then kv_a(x)
+        qa, kv_a = y[:, : self.first], y[:, self.first :]  # views, their rows strided
         if not self.q_lora:
-            q = y  # [T, H (dn + dr)]
+            q = qa  # [T, H (dn + dr)]
         elif norm is not None:  # q_a_norm folded into q_b too
-            q, _ = norm_linear(self.q_a_norm, y, self.q_b.weight, None, self.q_b.max_m)
+            q, _ = norm_linear(self.q_a_norm, qa, self.q_b.weight, None, self.q_b.max_m)
         else:
-            q = self.q_b(self.q_a_norm(y))
+            q = self.q_b(self.q_a_norm(qa))
         t = q.shape[0]
         q = q.view(t, self.heads, self.dn + self.dr)
-        kv_a = self.kv_a(x)  # [T, r + dr]
         cache = ctx.k_cache[self.layer]  # [S, 1, r + dr]: the layer's latent rows, one per slot
         q_pe = torch.ops.kiln.mla_rope_kvwrite(
             kv_a, q, ctx.positions, ctx.cos_sin, self.kv_a_norm.weight, LORA_NORM_EPS, cache, ctx.out_slots,

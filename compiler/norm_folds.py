@@ -2,8 +2,7 @@
 folds at load time; compiler/models/base.py's residual-stream layout is what they buy).
 
 A norm folds when every reader of its normalized row is a known linear weight: per decoder layer,
-``input_norm`` into the qkv projection (MLA: into ``q`` or ``q_a`` and ``kv_a``, and ``q_a_norm``
-into ``q_b``) and ``post_attn_norm`` into the dense gate_up, or into the MoE router, the stacked
+``input_norm`` into the qkv projection (MLA: into ``qkv_a``, and ``q_a_norm`` into ``q_b``) and ``post_attn_norm`` into the dense gate_up, or into the MoE router, the stacked
 experts' ``w13`` and a shared expert's gate_up. Exact block types only:
 a subclass could read the row somewhere this list does not know.
 
@@ -38,10 +37,7 @@ def norm_folds(model: nn.Module) -> tuple[dict[str, list[str]], str]:
         ffn: Any = getattr(layer, "mlp", None)
         if type(layer) not in (DecoderLayer, MoEDecoderLayer) or type(attn) not in (Attention, MLAAttention):
             return {}, f"layer {i}: not a Llama-style or MLA decoder layer"
-        if type(attn) is MLAAttention:  # the first projection writes the normalized row for kv_a
-            first = [attn.q_a if attn.q_lora else attn.q, attn.kv_a]
-        else:
-            first = [attn.qkv]
+        first = [attn.qkv_a if type(attn) is MLAAttention else attn.qkv]
         if (
             any(lin.quant is not None for lin in first)
             or getattr(ffn, "quant", None)

@@ -77,12 +77,10 @@ def per_rank_shapes(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> dict[str, lis
     if cfg.mla is not None:
         m = cfg.mla
         hr = cfg.num_heads // tp
+        first = m.q_lora_rank or hr * m.qk_head_dim  # q_a's rows or the rank's q heads, then kv_a's
+        shapes["attn.qkv_a"] = [first + m.kv_lora_rank + m.qk_rope_head_dim, h]
         if m.q_lora_rank:
-            shapes["attn.q_a"] = [m.q_lora_rank, h]
             shapes["attn.q_b"] = [hr * m.qk_head_dim, m.q_lora_rank]
-        else:
-            shapes["attn.q"] = [hr * m.qk_head_dim, h]
-        shapes["attn.kv_a"] = [m.kv_lora_rank + m.qk_rope_head_dim, h]
         shapes["attn.w_kc"] = [hr, m.qk_nope_head_dim, m.kv_lora_rank]
         shapes["attn.w_vc"] = [hr, m.kv_lora_rank, m.v_head_dim]
         shapes["attn.o"] = [h, hr * m.v_head_dim]

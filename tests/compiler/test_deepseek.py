@@ -142,7 +142,9 @@ def test_artifact_caches_the_latent_and_packs_deepseek_layers(compiled):
     heads = c.num_attention_heads
     assert pack["layers.0.attn.w_kc"].shape == (heads, c.qk_nope_head_dim, c.kv_lora_rank)
     assert pack["layers.0.attn.w_vc"].shape == (heads, c.kv_lora_rank, c.v_head_dim)
-    assert ("layers.0.attn.q_a.weight" in pack) == (c.q_lora_rank is not None)
+    first = c.q_lora_rank or heads * c.qk_head_dim  # q_a's rows (or q's), then kv_a's
+    assert pack["layers.0.attn.qkv_a.weight"].shape == (first + width, c.hidden_size)
+    assert ("layers.0.attn.q_b.weight" in pack) == (c.q_lora_rank is not None)
     dense = c.first_k_dense_replace
     assert f"layers.{dense - 1}.mlp.gate_up.weight" in pack and f"layers.{dense - 1}.moe.w13" not in pack
     shared = c.n_shared_experts * c.moe_intermediate_size
@@ -204,17 +206,16 @@ def _graph_targets(art, graph: str) -> list[str]:
 @pytest.mark.parametrize("name", ["v2-lite", "v3"])
 def test_folded_norms_run_batch_one_in_the_residual_stream(tmp_path, hf_quiet, name):
     """The norms fold (compiler/norm_folds.py) and batch 1's decode graph runs no norm kernel but
-    the final one: the input norm inside ``q`` (V2-Lite) or ``q_a`` (V3, its ``q_a_norm`` inside
-    ``q_b``) with ``kv_a`` reading the normalized row, the post-attention norm inside the dense
-    gate_up or the shared experts' gate_up; its logits and 32 greedy tokens are HF's."""
+    the final one: the input norm inside ``qkv_a`` (V3: its ``q_a_norm`` inside ``q_b`` too), the
+    post-attention norm inside the dense gate_up or the shared experts' gate_up; its logits and 32
+    greedy tokens are HF's."""
     hf = make_deepseek_checkpoint(tmp_path / "hf", name, seed=2)
     manifest = compile_model(tmp_path / "hf", tmp_path / "art", CompileOptions(**OPTS), verbose=False)
     c, folds = hf.config, manifest.norm_folds
-    first = "q_a" if c.q_lora_rank else "q"
     layers, dense = c.num_hidden_layers, c.first_k_dense_replace
     for i in range(layers):
         attn = f"layers.{i}.attn"
-        assert folds[f"layers.{i}.input_norm.weight"] == (f"{attn}.{first}.weight", f"{attn}.kv_a.weight")
+        assert folds[f"layers.{i}.input_norm.weight"] == (f"{attn}.qkv_a.weight",)
         assert folds.get(f"{attn}.q_a_norm.weight") == ((f"{attn}.q_b.weight",) if c.q_lora_rank else None)
     moe = f"layers.{dense}.moe"
     expect = (f"{moe}.router.weight", f"{moe}.w13", f"{moe}.shared.gate_up.weight")
@@ -233,7 +234,8 @@ def test_folded_norms_run_batch_one_in_the_residual_stream(tmp_path, hf_quiet, n
 @pytest.mark.slow
 def test_folded_norms_on_the_gemv_in_the_interpreter_match_hf(tmp_path, hf_quiet, monkeypatch):
     """V3 (q LoRA, sigmoid routing, a shared expert) with every GEMV role on: batch 1's decode step
-    runs the GEMV with the norm inside (the interpreter), the o and shared down GEMVs and the routed
+    runs the GEMV with the norm inside (the interpreter; ``qkv_a`` one launch for q_a and kv_a),
+    the o and shared down GEMVs and the routed
     experts' last kernel adding the stream, and still gives HF's logits."""
     from kiln.ops.common.launch import interpreting
     from kiln.ops.linear import gemv as G
@@ -257,8 +259,10 @@ def test_folded_norms_on_the_gemv_in_the_interpreter_match_hf(tmp_path, hf_quiet
     runner = DirectRunner(str(tmp_path / "art"), device="cpu", num_slots=128)
     check_against_hf(runner, hf, [[7, 3, 11, 5, 2, 9]], decode_steps=1)
     layers = hf.config.num_hidden_layers
-    assert calls.count("norm") == 3 * layers  # q_a, q_b, gate_up (dense or shared)
-    assert calls.count("res") == 2 * layers  # o, and the dense down or the shared down
+    decode = calls[calls.index("norm") :]  # the prefill (the shared graph) runs no norm inside a GEMV
+    assert decode.count("norm") == 3 * layers  # qkv_a, q_b, gate_up (dense or shared)
+    assert decode.count("res") == 2 * layers  # o, and the dense down or the shared down
+    assert len(decode) == 5 * layers  # nothing else: kv_a is inside qkv_a
 
 
 @pytest.fixture(scope="module")

@@ -55,10 +55,11 @@ NEW = 32
 
 
 def deepseek_v3(path: Path) -> None:
-    """A tiny DeepSeek-V3 whose fused gate_up tensors keep 128-row blocks (intermediate 128)."""
+    """A tiny DeepSeek-V3 whose fused gate_up and qkv_a tensors keep 128-row blocks (intermediate
+    128; q LoRA rank 128, so kv_a's rows start on the grid, as V3's 1536 does)."""
     cfg = transformers.DeepseekV3Config(
         hidden_size=64, intermediate_size=128, moe_intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=128, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, vocab_size=300, max_position_embeddings=512, rms_norm_eps=1e-6,
         first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
         n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, eos_token_id=None,

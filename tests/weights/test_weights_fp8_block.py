@@ -144,11 +144,12 @@ def test_deepseek_v3_non_block_weights_are_dequantized(tmp_path):
     index, specs = pack(tmp_path / "fp8", tmp_path / "pack", quant="fp8-block")
     _, ref_specs = pack(ref_dir, tmp_path / "ref")
     quantized = {s.name for s in specs[0] if s.quant}
-    assert "layers.1.attn.q_a.weight" in quantized and "layers.1.moe.shared.gate_up.weight" in quantized
+    assert "layers.1.attn.qkv_a.weight" in quantized and "layers.1.moe.shared.gate_up.weight" in quantized
     assert not quantized & {"layers.1.attn.w_kc", "layers.1.attn.w_vc", "layers.1.moe.w13", "layers.1.moe.w2"}
     # kv_b of 2 layers, 4 experts x 3 of layer 1; and the gate and up of layer 0's MLP and of the
-    # shared expert (96 and 16 rows: fused off the block grid, quantized again)
-    assert index.model["dequantized_fp8"] == 2 + 12 + 4 and index.model["fp8_block_quantized"] == 2
+    # shared expert (96 and 16 rows: fused off the block grid, quantized again); q_a_proj and
+    # kv_a_proj_with_mqa of both layers (qkv_a: kv_a's rows start at 24, off the grid)
+    assert index.model["dequantized_fp8"] == 2 + 12 + 4 + 4 and index.model["fp8_block_quantized"] == 2 + 2
     got = load_ranks(tmp_path / "pack", specs)[0]
     ref = load_ranks(tmp_path / "ref", ref_specs)[0]
     for name in ("layers.0.attn.w_kc", "layers.1.attn.w_vc", "layers.1.moe.w13", "layers.1.moe.w2"):

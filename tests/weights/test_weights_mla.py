@@ -38,17 +38,20 @@ def test_w_kc_w_vc_reconstruct_kv_b_proj(checkpoint, tmp_path, name, tp):
         ref = torch.einsum("hd,thd->ht", q_nope, k_nope)
         absorbed = torch.einsum("hd,hdc,tc->ht", q_nope, ranks[0][a + "w_kc"], c)
         torch.testing.assert_close(absorbed, ref, rtol=1e-4, atol=1e-4)
+        # qkv_a: q_a_proj (or the rank's q_proj heads), then kv_a_proj_with_mqa on every rank
+        first = m.q_lora_rank or hl * m.qk_head_dim
         for w in ranks:
-            assert torch.equal(w[a + "kv_a.weight"], hf[p + "kv_a_proj_with_mqa.weight"])
+            assert torch.equal(w[a + "qkv_a.weight"][first:], hf[p + "kv_a_proj_with_mqa.weight"])
             assert torch.equal(w[a + "kv_a_norm.weight"], hf[p + "kv_a_layernorm.weight"])
         assert torch.equal(torch.cat([w[a + "o.weight"] for w in ranks], 1), hf[p + "o_proj.weight"])
         if m.q_lora_rank:
             assert torch.equal(torch.cat([w[a + "q_b.weight"] for w in ranks]), hf[p + "q_b_proj.weight"])
             for w in ranks:
-                assert torch.equal(w[a + "q_a.weight"], hf[p + "q_a_proj.weight"])
+                assert torch.equal(w[a + "qkv_a.weight"][:first], hf[p + "q_a_proj.weight"])
                 assert torch.equal(w[a + "q_a_norm.weight"], hf[p + "q_a_layernorm.weight"])
         else:
-            assert torch.equal(torch.cat([w[a + "q.weight"] for w in ranks]), hf[p + "q_proj.weight"])
+            q = torch.cat([w[a + "qkv_a.weight"][:first] for w in ranks])
+            assert torch.equal(q, hf[p + "q_proj.weight"])
 
 
 def with_mtp_layer(src, dst):
