@@ -8,6 +8,8 @@
 * decode at a serving engine's shapes (``test_decode_engine``) with a bf16 and an FP8 KV cache
   (``kv``): FP8 ``bytes`` count one byte a cached value plus the float32 scale of each K and V head
   row (``kv_bytes_per_token``);
+* a verify step's attention (5 new tokens per request at batch 1/8/32 over 512 and 4k tokens) on
+  ``kiln::verify_attention`` and on extend attention: ``bytes`` as decode's, each request's K and V;
 * extend of 4096 new tokens over a 0 and a 4k prefix: ``flops`` = 4 * Hq * D * (visible keys
   summed over queries), as a fraction of the measured bf16 matmul rate (target >= 50% over 4k).
 
@@ -32,6 +34,7 @@ from kiln.ops.attention.decode import DecodeConfig, choose_num_splits, decode_at
 from kiln.ops.attention.extend import ExtendConfig, extend_attention_triton
 from kiln.ops.attention.qkv_rope import quantize_kv_rows
 from kiln.ops.attention.reference import random_block_table, request_slots
+from kiln.ops.attention.verify import verify_attention_triton
 
 HQ, HKV, D = pick(32, 4), pick(8, 2), pick(128, 32)
 PAGE = 16
@@ -268,6 +271,29 @@ def test_extend_sweep(measure, prefix, cfg):
         q, k_cache, v_cache, bt, rows, lens, indptr, D**-0.5, PAGE, -1, 0.0, config=config
     )
     measure(_graphed(fn), flops=flops, prefix=prefix, config=str(config))
+
+
+# --------------------------------------------------------------------------- verify
+@pytest.mark.parametrize("impl", ["verify", "extend"])
+@pytest.mark.parametrize("batch, ctx", pick([(1, 512), (1, 4096), (8, 512), (32, 512)], [(2, 40)]))
+def test_verify(measure, batch, ctx, impl):
+    """A speculative verify step's attention: 5 new tokens per request (k = 4) over ``ctx`` cached
+    ones, on ``kiln::verify_attention`` (split over the keys) and on extend attention; ``bytes``:
+    each request's K and V read once."""
+    new = 5
+    k_cache, v_cache, bt, rows, lens, _ = _paged([ctx + new] * batch)
+    q = torch.randn(batch * new, HQ, D, dtype=DTYPE, device=DEV)
+    indptr = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device=DEV)
+    args = (q, k_cache, v_cache, bt, rows, lens, indptr, D**-0.5, PAGE)
+    if impl == "verify":
+        splits = choose_num_splits(batch, ENGINE_CAP, HKV)
+        fn = lambda: verify_attention_triton(*args, splits, 0.0)
+    else:
+        fn = lambda: extend_attention_triton(*args, -1, 0.0)
+    out = fn()
+    assert out.shape == (batch * new, HQ, D) and not out.isnan().any()
+    nbytes = batch * (ctx + new) * HKV * D * 2 * DTYPE.itemsize
+    measure(_graphed(fn), bytes=nbytes, batch=batch, ctx=ctx, impl=impl)
 
 
 def test_bench_bytes_and_flops_formulas():

@@ -15,8 +15,11 @@ speculative verification, as extend attention takes them (ops/attention/extend.p
 
 Dispatch is on shapes only (capture-safe): ``T == B`` is a decode step (every request of a batch
 brings at least one new token, so ``T == B`` means exactly one each) and runs split-KV decode
-attention with ``num_splits`` (0 = chosen from the batch and the block table's width); otherwise
-extend attention (``num_splits`` unused). With a ``tree_mask`` (a graph traced with the tree input,
+attention with ``num_splits`` (0 = chosen from the batch and the block table's width); a step of at
+most ``FEW_TOKENS`` tokens per request on average (speculative verification: ``k + 1`` each) on a
+16-bit cache without a sliding window runs ``kiln::verify_attention`` (ops/attention/verify.py: the
+same split plan, a program per tile of a request's tokens); otherwise extend attention
+(``num_splits`` unused). With a ``tree_mask`` (a graph traced with the tree input,
 compiler/context.py) it is always extend attention: a tree step of one node per request (the roots
 alone) is still a tree chunk. Without one, the calls are exactly those of a plain step. The op's
 launch, reference and check are :func:`by_step` over decode's and extend's (ops/common/op.py
@@ -33,14 +36,19 @@ import torch
 from kiln.ops.attention.decode import check_decode, decode_attention_triton
 from kiln.ops.attention.extend import check_extend, extend_attention_triton
 from kiln.ops.attention.reference import decode_attention_ref, empty_attention_out, extend_attention_ref
+from kiln.ops.attention.verify import FEW_TOKENS, verify_attention_triton
 from kiln.ops.common.op import kiln_op
 
 
-def by_step(decode: Callable[..., Any], extend: Callable[..., Any]) -> Callable[..., Any]:
+def by_step(
+    decode: Callable[..., Any], extend: Callable[..., Any], few: Callable[..., Any] | None = None
+) -> Callable[..., Any]:
     """Paged attention's parameters over a decode and an extend function that take their ops'
     (``kiln::decode_attention``'s, ``kiln::extend_attention``'s): ``decode`` when ``T == B`` and
-    there is no tree mask, else ``extend`` (with the tree mask when there is one). The op's launch,
-    reference and check are this over the two ops' launches, references and checks."""
+    there is no tree mask, else ``extend`` (with the tree mask when there is one), or ``few``
+    (``kiln::verify_attention``'s parameters) for a step of at most ``FEW_TOKENS`` tokens per request
+    on average without a tree, a sliding window or an FP8 cache. The op's launch, reference and
+    check are this over the ops' launches, references and checks (extend's stand for ``few``'s)."""
 
     def paged_attention(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -57,6 +65,14 @@ def by_step(decode: Callable[..., Any], extend: Callable[..., Any]) -> Callable[
         if q.shape[0] == req_rows.shape[0]:
             return decode(q, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size,
                           num_splits, sliding_window, logit_cap, k_scale, v_scale)  # fmt: skip
+        if (
+            few is not None
+            and k_scale is None
+            and sliding_window <= 0
+            and q.shape[0] <= FEW_TOKENS * req_rows.shape[0]
+        ):
+            return few(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
+                       num_splits, logit_cap)  # fmt: skip
         return extend(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
                       sliding_window, logit_cap, k_scale, v_scale)  # fmt: skip
 
@@ -69,4 +85,8 @@ paged_attention_forward = kiln_op(
     ref=paged_attention_ref,
     check=by_step(check_decode, check_extend),
     fake=empty_attention_out,
-)(by_step(decode_attention_triton, extend_attention_triton))
+)(
+    by_step(  # verify's launch looked up at each call (a test spies on it)
+        decode_attention_triton, extend_attention_triton, lambda *a: verify_attention_triton(*a)
+    )
+)

@@ -1,0 +1,245 @@
+"""Paged attention of a few new tokens per request, split over the keys: speculative verification.
+
+``torch.ops.kiln.verify_attention(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr,
+sm_scale, page_size, num_splits, logit_cap) -> out``: extend attention's contract (ops/attention/
+extend.py: request ``b``'s new tokens are rows ``qo_indptr[b]:qo_indptr[b+1]`` of ``q`` at positions
+``seq_lens[b] - n_b + j``, causal within the chunk, their K/V already in the cache; rows past
+``qo_indptr[B]`` zeros) for 16-bit caches without a sliding window or token trees, and decode
+attention's split plan (ops/attention/decode.py ``_split_plan``, ``num_splits`` 0 = chosen from the
+batch and the block table's width).
+
+Why: a verify step brings ``k + 1`` tokens per request (runtime/speculative.py). The extend kernel
+walks a request's whole context in one program per query tile and KV-head pack (at batch 1, 8
+programs on 132 SMs for Llama-3.1-8B's 8 KV heads): 21 us a layer at 512 tokens on the H100 against
+the decode kernel's 7 (docs/speculative.md section 7). Here a program owns a tile of ``QTILE`` new
+tokens of one request (tiles numbered request by request, as extend's ``find_tile`` numbers them)
+for one KV head and one split of the request's keys, as decode's split kernel owns one token: rows
+are ``tokens x GQA group`` (each K/V block read once for all of them), each row masked at its own
+position; the splits' partials are merged per token and head by a second kernel (decode's merge,
+finding the token's request in ``qo_indptr``). ``QTILE`` is the batch's tokens per request rounded
+up to a power of two (at most ``MAX_ROWS`` rows a program), so any chunk is right and few tokens
+per request are fast (``paged_attention`` sends it steps of at most ``FEW_TOKENS`` tokens per
+request on average, ops/attention/paged.py).
+
+Grid ``(Hkv, cdiv(T, QTILE) + B, num_splits)``; tiles past the requests' zero the padding rows.
+float32 accumulation, exp2 with log2(e) folded into the scale, as decode's kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.ops.attention.decode import (
+    DecodeConfig,
+    _block_kv,
+    _block_slots,
+    _merge_splits,
+    _split_plan,
+    choose_num_splits,
+    default_config,
+    split_partials,
+    tl_dot,
+    tl_softcap,
+)
+from kiln.ops.attention.extend import find_tile
+from kiln.ops.attention.reference import check_attention, empty_attention_out, extend_attention_ref
+from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
+from kiln.ops.common.op import kiln_op
+
+FEW_TOKENS = 16  # paged_attention's bound on new tokens per request (on average) for this kernel
+MAX_ROWS = 64  # a program's query rows: tokens x GQA group, padded to a power of two
+
+
+@triton.jit
+def _token_request(indptr_ptr, num_reqs, t, SCAN: tl.constexpr):
+    """The request whose new tokens include row ``t`` (``num_reqs`` for padding rows past them)."""
+    r = t * 0
+    for b0 in range(0, num_reqs, SCAN):
+        idx = b0 + tl.arange(0, SCAN)
+        ends = tl.load(indptr_ptr + 1 + idx, mask=idx < num_reqs, other=0)
+        r += tl.sum(((idx < num_reqs) & (ends <= t)).to(tl.int32), 0)
+    return r
+
+
+@triton.jit
+def _verify_split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, lens_ptr, indptr_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh,
+    num_reqs, num_tokens, num_q_heads, num_splits, sm_scale, logit_cap,
+    GROUP: tl.constexpr, QTILE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SCAN: tl.constexpr, HAS_CAP: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # grid (Hkv, cdiv(T, QTILE) + B, num_splits): a tile of QTILE tokens of one request (tiles
+    # numbered request by request, extend.py's find_tile) x one KV head's group x one split's keys
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
+    kvh = tl.program_id(0)
+    t = tl.program_id(1)
+    split = tl.program_id(2)
+    r, before = find_tile(indptr_ptr, num_reqs, t, QTILE, SCAN)
+    i = tl.arange(0, ROWS)
+    heads = kvh * GROUP + i % GROUP  # [ROWS]
+    rows_ok = i < QTILE * GROUP
+    dv = tl.arange(0, BLOCK_DV)
+    o_cols = out_ptr + heads[:, None] * stride_oh + dv[None, :]
+    if r >= num_reqs:  # a padding tile: zero the rows past qo_indptr[B] (split 0)
+        if split == 0:
+            pad = tl.load(indptr_ptr + num_reqs) + (t - before) * QTILE + i // GROUP
+            zmask = rows_ok & (pad < num_tokens)
+            zeros = tl.zeros([ROWS, BLOCK_DV], out_ptr.dtype.element_ty)
+            tl.store(
+                o_cols + pad.to(tl.int64)[:, None] * stride_ot,
+                zeros,
+                mask=zmask[:, None] & (dv[None, :] < DV),
+            )
+        return
+    tok0 = tl.load(indptr_ptr + r)
+    n = tl.load(indptr_ptr + r + 1) - tok0
+    seq_len = tl.load(lens_ptr + r)
+    _lo, base, chunk, active = _split_plan(seq_len, num_splits, 0, BLOCK_N, False)
+    if split >= tl.maximum(active, 1):
+        return  # no keys here (split 0 stays to write an empty request's zeros)
+    j = (t - before) * QTILE + i // GROUP  # [ROWS]: each row's token within the chunk
+    qmask = rows_ok & (j < n)
+    limit = seq_len - n + j + 1  # [ROWS]: the row sees keys < limit
+    start = base + split * chunk  # this program takes keys [start, end)
+    end = tl.minimum(tl.minimum(start + chunk, seq_len), tl.max(tl.where(qmask, limit, 0), 0))
+    row = tl.load(rows_ptr + r).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    tok = (tok0 + j).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=qmask[:, None] & (d[None, :] < D),
+        other=0.0,
+    )  # [ROWS, BLOCK_D]
+    qk_scale = sm_scale * 1.4426950408889634  # log2(e) folded in: softmax runs on exp2
+    m_i = tl.full([ROWS], -1.0e30, tl.float32)  # finite: exp2(m_i - m_new) never NaN
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        kmask = offs < end
+        slot = _block_slots(bt_ptr + row * stride_bt, offs, end, PAGE)
+        k, v, _ks, _vs = _block_kv(
+            k_base, v_base, k_base, v_base, slot, stride_ks, stride_vs, 0, 0, d, dv, kmask, D, DV, False,
+            q_ptr.dtype.element_ty,
+        )  # fmt: skip
+        s = tl_dot(q, tl.trans(k), PREC, UPCAST)  # [ROWS, BLOCK_N] f32
+        if HAS_CAP:
+            s = tl_softcap(s * sm_scale, logit_cap) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        s = tl.where(offs[None, :] < limit[:, None], s, float("-inf"))  # limit <= end: kmask too
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl_dot(p.to(v.dtype), v, PREC, UPCAST)
+        m_i = m_new
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]  # [ROWS, BLOCK_DV]; zeros without keys
+    omask = qmask[:, None] & (dv[None, :] < DV)
+    if active <= 1:  # the request's only split: the output itself
+        tl.store(o_cols + tok[:, None] * stride_ot, o.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))  # [ROWS]
+        first = (tok * num_q_heads + heads) * num_splits  # [ROWS]
+        tl.store(mid_lse_ptr + first + split, lse, mask=qmask)
+        tl.store(mid_o_ptr + (first + split)[:, None] * DV + dv[None, :], o, mask=omask)
+
+
+@triton.jit
+def _verify_merge_kernel(
+    mid_o_ptr, mid_lse_ptr, lens_ptr, indptr_ptr, out_ptr, stride_ot, stride_oh, num_reqs, num_q_heads,
+    num_splits, DV: tl.constexpr, BLOCK_DV: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCAN: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # grid (T, Hq, cdiv(Dv, BLOCK_DV)): merges the active splits of one token's head
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    r = _token_request(indptr_ptr, num_reqs, t, SCAN)
+    if r >= num_reqs:
+        return  # a padding row: zeroed by the split kernel
+    seq_len = tl.load(lens_ptr + r)
+    _lo, _base, _chunk, active = _split_plan(seq_len, num_splits, 0, BLOCK_N, False)
+    if active <= 1:
+        return  # the split kernel wrote this request's rows directly
+    dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    rows = tl.zeros([1], tl.int64) + (t.to(tl.int64) * num_q_heads + h) * num_splits  # [1]
+    out = _merge_splits(mid_o_ptr, mid_lse_ptr, rows, rows >= 0, dv, active, 1, DV, BLOCK_DV, TILE)
+    o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + dv[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dv[None, :] < DV)
+
+
+def verify_attention_ref(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
+                         num_splits, logit_cap):  # fmt: skip
+    """Extend attention's reference (causal chunks, no window; ``num_splits`` unused)."""
+    return extend_attention_ref(
+        q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size, -1, logit_cap
+    )
+
+
+def check_verify(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
+                 num_splits, logit_cap):  # fmt: skip
+    """``kiln::verify_attention``'s argument check (both paths)."""
+    check_attention(q, k_cache, v_cache, page_size)
+    if k_cache.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"verify_attention: 16- or 32-bit caches only, got {k_cache.dtype}.")
+    if qo_indptr.shape[0] != req_rows.shape[0] + 1:
+        raise ValueError(
+            f"verify_attention: qo_indptr has {qo_indptr.shape[0]} entries, expected B + 1 = "
+            f"{req_rows.shape[0] + 1}."
+        )
+    if num_splits < 0:
+        raise ValueError(f"verify_attention: num_splits must be >= 0 (0 = auto), got {num_splits}.")
+
+
+@kiln_op("verify_attention", ref=verify_attention_ref, check=check_verify, fake=empty_attention_out)
+def verify_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    req_rows: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor, sm_scale: float,
+    page_size: int, num_splits: int, logit_cap: float, *, config: DecodeConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Paged attention of a few new tokens per request ``[T, Hq, D] -> [T, Hq, Dv]`` (the module
+    docstring): the Triton kernels. ``config`` as decode's (its block size and launch)."""
+    t, hq, d = q.shape
+    hkv, dv = k_cache.shape[1], v_cache.shape[2]
+    bsz = req_rows.shape[0]
+    out = torch.empty(t, hq, dv, dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out
+    if num_splits == 0:  # auto: decode's rule, a program per request, KV head and split
+        num_splits = choose_num_splits(max(bsz, 1), block_table.shape[1] * page_size, hkv)
+    group = hq // hkv
+    qtile = max(1, min(next_pow2(-(-t // max(bsz, 1))), MAX_ROWS // group))  # tokens per pass
+    cfg = config or default_config(d, dv)
+    mid_o, mid_lse = split_partials(out, num_splits)
+    block_table = block_table.to(torch.int32)
+    block_dv = max(16, next_pow2(dv))
+    pdl = pdl_args(q)
+    scan = max(16, min(256, next_pow2(bsz)))
+    _verify_split_kernel[(hkv, triton.cdiv(t, qtile) + bsz, num_splits)](
+        q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, out, mid_o, mid_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_table.stride(0), out.stride(0), out.stride(1), bsz, t, hq, num_splits, float(sm_scale),
+        float(logit_cap), GROUP=group, QTILE=qtile, ROWS=max(16, next_pow2(qtile * group)), D=d,
+        BLOCK_D=max(16, next_pow2(d)), DV=dv, BLOCK_DV=block_dv, PAGE=page_size, BLOCK_N=cfg.block_n,
+        SCAN=scan, HAS_CAP=logit_cap > 0, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+    )  # fmt: skip
+    if num_splits > 1:
+        block_dv = min(64, block_dv)
+        _verify_merge_kernel[(t, hq, triton.cdiv(dv, block_dv))](
+            mid_o, mid_lse, seq_lens, qo_indptr, out, out.stride(0), out.stride(1), bsz, hq, num_splits,
+            DV=dv, BLOCK_DV=block_dv, TILE=min(64, next_pow2(num_splits)), BLOCK_N=cfg.block_n, SCAN=scan,
+            num_warps=4, **pdl,
+        )  # fmt: skip
+    return out

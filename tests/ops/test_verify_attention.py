@@ -1,0 +1,85 @@
+"""Attention of a few new tokens per request split over the keys (``kiln::verify_attention``,
+ops/attention/verify.py): the Triton kernels (interpreter on CPU, real on GPU) against extend
+attention's reference on fresh random inputs, with one split (the outputs written directly) and with
+several (partials and the merge), tiles of one request's tokens, padding rows, and the paged op
+sending it a verify-shaped step. Tolerances as test_extend_attention.py's."""
+
+import pytest
+import test_decode_attention as decode_tests
+import torch
+from test_decode_attention import TOL, rel_err
+from test_extend_attention import make_inputs
+
+from kiln.ops.attention import verify as V
+from kiln.ops.attention.reference import extend_attention_ref
+
+seed, triton_on_cpu = decode_tests.seed, decode_tests.triton_on_cpu  # the fixtures, shared
+
+
+@pytest.mark.parametrize(
+    "ext, prefix, pad, hq, hkv, d, page_size, dtype, splits",
+    [
+        ([5], [40], 0, 8, 2, 64, 16, torch.float32, 0),  # a verify step at batch 1, auto splits
+        ([5], [40], 0, 8, 2, 64, 16, torch.bfloat16, 3),  # the same merged from 3 splits
+        ([1, 5, 9], [30, 0, 17], 4, 12, 3, 64, 1, torch.float32, 4),  # mixed lengths, padding, page 1
+        ([1, 20], [8, 33], 2, 8, 8, 32, 16, torch.float32, 2),  # 20 tokens: two tiles of 16 (MHA)
+        ([3, 0, 2], [9, 4, 50], 0, 16, 2, 128, 16, torch.bfloat16, 1),  # a request with no new tokens
+    ],
+)
+def test_verify_matches_reference(
+    triton_on_cpu, seed, ext, prefix, pad, hq, hkv, d, page_size, dtype, splits
+):
+    q, k, v, bt, rows, lens, indptr = make_inputs(ext, prefix, pad, hq, hkv, d, d, page_size, dtype)
+    for cap in (0.0, 5.0):
+        out = torch.ops.kiln.verify_attention(
+            q, k, v, bt, rows, lens, indptr, d**-0.5, page_size, splits, cap
+        )
+        ref = extend_attention_ref(q, k, v, bt, rows, lens, indptr, d**-0.5, page_size, -1, cap)
+        assert out.shape == ref.shape and out.dtype == dtype and not out.isnan().any()
+        if pad:
+            assert torch.equal(out[-pad:], torch.zeros_like(out[-pad:])), "padding rows not zero"
+        err = rel_err(out, ref)
+        assert err < TOL[dtype], f"seed {seed} cap {cap}: relative error {err:.2e}"
+
+
+def test_paged_attention_sends_few_tokens_per_request_to_it(triton_on_cpu, monkeypatch):
+    """``paged_attention`` runs a step of at most ``FEW_TOKENS`` tokens per request (and no tree,
+    window or FP8 cache) on the verify kernels, a longer chunk on extend's; both give the reference."""
+    import kiln.ops.attention.paged as P
+
+    calls = []
+    real = V.verify_attention_triton
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape[0])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(P, "verify_attention_triton", spy)
+    for ext, expect in (([5, 5], [10]), ([40], [])):
+        q, k, v, bt, rows, lens, indptr = make_inputs(
+            ext, [12] * len(ext), 0, 8, 2, 64, 64, 16, torch.float32
+        )
+        args = (q, k, v, bt, rows, lens, indptr, 0.125, 16)
+        out = torch.ops.kiln.paged_attention(*args, 0, -1, 0.0)
+        assert rel_err(out, extend_attention_ref(*args, -1, 0.0)) < TOL[torch.float32]
+        assert calls == expect
+        calls.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("batch, tokens", [(1, 5), (1, 9), (8, 5), (32, 5)])
+def test_verify_gpu_llama_shapes(seed, page_size, batch, tokens):
+    """Llama-3.1-8B heads, verify steps of k + 1 tokens over 512..4000-token contexts, bf16; a
+    mixed step with a longer chunk (two tiles) and padding rows."""
+    for ext, prefix, pad in (
+        ([tokens] * batch, [512 + 97 * b for b in range(batch)], 0),
+        ([tokens, 1, 30][: max(batch, 2)], [4000, 7, 300][: max(batch, 2)], 3),
+    ):
+        q, k, v, bt, rows, lens, indptr = make_inputs(
+            ext, prefix, pad, 32, 8, 128, 128, page_size, torch.bfloat16, "cuda"
+        )
+        args = (q, k, v, bt, rows, lens, indptr, 128**-0.5, page_size)
+        out = torch.ops.kiln.verify_attention(*args, 0, 0.0)
+        ref = extend_attention_ref(*args, -1, 0.0)
+        assert not out.isnan().any() and rel_err(out, ref) < TOL[torch.bfloat16], f"seed {seed}"
