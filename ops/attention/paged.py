@@ -16,8 +16,8 @@ speculative verification, as extend attention takes them (ops/attention/extend.p
 Dispatch is on shapes only (capture-safe): ``T == B`` is a decode step (every request of a batch
 brings at least one new token, so ``T == B`` means exactly one each) and runs split-KV decode
 attention with ``num_splits`` (0 = chosen from the batch and the block table's width); a step of at
-most ``FEW_TOKENS`` tokens per request on average (speculative verification: ``k + 1`` each) on a
-16-bit cache without a sliding window runs ``kiln::verify_attention`` (ops/attention/verify.py: the
+most ``FEW_TOKENS`` tokens per request on average and ``MAX_TOKENS`` in all (speculative
+verification: ``k + 1`` each) on a 16-bit cache without a sliding window runs ``kiln::verify_attention`` (ops/attention/verify.py: the
 same split plan, a program per tile of a request's tokens); otherwise extend attention
 (``num_splits`` unused). With a ``tree_mask`` (a graph traced with the tree input,
 compiler/context.py) it is always extend attention: a tree step of one node per request (the roots
@@ -36,7 +36,7 @@ import torch
 from kiln.ops.attention.decode import check_decode, decode_attention_triton
 from kiln.ops.attention.extend import check_extend, extend_attention_triton
 from kiln.ops.attention.reference import decode_attention_ref, empty_attention_out, extend_attention_ref
-from kiln.ops.attention.verify import FEW_TOKENS, verify_attention_triton
+from kiln.ops.attention.verify import FEW_TOKENS, MAX_TOKENS, verify_attention_triton
 from kiln.ops.common.op import kiln_op
 
 
@@ -47,7 +47,7 @@ def by_step(
     (``kiln::decode_attention``'s, ``kiln::extend_attention``'s): ``decode`` when ``T == B`` and
     there is no tree mask, else ``extend`` (with the tree mask when there is one), or ``few``
     (``kiln::verify_attention``'s parameters) for a step of at most ``FEW_TOKENS`` tokens per request
-    on average without a tree, a sliding window or an FP8 cache. The op's launch, reference and
+    on average and ``MAX_TOKENS`` in all, without a tree, a sliding window or an FP8 cache. The op's launch, reference and
     check are this over the ops' launches, references and checks (extend's stand for ``few``'s)."""
 
     def paged_attention(
@@ -69,7 +69,7 @@ def by_step(
             few is not None
             and k_scale is None
             and sliding_window <= 0
-            and q.shape[0] <= FEW_TOKENS * req_rows.shape[0]
+            and q.shape[0] <= min(FEW_TOKENS * req_rows.shape[0], MAX_TOKENS)
         ):
             return few(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
                        num_splits, logit_cap)  # fmt: skip

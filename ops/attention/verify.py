@@ -19,7 +19,8 @@ position; the splits' partials are merged per token and head by a second kernel 
 finding the token's request in ``qo_indptr``). ``QTILE`` is the batch's tokens per request rounded
 up to a power of two (at most ``MAX_ROWS`` rows a program), so any chunk is right and few tokens
 per request are fast (``paged_attention`` sends it steps of at most ``FEW_TOKENS`` tokens per
-request on average, ops/attention/paged.py).
+request on average and ``MAX_TOKENS`` in all, ops/attention/paged.py). The float32 partials of
+``T x Hq x num_splits x Dv`` are bounded by ``PARTIALS_BYTES`` (fewer splits past it).
 
 Grid ``(Hkv, cdiv(T, QTILE) + B, num_splits)``; tiles past the requests' zero the padding rows.
 float32 accumulation, exp2 with log2(e) folded into the scale, as decode's kernel.
@@ -49,7 +50,9 @@ from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigge
 from kiln.ops.common.op import kiln_op
 
 FEW_TOKENS = 16  # paged_attention's bound on new tokens per request (on average) for this kernel
+MAX_TOKENS = 512  # and on a step's tokens (a long prefill chunk beside decodes goes to extend's tiles)
 MAX_ROWS = 64  # a program's query rows: tokens x GQA group, padded to a power of two
+PARTIALS_BYTES = 64 << 20  # the split partials' bound: fewer splits where T x Hq x Dv is large
 
 
 @triton.jit
@@ -218,6 +221,7 @@ def verify_attention_triton(
         return out
     if num_splits == 0:  # auto: decode's rule, a program per request, KV head and split
         num_splits = choose_num_splits(max(bsz, 1), block_table.shape[1] * page_size, hkv)
+    num_splits = max(1, min(num_splits, PARTIALS_BYTES // (t * hq * dv * 4)))  # float32 partials
     group = hq // hkv
     qtile = max(1, min(next_pow2(-(-t // max(bsz, 1))), MAX_ROWS // group))  # tokens per pass
     cfg = config or default_config(d, dv)
@@ -225,7 +229,7 @@ def verify_attention_triton(
     block_table = block_table.to(torch.int32)
     block_dv = max(16, next_pow2(dv))
     pdl = pdl_args(q)
-    scan = max(16, min(256, next_pow2(bsz)))
+    scan = max(16, min(64, next_pow2(bsz)))  # requests per round of the kernels' qo_indptr scans
     _verify_split_kernel[(hkv, triton.cdiv(t, qtile) + bsz, num_splits)](
         q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, out, mid_o, mid_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

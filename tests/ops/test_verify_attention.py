@@ -24,6 +24,8 @@ seed, triton_on_cpu = decode_tests.seed, decode_tests.triton_on_cpu  # the fixtu
         ([1, 5, 9], [30, 0, 17], 4, 12, 3, 64, 1, torch.float32, 4),  # mixed lengths, padding, page 1
         ([1, 20], [8, 33], 2, 8, 8, 32, 16, torch.float32, 2),  # 20 tokens: two tiles of 16 (MHA)
         ([3, 0, 2], [9, 4, 50], 0, 16, 2, 128, 16, torch.bfloat16, 1),  # a request with no new tokens
+        ([40], [0], 0, 8, 2, 32, 16, torch.float32, 4),  # early rows see none of the later splits' keys
+        ([7, 2], [3, 5], 1, 12, 2, 32, 16, torch.float32, 2),  # GQA group 6: a tile of 10 tokens
     ],
 )
 def test_verify_matches_reference(
@@ -43,8 +45,8 @@ def test_verify_matches_reference(
 
 
 def test_paged_attention_sends_few_tokens_per_request_to_it(triton_on_cpu, monkeypatch):
-    """``paged_attention`` runs a step of at most ``FEW_TOKENS`` tokens per request (and no tree,
-    window or FP8 cache) on the verify kernels, a longer chunk on extend's; both give the reference."""
+    """``paged_attention`` runs a step of at most ``FEW_TOKENS`` tokens per request on average (and
+    no tree, window or FP8 cache) on the verify kernels, others on extend's; both give the reference."""
     import kiln.ops.attention.paged as P
 
     calls = []
@@ -55,14 +57,17 @@ def test_paged_attention_sends_few_tokens_per_request_to_it(triton_on_cpu, monke
         return real(*a, **kw)
 
     monkeypatch.setattr(P, "verify_attention_triton", spy)
-    for ext, expect in (([5, 5], [10]), ([40], [])):
+    # (new tokens per request, sliding window, whether verify's kernels run): 16 a request on average
+    # is the bound, a window goes to extend's kernel
+    for ext, window, few in (([5, 5], -1, True), ([16, 16], -1, True), ([16, 17], -1, False), ([40], -1, False),
+                             ([5, 5], 8, False)):  # fmt: skip
         q, k, v, bt, rows, lens, indptr = make_inputs(
             ext, [12] * len(ext), 0, 8, 2, 64, 64, 16, torch.float32
         )
         args = (q, k, v, bt, rows, lens, indptr, 0.125, 16)
-        out = torch.ops.kiln.paged_attention(*args, 0, -1, 0.0)
-        assert rel_err(out, extend_attention_ref(*args, -1, 0.0)) < TOL[torch.float32]
-        assert calls == expect
+        out = torch.ops.kiln.paged_attention(*args, 0, window, 0.0)
+        assert rel_err(out, extend_attention_ref(*args, window, 0.0)) < TOL[torch.float32]
+        assert calls == ([sum(ext)] if few else []), (ext, window)
         calls.clear()
 
 
