@@ -296,6 +296,22 @@ def test_verify(measure, batch, ctx, impl):
     measure(_graphed(fn), bytes=nbytes, batch=batch, ctx=ctx, impl=impl)
 
 
+@pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")
+@pytest.mark.parametrize("min_chunk", [32, 64, 128, 256, 512])
+@pytest.mark.parametrize("batch, ctx", [(1, 512), (1, 4096), (8, 512), (32, 512)])
+def test_verify_sweep(measure, batch, ctx, min_chunk):
+    """``kiln::verify_attention``'s fewest keys per split (ops/attention/verify.py ``MIN_CHUNK``)."""
+    new = 5
+    k_cache, v_cache, bt, rows, lens, _ = _paged([ctx + new] * batch)
+    q = torch.randn(batch * new, HQ, D, dtype=DTYPE, device=DEV)
+    indptr = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device=DEV)
+    splits = choose_num_splits(batch, ENGINE_CAP, HKV)
+    args = (q, k_cache, v_cache, bt, rows, lens, indptr, D**-0.5, PAGE, splits, 0.0)
+    fn = lambda: verify_attention_triton(*args, min_chunk=min_chunk)
+    nbytes = batch * (ctx + new) * HKV * D * 2 * DTYPE.itemsize
+    measure(_graphed(fn), bytes=nbytes, batch=batch, ctx=ctx, min_chunk=min_chunk)
+
+
 def test_bench_bytes_and_flops_formulas():
     # the figures the fractions rest on, checked on a case small enough to count by hand
     *_, nbytes, _ = _decode_case(2, 48)

@@ -52,7 +52,18 @@ from kiln.ops.common.op import kiln_op
 FEW_TOKENS = 16  # paged_attention's bound on new tokens per request (on average) for this kernel
 MAX_TOKENS = 512  # and on a step's tokens (a long prefill chunk beside decodes goes to extend's tiles)
 MAX_ROWS = 64  # a program's query rows: tokens x GQA group, padded to a power of two
+MIN_CHUNK = 32  # the fewest keys a split takes (decode's plan: one key block)
 PARTIALS_BYTES = 64 << 20  # the split partials' bound: fewer splits where T x Hq x Dv is large
+
+
+@triton.jit
+def _verify_plan(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """Decode's split plan (``_split_plan``, no window) with splits of at least ``MIN_CHUNK`` keys
+    (a multiple of ``BLOCK_N``): ``(base, chunk, active)``, shared by the split and merge kernels."""
+    _lo, base, chunk, _active = _split_plan(seq_len, num_splits, 0, BLOCK_N, False)
+    chunk = tl.maximum(chunk, MIN_CHUNK)
+    span = seq_len - base
+    return base, chunk, (span + chunk - 1) // chunk
 
 
 @triton.jit
@@ -73,8 +84,8 @@ def _verify_split_kernel(
     num_reqs, num_tokens, num_q_heads, num_splits, sm_scale, logit_cap,
     GROUP: tl.constexpr, QTILE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SCAN: tl.constexpr, HAS_CAP: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, SCAN: tl.constexpr, HAS_CAP: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # grid (Hkv, cdiv(T, QTILE) + B, num_splits): a tile of QTILE tokens of one request (tiles
     # numbered request by request, extend.py's find_tile) x one KV head's group x one split's keys
@@ -103,7 +114,7 @@ def _verify_split_kernel(
     tok0 = tl.load(indptr_ptr + r)
     n = tl.load(indptr_ptr + r + 1) - tok0
     seq_len = tl.load(lens_ptr + r)
-    _lo, base, chunk, active = _split_plan(seq_len, num_splits, 0, BLOCK_N, False)
+    base, chunk, active = _verify_plan(seq_len, num_splits, BLOCK_N, MIN_CHUNK)
     if split >= tl.maximum(active, 1):
         return  # no keys here (split 0 stays to write an empty request's zeros)
     j = (t - before) * QTILE + i // GROUP  # [ROWS]: each row's token within the chunk
@@ -161,7 +172,7 @@ def _verify_split_kernel(
 def _verify_merge_kernel(
     mid_o_ptr, mid_lse_ptr, lens_ptr, indptr_ptr, out_ptr, stride_ot, stride_oh, num_reqs, num_q_heads,
     num_splits, DV: tl.constexpr, BLOCK_DV: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SCAN: tl.constexpr, PDL: tl.constexpr,
+    MIN_CHUNK: tl.constexpr, SCAN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # grid (T, Hq, cdiv(Dv, BLOCK_DV)): merges the active splits of one token's head
     pdl_trigger(PDL)
@@ -172,7 +183,7 @@ def _verify_merge_kernel(
     if r >= num_reqs:
         return  # a padding row: zeroed by the split kernel
     seq_len = tl.load(lens_ptr + r)
-    _lo, _base, _chunk, active = _split_plan(seq_len, num_splits, 0, BLOCK_N, False)
+    _base, _chunk, active = _verify_plan(seq_len, num_splits, BLOCK_N, MIN_CHUNK)
     if active <= 1:
         return  # the split kernel wrote this request's rows directly
     dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
@@ -210,9 +221,11 @@ def verify_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     req_rows: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor, sm_scale: float,
     page_size: int, num_splits: int, logit_cap: float, *, config: DecodeConfig | None = None,
+    min_chunk: int = MIN_CHUNK,
 ) -> torch.Tensor:  # fmt: skip
     """Paged attention of a few new tokens per request ``[T, Hq, D] -> [T, Hq, Dv]`` (the module
-    docstring): the Triton kernels. ``config`` as decode's (its block size and launch)."""
+    docstring): the Triton kernels. ``config`` as decode's (its block size and launch);
+    ``min_chunk``: the fewest keys a split takes (benchmarks sweep it)."""
     t, hq, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     bsz = req_rows.shape[0]
@@ -225,6 +238,7 @@ def verify_attention_triton(
     group = hq // hkv
     qtile = max(1, min(next_pow2(-(-t // max(bsz, 1))), MAX_ROWS // group))  # tokens per pass
     cfg = config or default_config(d, dv)
+    min_chunk = -(-max(min_chunk, 1) // cfg.block_n) * cfg.block_n  # whole key blocks
     mid_o, mid_lse = split_partials(out, num_splits)
     block_table = block_table.to(torch.int32)
     block_dv = max(16, next_pow2(dv))
@@ -236,14 +250,14 @@ def verify_attention_triton(
         block_table.stride(0), out.stride(0), out.stride(1), bsz, t, hq, num_splits, float(sm_scale),
         float(logit_cap), GROUP=group, QTILE=qtile, ROWS=max(16, next_pow2(qtile * group)), D=d,
         BLOCK_D=max(16, next_pow2(d)), DV=dv, BLOCK_DV=block_dv, PAGE=page_size, BLOCK_N=cfg.block_n,
-        SCAN=scan, HAS_CAP=logit_cap > 0, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        MIN_CHUNK=min_chunk, SCAN=scan, HAS_CAP=logit_cap > 0, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     if num_splits > 1:
         block_dv = min(64, block_dv)
         _verify_merge_kernel[(t, hq, triton.cdiv(dv, block_dv))](
             mid_o, mid_lse, seq_lens, qo_indptr, out, out.stride(0), out.stride(1), bsz, hq, num_splits,
-            DV=dv, BLOCK_DV=block_dv, TILE=min(64, next_pow2(num_splits)), BLOCK_N=cfg.block_n, SCAN=scan,
-            num_warps=4, **pdl,
+            DV=dv, BLOCK_DV=block_dv, TILE=min(64, next_pow2(num_splits)), BLOCK_N=cfg.block_n, MIN_CHUNK=min_chunk,
+            SCAN=scan, num_warps=4, **pdl,
         )  # fmt: skip
     return out

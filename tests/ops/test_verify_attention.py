@@ -42,6 +42,9 @@ def test_verify_matches_reference(
             assert torch.equal(out[-pad:], torch.zeros_like(out[-pad:])), "padding rows not zero"
         err = rel_err(out, ref)
         assert err < TOL[dtype], f"seed {seed} cap {cap}: relative error {err:.2e}"
+    args = (q, k, v, bt, rows, lens, indptr, d**-0.5, page_size, splits, 0.0)
+    out = V.verify_attention_triton(*args, min_chunk=40)  # splits of at least 64 keys (2 blocks)
+    assert rel_err(out, extend_attention_ref(*args[:9], -1, 0.0)) < TOL[dtype], f"seed {seed}: min_chunk"
 
 
 def test_paged_attention_sends_few_tokens_per_request_to_it(triton_on_cpu, monkeypatch):
