@@ -23,8 +23,8 @@
 #                        spec_mean_emitted and verify_steps per batch. Llama-family untied presets only
 #   HEAD=                with SUCCESSOR=1: an EAGLE-3 head that drafts the successor's tokens (bench/make_checkpoint.py
 #                        --eagle3-head, written into CKPT/eagle3-head) compiled into the artifact (`--eagle3`, with
-#                        `--verify-lengths 4,6` unless COMPILE_ARGS has them); HEAD is its --decoy: 0 = its best
-#                        draft right, 1.2 = its best wrong and its second right (chains accept ~nothing, trees of
+#                        `--verify-lengths 4,6` unless COMPILE_ARGS has them); HEAD is its --decoy: 0 = its first
+#                        draft right (a chain's later drafts wrong: 2 tokens a step), 1.2 = its best wrong and its second right (chains accept ~nothing, trees of
 #                        width 2 ~everything), e.g. VARIANTS="plain:--speculative off;chain4:--speculative draft
 #                        --num-draft-tokens 4;tree4:--speculative draft --num-draft-tokens 4 --draft-branches 2"
 #   DRAFT=               a bundled config (e.g. llama-3.2-1b, same vocabulary as llama-3.1-8b): its random
