@@ -18,9 +18,9 @@ brings at least one new token, so ``T == B`` means exactly one each) and runs sp
 attention with ``num_splits`` (0 = chosen from the batch and the block table's width); a step of at
 most ``FEW_TOKENS`` tokens per request on average and ``MAX_TOKENS`` in all (speculative
 verification: ``k + 1`` each) on a 16-bit cache without a sliding window runs ``kiln::verify_attention`` (ops/attention/verify.py: the
-same split plan, a program per tile of a request's tokens); otherwise extend attention
-(``num_splits`` unused). With a ``tree_mask`` (a graph traced with the tree input,
-compiler/context.py) it is always extend attention: a tree step of one node per request (the roots
+same split plan, a program per tile of a request's tokens; token trees too); otherwise extend
+attention (``num_splits`` unused). With a ``tree_mask`` (a graph traced with the tree input,
+compiler/context.py) it is never decode attention: a tree step of one node per request (the roots
 alone) is still a tree chunk. Without one, the calls are exactly those of a plain step. The op's
 launch, reference and check are :func:`by_step` over decode's and extend's (ops/common/op.py
 ``kiln_op``); its fake is their shape rule.
@@ -45,9 +45,10 @@ def by_step(
 ) -> Callable[..., Any]:
     """Paged attention's parameters over a decode and an extend function that take their ops'
     (``kiln::decode_attention``'s, ``kiln::extend_attention``'s): ``decode`` when ``T == B`` and
-    there is no tree mask, else ``extend`` (with the tree mask when there is one), or ``few``
-    (``kiln::verify_attention``'s parameters) for a step of at most ``FEW_TOKENS`` tokens per request
-    on average and ``MAX_TOKENS`` in all, without a tree, a sliding window or an FP8 cache. The op's launch, reference and
+    there is no tree mask, else ``few`` (``kiln::verify_attention``'s parameters, the tree mask
+    passed on) for a step of at most ``FEW_TOKENS`` tokens per request on average and ``MAX_TOKENS``
+    in all without a sliding window or an FP8 cache, else ``extend`` (with the tree mask when there
+    is one). The op's launch, reference and
     check are this over the ops' launches, references and checks (extend's stand for ``few``'s)."""
 
     def paged_attention(
@@ -57,12 +58,9 @@ def by_step(
         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Decode attention when ``T == B`` without a tree mask, extend attention otherwise (see the
-        module docstring)."""
-        if tree_mask is not None:
-            return extend(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale,
-                          page_size, sliding_window, logit_cap, k_scale, v_scale, tree_mask)  # fmt: skip
-        if q.shape[0] == req_rows.shape[0]:
+        """Decode attention when ``T == B`` without a tree mask, verify attention for few tokens per
+        request, extend attention otherwise (see the module docstring)."""
+        if q.shape[0] == req_rows.shape[0] and tree_mask is None:
             return decode(q, k_cache, v_cache, block_table, req_rows, seq_lens, sm_scale, page_size,
                           num_splits, sliding_window, logit_cap, k_scale, v_scale)  # fmt: skip
         if (
@@ -72,7 +70,10 @@ def by_step(
             and q.shape[0] <= min(FEW_TOKENS * req_rows.shape[0], MAX_TOKENS)
         ):
             return few(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
-                       num_splits, logit_cap)  # fmt: skip
+                       num_splits, logit_cap, tree_mask)  # fmt: skip
+        if tree_mask is not None:
+            return extend(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale,
+                          page_size, sliding_window, logit_cap, k_scale, v_scale, tree_mask)  # fmt: skip
         return extend(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
                       sliding_window, logit_cap, k_scale, v_scale)  # fmt: skip
 

@@ -1,11 +1,11 @@
 """Paged attention of a few new tokens per request, split over the keys: speculative verification.
 
 ``torch.ops.kiln.verify_attention(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr,
-sm_scale, page_size, num_splits, logit_cap) -> out``: extend attention's contract (ops/attention/
-extend.py: request ``b``'s new tokens are rows ``qo_indptr[b]:qo_indptr[b+1]`` of ``q`` at positions
-``seq_lens[b] - n_b + j``, causal within the chunk, their K/V already in the cache; rows past
-``qo_indptr[B]`` zeros) for 16-bit caches without a sliding window or token trees, and decode
-attention's split plan (ops/attention/decode.py ``_split_plan``, ``num_splits`` 0 = chosen from the
+sm_scale, page_size, num_splits, logit_cap, tree_mask=None) -> out``: extend attention's contract
+(ops/attention/extend.py: request ``b``'s new tokens are rows ``qo_indptr[b]:qo_indptr[b+1]`` of
+``q`` at positions ``seq_lens[b] - n_b + j``, causal within the chunk, their K/V already in the
+cache; rows past ``qo_indptr[B]`` zeros; token trees through ``tree_mask`` as extend's) for 16-bit
+caches without a sliding window, and decode attention's split plan (ops/attention/decode.py ``_split_plan``, ``num_splits`` 0 = chosen from the
 batch and the block table's width).
 
 Why: a verify step brings ``k + 1`` tokens per request (runtime/speculative.py). The extend kernel
@@ -79,13 +79,14 @@ def _token_request(indptr_ptr, num_reqs, t, SCAN: tl.constexpr):
 
 @triton.jit
 def _verify_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, lens_ptr, indptr_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, lens_ptr, indptr_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, tm_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh,
     num_reqs, num_tokens, num_q_heads, num_splits, sm_scale, logit_cap,
     GROUP: tl.constexpr, QTILE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, SCAN: tl.constexpr, HAS_CAP: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    TREE: tl.constexpr = False,  # token trees: tm_ptr [T] int64 ancestor bitmasks (else unused)
 ):  # fmt: skip
     # grid (Hkv, cdiv(T, QTILE) + B, num_splits): a tile of QTILE tokens of one request (tiles
     # numbered request by request, extend.py's find_tile) x one KV head's group x one split's keys
@@ -127,6 +128,11 @@ def _verify_split_kernel(
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
     tok = (tok0 + j).to(tl.int64)
+    prefix = seq_len - n  # the chunk's first key position
+    if TREE:
+        tree_bits = tl.load(tm_ptr + tok, mask=qmask, other=0).to(tl.int64)  # [ROWS]
+    else:
+        tree_bits = tok  # unused
     q = tl.load(
         q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
         mask=qmask[:, None] & (d[None, :] < D),
@@ -149,7 +155,12 @@ def _verify_split_kernel(
             s = tl_softcap(s * sm_scale, logit_cap) * 1.4426950408889634
         else:
             s = s * qk_scale
-        s = tl.where(offs[None, :] < limit[:, None], s, float("-inf"))  # limit <= end: kmask too
+        vis = offs[None, :] < limit[:, None]  # limit <= end: kmask too
+        if TREE:  # a key of the chunk only where the row's bit of its node is set (extend.py's rule)
+            rel = offs - prefix  # [BLOCK_N] node index of the key in the chunk
+            bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)[None, :]) & 1
+            vis = vis & ((rel < 0)[None, :] | (bit != 0))
+        s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -194,15 +205,16 @@ def _verify_merge_kernel(
 
 
 def verify_attention_ref(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
-                         num_splits, logit_cap):  # fmt: skip
-    """Extend attention's reference (causal chunks, no window; ``num_splits`` unused)."""
+                         num_splits, logit_cap, tree_mask=None):  # fmt: skip
+    """Extend attention's reference (no window; ``num_splits`` unused)."""
     return extend_attention_ref(
-        q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size, -1, logit_cap
-    )
+        q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size, -1, logit_cap,
+        None, None, tree_mask,
+    )  # fmt: skip
 
 
 def check_verify(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, sm_scale, page_size,
-                 num_splits, logit_cap):  # fmt: skip
+                 num_splits, logit_cap, tree_mask=None):  # fmt: skip
     """``kiln::verify_attention``'s argument check (both paths)."""
     check_attention(q, k_cache, v_cache, page_size)
     if k_cache.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -214,17 +226,25 @@ def check_verify(q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr
         )
     if num_splits < 0:
         raise ValueError(f"verify_attention: num_splits must be >= 0 (0 = auto), got {num_splits}.")
+    if tree_mask is not None and (tree_mask.dtype != torch.int64 or tuple(tree_mask.shape) != (q.shape[0],)):
+        raise ValueError(
+            f"verify_attention: tree_mask must be an int64 [T] = [{q.shape[0]}] tensor (one ancestor "
+            f"bitmask per token), got {tree_mask.dtype} {list(tree_mask.shape)}."
+        )
 
 
 @kiln_op("verify_attention", ref=verify_attention_ref, check=check_verify, fake=empty_attention_out)
 def verify_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     req_rows: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor, sm_scale: float,
-    page_size: int, num_splits: int, logit_cap: float, *, config: DecodeConfig | None = None,
+    page_size: int, num_splits: int, logit_cap: float, tree_mask: torch.Tensor | None = None, *,
+    config: DecodeConfig | None = None,
     min_chunk: int = MIN_CHUNK,
 ) -> torch.Tensor:  # fmt: skip
     """Paged attention of a few new tokens per request ``[T, Hq, D] -> [T, Hq, Dv]`` (the module
-    docstring): the Triton kernels. ``config`` as decode's (its block size and launch);
+    docstring): the Triton kernels; ``tree_mask`` ``[T]`` int64 ancestor bitmasks of token trees
+    (extend attention's, ops/attention/extend.py), else None. ``config`` as decode's (its block size
+    and launch);
     ``min_chunk``: the fewest keys a split takes (benchmarks sweep it)."""
     t, hq, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -246,12 +266,14 @@ def verify_attention_triton(
     scan = max(16, min(64, next_pow2(bsz)))  # requests per round of the kernels' qo_indptr scans
     _verify_split_kernel[(hkv, triton.cdiv(t, qtile) + bsz, num_splits)](
         q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, out, mid_o, mid_lse,
+        seq_lens if tree_mask is None else tree_mask,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1), bsz, t, hq, num_splits, float(sm_scale),
         float(logit_cap), GROUP=group, QTILE=qtile, ROWS=max(16, next_pow2(qtile * group)), D=d,
         BLOCK_D=max(16, next_pow2(d)), DV=dv, BLOCK_DV=block_dv, PAGE=page_size, BLOCK_N=cfg.block_n,
         MIN_CHUNK=min_chunk, SCAN=scan, HAS_CAP=logit_cap > 0, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        TREE=tree_mask is not None,
     )  # fmt: skip
     if num_splits > 1:
         block_dv = min(64, block_dv)

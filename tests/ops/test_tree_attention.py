@@ -166,8 +166,10 @@ def test_paged_attention_passes_the_tree_mask_on(seed, monkeypatch, kernel):
     args, tree_mask, parents = make_tree_inputs([7, 12], [5, 20], 2, 4, 2, 32, 32, 16, torch.float32, gen)
     meta = (32**-0.5, 16)
     out = torch.ops.kiln.paged_attention(*args, *meta, 2, -1, 0.0, None, None, tree_mask)
-    want = torch.ops.kiln.extend_attention(*args, *meta, -1, 0.0, None, None, tree_mask)
-    assert torch.equal(out, want), f"seed {seed}: paged_attention is not extend_attention with the mask"
+    want = torch.ops.kiln.verify_attention(*args, *meta, 2, 0.0, tree_mask)  # few nodes a request
+    assert torch.equal(out, want), f"seed {seed}: paged_attention is not verify_attention with the mask"
+    ext = torch.ops.kiln.extend_attention(*args, *meta, -1, 0.0, None, None, tree_mask)
+    assert rel_err(out, ext) < TOL[torch.float32], f"seed {seed}: verify and extend differ on the tree"
     assert rel_err(out, per_path(args, parents, 16, 32**-0.5)) < TOL[torch.float32], f"seed {seed}"
     # without the mask: the causal chunk, on verify attention (few tokens per request; the trees
     # branch, so it differs from the above)
@@ -177,9 +179,10 @@ def test_paged_attention_passes_the_tree_mask_on(seed, monkeypatch, kernel):
 
 
 @pytest.mark.parametrize("kernel", ["1", "0"])
-def test_one_node_per_request_with_a_mask_is_extend(seed, monkeypatch, kernel):
-    """T == B with a tree mask is a tree chunk, not a decode step: the extend path reads qo_indptr
-    (here [0, 0, 2]: two root-level nodes of request 1, none of request 0), decode would not."""
+def test_one_node_per_request_with_a_mask_is_a_chunk(seed, monkeypatch, kernel):
+    """T == B with a tree mask is a tree chunk, not a decode step: the chunk path (verify attention,
+    few tokens per request) reads qo_indptr (here [0, 0, 2]: two root-level nodes of request 1, none
+    of request 0), decode would not."""
     from test_extend_attention import make_inputs
 
     monkeypatch.setenv("KILN_TRITON_ON_CPU", kernel)
@@ -191,7 +194,9 @@ def test_one_node_per_request_with_a_mask_is_extend(seed, monkeypatch, kernel):
     out = torch.ops.kiln.paged_attention(
         q, k, v, bt, rows, lens, indptr, *meta, 2, -1, 0.0, None, None, roots
     )
-    assert torch.equal(out, torch.ops.kiln.extend_attention(q, k, v, bt, rows, lens, indptr, *meta, -1, 0.0))
+    assert torch.equal(
+        out, torch.ops.kiln.verify_attention(q, k, v, bt, rows, lens, indptr, *meta, 2, 0.0, roots)
+    )
     assert rel_err(out, decode_attention_ref(q, k, v, bt, rows, lens, *meta, 2, -1, 0.0)) < TOL[torch.float32]
     # siblings of one request: each sees the prefix and itself only
     uneven, siblings = torch.tensor([0, 0, 2], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int64)
@@ -199,7 +204,7 @@ def test_one_node_per_request_with_a_mask_is_extend(seed, monkeypatch, kernel):
         q, k, v, bt, rows, lens, uneven, *meta, 2, -1, 0.0, None, None, siblings
     )
     want = extend_attention_ref(q, k, v, bt, rows, lens, uneven, *meta, -1, 0.0, None, None, siblings)
-    assert rel_err(out, want) < TOL[torch.float32], f"seed {seed}: not the extend path"
+    assert rel_err(out, want) < TOL[torch.float32], f"seed {seed}: not the chunk path"
     decode = decode_attention_ref(q, k, v, bt, rows, lens, *meta, 2, -1, 0.0)
     assert rel_err(out, decode) > 1e-3
 

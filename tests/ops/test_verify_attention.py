@@ -47,6 +47,21 @@ def test_verify_matches_reference(
     assert rel_err(out, extend_attention_ref(*args[:9], -1, 0.0)) < TOL[dtype], f"seed {seed}: min_chunk"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_trees_match_reference(triton_on_cpu, seed, dtype):
+    """Token trees (a node sees the prefix, its ancestors and itself): the kernels against extend
+    attention's reference with the same ancestor masks, merged from 3 splits and written directly."""
+    from test_tree_attention import make_tree_inputs
+
+    gen = torch.Generator().manual_seed(seed)
+    args, tree_mask, _ = make_tree_inputs([7, 12, 1], [5, 40, 9], 2, 8, 2, 32, 32, 16, dtype, gen)
+    for splits in (3, 1):
+        out = torch.ops.kiln.verify_attention(*args, 32**-0.5, 16, splits, 0.0, tree_mask)
+        ref = extend_attention_ref(*args, 32**-0.5, 16, -1, 0.0, None, None, tree_mask)
+        assert not out.isnan().any() and torch.equal(out[-2:], torch.zeros_like(out[-2:]))
+        assert rel_err(out, ref) < TOL[dtype], f"seed {seed}, {splits} splits"
+
+
 def test_paged_attention_sends_few_tokens_per_request_to_it(triton_on_cpu, monkeypatch):
     """``paged_attention`` runs a step of at most ``FEW_TOKENS`` tokens per request on average (and
     no tree, window or FP8 cache) on the verify kernels, others on extend's; both give the reference."""
