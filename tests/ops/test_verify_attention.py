@@ -17,34 +17,31 @@ seed, triton_on_cpu = decode_tests.seed, decode_tests.triton_on_cpu  # the fixtu
 
 
 @pytest.mark.parametrize(
-    "ext, prefix, pad, hq, hkv, d, page_size, dtype, splits",
+    "ext, prefix, pad, hq, hkv, d, page_size, dtype, splits, cap",
     [
-        ([5], [40], 0, 8, 2, 64, 16, torch.float32, 0),  # a verify step at batch 1, auto splits
-        ([5], [40], 0, 8, 2, 64, 16, torch.bfloat16, 3),  # the same merged from 3 splits
-        ([1, 5, 9], [30, 0, 17], 4, 12, 3, 64, 1, torch.float32, 4),  # mixed lengths, padding, page 1
-        ([1, 20], [8, 33], 2, 8, 8, 32, 16, torch.float32, 2),  # 20 tokens: two tiles of 16 (MHA)
-        ([3, 0, 2], [9, 4, 50], 0, 16, 2, 128, 16, torch.bfloat16, 1),  # a request with no new tokens
-        ([40], [0], 0, 8, 2, 32, 16, torch.float32, 4),  # early rows see none of the later splits' keys
-        ([7, 2], [3, 5], 1, 12, 2, 32, 16, torch.float32, 2),  # GQA group 6: a tile of 10 tokens
+        ([5], [40], 0, 8, 2, 64, 16, torch.float32, 0, 0.0),  # a verify step at batch 1, auto splits
+        ([5], [40], 0, 8, 2, 64, 16, torch.bfloat16, 3, 5.0),  # the same merged from 3 splits, capped
+        ([1, 5, 9], [30, 0, 17], 4, 12, 3, 64, 1, torch.float32, 4, 0.0),  # mixed lengths, padding, page 1
+        ([1, 20], [8, 33], 2, 4, 4, 32, 16, torch.float32, 2, 5.0),  # 20 tokens: two tiles of 16 (MHA)
+        ([3, 0, 2], [9, 4, 50], 0, 16, 2, 128, 16, torch.bfloat16, 1, 0.0),  # a request with no new tokens
+        ([24], [0], 0, 4, 1, 32, 16, torch.float32, 4, 0.0),  # early rows see none of split 1's keys
+        ([7, 2], [3, 5], 1, 12, 2, 32, 16, torch.float32, 2, 5.0),  # GQA group 6: a tile of 10 tokens
     ],
 )
 def test_verify_matches_reference(
-    triton_on_cpu, seed, ext, prefix, pad, hq, hkv, d, page_size, dtype, splits
+    triton_on_cpu, seed, ext, prefix, pad, hq, hkv, d, page_size, dtype, splits, cap
 ):
     q, k, v, bt, rows, lens, indptr = make_inputs(ext, prefix, pad, hq, hkv, d, d, page_size, dtype)
-    for cap in (0.0, 5.0):
-        out = torch.ops.kiln.verify_attention(
-            q, k, v, bt, rows, lens, indptr, d**-0.5, page_size, splits, cap
-        )
-        ref = extend_attention_ref(q, k, v, bt, rows, lens, indptr, d**-0.5, page_size, -1, cap)
-        assert out.shape == ref.shape and out.dtype == dtype and not out.isnan().any()
-        if pad:
-            assert torch.equal(out[-pad:], torch.zeros_like(out[-pad:])), "padding rows not zero"
-        err = rel_err(out, ref)
-        assert err < TOL[dtype], f"seed {seed} cap {cap}: relative error {err:.2e}"
-    args = (q, k, v, bt, rows, lens, indptr, d**-0.5, page_size, splits, 0.0)
-    out = V.verify_attention_triton(*args, min_chunk=40)  # splits of at least 64 keys (2 blocks)
-    assert rel_err(out, extend_attention_ref(*args[:9], -1, 0.0)) < TOL[dtype], f"seed {seed}: min_chunk"
+    args = (q, k, v, bt, rows, lens, indptr, d**-0.5, page_size)
+    out = torch.ops.kiln.verify_attention(*args, splits, cap)
+    ref = extend_attention_ref(*args, -1, cap)
+    assert out.shape == ref.shape and out.dtype == dtype and not out.isnan().any()
+    if pad:
+        assert torch.equal(out[-pad:], torch.zeros_like(out[-pad:])), "padding rows not zero"
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"seed {seed}: relative error {err:.2e}"
+    out = V.verify_attention_triton(*args, splits, cap, min_chunk=40)  # splits of >= 64 keys (2 blocks)
+    assert rel_err(out, ref) < TOL[dtype], f"seed {seed}: min_chunk"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
