@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from kiln.compiler.layers import MLP, Attention
+from kiln.compiler.layers import MLP, Attention, Linear
 from kiln.compiler.mla_layer import MLAAttention
 from kiln.compiler.models.base import DecoderLayer, DecoderOnlyLM
 from kiln.compiler.moe_layer import FusedMoE, MoEDecoderLayer
@@ -38,10 +38,10 @@ def norm_folds(model: nn.Module) -> tuple[dict[str, list[str]], str]:
         if type(layer) not in (DecoderLayer, MoEDecoderLayer) or type(attn) not in (Attention, MLAAttention):
             return {}, f"layer {i}: not a Llama-style or MLA decoder layer"
         first = [attn.qkv_a if type(attn) is MLAAttention else attn.qkv]
-        if (
-            any(lin.quant is not None for lin in first)
-            or getattr(ffn, "quant", None)
-            or getattr(ffn, "w13_scale", None) is not None
+        # every linear of the layer: the folds write into some, the residual adds go into others
+        # (a block-FP8 checkpoint may leave some of them unquantized and not others)
+        if any(m.quant is not None for m in layer.modules() if isinstance(m, Linear)) or (
+            getattr(ffn, "w13_scale", None) is not None
         ):
             return {}, f"layer {i}: FP8 linears (--quant fp8) keep their norms"
         if type(layer) is DecoderLayer and type(ffn) is MLP:

@@ -231,6 +231,24 @@ def test_folded_norms_run_batch_one_in_the_residual_stream(tmp_path, hf_quiet, n
     assert out[0].token_ids == hf_greedy(hf, prompt, NEW)[0]
 
 
+def test_norm_folds_refuse_a_layer_with_any_fp8_linear(tmp_path, hf_quiet):
+    """A block-FP8 checkpoint may leave some linears unquantized (``modules_to_not_convert``): a
+    layer folds only when none of its linears is FP8 (the folds write into ``q_b``, the shared
+    experts' gate_up, ...; ``o`` and the down projections take the residual adds)."""
+    from kiln.compiler.config import load_config
+    from kiln.compiler.norm_folds import norm_folds
+    from kiln.compiler.registry import model_class
+
+    make_deepseek_checkpoint(tmp_path / "hf", "v3")
+    cfg = load_config(tmp_path / "hf")
+    with torch.device("meta"):
+        model = model_class(cfg.architecture)(cfg, torch.float32)
+        assert norm_folds(model)[0]
+        model.layers[1].attn.q_b.quant = "fp8-block"  # qkv_a left unquantized, q_b not
+        folds, why = norm_folds(model)
+        assert not folds and "layer 1" in why and "FP8" in why
+
+
 @pytest.mark.slow
 def test_folded_norms_on_the_gemv_in_the_interpreter_match_hf(tmp_path, hf_quiet, monkeypatch):
     """V3 (q LoRA, sigmoid routing, a shared expert) with every GEMV role on: batch 1's decode step
