@@ -138,6 +138,20 @@ def tl_dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def softmax_block(s, v, m_i, l_i, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One key block of the online softmax: scores ``s [M, N]`` (log2 units, masked keys -inf) and
+    values ``v [N, W]`` into the running max ``m_i [M]``, sum ``l_i [M]`` and ``acc [M, W]``
+    (float32); returns ``(acc, m_i, l_i)``. ``m_i`` starts finite, so ``exp2(m_i - m_new)`` is
+    never NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl_dot(p.to(v.dtype), v, PREC, UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _split_plan(seq_len, num_splits, sliding_window, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """How one request's keys are dealt to the splits; shared by the split kernel and the merge
     so that they agree on which splits wrote a partial.

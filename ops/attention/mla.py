@@ -77,6 +77,7 @@ from kiln.ops.attention.decode import (
     _decode_merge_kernel,
     _split_plan,
     choose_num_splits,
+    softmax_block,
     split_partials,
     tl_dot,
 )
@@ -345,12 +346,7 @@ def _mla_decode_split_kernel(
         # c: [BLOCK_N, BLOCK_R] (key and value), pe: [BLOCK_N, BLOCK_DR]; read once for BLOCK_H heads
         s = tl_dot(ql, tl.trans(c), PREC, UPCAST) + tl_dot(qp, tl.trans(pe), PREC, UPCAST)
         s = tl.where(kmask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl_dot(p.to(c.dtype), c, PREC, UPCAST)
-        m_i = m_new
+        acc, m_i, l_i = softmax_block(s, c, m_i, l_i, acc, PREC, UPCAST)
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]  # zeros for an empty request
     omask = hmask[:, None] & (r[None, :] < R)

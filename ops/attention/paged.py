@@ -86,8 +86,4 @@ paged_attention_forward = kiln_op(
     ref=paged_attention_ref,
     check=by_step(check_decode, check_extend),
     fake=empty_attention_out,
-)(
-    by_step(  # verify's launch looked up at each call (a test spies on it)
-        decode_attention_triton, extend_attention_triton, lambda *a: verify_attention_triton(*a)
-    )
-)
+)(by_step(decode_attention_triton, extend_attention_triton, verify_attention_triton))

@@ -16,7 +16,7 @@ tokens of one request (tiles numbered request by request, as extend's ``find_til
 for one KV head and one split of the request's keys, as decode's split kernel owns one token: rows
 are ``tokens x GQA group`` (each K/V block read once for all of them), each row masked at its own
 position; the splits' partials are merged per token and head by a second kernel (decode's merge,
-finding the token's request in ``qo_indptr``). ``QTILE`` is the batch's tokens per request rounded
+finding the token's request with ``find_tile``). ``QTILE`` is the batch's tokens per request rounded
 up to a power of two (at most ``MAX_ROWS`` rows a program), so any chunk is right and few tokens
 per request are fast (``paged_attention`` sends it steps of at most ``FEW_TOKENS`` tokens per
 request on average and ``MAX_TOKENS`` in all, ops/attention/paged.py). The float32 partials of
@@ -40,6 +40,7 @@ from kiln.ops.attention.decode import (
     _split_plan,
     choose_num_splits,
     default_config,
+    softmax_block,
     split_partials,
     tl_dot,
     tl_softcap,
@@ -64,17 +65,6 @@ def _verify_plan(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.const
     chunk = tl.maximum(chunk, MIN_CHUNK)
     span = seq_len - base
     return base, chunk, (span + chunk - 1) // chunk
-
-
-@triton.jit
-def _token_request(indptr_ptr, num_reqs, t, SCAN: tl.constexpr):
-    """The request whose new tokens include row ``t`` (``num_reqs`` for padding rows past them)."""
-    r = t * 0
-    for b0 in range(0, num_reqs, SCAN):
-        idx = b0 + tl.arange(0, SCAN)
-        ends = tl.load(indptr_ptr + 1 + idx, mask=idx < num_reqs, other=0)
-        r += tl.sum(((idx < num_reqs) & (ends <= t)).to(tl.int32), 0)
-    return r
 
 
 @triton.jit
@@ -160,13 +150,7 @@ def _verify_split_kernel(
             rel = offs - prefix  # [BLOCK_N] node index of the key in the chunk
             bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)[None, :]) & 1
             vis = vis & ((rel < 0)[None, :] | (bit != 0))
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl_dot(p.to(v.dtype), v, PREC, UPCAST)
-        m_i = m_new
+        acc, m_i, l_i = softmax_block(tl.where(vis, s, float("-inf")), v, m_i, l_i, acc, PREC, UPCAST)
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]  # [ROWS, BLOCK_DV]; zeros without keys
     omask = qmask[:, None] & (dv[None, :] < DV)
@@ -190,7 +174,7 @@ def _verify_merge_kernel(
     pdl_wait(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
-    r = _token_request(indptr_ptr, num_reqs, t, SCAN)
+    r, _ = find_tile(indptr_ptr, num_reqs, t, 1, SCAN)  # tiles of one token: t's request
     if r >= num_reqs:
         return  # a padding row: zeroed by the split kernel
     seq_len = tl.load(lens_ptr + r)
