@@ -2,9 +2,10 @@
 folds at load time; compiler/models/base.py's residual-stream layout is what they buy).
 
 A norm folds when every reader of its normalized row is a known linear weight: per decoder layer,
-``input_norm`` into the qkv projection (MLA: into ``qkv_a``, and ``q_a_norm`` into ``q_b``) and ``post_attn_norm`` into the dense gate_up, or into the MoE router, the stacked
-experts' ``w13`` and a shared expert's gate_up. Exact block types only:
-a subclass could read the row somewhere this list does not know.
+``input_norm`` into the qkv projection (MLA: into ``qkv_a``, and ``q_a_norm`` into ``q_b``) and
+``post_attn_norm`` into the dense gate_up, or into the MoE router, the stacked experts' ``w13`` and
+a shared expert's gate_up. Exact block types only: a subclass could read the row somewhere this
+list does not know.
 
 A compile folds them where :func:`norm_folds` allows it unless ``kiln compile --no-fold-norms``
 (``CompileOptions.fold_norms``, kiln/settings.py). Measured on the H200
@@ -37,7 +38,7 @@ def norm_folds(model: nn.Module) -> tuple[dict[str, list[str]], str]:
         ffn: Any = getattr(layer, "mlp", None)
         if type(layer) not in (DecoderLayer, MoEDecoderLayer) or type(attn) not in (Attention, MLAAttention):
             return {}, f"layer {i}: not a Llama-style or MLA decoder layer"
-        first = [attn.qkv_a if type(attn) is MLAAttention else attn.qkv]
+        first = attn.qkv_a if type(attn) is MLAAttention else attn.qkv  # what the input norm feeds
         # every linear of the layer: the folds write into some, the residual adds go into others
         # (a block-FP8 checkpoint may leave some of them unquantized and not others)
         if any(m.quant is not None for m in layer.modules() if isinstance(m, Linear)) or (
@@ -52,7 +53,7 @@ def norm_folds(model: nn.Module) -> tuple[dict[str, list[str]], str]:
                 consumers.append(ffn.shared.gate_up.weight)
         else:
             return {}, f"layer {i}: its feed-forward is neither a dense MLP nor a FusedMoE"
-        folds[names[id(layer.input_norm.weight)]] = [names[id(lin.weight)] for lin in first]
+        folds[names[id(layer.input_norm.weight)]] = [names[id(first.weight)]]
         if type(attn) is MLAAttention and attn.q_lora:
             folds[names[id(attn.q_a_norm.weight)]] = [names[id(attn.q_b.weight)]]
         folds[names[id(layer.post_attn_norm.weight)]] = [names[id(p)] for p in consumers]

@@ -26,9 +26,10 @@ of this model: its pack leaves it out (layers past ``num_hidden_layers``, compil
 its decoder layer built by :func:`deepseek_layer`).
 
 At tp 1 without FP8 the norms fold (compiler/norm_folds.py) and the batch-1 decode graph runs the
-residual-stream layout: the input norm inside the ``qkv_a`` GEMV; ``q_a_norm`` inside ``q_b``; the post-attention norm inside the shared
-experts' gate_up GEMV (its normalized row feeds the float32 router and the routed experts), the
-routed experts adding the stream and the shared down GEMV adding their sum.
+residual-stream layout: the input norm inside the ``qkv_a`` GEMV; ``q_a_norm`` inside ``q_b``; the
+post-attention norm inside the shared experts' gate_up GEMV (its normalized row feeds the float32
+router and the routed experts), the routed experts adding the stream and the shared down GEMV
+adding their sum.
 """
 
 from __future__ import annotations
