@@ -337,8 +337,9 @@ def startup_cmd(
 ) -> None:
     """Process start to ready and to first token, by phase, in fresh processes. The phases run
     one after another on the main thread after the imports; weights_load is the weight stream,
-    on its own threads beside them from the graphs phase on ("weights (overlapped)": the wait
-    for it once the main thread is done)."""
+    on its own threads beside them from the graphs phase on (a one-rank engine's kv_pool and
+    cuda_graphs among them: a capture needs the weights' addresses, not their values; "weights
+    (overlapped)": the wait for the stream once the main thread is done)."""
     from kiln.runtime.benchmark import environment, startup, startup_verify_cost
 
     def line(r: dict) -> str:

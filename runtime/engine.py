@@ -197,6 +197,11 @@ class Engine:
                 tokenizer[0] = load_tokenizer(art.tokenizer_dir)
                 prepare_detokenizer(tokenizer[0])  # shared tables built here, not on first use
 
+        # One rank and no draft model: the KV pool and the CUDA graphs are built while the weights
+        # stream in (a capture records addresses, not values; load_model's weights_placed). A draft
+        # model loads after the target, and tensor-parallel followers build theirs in step with
+        # rank 0, so those build once the load is done.
+        early = tp == 1 and self.spec_mode != "draft"
         self.model = load_model(
             artifact,
             dev,
@@ -205,16 +210,9 @@ class Engine:
             while_weights_load=load_text,
             kernel_cache_dir=opts.kernel_cache_dir,
             graph_format=self.settings["graph_format"],
+            weights_placed=(lambda model: self._build_runner(model, opts, None)) if early else None,
         )
         self.tokenizer = tokenizer[0]
-        art = self.model.artifact
-        self.artifact = art
-        self.device = self.model.device
-        m = art.manifest  # typed fields, read here once
-        kv, page_size = m.kv, m.kv.page_size
-        self.max_seq_len = m.max_seq_len
-        # Requests running at once: the option, at most the largest decode bucket (max_batch_size).
-        self.max_running = min(opts.max_running or m.max_batch_size, m.max_batch_size)
         draft = None
         if self.spec_mode == "draft":  # its own pool of as many slots, one block table for both
             t = time.perf_counter()
@@ -222,48 +220,10 @@ class Engine:
                 self.model, self.device, opts.verify, self.settings["graph_format"], opts.kernel_cache_dir
             )
             self.model.phases["draft"] = time.perf_counter() - t
-        t = time.perf_counter()
-        per_token = kv.bytes_per_token + (draft.artifact.manifest.kv.bytes_per_token if draft else 0)
-        want = _kv_bytes(opts, self.device, per_token, self.max_running * self.max_seq_len + page_size)
-        slots = size_for_memory(want, per_token, page_size)
-        self.pool = KVPool.for_spec(kv, slots, self.device)
-        self.bt = BlockTable(self.max_running, m.max_blocks, self.device, page_size)
-        # Per-step copies: persistent pinned rings with overlap (no host syncs), fresh pinned
-        # tensors otherwise (the path measured on the H200 without overlap).
-        self.stager = HostStager(self.device, ring=opts.overlap)
-        self.bt.stager = self.stager
-        self.model.phases["kv_pool"] = time.perf_counter() - t
-        t = time.perf_counter()
-        spec_on = self.spec_mode != "off"
-        drafts = self.settings["num_draft_tokens"] if spec_on else 0  # the verify graphs to capture
-        # draft trees (draft_branches > 1; n-gram or an EAGLE-3 head / MTP layer, an artifact with the
-        # tree graph): their verify steps get the tree graph's (B, k) graphs too
-        trees = self.settings["draft_branches"] > 1 and self._trees_possible(draft)
-        if self.ranks is not None:  # the followers build the same pool, table and runner now
-            self.ranks.setup(
-                self.pool.num_slots,
-                self.max_running,
-                opts.cuda_graph,
-                self.settings["graph_greedy"],
-                drafts,
-                trees,
-            )
-        if spec_on:
-            self._check_verify(m.verify)
-        self.runner = ModelRunner(
-            self.model,
-            self.pool,
-            self.bt,
-            cuda_graph=opts.cuda_graph,
-            graph_greedy=self.settings["graph_greedy"],
-            num_draft_tokens=drafts,
-            tree_graphs=trees,
-        )
-        if self.ranks is not None:
-            from kiln.runtime.tensor_parallel import BroadcastRunner
-
-            self.runner = cast(ModelRunner, BroadcastRunner(self.runner, self.ranks))
-        self.model.phases["cuda_graphs"] = time.perf_counter() - t
+        if not early:
+            self._build_runner(self.model, opts, draft)
+        m = self.artifact.manifest
+        page_size = m.kv.page_size
         self.radix = RadixCache(page_size, disabled=not opts.radix_cache)
         chunk = min(opts.chunk_size or m.chunk_size, m.chunk_size)
         self.scheduler = Scheduler(
@@ -295,12 +255,12 @@ class Engine:
         self.spec_stats = AcceptanceStats()
         self.drafter: NgramDrafter | DraftModel | None = None
         if draft is not None:
-            pool = KVPool.for_spec(draft.artifact.manifest.kv, slots, self.device)
+            pool = KVPool.for_spec(draft.artifact.manifest.kv, self.pool.num_slots, self.device)
             common = (draft, pool, self.bt, self.settings["num_draft_tokens"], m.vocab_size, opts.cuda_graph)
             eos = tuple(sorted(m.eos_token_ids))
             # an EAGLE-3 head or MTP layer: the target's streams at aux_layers (one drafter for both)
             if m.draft is not None and m.draft.kind in DraftSpec.HEADS:
-                branches = self.settings["draft_branches"] if trees else 1
+                branches = self.settings["draft_branches"] if self.trees else 1
                 self.drafter = Eagle3Drafter(*common, self.runner.aux_args[0], self.stager, eos, branches)
             else:
                 self.drafter = DraftModel(*common, eos)
@@ -311,13 +271,13 @@ class Engine:
                 ngram_min=self.settings["ngram_min"],
                 branches=self.settings["draft_branches"],
             )
-            if not trees:
+            if not self.trees:
                 ngram = replace(ngram, branches=1)
             self.drafter = NgramDrafter(ngram)
         spec = None
         if self.drafter is not None:
             spec = SpecParts(
-                self.drafter, self.spec_stats, m.verify.buckets[-1] if m.verify else None, trees=trees
+                self.drafter, self.spec_stats, m.verify.buckets[-1] if m.verify else None, trees=self.trees
             )
         parts = StepParts(
             self.scheduler,
@@ -349,6 +309,61 @@ class Engine:
                     f"{self.settings['num_draft_tokens']} drafts per request ({graphs})",
                     flush=True,
                 )
+
+    def _build_runner(self, model: LoadedModel, opts: EngineOptions, draft: LoadedModel | None) -> None:
+        """The KV pool, block table, host stager and model runner of ``model`` (its CUDA graphs
+        captured); beside the weight stream when called from ``load_model``'s ``weights_placed``."""
+        self.model = model
+        art = model.artifact
+        self.artifact = art
+        self.device = self.model.device
+        m = art.manifest  # typed fields, read here once
+        kv, page_size = m.kv, m.kv.page_size
+        self.max_seq_len = m.max_seq_len
+        # Requests running at once: the option, at most the largest decode bucket (max_batch_size).
+        self.max_running = min(opts.max_running or m.max_batch_size, m.max_batch_size)
+        t = time.perf_counter()
+        per_token = kv.bytes_per_token + (draft.artifact.manifest.kv.bytes_per_token if draft else 0)
+        want = _kv_bytes(opts, self.device, per_token, self.max_running * self.max_seq_len + page_size)
+        slots = size_for_memory(want, per_token, page_size)
+        self.pool = KVPool.for_spec(kv, slots, self.device)
+        self.bt = BlockTable(self.max_running, m.max_blocks, self.device, page_size)
+        # Per-step copies: persistent pinned rings with overlap (no host syncs), fresh pinned
+        # tensors otherwise (the path measured on the H200 without overlap).
+        self.stager = HostStager(self.device, ring=opts.overlap)
+        self.bt.stager = self.stager
+        self.model.phases["kv_pool"] = time.perf_counter() - t
+        t = time.perf_counter()
+        spec_on = self.spec_mode != "off"
+        drafts = self.settings["num_draft_tokens"] if spec_on else 0  # the verify graphs to capture
+        # draft trees (draft_branches > 1; n-gram or an EAGLE-3 head / MTP layer, an artifact with the
+        # tree graph): their verify steps get the tree graph's (B, k) graphs too
+        trees = self.trees = self.settings["draft_branches"] > 1 and self._trees_possible(draft)
+        if self.ranks is not None:  # the followers build the same pool, table and runner now
+            self.ranks.setup(
+                self.pool.num_slots,
+                self.max_running,
+                opts.cuda_graph,
+                self.settings["graph_greedy"],
+                drafts,
+                trees,
+            )
+        if spec_on:
+            self._check_verify(m.verify)
+        self.runner = ModelRunner(
+            self.model,
+            self.pool,
+            self.bt,
+            cuda_graph=opts.cuda_graph,
+            graph_greedy=self.settings["graph_greedy"],
+            num_draft_tokens=drafts,
+            tree_graphs=trees,
+        )
+        if self.ranks is not None:
+            from kiln.runtime.tensor_parallel import BroadcastRunner
+
+            self.runner = cast(ModelRunner, BroadcastRunner(self.runner, self.ranks))
+        self.model.phases["cuda_graphs"] = time.perf_counter() - t
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str) -> list[int]:

@@ -280,13 +280,20 @@ def load_model(
     while_weights_load: Callable[[Artifact], None] | None = None,
     kernel_cache_dir: str | Path | None = None,
     graph_format: str | None = None,
+    weights_placed: Callable[[LoadedModel], None] | None = None,
 ) -> LoadedModel:
     """Load the artifact at ``path`` (module docstring). ``verify``: hash every file against the
     manifest (the weight data in the pack loader's threads as it streams); False: sizes only.
     ``while_weights_load(artifact)``: host work to run on this thread while the weights stream in
     (the engine loads its tokenizer there); timed as the ``tokenizer`` phase. ``kernel_cache_dir``:
     where Triton compiles kernels the artifact lacks (default ``~/.cache/kiln/triton``).
-    ``graph_format``: ``python`` or ``pt2`` (None: the ``graph_format`` setting)."""
+    ``graph_format``: ``python`` or ``pt2`` (None: the ``graph_format`` setting).
+    ``weights_placed(model)``: work that needs the weights' addresses but not their values, run on
+    this thread beside the stream, before ``while_weights_load``: the model returned, its weights
+    allocated (zeroed on a device) and filling in on other threads and streams (the engine builds
+    its KV pool and captures its CUDA graphs there; it must not read the weights' values, and every
+    CUDA graph capture in it must use ``capture_error_mode="thread_local"``: the readers copy on
+    their own threads meanwhile). It times its own phases; the weights are whole when this returns."""
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -319,18 +326,28 @@ def load_model(
     # Weights stream in on a worker thread (file reads and copies release the GIL) while this
     # thread deserializes the graphs.
     loaded: dict[str, Any] = {}
+    placed = threading.Event()  # set once the weights have their memory (or the load failed)
+
+    def on_placed(weights: dict[str, torch.Tensor]) -> None:
+        loaded["placed"] = weights
+        placed.set()
 
     def load_weights() -> None:
         try:
-            weights = load_pack(art.root / "weights", rank, dev, verify=verify)
+            weights = load_pack(
+                art.root / "weights", rank, dev, verify=verify, placed=on_placed if weights_placed else None
+            )
             folds = {norm: list(consumers) for norm, consumers in art.manifest.norm_folds.items()}
-            apply_norm_folds(weights, folds)  # what the graphs expect
+            apply_norm_folds(weights, folds)  # what the graphs expect (in place: the same addresses)
             loaded["weights"] = weights
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+            if dev.type == "cuda":  # this thread's stream follows the copies, folds and check; not a
+                # device-wide sync, which would wait for (or fail on) a capture on the main thread
+                torch.cuda.current_stream(dev).synchronize()
             loaded["seconds"] = time.perf_counter() - t_w
         except BaseException as e:  # re-raised below
             loaded["error"] = e
+        finally:
+            placed.set()
 
     t_w = time.perf_counter()
     worker = threading.Thread(target=load_weights, name="kiln-load-weights")
@@ -339,14 +356,21 @@ def load_model(
         with _switch_interval(OVERLAP_SWITCH_INTERVAL_S if dev.type == "cuda" else None):
             graphs = load_graphs(art, graph_format, dev)
             mark("graphs")
-            if while_weights_load is not None:
-                while_weights_load(art)
-                mark("tokenizer")
             r = art.manifest.rope  # (no weights needed: beside the stream too; 0.11 s on the H200)
             cos_sin = rope_cos_sin_cache(
                 r.rotary_dim, art.manifest.max_seq_len, r.base, r.scaling, device=dev
             )
             mark("rope")
+            if weights_placed is not None:
+                placed.wait()
+                if "placed" in loaded:  # else the load failed: raised below
+                    check_vocab(art, loaded["placed"])  # shapes only: before anything captures them
+                    model = LoadedModel(art, dev, loaded["placed"], graphs, cos_sin, phases)
+                    weights_placed(model)  # marks its own phases
+                    t = time.perf_counter()
+            if while_weights_load is not None:  # the tokenizer: it holds the GIL, so after the capture
+                while_weights_load(art)
+                mark("tokenizer")
     except KilnError:  # a file that does not parse: say it was altered, if its hash says so
         if hashes is not None:
             hashes.result()
@@ -361,4 +385,7 @@ def load_model(
     check_vocab(art, weights)
     mark("weights (overlapped)")
     phases["weights_load"] = loaded["seconds"]
+    if weights_placed is not None:  # the model weights_placed saw, now whole
+        assert model.weights is weights
+        return model
     return LoadedModel(art, dev, weights, graphs, cos_sin, phases)

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Literal
 
 import numpy as np
@@ -248,6 +250,12 @@ class ModelRunner:
         return logits
 
     def _capture_all(self) -> None:
+        """Capture every decode bucket's graph, then the verify graphs, largest first so smaller
+        graphs reuse its memory. Safe beside the weight stream (runtime/loader.py
+        ``weights_placed``): each capture is ``thread_local`` (the readers' copies on their own
+        threads do not break it) and nothing here waits for the whole device. ``CUDAGraph``'s
+        ``capture_begin``/``capture_end`` directly: ``torch.cuda.graph`` synchronizes the device
+        and empties the device and pinned-host caches before every capture."""
         t0 = time.perf_counter()
         # Padding inputs: row 0 (all-zero block table row), slot 0, seq_len 1: valid and harmless.
         self._i64.zero_()
@@ -256,26 +264,28 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+
+        def capture(run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+            for _ in range(2):  # warm up: allocator and any lazy init outside the capture
+                run()
+            g = torch.cuda.CUDAGraph()
+            g.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                out = run()
+            finally:
+                g.capture_end()
+            return g, out
+
         with torch.cuda.stream(stream):
-            for b in reversed(self.decode_buckets):  # largest first so smaller graphs reuse its memory
-                for _ in range(2):  # warm up: allocator and any lazy init outside the capture
-                    self._run_decode_graph(b)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
-                    self._out[b] = self._run_decode_graph(b)
-                self.graphs[b] = g
+            for b in reversed(self.decode_buckets):
+                self.graphs[b], self._out[b] = capture(partial(self._run_decode_graph, b))
             for tree in (False, True) if self._vtree else (False,):
                 graphs, outs = (self.tgraphs, self._tout) if tree else (self.vgraphs, self._vout)
                 for key in sorted(self._vshapes, reverse=True):
                     self._pad_verify(*key)
-                    for _ in range(2):
-                        self._run_verify_graph(*key, tree)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool, stream=stream):
-                        outs[key] = self._run_verify_graph(*key, tree)
-                    graphs[key] = g
+                    graphs[key], outs[key] = capture(partial(self._run_verify_graph, *key, tree))
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        stream.synchronize()
         self.capture_seconds = time.perf_counter() - t0
 
     def decode(

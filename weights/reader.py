@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +62,9 @@ from kiln.weights.index import PackIndex, PackTensor
 from kiln.weights.integrity import check_sums, file_sums, pread_exact
 from kiln.weights.st_format import DTYPE_NAMES
 from kiln.weights.verify import Expected, check_expected, check_rank_files
+
+# load_pack's ``placed`` callback: the tensors it will return, once they have their memory
+Placed = Callable[[dict[str, torch.Tensor]], None]
 
 DEVICE_ALIGN = ALIGN  # 256: the checksum kernel's wide loads rely on it
 
@@ -91,6 +94,7 @@ def load_pack(
     expected: Expected | None = None,
     verify: bool = True,
     options: LoadOptions | None = None,
+    placed: Placed | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load rank ``rank`` of the pack in ``pack_dir`` onto ``device``; returns ``{name: tensor}``.
 
@@ -98,6 +102,11 @@ def load_pack(
     name); the pack must match it exactly. ``verify``: check every header's xxh3 and every
     tensor's wsum64 against pack.json (see the module docstring); ``False`` checks sizes and
     headers only. Raises :class:`~kiln.weights.index.PackError` naming the file and tensor at fault.
+    ``placed(tensors)``: called on this thread with the tensors to be returned once each has its
+    memory, before their data (staged and CPU loads: before the reads begin, a staged device arena
+    zeroed first, on the caller's stream, so that work reading the tensors early reads zeros or
+    weights, never stale memory; a direct load: after it). What uses them before this returns
+    learns their addresses and shapes, not their values (the engine captures its CUDA graphs so).
     """
     pack_dir = Path(pack_dir)
     opts = options or LoadOptions()
@@ -116,15 +125,17 @@ def load_pack(
     if staging not in ("pinned", "direct"):
         raise ValueError(f"staging must be auto, pinned or direct, got {opts.staging!r}")
     if staging == "pinned":  # on a CPU device: the same pipeline with plain buffers (tests)
-        out, arena, offsets = _load_staged(pack_dir, tensors, dev, opts)
+        out, arena, offsets = _load_staged(pack_dir, tensors, dev, opts, placed)
         if verify and dev.type == "cuda":
             check_sums(pack_dir, tensors, device_wsum64(arena, offsets, [t.nbytes for t in tensors]))
     elif dev.type == "cpu":
-        out = _load_cpu(pack_dir, tensors, opts.threads)
+        out = _load_cpu(pack_dir, tensors, opts.threads, placed)
     else:
         if verify:
             check_sums(pack_dir, tensors, file_sums(pack_dir, tensors, opts.threads))
         out = _load_direct(pack_dir, tensors, dev)
+        if placed is not None:
+            placed(out)
     if verify and dev.type == "cpu":
         check_sums(pack_dir, tensors, wsum64_many([as_bytes(out[t.name]) for t in tensors], opts.threads))
     return out
@@ -142,8 +153,12 @@ def _open_all(pack_dir: Path, tensors: list[PackTensor]) -> dict[str, int]:
     return {f: os.open(pack_dir / f, os.O_RDONLY) for f in sorted({t.file for t in tensors})}
 
 
-def _load_cpu(pack_dir: Path, tensors: list[PackTensor], threads: int) -> dict[str, torch.Tensor]:
+def _load_cpu(
+    pack_dir: Path, tensors: list[PackTensor], threads: int, placed: Placed | None
+) -> dict[str, torch.Tensor]:
     out = {t.name: _empty(t) for t in tensors}
+    if placed is not None:
+        placed(out)
     fds = _open_all(pack_dir, tensors)
     try:
 
@@ -261,6 +276,7 @@ def _load_staged(
     tensors: list[PackTensor],
     dev: torch.device,
     opts: LoadOptions,
+    placed: Placed | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]:
     """The pipeline of the module docstring; returns the tensors, the arena and their offsets in it."""
     plan = plan_staging(tensors, opts.chunk_bytes)
@@ -269,6 +285,9 @@ def _load_staged(
         t.name: arena[o : o + t.nbytes].view(DTYPE_NAMES[t.dtype]).view(t.shape)
         for t, o in zip(tensors, plan.offsets)
     }
+    if placed is not None:
+        arena.zero_()  # on the caller's stream; the copy streams wait for it below
+        placed(out)
     nchunks = plan.num_chunks()
     if not nchunks:
         return out, arena, plan.offsets
@@ -279,6 +298,8 @@ def _load_staged(
     streams = (
         [torch.cuda.Stream(dev) for _ in range(max(1, min(opts.copy_streams, nthreads)))] if cuda else []
     )
+    for s in streams if placed is not None else ():
+        s.wait_stream(torch.cuda.current_stream(dev))  # the zeros first
     todo = plan.chunks()
     lock = threading.Lock()
     errors: list[BaseException] = []

@@ -15,6 +15,11 @@
 #                        `load_pack` over a sweep of options), with LOAD_ARGS (its flags, e.g.
 #                        "--threads 8,16 --chunks-mib 8,16 --reps 2")
 #   GPU_TESTS=           pytest paths run first with -m gpu
+#   OLD=                 another kiln tree (a tar: `git archive -o .old.tar REV`, carried; or a
+#                        folder): instead of the check on/off pairs, `kiln bench startup --runs 1`
+#                        of this tree and that one alternating on the same artifact, RUNS rounds
+#                        (old new, new old, ...), and the medians side by side; then, with
+#                        STARTUP_ARGS, one more run of this tree with those flags ("--imports 15")
 # Writes DEST/startup_<shape>.json holding compile.log, startup_verify.json (`kiln bench startup
 # --json`), repro.json (the files that differ, if any), weights_load.json, tests.log, stamps.
 set -o pipefail
@@ -44,9 +49,41 @@ stamp checkpoint
 # shellcheck disable=SC2086
 compile_in "$HERE" compile.log "$CK" "$ART" --dtype "$DTYPE" ${QUANT:+--quant "$QUANT"} $COMPILE_ARGS
 stamp compile
-step startup.log 300 python -m kiln bench startup "$ART" --compare-verify --runs "$RUNS" \
-  --json "$RAW/startup_verify.json"
-show startup.log "." 3
+if [ -z "$OLD" ]; then
+  step startup.log 300 python -m kiln bench startup "$ART" --compare-verify --runs "$RUNS" \
+    --json "$RAW/startup_verify.json"
+  show startup.log "." 3
+else  # this tree and OLD alternating, one fresh process each (the artifact format is shared)
+  OLD_DIR=$WORK/old
+  if [ -d "$OLD" ]; then OLD_DIR=$(cd "$OLD" && pwd); elif [ -z "$DRY" ]; then
+    rm -rf "$OLD_DIR"; mkdir -p "$OLD_DIR"; tar -xf "$OLD" -C "$OLD_DIR" || exit 2
+  fi
+  for ((r = 1; r <= RUNS; r++)); do
+    order="old new"; [ $((r % 2)) = 0 ] && order="new old"
+    for tree in $order; do
+      dir=$HERE; [ "$tree" = old ] && dir=$OLD_DIR
+      step "startup_${tree}_r$r.log" 90 env -C "$dir" PYTHONPATH="$dir:$dir/tests:$dir/bench" \
+        python -m kiln bench startup "$ART" --runs 1 --json "$RAW/startup_${tree}_r$r.json"
+      show "startup_${tree}_r$r.log" "first token" 1
+    done
+  done
+  if [ -n "$STARTUP_ARGS" ]; then
+    # shellcheck disable=SC2086  # flags, split on purpose
+    step startup_extra.log 120 python -m kiln bench startup "$ART" --runs 1 $STARTUP_ARGS --json "$RAW/startup_extra.json"
+    show startup_extra.log "." 5
+  fi
+  [ -z "$DRY" ] && python - "$RAW" <<'PY' | tee "$RAW/startup_table.txt"
+import glob, json, statistics, sys
+for tree in ("old", "new"):
+    runs = [json.load(open(f))["startup"] for f in sorted(glob.glob(f"{sys.argv[1]}/startup_{tree}_r*.json"))]
+    if not runs:
+        continue
+    med = lambda k: statistics.median(r[k] for r in runs)
+    after = statistics.median(r["ready_s"] - r["import_s"] for r in runs)
+    print(f"{tree}: {len(runs)} runs, median import {med('import_s'):.2f} s, ready {med('ready_s'):.2f} s, "
+          f"first token {med('first_token_s'):.2f} s, ready after the imports {after:.2f} s")
+PY
+fi
 stamp startup
 
 if [ -n "$REPRO" ]; then
@@ -70,4 +107,4 @@ PY
   fi
   stamp repro
 fi
-call_end startup.sh PRESET LAYERS DTYPE QUANT COMPILE_ARGS RUNS REPRO LOAD_SWEEP LOAD_ARGS GPU_TESTS BUDGET
+call_end startup.sh PRESET LAYERS DTYPE QUANT COMPILE_ARGS RUNS REPRO LOAD_SWEEP LOAD_ARGS GPU_TESTS OLD STARTUP_ARGS BUDGET

@@ -217,3 +217,56 @@ def test_switch_interval_is_short_beside_the_weight_stream_on_a_gpu_only(demo_on
     with _switch_interval(OVERLAP_SWITCH_INTERVAL_S):
         assert sys.getswitchinterval() == pytest.approx(OVERLAP_SWITCH_INTERVAL_S)
     assert sys.getswitchinterval() == default
+
+
+def test_one_rank_engine_builds_its_runner_while_the_weights_stream(demo_one_rank, monkeypatch) -> None:
+    """A one-rank engine builds its KV pool and model runner (its CUDA graphs on a GPU) inside
+    ``load_model``'s ``weights_placed``, beside the weight stream and before the tokenizer, on the
+    very tensors the load returns (every other one-rank engine test serves from such a build)."""
+    import kiln.runtime.engine as engine_mod
+    from kiln.runtime.engine import Engine, EngineOptions
+
+    order: list[str] = []
+    load, build, tok = engine_mod.load_model, Engine._build_runner, engine_mod.load_tokenizer
+
+    def spy_load(*a, **kw):
+        model = load(*a, **kw)
+        order.append("loaded")
+        return model
+
+    def spy_build(self, model, opts, draft):
+        order.append("runner")
+        build(self, model, opts, draft)
+        self.placed = model.weights
+
+    def spy_tok(*a, **kw):
+        order.append("tokenizer")
+        return tok(*a, **kw)
+
+    monkeypatch.setattr(engine_mod, "load_model", spy_load)
+    monkeypatch.setattr(Engine, "_build_runner", spy_build)
+    monkeypatch.setattr(engine_mod, "load_tokenizer", spy_tok)
+    engine = Engine(str(demo_one_rank), EngineOptions(device="cpu", log=False))
+    assert order == ["runner", "tokenizer", "loaded"]
+    assert engine.placed is engine.model.weights and engine.runner.m is engine.model
+    assert {"kv_pool", "cuda_graphs", "tokenizer", "weights_load"} <= set(engine.model.phases)
+
+
+def test_a_failed_load_beside_an_early_build_still_names_the_altered_file(demo_one_rank, tmp_path) -> None:
+    """The early build (``weights_placed``) runs on the placed tensors before the check of their
+    data finishes: an altered weight file is still refused, after the build, with its name."""
+    import shutil
+
+    from kiln.runtime.loader import load_model
+    from kiln.weights.index import PackError
+
+    art = tmp_path / "art"
+    shutil.copytree(demo_one_rank, art)
+    f = art / "weights" / "rank0.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF  # the last byte: tensor data, not the header
+    f.write_bytes(bytes(data))
+    built: list[bool] = []
+    with pytest.raises(PackError, match=f.name):
+        load_model(str(art), "cpu", weights_placed=lambda model: built.append(True))
+    assert built == [True]

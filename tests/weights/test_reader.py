@@ -154,3 +154,22 @@ def test_staged_cuda_equals_cpu(packed, opts):
         for n, t in want.items():
             assert got[n].is_cuda and got[n].data_ptr() % DEVICE_ALIGN == 0, n
             assert torch.equal(host[n].view(torch.uint8), t.view(torch.uint8)), n
+
+
+@pytest.mark.parametrize("staging", ["pinned", "direct"])
+def test_placed_sees_the_returned_tensors_before_their_data(packed, staging):
+    """``placed`` gets the very tensors load_pack returns (same dict, same memory) before any byte
+    is read: a staged arena all zeros then, the weights after."""
+    seen: list[tuple[dict, dict[str, int], bool]] = []
+
+    def placed(ts: dict[str, torch.Tensor]) -> None:
+        zeros = all(not t.view(torch.uint8).any() for t in ts.values())
+        seen.append((ts, {n: t.data_ptr() for n, t in ts.items()}, zeros))
+
+    want = load_pack(packed, 0, verify=False)
+    got = load_pack(packed, 0, "cpu", options=LoadOptions(staging, 3, 1000, 2), placed=placed)
+    assert len(seen) == 1
+    ts, ptrs, zeros = seen[0]
+    assert ts is got and ptrs == {n: t.data_ptr() for n, t in got.items()}
+    assert zeros or staging == "direct"  # a CPU "direct" load allocates with torch.empty
+    assert all(torch.equal(got[n], t) for n, t in want.items())
