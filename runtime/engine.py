@@ -213,6 +213,7 @@ class Engine:
             weights_placed=(lambda model: self._build_runner(model, opts, None)) if early else None,
         )
         self.tokenizer = tokenizer[0]
+        self.artifact, self.device = self.model.artifact, self.model.device
         draft = None
         if self.spec_mode == "draft":  # its own pool of as many slots, one block table for both
             t = time.perf_counter()
