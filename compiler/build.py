@@ -618,11 +618,14 @@ def build_graphs(
 
 # Extend warm-up shapes (tokens, requests): Triton specializes integer arguments by value class
 # (== 1, divisible by 16, other), so each class of T and B must run once for the cache to cover
-# every launch the runtime can make.
+# every launch the runtime can make; steps of at most 16 tokens a request go to verify attention
+# instead (ops/attention/paged.py), whose one varying parameter, tokens per program (1, 2, 4, 8, 16:
+# ops/attention/verify.py ``qtile``), each of these reaches.
 EXTEND_WARMUP = (
     (1, 1),
     (2, 1),
     (2, 2),
+    (4, 1),
     (16, 1),
     (16, 2),
     (16, 16),

@@ -24,6 +24,13 @@ request on average and ``MAX_TOKENS`` in all, ops/attention/paged.py). The float
 
 Grid ``(Hkv, cdiv(T, QTILE) + B, num_splits)``; tiles past the requests' zero the padding rows.
 float32 accumulation, exp2 with log2(e) folded into the scale, as decode's kernel.
+
+Specializations: these kernels run in eager extend steps of any batch and length, so what varies
+from step to step must not make a new Triton specialization (the runtime compiles nothing: every
+kernel comes from the artifact's warm-up). The request, token and split counts are not specialized
+(``do_not_specialize``), the scan width is fixed (``SCAN_REQS``) and the merge's tile of splits is
+sized for the most splits the block table allows; only ``QTILE`` (:func:`qtile`: 1, 2, 4, 8 or 16
+tokens) varies, and the compile's warm-up runs each (compiler/build.py ``EXTEND_WARMUP``).
 """
 
 from __future__ import annotations
@@ -55,6 +62,13 @@ MAX_TOKENS = 512  # and on a step's tokens (a long prefill chunk beside decodes 
 MAX_ROWS = 64  # a program's query rows: tokens x GQA group, padded to a power of two
 MIN_CHUNK = 32  # the fewest keys a split takes (decode's plan: one key block)
 PARTIALS_BYTES = 64 << 20  # the split partials' bound: fewer splits where T x Hq x Dv is large
+SCAN_REQS = 64  # requests per round of the kernels' qo_indptr scans (fixed: not a specialization)
+
+
+def qtile(num_tokens: int, num_reqs: int, group: int) -> int:
+    """Tokens per program: the step's tokens per request rounded up to a power of two, at most
+    ``MAX_ROWS // group`` (the one launch parameter that varies with the step)."""
+    return max(1, min(next_pow2(-(-num_tokens // max(num_reqs, 1))), MAX_ROWS // group))
 
 
 @triton.jit
@@ -67,7 +81,7 @@ def _verify_plan(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.const
     return base, chunk, (span + chunk - 1) // chunk
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens", "num_splits"])
 def _verify_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, lens_ptr, indptr_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, tm_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh,
@@ -163,7 +177,7 @@ def _verify_split_kernel(
         tl.store(mid_o_ptr + (first + split)[:, None] * DV + dv[None, :], o, mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _verify_merge_kernel(
     mid_o_ptr, mid_lse_ptr, lens_ptr, indptr_ptr, out_ptr, stride_ot, stride_oh, num_reqs, num_q_heads,
     num_splits, DV: tl.constexpr, BLOCK_DV: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -236,26 +250,26 @@ def verify_attention_triton(
     out = torch.empty(t, hq, dv, dtype=q.dtype, device=q.device)
     if t == 0:
         return out
+    most = choose_num_splits(1, block_table.shape[1] * page_size, hkv)  # auto's most, at batch 1
     if num_splits == 0:  # auto: decode's rule, a program per request, KV head and split
         num_splits = choose_num_splits(max(bsz, 1), block_table.shape[1] * page_size, hkv)
     num_splits = max(1, min(num_splits, PARTIALS_BYTES // (t * hq * dv * 4)))  # float32 partials
     group = hq // hkv
-    qtile = max(1, min(next_pow2(-(-t // max(bsz, 1))), MAX_ROWS // group))  # tokens per pass
+    tile = qtile(t, bsz, group)  # tokens per pass
     cfg = config or default_config(d, dv)
     min_chunk = -(-max(min_chunk, 1) // cfg.block_n) * cfg.block_n  # whole key blocks
     mid_o, mid_lse = split_partials(out, num_splits)
     block_table = block_table.to(torch.int32)
     block_dv = max(16, next_pow2(dv))
     pdl = pdl_args(q)
-    scan = max(16, min(64, next_pow2(bsz)))  # requests per round of the kernels' qo_indptr scans
-    _verify_split_kernel[(hkv, triton.cdiv(t, qtile) + bsz, num_splits)](
+    _verify_split_kernel[(hkv, triton.cdiv(t, tile) + bsz, num_splits)](
         q, k_cache, v_cache, block_table, req_rows, seq_lens, qo_indptr, out, mid_o, mid_lse,
         seq_lens if tree_mask is None else tree_mask,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1), bsz, t, hq, num_splits, float(sm_scale),
-        float(logit_cap), GROUP=group, QTILE=qtile, ROWS=max(16, next_pow2(qtile * group)), D=d,
+        float(logit_cap), GROUP=group, QTILE=tile, ROWS=max(16, next_pow2(tile * group)), D=d,
         BLOCK_D=max(16, next_pow2(d)), DV=dv, BLOCK_DV=block_dv, PAGE=page_size, BLOCK_N=cfg.block_n,
-        MIN_CHUNK=min_chunk, SCAN=scan, HAS_CAP=logit_cap > 0, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        MIN_CHUNK=min_chunk, SCAN=SCAN_REQS, HAS_CAP=logit_cap > 0, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         TREE=tree_mask is not None,
     )  # fmt: skip
@@ -263,7 +277,7 @@ def verify_attention_triton(
         block_dv = min(64, block_dv)
         _verify_merge_kernel[(t, hq, triton.cdiv(dv, block_dv))](
             mid_o, mid_lse, seq_lens, qo_indptr, out, out.stride(0), out.stride(1), bsz, hq, num_splits,
-            DV=dv, BLOCK_DV=block_dv, TILE=min(64, next_pow2(num_splits)), BLOCK_N=cfg.block_n, MIN_CHUNK=min_chunk,
-            SCAN=scan, num_warps=4, **pdl,
+            DV=dv, BLOCK_DV=block_dv, TILE=min(64, next_pow2(max(num_splits, most))), BLOCK_N=cfg.block_n,
+            MIN_CHUNK=min_chunk, SCAN=SCAN_REQS, num_warps=4, **pdl,
         )  # fmt: skip
     return out

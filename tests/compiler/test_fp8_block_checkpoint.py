@@ -120,7 +120,7 @@ def simulated(hf: torch.nn.Module, fp8_dir: Path) -> torch.nn.Module:
                     tok, j = torch.where(ids == e)
                     gate, up = fp8_block_linear_ref(x[tok], w13[e], s13[e], None).chunk(2, dim=-1)
                     y = fp8_block_linear_ref(act(gate) * up, w2[e], s2[e], None)
-                    out.index_add_(0, tok, y * weights[tok, j, None])
+                    out.index_add_(0, tok, (y * weights[tok, j, None]).to(out.dtype))
                 return out
 
             mod.forward = experts
@@ -316,11 +316,9 @@ def test_resolve_quant():
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_artifact_matches_the_simulated_model(compiled_gpu, tmp_path):
-    make_checkpoint(
-        tmp_path / "hf", "llama-untied", seed=3, hf_init=True, hidden_size=256, intermediate_size=384,
-        num_attention_heads=2, num_key_value_heads=1,
-    )  # fmt: skip
+@pytest.mark.parametrize("arch", ["llama", "deepseek-v3"])  # V3: one block-FP8 qkv_a, MLA, MoE
+def test_gpu_bf16_artifact_matches_the_simulated_model(compiled_gpu, tmp_path, hf_quiet, arch):
+    ARCHS[arch](tmp_path / "hf")
     ref = write_block_fp8(tmp_path / "hf", tmp_path / "fp8")
     opts = CompileOptions(**(OPTS | {"device": "cuda", "dtype": "bfloat16"}))
     compile_model(tmp_path / "fp8", tmp_path / "art", opts, verbose=False)

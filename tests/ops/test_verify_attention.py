@@ -99,3 +99,19 @@ def test_verify_gpu_llama_shapes(seed, page_size, batch, tokens):
         out = torch.ops.kiln.verify_attention(*args, 0, 0.0)
         ref = extend_attention_ref(*args, -1, 0.0)
         assert not out.isnan().any() and rel_err(out, ref) < TOL[torch.bfloat16], f"seed {seed}"
+
+
+def test_the_compile_warm_up_reaches_every_tokens_per_program():
+    """Verify attention runs in eager extend steps of any batch and length; its only varying launch
+    parameter is the tokens per program (``qtile``), so the compile's extend warm-up must reach each
+    value any step sent to it can take, for every GQA group, or the runtime would compile a kernel."""
+    from kiln.compiler.build import EXTEND_WARMUP
+    from kiln.ops.attention.verify import FEW_TOKENS, MAX_TOKENS, qtile
+
+    def few(t: int, b: int) -> bool:  # what paged_attention sends to verify attention
+        return b < t <= min(FEW_TOKENS * b, MAX_TOKENS)
+
+    for group in (1, 2, 4, 8, 16):
+        warm = {qtile(t, b, group) for t, b in EXTEND_WARMUP if few(t, b)}
+        need = {qtile(t, b, group) for b in range(1, 70) for t in range(b + 1, 600) if few(t, b)}
+        assert need <= warm, (group, sorted(need - warm))

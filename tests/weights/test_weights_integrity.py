@@ -108,8 +108,8 @@ def test_the_check_covers_the_data_where_it_landed(packed, monkeypatch):
     clean = load_pack(out, 0, options=PATHS["staged"])[t.name]
     real = reader._load_staged
 
-    def corrupting(pack_dir, tensors, dev, opts):
-        got, arena, offsets = real(pack_dir, tensors, dev, opts)
+    def corrupting(pack_dir, tensors, dev, opts, placed=None):
+        got, arena, offsets = real(pack_dir, tensors, dev, opts, placed)
         got[t.name].view(-1).view(torch.uint8)[5] ^= 0x10
         return got, arena, offsets
 
