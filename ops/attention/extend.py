@@ -190,7 +190,7 @@ def find_tile(indptr_ptr, num_reqs, t, TOK: tl.constexpr, SCAN: tl.constexpr):
     return count, before
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens"])  # any step's counts: one kernel
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, rows_ptr, lens_ptr, indptr_ptr, ks_ptr, vs_ptr, tm_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_ot,
