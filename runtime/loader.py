@@ -365,15 +365,21 @@ def load_model(
                 placed.wait()
                 if "placed" in loaded:  # else the load failed: raised below
                     check_vocab(art, loaded["placed"])  # shapes only: before anything captures them
+                    if hashes is not None:  # the build runs the artifact's kernels and graph code
+                        hashes.result()
                     model = LoadedModel(art, dev, loaded["placed"], graphs, cos_sin, phases)
                     weights_placed(model)  # marks its own phases
                     t = time.perf_counter()
             if while_weights_load is not None:  # the tokenizer: it holds the GIL, so after the capture
                 while_weights_load(art)
                 mark("tokenizer")
-    except KilnError:  # a file that does not parse: say it was altered, if its hash says so
+    except BaseException as e:  # an altered file explains a failure (a file that does not parse, a
+        # build on a bad kernel): say so if its hash does; a failed weight load explains a failed build
+        worker.join()
         if hashes is not None:
             hashes.result()
+        if "error" in loaded and not isinstance(e, KilnError):
+            raise loaded["error"] from e
         raise
     finally:
         worker.join()  # an error above re-raises once the reader thread is done

@@ -21,6 +21,7 @@ for one argmax they ignore.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -272,8 +273,11 @@ class ModelRunner:
             g.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 out = run()
-            finally:
-                g.capture_end()
+            except BaseException:
+                with contextlib.suppress(Exception):  # run()'s error is the one to report
+                    g.capture_end()
+                raise
+            g.capture_end()
             return g, out
 
         with torch.cuda.stream(stream):

@@ -270,3 +270,40 @@ def test_a_failed_load_beside_an_early_build_still_names_the_altered_file(demo_o
     with pytest.raises(PackError, match=f.name):
         load_model(str(art), "cpu", weights_placed=lambda model: built.append(True))
     assert built == [True]
+
+
+def test_the_early_build_runs_only_on_an_artifact_whose_files_check(demo_one_rank, tmp_path) -> None:
+    """``weights_placed`` runs the artifact's kernels and graph code (the capture's warm-ups): it
+    runs only once the file hashes have checked; and a failure in it while the weights turn out
+    altered is reported as the altered weight file, not as the failure it caused."""
+    import json
+    import shutil
+
+    from kiln.runtime.artifact import ArtifactError
+    from kiln.runtime.loader import load_model
+    from kiln.weights.index import PackError
+
+    art = tmp_path / "art"
+    shutil.copytree(demo_one_rank, art)
+    files = json.loads((art / "manifest.json").read_text())["files"]
+    rel = next(r for r, f in files.items() if f.get("xxh3_128") and r.endswith("tokenizer.json"))
+    data = bytearray((art / rel).read_bytes())
+    i = data.index(b'"', 100)
+    data[i + 1] ^= 0x01  # still JSON that parses: only the hash tells
+    (art / rel).write_bytes(bytes(data))
+    built: list[bool] = []
+    with pytest.raises(ArtifactError, match="hash"):
+        load_model(str(art), "cpu", weights_placed=lambda model: built.append(True))
+    assert built == []
+
+
+    def boom(model) -> None:
+        raise RuntimeError("a warm-up failed")
+
+    (art / rel).write_bytes((demo_one_rank / rel).read_bytes())  # the files check again
+    f = art / "weights" / "rank0.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF  # weight data: checked where it landed, after the build began
+    f.write_bytes(bytes(data))
+    with pytest.raises(PackError, match=f.name):  # not the RuntimeError it explains
+        load_model(str(art), "cpu", weights_placed=boom)
