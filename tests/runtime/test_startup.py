@@ -296,7 +296,6 @@ def test_the_early_build_runs_only_on_an_artifact_whose_files_check(demo_one_ran
         load_model(str(art), "cpu", weights_placed=lambda model: built.append(True))
     assert built == []
 
-
     def boom(model) -> None:
         raise RuntimeError("a warm-up failed")
 
