@@ -62,10 +62,13 @@ MAX_SPLITS = 128
 ONE_SPLIT_PROGRAMS_PER_SM = 3  # from this many (batch x KV heads) programs per SM, no split
 
 
-def choose_num_splits(batch: int, max_seq_len: int, num_kv_heads: int, num_sms: int = 132) -> int:
+def choose_num_splits(
+    batch: int, max_seq_len: int, num_kv_heads: int, num_sms: int = 132, programs_per_sm: int = 8
+) -> int:
     """Split-KV factor for a decode bucket.
 
-    Aims at about eight programs per SM (``batch * num_kv_heads * splits``), so the memory system
+    Aims at about ``programs_per_sm`` (eight) programs per SM (``batch * num_kv_heads * splits``;
+    verify attention, whose programs carry several tokens each, aims at fewer), so the memory system
     sees enough loads in flight and the last wave is short, while giving every split at least
     ``MIN_KEYS_PER_SPLIT`` keys of a ``max_seq_len`` sequence. Shorter sequences use fewer splits
     on their own: the kernel sizes splits from the actual length, and the rest exit at once.
@@ -80,7 +83,7 @@ def choose_num_splits(batch: int, max_seq_len: int, num_kv_heads: int, num_sms: 
         )
     if batch * num_kv_heads >= ONE_SPLIT_PROGRAMS_PER_SM * num_sms:
         return 1
-    want = math.ceil(8 * num_sms / (batch * num_kv_heads))
+    want = math.ceil(programs_per_sm * num_sms / (batch * num_kv_heads))
     by_len = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
     return max(1, min(want, by_len, MAX_SPLITS))
 

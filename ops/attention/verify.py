@@ -61,6 +61,10 @@ FEW_TOKENS = 16  # paged_attention's bound on new tokens per request (on average
 MAX_TOKENS = 512  # and on a step's tokens (a long prefill chunk beside decodes goes to extend's tiles)
 MAX_ROWS = 64  # a program's query rows: tokens x GQA group, padded to a power of two
 MIN_CHUNK = 32  # the fewest keys a split takes (decode's plan: one key block)
+# programs per SM the automatic split count aims at (decode's 8 gave splits of 32 keys at batch 8 x 512
+# tokens, slower than extend; 2 matched the best split size of the MIN_CHUNK sweep at batch 1 and 8,
+# bench/results/2026-12-06_h200_s29b_*)
+PROGRAMS_PER_SM = 2
 PARTIALS_BYTES = 64 << 20  # the split partials' bound: fewer splits where T x Hq x Dv is large
 SCAN_REQS = 64  # requests per round of the kernels' qo_indptr scans (fixed: not a specialization)
 
@@ -250,9 +254,10 @@ def verify_attention_triton(
     out = torch.empty(t, hq, dv, dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    most = choose_num_splits(1, block_table.shape[1] * page_size, hkv)  # auto's most, at batch 1
-    if num_splits == 0:  # auto: decode's rule, a program per request, KV head and split
-        num_splits = choose_num_splits(max(bsz, 1), block_table.shape[1] * page_size, hkv)
+    max_len = block_table.shape[1] * page_size
+    most = choose_num_splits(1, max_len, hkv, programs_per_sm=PROGRAMS_PER_SM)  # auto's most, at batch 1
+    if num_splits == 0:  # auto: decode's rule at PROGRAMS_PER_SM, a program per request, KV head, split
+        num_splits = choose_num_splits(max(bsz, 1), max_len, hkv, programs_per_sm=PROGRAMS_PER_SM)
     num_splits = max(1, min(num_splits, PARTIALS_BYTES // (t * hq * dv * 4)))  # float32 partials
     group = hq // hkv
     tile = qtile(t, bsz, group)  # tokens per pass
