@@ -115,3 +115,18 @@ def test_the_compile_warm_up_reaches_every_tokens_per_program():
         warm = {qtile(t, b, group) for t, b in EXTEND_WARMUP if few(t, b)}
         need = {qtile(t, b, group) for b in range(1, 70) for t in range(b + 1, 600) if few(t, b)}
         assert need <= warm, (group, sorted(need - warm))
+
+
+def test_counts_that_vary_with_an_eager_step_do_not_specialize_the_kernels():
+    """Eager extend steps of any batch and length run extend and verify attention: a request, token
+    or split count that Triton specialized by value class (== 1, divisible by 16) would need a
+    warm-up per class, and a class the warm-up missed compiles at load (what s28 shipped)."""
+    from kiln.ops.attention.extend import _extend_kernel
+    from kiln.ops.attention.verify import _verify_merge_kernel, _verify_split_kernel
+
+    def unspecialized(kernel) -> set[str]:
+        return {p.name for p in kernel.params if p.do_not_specialize}
+
+    assert {"num_reqs", "num_tokens"} <= unspecialized(_extend_kernel)
+    assert {"num_reqs", "num_tokens", "num_splits"} <= unspecialized(_verify_split_kernel)
+    assert {"num_reqs", "num_splits"} <= unspecialized(_verify_merge_kernel)
