@@ -55,6 +55,7 @@ from kiln.compiler.build import (
     _trees_traceable,
     _warm_up,
     build_graphs,
+    tokens_per_program_runs,
 )
 from kiln.compiler.config import ConfigError, ModelConfig, normalize_config
 from kiln.compiler.layers import use_gemv_plan
@@ -272,7 +273,7 @@ def _head_tree_shapes(verify: VerifySpec) -> list[tuple[int, int]]:
     bmax, k = verify.buckets[-1], verify.lengths[-1]
     shapes = {(1, 1), (1, 2), (1, 16), (min(2, bmax), 16), (min(2, bmax), 3)}
     shapes.add((bmax, max(bmax, bmax * (k - 1))))
-    return sorted(shapes)
+    return sorted(shapes | tokens_per_program_runs(max(1, k - 1)))
 
 
 def compile_head(head: HeadBuild, out: Path, opts: CompileOptions, verbose: bool) -> DraftSpec:

@@ -131,3 +131,27 @@ def test_counts_that_vary_with_an_eager_step_do_not_specialize_the_kernels():
     assert {"num_reqs", "num_tokens"} <= unspecialized(_extend_kernel)
     assert {"num_reqs", "num_tokens", "num_splits"} <= unspecialized(_verify_split_kernel)
     assert {"num_reqs", "num_splits"} <= unspecialized(_verify_merge_kernel)
+
+
+@pytest.mark.parametrize("lengths", [(4, 8), (2,), (15, 32)])
+def test_the_tree_warm_ups_reach_every_tokens_per_program(lengths):
+    """Token-tree steps run verify attention eagerly at any size (the target's tree graph where no
+    captured (B, k) graph holds a step; an EAGLE-3 head's tree steps always): the warm-ups of both
+    tree graphs reach every tokens-per-program value such steps can take."""
+    from kiln.compiler.build import _tree_shapes
+    from kiln.compiler.eagle3 import _head_tree_shapes
+    from kiln.manifest import VerifySpec
+    from kiln.ops.attention.verify import FEW_TOKENS, MAX_TOKENS, qtile
+
+    verify = VerifySpec(lengths=lengths, buckets=(1, 2, 4, 8))
+    k = lengths[-1]
+    for shapes, most in ((_tree_shapes(verify), k + 1), (_head_tree_shapes(verify), max(1, k - 1))):
+        for group in (1, 4, 8):
+            warm = {qtile(t, b, group) for b, t in shapes if t <= min(FEW_TOKENS * b, MAX_TOKENS)}
+            need = {
+                qtile(t, b, group)
+                for b in range(1, 9)
+                for t in range(b, b * most + 1)
+                if t <= min(FEW_TOKENS * b, MAX_TOKENS)
+            }
+            assert need <= warm, (lengths, group, sorted(need - warm))
