@@ -85,6 +85,7 @@ class EngineOptions:
     pdl: bool | None = None  # programmatic dependent launch (sm_90+)
     prewait: str | None = None  # pre-wait loads: comma list of parts, "all" or "none"
     graph_greedy: bool | None = None  # the greedy argmax captured in each decode graph
+    startup_graphs: str | None = None  # decode graphs captured at start: "all" or "smallest"
     graph_format: str | None = None  # "python" or "pt2"
     fp8_gemm: str | None = None  # "auto", "cutlass", "triton" or "cublas"
     fp8_fast_accum: str | None = None  # "auto", "0" or "1"
@@ -359,6 +360,9 @@ class Engine:
             graph_greedy=self.settings["graph_greedy"],
             num_draft_tokens=drafts,
             tree_graphs=trees,
+            # the rest between steps (Stepper): not with tensor-parallel followers (each capture is
+            # collective) or speculation (a capture's warm-ups overwrite the aux streams a head reads)
+            startup_graphs=self.settings["startup_graphs"] if self.ranks is None and not spec_on else "all",
         )
         if self.ranks is not None:
             from kiln.runtime.tensor_parallel import BroadcastRunner
@@ -497,6 +501,15 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.stepper.inflight is not None
+
+    def idle(self) -> bool:
+        """Work for an engine with no requests: capture one pending decode graph (``startup_graphs``
+        smallest); True if one was captured (call again), False when there is nothing to do."""
+        pending = getattr(self.runner, "pending_graphs", None)
+        if self.has_work() or not pending:
+            return False
+        self.runner.capture_pending(1)
+        return True
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:

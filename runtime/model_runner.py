@@ -23,10 +23,10 @@ from __future__ import annotations
 import bisect
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -153,6 +153,7 @@ def aux_buffer(m: LoadedModel, rows: int) -> tuple[torch.Tensor, ...]:
 
 
 class ModelRunner:
+    CAPTURE_DEVICES: tuple[str, ...] = ("cuda",)  # device types whose decode steps replay CUDA graphs
     def __init__(
         self,
         model: LoadedModel,
@@ -163,6 +164,7 @@ class ModelRunner:
         num_draft_tokens: int = 0,
         aux_rows: int = 0,
         tree_graphs: bool = False,
+        startup_graphs: str = "all",
     ):
         """``graph_greedy``: the module docstring's switch (None: the ``graph_greedy`` setting).
         ``num_draft_tokens``: speculative decoding is on with at most this many drafts per request:
@@ -170,7 +172,11 @@ class ModelRunner:
         of the lengths up to the first that holds that many (a step never needs a longer one).
         ``aux_rows``: the least rows of the aux buffer (:func:`aux_buffer`; else a step's most tokens).
         ``tree_graphs``: token-tree steps run on the artifact's tree graph per ``(B, k)`` verify
-        shape as chains do (captured on a GPU; :meth:`verify`), where it has one."""
+        shape as chains do (captured on a GPU; :meth:`verify`), where it has one.
+        ``startup_graphs``: ``all`` decode buckets captured here, or only the ``smallest``: the rest
+        wait in :attr:`pending_graphs` for :meth:`capture_bucket_for` / :meth:`capture_pending`
+        (the engine calls them when no step is in flight), and a decode step meanwhile replays the
+        smallest captured bucket that holds it, or runs its graph eagerly."""
         self.m = model
         self.pool = pool
         self.bt = block_table
@@ -178,7 +184,7 @@ class ModelRunner:
         m = model.artifact.manifest
         self.decode_buckets = m.decode_buckets  # ascending (checked at load)
         self.max_batch_size = m.max_batch_size  # the largest bucket
-        self.use_cuda_graph = cuda_graph and self.device.type == "cuda"
+        self.use_cuda_graph = cuda_graph and self.device.type in self.CAPTURE_DEVICES
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         bmax = self.max_batch_size
         # Static decode inputs, sliced per bucket: ids/positions/slots int64, rows/lens int32, and
@@ -214,8 +220,14 @@ class ModelRunner:
         vrows = self._v64.shape[1] if self._vshapes else 0
         # the aux hidden states of the last step (runtime/model_runner.py aux_buffer), or ()
         self.aux_args = aux_buffer(model, max(m.chunk_size, self.max_batch_size, vrows, aux_rows))
+        if startup_graphs not in ("all", "smallest"):
+            raise ValueError(f"startup_graphs is {startup_graphs!r}; it takes all or smallest")
+        # decode buckets not captured yet, smallest first; their graphs' shared memory pool
+        self.pending_graphs: list[int] = list(self.decode_buckets) if self.use_cuda_graph else []
+        self._graph_pool: Any = None
         if self.use_cuda_graph:
-            self._capture_all()
+            first = self.decode_buckets[:1] if startup_graphs == "smallest" else self.decode_buckets
+            self._capture(first, verify=True)
 
     # ------------------------------------------------------------------ decode
     def bucket_for(self, batch: int) -> int:
@@ -250,19 +262,35 @@ class ModelRunner:
             argmax_rows(logits[:, : self.vocab_size], out=self._i64[0, :b])
         return logits
 
-    def _capture_all(self) -> None:
-        """Capture every decode bucket's graph, then the verify graphs, largest first so smaller
-        graphs reuse its memory. Safe beside the weight stream (runtime/loader.py
-        ``weights_placed``): each capture is ``thread_local`` (the readers' copies on their own
-        threads do not break it) and nothing here waits for the whole device. ``CUDAGraph``'s
-        ``capture_begin``/``capture_end`` directly: ``torch.cuda.graph`` synchronizes the device
-        and empties the device and pinned-host caches before every capture."""
+    def capture_bucket_for(self, batch: int) -> None:
+        """Capture the decode graph of ``batch``'s bucket if it is still pending. Only between steps:
+        the warm-ups write the static inputs, which a step in flight (or the argmax ids it left for
+        the next) may still need."""
+        if batch <= self.max_batch_size and (b := self.bucket_for(batch)) in self.pending_graphs:
+            self._capture([b])
+
+    def capture_pending(self, count: int = 1) -> None:
+        """Capture up to ``count`` pending decode graphs, smallest first (between steps, as
+        :meth:`capture_bucket_for`)."""
+        if self.pending_graphs:
+            self._capture(self.pending_graphs[:count])
+
+    def _capture(self, buckets: Sequence[int], verify: bool = False) -> None:
+        """Capture the decode graphs of ``buckets`` (largest first, so that smaller graphs reuse its
+        memory), then with ``verify`` every verify graph, into one pool shared by all the runner's
+        graphs. Safe beside the weight stream (runtime/loader.py ``weights_placed``): each capture is
+        ``thread_local`` (the readers' copies on their own threads do not break it) and nothing here
+        waits for the whole device. ``CUDAGraph``'s ``capture_begin``/``capture_end`` directly:
+        ``torch.cuda.graph`` synchronizes the device and empties the device and pinned-host caches
+        before every capture."""
         t0 = time.perf_counter()
         # Padding inputs: row 0 (all-zero block table row), slot 0, seq_len 1: valid and harmless.
         self._i64.zero_()
         self._i32[0].zero_()
         self._i32[1].fill_(1)
-        pool = torch.cuda.graph_pool_handle()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        pool = self._graph_pool
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -281,16 +309,25 @@ class ModelRunner:
             return g, out
 
         with torch.cuda.stream(stream):
-            for b in reversed(self.decode_buckets):
+            for b in sorted(buckets, reverse=True):
                 self.graphs[b], self._out[b] = capture(partial(self._run_decode_graph, b))
-            for tree in (False, True) if self._vtree else (False,):
+                self.pending_graphs.remove(b)
+            for tree in ((False, True) if self._vtree else (False,)) if verify else ():
                 graphs, outs = (self.tgraphs, self._tout) if tree else (self.vgraphs, self._vout)
                 for key in sorted(self._vshapes, reverse=True):
                     self._pad_verify(*key)
                     graphs[key], outs[key] = capture(partial(self._run_verify_graph, *key, tree))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         stream.synchronize()
-        self.capture_seconds = time.perf_counter() - t0
+        self.capture_seconds += time.perf_counter() - t0
+
+    def _replay_bucket(self, batch: int) -> int | None:
+        """The captured bucket a decode step of ``batch`` replays: its own, else (its own still
+        pending) the smallest captured one that holds it; None: run the graph eagerly."""
+        if not self.use_cuda_graph:
+            return None
+        i = bisect.bisect_left(self.decode_buckets, batch)
+        return next((b for b in self.decode_buckets[i:] if b in self.graphs), None)
 
     def decode(
         self, step: StepInputs, subst: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -298,7 +335,8 @@ class ModelRunner:
         """logits [B, V] f32 for a decode step of B requests (one token each). ``subst``
         ``(rows [k], ids [k])``: input ids still on the device (sampled by the previous step)."""
         n = step.batch
-        b = self.bucket_for(n)
+        replay = self._replay_bucket(n)
+        b = self.bucket_for(n) if replay is None else replay
         self._flip ^= 1
         n64, n32 = self._h64np[self._flip], self._h32np[self._flip]
         if n < b:  # padding rows: token 0 at position 0 into the sink slot, block-table row 0, length 1
@@ -320,7 +358,7 @@ class ModelRunner:
             else:
                 self._i64[0].index_copy_(0, subst[0], subst[1])
         self.bt.flush()
-        if self.use_cuda_graph:
+        if replay is not None:
             self.graphs[b].replay()
             logits = self._out[b]
         else:
@@ -551,6 +589,7 @@ class ModelRunner:
             self.graphs.clear()
             self.vgraphs.clear()
             self.tgraphs.clear()
+        self.pending_graphs.clear()
         self.use_cuda_graph = False
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:

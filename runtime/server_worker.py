@@ -186,8 +186,9 @@ class EngineWorker:
     def _run(self) -> None:
         eng = self.engine
         try:
+            idle = True  # the engine may have work of its own while it has no requests (Engine.idle)
             while True:
-                if not self._drain(block=not eng.has_work()):
+                if not self._drain(block=not eng.has_work() and not idle):
                     self._shutdown("the server is shutting down")
                     return
                 if eng.has_work():
@@ -195,6 +196,9 @@ class EngineWorker:
                     self._beat = (False, time.monotonic())
                     if outs:
                         self._deliver(outs)
+                    idle = True
+                else:
+                    idle = eng.idle()
         except BaseException as e:  # the engine raised: fail loudly, keep answering
             traceback.print_exc()
             self._shutdown(f"the engine failed: {type(e).__name__}: {e}")

@@ -337,6 +337,11 @@ class Stepper:
         batch = self.scheduler.schedule()
         if batch is None:
             return [], -1
+        # Nothing in flight: a decode graph still pending for this batch is captured now (its
+        # warm-ups write the static inputs; a later overlapped step replays the smallest captured
+        # bucket that holds it). A one-token-each extend step runs as a decode step.
+        if getattr(self.runner, "pending_graphs", None):
+            self.runner.capture_bucket_for(len(batch.reqs))
         if self.spec is not None and batch.mode == "decode":
             verified = self._verify_step(batch, t0)
             if verified is not None:

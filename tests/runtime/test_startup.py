@@ -306,3 +306,57 @@ def test_the_early_build_runs_only_on_an_artifact_whose_files_check(demo_one_ran
     f.write_bytes(bytes(data))
     with pytest.raises(PackError, match=f.name):  # not the RuntimeError it explains
         load_model(str(art), "cpu", weights_placed=boom)
+
+
+def test_startup_graphs_smallest_captures_the_rest_between_steps(demo_one_rank, monkeypatch) -> None:
+    """``startup_graphs=smallest``: the engine starts with the smallest decode graph; the bucket a
+    batch needs is captured when no step is in flight, the rest while the engine is idle, and the
+    tokens are those of an engine that captured every graph at start. Captures are recorded by a
+    stand-in (no GPU here) whose replays run the graph eagerly."""
+    from kiln import SamplingParams
+    from kiln.runtime.engine import Engine, EngineOptions
+    from kiln.runtime.model_runner import ModelRunner
+
+    engines: list = []
+    captured: list[list[int]] = []
+
+    class Replay:
+        def __init__(self, runner, b: int) -> None:
+            self.runner, self.b = runner, b
+
+        def replay(self) -> None:
+            self.runner._out[self.b].copy_(self.runner._run_decode_graph(self.b))
+
+    def fake_capture(self, buckets, verify=False) -> None:
+        if engines and hasattr(engines[-1], "stepper"):
+            assert engines[-1].stepper.inflight is None, "a capture while a step is in flight"
+        captured.append(sorted(buckets))
+        for b in buckets:
+            self.graphs[b], self._out[b] = Replay(self, b), self._run_decode_graph(b).clone()
+            self.pending_graphs.remove(b)
+
+    monkeypatch.setattr(ModelRunner, "CAPTURE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(ModelRunner, "_capture", fake_capture)
+
+    def run(startup: str) -> list[list[int]]:
+        engine = Engine(str(demo_one_rank), EngineOptions(device="cpu", log=False, startup_graphs=startup))
+        engines.append(engine)
+        reqs = [
+            engine.add_request([5 + i, 7, 11 + i], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+            for i in range(5)
+        ]
+        engine.run_until_done()
+        return [list(r.output_ids) for r in reqs]
+
+    want = run("all")
+    buckets = list(engines[-1].runner.decode_buckets)
+    assert captured == [buckets]
+    captured.clear()
+    got = run("smallest")
+    assert got == want
+    engine = engines[-1]
+    assert captured[0] == [1] and [8] in captured  # at start; then 5 requests' bucket, between steps
+    assert engine.runner.pending_graphs  # the rest wait for idle time
+    while engine.idle():
+        pass
+    assert not engine.runner.pending_graphs and sorted(b for c in captured for b in c) == buckets
