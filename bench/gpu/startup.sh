@@ -19,7 +19,9 @@
 #                        folder): instead of the check on/off pairs, `kiln bench startup --runs 1`
 #                        of this tree and that one alternating on the same artifact, RUNS rounds
 #                        (old new, new old, ...), and the medians side by side; then, with
-#                        STARTUP_ARGS, one more run of this tree with those flags ("--imports 15")
+#                        STARTUP_ARGS, one more run of this tree with those flags ("--imports 15");
+#                        ENV_OLD= / ENV_NEW=: VAR=VALUE words for one side's runs (OLD=. compares two
+#                        settings of this tree, e.g. ENV_NEW="KILN_STARTUP_GRAPHS=smallest")
 # Writes DEST/startup_<shape>.json holding compile.log, startup_verify.json (`kiln bench startup
 # --json`), repro.json (the files that differ, if any), weights_load.json, tests.log, stamps.
 set -o pipefail
@@ -61,8 +63,9 @@ else  # this tree and OLD alternating, one fresh process each (the artifact form
   for ((r = 1; r <= RUNS; r++)); do
     order="old new"; [ $((r % 2)) = 0 ] && order="new old"
     for tree in $order; do
-      dir=$HERE; [ "$tree" = old ] && dir=$OLD_DIR
-      step "startup_${tree}_r$r.log" 90 env -C "$dir" PYTHONPATH="$dir:$dir/tests:$dir/bench" \
+      dir=$HERE; envs=$ENV_NEW; [ "$tree" = old ] && dir=$OLD_DIR && envs=$ENV_OLD
+      # shellcheck disable=SC2086  # VAR=VALUE words, split on purpose
+      step "startup_${tree}_r$r.log" 90 env -C "$dir" PYTHONPATH="$dir:$dir/tests:$dir/bench" $envs \
         python -m kiln bench startup "$ART" --runs 1 --json "$RAW/startup_${tree}_r$r.json"
       show "startup_${tree}_r$r.log" "first token" 1
     done
@@ -107,4 +110,4 @@ PY
   fi
   stamp repro
 fi
-call_end startup.sh PRESET LAYERS DTYPE QUANT COMPILE_ARGS RUNS REPRO LOAD_SWEEP LOAD_ARGS GPU_TESTS OLD STARTUP_ARGS BUDGET
+call_end startup.sh PRESET LAYERS DTYPE QUANT COMPILE_ARGS RUNS REPRO LOAD_SWEEP LOAD_ARGS GPU_TESTS OLD ENV_OLD ENV_NEW STARTUP_ARGS BUDGET
