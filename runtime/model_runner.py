@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -154,6 +155,7 @@ def aux_buffer(m: LoadedModel, rows: int) -> tuple[torch.Tensor, ...]:
 
 class ModelRunner:
     CAPTURE_DEVICES: tuple[str, ...] = ("cuda",)  # device types whose decode steps replay CUDA graphs
+
     def __init__(
         self,
         model: LoadedModel,
@@ -225,6 +227,7 @@ class ModelRunner:
         # decode buckets not captured yet, smallest first; their graphs' shared memory pool
         self.pending_graphs: list[int] = list(self.decode_buckets) if self.use_cuda_graph else []
         self._graph_pool: Any = None
+        self._capture_stream: Any = None
         if self.use_cuda_graph:
             first = self.decode_buckets[:1] if startup_graphs == "smallest" else self.decode_buckets
             self._capture(first, verify=True)
@@ -262,18 +265,39 @@ class ModelRunner:
             argmax_rows(logits[:, : self.vocab_size], out=self._i64[0, :b])
         return logits
 
+    def bucket_pending(self, batch: int) -> bool:
+        """Whether the decode graph of ``batch``'s bucket is still to be captured."""
+        return (
+            bool(self.pending_graphs)
+            and batch <= self.max_batch_size
+            and self.bucket_for(batch) in self.pending_graphs
+        )
+
     def capture_bucket_for(self, batch: int) -> None:
         """Capture the decode graph of ``batch``'s bucket if it is still pending. Only between steps:
         the warm-ups write the static inputs, which a step in flight (or the argmax ids it left for
         the next) may still need."""
-        if batch <= self.max_batch_size and (b := self.bucket_for(batch)) in self.pending_graphs:
-            self._capture([b])
+        if self.bucket_pending(batch):
+            self._capture_later([self.bucket_for(batch)])
 
     def capture_pending(self, count: int = 1) -> None:
-        """Capture up to ``count`` pending decode graphs, smallest first (between steps, as
-        :meth:`capture_bucket_for`)."""
+        """Capture up to ``count`` pending decode graphs, largest first (so smaller ones reuse its
+        memory; between steps, as :meth:`capture_bucket_for`)."""
         if self.pending_graphs:
-            self._capture(self.pending_graphs[:count])
+            self._capture_later(self.pending_graphs[-count:])
+
+    def _capture_later(self, buckets: list[int]) -> None:
+        """:meth:`_capture` while serving: a failure (out of memory, say) is a warning, and the
+        pending graphs are given up (their steps replay a larger bucket or run eagerly)."""
+        try:
+            self._capture(buckets)
+        except Exception as e:
+            warnings.warn(
+                f"kiln: capturing the decode graph of batch {buckets} failed ({type(e).__name__}: {e}); "
+                "those batches run on larger captured graphs or eagerly",
+                stacklevel=3,
+            )
+            self.pending_graphs.clear()
 
     def _capture(self, buckets: Sequence[int], verify: bool = False) -> None:
         """Capture the decode graphs of ``buckets`` (largest first, so that smaller graphs reuse its
@@ -288,10 +312,11 @@ class ModelRunner:
         self._i64.zero_()
         self._i32[0].zero_()
         self._i32[1].fill_(1)
-        if self._graph_pool is None:
+        if self._graph_pool is None:  # one pool and one capture stream for every capture: the
+            # allocator reuses a freed block only on the stream that freed it
             self._graph_pool = torch.cuda.graph_pool_handle()
-        pool = self._graph_pool
-        stream = torch.cuda.Stream(self.device)
+            self._capture_stream = torch.cuda.Stream(self.device)
+        pool, stream = self._graph_pool, self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
 
         def capture(run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -308,17 +333,19 @@ class ModelRunner:
             g.capture_end()
             return g, out
 
-        with torch.cuda.stream(stream):
-            for b in sorted(buckets, reverse=True):
-                self.graphs[b], self._out[b] = capture(partial(self._run_decode_graph, b))
-                self.pending_graphs.remove(b)
-            for tree in ((False, True) if self._vtree else (False,)) if verify else ():
-                graphs, outs = (self.tgraphs, self._tout) if tree else (self.vgraphs, self._vout)
-                for key in sorted(self._vshapes, reverse=True):
-                    self._pad_verify(*key)
-                    graphs[key], outs[key] = capture(partial(self._run_verify_graph, *key, tree))
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        stream.synchronize()
+        try:
+            with torch.cuda.stream(stream):
+                for b in sorted(buckets, reverse=True):
+                    self.graphs[b], self._out[b] = capture(partial(self._run_decode_graph, b))
+                    self.pending_graphs.remove(b)
+                for tree in ((False, True) if self._vtree else (False,)) if verify else ():
+                    graphs, outs = (self.tgraphs, self._tout) if tree else (self.vgraphs, self._vout)
+                    for key in sorted(self._vshapes, reverse=True):
+                        self._pad_verify(*key)
+                        graphs[key], outs[key] = capture(partial(self._run_verify_graph, *key, tree))
+        finally:  # the main stream after the warm-ups, even when a capture failed
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            stream.synchronize()
         self.capture_seconds += time.perf_counter() - t0
 
     def _replay_bucket(self, batch: int) -> int | None:

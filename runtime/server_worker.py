@@ -199,6 +199,8 @@ class EngineWorker:
                     idle = True
                 else:
                     idle = eng.idle()
+                    if idle:  # progress (the watchdog counts from the last step or command)
+                        self._beat = (False, time.monotonic())
         except BaseException as e:  # the engine raised: fail loudly, keep answering
             traceback.print_exc()
             self._shutdown(f"the engine failed: {type(e).__name__}: {e}")

@@ -308,11 +308,13 @@ def test_the_early_build_runs_only_on_an_artifact_whose_files_check(demo_one_ran
         load_model(str(art), "cpu", weights_placed=boom)
 
 
-def test_startup_graphs_smallest_captures_the_rest_between_steps(demo_one_rank, monkeypatch) -> None:
+@pytest.mark.parametrize("overlap", [True, False])
+def test_startup_graphs_smallest_captures_the_rest_between_steps(demo_one_rank, monkeypatch, overlap) -> None:
     """``startup_graphs=smallest``: the engine starts with the smallest decode graph; the bucket a
-    batch needs is captured when no step is in flight, the rest while the engine is idle, and the
-    tokens are those of an engine that captured every graph at start. Captures are recorded by a
-    stand-in (no GPU here) whose replays run the graph eagerly."""
+    batch needs (growing at admission, shrinking as requests finish) is captured when no step is in
+    flight, the rest while the engine is idle, and the tokens are those of an engine that captured
+    every graph at start. Captures are recorded by a stand-in (no GPU here) that writes the padding
+    inputs and runs the warm-ups as the real one does, and whose replays run the graph eagerly."""
     from kiln import SamplingParams
     from kiln.runtime.engine import Engine, EngineOptions
     from kiln.runtime.model_runner import ModelRunner
@@ -331,7 +333,12 @@ def test_startup_graphs_smallest_captures_the_rest_between_steps(demo_one_rank, 
         if engines and hasattr(engines[-1], "stepper"):
             assert engines[-1].stepper.inflight is None, "a capture while a step is in flight"
         captured.append(sorted(buckets))
-        for b in buckets:
+        self._i64.zero_()  # the real capture's padding inputs, then two warm-ups and the capture
+        self._i32[0].zero_()
+        self._i32[1].fill_(1)
+        for b in sorted(buckets, reverse=True):
+            for _ in range(2):
+                self._run_decode_graph(b)
             self.graphs[b], self._out[b] = Replay(self, b), self._run_decode_graph(b).clone()
             self.pending_graphs.remove(b)
 
@@ -339,11 +346,14 @@ def test_startup_graphs_smallest_captures_the_rest_between_steps(demo_one_rank, 
     monkeypatch.setattr(ModelRunner, "_capture", fake_capture)
 
     def run(startup: str) -> list[list[int]]:
-        engine = Engine(str(demo_one_rank), EngineOptions(device="cpu", log=False, startup_graphs=startup))
+        opts = EngineOptions(device="cpu", log=False, startup_graphs=startup, overlap=overlap)
+        engine = Engine(str(demo_one_rank), opts)
         engines.append(engine)
-        reqs = [
-            engine.add_request([5 + i, 7, 11 + i], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-            for i in range(5)
+        reqs = [  # 7 requests finishing one after another: batches 7 down to 1
+            engine.add_request(
+                [5 + i, 7, 11 + i], SamplingParams(max_tokens=2 + 2 * i, temperature=0, ignore_eos=True)
+            )
+            for i in range(7)
         ]
         engine.run_until_done()
         return [list(r.output_ids) for r in reqs]
@@ -355,8 +365,8 @@ def test_startup_graphs_smallest_captures_the_rest_between_steps(demo_one_rank, 
     got = run("smallest")
     assert got == want
     engine = engines[-1]
-    assert captured[0] == [1] and [8] in captured  # at start; then 5 requests' bucket, between steps
-    assert engine.runner.pending_graphs  # the rest wait for idle time
-    while engine.idle():
+    # at start; then, between steps, the batch of 7's bucket and those of the shrinking batch
+    assert captured[0] == [1] and [8] in captured and [4] in captured and [2] in captured
+    while engine.idle():  # the rest while idle
         pass
     assert not engine.runner.pending_graphs and sorted(b for c in captured for b in c) == buckets

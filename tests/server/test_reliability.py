@@ -221,3 +221,39 @@ def _chat(messages: list[dict]):
     from kiln.runtime.server_protocol import ChatCompletionRequest
 
     return ChatCompletionRequest(messages=messages)
+
+
+def test_idle_graph_captures_count_as_progress_for_the_watchdog():
+    """After a step the worker runs the engine's idle work (``Engine.idle``: the pending decode
+    graphs of ``startup_graphs`` smallest) one capture at a time: each counts as progress, so a
+    few slow captures in a row do not read as a stalled engine."""
+    from kiln.runtime.server_worker import EngineWorker
+
+    class Stub:
+        steps = idles = 0
+
+        def has_work(self) -> bool:
+            return self.steps == 0
+
+        def step(self) -> list:
+            self.steps += 1
+            return []
+
+        def idle(self) -> bool:
+            if self.idles == 4:
+                return False
+            self.idles += 1
+            time.sleep(0.3)
+            return True
+
+    engine = Stub()
+    worker = EngineWorker(engine)
+    worker.start()
+    seen = []
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.6:
+        seen.append(worker.stalled_for())
+        time.sleep(0.02)
+    worker.stop()
+    assert engine.steps == 1 and engine.idles == 4
+    assert max(seen) < 0.5, max(seen)
