@@ -240,10 +240,10 @@ def test_idle_graph_captures_count_as_progress_for_the_watchdog():
             return []
 
         def idle(self) -> bool:
-            if self.idles == 4:
+            if self.idles == 5:
                 return False
             self.idles += 1
-            time.sleep(0.3)
+            time.sleep(0.2)
             return True
 
     engine = Stub()
@@ -251,9 +251,9 @@ def test_idle_graph_captures_count_as_progress_for_the_watchdog():
     worker.start()
     seen = []
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 1.6:
+    while time.monotonic() - t0 < 1.5:
         seen.append(worker.stalled_for())
         time.sleep(0.02)
     worker.stop()
-    assert engine.steps == 1 and engine.idles == 4
-    assert max(seen) < 0.5, max(seen)
+    assert engine.steps == 1 and engine.idles >= 4
+    assert max(seen) < 0.7, max(seen)  # one capture's 0.2 s (without the beat: 1.0 s and rising)
