@@ -29,8 +29,9 @@ Specializations: these kernels run in eager extend steps of any batch and length
 from step to step must not make a new Triton specialization (the runtime compiles nothing: every
 kernel comes from the artifact's warm-up). The request, token and split counts are not specialized
 (``do_not_specialize``), the scan width is fixed (``SCAN_REQS``) and the merge's tile of splits is
-sized for the most splits the block table allows; only ``QTILE`` (:func:`qtile`: 1, 2, 4, 8 or 16
-tokens) varies, and the compile's warm-up runs each (compiler/build.py ``EXTEND_WARMUP``).
+sized for the most splits the block table allows, and the partials' pointers are float32 even with
+one split (unwritten then); only ``QTILE`` (:func:`qtile`: 1, 2, 4, 8 or 16 tokens) varies, and the
+compile's warm-up runs each (compiler/build.py ``EXTEND_WARMUP``).
 """
 
 from __future__ import annotations
@@ -264,6 +265,8 @@ def verify_attention_triton(
     cfg = config or default_config(d, dv)
     min_chunk = -(-max(min_chunk, 1) // cfg.block_n) * cfg.block_n  # whole key blocks
     mid_o, mid_lse = split_partials(out, num_splits)
+    if num_splits == 1:  # unwritten then; float32 like the partials, so one split is no new kernel
+        mid_o = mid_lse = torch.empty(1, dtype=torch.float32, device=q.device)
     block_table = block_table.to(torch.int32)
     block_dv = max(16, next_pow2(dv))
     pdl = pdl_args(q)

@@ -155,3 +155,27 @@ def test_the_tree_warm_ups_reach_every_tokens_per_program(lengths):
                 if t <= min(FEW_TOKENS * b, MAX_TOKENS)
             }
             assert need <= warm, (lengths, group, sorted(need - warm))
+
+
+def test_one_split_launches_the_kernel_with_the_same_pointer_types(triton_on_cpu, monkeypatch):
+    """A Triton kernel's identity includes its pointers' element types: with one split (a large
+    eager batch) the partials must stay float32 like those of several splits, or that step compiles
+    a kernel the warm-up never built."""
+    q, k, v, bt, rows, lens, indptr = make_inputs([3, 2], [9, 40], 0, 8, 2, 32, 32, 16, torch.bfloat16)
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    real = V._verify_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append((args[8].dtype, args[9].dtype))  # mid_o_ptr, mid_lse_ptr
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(V, "_verify_split_kernel", Spy())
+    args = (q, k, v, bt, rows, lens, indptr, 32**-0.5, 16)
+    for splits in (1, 3):
+        out = V.verify_attention_triton(*args, splits, 0.0)
+        assert rel_err(out, extend_attention_ref(*args, -1, 0.0)) < TOL[torch.bfloat16]
+    assert seen == [(torch.float32, torch.float32)] * 2
