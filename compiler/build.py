@@ -723,7 +723,7 @@ def tokens_per_program_runs(most: int) -> set[tuple[int, int]]:
     """``(1, t)`` runs that reach every tokens-per-program value of verify attention (1, 2, 4, 8, 16:
     ops/attention/verify.py ``qtile``) that steps of up to ``most`` tokens a request can take: an
     eager tree step of any size runs one of them, and each is its own kernel specialization."""
-    return {(1, min(q, most)) for q in (1, 2, 4, 8, 16) if q == 1 or q // 2 < most}
+    return {(1, min(q, most)) for q in (1, 2, 4, 8, 16) if q // 2 < most}
 
 
 def _verify_shapes(verify: VerifySpec | None) -> list[tuple[int, int, int]]:

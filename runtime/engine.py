@@ -505,10 +505,9 @@ class Engine:
     def idle(self) -> bool:
         """Work for an engine with no requests: capture one pending decode graph (``startup_graphs``
         smallest); True if one was captured (call again), False when there is nothing to do."""
-        pending = getattr(self.runner, "pending_graphs", None)
-        if self.has_work() or not pending:
+        if self.has_work() or not self.runner.pending_graphs:
             return False
-        self.runner.capture_pending(1)
+        self.runner.capture_pending()
         return True
 
     # ------------------------------------------------------------------ the loop

@@ -280,11 +280,11 @@ class ModelRunner:
         if self.bucket_pending(batch):
             self._capture_later([self.bucket_for(batch)])
 
-    def capture_pending(self, count: int = 1) -> None:
-        """Capture up to ``count`` pending decode graphs, largest first (so smaller ones reuse its
-        memory; between steps, as :meth:`capture_bucket_for`)."""
+    def capture_pending(self) -> None:
+        """Capture the largest pending decode graph (so smaller ones reuse its memory; between
+        steps, as :meth:`capture_bucket_for`)."""
         if self.pending_graphs:
-            self._capture_later(self.pending_graphs[-count:])
+            self._capture_later(self.pending_graphs[-1:])
 
     def _capture_later(self, buckets: list[int]) -> None:
         """:meth:`_capture` while serving: a failure (out of memory, say) is a warning, and the
@@ -348,22 +348,15 @@ class ModelRunner:
             stream.synchronize()
         self.capture_seconds += time.perf_counter() - t0
 
-    def _replay_bucket(self, batch: int) -> int | None:
-        """The captured bucket a decode step of ``batch`` replays: its own, else (its own still
-        pending) the smallest captured one that holds it; None: run the graph eagerly."""
-        if not self.use_cuda_graph:
-            return None
-        i = bisect.bisect_left(self.decode_buckets, batch)
-        return next((b for b in self.decode_buckets[i:] if b in self.graphs), None)
-
     def decode(
         self, step: StepInputs, subst: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:
         """logits [B, V] f32 for a decode step of B requests (one token each). ``subst``
         ``(rows [k], ids [k])``: input ids still on the device (sampled by the previous step)."""
         n = step.batch
-        replay = self._replay_bucket(n)
-        b = self.bucket_for(n) if replay is None else replay
+        b = self.bucket_for(n)
+        if self.pending_graphs and b not in self.graphs:  # startup_graphs smallest: a larger captured one
+            b = next((c for c in self.decode_buckets if c > b and c in self.graphs), b)
         self._flip ^= 1
         n64, n32 = self._h64np[self._flip], self._h32np[self._flip]
         if n < b:  # padding rows: token 0 at position 0 into the sink slot, block-table row 0, length 1
@@ -385,7 +378,7 @@ class ModelRunner:
             else:
                 self._i64[0].index_copy_(0, subst[0], subst[1])
         self.bt.flush()
-        if replay is not None:
+        if b in self.graphs:
             self.graphs[b].replay()
             logits = self._out[b]
         else:

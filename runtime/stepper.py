@@ -326,8 +326,10 @@ class Stepper:
             prev, self.inflight = self.inflight, None
             nxt = None
             t0 = time.perf_counter()
+            # a decode-all step (every running request), unless its graph is still to capture
+            # (startup_graphs smallest): the step in flight finishes first, the capture then runs
             n = len(self.scheduler.running)
-            if self._overlaps(n) and not self._bucket_pending(n):  # a decode-all step: every running request
+            if self._overlaps(n) and not self.runner.bucket_pending(n):
                 batch = self.scheduler.schedule_decode_all()
                 nxt = self.launch(batch, prev, time.perf_counter() - t0) if batch is not None else None
                 self.overlapped += nxt is not None
@@ -341,8 +343,7 @@ class Stepper:
         # Nothing in flight: a decode graph still pending for this batch is captured now (its
         # warm-ups write the static inputs; a later overlapped step replays the smallest captured
         # bucket that holds it). A one-token-each extend step runs as a decode step.
-        if self._bucket_pending(len(batch.reqs)):
-            self.runner.capture_bucket_for(len(batch.reqs))
+        self.runner.capture_bucket_for(len(batch.reqs))
         if self.spec is not None and batch.mode == "decode":
             verified = self._verify_step(batch, t0)
             if verified is not None:
@@ -355,11 +356,6 @@ class Stepper:
             self.last_step_host_s = launched.host_s
             return [], launched.kind
         return self.finish(launched, launched.host_s), launched.kind
-
-    def _bucket_pending(self, n: int) -> bool:
-        """Whether a decode step of ``n`` requests has its graph still to capture (``startup_graphs``
-        smallest): the step before it is finished first, so the capture runs with nothing in flight."""
-        return bool(getattr(self.runner, "pending_graphs", None)) and self.runner.bucket_pending(n)
 
     def _overlaps(self, n: int) -> bool:
         """Whether a decode step of ``n`` requests may stay in flight while the next is launched:

@@ -91,9 +91,12 @@ def choose_num_splits(
 def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The split kernels' partial outputs ``[B, H, num_splits, W]`` and base-2 log-sum-exps ``[B, H,
     num_splits]`` (float32) for an output ``out [B, H, W]``; with one split none are written (the
-    kernel writes ``out`` directly) and ``out`` stands in for both."""
+    kernel writes ``out`` directly) and a one-element float32 placeholder stands in for both, so the
+    kernel's pointer types (part of a Triton kernel's identity) are those of several splits: an eager
+    step with one split needs no kernel the warm-up did not build."""
     if num_splits == 1:
-        return out, out
+        placeholder = torch.empty(1, dtype=torch.float32, device=out.device)
+        return placeholder, placeholder
     b, h, w = out.shape
     mid_o = torch.empty(b, h, num_splits, w, dtype=torch.float32, device=out.device)
     return mid_o, torch.empty(b, h, num_splits, dtype=torch.float32, device=out.device)

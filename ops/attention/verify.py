@@ -30,7 +30,7 @@ from step to step must not make a new Triton specialization (the runtime compile
 kernel comes from the artifact's warm-up). The request, token and split counts are not specialized
 (``do_not_specialize``), the scan width is fixed (``SCAN_REQS``) and the merge's tile of splits is
 sized for the most splits the block table allows, and the partials' pointers are float32 even with
-one split (unwritten then); only ``QTILE`` (:func:`qtile`: 1, 2, 4, 8 or 16 tokens) varies, and the
+one split (decode.py ``split_partials``); only ``QTILE`` (:func:`qtile`: 1, 2, 4, 8 or 16 tokens) varies, and the
 compile's warm-up runs each (compiler/build.py ``EXTEND_WARMUP``).
 """
 
@@ -256,7 +256,6 @@ def verify_attention_triton(
     if t == 0:
         return out
     max_len = block_table.shape[1] * page_size
-    most = choose_num_splits(1, max_len, hkv, programs_per_sm=PROGRAMS_PER_SM)  # auto's most, at batch 1
     if num_splits == 0:  # auto: decode's rule at PROGRAMS_PER_SM, a program per request, KV head, split
         num_splits = choose_num_splits(max(bsz, 1), max_len, hkv, programs_per_sm=PROGRAMS_PER_SM)
     num_splits = max(1, min(num_splits, PARTIALS_BYTES // (t * hq * dv * 4)))  # float32 partials
@@ -265,8 +264,6 @@ def verify_attention_triton(
     cfg = config or default_config(d, dv)
     min_chunk = -(-max(min_chunk, 1) // cfg.block_n) * cfg.block_n  # whole key blocks
     mid_o, mid_lse = split_partials(out, num_splits)
-    if num_splits == 1:  # unwritten then; float32 like the partials, so one split is no new kernel
-        mid_o = mid_lse = torch.empty(1, dtype=torch.float32, device=q.device)
     block_table = block_table.to(torch.int32)
     block_dv = max(16, next_pow2(dv))
     pdl = pdl_args(q)
@@ -282,6 +279,7 @@ def verify_attention_triton(
         TREE=tree_mask is not None,
     )  # fmt: skip
     if num_splits > 1:
+        most = choose_num_splits(1, max_len, hkv, programs_per_sm=PROGRAMS_PER_SM)  # auto's most, at batch 1
         block_dv = min(64, block_dv)
         _verify_merge_kernel[(t, hq, triton.cdiv(dv, block_dv))](
             mid_o, mid_lse, seq_lens, qo_indptr, out, out.stride(0), out.stride(1), bsz, hq, num_splits,
