@@ -30,6 +30,7 @@ interpreter.
 """
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -96,26 +97,41 @@ def test_fp8_block_linear(measure, m, n, k, impl):
 
 MOE_TOKENS = pick([1, 8, 64, 512, 4096], [3])
 MOE_SHAPE = pick((7168, 2048, 256, 8), (200, 128, 8, 2))  # H, I, E, top-k
+MOE_CHUNK = 16  # experts made and quantized at a time: bf16 w13 alone is 15 GB, its float32 copy 30
 
 
-@pytest.mark.parametrize("impl", ["block", "fp8_channel", "bf16"])
+@functools.lru_cache(maxsize=1)
+def _moe_weights(impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One MoE layer's experts for ``impl`` (``w13, w2, s13, s2``), made ``MOE_CHUNK`` experts at a
+    time so that the quantization's float32 temporaries stay small, and kept for every token count
+    (``impl`` is the outer parameter: one layer's weights alive at a time, so the run fits an H100)."""
+    h, i, e, _ = MOE_SHAPE
+    g = torch.Generator(DEV).manual_seed(0)
+    quant = {"block": fb.quantize_fp8_block, "fp8_channel": quantize_fp8_per_channel}.get(impl)
+    parts: list[list[torch.Tensor]] = [[], [], [], []]
+    for e0 in range(0, e, MOE_CHUNK):
+        n = min(MOE_CHUNK, e - e0)
+        w13 = torch.randn(n, 2 * i, h, device=DEV, generator=g, dtype=torch.bfloat16) / h**0.5
+        w2 = torch.randn(n, h, i, device=DEV, generator=g, dtype=torch.bfloat16) / i**0.5
+        made = [w13, w2] if quant is None else [*quant(w13), *quant(w2)]
+        for slot, t in zip((0, 2, 1, 3) if quant else (0, 1), made, strict=True):
+            parts[slot].append(t)
+        del w13, w2, made
+    w13, w2, s13, s2 = (torch.cat(p) if p else None for p in parts)
+    return w13, w2, s13, s2
+
+
 @pytest.mark.parametrize("t", MOE_TOKENS)
+@pytest.mark.parametrize("impl", ["block", "fp8_channel", "bf16"])
 def test_fp8_block_moe(measure, t, impl):
     h, i, e, k = MOE_SHAPE
+    w13, w2, s13, s2 = _moe_weights(impl)
     g = torch.Generator(DEV).manual_seed(t)
     x = torch.randn(t, h, device=DEV, generator=g).to(torch.bfloat16)
-    w13 = torch.randn(e, 2 * i, h, device=DEV, generator=g, dtype=torch.bfloat16) / h**0.5
-    w2 = torch.randn(e, h, i, device=DEV, generator=g, dtype=torch.bfloat16) / i**0.5
     w, ids = torch.topk(torch.rand(t, e, device=DEV, generator=g), k, dim=-1)
     w, ids = (w / w.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
-    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-    if impl != "bf16":
-        quant = fb.quantize_fp8_block if impl == "block" else quantize_fp8_per_channel
-        (w13, s13), (w2, s2) = quant(w13), quant(w2)
-        scales = (s13, s2)
-    fn = graphed(lambda: torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, *scales, ""))
+    fn = graphed(lambda: torch.ops.kiln.fused_moe(x, w13, w2, w, ids, None, s13, s2, ""))
     hit = int(torch.unique(ids).numel())
-    wbytes = hit * 3 * h * i * (2 if impl == "bf16" else 1) + sum(
-        s[0].numel() * 4 * hit for s in scales if s is not None
-    )
+    scales = [s for s in (s13, s2) if s is not None]
+    wbytes = hit * 3 * h * i * (2 if impl == "bf16" else 1) + sum(s[0].numel() * 4 * hit for s in scales)
     measure(fn, flops=2.0 * t * k * 3 * h * i, bytes=wbytes + 4 * t * h, m=t, impl=impl, hit_experts=hit)
