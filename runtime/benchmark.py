@@ -14,8 +14,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,6 +24,8 @@ from kiln.runtime.grammar import StructuredOutputs
 from kiln.runtime.llm import LLM
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.step_stats import StepStatsSnapshot
+
+T = TypeVar("T")
 
 
 def read_bandwidth_gbps(device: torch.device) -> float:
@@ -292,6 +295,19 @@ def hf_latency(
     del model
     torch.cuda.empty_cache()
     return res
+
+
+def in_child(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a fresh (spawned) process, its result returned and its exception raised
+    here. The Hugging Face side of ``--compare-hf`` runs so on a GPU: a process's caching allocator
+    can keep a model's memory reserved after the model is gone (56.8 GiB of the full Qwen3-30B-A3B
+    stayed reserved in one, so kiln's weights no longer fit the H100 beside it,
+    bench/results/2026-12-06_h100_s30a_*); a process that exits gives every byte back."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def _hf_model(model_dir: str, dtype: torch.dtype, device: str = "cuda") -> Any:

@@ -121,6 +121,7 @@ def latency_cmd(
         cycle_prompts,
         environment,
         hf_latency,
+        in_child,
         kiln_latency,
         read_bandwidth_gbps,
     )
@@ -142,9 +143,8 @@ def latency_cmd(
         report["json_schema"] = text
     if hf_dir:  # first, so its memory is back before kiln sizes its KV pool
         vocab = open_artifact(artifact, "cuda").manifest.vocab_size
-        report["hf"] = {
-            str(b): v for b, v in hf_latency(hf_dir, batches, input_len, output_len, vocab).items()
-        }
+        hf = in_child(hf_latency, hf_dir, batches, input_len, output_len, vocab)  # all its memory back
+        report["hf"] = {str(b): v for b, v in hf.items()}
     llm = LLM(artifact, log=True, **options_from(kw))
     bw = read_bandwidth_gbps(llm.engine.device)
     kiln_latency(llm, 1, min(input_len, 32), 4, bw)  # warm-up
@@ -265,7 +265,13 @@ def throughput_cmd(
     """Offline throughput: every prompt submitted at once; input and output tokens/s (beside HF
     transformers on the same workload with --compare-hf)."""
     from kiln.runtime.artifact import open_artifact
-    from kiln.runtime.benchmark import environment, hf_throughput, kiln_throughput, throughput_workload
+    from kiln.runtime.benchmark import (
+        environment,
+        hf_throughput,
+        in_child,
+        kiln_throughput,
+        throughput_workload,
+    )
     from kiln.runtime.llm import LLM
 
     if hf_batch_size < 1:
@@ -284,7 +290,9 @@ def throughput_cmd(
     report: dict[str, Any] = {"env": environment(), "artifact": artifact}
     if hf_dir:  # first, so its memory is back before kiln sizes its KV pool
         n = hf_num_prompts or num_prompts
-        report["hf"] = hf_throughput(hf_dir, prompts[:n], lens[:n], hf_batch_size, device, art.dtype)
+        hf_args = (hf_dir, prompts[:n], lens[:n], hf_batch_size, device, art.dtype)
+        # on a GPU in a child process, so that all of its memory is back (benchmark.in_child)
+        report["hf"] = in_child(hf_throughput, *hf_args) if device == "cuda" else hf_throughput(*hf_args)
     llm = LLM(artifact, log=True, **options_from(kw))
     r = kiln_throughput(llm, prompts, lens)
     report["kiln"] = r

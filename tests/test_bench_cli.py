@@ -185,3 +185,16 @@ def test_accuracy_of_an_artifact_against_itself(demo_artifact, tmp_path):
     bad = CliRunner().invoke(cli, ["bench", "accuracy", str(tmp_path), "--reference", demo_artifact])
     assert bad.exit_code != 0 and isinstance(bad.exception, KilnError), bad.exception
     assert "is not a kiln artifact" in str(bad.exception)
+
+
+def test_in_child_runs_in_another_process_and_raises_its_errors():
+    """--compare-hf's HF side runs through benchmark.in_child on a GPU: a spawned process whose
+    result comes back and whose exception is raised in the caller."""
+    import os
+
+    from kiln.runtime.benchmark import in_child
+
+    assert in_child(os.getpid) != os.getpid()
+    assert in_child(divmod, 17, 5) == (3, 2)
+    with pytest.raises(ZeroDivisionError):
+        in_child(divmod, 1, 0)
