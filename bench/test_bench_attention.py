@@ -274,42 +274,48 @@ def test_extend_sweep(measure, prefix, cfg):
 
 
 # --------------------------------------------------------------------------- verify
-@pytest.mark.parametrize("impl", ["verify", "extend"])
-@pytest.mark.parametrize("batch, ctx", pick([(1, 512), (1, 4096), (8, 512), (32, 512)], [(2, 40)]))
-def test_verify(measure, batch, ctx, impl):
-    """A speculative verify step's attention: 5 new tokens per request (k = 4) over ``ctx`` cached
-    ones, on ``kiln::verify_attention`` (split over the keys, as many splits as the engine's graphs
-    pick: 0, automatic) and on extend attention; ``bytes``:
-    each request's K and V read once."""
+VERIFY_CASES = pick([(1, 512), (1, 4096), (8, 512), (32, 512)], [(2, 40)])
+
+
+def _verify_case(batch: int, ctx: int):
+    """A verify step's inputs: 5 new tokens per request (k = 4) over ``ctx`` cached ones, the
+    block table as wide as the engine's (``ENGINE_CAP`` keys: the automatic split count reads its
+    width), and the bytes read (each request's K and V once)."""
     new = 5
     k_cache, v_cache, bt, rows, lens, _ = _paged([ctx + new] * batch)
+    bt = torch.nn.functional.pad(bt, (0, ENGINE_CAP // PAGE - bt.shape[1]))
     q = torch.randn(batch * new, HQ, D, dtype=DTYPE, device=DEV)
     indptr = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device=DEV)
-    args = (q, k_cache, v_cache, bt, rows, lens, indptr, D**-0.5, PAGE)
-    if impl == "verify":  # the engine's automatic split count (verify.py PROGRAMS_PER_SM)
+    nbytes = batch * (ctx + new) * HKV * D * 2 * DTYPE.itemsize
+    return (q, k_cache, v_cache, bt, rows, lens, indptr, D**-0.5, PAGE), nbytes
+
+
+@pytest.mark.parametrize("impl", ["verify", "extend"])
+@pytest.mark.parametrize("batch, ctx", VERIFY_CASES)
+def test_verify(measure, batch, ctx, impl):
+    """A speculative verify step's attention on ``kiln::verify_attention`` (split over the keys, as
+    many splits as the engine's graphs pick: 0, automatic) and on extend attention."""
+    args, nbytes = _verify_case(batch, ctx)
+    if impl == "verify":
         fn = lambda: verify_attention_triton(*args, 0, 0.0)
     else:
         fn = lambda: extend_attention_triton(*args, -1, 0.0)
     out = fn()
-    assert out.shape == (batch * new, HQ, D) and not out.isnan().any()
-    nbytes = batch * (ctx + new) * HKV * D * 2 * DTYPE.itemsize
+    assert out.shape == args[0].shape and not out.isnan().any()
     measure(_graphed(fn), bytes=nbytes, batch=batch, ctx=ctx, impl=impl)
 
 
 @pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")
-@pytest.mark.parametrize("min_chunk", [32, 64, 128, 256, 512])
-@pytest.mark.parametrize("batch, ctx", [(1, 512), (1, 4096), (8, 512), (32, 512)])
-def test_verify_sweep(measure, batch, ctx, min_chunk):
-    """``kiln::verify_attention``'s fewest keys per split (ops/attention/verify.py ``MIN_CHUNK``)."""
-    new = 5
-    k_cache, v_cache, bt, rows, lens, _ = _paged([ctx + new] * batch)
-    q = torch.randn(batch * new, HQ, D, dtype=DTYPE, device=DEV)
-    indptr = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device=DEV)
-    splits = choose_num_splits(batch, ENGINE_CAP, HKV)
-    args = (q, k_cache, v_cache, bt, rows, lens, indptr, D**-0.5, PAGE, splits, 0.0)
-    fn = lambda: verify_attention_triton(*args, min_chunk=min_chunk)
-    nbytes = batch * (ctx + new) * HKV * D * 2 * DTYPE.itemsize
-    measure(_graphed(fn), bytes=nbytes, batch=batch, ctx=ctx, min_chunk=min_chunk)
+@pytest.mark.parametrize("rule", ["auto", "decode"])
+@pytest.mark.parametrize("min_chunk", [32, 64, 128, 256])
+@pytest.mark.parametrize("batch, ctx", VERIFY_CASES)
+def test_verify_sweep(measure, batch, ctx, min_chunk, rule):
+    """``kiln::verify_attention``'s fewest keys per split (ops/attention/verify.py ``MIN_CHUNK``)
+    under its automatic split count (``PROGRAMS_PER_SM``) and under decode's."""
+    args, nbytes = _verify_case(batch, ctx)
+    splits = 0 if rule == "auto" else choose_num_splits(batch, ENGINE_CAP, HKV)
+    fn = lambda: verify_attention_triton(*args, splits, 0.0, min_chunk=min_chunk)
+    measure(_graphed(fn), bytes=nbytes, batch=batch, ctx=ctx, min_chunk=min_chunk, rule=rule)
 
 
 def test_bench_bytes_and_flops_formulas():
