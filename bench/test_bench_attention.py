@@ -318,6 +318,17 @@ def test_verify_sweep(measure, batch, ctx, min_chunk, rule):
     measure(_graphed(fn), bytes=nbytes, batch=batch, ctx=ctx, min_chunk=min_chunk, rule=rule)
 
 
+@pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")
+@pytest.mark.parametrize("merge_tile", [4, 8, 16, 64])
+@pytest.mark.parametrize("batch, ctx", VERIFY_CASES)
+def test_verify_merge_sweep(measure, batch, ctx, merge_tile):
+    """``kiln::verify_attention``'s splits per merge pass (ops/attention/verify.py ``MERGE_TILE``),
+    automatic split count."""
+    args, nbytes = _verify_case(batch, ctx)
+    fn = lambda: verify_attention_triton(*args, 0, 0.0, merge_tile=merge_tile)
+    measure(_graphed(fn), bytes=nbytes, batch=batch, ctx=ctx, merge_tile=merge_tile)
+
+
 def test_bench_bytes_and_flops_formulas():
     # the figures the fractions rest on, checked on a case small enough to count by hand
     *_, nbytes, _ = _decode_case(2, 48)

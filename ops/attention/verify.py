@@ -28,8 +28,8 @@ float32 accumulation, exp2 with log2(e) folded into the scale, as decode's kerne
 Specializations: these kernels run in eager extend steps of any batch and length, so what varies
 from step to step must not make a new Triton specialization (the runtime compiles nothing: every
 kernel comes from the artifact's warm-up). The request, token and split counts are not specialized
-(``do_not_specialize``), the scan width is fixed (``SCAN_REQS``) and the merge's tile of splits is
-sized for the most splits the block table allows, and the partials' pointers are float32 even with
+(``do_not_specialize``), the scan width is fixed (``SCAN_REQS``) and so is the merge's tile of
+splits (``MERGE_TILE``, looped over the active splits), and the partials' pointers are float32 even with
 one split (decode.py ``split_partials``); only ``QTILE`` (:func:`qtile`: 1, 2, 4, 8 or 16 tokens) varies, and the
 compile's warm-up runs each (compiler/build.py ``EXTEND_WARMUP``).
 """
@@ -68,6 +68,10 @@ MIN_CHUNK = 32  # the fewest keys a split takes (decode's plan: one key block)
 PROGRAMS_PER_SM = 2
 PARTIALS_BYTES = 64 << 20  # the split partials' bound: fewer splits where T x Hq x Dv is large
 SCAN_REQS = 64  # requests per round of the kernels' qo_indptr scans (fixed: not a specialization)
+# splits the merge reads per pass (fixed: not a specialization); a tile sized for the most splits the
+# engine's block table allows (64) cost 82 against 62 us at batch 32 x 512 tokens with 2 splits
+# (bench/results/2026-12-06_h100_s30g_*)
+MERGE_TILE = 16
 
 
 def qtile(num_tokens: int, num_reqs: int, group: int) -> int:
@@ -243,12 +247,14 @@ def verify_attention_triton(
     page_size: int, num_splits: int, logit_cap: float, tree_mask: torch.Tensor | None = None, *,
     config: DecodeConfig | None = None,
     min_chunk: int = MIN_CHUNK,
+    merge_tile: int = MERGE_TILE,
 ) -> torch.Tensor:  # fmt: skip
     """Paged attention of a few new tokens per request ``[T, Hq, D] -> [T, Hq, Dv]`` (the module
     docstring): the Triton kernels; ``tree_mask`` ``[T]`` int64 ancestor bitmasks of token trees
     (extend attention's, ops/attention/extend.py), else None. ``config`` as decode's (its block size
     and launch);
-    ``min_chunk``: the fewest keys a split takes (benchmarks sweep it)."""
+    ``min_chunk``: the fewest keys a split takes, ``merge_tile`` the splits the merge reads per pass
+    (benchmarks sweep them)."""
     t, hq, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     bsz = req_rows.shape[0]
@@ -279,11 +285,10 @@ def verify_attention_triton(
         TREE=tree_mask is not None,
     )  # fmt: skip
     if num_splits > 1:
-        most = choose_num_splits(1, max_len, hkv, programs_per_sm=PROGRAMS_PER_SM)  # auto's most, at batch 1
         block_dv = min(64, block_dv)
         _verify_merge_kernel[(t, hq, triton.cdiv(dv, block_dv))](
             mid_o, mid_lse, seq_lens, qo_indptr, out, out.stride(0), out.stride(1), bsz, hq, num_splits,
-            DV=dv, BLOCK_DV=block_dv, TILE=min(64, next_pow2(max(num_splits, most))), BLOCK_N=cfg.block_n,
+            DV=dv, BLOCK_DV=block_dv, TILE=merge_tile, BLOCK_N=cfg.block_n,
             MIN_CHUNK=min_chunk, SCAN=SCAN_REQS, num_warps=4, **pdl,
         )  # fmt: skip
     return out

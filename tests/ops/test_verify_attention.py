@@ -26,6 +26,7 @@ seed, triton_on_cpu = decode_tests.seed, decode_tests.triton_on_cpu  # the fixtu
         ([3, 0, 2], [9, 4, 50], 0, 16, 2, 128, 16, torch.bfloat16, 1, 0.0),  # a request with no new tokens
         ([24], [0], 0, 4, 1, 32, 16, torch.float32, 4, 0.0),  # early rows see none of split 1's keys
         ([7, 2], [3, 5], 1, 12, 2, 32, 16, torch.float32, 2, 5.0),  # GQA group 6: a tile of 10 tokens
+        ([3, 2], [700, 40], 0, 4, 2, 32, 16, torch.float32, 40, 0.0),  # 22 splits: 2 merge passes
     ],
 )
 def test_verify_matches_reference(
@@ -42,6 +43,8 @@ def test_verify_matches_reference(
     assert err < TOL[dtype], f"seed {seed}: relative error {err:.2e}"
     out = V.verify_attention_triton(*args, splits, cap, min_chunk=40)  # splits of >= 64 keys (2 blocks)
     assert rel_err(out, ref) < TOL[dtype], f"seed {seed}: min_chunk"
+    out = V.verify_attention_triton(*args, splits, cap, merge_tile=2)  # the merge in passes of 2 splits
+    assert rel_err(out, ref) < TOL[dtype], f"seed {seed}: merge_tile"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
