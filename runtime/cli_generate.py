@@ -117,10 +117,6 @@ def generate_cmd(
         from kiln.runtime.llm import LLM
         from kiln.runtime.tensor_parallel import follow_launched
 
-    options = options_from(kw)
-    if follow_launched(artifact, EngineOptions(**options)):
-        return  # a launched rank other than 0 (torchrun): it followed rank 0's steps
-    llm = LLM(artifact, log=True, **options)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -129,7 +125,11 @@ def generate_cmd(
         seed=seed,
         stop=list(stop) or None,
     )
-    params.validate()
+    params.validate()  # before the load: a bad flag fails in a second
+    options = options_from(kw)
+    if follow_launched(artifact, EngineOptions(**options)):
+        return  # a launched rank other than 0 (torchrun): it followed rank 0's steps
+    llm = LLM(artifact, log=True, **options)
     text: str | list[int] = prompt
     if chat:
         text = llm.tokenizer.encode(

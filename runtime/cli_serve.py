@@ -13,7 +13,13 @@ from kiln.runtime.cli_generate import engine_options, options_from
 @click.option(
     "--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface)."
 )
-@click.option("--port", default=8000, show_default=True, type=int)
+@click.option(
+    "--port",
+    default=8000,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="Port to bind (0: any free one).",
+)
 @click.option(
     "--api-key",
     envvar="KILN_API_KEY",
@@ -81,12 +87,13 @@ def serve_cmd(
 
         from kiln.runtime.engine import Engine, EngineOptions
         from kiln.runtime.server import ServerOptions
-        from kiln.runtime.server_run import serve
+        from kiln.runtime.server_run import check_bindable, serve
         from kiln.runtime.tensor_parallel import follow_launched
 
     opts = EngineOptions(**options_from(kw))
     if follow_launched(artifact, opts):
         return  # a launched rank other than 0 (torchrun): it followed rank 0's steps until the stop
+    check_bindable(host, port)  # before the load, not after it
     if (opts.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
         torch.set_num_threads(1)  # small CPU models: OpenMP hand-offs cost more than the math
     engine = Engine(artifact, opts)

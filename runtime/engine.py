@@ -11,6 +11,7 @@ import itertools
 import time
 import warnings
 from dataclasses import dataclass, fields, replace
+from numbers import Integral
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -42,12 +43,28 @@ if TYPE_CHECKING:
 GIB = 1024**3
 
 
-class RequestError(KilnError, ValueError):
-    """A request the engine cannot accept (``param`` names the offending field)."""
+class FieldError(KilnError, ValueError):
+    """A value kiln refuses; ``param`` names the offending field."""
 
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+class RequestError(FieldError):
+    """A request the engine cannot accept."""
+
+
+class OptionError(FieldError):
+    """An :class:`EngineOptions` value no engine can run with."""
+
+
+# (field, its flag, the least value, what leaving it out does); the GiB must be above 0
+_OPTION_FLOORS: tuple[tuple[str, str, int, str], ...] = (
+    ("max_running", "--max-running", 1, "leave it out for the artifact's max batch size"),
+    ("chunk_size", "--chunk-size", 1, "leave it out for the artifact's prefill chunk"),
+    ("kv_memory_gib", "--kv-memory", 0, "leave it out to size the KV pool from free memory"),
+)
 
 
 @dataclass(frozen=True)
@@ -100,9 +117,38 @@ class EngineOptions:
     ngram_min: int | None = None  # shortest suffix the n-gram drafter looks up
     draft_branches: int | None = None  # candidates per draft position: token trees (1: chains)
 
+    def __post_init__(self) -> None:
+        """Refuse a value no engine can run with, naming the field and its flag, before anything
+        loads (a negative chunk size once started a server that failed its first request)."""
+        for name, flag, low, what in _OPTION_FLOORS:
+            v = getattr(self, name)
+            if v is not None and (v < low or (v == 0 and low == 0)):
+                bound = "> 0" if low == 0 else f">= {low}"
+                raise OptionError(name, f"{name} ({flag}) must be {bound}, got {v}: {what}")
+        if self.activation_reserve_gib < 0 or not 0 < self.gpu_memory_fraction <= 1:
+            raise OptionError(
+                "gpu_memory_fraction",
+                "activation_reserve_gib must be >= 0 and gpu_memory_fraction in (0, 1], got "
+                f"{self.activation_reserve_gib} and {self.gpu_memory_fraction}",
+            )
+
     def setting_values(self) -> dict[str, Any]:
         """``{run-time setting name: this option's value or None}`` (for :func:`kiln.settings.apply`)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name in settings.SETTINGS}
+
+
+def _token_ids(prompt: Any) -> list[int]:
+    """A prompt given as token ids (a list or tuple of integers, or a 1-D array) as a list
+    of ints; anything else (floats, bools, None) is a :class:`RequestError`."""
+    ids = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+    if isinstance(ids, list | tuple) and all(
+        isinstance(t, Integral) and not isinstance(t, bool) for t in ids
+    ):
+        return [int(t) for t in ids]
+    raise RequestError(
+        "prompt",
+        f"a prompt is a string or a list of token ids (ints), got {type(prompt).__name__} {prompt!r:.60}",
+    )
 
 
 def _kv_bytes(opts: EngineOptions, device: torch.device, kv_bytes_per_token: int, max_tokens: int) -> int:
@@ -151,6 +197,10 @@ class Engine:
         for line in settings.environment_warnings("run"):
             warnings.warn(f"kiln: {line}", stacklevel=3)
         dev = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if dev.startswith("cuda") and not torch.cuda.is_available():
+            raise OptionError(
+                "device", f"device ({dev}): no CUDA device is available to this torch; use --device cpu"
+            )
         # A checkpoint (a directory or a Hub id): its artifact from the compile cache, built there
         # the first time.
         self.source = str(artifact)  # as given (the server's default model name)
@@ -227,7 +277,7 @@ class Engine:
         m = self.artifact.manifest
         page_size = m.kv.page_size
         self.radix = RadixCache(page_size, disabled=not opts.radix_cache)
-        chunk = min(opts.chunk_size or m.chunk_size, m.chunk_size)
+        chunk = m.chunk_size if opts.chunk_size is None else min(opts.chunk_size, m.chunk_size)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_running=self.max_running,
@@ -323,7 +373,9 @@ class Engine:
         kv, page_size = m.kv, m.kv.page_size
         self.max_seq_len = m.max_seq_len
         # Requests running at once: the option, at most the largest decode bucket (max_batch_size).
-        self.max_running = min(opts.max_running or m.max_batch_size, m.max_batch_size)
+        self.max_running = (
+            m.max_batch_size if opts.max_running is None else min(opts.max_running, m.max_batch_size)
+        )
         t = time.perf_counter()
         per_token = kv.bytes_per_token + (draft.artifact.manifest.kv.bytes_per_token if draft else 0)
         want = _kv_bytes(opts, self.device, per_token, self.max_running * self.max_seq_len + page_size)
@@ -392,7 +444,7 @@ class Engine:
     ) -> Req:
         params = params or SamplingParams()
         params.validate()
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = self.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
         if not ids:
             raise RequestError("prompt", "the prompt is empty")
         vocab = self.vocab_size

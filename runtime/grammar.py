@@ -66,6 +66,20 @@ class StructuredOutputs:
     choice: tuple[str, ...] | None = None
     tool_call: ToolCallGrammar | None = None
 
+    def __post_init__(self) -> None:
+        # a schema given as a dict (as in a request's JSON) and choices given as a list are kept as
+        # JSON text and a tuple: a spec is hashable (the compiled grammars' cache key)
+        if isinstance(self.json_schema, dict):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json_schema", "regex", "ebnf"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise GrammarError(
+                    f"{name} must be a string (a JSON schema may also be a dict), got {type(v).__name__}"
+                )
+
     def kind(self) -> str:
         """The field that is set; raises :class:`GrammarError` unless exactly one is."""
         fields = ("json_schema", "regex", "ebnf", "choice", "tool_call")

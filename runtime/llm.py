@@ -8,13 +8,14 @@ out = llm.chat([{"role": "user", "content": "Hi"}])
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from kiln.runtime.engine import Engine, EngineOptions
 from kiln.runtime.request import RequestOutput
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling_params import InvalidSamplingParams, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -43,6 +44,29 @@ class LLM:
     def __init__(self, artifact: str, **options: Any):
         options.setdefault("log", False)
         self.engine = Engine(artifact, EngineOptions(**options))
+        # The outputs waiting for their reader, by request id: every request of an open generate()
+        # call or stream() has a box, and each engine step fills the boxes of every request it
+        # advanced, whoever drives it; so several streams and generate() calls interleave without
+        # losing outputs (outputs of a request nobody reads any more are dropped).
+        self._boxes: dict[str, deque[RequestOutput]] = {}
+
+    def _step(self) -> None:
+        """One engine step, its outputs put into their requests' boxes."""
+        if not self.engine.has_work():
+            raise RuntimeError("engine idle with unfinished requests")  # never expected
+        for out in self.engine.step():
+            box = self._boxes.get(out.rid)
+            if box is not None:
+                box.append(out)
+
+    def _close(self, rids: Sequence[str]) -> None:
+        """Drop these requests' boxes, aborting those not finished (an abandoned stream, an
+        interrupted generate)."""
+        for rid in rids:
+            self._boxes.pop(rid, None)
+            req = self.engine.requests.get(rid)
+            if req is not None and not req.finished:
+                self.engine.abort(rid)
 
     @property
     def tokenizer(self) -> Any:
@@ -54,14 +78,16 @@ class LLM:
         """Add every completion of every prompt, or none: one the engine refuses (a bad
         parameter, a prompt too long) withdraws those added before it, then raises."""
         subs: list[tuple[str, int, int]] = []
+        for sp in params:
+            sp.validate()  # n among the rest: n = 0 would add nothing and so check nothing
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 for k in range(sp.n):
                     req = self.engine.add_request(p, sp, seed_index=k)
                     subs.append((req.rid, i, k))
+                    self._boxes[req.rid] = deque()
         except BaseException:
-            for rid, _, _ in subs:
-                self.engine.abort(rid)
+            self._close([rid for rid, _, _ in subs])
             raise
         return subs
 
@@ -84,16 +110,22 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(subs), desc="generate", unit="req")
-        while len(finals) < len(subs):
-            if not self.engine.has_work():
-                raise RuntimeError("engine idle with unfinished requests")  # never expected
-            for out in self.engine.step():
-                if out.finished and out.rid in reqs:
-                    finals[out.rid] = out
-                    if bar:
-                        bar.update(1)
-        if bar:
-            bar.close()
+        try:
+            while len(finals) < len(subs):
+                for rid in reqs.keys() - finals.keys():
+                    box = self._boxes[rid]
+                    while box:
+                        out = box.popleft()
+                        if out.finished:
+                            finals[rid] = out
+                            if bar:
+                                bar.update(1)
+                if len(finals) < len(subs):
+                    self._step()
+        finally:
+            self._close(list(reqs))
+            if bar:
+                bar.close()
         results = []
         for rid, _, k in subs:
             o, r = finals[rid], reqs[rid]
@@ -115,19 +147,26 @@ class LLM:
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield a :class:`RequestOutput` per new token of one prompt (``new_text`` is the delta)."""
+        """Yield a :class:`RequestOutput` per new token of one prompt (``new_text`` is the delta).
+        Streams and :meth:`generate` calls may interleave: each gets all of its own outputs."""
         sp = sampling_params or SamplingParams()
+        sp.validate()
+        if sp.n != 1:
+            raise InvalidSamplingParams(
+                "n", f"stream() streams one completion (got {sp.n}); use generate() for n > 1"
+            )
         req = self.engine.add_request(prompt, sp)
+        box = self._boxes[req.rid] = deque()
         try:
             while True:
-                for out in self.engine.step():
-                    if out.rid == req.rid:
-                        yield out
-                        if out.finished:
-                            return
+                while box:
+                    out = box.popleft()
+                    yield out
+                    if out.finished:
+                        return
+                self._step()
         finally:
-            if not req.finished:
-                self.engine.abort(req.rid)
+            self._close([req.rid])
 
     def apply_chat_template(self, messages: Sequence[Message]) -> str:
         tok = self.engine.tokenizer
@@ -142,6 +181,12 @@ class LLM:
     ) -> list[GenerationOutput]:
         """Chat completion(s) with the artifact's chat template: one conversation or a list."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        for c in convs:
+            for i, m in enumerate(c):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+                    raise ValueError(
+                        f"messages[{i}] must be a dict with a 'role' (str) and a 'content', got {m!r:.80}"
+                    )
         prompts: list[Prompt] = [
             self.engine.tokenizer.encode(
                 self.apply_chat_template(c),  # type: ignore[arg-type]

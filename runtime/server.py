@@ -29,6 +29,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -341,6 +342,38 @@ class _Stream(StreamingResponse):
 
 
 # ---------------------------------------------------------------------------------- the app
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _field_path(loc: Any) -> str:
+    """A validation error's location as the request's fields (``messages.0.content``): without
+    "body" and the tags pydantic adds for the branch of a union it tried (``str``,
+    ``list[int]``, ``literal[...]``, ``TextPart``)."""
+    keep = [
+        str(x)
+        for x in loc
+        if isinstance(x, int)
+        or (x != "body" and x not in _TYPE_TAGS and re.fullmatch(r"[a-z_][a-z0-9_]*", str(x)))
+    ]
+    return ".".join(keep) or "body"
+
+
+def _validation_message(errors: Any) -> str:
+    """One line for a request that failed validation: each way the first field failed (a union's
+    branches each say what they expected), e.g. ``messages.0.content: Input should be a valid
+    string; or messages.0.content.0.type: Input should be 'text'``."""
+    if not errors:
+        return "body: invalid request"
+    first = _field_path(errors[0].get("loc", ()))
+    seen: list[str] = []
+    for err in errors:
+        path = _field_path(err.get("loc", ()))
+        line = f"{path}: {err.get('msg', 'invalid')}"
+        if (path == first or path.startswith(first + ".")) and line not in seen:
+            seen.append(line)
+    return "; or ".join(seen[:4])
+
+
 def create_app(engine: Any, opts: ServerOptions | None = None) -> FastAPI:
     """The FastAPI app over ``engine``. Its lifespan starts and stops the engine thread."""
     import contextlib
@@ -374,8 +407,7 @@ def create_app(engine: Any, opts: ServerOptions | None = None) -> FastAPI:
             msg = f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}"
             return JSON(error_body(msg, "invalid_request_error"), status_code=400)
         param = loc[0] if loc else None
-        where = ".".join(loc) or "body"
-        return JSON(error_body(f"{where}: {err['msg']}", "invalid_request_error", param), 400)
+        return JSON(error_body(_validation_message(e.errors()), "invalid_request_error", param), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -116,6 +116,8 @@ class _SamplingRequest(_Strict):
     def unsupported(self) -> None:
         if self.logit_bias:
             raise bad_request("logit_bias", "logit_bias is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options", "stream_options is only allowed with stream: true")
 
     def structured(self) -> StructuredOutputs | None:
         """The request's structure (``response_format`` or one extension), or None; 400 naming
@@ -513,8 +515,8 @@ class Reply:
                 batch.append(sink.queue.get_nowait())
             parts = []
             for out in batch:
-                if isinstance(out, EngineFailure):
-                    parts.append(sse(error_body(out.message, "server_error")))
+                if isinstance(out, EngineFailure):  # the error, then the end marker clients wait for
+                    parts += [sse(error_body(out.message, "server_error")), "data: [DONE]\n\n"]
                     yield "".join(parts).encode()
                     return
                 i = sink.rids[out.rid]
@@ -540,6 +542,8 @@ class Reply:
                             if calls:
                                 delta["tool_calls"] = calls
                     c["delta"] = {"content": text, **delta} if text else delta
+                    if not c["delta"] and not out.finished and not (self.want_logprobs and out.new_logprobs):
+                        continue  # nothing to say yet (text held back where a tool call may begin)
                 else:
                     c["text"] = out.new_text
                 c["logprobs"] = self._logprobs(i, out.new_logprobs, out.new_text)
@@ -561,13 +565,15 @@ def sse(obj: Any) -> str:
 # ------------------------------------------------------------------------------- logprobs
 def completion_logprobs(entries: list[dict], token_text: Any, offset: int) -> dict[str, Any]:
     """OpenAI's completions ``logprobs`` object for ``entries`` (the engine's per-token
-    ``{token_id, logprob, top: [(id, logprob)]}``); ``offset``: text offset of the first token."""
+    ``{token_id, logprob, top: [(id, logprob)]}``); ``offset``: text offset of the first token.
+    As OpenAI's, each ``top_logprobs`` entry holds the chosen token beside the top ones (up to
+    ``logprobs + 1`` entries)."""
     tokens, lps, tops, offsets = [], [], [], []
     for e in entries:
         s = token_text(e["token_id"])
         tokens.append(s)
         lps.append(e["logprob"])
-        tops.append({token_text(i): lp for i, lp in e["top"]})
+        tops.append({**{token_text(i): lp for i, lp in e["top"]}, s: e["logprob"]})  # the chosen too
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

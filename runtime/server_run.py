@@ -20,9 +20,32 @@ from typing import Any
 from fastapi import FastAPI
 
 from kiln import gc_paused
+from kiln.errors import KilnError
 from kiln.runtime.server import OpenAIServer, ServerOptions, create_app
 
 SHUTDOWN_GRACE_S = 5.0  # after shutdown_timeout: time for the error replies to go out
+
+
+class BindError(KilnError, OSError):
+    """``--host``/``--port`` cannot be bound (in use, or not an address of this machine)."""
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Raise :class:`BindError` unless ``host:port`` can be bound now: called before the model
+    loads, so that a port in use fails in a second instead of after the load (uvicorn binds it
+    again when it starts; a server that takes the port in between still fails there)."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind(addr)
+    except OSError as e:
+        raise BindError(
+            f"--host {host} --port {port}: cannot bind ({e.strerror or e}); another server may hold the "
+            "port: pick another --port, or stop that server"
+        ) from None
 
 
 def uvicorn_server(app: FastAPI, **config: Any) -> Any:

@@ -187,6 +187,14 @@ def test_logprobs(server, llm):
     )
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
     assert "".join(lp.tokens) == r.choices[0].text
+    # Sampled: each top_logprobs holds the chosen token too (OpenAI's up to logprobs + 1 entries).
+    r = c.completions.create(
+        model=server.model, prompt="Logprobs", max_tokens=8, temperature=2.0, seed=5, logprobs=1
+    )
+    lp = r.choices[0].logprobs
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # some token other than the most likely
+    for tok, got, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[tok] == got and len(top) <= 2
 
     r = c.chat.completions.create(
         model=server.model,

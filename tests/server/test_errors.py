@@ -56,6 +56,7 @@ BAD_COMPLETIONS = [
     ({"prompt": ["a", 1]}, "prompt"),
     ({"prompt": "x", "stop": 7}, "stop"),
     ({"prompt": "x", "stream_options": {"include_usage": "no"}}, "stream_options"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ({"max_tokens": 3}, "prompt"),
 ]
 
@@ -275,3 +276,20 @@ def test_engine_failure_answers_every_request(demo_artifact):
         )  # still validated
     finally:
         s.stop()
+
+
+def test_validation_messages_name_the_fields_not_the_union_branches(server):
+    """A field that fails every branch of its type says what each branch expected, in the
+    request's own terms (no pydantic branch tags such as ``.str`` or ``.literal[...]``)."""
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    cases = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [image]}]},
+         "messages.0.content: Input should be a valid string; or messages.0.content.0.type: Input should be 'text'"),
+        ("/v1/completions", {"prompt": ["hi", 5]}, "prompt: Input should be a valid string"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"},
+         "tool_choice: Input should be 'none', 'auto' or 'required'"),
+    ]  # fmt: skip
+    for path, body, want in cases:
+        err = assert_error(server.post(path, json=body), 400)
+        assert err["message"].startswith(want), err
+        assert ".str" not in err["message"] and "literal[" not in err["message"], err

@@ -73,7 +73,7 @@ async def _in_engine(http: httpx.AsyncClient) -> int:
 
 async def _stream(url: str, i: int, max_tokens: int, marks: dict) -> dict:
     """One streaming client: 'complete' (finish_reason and [DONE]), 'error' (an error event, then
-    the stream ended cleanly; or a 503 JSON error) or 'broken' (anything else). ``late``: tokens
+    [DONE]; or a 503 JSON error) or 'broken' (anything else). ``late``: tokens
     received after ``marks["signal"]``."""
     body = {
         "prompt": f"client {i} says",
@@ -113,7 +113,7 @@ async def _stream(url: str, i: int, max_tokens: int, marks: dict) -> dict:
         return {"state": "broken", "error": f"{type(e).__name__}: {e}"}
     if done and finish is not None and error is None:
         return {"state": "complete", "finish": finish, "tokens": tokens}
-    if error is not None and not done and error.get("type") == "server_error" and error.get("message"):
+    if error is not None and done and error.get("type") == "server_error" and error.get("message"):
         return {"state": "error", "error": error, "t": t_error, "late": late}
     return {"state": "broken", "error": f"done={done} finish={finish} error={error} tokens={tokens}"}
 

@@ -82,11 +82,13 @@ def test_a_named_function_is_the_one_called(server):
 
 
 def _streamed(c, model, **kw):
-    """(content, [(name, arguments)], finish_reason) assembled from the stream's deltas."""
+    """(content, [(name, arguments)], finish_reason) assembled from the stream's deltas; every
+    chunk says something (no empty delta while text is held back where a call may begin)."""
     content, calls, reason = "", {}, None
     for chunk in c.chat.completions.create(model=model, stream=True, **kw):
         for ch in chunk.choices:
             d = ch.delta
+            assert d.role or d.content or d.tool_calls or ch.finish_reason, chunk
             content += d.content or ""
             for tc in d.tool_calls or ():
                 calls.setdefault(tc.index, [tc.function.name, ""])
