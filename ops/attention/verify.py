@@ -68,9 +68,9 @@ MIN_CHUNK = 32  # the fewest keys a split takes (decode's plan: one key block)
 PROGRAMS_PER_SM = 2
 PARTIALS_BYTES = 64 << 20  # the split partials' bound: fewer splits where T x Hq x Dv is large
 SCAN_REQS = 64  # requests per round of the kernels' qo_indptr scans (fixed: not a specialization)
-# splits the merge reads per pass (fixed: not a specialization); a tile sized for the most splits the
-# engine's block table allows (64) cost 82 against 62 us at batch 32 x 512 tokens with 2 splits
-# (bench/results/2026-12-06_h100_s30g_*)
+# splits the merge reads per pass (fixed: not a specialization). A tile sized for the most splits the
+# engine's block table allows (64) took 82 us at batch 32 x 512 tokens with 2 splits, against 62 us
+# with a tile of 2 (bench/results/2026-12-06_h100_s30f_*, s30g_*); 16 is not timed yet
 MERGE_TILE = 16
 
 
