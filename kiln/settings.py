@@ -204,10 +204,11 @@ _ALL: tuple[Setting, ...] = (
     _s("graph_greedy", "run", "bool", "1",
        "Capture the greedy argmax in each decode graph: a plain-greedy step launches no sampler.",
        env="KILN_GRAPH_GREEDY", flag=True, when="engine start"),
-    _s("startup_graphs", "run", "choice", "all",
-       "Decode CUDA graphs captured before the engine is ready: all buckets, or the smallest (the rest "
-       "captured between steps: when a batch first needs one, or while the engine is idle; one-rank "
-       "engines without speculative decoding). Off by default until measured on the GPU.",
+    _s("startup_graphs", "run", "choice", "smallest",
+       "Decode CUDA graphs captured before the engine is ready: the smallest bucket (the rest captured "
+       "between steps, about 40 ms each: when a batch first needs one, or while the engine is idle; "
+       "`kiln bench` captures them all before timing; ready 0.5 s sooner for the 8B shape on an H100), "
+       "or all. Engines with tensor parallelism or speculative decoding capture all.",
        env="KILN_STARTUP_GRAPHS", flag=True, choices=("all", "smallest"), when="engine start"),
     _s("graph_format", "run", "choice", "python",
        "Load the graphs from their generated Python source (milliseconds) or the .pt2 through "

@@ -146,6 +146,7 @@ def latency_cmd(
         hf = in_child(hf_latency, hf_dir, batches, input_len, output_len, vocab)  # all its memory back
         report["hf"] = {str(b): v for b, v in hf.items()}
     llm = LLM(artifact, log=True, **options_from(kw))
+    llm.engine.finish_captures()  # every decode graph before the timed steps
     bw = read_bandwidth_gbps(llm.engine.device)
     kiln_latency(llm, 1, min(input_len, 32), 4, bw)  # warm-up
     prompts = None
@@ -294,6 +295,7 @@ def throughput_cmd(
         # on a GPU in a child process, so that all of its memory is back (benchmark.in_child)
         report["hf"] = in_child(hf_throughput, *hf_args) if device == "cuda" else hf_throughput(*hf_args)
     llm = LLM(artifact, log=True, **options_from(kw))
+    llm.engine.finish_captures()  # every decode graph before the timed steps
     r = kiln_throughput(llm, prompts, lens)
     report["kiln"] = r
     report["settings"] = settings.snapshot("run")  # the run-time settings in effect (kiln/settings.py)

@@ -127,6 +127,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     llm = LLM(a.artifact, kv_memory_gib=40)
+    llm.engine.finish_captures()  # no capture inside the traced steps
     eng = llm.engine
     layers = a.layers or eng.pool.num_layers
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]  # CPU: the cudaGraphLaunch calls
