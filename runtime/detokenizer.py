@@ -292,15 +292,16 @@ class StopMatcher:
     """Finds stop strings in a stream of text pieces.
 
     ``feed(piece) -> (text, stopped)``: ``text`` is safe to emit now; ``stopped`` is True once a
-    stop string completed, ``text`` then ending just before it (the stop string and anything
-    after it are dropped, and later feeds return ``("", True)``). The stop string that completes
+    stop string completed, ``text`` then ending just before it (``include``: just after it; what
+    follows is dropped, and later feeds return ``("", True)``). The stop string that completes
     first wins (the longer one when two end together), so the result does not depend on how the
     text was cut into pieces. ``matched`` names the stop
     string. ``flush()`` returns the held-back tail when the request ends for another reason.
     """
 
-    def __init__(self, stop_strings: Sequence[str] = ()) -> None:
+    def __init__(self, stop_strings: Sequence[str] = (), include: bool = False) -> None:
         self.stops = [s for s in stop_strings if s]
+        self.include = include  # the text ends after the stop string (vLLM's include_stop_str_in_output)
         self.max_hold = max((len(s) for s in self.stops), default=1) - 1
         self.held = ""
         self.stopped = False
@@ -319,7 +320,7 @@ class StopMatcher:
                 best, self.matched = (i + len(s), i), s
         if best is not None:
             self.stopped, self.held = True, ""
-            return buf[: best[1]], True
+            return buf[: best[0] if self.include else best[1]], True
         hold = 0
         for k in range(min(self.max_hold, len(buf)), 0, -1):
             tail = buf[-k:]

@@ -35,7 +35,8 @@ class SamplingParams:
     this many tokens exist.  temperature: >= 0, 0 = greedy.  top_p: (0, 1].  top_k: -1/0 = off,
     else >= 1.  min_p: [0, 1], keep tokens with p >= min_p * p_max.  repetition_penalty: > 0, 1 =
     off.  frequency_penalty, presence_penalty: [-2, 2].  seed: same seed, same output.
-    stop: strings that end generation (not included in the text).  stop_token_ids: token ids
+    stop: strings that end generation (not included in the text unless
+    include_stop_str_in_output).  stop_token_ids: token ids
     that end generation (the token is not included in the text).  ignore_eos: keep going past
     EOS.  logprobs: None = off, N >= 0 = the chosen token's logprob plus the top N.
     skip_special_tokens: leave special tokens out of the text.  n: completions per prompt.
@@ -57,6 +58,7 @@ class SamplingParams:
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
@@ -133,7 +135,7 @@ class SamplingParams:
                 hi=MAX_LOGPROBS,
                 what=f"null or an integer in [0, {MAX_LOGPROBS}]",
             )
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSamplingParams(name, f"must be true or false, got {getattr(self, name)!r}")
         _int("n", self.n, lo=1, hi=None, what="an integer >= 1")

@@ -100,6 +100,7 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
     seed: int | None = None
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
@@ -310,6 +311,7 @@ def sampling_params(
         seed=req.seed,
         stop=req.stop if req.stop else None,
         stop_token_ids=req.stop_token_ids or None,
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens is not False,

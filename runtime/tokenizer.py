@@ -156,7 +156,7 @@ class RequestText:
     def __init__(self, tokenizer: Any, prompt_ids: list[int], params: SamplingParams):
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
-        self.stops = StopMatcher(stops)
+        self.stops = StopMatcher(stops, params.include_stop_str_in_output)
 
     @property
     def matched(self) -> str | None:

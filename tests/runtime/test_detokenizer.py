@@ -128,6 +128,10 @@ def test_stop_matcher_cases():
     assert m.feed("zabcd") == ("za", True) and m.matched == "bc"  # "bc" completes first
     m = StopMatcher(["b", "ab"])
     assert m.feed("xab") == ("x", True) and m.matched == "ab"  # same end: the longer one
+    m = StopMatcher(["STOP"], include=True)  # include_stop_str_in_output: the text ends after it
+    assert (
+        m.feed("Hi ST") == ("Hi ", False) and m.feed("OPmore") == ("STOP", True) and m.feed("x") == ("", True)
+    )
 
 
 @settings(max_examples=300, deadline=None)

@@ -145,6 +145,11 @@ def test_stop_strings(server, llm):
     assert "".join(ch.choices[0].text for ch in chunks) == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens < 24
+    r = c.completions.create(  # vLLM's extension: the text ends after the stop string
+        model=server.model, prompt="Once upon a time", max_tokens=24, temperature=0, stop=stop,
+        extra_body={"include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert r.choices[0].text == cut + stop and r.choices[0].finish_reason == "stop"
 
 
 def test_n_and_seed(server):
