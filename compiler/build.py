@@ -190,14 +190,6 @@ def _check_device(device: str) -> None:
         raise CompileError(f"--device must be cpu or cuda, got {device!r}.")
 
 
-def _prepare_out(out: Path, force: bool) -> None:
-    if out.exists() and any(out.iterdir()):
-        if not force:
-            raise CompileError(f"output directory {out} exists and is not empty; pass --force to replace it.")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-
-
 def _copy_tokenizer(model_dir: Path, out: Path) -> list[str]:
     dst = out / "tokenizer"
     dst.mkdir(exist_ok=True)
@@ -338,18 +330,51 @@ def compile_model(
     model_dir: str | Path, out_dir: str | Path, opts: CompileOptions, verbose: bool = True
 ) -> Manifest:
     """Build the artifact for ``model_dir`` into ``out_dir``; returns its manifest. The trace and
-    the warm-up run as one rank, whatever tensor-parallel group this process may serve."""
-    with without_tp_group():
-        return _compile_model(model_dir, out_dir, opts, verbose)
+    the warm-up run as one rank, whatever tensor-parallel group this process may serve.
+
+    The build goes into a sibling folder (``.NAME.kiln-tmp-PID``) that takes ``out_dir``'s place
+    only once it is complete: a failed or interrupted compile leaves nothing behind, and with
+    ``--force`` the artifact it replaces stays whole until then."""
+    model_dir, out = Path(model_dir), Path(out_dir)
+    _check_out(model_dir, out, opts.force)
+    tmp = out.parent / f".{out.name}.kiln-tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        with without_tp_group():
+            manifest = _compile_model(model_dir, tmp, opts, verbose, out)
+        _put_in_place(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
 
 
-def _compile_model(
-    model_dir: str | Path, out_dir: str | Path, opts: CompileOptions, verbose: bool
-) -> Manifest:
+def _check_out(model_dir: Path, out: Path, force: bool) -> None:
+    """Refuse an output folder that is the checkpoint or holds it (``--force`` would delete the
+    checkpoint), and a non-empty one without ``--force``."""
+    src, dst = model_dir.resolve(), out.resolve()
+    if model_dir.is_dir() and (src == dst or dst in src.parents):
+        raise CompileError(
+            f"output directory {out} is the checkpoint {model_dir} or holds it; pick another -o."
+        )
+    if out.is_file() or (out.is_dir() and any(out.iterdir()) and not force):
+        raise CompileError(f"output directory {out} exists and is not empty; pass --force to replace it.")
+
+
+def _put_in_place(tmp: Path, out: Path) -> None:
+    """Rename the finished build ``tmp`` to ``out``; an older ``out`` is moved aside first and
+    deleted after."""
+    old = out.parent / f".{out.name}.kiln-old-{os.getpid()}"
+    if out.exists():
+        os.rename(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _compile_model(model_dir: Path, out: Path, opts: CompileOptions, verbose: bool, final: Path) -> Manifest:
     from kiln.compiler.mappings import all_rank_specs, skip_patterns
     from kiln.weights import load_pack, pack_checkpoint
 
-    model_dir, out = Path(model_dir), Path(out_dir)
     _check_device(opts.device)
     if opts.dtype not in DTYPES:
         raise CompileError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}.")
@@ -370,6 +395,18 @@ def _compile_model(
         par = ParallelConfig(tp=opts.tp, ep=opts.ep)
         validate_parallel(cfg, par)  # --tp/--ep: a layout that cannot shard the model fails here
         max_seq = opts.max_seq_len or min(cfg.max_position_embeddings, 32768)
+        if max_seq <= opts.page_size:  # one page: the block table's width would be a constant 1
+            raise CompileError(
+                f"--max-seq-len ({max_seq}) must be above the page size ({opts.page_size}) so that a "
+                "sequence spans pages; raise it (the model's own limit is max_position_embeddings, "
+                f"{cfg.max_position_embeddings})"
+            )
+        if max_seq > cfg.max_position_embeddings:
+            warnings.warn(
+                f"kiln compile: --max-seq-len {max_seq} is past the model's max_position_embeddings "
+                f"({cfg.max_position_embeddings}): positions beyond it were never trained",
+                stacklevel=2,
+            )
         if cfg.architecture == EAGLE3_ARCHITECTURE:
             raise CompileError(
                 f"{model_dir} is an EAGLE-3 head; it compiles into its target's artifact: "
@@ -403,7 +440,6 @@ def _compile_model(
             )
         if cfg.moe is not None:
             check_request(opts.moe_backend, torch.device(opts.device), opts.dtype, _experts_quant(opts, cfg))
-        _prepare_out(out, opts.force)
     with timer.phase("weights"):
         pack_checkpoint(
             model_dir,
@@ -570,7 +606,7 @@ def _compile_model(
     if verbose:
         size = sum(f.size for f in manifest.files.values())
         print(
-            f"[kiln compile] artifact {out} ({size / 2**30:.2f} GiB) in "
+            f"[kiln compile] artifact {final} ({size / 2**30:.2f} GiB) in "
             f"{sum(timer.times.values()):.1f} s: "
             + ", ".join(f"{k} {v:.1f}s" for k, v in timer.times.items()),
             flush=True,

@@ -76,9 +76,9 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
 )
 @click.option(
     "--max-seq-len",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
-    help="Longest sequence served [default: min(max_position_embeddings, 32768)].",
+    help="Longest sequence served, above the page size [default: min(max_position_embeddings, 32768)].",
 )
 @click.option(
     "--chunk-size", default=4096, show_default=True, help="Largest prefill chunk in tokens (chunked prefill)."
@@ -89,7 +89,7 @@ from kiln.compiler.build import DTYPES, CompileOptions, compile_model
     default="16",
     show_default=True,
     help="KV-cache page size in tokens. 16: a request's keys in runs of 16 cache rows, which decode "
-    "attention reads 17-27%% faster than single rows scattered over the pool (bench/results "
+    "attention reads 17-27% faster than single rows scattered over the pool (bench/results "
     "2026-12-04_h200_s17c); the prefix cache then shares whole pages only.",
 )
 @click.option(

@@ -29,6 +29,15 @@ def resolve_model_arg(arg: str) -> Path:
     from kiln.hub import is_hub_id, resolve_checkpoint
 
     p = Path(arg)
+    if (p / "manifest.json").is_file():  # an artifact: its config is the checkpoint's
+        import json
+
+        log = p / "build-log.json"
+        source = json.loads(log.read_text()).get("source") if log.is_file() else None
+        raise ConfigError(
+            f"{arg} is a kiln artifact; kiln inspect reads a checkpoint's config: pass the checkpoint it "
+            f"was compiled from{f' ({source})' if source else ''}"
+        )
     if p.exists():
         return p
     bundled = bundled_configs()
@@ -214,7 +223,7 @@ def format_report(r: dict[str, Any]) -> str:
 def inspect_cmd(
     model: str, tp: int, dtype: str, kv_dtype: str | None, kv_memory: float | None, as_json: bool
 ) -> None:
-    """Normalize MODEL_DIR_OR_CONFIG's config.json and report per-rank shapes, weight bytes,
+    """Normalize MODEL's config.json and report per-rank shapes, weight bytes,
     KV bytes per token and KV capacity.
 
     MODEL is a Hugging Face model directory, a config.json path, the name of a bundled config

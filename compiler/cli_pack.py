@@ -40,7 +40,13 @@ from kiln.compiler.synth import parse_size
 @click.option("--force", is_flag=True, help="Overwrite the pack in a non-empty OUT.")
 @click.option("--fuse-shared-experts", is_flag=True, help="Pack shared experts as extra experts of w13/w2.")
 @click.option("--nextn", is_flag=True, help="Also pack next-token-prediction layers (DeepSeek-V3 MTP).")
-@click.option("--readahead", default=0, show_default=True, help="Shards read ahead by threads (0: mmap).")
+@click.option(
+    "--readahead",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Shards read ahead by threads (0: mmap).",
+)
 @click.option(
     "--max-file-size", default="2GiB", show_default=True, help="Split a rank's data into files of this size."
 )
@@ -62,13 +68,19 @@ def pack_cmd(
 ) -> None:
     """Pack MODEL_DIR (a Hugging Face checkpoint) into OUT: rank{r}.safetensors per tensor-parallel
     rank, already fused (qkv, gate_up, experts, MLA w_kc/w_vc), sharded and optionally quantized, plus
-    pack.json with shapes, dtypes and sha256 of every file."""
+    pack.json with shapes, dtypes, the sha256 of every file and a checksum (wsum64) of every tensor."""
     from kiln.weights import pack_checkpoint, verify_pack
 
     if out.exists() and out.is_dir() and any(out.iterdir()) and not force:
         raise click.UsageError(
             f"output directory {out} is not empty; pass --force to overwrite the pack in it."
         )
+    try:
+        max_file_bytes = parse_size(max_file_size)
+    except ValueError as e:
+        raise click.BadParameter(f"{e}; e.g. 2GiB, 500MB", param_hint="--max-file-size") from None
+    if max_file_bytes < 1:
+        raise click.BadParameter("must be above 0, e.g. 2GiB", param_hint="--max-file-size")
     cfg = load_config(model_dir)
     par = ParallelConfig(tp=tp, ep=ep)
     validate_parallel(cfg, par)
@@ -86,7 +98,7 @@ def pack_cmd(
         progress=not quiet,
         skip=skip_patterns(cfg, nextn),
         readahead=readahead,
-        max_file_bytes=parse_size(max_file_size),
+        max_file_bytes=max_file_bytes,
         force=force,
         model_info={
             "architecture": cfg.architecture,

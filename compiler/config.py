@@ -535,8 +535,8 @@ def normalize_config(raw: Mapping[str, Any]) -> ModelConfig:
     archs = raw.get("architectures")
     if not archs or not isinstance(archs, list):
         raise ConfigError(
-            "config.json field 'architectures' is missing or empty; it must name the model class, "
-            'for example ["LlamaForCausalLM"].'
+            "config.json field 'architectures' must be a non-empty list naming the model class, "
+            f'for example ["LlamaForCausalLM"]; got {archs!r}.'
         )
     arch = str(archs[0])
     spec = resolve_architecture(arch)
@@ -623,7 +623,8 @@ def load_config(path: str | Path) -> ModelConfig:
     f = p / "config.json" if p.is_dir() else p
     if not f.exists():
         raise ConfigError(
-            f"no config.json at {f}; pass a Hugging Face model directory or a config.json path."
+            f"no config.json at {f}; pass a Hugging Face checkpoint directory (kiln inspect also takes "
+            "a config.json path)."
         )
     try:
         raw = json.loads(f.read_text())

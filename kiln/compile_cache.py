@@ -83,7 +83,7 @@ _FLAGS: dict[str, tuple[str, Any]] = {
 }
 # Flags of `kiln compile` the cache sets itself.
 _NOT_TAKEN = {
-    "device": "the cache keys on the device: pass it as find_or_build's device",
+    "device": "the cache keys on the device: pass --device to the command itself (generate, serve, bench)",
     "output": "the cache chooses the output directory",
     "o": "the cache chooses the output directory",
     "force": "the cache replaces only entries it finds incomplete",

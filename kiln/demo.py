@@ -91,7 +91,7 @@ def build_demo(root: Path, device: str, rebuild: bool = False) -> Path:
     "--device", type=click.Choice(["cuda", "cpu"]), default=None, help="[default: cuda if present, else cpu]"
 )
 @click.option("--prompt", default="Once upon a time", show_default=True)
-@click.option("--max-tokens", default=48, show_default=True)
+@click.option("--max-tokens", default=48, show_default=True, type=click.IntRange(min=1))
 @click.option("--rebuild", is_flag=True, help="Rebuild the checkpoint and artifact from scratch.")
 def demo_cmd(root: str, device: str | None, prompt: str, max_tokens: int, rebuild: bool) -> None:
     """Build a small Llama-shaped model with random weights and a real tokenizer, compile it for
@@ -100,6 +100,10 @@ def demo_cmd(root: str, device: str | None, prompt: str, max_tokens: int, rebuil
     from kiln.runtime.sampling_params import SamplingParams
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev == "cuda" and not torch.cuda.is_available():  # before any work
+        raise click.BadParameter(
+            "no CUDA device is available to this torch; use --device cpu", param_hint="--device"
+        )
     if dev == "cpu":
         # The demo's matrices are tiny: OpenMP hand-offs between threads cost more than the math
         # (measured on a 2-core machine: 4 tok/s with two threads, 158 tok/s with one).

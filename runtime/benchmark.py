@@ -20,12 +20,17 @@ from typing import Any, TypeVar
 
 import torch
 
+from kiln.errors import KilnError
 from kiln.runtime.grammar import StructuredOutputs
 from kiln.runtime.llm import LLM
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.step_stats import StepStatsSnapshot
 
 T = TypeVar("T")
+
+
+class StartupError(KilnError, RuntimeError):
+    """A ``kiln bench startup`` child process that did not start (its last error line)."""
 
 
 def read_bandwidth_gbps(device: torch.device) -> float:
@@ -494,8 +499,10 @@ def _startup_once(artifact: str, verify: bool, imports: bool = False) -> dict[st
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     line = [x for x in p.stdout.splitlines() if x.startswith("KILN_STARTUP ")]
-    if p.returncode or not line:
-        raise RuntimeError(f"start-up child failed: {p.stderr[-2000:]}")
+    if p.returncode or not line:  # the child's own error line (a refused artifact), else its tail
+        errs = [x for x in p.stderr.splitlines() if x.strip()]
+        last = errs[-1] if errs else f"exit status {p.returncode}"
+        raise StartupError(f"the start-up child failed: {last}")
     r = {"verify": verify, **json.loads(line[0].split(" ", 1)[1])}
     if imports:
         r["imports"] = import_breakdown(p.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -13,13 +14,43 @@ from kiln import settings
 from kiln.runtime.cli_generate import engine_options, options_from
 
 
-def _range(s: str) -> int | tuple[int, int]:
-    if ":" in s:
-        lo, hi = (int(x) for x in s.split(":"))
-        if not 1 <= lo <= hi:
-            raise click.BadParameter(f"{s!r}: need 1 <= LO <= HI")
-        return lo, hi
-    return int(s)
+def _range(s: str, flag: str) -> int | tuple[int, int]:
+    """``N`` or ``LO:HI`` (1 <= LO <= HI), else a usage error naming ``flag``."""
+    try:
+        parts = [int(x) for x in s.split(":")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1 and parts[0] >= 1:
+        return parts[0]
+    if len(parts) == 2 and 1 <= parts[0] <= parts[1]:
+        return parts[0], parts[1]
+    raise click.BadParameter(f"{s!r}: give N or LO:HI with 1 <= LO <= HI", param_hint=flag)
+
+
+def _batch_sizes(ctx: click.Context, param: click.Parameter, s: str) -> list[int]:
+    """``--batch-sizes``: a comma list of integers >= 1."""
+    try:
+        sizes = [int(b) for b in s.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise click.BadParameter(f"{s!r}: give a comma list of integers >= 1, e.g. 1,8,64")
+    return sizes
+
+
+def _json_safe(x: Any) -> Any:
+    """``x`` with NaN and infinities as None (JSON has neither; a CPU run has no read roofline)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _pct(x: float, width: int) -> str:
+    return f"{x:>{width}.1%}" if math.isfinite(x) else f"{'n/a':>{width}}"
 
 
 def _num(x: float | None, spec: str, width: int) -> str:
@@ -51,7 +82,7 @@ def step_table(r: dict[str, Any]) -> list[str]:
 def _write(report: dict[str, Any], path: str | None) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(report, indent=2) + "\n")
+        Path(path).write_text(json.dumps(_json_safe(report), indent=2, allow_nan=False) + "\n")
         click.echo(f"[kiln bench] wrote {path}")
 
 
@@ -63,9 +94,9 @@ def bench_cmd() -> None:
 
 @bench_cmd.command("latency")
 @click.argument("artifact")
-@click.option("--batch-sizes", default="1,8,64,256", show_default=True)
-@click.option("--input-len", default=512, show_default=True)
-@click.option("--output-len", default=256, show_default=True)
+@click.option("--batch-sizes", default="1,8,64,256", show_default=True, callback=_batch_sizes)
+@click.option("--input-len", default=512, show_default=True, type=click.IntRange(min=1))
+@click.option("--output-len", default=256, show_default=True, type=click.IntRange(min=2))
 @click.option(
     "--compare-hf",
     "hf_dir",
@@ -132,7 +163,7 @@ def latency_cmd(
     if cycle_skip and prompt_kind != "cycle":
         raise click.BadParameter("needs --prompt-kind cycle", param_hint="--cycle-skip")
 
-    batches = [int(b) for b in batch_sizes.split(",")]
+    batches = list(batch_sizes)  # parsed and checked by _batch_sizes
     report: dict[str, Any] = {"env": environment(), "artifact": artifact}
     structured = None
     if json_schema is not None:
@@ -168,7 +199,8 @@ def latency_cmd(
         "startup_phases": llm.engine.model.phases,
         "settings": settings.snapshot("run"),  # the run-time settings in effect (kiln/settings.py)
     }
-    click.echo(f"\nread bandwidth {bw:.0f} GB/s; input {input_len}, output {output_len}")
+    read = f"{bw:.0f} GB/s" if math.isfinite(bw) else "n/a (no GPU)"
+    click.echo(f"\nread bandwidth {read}; input {input_len}, output {output_len}")
     spec = rows[0].verify_steps is not None
     click.echo(
         f"{'batch':>6} {'tok/s':>10} {'roofline':>9} {'ITL ms':>8} {'host ms':>8} {'TTFT s':>7}"
@@ -177,7 +209,7 @@ def latency_cmd(
     )
     for r in rows:
         line = (
-            f"{r.batch:>6} {r.decode_tok_s:>10.1f} {r.frac_roofline:>9.1%} {r.itl_ms:>8.2f} "
+            f"{r.batch:>6} {r.decode_tok_s:>10.1f} {_pct(r.frac_roofline, 9)} {r.itl_ms:>8.2f} "
             f"{r.host_ms_per_step:>8.3f} {r.ttft_s:>7.3f}"
         )
         if spec:
@@ -232,7 +264,7 @@ def report_cmd(
 
 @bench_cmd.command("throughput")
 @click.argument("artifact", type=click.Path(exists=True, file_okay=False))
-@click.option("--num-prompts", default=1000, show_default=True)
+@click.option("--num-prompts", default=1000, show_default=True, type=click.IntRange(min=1))
 @click.option("--input-len", default="128:1024", show_default=True, help="N or LO:HI (uniform).")
 @click.option("--output-len", default="128:1024", show_default=True, help="N or LO:HI (uniform).")
 @click.option(
@@ -277,6 +309,7 @@ def throughput_cmd(
 
     if hf_batch_size < 1:
         raise click.BadParameter("must be >= 1", param_hint="--hf-batch-size")
+    in_range, out_range = _range(input_len, "--input-len"), _range(output_len, "--output-len")
     if hf_num_prompts is not None and not 1 <= hf_num_prompts <= num_prompts:
         raise click.BadParameter(
             f"must be in 1..--num-prompts ({num_prompts})", param_hint="--hf-num-prompts"
@@ -285,9 +318,7 @@ def throughput_cmd(
 
     device = kw.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     art = open_artifact(artifact, device)
-    prompts, lens = throughput_workload(
-        num_prompts, _range(input_len), _range(output_len), art.manifest.vocab_size
-    )
+    prompts, lens = throughput_workload(num_prompts, in_range, out_range, art.manifest.vocab_size)
     report: dict[str, Any] = {"env": environment(), "artifact": artifact}
     if hf_dir:  # first, so its memory is back before kiln sizes its KV pool
         n = hf_num_prompts or num_prompts
@@ -321,7 +352,13 @@ def throughput_cmd(
 
 @bench_cmd.command("startup")
 @click.argument("artifact", type=click.Path(exists=True, file_okay=False))
-@click.option("--runs", default=2, show_default=True, help="Fresh processes; the first warms the page cache.")
+@click.option(
+    "--runs",
+    default=2,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Fresh processes; the first warms the page cache.",
+)
 @click.option(
     "--verify/--no-verify",
     default=True,
@@ -387,7 +424,9 @@ def startup_cmd(
 @click.option("--num-seqs", default=16, show_default=True, help="Synthetic sequences of random tokens.")
 @click.option("--seq-len", default=256, show_default=True, help="Tokens per sequence (<= max_seq_len).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the synthetic sequences.")
-@click.option("--device", default=None, help="cuda or cpu (default: cuda when there is one).")
+@click.option(
+    "--device", type=click.Choice(["cuda", "cpu"]), default=None, help="Default: cuda when there is one."
+)
 @click.option("--json", "json_path", default=None, help="Write the full report here.")
 def accuracy_cmd(
     candidate: str,

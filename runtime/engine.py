@@ -210,7 +210,10 @@ class Engine:
             from kiln.compile_cache import resolve_artifact
 
             cache = self.settings["cache_dir"]
-            args = shlex.split(opts.compile_args or "")
+            try:
+                args = shlex.split(opts.compile_args or "")
+            except ValueError as e:  # an unbalanced quote
+                raise OptionError("compile_args", f"--compile-args {opts.compile_args!r}: {e}") from None
             artifact = str(resolve_artifact(artifact, args, dev, cache, opts.revision))
         return artifact, dev
 

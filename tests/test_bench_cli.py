@@ -198,3 +198,45 @@ def test_in_child_runs_in_another_process_and_raises_its_errors():
     assert in_child(divmod, 17, 5) == (3, 2)
     with pytest.raises(ZeroDivisionError):
         in_child(divmod, 1, 0)
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["latency", "--batch-sizes", "abc"], "--batch-sizes"),
+        (["latency", "--batch-sizes", "1,,2"], "--batch-sizes"),
+        (["latency", "--batch-sizes", "0"], "--batch-sizes"),
+        (["latency", "--input-len", "0"], "--input-len"),
+        (["throughput", "--input-len", "a:b"], "--input-len"),
+        (["throughput", "--output-len", "1:2:3"], "--output-len"),
+        (["throughput", "--num-prompts", "0"], "--num-prompts"),
+        (["startup", "--runs", "0"], "--runs"),
+    ],
+)
+def test_bad_flag_values_are_usage_errors_before_loading(demo_artifact, args, flag):
+    device = [] if args[0] == "startup" else ["--device", "cpu"]
+    r = CliRunner().invoke(cli, ["bench", args[0], str(demo_artifact), *args[1:], *device])
+    assert r.exit_code == 2 and flag in r.output, r.output  # click's usage error, nothing loaded
+
+
+def test_a_cpu_latency_report_is_strict_json(demo_artifact, tmp_path):
+    """No read roofline on a CPU: null in the JSON (NaN is not JSON), n/a in the table."""
+    lat = tmp_path / "lat.json"
+    out = run("latency", demo_artifact, "--batch-sizes", "1", "--input-len", "8", "--output-len", "3",
+              "--json", lat, "--device", "cpu")  # fmt: skip
+    rep = json.loads(lat.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert rep["read_gbps"] is None and rep["kiln"][0]["frac_roofline"] is None
+    assert "read bandwidth n/a" in out and "nan" not in out
+
+
+def test_a_startup_child_that_fails_says_why_in_one_line(demo_artifact, tmp_path):
+    import shutil
+
+    from kiln.runtime.benchmark import StartupError, startup
+
+    art = tmp_path / "art"
+    shutil.copytree(demo_artifact, art)
+    (art / "manifest.json").write_text("{")
+    with pytest.raises(StartupError, match=r"the start-up child failed: .*manifest") as e:
+        startup(str(art), runs=1)
+    assert "Traceback" not in str(e.value) and "\n" not in str(e.value)

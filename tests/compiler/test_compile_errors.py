@@ -168,3 +168,48 @@ def test_expert_parallel_layouts_validate_parallel_refuses(ckpt, moe_ckpt, tmp_p
             moe_ckpt if hf == "moe" else ckpt, tmp_path / "art", CompileOptions(device="cpu", tp=tp, ep=ep)
         )
     assert not (tmp_path / "art").exists()
+
+
+def test_force_never_deletes_the_checkpoint_or_the_artifact_it_replaces(ckpt, tmp_path):
+    """--force replaces an artifact only with a finished build: into the checkpoint (or a folder
+    holding it) it refuses; a build that fails leaves the old artifact whole and nothing else."""
+    import shutil
+
+    copy = tmp_path / "ck"
+    shutil.copytree(ckpt, copy)
+    for out in (copy, tmp_path):
+        p = compile_cli(copy, "-o", out, "--device", "cpu", "--force")
+        assert p.returncode == 2 and "is the checkpoint" in p.stderr and "pick another -o" in p.stderr
+    assert sorted(f.name for f in copy.iterdir()) == sorted(f.name for f in ckpt.iterdir())
+
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "manifest.json").write_text("the old artifact")
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:100])  # a truncated shard: the weights phase fails
+    p = compile_cli(broken, "-o", art, "--device", "cpu", "--force")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert (art / "manifest.json").read_text() == "the old artifact"
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["art", "broken", "ck"]  # no build left behind
+
+
+def test_sizes_and_flags_refused_in_one_line(ckpt, tmp_path, demo_artifact):
+    p = compile_cli(ckpt, "-o", tmp_path / "a", "--device", "cpu", "--max-seq-len", "8")
+    assert p.returncode == 2 and "--max-seq-len (8) must be above the page size (16)" in p.stderr, p.stderr
+    p = compile_cli(ckpt, "-o", tmp_path / "a", "--device", "cpu", "--max-seq-len", "0")
+    assert p.returncode == 2 and "--max-seq-len" in p.stderr
+    assert not (tmp_path / "a").exists() and "Traceback" not in p.stderr
+
+    def kiln(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "kiln", *map(str, args)], capture_output=True, text=True, timeout=300
+        )
+
+    p = kiln("pack", ckpt, "-o", tmp_path / "pk", "--max-file-size", "bogus")
+    assert p.returncode == 2 and "--max-file-size" in p.stderr and "Traceback" not in p.stderr
+    p = kiln("inspect", demo_artifact)
+    assert p.returncode == 2 and "is a kiln artifact" in p.stderr and "checkpoint" in p.stderr
+    p = kiln("generate", ckpt, "hi", "--device", "cpu", "--compile-args", "--max-batch-size 'abc")
+    assert p.returncode == 2 and "--compile-args" in p.stderr and "No closing quotation" in p.stderr
