@@ -7,6 +7,7 @@ import atexit
 import importlib
 import os
 import sys
+import warnings
 
 import click
 
@@ -88,6 +89,9 @@ def main() -> None:
     # registered first, so it runs after every other exit handler (they run last-in first-out),
     # the engine's close (its stop message to the follower ranks) included
     atexit.register(_leave_if_launched)
+    # torch's own pytree code trips its own deprecation (torch 2.13, each export and graph load):
+    # nothing a kiln user can act on
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     try:
         _run()
     except SystemExit as e:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from kiln import gc_paused, settings
+from kiln.artifact_format import ArtifactError
 from kiln.errors import KilnError
 from kiln.manifest import DraftSpec, Manifest, VerifySpec
 from kiln.runtime.detokenizer import prepare as prepare_detokenizer
@@ -36,6 +37,7 @@ from kiln.runtime.speculative import AcceptanceStats, NgramConfig, NgramDrafter
 from kiln.runtime.staging import HostStager
 from kiln.runtime.stepper import PLACEHOLDER, Launched, SpecParts, StepParts, Stepper
 from kiln.runtime.tokenizer import RequestText, load_tokenizer
+from kiln.weights.index import PackError
 
 if TYPE_CHECKING:
     from kiln.runtime.tensor_parallel import RankGroup
@@ -185,7 +187,14 @@ class Engine:
         # walks them (and the whole heap of torch) meanwhile (kiln.gc_paused). Not around a
         # compile (_resolve): tracing makes garbage cycles.
         with gc_paused():
-            self._start(artifact, opts, dev, t0)
+            try:
+                self._start(artifact, opts, dev, t0)
+            except (PackError, ArtifactError) as e:  # altered or damaged files
+                if self.cache_key is None:
+                    raise
+                raise type(e)(
+                    f"{e} (a compile-cache entry: `kiln cache rm {self.cache_key}` and the next start builds it again)"
+                ) from None
 
     def _resolve(self, artifact: str, opts: EngineOptions) -> tuple[str, str]:
         """Apply the run-time settings; the artifact to load (a checkpoint's from the compile
@@ -204,6 +213,7 @@ class Engine:
         # A checkpoint (a directory or a Hub id): its artifact from the compile cache, built there
         # the first time.
         self.source = str(artifact)  # as given (the server's default model name)
+        self.cache_key: str | None = None  # the compile-cache entry loaded, if one
         if not (Path(artifact) / "manifest.json").is_file():
             import shlex
 
@@ -215,6 +225,7 @@ class Engine:
             except ValueError as e:  # an unbalanced quote
                 raise OptionError("compile_args", f"--compile-args {opts.compile_args!r}: {e}") from None
             artifact = str(resolve_artifact(artifact, args, dev, cache, opts.revision))
+            self.cache_key = Path(artifact).parent.name  # CACHE/<key>/artifact
         return artifact, dev
 
     def _start(self, artifact: str, opts: EngineOptions, dev: str, t0: float) -> None:

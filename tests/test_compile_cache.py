@@ -446,3 +446,22 @@ def test_llm_takes_a_checkpoint_through_the_cache(demo_one_rank, tmp_path):
     assert again.engine.artifact.root == first.engine.artifact.root and len(cc.list_entries(cache)) == 1
     assert again.generate([[5, 6, 7]], sp)[0].token_ids == got
     assert entry.key in str(again.engine.artifact.root)
+
+
+def test_an_altered_entry_is_refused_with_the_command_that_rebuilds_it(ckpt, build, tmp_path):
+    """A cached artifact whose bytes were altered (sizes intact) fails its load's hash check; the
+    error names the entry's `kiln cache rm`, after which the next start builds it again."""
+    from kiln.runtime.engine import Engine, EngineOptions
+    from kiln.weights.index import PackError
+
+    art = cc.find_or_build(ckpt, DEMO_ARGS, "cpu", tmp_path, build)
+    f = art / "weights" / "rank0.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    assert cc.entry_problem(art.parent) is None  # sizes intact: the cache cannot see it
+    opts = EngineOptions(device="cpu", log=False, cache_dir=str(tmp_path), compile_args=" ".join(DEMO_ARGS))
+    with pytest.raises(PackError, match=rf"`kiln cache rm {art.parent.name}`"):
+        Engine(str(ckpt), opts)
+    assert cc.remove(tmp_path, art.parent.name) == [art.parent.name]
+    assert cc.find_or_build(ckpt, DEMO_ARGS, "cpu", tmp_path, build) == art and len(build.calls) == 2
