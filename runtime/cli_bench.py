@@ -177,6 +177,12 @@ def latency_cmd(
         hf = in_child(hf_latency, hf_dir, batches, input_len, output_len, vocab)  # all its memory back
         report["hf"] = {str(b): v for b, v in hf.items()}
     llm = LLM(artifact, log=True, **options_from(kw))
+    if max(batches) > llm.engine.max_running:  # it would run fewer at once than it reports
+        raise click.BadParameter(
+            f"batch {max(batches)} is above the {llm.engine.max_running} requests this engine runs at once "
+            "(the artifact's --max-batch-size, or --max-running)",
+            param_hint="--batch-sizes",
+        )
     llm.engine.finish_captures()  # every decode graph before the timed steps
     bw = read_bandwidth_gbps(llm.engine.device)
     kiln_latency(llm, 1, min(input_len, 32), 4, bw)  # warm-up

@@ -39,9 +39,14 @@ def engine_options(f):  # shared by generate, serve and bench
             help="Launch each decode step before the previous one is finished on the host (hides the "
             "host work of a step behind the GPU).",
         ),
-        click.option("--max-running", type=int, default=None, help="Cap on concurrently running requests."),
         click.option(
-            "--chunk-size", type=int, default=None, help="Prefill chunk in tokens (<= the artifact's)."
+            "--max-running",
+            type=int,
+            default=None,
+            help="Cap on concurrently running requests (at most the artifact's max batch size).",
+        ),
+        click.option(
+            "--chunk-size", type=int, default=None, help="Prefill chunk in tokens (capped at the artifact's)."
         ),
         click.option(
             "--verify/--no-verify",

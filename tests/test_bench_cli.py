@@ -211,6 +211,7 @@ def test_in_child_runs_in_another_process_and_raises_its_errors():
         (["throughput", "--output-len", "1:2:3"], "--output-len"),
         (["throughput", "--num-prompts", "0"], "--num-prompts"),
         (["startup", "--runs", "0"], "--runs"),
+        (["latency", "--batch-sizes", "1,9"], "--batch-sizes"),  # the demo runs at most 8 at once
     ],
 )
 def test_bad_flag_values_are_usage_errors_before_loading(demo_artifact, args, flag):
