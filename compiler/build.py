@@ -332,20 +332,23 @@ def compile_model(
     """Build the artifact for ``model_dir`` into ``out_dir``; returns its manifest. The trace and
     the warm-up run as one rank, whatever tensor-parallel group this process may serve.
 
-    The build goes into a sibling folder (``.NAME.kiln-tmp-PID``) that takes ``out_dir``'s place
-    only once it is complete: a failed or interrupted compile leaves nothing behind, and with
+    The build goes into a hidden folder (beside ``out_dir``, or inside it when it exists: it may be
+    ``.``, a mount point, or in a folder this user cannot write) and takes ``out_dir``'s place only
+    once it is complete: a failed or interrupted compile leaves nothing behind, and with
     ``--force`` the artifact it replaces stays whole until then."""
     model_dir, out = Path(model_dir), Path(out_dir)
     _check_out(model_dir, out, opts.force)
-    tmp = out.parent / f".{out.name}.kiln-tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    if out.is_dir():
+        work = Path(tempfile.mkdtemp(dir=out, prefix=".kiln-build-"))
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.kiln-build-"))
     try:
         with without_tp_group():
-            manifest = _compile_model(model_dir, tmp, opts, verbose, out)
-        _put_in_place(tmp, out)
+            manifest = _compile_model(model_dir, work, opts, verbose, out)
+        _put_in_place(work, out)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     return manifest
 
 
@@ -361,14 +364,34 @@ def _check_out(model_dir: Path, out: Path, force: bool) -> None:
         raise CompileError(f"output directory {out} exists and is not empty; pass --force to replace it.")
 
 
-def _put_in_place(tmp: Path, out: Path) -> None:
-    """Rename the finished build ``tmp`` to ``out``; an older ``out`` is moved aside first and
-    deleted after."""
-    old = out.parent / f".{out.name}.kiln-old-{os.getpid()}"
-    if out.exists():
-        os.rename(out, old)
-    os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+def _put_in_place(work: Path, out: Path) -> None:
+    """The finished build ``work`` becomes ``out``: renamed there when ``out`` does not exist, else
+    its entries swapped in for ``out``'s (the old ones moved aside first, deleted after; put back
+    if the swap fails half way)."""
+    if not out.is_dir():
+        os.rename(work, out)
+        return
+    old = Path(tempfile.mkdtemp(dir=out, prefix=".kiln-old-"))
+    keep = {work.name, old.name}
+    try:
+        for e in list(out.iterdir()):
+            if e.name not in keep:
+                os.rename(e, old / e.name)
+        for e in list(work.iterdir()):
+            os.rename(e, out / e.name)
+    except BaseException:
+        for e in list(out.iterdir()):  # the new entries out, the old ones back
+            if e.name in keep:
+                continue
+            if e.is_dir() and not e.is_symlink():
+                shutil.rmtree(e)
+            else:
+                e.unlink()
+        for e in list(old.iterdir()):
+            os.rename(e, out / e.name)
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _compile_model(model_dir: Path, out: Path, opts: CompileOptions, verbose: bool, final: Path) -> Manifest:

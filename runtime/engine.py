@@ -192,7 +192,10 @@ class Engine:
             except (PackError, ArtifactError) as e:  # altered or damaged files
                 if self.cache_key is None:
                     raise
-                raise type(e)(
+                kind = (
+                    PackError if isinstance(e, PackError) else ArtifactError
+                )  # (subclasses take other args)
+                raise kind(
                     f"{e} (a compile-cache entry: `kiln cache rm {self.cache_key}` and the next start builds it again)"
                 ) from None
 

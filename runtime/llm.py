@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Any, cast
 
 from kiln.runtime.engine import Engine, EngineOptions
@@ -49,24 +50,45 @@ class LLM:
         # advanced, whoever drives it; so several streams and generate() calls interleave without
         # losing outputs (outputs of a request nobody reads any more are dropped).
         self._boxes: dict[str, deque[RequestOutput]] = {}
+        # Aborts asked for while a step runs (a stream the garbage collector finalized inside it):
+        # done between steps, never inside one.
+        self._stepping = False
+        self._deferred: list[str] = []
 
-    def _step(self) -> None:
-        """One engine step, its outputs put into their requests' boxes."""
+    def _step(self) -> set[str]:
+        """One engine step, its outputs put into their requests' boxes; the ids it reached."""
         if not self.engine.has_work():
             raise RuntimeError("engine idle with unfinished requests")  # never expected
-        for out in self.engine.step():
+        self._stepping = True
+        try:
+            outs = self.engine.step()
+        finally:
+            self._stepping = False
+        for rid in self._deferred:
+            self._abort(rid)
+        self._deferred.clear()
+        reached = set()
+        for out in outs:
             box = self._boxes.get(out.rid)
             if box is not None:
                 box.append(out)
+                reached.add(out.rid)
+        return reached
 
     def _close(self, rids: Sequence[str]) -> None:
         """Drop these requests' boxes, aborting those not finished (an abandoned stream, an
-        interrupted generate)."""
+        interrupted generate); inside a step, after it."""
         for rid in rids:
             self._boxes.pop(rid, None)
-            req = self.engine.requests.get(rid)
-            if req is not None and not req.finished:
-                self.engine.abort(rid)
+            if self._stepping:
+                self._deferred.append(rid)
+            else:
+                self._abort(rid)
+
+    def _abort(self, rid: str) -> None:
+        req = self.engine.requests.get(rid)
+        if req is not None and not req.finished:
+            self.engine.abort(rid)
 
     @property
     def tokenizer(self) -> Any:
@@ -99,7 +121,11 @@ class LLM:
     ) -> list[GenerationOutput]:
         """Generate for every prompt (strings or token-id lists); one output per completion, in
         prompt order (n > 1 gives n consecutive outputs for that prompt)."""
-        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        single = (
+            isinstance(prompts, str)
+            or hasattr(prompts, "tolist")  # a 1-D array of token ids
+            or (len(prompts) > 0 and isinstance(prompts[0], Integral) and not isinstance(prompts[0], bool))
+        )
         plist: list[Prompt] = [cast(Prompt, prompts)] if single else list(cast(Sequence[Prompt], prompts))
         params = _params_list(sampling_params, len(plist))
         subs = self._submit(plist, params)
@@ -111,9 +137,10 @@ class LLM:
 
             bar = tqdm(total=len(subs), desc="generate", unit="req")
         try:
-            while len(finals) < len(subs):
-                for rid in reqs.keys() - finals.keys():
-                    box = self._boxes[rid]
+            reached: set[str] = set(reqs)  # boxes to look into: all at first (a stream's steps may have
+            while len(finals) < len(subs):  # filled them), then those the last step reached
+                for rid in reached:
+                    box = self._boxes.get(rid)
                     while box:
                         out = box.popleft()
                         if out.finished:
@@ -121,7 +148,7 @@ class LLM:
                             if bar:
                                 bar.update(1)
                 if len(finals) < len(subs):
-                    self._step()
+                    reached = self._step() & reqs.keys()
         finally:
             self._close(list(reqs))
             if bar:

@@ -11,12 +11,13 @@ import torch
 from tiny_models import make_checkpoint
 
 
-def compile_cli(*args):
+def compile_cli(*args, cwd=None):
     return subprocess.run(
         [sys.executable, "-m", "kiln", "compile", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=cwd,
     )
 
 
@@ -213,3 +214,13 @@ def test_sizes_and_flags_refused_in_one_line(ckpt, tmp_path, demo_artifact):
     assert p.returncode == 2 and "is a kiln artifact" in p.stderr and "checkpoint" in p.stderr
     p = kiln("generate", ckpt, "hi", "--device", "cpu", "--compile-args", "--max-batch-size 'abc")
     assert p.returncode == 2 and "--compile-args" in p.stderr and "No closing quotation" in p.stderr
+
+
+def test_an_existing_folder_is_filled_in_place(ckpt, tmp_path):
+    """``-o .`` (or a mount point: a folder that cannot be renamed) in an empty folder: the build
+    swaps its files in, leaving no hidden build folder behind."""
+    here = tmp_path / "here"
+    here.mkdir()
+    p = compile_cli(ckpt, "-o", ".", "--device", "cpu", cwd=here)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (here / "manifest.json").is_file() and not [e for e in here.iterdir() if e.name.startswith(".")]

@@ -145,3 +145,22 @@ def test_a_port_in_use_fails_before_the_load():
         with pytest.raises(BindError, match=f"--port {port}: cannot bind"):
             check_bindable("127.0.0.1", port)
     check_bindable("127.0.0.1", port)  # free again
+
+
+def test_a_stream_closed_inside_a_step_is_aborted_after_it(llm, monkeypatch):
+    """A stream finalized while the engine steps (the garbage collector may run there) does not
+    abort its request inside the step (its pages would be freed under the step's feet): after it."""
+    a = llm.stream("Alpha", SamplingParams(max_tokens=50, temperature=0))
+    next(a)
+    step, abort = llm.engine.step, llm.engine.abort
+    aborted_inside = []
+
+    def stepping():
+        a.close()  # as a collector finalizing the generator here would
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", stepping)
+    monkeypatch.setattr(llm.engine, "abort", lambda rid: aborted_inside.append(llm._stepping) or abort(rid))
+    b = llm.generate("Beta", GREEDY)[0]
+    assert aborted_inside == [False] and b.token_ids == llm.generate("Beta", GREEDY)[0].token_ids
+    assert _settled(llm)
