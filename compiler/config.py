@@ -535,8 +535,8 @@ def normalize_config(raw: Mapping[str, Any]) -> ModelConfig:
     archs = raw.get("architectures")
     if not archs or not isinstance(archs, list):
         raise ConfigError(
-            "config.json field 'architectures' must be a non-empty list naming the model class, "
-            f'for example ["LlamaForCausalLM"]; got {archs!r}.'
+            "config.json field 'architectures' is missing or not a list: a non-empty list naming the "
+            f'model class, for example ["LlamaForCausalLM"]; got {archs!r}.'
         )
     arch = str(archs[0])
     spec = resolve_architecture(arch)

@@ -165,6 +165,8 @@ def test_unknown_architecture_lists_supported():
 def test_missing_architectures():
     with pytest.raises(ConfigError, match="'architectures' is missing"):
         normalize_config({"hidden_size": 8})
+    with pytest.raises(ConfigError, match=r"not a list: .* got 'LlamaForCausalLM'"):
+        normalize_config({"hidden_size": 8, "architectures": "LlamaForCausalLM"})
 
 
 def test_missing_field_named():
