@@ -14,8 +14,8 @@ from kiln import settings
 from kiln.runtime.cli_generate import engine_options, options_from
 
 
-def _range(s: str, flag: str) -> int | tuple[int, int]:
-    """``N`` or ``LO:HI`` (1 <= LO <= HI), else a usage error naming ``flag``."""
+def _range(ctx: click.Context, param: click.Parameter, s: str) -> int | tuple[int, int]:
+    """``--input-len``/``--output-len``: ``N`` or ``LO:HI`` (1 <= LO <= HI)."""
     try:
         parts = [int(x) for x in s.split(":")]
     except ValueError:
@@ -24,7 +24,7 @@ def _range(s: str, flag: str) -> int | tuple[int, int]:
         return parts[0]
     if len(parts) == 2 and 1 <= parts[0] <= parts[1]:
         return parts[0], parts[1]
-    raise click.BadParameter(f"{s!r}: give N or LO:HI with 1 <= LO <= HI", param_hint=flag)
+    raise click.BadParameter(f"{s!r}: give N or LO:HI with 1 <= LO <= HI")
 
 
 def _batch_sizes(ctx: click.Context, param: click.Parameter, s: str) -> list[int]:
@@ -271,8 +271,12 @@ def report_cmd(
 @bench_cmd.command("throughput")
 @click.argument("artifact", type=click.Path(exists=True, file_okay=False))
 @click.option("--num-prompts", default=1000, show_default=True, type=click.IntRange(min=1))
-@click.option("--input-len", default="128:1024", show_default=True, help="N or LO:HI (uniform).")
-@click.option("--output-len", default="128:1024", show_default=True, help="N or LO:HI (uniform).")
+@click.option(
+    "--input-len", default="128:1024", show_default=True, callback=_range, help="N or LO:HI (uniform)."
+)
+@click.option(
+    "--output-len", default="128:1024", show_default=True, callback=_range, help="N or LO:HI (uniform)."
+)
 @click.option(
     "--compare-hf",
     "hf_dir",
@@ -293,8 +297,8 @@ def report_cmd(
 def throughput_cmd(
     artifact: str,
     num_prompts: int,
-    input_len: str,
-    output_len: str,
+    input_len: int | tuple[int, int],
+    output_len: int | tuple[int, int],
     hf_dir: str | None,
     hf_batch_size: int,
     hf_num_prompts: int | None,
@@ -315,7 +319,6 @@ def throughput_cmd(
 
     if hf_batch_size < 1:
         raise click.BadParameter("must be >= 1", param_hint="--hf-batch-size")
-    in_range, out_range = _range(input_len, "--input-len"), _range(output_len, "--output-len")
     if hf_num_prompts is not None and not 1 <= hf_num_prompts <= num_prompts:
         raise click.BadParameter(
             f"must be in 1..--num-prompts ({num_prompts})", param_hint="--hf-num-prompts"
@@ -324,7 +327,7 @@ def throughput_cmd(
 
     device = kw.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     art = open_artifact(artifact, device)
-    prompts, lens = throughput_workload(num_prompts, in_range, out_range, art.manifest.vocab_size)
+    prompts, lens = throughput_workload(num_prompts, input_len, output_len, art.manifest.vocab_size)
     report: dict[str, Any] = {"env": environment(), "artifact": artifact}
     if hf_dir:  # first, so its memory is back before kiln sizes its KV pool
         n = hf_num_prompts or num_prompts

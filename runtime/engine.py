@@ -61,11 +61,11 @@ class OptionError(FieldError):
     """An :class:`EngineOptions` value no engine can run with."""
 
 
-# (field, its flag, the least value, what leaving it out does); the GiB must be above 0
-_OPTION_FLOORS: tuple[tuple[str, str, int, str], ...] = (
-    ("max_running", "--max-running", 1, "leave it out for the artifact's max batch size"),
-    ("chunk_size", "--chunk-size", 1, "leave it out for the artifact's prefill chunk"),
-    ("kv_memory_gib", "--kv-memory", 0, "leave it out to size the KV pool from free memory"),
+# (field, its flag, what leaving it out does): each must be above 0 (the counts >= 1, the GiB > 0)
+_POSITIVE_OPTIONS: tuple[tuple[str, str, str], ...] = (
+    ("max_running", "--max-running", "leave it out for the artifact's max batch size"),
+    ("chunk_size", "--chunk-size", "leave it out for the artifact's prefill chunk"),
+    ("kv_memory_gib", "--kv-memory", "leave it out to size the KV pool from free memory"),
 )
 
 
@@ -122,10 +122,10 @@ class EngineOptions:
     def __post_init__(self) -> None:
         """Refuse a value no engine can run with, naming the field and its flag, before anything
         loads (a negative chunk size once started a server that failed its first request)."""
-        for name, flag, low, what in _OPTION_FLOORS:
+        for name, flag, what in _POSITIVE_OPTIONS:
             v = getattr(self, name)
-            if v is not None and (v < low or (v == 0 and low == 0)):
-                bound = "> 0" if low == 0 else f">= {low}"
+            if v is not None and v <= 0:
+                bound = "> 0" if name == "kv_memory_gib" else ">= 1"
                 raise OptionError(name, f"{name} ({flag}) must be {bound}, got {v}: {what}")
         if self.activation_reserve_gib < 0 or not 0 < self.gpu_memory_fraction <= 1:
             raise OptionError(
@@ -189,15 +189,12 @@ class Engine:
         with gc_paused():
             try:
                 self._start(artifact, opts, dev, t0)
-            except (PackError, ArtifactError) as e:  # altered or damaged files
-                if self.cache_key is None:
-                    raise
-                kind = (
-                    PackError if isinstance(e, PackError) else ArtifactError
-                )  # (subclasses take other args)
-                raise kind(
-                    f"{e} (a compile-cache entry: `kiln cache rm {self.cache_key}` and the next start builds it again)"
-                ) from None
+            except (PackError, ArtifactError) as e:  # altered or damaged files: the way to rebuild
+                if self.cache_key is not None:
+                    e.args = (
+                        f"{e} (a compile-cache entry: `kiln cache rm {self.cache_key}` and the next start builds it again)",
+                    )
+                raise
 
     def _resolve(self, artifact: str, opts: EngineOptions) -> tuple[str, str]:
         """Apply the run-time settings; the artifact to load (a checkpoint's from the compile

@@ -137,8 +137,8 @@ class LLM:
 
             bar = tqdm(total=len(subs), desc="generate", unit="req")
         try:
-            reached: set[str] = set(reqs)  # boxes to look into: all at first (a stream's steps may have
-            while len(finals) < len(subs):  # filled them), then those the last step reached
+            reached: set[str] = set()  # the boxes the last step filled (none yet: the requests are new)
+            while len(finals) < len(subs):
                 for rid in reached:
                     box = self._boxes.get(rid)
                     while box:
