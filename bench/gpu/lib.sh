@@ -105,9 +105,10 @@ shape_name() {  # PRESET LAYERS DTYPE QUANT: llama-3.1-8b, qwen3-30b-a3b-L16, ll
   echo "$n"
 }
 
-free_work() {  # KEEP...: delete WORK's checkpoints and artifacts other than these
+free_work() {  # KEEP...: delete the checkpoints (CKPT_WORK's and WORK's: an earlier call may have
+  # used the other) and WORK's artifacts and unfinished compiles, other than these
   local p k keep
-  for p in "$CKPT_WORK"/ckpt-* "$WORK"/art-*; do
+  for p in "$CKPT_WORK"/ckpt-* "$WORK"/ckpt-* "$WORK"/art-* "$WORK"/.art-*.kiln-build-*; do
     [ -e "$p" ] || continue
     keep=
     for k in "$@"; do [ "$p" = "$k" ] && keep=1; done
