@@ -250,6 +250,12 @@ _ALL: tuple[Setting, ...] = (
        "artifact has a draft, else off. Requests with penalties or structured outputs decode without it.",
        env="KILN_SPECULATIVE",
        flag=True, choices=("auto", "off", "ngram", "draft"), when="engine start"),
+    _s("speculative_policy", "run", "choice", "measured",
+       "When a decode step speculates: measured = per decode batch size, the engine times plain and "
+       "verify steps and the tokens verify steps emit, and speculates only while that emits more tokens "
+       "per second (probing the other mode now and then, runtime/spec_policy.py); always = every step "
+       "that has drafts verifies them (for timing the verify steps themselves).",
+       env="KILN_SPECULATIVE_POLICY", flag=True, choices=("measured", "always"), when="engine start"),
     _s("num_draft_tokens", "run", "int", "4",
        "Draft tokens per request and verify step (speculative decoding).",
        env="KILN_NUM_DRAFT_TOKENS", flag=True, when="engine start", allowed_text="an integer >= 1"),

@@ -33,6 +33,7 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler, SchedulerConfig
 from kiln.runtime.spec_draft import DraftModel, load_draft
 from kiln.runtime.spec_eagle import Eagle3Drafter
+from kiln.runtime.spec_policy import SpecPolicy
 from kiln.runtime.speculative import AcceptanceStats, NgramConfig, NgramDrafter
 from kiln.runtime.staging import HostStager
 from kiln.runtime.stepper import PLACEHOLDER, Launched, SpecParts, StepParts, Stepper
@@ -114,6 +115,7 @@ class EngineOptions:
     tp_all_reduce: str | None = None  # "auto" (symmetric memory where it is faster) or "nccl"
     cache_dir: str | None = None  # where artifacts compiled from a checkpoint are kept
     speculative: str | None = None  # "off" or "ngram" (docs/speculative.md)
+    speculative_policy: str | None = None  # "measured" or "always" (runtime/spec_policy.py)
     num_draft_tokens: int | None = None  # drafts per request and verify step
     ngram_max: int | None = None  # longest suffix the n-gram drafter looks up
     ngram_min: int | None = None  # shortest suffix the n-gram drafter looks up
@@ -319,6 +321,7 @@ class Engine:
         }
         # Speculative decoding (docs/speculative.md): n-gram drafts verified in decode steps.
         self.spec_stats = AcceptanceStats()
+        self.spec_policy: SpecPolicy | None = None  # when steps speculate (the measured policy)
         self.drafter: NgramDrafter | DraftModel | None = None
         if draft is not None:
             pool = KVPool.for_spec(draft.artifact.manifest.kv, self.pool.num_slots, self.device)
@@ -342,8 +345,18 @@ class Engine:
             self.drafter = NgramDrafter(ngram)
         spec = None
         if self.drafter is not None:
+            policy = (
+                SpecPolicy(self.runner.bucket_for)
+                if self.settings["speculative_policy"] == "measured"
+                else None
+            )
+            self.spec_policy = policy
             spec = SpecParts(
-                self.drafter, self.spec_stats, m.verify.buckets[-1] if m.verify else None, trees=self.trees
+                self.drafter,
+                self.spec_stats,
+                m.verify.buckets[-1] if m.verify else None,
+                trees=self.trees,
+                policy=policy,
             )
         parts = StepParts(
             self.scheduler,
@@ -784,6 +797,8 @@ class Engine:
         m = self.step_stats.as_dict()
         if self.drafter is not None:
             m["speculative"] = self.spec_stats.as_dict()
+            if self.spec_policy is not None:
+                m["speculative"]["policy"] = self.spec_policy.as_dict()
         return m
 
     def reset_step_stats(self) -> None:
@@ -805,6 +820,9 @@ class Engine:
             "spec_proposed": self.spec_stats.proposed,
             "spec_accepted": self.spec_stats.accepted,
             "spec_emitted": self.spec_stats.emitted,
+            # the measured policy's mode changes and probes (zero under --speculative-policy always)
+            "spec_policy_switches": self.spec_policy.switches if self.spec_policy else 0,
+            "spec_policy_probes": self.spec_policy.probes if self.spec_policy else 0,
         }
 
     def __repr__(self) -> str:

@@ -407,6 +407,14 @@ class _EngineCollector:
                 "Tokens verify steps emitted (accepted + the target's own).",
                 "spec_emitted",
             ),
+            "kiln_spec_policy_switches": (
+                "Times the measured speculative policy turned speculation on or off for a batch size.",
+                "spec_policy_switches",
+            ),
+            "kiln_spec_policy_probes": (
+                "Steps the measured policy ran in the other mode to re-time it.",
+                "spec_policy_probes",
+            ),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(s[key]))

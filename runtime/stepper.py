@@ -56,6 +56,7 @@ from kiln.runtime.sampler import SampleOutput, Sampler, SamplingBatch
 from kiln.runtime.scheduler import ScheduledBatch, Scheduler
 from kiln.runtime.spec_draft import DraftModel
 from kiln.runtime.spec_eagle import Eagle3Drafter
+from kiln.runtime.spec_policy import SpecPolicy
 from kiln.runtime.spec_tree import (
     TreeBatch,
     TreeDraft,
@@ -107,6 +108,7 @@ class SpecParts:
     stats: AcceptanceStats
     max_batch: int | None = None  # larger decode steps decode plainly (the artifact's verify buckets)
     trees: bool = False  # draft trees (n-gram, EAGLE-3 head; runtime/spec_tree.py) on the tree graph
+    policy: SpecPolicy | None = None  # which decode steps speculate (None: every one with drafts)
 
 
 @dataclass(frozen=True)
@@ -343,19 +345,40 @@ class Stepper:
         # Nothing in flight: a decode graph still pending for this batch is captured now (its
         # warm-ups write the static inputs; a later overlapped step replays the smallest captured
         # bucket that holds it). A one-token-each extend step runs as a decode step.
-        self.runner.capture_bucket_for(len(batch.reqs))
-        if self.spec is not None and batch.mode == "decode":
+        n = len(batch.reqs)
+        self.runner.capture_bucket_for(n)
+        # the measured policy (runtime/spec_policy.py) times the decode steps that could speculate
+        policy = self.spec.policy if self.spec is not None and self._may_verify(batch) else None
+        if self.spec is not None and batch.mode == "decode" and (policy is None or policy.speculate(n)):
+            before = (self.spec.stats.verified, self.spec.stats.emitted)
             verified = self._verify_step(batch, t0)
             if verified is not None:
+                if policy is not None:
+                    stats = self.spec.stats
+                    per_req = (stats.emitted - before[1]) / max(stats.verified - before[0], 1)
+                    policy.observe(n, True, time.perf_counter() - t0, per_req)
                 return verified, self.launched_kind
         launched = self.launch(batch, sched_s=time.perf_counter() - t0)
         if launched is None:
             return [], self.launched_kind
-        if batch.mode == "decode" and self._overlaps(len(batch.reqs)):
+        if batch.mode == "decode" and self._overlaps(n):
             self.inflight = launched
             self.last_step_host_s = launched.host_s
             return [], launched.kind
-        return self.finish(launched, launched.host_s), launched.kind
+        outs = self.finish(launched, launched.host_s)
+        if policy is not None:
+            policy.observe(n, False, time.perf_counter() - t0)
+        return outs, launched.kind
+
+    def _may_verify(self, batch: ScheduledBatch) -> bool:
+        """Whether a scheduled step could run as a verify step: a decode step within the verify
+        graphs' batches (larger ones decode plainly, overlapped)."""
+        spec = self.spec
+        return (
+            spec is not None
+            and batch.mode == "decode"
+            and (spec.max_batch is None or len(batch.reqs) <= spec.max_batch)
+        )
 
     def _overlaps(self, n: int) -> bool:
         """Whether a decode step of ``n`` requests may stay in flight while the next is launched:
@@ -520,7 +543,7 @@ class Stepper:
         graphs take. ``t0``: when this ``step()`` call started scheduling."""
         assert self.spec is not None
         reqs = batch.reqs
-        if self.spec.max_batch is not None and len(reqs) > self.spec.max_batch:
+        if not self._may_verify(batch):
             return None
         blocked = [i for i, r in enumerate(reqs) if speculation_blocker(r.params) is not None]
         if len(blocked) == len(reqs):

@@ -17,6 +17,10 @@ HAS_CUDA = torch.cuda.is_available()
 torch.set_num_threads(1)
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests count verify steps and drafts; the measured speculative policy (the default) turns
+# speculation off where a verify step's wall time loses, which depends on the machine's timing.
+# tests/runtime/test_spec_policy.py and the policy tests in test_speculative_successor.py set it.
+os.environ.setdefault("KILN_SPECULATIVE_POLICY", "always")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -136,7 +136,10 @@ def profile_engine_steps(
     steps), under torch.profiler: per step the wall time, the GPU kernel time and the host parts,
     and the costliest kernels; then as many steps under cProfile: the host functions by
     cumulative time."""
-    llm = LLM(artifact, kv_memory_gib=kv_gib, speculative=source, num_draft_tokens=k)
+    # every step verifies (the measured policy would decode some plainly): a verify step is profiled
+    llm = LLM(
+        artifact, kv_memory_gib=kv_gib, speculative=source, num_draft_tokens=k, speculative_policy="always"
+    )
     eng = llm.engine
     out_len = (2 * steps + 4) * (k + 1)
     prompts = cycle_prompts(llm, batch, max(context, 2 * out_len + 1), out_len)

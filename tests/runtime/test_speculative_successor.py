@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from kiln.cli import cli
 from kiln.compiler.build import CompileOptions, compile_model
 from kiln.compiler.config import ConfigError
 from kiln.compiler.synth import SUCCESSOR_SCALE, make_checkpoint, successor_next, successor_tensors
+from kiln.runtime.spec_policy import MIN_SAMPLES
 
 LAYERS = 2
 CONFIG = successor_config(LAYERS)
@@ -196,3 +198,51 @@ def test_successor_refuses_other_layouts(tmp_path):
     with pytest.raises(ConfigError, match="Llama-family"):
         make_checkpoint(tmp_path / "b", "qwen3-30b-a3b", num_layers=1, successor=True)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def _policy_run(art, monkeypatch, slow: str) -> tuple[dict, list[int]]:
+    """Four cycle prompts one after another (batch 1, 24 new tokens each) under the measured
+    policy, with ``slow`` ("verify" or "plain") steps made 0.1 s longer: the bucket's policy
+    figures and the engine's speculative sums; the tokens are checked against the cycle."""
+    from kiln.runtime.stepper import Stepper
+
+    name = "_verify_step" if slow == "verify" else "finish"
+    original = getattr(Stepper, name)
+
+    def slowed(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if out is not None:
+            time.sleep(0.1)
+        return out
+
+    monkeypatch.setattr(Stepper, name, slowed)
+    llm = LLM(str(art), device="cpu", speculative="ngram", speculative_policy="measured")
+    for start in (40, 90, 140, 190):
+        prompt = cycle_prompt(start, 100, NEW)
+        out = llm.generate([prompt], GREEDY)[0]
+        assert out.token_ids == walk(prompt[-1], NEW)  # lossless whatever the policy chose
+    policy = llm.engine.spec_policy
+    assert policy is not None
+    s = llm.engine.status()
+    return policy.as_dict(), [s["spec_verified"], s["spec_policy_switches"], s["spec_policy_probes"]]
+
+
+def test_measured_policy_drops_speculation_that_loses(art, monkeypatch):
+    """Verify steps made slow enough to lose (0.1 s each against a few ms): after its first samples
+    the policy decodes plainly, verifying again only in its probes (under ``always`` every step
+    with drafts verifies: ``test_ngram_on_cycle_prompts``)."""
+    figures, (verified, switches, probes) = _policy_run(art, monkeypatch, "verify")
+    bucket = figures["buckets"][1]
+    assert not bucket["speculating"] and switches == 1, figures
+    assert bucket["verify_tok_s"] < bucket["plain_tok_s"]
+    assert verified <= MIN_SAMPLES * (1 + probes) and probes <= 3, (verified, probes)
+
+
+def test_measured_policy_keeps_speculation_that_wins(art, monkeypatch):
+    """Plain steps made slow: the policy keeps verifying (plain steps only for its first samples
+    and its probes), and its figures say why."""
+    figures, (verified, switches, _) = _policy_run(art, monkeypatch, "plain")
+    bucket = figures["buckets"][1]
+    assert bucket["speculating"] and switches == 0, figures
+    assert bucket["mean_emitted"] > 2 and bucket["verify_tok_s"] > bucket["plain_tok_s"]
+    assert verified >= 10, verified
