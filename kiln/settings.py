@@ -251,10 +251,11 @@ _ALL: tuple[Setting, ...] = (
        env="KILN_SPECULATIVE",
        flag=True, choices=("auto", "off", "ngram", "draft"), when="engine start"),
     _s("speculative_policy", "run", "choice", "measured",
-       "When a decode step speculates: measured = per decode batch size, the engine times plain and "
-       "verify steps and the tokens verify steps emit, and speculates only while that emits more tokens "
-       "per second (probing the other mode now and then, runtime/spec_policy.py); always = every step "
-       "that has drafts verifies them (for timing the verify steps themselves).",
+       "When a decode step with n-gram drafts speculates: measured = per decode batch size, the engine "
+       "times plain and verify steps and the tokens verify steps emit, and speculates only while that "
+       "emits more tokens per second (probing the other mode now and then, runtime/spec_policy.py); "
+       "always = every step that has drafts verifies them (repeatable runs, timing verify steps). A draft "
+       "model, EAGLE-3 head or MTP layer verifies every step (it must see every token).",
        env="KILN_SPECULATIVE_POLICY", flag=True, choices=("measured", "always"), when="engine start"),
     _s("num_draft_tokens", "run", "int", "4",
        "Draft tokens per request and verify step (speculative decoding).",

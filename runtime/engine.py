@@ -345,12 +345,12 @@ class Engine:
             self.drafter = NgramDrafter(ngram)
         spec = None
         if self.drafter is not None:
-            policy = (
-                SpecPolicy(self.runner.bucket_for)
-                if self.settings["speculative_policy"] == "measured"
-                else None
+            # the measured policy decides for n-gram drafts; a draft model, EAGLE-3 head or MTP layer
+            # must see every token, so it verifies every step it can (runtime/spec_policy.py)
+            measured = self.settings["speculative_policy"] == "measured" and isinstance(
+                self.drafter, NgramDrafter
             )
-            self.spec_policy = policy
+            policy = self.spec_policy = SpecPolicy(self.runner.bucket_for) if measured else None
             spec = SpecParts(
                 self.drafter,
                 self.spec_stats,

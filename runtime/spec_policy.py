@@ -1,71 +1,87 @@
 """Whether a decode step speculates: the measured policy (``--speculative-policy``).
 
 A verify step of ``B`` requests costs more than a plain decode step of ``B``: ``k + 1`` tokens a
-request go through the target and the draft source runs too. It pays only when enough drafts are
-accepted. On an H200 a chain-4 step of an EAGLE-3-shaped head cost 2.15x / 1.91x / 2.29x a plain step
-at batch 1 / 8 / 32 (bench/results/2026-12-06_h200_s31f_*): at 2 tokens a request per step it lost
-5.7% at batch 1 and 8.4% at batch 32. Acceptance depends on the text, so no setting chosen ahead
-fits every workload; the engine measures instead.
+request go through the target (on an H200, Llama-3.1-8B shape: 1.31-1.36x a plain step at batch 1,
+bench/results/2026-12-05_h200_s24a_*; a chain-4 step with an EAGLE-3-shaped head 1.9-2.3x at batch
+1 to 32, ..._s31f_*). It pays only when enough drafts are accepted, and how many are depends on
+the text: n-gram drafts match code, quotes and edits, and almost never free prose. No setting chosen
+ahead fits every workload; the engine measures instead.
 
 ``measured`` keeps, per decode bucket (``ModelRunner.bucket_for``: steps of similar size cost about
-the same), exponential moving averages (weight :data:`EMA`) of
+the same), the last :data:`WINDOW` steps of each mode:
 
-* a plain decode step's wall time ``t_plain``,
-* a verify step's wall time ``t_verify`` and the tokens it emits per request ``e`` (accepted
-  drafts + 1, requests that rode along without drafts counted with their one token),
+* a plain decode step's wall time, their median ``t_plain``;
+* a verify step's wall time, their median ``t_verify``, and the tokens it emitted per request,
+  their mean ``e`` (accepted drafts + 1; requests that rode along without drafts count their one
+  token);
 
-and speculates while ``e / t_verify >= 1 / t_plain`` (tokens per request per second). A bucket
-starts speculating; it has :data:`MIN_SAMPLES` steps of each mode before it compares. Each decision
-is probed: after ``interval`` steps of one mode, :data:`MIN_SAMPLES` steps run the other and replace
-its stale estimate, so the choice follows the workload; a probe that confirms the mode doubles
-``interval`` (from :data:`PROBE_FIRST` up to :data:`PROBE_MAX`: in the long run 3 steps in 256 run
-the mode that loses), one that changes the mode resets it.
+and speculates while ``e / t_verify`` (tokens per request per second) beats ``1 / t_plain``.
+Medians, so that one step stalled by the host (a garbage collection, another thread) moves nothing;
+and a mode changes only when the other wins by :data:`MARGIN`, so that two near-equal modes do not
+alternate. A bucket starts speculating; it has :data:`MIN_SAMPLES` steps of each mode before it
+compares. Each decision is probed: after ``interval`` steps of one mode, :data:`MIN_SAMPLES` steps
+run the other and replace its stale samples, so the choice follows the workload; a probe that
+confirms the mode doubles ``interval`` (from :data:`PROBE_FIRST` up to :data:`PROBE_MAX`: in the long
+run 3 steps in 256 run the mode that loses), one that changes the mode resets it.
+
+It decides for n-gram drafts only (the engine, runtime/engine.py): they hold no state, so a plain
+step costs what it costs without speculation and a probe what any verify step costs. A draft model,
+EAGLE-3 head or MTP layer must see every token (a draft model's K/V is caught up at its next verify
+step, an EAGLE-3 head's ring keeps only ``k + 1`` positions: docs/speculative.md), so with one the
+engine verifies every step it can, as under ``always``.
 
 Protocol: the stepper asks :meth:`SpecPolicy.speculate` before drafting a decode step of ``n``
 requests, and reports every decode step it could have asked about with :meth:`SpecPolicy.observe`
 (wall seconds from scheduling to its outputs: such steps are finished before the next is launched,
 never overlapped). A step asked to speculate that found no drafts runs plainly and is reported as
-plain. ``always`` (the policy off) speculates whenever there are drafts. Speculation is lossless
-either way: the policy changes the speed, never the tokens of a greedy request.
+plain. ``always`` (the policy off) speculates whenever there are drafts. Greedy tokens do not
+depend on the policy where a verify step's logits equal a decode step's (on CPU, in float32); on a
+GPU the two graphs round differently, so a near-tie may break differently from run to run as the
+steps that verify change with the timing (``always`` keeps runs repeatable). n-gram drafts are
+point masses, so a seeded request's tokens are the plain sampler's either way.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-EMA = 0.25  # weight of the newest step in each moving average
+WINDOW = 8  # the steps of each mode an estimate reads (the newest)
+MARGIN = 1.05  # a mode changes when the other emits this much faster
 MIN_SAMPLES = 3  # steps of each mode a bucket measures before it compares them
 PROBE_FIRST = 16  # steps of one mode before the first probe of the other
 PROBE_MAX = 256  # the longest run of one mode between probes
 POLICIES = ("measured", "always")
 
 
+def _window() -> deque[float]:
+    return deque(maxlen=WINDOW)
+
+
 @dataclass
 class BucketCosts:
-    """One decode bucket's estimates (seconds, tokens per request) and its probe schedule."""
+    """One decode bucket's samples (seconds, tokens per request) and its probe schedule."""
 
-    t_plain: float = 0.0
-    n_plain: int = 0
-    t_verify: float = 0.0
-    emitted: float = 0.0
-    n_verify: int = 0
+    plain_s: deque[float] = field(default_factory=_window)
+    verify_s: deque[float] = field(default_factory=_window)
+    emitted: deque[float] = field(default_factory=_window)  # per request, of the verify steps
     speculating: bool = True
     run: int = 0  # steps of the current mode since the last probe or switch
     interval: int = PROBE_FIRST
     probing: bool = False  # a probe of the other mode is measuring
 
-    def speculate_rate(self) -> float:
+    def verify_rate(self) -> float:
         """Tokens per request per second of a verify step."""
-        return self.emitted / self.t_verify
+        return statistics.fmean(self.emitted) / statistics.median(self.verify_s)
 
     def plain_rate(self) -> float:
         """Tokens per request per second of a plain step."""
-        return 1.0 / self.t_plain
+        return 1.0 / statistics.median(self.plain_s)
 
-
-def _ema(old: float, new: float, n: int) -> float:
-    return new if n == 0 else old + EMA * (new - old)
+    def measured(self) -> bool:
+        return len(self.verify_s) >= MIN_SAMPLES and len(self.plain_s) >= MIN_SAMPLES
 
 
 @dataclass
@@ -83,17 +99,18 @@ class SpecPolicy:
     def speculate(self, n: int) -> bool:
         """Whether the decode step of ``n`` requests about to be drafted should speculate."""
         c = self.costs(n)
-        if c.n_verify < MIN_SAMPLES:
+        if len(c.verify_s) < MIN_SAMPLES:
             return True
-        if c.n_plain < MIN_SAMPLES:
+        if len(c.plain_s) < MIN_SAMPLES:
             return False
-        if c.run >= c.interval:  # probe the other mode: its estimate is stale, measure it afresh
+        if c.run >= c.interval:  # probe the other mode: its samples are stale, measure it afresh
             c.probing, c.run = True, 0
             self.probes += 1
             if c.speculating:
-                c.n_plain = 0
+                c.plain_s.clear()
             else:
-                c.n_verify = 0
+                c.verify_s.clear()
+                c.emitted.clear()
             return not c.speculating
         return c.speculating
 
@@ -104,17 +121,15 @@ class SpecPolicy:
             return
         c = self.costs(n)
         if speculated:
-            c.t_verify = _ema(c.t_verify, seconds, c.n_verify)
-            c.emitted = _ema(c.emitted, emitted_per_request, c.n_verify)
-            c.n_verify += 1
+            c.verify_s.append(seconds)
+            c.emitted.append(emitted_per_request)
         else:
-            c.t_plain = _ema(c.t_plain, seconds, c.n_plain)
-            c.n_plain += 1
-        if c.n_verify < MIN_SAMPLES or c.n_plain < MIN_SAMPLES:
+            c.plain_s.append(seconds)
+        if not c.measured():
             return  # still measuring (at the start, or a probe)
-        best = c.speculate_rate() >= c.plain_rate()
-        if best != c.speculating:  # a switch: probe the old mode again soon
-            c.speculating = best
+        spec, plain = c.verify_rate(), c.plain_rate()
+        if (plain > MARGIN * spec) if c.speculating else (spec > MARGIN * plain):
+            c.speculating = not c.speculating  # a switch: probe the old mode again soon
             c.run, c.interval = 0, PROBE_FIRST
             self.switches += 1
         elif c.probing:  # the probe confirmed the mode: probe less often
@@ -131,9 +146,9 @@ class SpecPolicy:
             "buckets": {
                 b: {
                     "speculating": c.speculating,
-                    "plain_tok_s": round(c.plain_rate(), 3) if c.n_plain else None,
-                    "verify_tok_s": round(c.speculate_rate(), 3) if c.n_verify else None,
-                    "mean_emitted": round(c.emitted, 3) if c.n_verify else None,
+                    "plain_tok_s": round(c.plain_rate(), 3) if c.plain_s else None,
+                    "verify_tok_s": round(c.verify_rate(), 3) if c.verify_s else None,
+                    "mean_emitted": round(statistics.fmean(c.emitted), 3) if c.emitted else None,
                 }
                 for b, c in sorted(self.buckets.items())
             },

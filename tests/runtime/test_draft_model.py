@@ -89,10 +89,13 @@ def test_a_random_draft_changes_nothing(setup):
     root, prompts = setup
     art = root / "art-other"
     plain, _ = _tokens(art, prompts, GREEDY, speculative="off")
-    on, eng = _tokens(art, prompts, GREEDY, speculative="draft")
+    on, eng = _tokens(art, prompts, GREEDY, speculative="draft", speculative_policy="measured")
     assert on == plain
     s = eng.step_metrics()["speculative"]
     assert s["proposed"] > 0 and s["accepted"] < 0.5 * s["proposed"], s
+    # a draft model must see every token: the measured policy is for n-gram drafts only (else it
+    # would decode plainly here, where no draft is accepted, and the draft would fall behind)
+    assert eng.spec_policy is None and eng.stepper.spec.policy is None
 
 
 def test_sampled_drafts_carry_their_distribution(setup):

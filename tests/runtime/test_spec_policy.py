@@ -1,7 +1,7 @@
 """The measured speculative policy (runtime/spec_policy.py) on step costs given by hand: it keeps
 speculation that emits more tokens per second than plain decoding, drops speculation that emits
-fewer, probes the other mode with a doubling interval, follows a change of workload, and keeps
-each decode bucket's estimates apart."""
+fewer, probes the other mode with a doubling interval, follows a change of workload, ignores a
+stalled step, does not alternate between near-equal modes, and keeps each decode bucket apart."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from kiln.runtime.spec_policy import MIN_SAMPLES, PROBE_FIRST, PROBE_MAX, SpecPolicy
+from kiln.runtime.spec_policy import MARGIN, MIN_SAMPLES, PROBE_FIRST, PROBE_MAX, SpecPolicy
 
 
 def _bucket(n: int) -> int:
@@ -90,4 +90,21 @@ def test_buckets_are_independent():
 def test_ignores_steps_without_a_duration(seconds):
     p = SpecPolicy(_bucket)
     p.observe(1, True, seconds, 5.0)
-    assert p.costs(1).n_verify == 0
+    assert not p.costs(1).verify_s
+
+
+def test_one_stalled_step_moves_nothing():
+    # speculation wins by 20%; one verify step stalls 50x (a garbage collection on the host)
+    p = SpecPolicy(_bucket)
+    _run(p, 1, 40, 0.005, 0.0125, 3.0)
+    p.observe(1, True, 0.0125 * 50, 3.0)
+    modes = _run(p, 1, 40, 0.005, 0.0125, 3.0)
+    assert p.buckets[1].speculating and p.switches == 0 and sum(modes) >= 40 - MIN_SAMPLES
+
+
+def test_near_equal_modes_do_not_alternate():
+    # plain emits 3% more per second than speculation: within MARGIN, the mode stays
+    assert MARGIN > 1.03
+    p = SpecPolicy(_bucket)
+    _run(p, 8, 300, 0.005, 0.01, 2.0 / 1.03)
+    assert p.buckets[8].speculating and p.switches == 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 
 import pytest
 import torch
@@ -202,25 +201,27 @@ def test_successor_refuses_other_layouts(tmp_path):
 
 def _policy_run(art, monkeypatch, slow: str) -> tuple[dict, list[int]]:
     """Four cycle prompts one after another (batch 1, 24 new tokens each) under the measured
-    policy, with ``slow`` ("verify" or "plain") steps made 0.1 s longer: the bucket's policy
-    figures and the engine's speculative sums; the tokens are checked against the cycle."""
-    from kiln.runtime.stepper import Stepper
+    policy, each step's cost as the policy sees it fixed: 0.1 s for ``slow`` ("verify" or "plain")
+    steps, 1 ms for the others (the stepper's own wall times, checked positive, would make the
+    decisions depend on this machine's load). The bucket's policy figures and the engine's
+    speculative sums; the tokens are checked against the cycle."""
+    from kiln.runtime.spec_policy import SpecPolicy
 
-    name = "_verify_step" if slow == "verify" else "finish"
-    original = getattr(Stepper, name)
+    original = SpecPolicy.observe
+    walls: dict[bool, list[float]] = {True: [], False: []}
 
-    def slowed(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        if out is not None:
-            time.sleep(0.1)
-        return out
+    def fixed(self, n, speculated, seconds, emitted_per_request=1.0):
+        walls[speculated].append(seconds)
+        cost = 0.1 if speculated == (slow == "verify") else 0.001
+        original(self, n, speculated, cost, emitted_per_request)
 
-    monkeypatch.setattr(Stepper, name, slowed)
+    monkeypatch.setattr(SpecPolicy, "observe", fixed)
     llm = LLM(str(art), device="cpu", speculative="ngram", speculative_policy="measured")
     for start in (40, 90, 140, 190):
         prompt = cycle_prompt(start, 100, NEW)
         out = llm.generate([prompt], GREEDY)[0]
         assert out.token_ids == walk(prompt[-1], NEW)  # lossless whatever the policy chose
+    assert walls[True] and walls[False] and min(walls[True] + walls[False]) > 0  # both modes timed
     policy = llm.engine.spec_policy
     assert policy is not None
     s = llm.engine.status()
@@ -228,7 +229,7 @@ def _policy_run(art, monkeypatch, slow: str) -> tuple[dict, list[int]]:
 
 
 def test_measured_policy_drops_speculation_that_loses(art, monkeypatch):
-    """Verify steps made slow enough to lose (0.1 s each against a few ms): after its first samples
+    """Verify steps costing enough to lose (0.1 s each against 1 ms): after its first samples
     the policy decodes plainly, verifying again only in its probes (under ``always`` every step
     with drafts verifies: ``test_ngram_on_cycle_prompts``)."""
     figures, (verified, switches, probes) = _policy_run(art, monkeypatch, "verify")
@@ -239,7 +240,7 @@ def test_measured_policy_drops_speculation_that_loses(art, monkeypatch):
 
 
 def test_measured_policy_keeps_speculation_that_wins(art, monkeypatch):
-    """Plain steps made slow: the policy keeps verifying (plain steps only for its first samples
+    """Plain steps costing 0.1 s: the policy keeps verifying (plain steps only for its first samples
     and its probes), and its figures say why."""
     figures, (verified, switches, _) = _policy_run(art, monkeypatch, "plain")
     bucket = figures["buckets"][1]
