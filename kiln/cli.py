@@ -8,6 +8,7 @@ import importlib
 import os
 import sys
 import warnings
+from typing import TextIO
 
 import click
 
@@ -92,6 +93,7 @@ def main() -> None:
     # torch's own pytree code trips its own deprecation (torch 2.13, each export and graph load):
     # nothing a kiln user can act on
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    warnings.showwarning = _show_warning
     try:
         _run()
     except SystemExit as e:
@@ -100,6 +102,25 @@ def main() -> None:
     except BaseException:
         _EXIT_CODE[0] = 1
         raise
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """kiln's own warnings (their text starts with "kiln") as one line on stderr, without the
+    source line Python shows beside them; any other package's as Python shows it."""
+    text = str(message)
+    out = file or sys.stderr
+    if text.startswith("kiln"):
+        out.write(f"warning: {text}\n")
+    else:
+        out.write(warnings.formatwarning(message, category, filename, lineno, line))
+    out.flush()
 
 
 def _leave_if_launched() -> None:

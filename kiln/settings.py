@@ -57,7 +57,7 @@ class Setting:
     ``kind``: ``bool`` (``0``/``1``, also off/on, false/true, no/yes), ``choice`` (one of
     ``choices``), ``parts`` (a set of ``choices``: a comma list, ``all`` or ``none``), ``list`` (a
     comma list of ``choices``, in order), ``plan`` (the GEMV plan; checked by the compiler:
-    ops/linear/gemv.py ``gemv_plan``), ``path``, ``int`` (>= 0), ``ints`` (a comma list of positive
+    ops/linear/gemv.py ``gemv_plan``), ``path``, ``int`` (>= ``minimum``), ``ints`` (a comma list of positive
     integers) or ``str``."""
 
     name: str  # the one name: the option field, the flag (with dashes) and this registry's key
@@ -72,6 +72,7 @@ class Setting:
     default_text: str = ""  # how the table shows the default, when the raw form says too little
     allowed_text: str = ""  # how the table shows the allowed values, likewise
     recorded: str = ""  # compile settings: the manifest field that records the choice
+    minimum: int = 0  # int settings: the smallest value allowed
 
     @property
     def option(self) -> str:
@@ -90,9 +91,9 @@ class Setting:
         if self.kind in ("parts", "list"):
             extra = ", or all, or none" if self.kind == "parts" else ""
             return f"a comma list of {', '.join(self.choices)}{extra}"
-        return {"path": "a path", "int": "an integer >= 0", "ints": "comma list of integers >= 1"}.get(
-            self.kind, "text"
-        )
+        if self.kind == "int":
+            return f"an integer >= {self.minimum}"
+        return {"path": "a path", "ints": "comma list of integers >= 1"}.get(self.kind, "text")
 
     @property
     def shown_default(self) -> str:
@@ -125,7 +126,7 @@ class Setting:
             elif k == "path":  # as given ("~" expanded by the reader, when it reads)
                 return s
             elif k == "int":
-                if int(s) >= 0:
+                if int(s) >= self.minimum:
                     return int(s)
             elif k == "ints":
                 vals = tuple(int(p) for p in s.split(","))
@@ -171,8 +172,8 @@ _ALL: tuple[Setting, ...] = (
        flag=True, recorded="norm_folds"),
     _s("verify_lengths", "compile", "str", "",
        "Speculative decoding: the draft counts k to build verify CUDA graphs for (each decode batch up to "
-       "32 with k + 1 tokens per request; few tokens: a static graph on the GEMV). Without them "
-       "--speculative runs its verify steps eagerly.",
+       "32 with k + 1 tokens per request, replays of the shared graph). Without them --speculative runs "
+       "its verify steps eagerly.",
        flag=True, recorded="verify", default_text="none",
        allowed_text="a comma list of integers 1..32, e.g. 4,8"),
     _s("cutlass_dir", "compile", "path", "", "A CUTLASS checkout to build the CUTLASS libraries against.",
@@ -259,13 +260,13 @@ _ALL: tuple[Setting, ...] = (
        env="KILN_SPECULATIVE_POLICY", flag=True, choices=("measured", "always"), when="engine start"),
     _s("num_draft_tokens", "run", "int", "4",
        "Draft tokens per request and verify step (speculative decoding).",
-       env="KILN_NUM_DRAFT_TOKENS", flag=True, when="engine start", allowed_text="an integer >= 1"),
+       env="KILN_NUM_DRAFT_TOKENS", flag=True, when="engine start", minimum=1),
     _s("ngram_max", "run", "int", "4",
        "Longest suffix of a request's tokens looked up earlier in them for n-gram drafts.",
-       env="KILN_NGRAM_MAX", flag=True, when="engine start"),
+       env="KILN_NGRAM_MAX", flag=True, when="engine start", minimum=1),
     _s("ngram_min", "run", "int", "1",
-       "Shortest suffix looked up for n-gram drafts (at least 1).", env="KILN_NGRAM_MIN", flag=True,
-       when="engine start"),
+       "Shortest suffix looked up for n-gram drafts.", env="KILN_NGRAM_MIN", flag=True,
+       when="engine start", minimum=1),
     _s("draft_branches", "run", "int", "1",
        "Draft trees: candidates per draft position, verified in one step as a token tree (1 = chains). "
        "N-gram drafts: up to this many distinct continuations of the suffix's earlier occurrences, "
@@ -273,7 +274,7 @@ _ALL: tuple[Setting, ...] = (
        "as EAGLE-2 does (the N best candidates of each depth expanded into their top N, ceil(nodes / N) "
        "depths, the --num-draft-tokens most probable kept). Needs an artifact with the verify_tree "
        "graph (kiln compile --verify-lengths); a draft model drafts chains.",
-       env="KILN_DRAFT_BRANCHES", flag=True, when="engine start", allowed_text="an integer >= 1"),
+       env="KILN_DRAFT_BRANCHES", flag=True, when="engine start", minimum=1),
     # ---- test
     _s("triton_on_cpu", "test", "bool", "0",
        "With TRITON_INTERPRET=1: CPU tensors run the ops' Triton kernels in the interpreter instead of "

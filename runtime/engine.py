@@ -524,10 +524,14 @@ class Engine:
                 )
             return
         if k > verify.lengths[-1]:
+            # compile's bound on a verify length (compiler/build.py VERIFY_MAX_LENGTH, 32)
+            fix = (
+                f"or compile with --verify-lengths including {k}" if k <= 32 else "(compile takes at most 32)"
+            )
             raise KilnError(
                 f"--num-draft-tokens is {k} but this artifact's verify graphs take at most "
                 f"{verify.lengths[-1]} drafts (manifest verify.lengths {list(verify.lengths)}); lower "
-                f"--num-draft-tokens or compile with --verify-lengths including {k}"
+                f"--num-draft-tokens {fix}"
             )
 
     def _trees_possible(self, head: LoadedModel | None) -> bool:
@@ -820,6 +824,7 @@ class Engine:
             "spec_proposed": self.spec_stats.proposed,
             "spec_accepted": self.spec_stats.accepted,
             "spec_emitted": self.spec_stats.emitted,
+            "spec_accepted_hist": dict(sorted(self.spec_stats.hist.items())),  # drafts accepted: rows
             # the measured policy's mode changes and probes (zero under --speculative-policy always)
             "spec_policy_switches": self.spec_policy.switches if self.spec_policy else 0,
             "spec_policy_probes": self.spec_policy.probes if self.spec_policy else 0,

@@ -43,7 +43,8 @@ class SamplingParams:
     structured: the output follows a JSON schema, a regex, a grammar or a choice
     (runtime/grammar.py); None = free text.  speculative: False = this request decodes without
     speculative decoding (it joins verify steps with no drafts); None = as the engine's
-    ``speculative`` setting (docs/speculative.md). The output is the same either way.
+    ``speculative`` setting (docs/speculative.md). The output is the same either way in float32
+    (bf16 graphs round differently).
     """
 
     max_tokens: int = 16
@@ -139,6 +140,10 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSamplingParams(name, f"must be true or false, got {getattr(self, name)!r}")
         _int("n", self.n, lo=1, hi=None, what="an integer >= 1")
+        if self.speculative is not None and not isinstance(self.speculative, bool):
+            raise InvalidSamplingParams(
+                "speculative", f"must be true, false or null, got {self.speculative!r}"
+            )
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutputs):
                 raise InvalidSamplingParams(

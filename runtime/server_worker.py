@@ -372,7 +372,7 @@ class _EngineCollector:
         self.m = m
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         s = self.m.status
         if not s:
@@ -412,9 +412,26 @@ class _EngineCollector:
                 "spec_policy_switches",
             ),
             "kiln_spec_policy_probes": (
-                "Steps the measured policy ran in the other mode to re-time it.",
+                "Probes of the measured policy: runs of 3 steps in the mode a batch size is not using.",
                 "spec_policy_probes",
             ),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(s[key]))
+        yield GaugeMetricFamily(
+            "kiln_spec_acceptance_rate",
+            "Draft tokens accepted / proposed since the server started (0 before any).",
+            value=s["spec_accepted"] / s["spec_proposed"] if s["spec_proposed"] else 0.0,
+        )
+        hist = s["spec_accepted_hist"]  # drafts accepted per verified request row: rows
+        buckets, total = [], 0
+        for accepted in range(max(hist, default=0) + 1):
+            total += hist.get(accepted, 0)
+            buckets.append((str(accepted), total))
+        buckets.append(("+Inf", total))
+        yield HistogramMetricFamily(
+            "kiln_spec_accepted_drafts",
+            "Draft tokens accepted per request row of a verify step.",
+            buckets=buckets,
+            sum_value=float(sum(a * c for a, c in hist.items())),
+        )

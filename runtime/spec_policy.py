@@ -35,10 +35,11 @@ requests, and reports every decode step it could have asked about with :meth:`Sp
 (wall seconds from scheduling to its outputs: such steps are finished before the next is launched,
 never overlapped). A step asked to speculate that found no drafts runs plainly and is reported as
 plain. ``always`` (the policy off) speculates whenever there are drafts. Greedy tokens do not
-depend on the policy where a verify step's logits equal a decode step's (on CPU, in float32); on a
-GPU the two graphs round differently, so a near-tie may break differently from run to run as the
-steps that verify change with the timing (``always`` keeps runs repeatable). n-gram drafts are
-point masses, so a seeded request's tokens are the plain sampler's either way.
+depend on the policy where a verify step's logits equal a decode step's (float32); in bf16 the
+graphs round differently (the batch-1 decode graph folds the norms into its linears), so a near-tie
+may break differently from run to run as the steps that verify follow the timing (``always`` keeps
+runs repeatable). n-gram drafts are point masses, so a seeded request's tokens are the plain
+sampler's wherever the logits are equal.
 """
 
 from __future__ import annotations

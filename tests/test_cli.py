@@ -82,3 +82,21 @@ def test_inspect_unknown_name():
         [sys.executable, "-m", "kiln", "inspect", "no-such-model"], capture_output=True, text=True
     )
     assert p.returncode == 2 and "Bundled:" in p.stderr and "llama-3.1-8b" in p.stderr
+
+
+def test_kiln_warnings_are_one_line(capsys):
+    """The CLI shows kiln's own warnings as one line (no source line of the code that warned);
+    another package's the way Python does."""
+    import io
+    import warnings
+
+    from kiln.cli import _show_warning
+
+    buf = io.StringIO()
+    _show_warning(
+        UserWarning("kiln: --draft-branches 2: a draft model drafts chains"), UserWarning, "x.py", 7, buf
+    )
+    assert buf.getvalue() == "warning: kiln: --draft-branches 2: a draft model drafts chains\n"
+    buf = io.StringIO()
+    _show_warning(DeprecationWarning("old api"), DeprecationWarning, "pkg.py", 3, buf, "call()")
+    assert buf.getvalue() == warnings.formatwarning("old api", DeprecationWarning, "pkg.py", 3, "call()")

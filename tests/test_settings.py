@@ -73,6 +73,18 @@ def test_value_precedence_and_one_line_errors(monkeypatch):
         settings.apply("run", {"fp8_gemm": "fast"})
 
 
+def test_int_settings_have_their_minimum(monkeypatch):
+    # a draft count of 0 once ran an engine that loaded its draft model and never drafted
+    with pytest.raises(settings.SettingError, match=r"--num-draft-tokens\) is '0'; it takes an integer >= 1"):
+        settings.apply("run", {"num_draft_tokens": 0})
+    monkeypatch.setenv("KILN_DRAFT_BRANCHES", "0")
+    with pytest.raises(settings.SettingError, match=r"KILN_DRAFT_BRANCHES is '0'; it takes an integer >= 1"):
+        settings.value("draft_branches")
+    monkeypatch.delenv("KILN_DRAFT_BRANCHES")
+    assert settings.apply("run", {"num_draft_tokens": 1})["num_draft_tokens"] == 1
+    assert settings.SETTINGS["soak_seed"].parse("0") == 0  # the default minimum stays 0
+
+
 def test_an_environment_value_is_parsed_once(monkeypatch):
     """The ops ask on every call: the parse runs again only when the variable's string changes."""
     parsed = []

@@ -46,6 +46,8 @@ def test_derived_values():
         ("logprobs", True, "integer"),
         ("ignore_eos", 1, "true or false"),
         ("n", 0, "integer >= 1"),
+        ("speculative", "no", "true, false or null"),
+        ("speculative", 1, "true, false or null"),
     ],
 )
 def test_invalid_values_name_param_and_range(field, value, needle):

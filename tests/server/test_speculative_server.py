@@ -78,3 +78,8 @@ def test_outputs_equal_plain_decoding(spec_server, llm):
     }
     drafts, accepted = values["kiln_spec_draft_tokens_total"], values["kiln_spec_accepted_tokens_total"]
     assert drafts > 0 and accepted >= 0.8 * drafts, values
+    # the acceptance gauge and the histogram of drafts accepted per verified row agree with them
+    assert values["kiln_spec_acceptance_rate"] == pytest.approx(accepted / drafts), values
+    assert values["kiln_spec_accepted_drafts_count"] == values["kiln_spec_verify_requests_total"], values
+    assert values["kiln_spec_accepted_drafts_sum"] == accepted, values
+    assert values['kiln_spec_accepted_drafts_bucket{le="+Inf"}'] == values["kiln_spec_accepted_drafts_count"]
