@@ -204,7 +204,9 @@ def test_a_structured_request_rides_along(tmp_path):
 
 def test_bad_settings_are_one_line_errors(setup):
     art, _ = setup
-    with pytest.raises(KilnError, match="num_draft_tokens must be >= 1"):
+    with pytest.raises(
+        KilnError, match=r"num_draft_tokens \(--num-draft-tokens\) is '0'; it takes an integer >= 1"
+    ):
         LLM(str(art), device="cpu", speculative="ngram", num_draft_tokens=0)
     with pytest.raises(KilnError, match="speculative"):
         LLM(str(art), device="cpu", speculative="eagle")

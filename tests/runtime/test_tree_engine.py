@@ -322,7 +322,9 @@ def test_logprobs_and_a_request_that_cannot_speculate(tiny):
 
 def test_fallbacks_and_refusals(tiny, tmp_path):
     art, prompts = tiny
-    with pytest.raises(KilnError, match="draft_branches must be >= 1"):
+    with pytest.raises(
+        KilnError, match=r"draft_branches \(--draft-branches\) is '0'; it takes an integer >= 1"
+    ):
         _llm(art, "ngram", draft_branches=0)
     make_tiny(tmp_path / "hf", "qwen3-qknorm", seed=5, eos=None)
     opts = CompileOptions(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=160, chunk_size=64)
