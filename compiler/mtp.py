@@ -16,7 +16,8 @@ that one for k drafts). The compile:
 
 Refused before any work, each in one line naming the field: a config without
 ``num_nextn_predict_layers``, an architecture other than DeepSeek-V2/V3, a checkpoint whose weights
-lack the layer, ``--draft-model`` or ``--eagle3`` beside it, ``--tp`` > 1.
+lack the layer, ``--draft-model`` or ``--eagle3`` beside it. With ``--tp`` > 1 the layer is
+compiled for one rank and drafts on rank 0.
 """
 
 from __future__ import annotations

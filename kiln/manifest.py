@@ -6,7 +6,7 @@ module (and :mod:`kiln.artifact_format`, the hashes and file names under it).
 
 Layout (JSON keys are the field names; schema :data:`~kiln.artifact_format.SCHEMA_VERSION`)::
 
-    {"schema_version": 5, "manifest_xxh3_128": hex,          written by save, checked by load
+    {"schema_version": 6, "manifest_xxh3_128": hex,          written by save, checked by load
      "model": {...},                   the compiler's normalized config (reports; the runtime
                                        reads only :attr:`Manifest.routed_experts` of it)
      "dtype", "quant", "tp", "ep", "device", "gpu_arch",

@@ -234,7 +234,7 @@ _ALL: tuple[Setting, ...] = (
     _s("tp_timeout", "run", "int", "120",
        "Seconds a tensor-parallel collective waits for the other ranks before the run fails with an "
        "error (a rank that hangs; one that exits fails the next step at once).", env="KILN_TP_TIMEOUT",
-       flag=True, when="engine start"),
+       flag=True, when="engine start", minimum=1),
     _s("cache_dir", "run", "path", "~/.cache/kiln/artifacts",
        "Where serve / generate / bench and LLM keep the artifacts they compile from a checkpoint "
        "(kiln/compile_cache.py; `kiln cache ls/rm`).", env="KILN_CACHE", flag=True, when="engine start"),
