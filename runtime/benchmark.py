@@ -127,9 +127,11 @@ def spec_figures(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     """Speculative decoding over a run, from :func:`spec_sums` before and after it:
     ``spec_acceptance_rate`` (drafts accepted / proposed), ``spec_mean_emitted`` (tokens a request
     gained per verify step: accepted drafts + 1), ``spec_verified`` (request-steps verified),
-    ``spec_proposed``, ``spec_accepted``, ``verify_steps``; all None with speculation off."""
+    ``spec_proposed``, ``spec_accepted``, ``verify_steps``, and ``spec_policy``: the measured
+    policy's state at the end (runtime/spec_policy.py ``as_dict``; None without it); all None with
+    speculation off."""
     if before is None or after is None:
-        names = ("acceptance_rate", "mean_emitted", "verified", "proposed", "accepted")
+        names = ("acceptance_rate", "mean_emitted", "verified", "proposed", "accepted", "policy")
         return {f"spec_{k}": None for k in names} | {"verify_steps": None}
     d = {k: after[k] - before[k] for k in ("steps", "verified", "proposed", "accepted", "emitted")}
     return {
@@ -138,6 +140,7 @@ def spec_figures(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
         "spec_verified": d["verified"],
         "spec_proposed": d["proposed"],
         "spec_accepted": d["accepted"],
+        "spec_policy": after.get("policy"),
         "verify_steps": d["steps"],
     }
 

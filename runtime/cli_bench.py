@@ -350,6 +350,12 @@ def throughput_cmd(
             f"speculative: {r['spec_accepted']} of {r['spec_proposed']} drafts accepted "
             f"({r['spec_acceptance_rate']:.1%}), {r['spec_mean_emitted']:.2f} tokens per request verified"
         )
+    if r.get("spec_policy"):  # the measured policy (n-gram drafts): each batch bucket's mode at the end
+        modes = [
+            f"{b}: {'verify' if v['speculating'] else 'plain'}"
+            for b, v in r["spec_policy"]["buckets"].items()
+        ]
+        click.echo(f"speculative policy by batch bucket: {', '.join(modes)}")
     if hf_dir:
         h = report["hf"]
         click.echo(

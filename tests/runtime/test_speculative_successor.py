@@ -247,3 +247,22 @@ def test_measured_policy_keeps_speculation_that_wins(art, monkeypatch):
     assert bucket["speculating"] and switches == 0, figures
     assert bucket["mean_emitted"] > 2 and bucket["verify_tok_s"] > bucket["plain_tok_s"]
     assert verified >= 10, verified
+
+
+def test_bench_throughput_reports_the_policy(art, tmp_path):
+    """`kiln bench throughput` with n-gram drafts under the measured policy prints each batch
+    bucket's mode at the end and keeps the policy's state in its JSON (strict JSON: int bucket
+    keys become strings)."""
+    out = tmp_path / "tp.json"
+    r = CliRunner().invoke(
+        cli,
+        ["bench", "throughput", str(art), "--num-prompts", "3", "--input-len", "20", "--output-len", "8",
+         "--device", "cpu", "--speculative", "ngram", "--speculative-policy", "measured", "--json", str(out)],
+        catch_exceptions=False,
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "speculative policy by batch bucket: " in r.output, r.output
+    policy = json.loads(out.read_text())["kiln"]["spec_policy"]
+    assert policy["buckets"] and all(
+        set(v) >= {"speculating", "plain_tok_s"} for v in policy["buckets"].values()
+    )
