@@ -18,6 +18,8 @@ token; :func:`~kiln.runtime.speculative.verify` picks 1..k+1 tokens per request,
 finished at once. Its pages come from ``Scheduler.reserve_drafts``; the engine applies the tokens
 (``Launched.host["num_emitted"]``). Drafting needs the tokens on the host, so decode steps overlap
 only where they cannot verify: batches above the artifact's verify graphs (:meth:`Stepper._overlaps`).
+With n-gram drafts the measured policy (``SpecParts.policy``, runtime/spec_policy.py) decides which
+of the others verify, from their wall times; with a draft model or head every one does.
 
 Token trees (``SpecParts.trees``: ``draft_branches`` > 1 on an artifact with the tree graph; at
 tp > 1 the accepted path's K/V moves run on every rank, ``BroadcastRunner.move_kv``):
