@@ -433,5 +433,5 @@ class _EngineCollector:
             "kiln_spec_accepted_drafts",
             "Draft tokens accepted per request row of a verify step.",
             buckets=buckets,
-            sum_value=float(sum(a * c for a, c in hist.items())),
+            sum_value=float(s["spec_accepted"]),  # the histogram's sum: every accepted draft
         )

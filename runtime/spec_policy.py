@@ -54,7 +54,6 @@ MARGIN = 1.05  # a mode changes when the other emits this much faster
 MIN_SAMPLES = 3  # steps of each mode a bucket measures before it compares them
 PROBE_FIRST = 16  # steps of one mode before the first probe of the other
 PROBE_MAX = 256  # the longest run of one mode between probes
-POLICIES = ("measured", "always")
 
 
 def _window() -> deque[float]:

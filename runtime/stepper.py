@@ -349,16 +349,12 @@ class Stepper:
         # bucket that holds it). A one-token-each extend step runs as a decode step.
         n = len(batch.reqs)
         self.runner.capture_bucket_for(n)
+        may_verify = self._may_verify(batch)
         # the measured policy (runtime/spec_policy.py) times the decode steps that could speculate
-        policy = self.spec.policy if self.spec is not None and self._may_verify(batch) else None
-        if self.spec is not None and batch.mode == "decode" and (policy is None or policy.speculate(n)):
-            before = (self.spec.stats.verified, self.spec.stats.emitted)
+        policy = self.spec.policy if may_verify and self.spec is not None else None
+        if may_verify and (policy is None or policy.speculate(n)):
             verified = self._verify_step(batch, t0)
             if verified is not None:
-                if policy is not None:
-                    stats = self.spec.stats
-                    per_req = (stats.emitted - before[1]) / max(stats.verified - before[0], 1)
-                    policy.observe(n, True, time.perf_counter() - t0, per_req)
                 return verified, self.launched_kind
         launched = self.launch(batch, sched_s=time.perf_counter() - t0)
         if launched is None:
@@ -541,12 +537,11 @@ class Stepper:
         before returning (no overlap). A request that cannot speculate (:func:`speculation_blocker`:
         penalties, structured outputs) or asked not to rides along with no drafts; the first kind is
         sampled as a decode step samples it (:meth:`_sample_rows`). None, with nothing changed, when
-        the step should decode plainly: no request has drafts, or more requests than the verify
-        graphs take. ``t0``: when this ``step()`` call started scheduling."""
+        the step should decode plainly: no request has drafts (the caller sends only steps within the
+        verify graphs' batches, :meth:`_may_verify`). ``t0``: when this ``step()`` call started scheduling. Reported to the measured
+        policy, when there is one (the caller asked it)."""
         assert self.spec is not None
         reqs = batch.reqs
-        if not self._may_verify(batch):
-            return None
         blocked = [i for i, r in enumerate(reqs) if speculation_blocker(r.params) is not None]
         if len(blocked) == len(reqs):
             return None
@@ -623,4 +618,6 @@ class Stepper:
         hb["sample"] += t3 - t2
         hb["outputs"] += t4 - t3
         self.last_step_host_s = t4 - t0
+        if self.spec.policy is not None:
+            self.spec.policy.observe(len(reqs), True, t4 - t0, sum(emitted) / len(emitted))
         return outs
