@@ -49,9 +49,9 @@ class Result:
 
 
 def percentiles(xs: list[float]) -> dict[str, float]:
-    """Mean, p50, p90, p99 in milliseconds (NaN when empty)."""
+    """Mean, p50, p90, p99 and max in milliseconds (NaN when empty)."""
     if not xs:
-        return {k: float("nan") for k in ("mean", "p50", "p90", "p99")}
+        return {k: float("nan") for k in ("mean", "p50", "p90", "p99", "max")}
     s = sorted(xs)
 
     def q(p: float) -> float:  # linear interpolation between closest ranks
@@ -59,7 +59,8 @@ def percentiles(xs: list[float]) -> dict[str, float]:
         lo, hi = int(k), min(int(k) + 1, len(s) - 1)
         return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
-    return {"mean": statistics.fmean(s) * 1e3, "p50": q(0.5) * 1e3, "p90": q(0.9) * 1e3, "p99": q(0.99) * 1e3}
+    ms = {"mean": statistics.fmean(s), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": s[-1]}
+    return {k: v * 1e3 for k, v in ms.items()}
 
 
 async def one_request(
@@ -126,6 +127,7 @@ async def replay(args: argparse.Namespace, url: str, vocab: int) -> dict[str, An
         model = models[0]["id"]
         for i in range(args.warmup):  # first-request effects stay out of the figures
             await one_request(http, model, prompts[i % len(prompts)][:16], args, 4)
+        metrics_before = (await http.get("/metrics")).text  # the run's step figures are differences
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
         async def limited(p: list[int], n: int) -> Result:
@@ -164,21 +166,63 @@ async def replay(args: argparse.Namespace, url: str, vocab: int) -> dict[str, An
         "tpot_ms": percentiles(tpot),
         "e2e_ms": percentiles([r.e2e for r in ok]),
         "server_metrics": _server_figures(metrics),
+        "steps": step_figures(metrics_before, metrics),
     }
 
 
 def _server_figures(text: str) -> dict[str, float]:
-    keep = (
-        "kiln_prefix_cache_hit_rate",
-        "kiln_preemptions_total",
-        "kiln_engine_steps_total",
-        "kiln_kv_cache_capacity_tokens",
-    )
+    keep = ("kiln_prefix_cache_hit_rate", "kiln_preemptions_total", "kiln_kv_cache_capacity_tokens")
     out = {}
     for line in text.splitlines():
         parts = line.split()
         if len(parts) == 2 and parts[0] in keep:
             out[parts[0]] = float(parts[1])
+    return out
+
+
+_STEP_SUMS = {  # /metrics family -> key of the per-kind sums
+    "kiln_engine_steps_total": "steps",
+    "kiln_engine_step_requests_total": "requests",
+    "kiln_engine_step_seconds_total": "wall_s",
+    "kiln_engine_step_host_seconds_total": "host_s",
+    "kiln_engine_step_prefill_tokens_total": "prefill_tokens",
+    "kiln_engine_step_decode_tokens_total": "decode_tokens",
+}
+
+
+def _step_sums(text: str) -> dict[str, dict[str, float]]:
+    """``{kind: {steps, requests, wall_s, ...}}`` from the server's per-kind step counters."""
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition('{kind="')
+        if name in _STEP_SUMS and '"} ' in rest:
+            kind, value = rest.split('"} ')
+            out.setdefault(kind, {})[_STEP_SUMS[name]] = float(value)
+    return out
+
+
+def step_figures(before: str, after: str) -> dict[str, dict[str, float | None]]:
+    """The engine's steps during the run, by kind: steps, mean batch (requests per step), mean step
+    and host time (ms), tokens fed per step. The decode step at the mean running batch and one
+    chunk's prefill (a prefill step, or a mixed step with mixed steps on) are what TPOT and the
+    inter-token gaps are judged against."""
+    b, a = _step_sums(before), _step_sums(after)
+    out: dict[str, dict[str, float | None]] = {}
+    for kind, sums in a.items():
+        d = {k: v - b.get(kind, {}).get(k, 0.0) for k, v in sums.items()}
+        n = d.get("steps", 0.0)
+
+        def per(key: str, scale: float = 1.0, d=d, n=n) -> float | None:
+            return scale * d.get(key, 0.0) / n if n else None
+
+        out[kind] = {
+            "steps": n,
+            "mean_batch": per("requests"),
+            "step_ms": per("wall_s", 1e3),
+            "host_ms": per("host_s", 1e3),
+            "prefill_tokens_per_step": per("prefill_tokens"),
+            "decode_tokens_per_step": per("decode_tokens"),
+        }
     return out
 
 
@@ -312,10 +356,27 @@ def print_report(r: dict[str, Any]) -> None:
         f"  throughput: {r['request_throughput']:.2f} req/s, {r['output_throughput']:.1f} output tok/s, "
         f"{r['total_token_throughput']:.1f} total tok/s"
     )
-    print(f"  {'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+    qs = ("mean", "p50", "p90", "p99", "max")
+    print(f"  {'ms':<6}" + "".join(f"{q:>10}" for q in qs))
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         p = r[key]
-        print(f"  {key[:-3]:<6}" + "".join(f"{p[q]:>10.2f}" for q in ("mean", "p50", "p90", "p99")))
+        print(f"  {key[:-3]:<6}" + "".join(f"{p[q]:>10.2f}" for q in qs))
+    steps = r.get("steps") or {}
+    for kind, f in steps.items():
+        if f["steps"]:
+            print(
+                f"  {kind} steps: {f['steps']:.0f}, mean batch {f['mean_batch']:.1f}, "
+                f"{f['step_ms']:.2f} ms a step ({f['host_ms']:.2f} ms host), "
+                f"{f['prefill_tokens_per_step']:.0f} prompt tokens a step"
+            )
+    dec = steps.get("decode", {}).get("step_ms")
+    if dec:
+        print(f"  TPOT p99 / decode step: {r['tpot_ms']['p99'] / dec:.2f}x")
+    chunk = max((steps.get(k, {}).get("step_ms") or 0.0) for k in ("prefill", "mixed"))
+    if chunk:
+        print(
+            f"  longest gap / longest mean chunk step (prefill or mixed): {r['itl_ms']['max'] / chunk:.2f}x"
+        )
     for e in r["errors"]:
         print(f"  error: {e}")
 

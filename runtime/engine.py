@@ -828,6 +828,9 @@ class Engine:
             # the measured policy's mode changes and probes (zero under --speculative-policy always)
             "spec_policy_switches": self.spec_policy.switches if self.spec_policy else 0,
             "spec_policy_probes": self.spec_policy.probes if self.spec_policy else 0,
+            # per step kind (prefill, decode, mixed): steps, requests, fed tokens, wall and host
+            # seconds since start or reset_step_stats (runtime/step_stats.py)
+            "step_kinds": self.step_stats.sums(),
         }
 
     def __repr__(self) -> str:

@@ -367,6 +367,31 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+# Per step kind (prefill, decode, mixed) sums: rates of these give a serving run's mean running
+# batch (requests / steps) and mean step time (seconds / steps) by kind.
+_STEP_KIND_COUNTERS = {
+    "kiln_engine_steps": ("Engine steps (forwards), by kind.", "steps"),
+    "kiln_engine_step_requests": ("Requests in each step, summed; / steps: the mean batch.", "requests"),
+    "kiln_engine_step_seconds": ("Wall seconds the engine spent in steps, by kind.", "wall_s"),
+    "kiln_engine_step_host_seconds": (
+        "Of those, seconds the host worked (not waiting on the device).",
+        "host_s",
+    ),
+    "kiln_engine_step_prefill_tokens": ("Prompt tokens fed to the model, by step kind.", "prefill_tokens"),
+    "kiln_engine_step_decode_tokens": ("Decode rows fed to the model, by step kind.", "decode_tokens"),
+}
+
+
+def _step_kind_families(kinds: dict[str, dict[str, float]]):
+    from prometheus_client.core import CounterMetricFamily
+
+    for name, (doc, key) in _STEP_KIND_COUNTERS.items():
+        fam = CounterMetricFamily(name, doc, labels=["kind"])
+        for kind, sums in kinds.items():
+            fam.add_metric([kind], float(sums[key]))
+        yield fam
+
+
 class _EngineCollector:
     def __init__(self, m: ServerMetrics):
         self.m = m
@@ -398,7 +423,6 @@ class _EngineCollector:
             "kiln_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache.", "cached_tokens"),
             "kiln_engine_prompt_tokens": ("Prompt tokens the engine admitted.", "prompt_tokens"),
             "kiln_preemptions": ("Running sequences preempted for KV memory.", "preemptions"),
-            "kiln_engine_steps": ("Engine steps.", "steps"),
             # speculative decoding (the `speculative` setting; zeros when off)
             "kiln_spec_verify_requests": ("Request rows in speculative verify steps.", "spec_verified"),
             "kiln_spec_draft_tokens": ("Draft tokens proposed to verify steps.", "spec_proposed"),
@@ -418,6 +442,7 @@ class _EngineCollector:
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(s[key]))
+        yield from _step_kind_families(s["step_kinds"])
         yield GaugeMetricFamily(
             "kiln_spec_acceptance_rate",
             "Draft tokens accepted / proposed since the server started (0 before any).",

@@ -279,6 +279,14 @@ def test_metrics(server):
     assert values["kiln_num_requests_running"] == 0
     assert 0.0 <= values["kiln_prefix_cache_hit_rate"] <= 1.0
     assert values['kiln_http_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+    # the engine's steps by kind: this request's prefill, then its decode steps
+    assert values['kiln_engine_steps_total{kind="prefill"}'] >= 1
+    assert values['kiln_engine_steps_total{kind="decode"}'] >= 2
+    assert values['kiln_engine_step_prefill_tokens_total{kind="prefill"}'] >= 1
+    assert values['kiln_engine_step_prefill_tokens_total{kind="decode"}'] == 0
+    assert values['kiln_engine_step_seconds_total{kind="decode"}'] > 0
+    decode_requests = values['kiln_engine_step_requests_total{kind="decode"}']
+    assert decode_requests == values['kiln_engine_step_decode_tokens_total{kind="decode"}']  # a row each
 
 
 def test_raw_sse_format(server):

@@ -100,7 +100,20 @@ def test_bench_serve_smoke(demo_artifact, tmp_path):
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         p = report[key]
         assert all(math.isfinite(p[q]) and p[q] > 0 for q in ("mean", "p50", "p90", "p99")), (key, p)
-        assert p["p50"] <= p["p90"] <= p["p99"], (key, p)
+        assert p["p50"] <= p["p90"] <= p["p99"] <= p["max"], (key, p)
+    # the engine's steps during the run, from the per-kind /metrics counters (differences)
+    steps = report["steps"]
+    fed = {
+        k: sum(steps[kind]["steps"] * (steps[kind][f"{k}_tokens_per_step"] or 0) for kind in steps)
+        for k in ("prefill", "decode")
+    }
+    # every prompt token is fed once, but the warm-up's 16-token prefix of prompt 0 (radix cache)
+    assert report["input_tokens"] - 16 <= round(fed["prefill"]) <= report["input_tokens"]
+    # each request's first token comes from its prefill, every other from a decode row
+    assert round(fed["decode"]) >= report["output_tokens"] - 8
+    dec = steps["decode"]
+    assert dec["steps"] > 0 and 1 <= dec["mean_batch"] <= 4 and dec["step_ms"] > 0
+    assert 0 < dec["host_ms"] <= dec["step_ms"]
     assert report["ttft_ms"]["p99"] <= report["e2e_ms"]["p99"]
     assert report["output_throughput"] > 0 and report["server_startup_s"] > 0
     assert "kiln_prefix_cache_hit_rate" in report["server_metrics"]
