@@ -18,6 +18,8 @@ verify step spends outside its forward shows. ``--engine-draft K`` does the same
 artifact's draft (a draft model, an EAGLE-3 head or an MTP layer: ``--speculative draft``). Both
 then also run the same number of steps under cProfile and list the host functions that took
 longest (cumulative), so the host path of a speculative step can be read function by function.
+``--engine-extend N`` profiles whole prefill steps the same way: one N-token prompt at a time
+beside ``--batch-sizes`` decoding requests, ``--mixed off,on`` a run with mixed steps off and on.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import pstats
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,10 +60,27 @@ def main() -> None:
         default=0,
         help="K > 0: whole engine steps, the artifact's draft, K drafts",
     )
+    ap.add_argument(
+        "--engine-extend",
+        type=int,
+        default=0,
+        help="N > 0: whole engine prefill steps of one N-token prompt each beside --batch-sizes decoding requests",
+    )
+    ap.add_argument(
+        "--mixed", default="off", help="with --engine-extend: mixed steps off, on or off,on (a run each)"
+    )
+    ap.add_argument("--kv-memory", type=float, default=40, help="KV pool GiB of the --engine-* modes")
     a = ap.parse_args()
+    if a.engine_extend:
+        result = {f"{b}-mixed-{m}": profile_extend_steps(a.artifact, b, a.context, a.steps, a.engine_extend, m == "on", a.kv_memory)
+                  for m in a.mixed.split(",") for b in (int(x) for x in a.batch_sizes.split(","))}  # fmt: skip
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     if a.engine_ngram or a.engine_draft:
         source, k = ("draft", a.engine_draft) if a.engine_draft else ("ngram", a.engine_ngram)
-        result = {str(b): profile_engine_steps(a.artifact, b, a.context, a.steps, k, source=source)
+        result = {str(b): profile_engine_steps(a.artifact, b, a.context, a.steps, k, a.kv_memory, source)
                   for b in (int(x) for x in a.batch_sizes.split(","))}  # fmt: skip
         if a.json:
             with open(a.json, "w") as f:
@@ -149,31 +169,88 @@ def profile_engine_steps(
         eng.step()
     for _ in range(2):
         eng.step()
+    verified = eng.spec_stats.steps
+    out = _profile_window(eng, steps, eng.step)
+    out["verify_steps"] = eng.spec_stats.steps - verified
+    print(f"\nbatch {batch}, {source} k {k}: {out['verify_steps']} of {steps} steps verified")
+    _print_window(out)
+    eng.run_until_done()
+    return out
+
+
+def profile_extend_steps(
+    artifact: str, batch: int, context: int, steps: int, chunk: int, mixed: bool, kv_gib: float = 40
+) -> dict:
+    """Whole engine steps that prefill one ``chunk``-token prompt each (it asks for one token, so it
+    ends with its prefill) beside ``batch`` greedy requests of ``context`` tokens that keep decoding,
+    with ``mixed`` steps on or off, CUDA graphs and overlap as served: per step kind the mean wall
+    and host time (the engine's step figures), GPU kernel time, host parts, and the host functions
+    by cumulative time (cProfile), so the host path of a prefill step can be read function by
+    function."""
+    llm = LLM(artifact, kv_memory_gib=kv_gib, mixed_steps=mixed, chunk_size=chunk)
+    eng = llm.engine
+    vocab = eng.vocab_size
+    for p in random_prompts(batch, context, vocab):
+        eng.add_request(p, SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True))
+    while any(r.prefilling for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    seeds = iter(range(1, 10**6))
+
+    def one() -> None:  # one prompt of `chunk` tokens in, stepped until it has been prefilled
+        prompt = random_prompts(1, chunk, vocab, seed=next(seeds))[0]
+        req = eng.add_request(prompt, SamplingParams(max_tokens=1))
+        while not req.finished:
+            eng.step()
+
+    for _ in range(3):
+        one()
+    out = _profile_window(eng, steps, one)
+    print(
+        f"\nbatch {batch} decoding, one {chunk}-token prompt at a time, mixed steps {'on' if mixed else 'off'}"
+    )
+    _print_window(out)
+    for r in list(eng.scheduler.running):
+        eng.abort(r.rid)
+    eng.run_until_done()
+    return out
+
+
+def _profile_window(eng, steps: int, run: Callable[[], object]) -> dict:
+    """``steps`` calls of ``run`` under torch.profiler, then as many under cProfile: wall time per
+    call, GPU kernel time per call and the costliest kernels, the engine's step figures by kind over
+    the first window (steps, mean batch, wall and host ms a step), host parts (ms per call) and the
+    host functions by cumulative time (ms per call)."""
     hb = eng.host_breakdown
-    before, verified = dict(hb), eng.spec_stats.steps
+    before, kinds_before = dict(hb), eng.step_stats.sums()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
-            eng.step()
+            run()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     per: dict[str, float] = defaultdict(float)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             per[e.name] += e.device_time / steps
-    parts = {name: 1e3 * (hb[name] - before[name]) / steps for name in hb}
+    kinds = {}
+    for kind, sums in eng.step_stats.sums().items():
+        d = {key: v - kinds_before[kind][key] for key, v in sums.items()}
+        if d["steps"]:
+            n = d["steps"]
+            kinds[kind] = {"steps": n, "mean_batch": d["requests"] / n, "step_ms": 1e3 * d["wall_s"] / n,
+                           "host_ms": 1e3 * d["host_s"] / n, "tokens_per_step": (d["prefill_tokens"] + d["decode_tokens"]) / n}  # fmt: skip
     out = {
         "wall_ms_per_step": 1e3 * wall / steps,
         "gpu_kernel_ms_per_step": sum(per.values()) / 1e3,
-        "host_ms_per_step_by_part": parts,
-        "verify_steps": eng.spec_stats.steps - verified,
+        "host_ms_per_step_by_part": {name: 1e3 * (hb[name] - before[name]) / steps for name in hb},
+        "step_kinds": kinds,
         "top": sorted(per.items(), key=lambda kv: -kv[1])[:20],
     }
     prof_host = cProfile.Profile()
     prof_host.enable()
     for _ in range(steps):
-        eng.step()
+        run()
     torch.cuda.synchronize()
     prof_host.disable()
     stats: dict = pstats.Stats(prof_host).stats  # type: ignore[attr-defined]
@@ -182,18 +259,27 @@ def profile_engine_steps(
         for (f, line, fn), (_, nc, tt, ct, _) in stats.items()
     ]
     out["host_top_cumulative_ms"] = sorted(rows, key=lambda r: -r[1])[:40]
+    out["host_top_own_ms"] = sorted(rows, key=lambda r: -r[2])[:25]
+    return out
+
+
+def _print_window(out: dict) -> None:
+    parts = out["host_ms_per_step_by_part"]
     print(
-        f"\nbatch {batch}, {source} k {k}: {out['verify_steps']} of {steps} steps verified; wall "
-        f"{out['wall_ms_per_step']:.3f} ms a step, GPU kernels {out['gpu_kernel_ms_per_step']:.3f} ms; "
+        f"wall {out['wall_ms_per_step']:.3f} ms a call, GPU kernels {out['gpu_kernel_ms_per_step']:.3f} ms; "
         "host parts (ms): " + ", ".join(f"{n} {v:.3f}" for n, v in parts.items())
     )
+    for kind, f in out["step_kinds"].items():
+        print(f"  {kind}: {f['steps']} steps, batch {f['mean_batch']:.1f}, {f['tokens_per_step']:.0f} tokens, "
+              f"{f['step_ms']:.2f} ms a step ({f['host_ms']:.2f} host)")  # fmt: skip
     for name, us in out["top"]:
         print(f"  {us:9.1f} us  {name[:90]}")
-    print("  host, per step (cumulative ms, own ms, calls):")
+    print("  host, per call (cumulative ms, own ms, calls):")
     for name, cum, own, calls in out["host_top_cumulative_ms"][:30]:
         print(f"  {cum:8.3f} {own:8.3f} {calls:6.1f}  {name[:90]}")
-    eng.run_until_done()
-    return out
+    print("  host, by own time:")
+    for name, cum, own, calls in out["host_top_own_ms"][:15]:
+        print(f"  {cum:8.3f} {own:8.3f} {calls:6.1f}  {name[:90]}")
 
 
 def _sequence(prof, steps: int, n: int) -> list[tuple[str, float, float]]:
