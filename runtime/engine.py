@@ -110,6 +110,7 @@ class EngineOptions:
     fp8_gemm: str | None = None  # "auto", "cutlass", "triton" or "cublas"
     fp8_fast_accum: str | None = None  # "auto", "0" or "1"
     moe_cutlass: bool | None = None  # MoE rungs recorded for CUTLASS run it (off: their Triton configs)
+    prefill_graphs: bool | None = None  # extend steps replay CUDA graphs (runtime/prefill_graphs.py)
     mixed_steps: bool | None = None  # decode tokens and a prefill chunk in one step (runtime/scheduler.py)
     tp_timeout: int | None = None  # seconds a tensor-parallel collective waits for the other ranks
     tp_all_reduce: str | None = None  # "auto" (symmetric memory where it is faster) or "nccl"
@@ -442,6 +443,7 @@ class Engine:
             # the rest between steps (Stepper): not with tensor-parallel followers (each capture is
             # collective) or speculation (a capture's warm-ups overwrite the aux streams a head reads)
             startup_graphs=self.settings["startup_graphs"] if self.ranks is None and not spec_on else "all",
+            prefill_graphs=self.settings["prefill_graphs"],
         )
         if self.ranks is not None:
             from kiln.runtime.tensor_parallel import BroadcastRunner

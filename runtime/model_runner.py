@@ -37,6 +37,7 @@ from kiln.manifest import Manifest, VerifySpec
 from kiln.ops.sampling.gumbel import argmax_rows
 from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import LoadedModel
+from kiln.runtime.prefill_graphs import PrefillGraphs
 from kiln.runtime.spec_tree import move_kv
 
 Mode = Literal["decode", "extend", "verify"]  # verify: an extend step with logits at every new token
@@ -153,6 +154,23 @@ def aux_buffer(m: LoadedModel, rows: int) -> tuple[torch.Tensor, ...]:
     return (torch.zeros(rows, width, dtype=torch.float32, device=m.device),)
 
 
+def _capture_graph(run: Callable[[], torch.Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``run``'s CUDA graph in ``pool`` and its output, after two warm-up runs (allocator and any
+    lazy init outside the capture); on the current stream, which must not be the default one."""
+    for _ in range(2):
+        run()
+    g = torch.cuda.CUDAGraph()
+    g.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        out = run()
+    except BaseException:
+        with contextlib.suppress(Exception):  # run()'s error is the one to report
+            g.capture_end()
+        raise
+    g.capture_end()
+    return g, out
+
+
 class ModelRunner:
     CAPTURE_DEVICES: tuple[str, ...] = ("cuda",)  # device types whose decode steps replay CUDA graphs
 
@@ -167,6 +185,7 @@ class ModelRunner:
         aux_rows: int = 0,
         tree_graphs: bool = False,
         startup_graphs: str = "all",
+        prefill_graphs: bool | None = None,
     ):
         """``graph_greedy``: the module docstring's switch (None: the ``graph_greedy`` setting).
         ``num_draft_tokens``: speculative decoding is on with at most this many drafts per request:
@@ -178,7 +197,10 @@ class ModelRunner:
         ``startup_graphs``: ``all`` decode buckets captured here, or only the ``smallest``: the rest
         wait in :attr:`pending_graphs` for :meth:`capture_bucket_for` / :meth:`capture_pending`
         (the engine calls them when no step is in flight), and a decode step meanwhile replays the
-        smallest captured bucket that holds it, or runs its graph eagerly."""
+        smallest captured bucket that holds it, or runs its graph eagerly.
+        ``prefill_graphs``: extend steps of up to 1024 tokens replay CUDA graphs of padded shapes
+        (runtime/prefill_graphs.py; None: the ``prefill_graphs`` setting), on a GPU and for an
+        artifact without an aux buffer."""
         self.m = model
         self.pool = pool
         self.bt = block_table
@@ -228,6 +250,11 @@ class ModelRunner:
         self.pending_graphs: list[int] = list(self.decode_buckets) if self.use_cuda_graph else []
         self._graph_pool: Any = None
         self._capture_stream: Any = None
+        if prefill_graphs is None:
+            prefill_graphs = settings.value("prefill_graphs")
+        self.prefill: PrefillGraphs | None = None
+        if self.use_cuda_graph and prefill_graphs and not self.aux_args:
+            self.prefill = PrefillGraphs(self, m.chunk_size + self.max_batch_size, block_table.num_rows)
         if self.use_cuda_graph:
             first = self.decode_buckets[:1] if startup_graphs == "smallest" else self.decode_buckets
             self._capture(first, verify=True)
@@ -312,27 +339,9 @@ class ModelRunner:
         self._i64.zero_()
         self._i32[0].zero_()
         self._i32[1].fill_(1)
-        if self._graph_pool is None:  # one pool and one capture stream for every capture: the
-            # allocator reuses a freed block only on the stream that freed it
-            self._graph_pool = torch.cuda.graph_pool_handle()
-            self._capture_stream = torch.cuda.Stream(self.device)
-        pool, stream = self._graph_pool, self._capture_stream
+        pool, stream = self._capture_pool()
         stream.wait_stream(torch.cuda.current_stream(self.device))
-
-        def capture(run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-            for _ in range(2):  # warm up: allocator and any lazy init outside the capture
-                run()
-            g = torch.cuda.CUDAGraph()
-            g.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                out = run()
-            except BaseException:
-                with contextlib.suppress(Exception):  # run()'s error is the one to report
-                    g.capture_end()
-                raise
-            g.capture_end()
-            return g, out
-
+        capture = partial(_capture_graph, pool=pool)
         try:
             with torch.cuda.stream(stream):
                 for b in sorted(buckets, reverse=True):
@@ -347,6 +356,28 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             stream.synchronize()
         self.capture_seconds += time.perf_counter() - t0
+
+    def _capture_pool(self) -> tuple[Any, Any]:
+        """The graph pool and capture stream every capture of this runner shares (the allocator
+        reuses a freed block only on the stream that freed it)."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+            self._capture_stream = torch.cuda.Stream(self.device)
+        return self._graph_pool, self._capture_stream
+
+    def capture_graph(self, run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """One graph of ``run`` (two warm-ups first) into the runner's pool, on its capture stream,
+        as :meth:`_capture` captures each (runtime/prefill_graphs.py captures its shapes so)."""
+        t0 = time.perf_counter()
+        pool, stream = self._capture_pool()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(stream):
+                return _capture_graph(run, pool)
+        finally:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            stream.synchronize()
+            self.capture_seconds += time.perf_counter() - t0
 
     def decode(
         self, step: StepInputs, subst: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -398,6 +429,10 @@ class ModelRunner:
         rows, lens, ext = step.req_rows, step.seq_lens, step.extend_lens
         if len(rows) <= self.max_batch_size and all(e == 1 for e in ext):
             return self.decode(StepInputs("decode", ids, pos, slots, rows, lens))
+        if self.prefill is not None:
+            logits = self.prefill.run(ids, pos, slots, rows, lens, ext)
+            if logits is not None:
+                return logits
         indptr = [0]
         for e in ext:
             indptr.append(indptr[-1] + e)
@@ -609,6 +644,8 @@ class ModelRunner:
             self.graphs.clear()
             self.vgraphs.clear()
             self.tgraphs.clear()
+        if self.prefill is not None:
+            self.prefill.release()
         self.pending_graphs.clear()
         self.use_cuda_graph = False
 

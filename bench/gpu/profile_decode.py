@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import pstats
 import time
@@ -72,8 +73,14 @@ def main() -> None:
     ap.add_argument("--kv-memory", type=float, default=40, help="KV pool GiB of the --engine-* modes")
     a = ap.parse_args()
     if a.engine_extend:
-        result = {f"{b}-mixed-{m}": profile_extend_steps(a.artifact, b, a.context, a.steps, a.engine_extend, m == "on", a.kv_memory)
-                  for m in a.mixed.split(",") for b in (int(x) for x in a.batch_sizes.split(","))}  # fmt: skip
+        result = {}
+        for m in a.mixed.split(","):
+            for b in (int(x) for x in a.batch_sizes.split(",")):
+                result[f"{b}-mixed-{m}"] = profile_extend_steps(
+                    a.artifact, b, a.context, a.steps, a.engine_extend, m == "on", a.kv_memory
+                )
+                gc.collect()  # the engine goes before the next sizes its pool
+                torch.cuda.empty_cache()
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(result, f, indent=1)
@@ -212,6 +219,7 @@ def profile_extend_steps(
     for r in list(eng.scheduler.running):
         eng.abort(r.rid)
     eng.run_until_done()
+    eng.close()
     return out
 
 
