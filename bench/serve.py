@@ -167,6 +167,10 @@ async def replay(args: argparse.Namespace, url: str, vocab: int) -> dict[str, An
         "e2e_ms": percentiles([r.e2e for r in ok]),
         "server_metrics": _server_figures(metrics),
         "steps": step_figures(metrics_before, metrics),
+        # text chunks a client received per token: below 1 when the server sent several tokens in
+        # one event (its queue held them: the HTTP side fell behind the engine)
+        "chunks_per_token": sum(len(r.itl) + 1 for r in ok) / max(out_tok, 1),
+        "server_itl_ms": server_itl(metrics_before, metrics),
     }
 
 
@@ -198,6 +202,29 @@ def _step_sums(text: str) -> dict[str, dict[str, float]]:
         if name in _STEP_SUMS and '"} ' in rest:
             kind, value = rest.split('"} ')
             out.setdefault(kind, {})[_STEP_SUMS[name]] = float(value)
+    return out
+
+
+def _itl_buckets(text: str) -> dict[float, float]:
+    prefix = 'kiln_inter_token_latency_seconds_bucket{le="'
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            le, value = line[len(prefix) :].split('"} ')
+            out[float(le)] = float(value)
+    return out
+
+
+def server_itl(before: str, after: str) -> dict[str, float]:
+    """The engine's inter-token gaps during the run (the server's histogram, stamped as each step's
+    tokens leave the engine thread, before the HTTP side sends them): the upper bucket bound, in
+    ms, that holds p50, p90, p99 and the largest gap."""
+    b, a = _itl_buckets(before), _itl_buckets(after)
+    cum = sorted((le, a[le] - b.get(le, 0.0)) for le in a)
+    total = cum[-1][1] if cum else 0.0
+    out = {}
+    for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0)):
+        out[name] = next((le * 1e3 for le, n in cum if total and n >= q * total), float("nan"))
     return out
 
 
@@ -369,6 +396,13 @@ def print_report(r: dict[str, Any]) -> None:
                 f"{f['step_ms']:.2f} ms a step ({f['host_ms']:.2f} ms host), "
                 f"{f['prefill_tokens_per_step']:.0f} prompt tokens a step"
             )
+    sv = r.get("server_itl_ms")
+    if sv:
+        print(
+            "  engine-side gaps (bucket bounds, ms): "
+            + ", ".join(f"{k} <= {v:g}" for k, v in sv.items())
+            + f"; text chunks per token {r['chunks_per_token']:.2f}"
+        )
     dec = steps.get("decode", {}).get("step_ms")
     if dec:
         print(f"  TPOT p99 / decode step: {r['tpot_ms']['p99'] / dec:.2f}x")

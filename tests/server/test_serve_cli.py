@@ -111,6 +111,10 @@ def test_bench_serve_smoke(demo_artifact, tmp_path):
     assert report["input_tokens"] - 16 <= round(fed["prefill"]) <= report["input_tokens"]
     # each request's first token comes from its prefill, every other from a decode row
     assert round(fed["decode"]) >= report["output_tokens"] - 8
+    # every token of 8 requests passed the engine-side histogram; chunks carry one token or more
+    sv = report["server_itl_ms"]
+    assert 0 < sv["p50"] <= sv["p99"] <= sv["max"]
+    assert 0 < report["chunks_per_token"] <= 1
     dec = steps["decode"]
     assert dec["steps"] > 0 and 1 <= dec["mean_batch"] <= 4 and dec["step_ms"] > 0
     assert 0 < dec["host_ms"] <= dec["step_ms"]
