@@ -589,15 +589,20 @@ class Engine:
 
     def idle(self) -> bool:
         """Work for an engine with no requests: capture one pending decode graph (``startup_graphs``
-        smallest); True if one was captured (call again), False when there is nothing to do."""
-        if self.has_work() or not self.runner.pending_graphs:
+        smallest), else one prefill graph captured ahead (runtime/prefill_graphs.py; one rank only:
+        each capture of a tensor-parallel run is collective); True if one was captured (call
+        again), False when there is nothing to do."""
+        if self.has_work():
             return False
-        self.runner.capture_pending()
-        return True
+        if self.runner.pending_graphs:
+            self.runner.capture_pending()
+            return True
+        prefill = self.runner.prefill if self.ranks is None else None
+        return prefill is not None and prefill.capture_next()
 
     def finish_captures(self) -> int:
-        """Capture every pending decode graph now, while no request runs (``startup_graphs``
-        smallest); the benchmarks call it so that no timed step pays a capture. How many."""
+        """Capture every pending decode graph and the prefill graphs captured ahead now, while no
+        request runs; the benchmarks call it so that no timed step pays a capture. How many."""
         n = 0
         while self.idle():
             n += 1

@@ -253,7 +253,7 @@ class ModelRunner:
         if prefill_graphs is None:
             prefill_graphs = settings.value("prefill_graphs")
         self.prefill: PrefillGraphs | None = None
-        if self.use_cuda_graph and prefill_graphs and not self.aux_args:
+        if self.use_cuda_graph and self.device.type == "cuda" and prefill_graphs and not self.aux_args:
             self.prefill = PrefillGraphs(self, m.chunk_size + self.max_batch_size, block_table.num_rows)
         if self.use_cuda_graph:
             first = self.decode_buckets[:1] if startup_graphs == "smallest" else self.decode_buckets

@@ -22,7 +22,10 @@ CUDA graph of the same extend graph, captured at a padded shape ``(T, B)``:
 
 Each shape is captured the first time a step needs it: two warm-up runs and the capture, on the
 runner's capture stream into its graph pool (runtime/model_runner.py), about three eager steps
-once. At most :data:`MAX_GRAPHS` shapes are kept, whose logits rows (``B x V x 4`` bytes each)
+once (60-80 ms for the 8B shape: a stall of every stream the first time). So the shapes of one or
+a few prompts' chunks, every token bucket at :data:`IDLE_REQUESTS` requests, are captured ahead
+while the engine is idle (:meth:`capture_next`, from ``Engine.idle``: a server right after start;
+``Engine.finish_captures``: the benchmarks before timing). At most :data:`MAX_GRAPHS` shapes are kept, whose logits rows (``B x V x 4`` bytes each)
 take at most :data:`LOGITS_BYTES` together; a step of another shape then runs eagerly. A
 failed capture (out of memory, an op that cannot be captured) is a warning, and every later
 extend step runs eagerly.
@@ -53,8 +56,9 @@ if TYPE_CHECKING:
     from kiln.runtime.model_runner import ModelRunner
 
 TOKEN_BUCKETS: tuple[int, ...] = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
-MAX_GRAPHS = 48  # shapes captured at most (each about three eager steps' time, once)
+MAX_GRAPHS = 64  # shapes captured at most (each about three eager steps' time, once)
 LOGITS_BYTES = 1 << 30  # and the float32 logits rows all their graphs keep, together
+IDLE_REQUESTS = (2, 4)  # padded request counts captured ahead while idle (1-3 prompts a step)
 
 
 def _pow2(n: int) -> int:
@@ -148,6 +152,21 @@ class PrefillGraphs:
             self.graphs[shape].replay()
             return self.out[shape][:b]
         return self._forward(T, B)[:b]
+
+    def pending(self) -> list[tuple[int, int]]:
+        """The shapes :meth:`capture_next` would still capture ahead, smallest first."""
+        if not self.enabled:
+            return []
+        want = [(t, b) for t in self.tokens for b in IDLE_REQUESTS if t > b and b <= self.max_requests]
+        return [s for s in want if s not in self.graphs]
+
+    def capture_next(self) -> bool:
+        """Capture the next pending shape (:meth:`pending`) if the caps leave room: between steps,
+        with no step in flight (its warm-ups write the static inputs). True if one was captured."""
+        todo = self.pending()
+        if not todo or not self._room(todo[0][1]):
+            return False
+        return self._capture(todo[0])
 
     def _room(self, rows: int) -> bool:
         """Whether one more graph, of ``rows`` logits rows, stays within the caps."""
