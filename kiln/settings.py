@@ -230,7 +230,8 @@ _ALL: tuple[Setting, ...] = (
        "Prefill and mixed steps of up to 1024 tokens replay CUDA graphs captured per padded shape "
        "(tokens x requests, each on first use, about three eager steps' time once) instead of "
        "launching the extend graph's kernels from Python: 25 ms of host time for the 8B shape's "
-       "512-token chunk against 11 ms of GPU time (runtime/prefill_graphs.py).",
+       "512-token chunk against 11 ms of GPU time (runtime/prefill_graphs.py). Off with tensor "
+       "parallelism.",
        env="KILN_PREFILL_GRAPHS", flag=True, when="engine start"),
     _s("mixed_steps", "run", "bool", "0",
        "While prompts wait or prefill, run the running requests' decode tokens and a prefill chunk in "

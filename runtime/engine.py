@@ -443,7 +443,8 @@ class Engine:
             # the rest between steps (Stepper): not with tensor-parallel followers (each capture is
             # collective) or speculation (a capture's warm-ups overwrite the aux streams a head reads)
             startup_graphs=self.settings["startup_graphs"] if self.ranks is None and not spec_on else "all",
-            prefill_graphs=self.settings["prefill_graphs"],
+            # not with tensor parallelism: a capture failing on one rank would split the collectives
+            prefill_graphs=self.settings["prefill_graphs"] and self.ranks is None,
         )
         if self.ranks is not None:
             from kiln.runtime.tensor_parallel import BroadcastRunner

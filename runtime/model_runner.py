@@ -200,7 +200,7 @@ class ModelRunner:
         smallest captured bucket that holds it, or runs its graph eagerly.
         ``prefill_graphs``: extend steps of up to 1024 tokens replay CUDA graphs of padded shapes
         (runtime/prefill_graphs.py; None: the ``prefill_graphs`` setting), on a GPU and for an
-        artifact without an aux buffer."""
+        artifact without an aux buffer; False for tensor-parallel ranks and draft models."""
         self.m = model
         self.pool = pool
         self.bt = block_table
@@ -254,7 +254,8 @@ class ModelRunner:
             prefill_graphs = settings.value("prefill_graphs")
         self.prefill: PrefillGraphs | None = None
         if self.use_cuda_graph and self.device.type == "cuda" and prefill_graphs and not self.aux_args:
-            self.prefill = PrefillGraphs(self, m.chunk_size + self.max_batch_size, block_table.num_rows)
+            tokens = min(m.chunk_size, m.max_seq_len, m.max_blocks * pool.page_size)
+            self.prefill = PrefillGraphs(self, tokens, block_table.num_rows)
         if self.use_cuda_graph:
             first = self.decode_buckets[:1] if startup_graphs == "smallest" else self.decode_buckets
             self._capture(first, verify=True)

@@ -14,11 +14,18 @@ CUDA graph of the same extend graph, captured at a padded shape ``(T, B)``:
   the block table's rows rounded up. ``T`` is always more than ``B``: at ``T == B`` paged
   attention takes its one-token-per-request decode kernel (ops/attention/paged.py), which a
   padded step of longer chunks must not reach.
-- Padding: the padding tokens are one padding request's, on block-table row 0 at positions
-  ``0..``, their K/V written to slot 0 (runtime/kv_pool.py: row 0 and page 0, the sink, are
-  never handed out, so it only ever touches the sink page); further padding requests bring no
-  tokens; padding logits rows read token 0. The real requests come first, in the step's order,
-  so the graph's first ``b`` logits rows are the step's.
+- Padding: the padding tokens are one padding request's, on block-table row 0 at position 0,
+  their K/V written to slot 0 (runtime/kv_pool.py: row 0 and page 0, the sink, are never handed
+  out, so it only ever touches the sink page; ``T`` at most ``max_seq_len``, so its keys stay
+  inside row 0); further padding requests bring no tokens; padding logits rows read token 0. The
+  real requests come first, in the step's order, so the graph's first ``b`` logits rows are the
+  step's: equal to the eager run's up to rounding (the padded counts may pick another attention
+  kernel, ops/attention/paged.py, and other GEMM tiles).
+- ``T`` stays within the artifact's chunk (what its compile warmed up) and ``max_seq_len``.
+
+Not with tensor parallelism (the engine turns them off): a capture that failed on one rank would
+leave the ranks running different collectives. Not on a draft model's runner (runtime/spec_draft.py
+keeps several steps' logits rows at once, which one graph's output buffer cannot hold).
 
 Each shape is captured the first time a step needs it: two warm-up runs and the capture, on the
 runner's capture stream into its graph pool (runtime/model_runner.py), about three eager steps
@@ -57,7 +64,7 @@ if TYPE_CHECKING:
 
 TOKEN_BUCKETS: tuple[int, ...] = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 MAX_GRAPHS = 64  # shapes captured at most (each about three eager steps' time, once)
-LOGITS_BYTES = 1 << 30  # and the float32 logits rows all their graphs keep, together
+LOGITS_BYTES = 1 << 29  # and the float32 logits rows all their graphs keep, together
 IDLE_REQUESTS = (2, 4)  # padded request counts captured ahead while idle (1-3 prompts a step)
 
 
@@ -88,6 +95,10 @@ class PrefillGraphs:
         self._i32 = self._buf[n64:].view(torch.int32).view(3, bmax)
         pin = dev.type == "cuda"
         self._host = [torch.zeros(self._buf.numel(), dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        # each host buffer's copy, recorded: an extend step that samples nothing (a prompt's middle
+        # chunk) does not wait for the device, so the host may come back to a buffer whose copy is
+        # still queued
+        self._copied = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._h64 = [h[:n64].numpy().view(np.int64).reshape(4, tmax) for h in self._host]
         self._h32 = [h[n64:].numpy().view(np.int32).reshape(3, bmax) for h in self._host]
         self._flip = 0
@@ -131,6 +142,8 @@ class PrefillGraphs:
             return None
         T, B = shape
         self._flip ^= 1
+        if self._copied is not None:
+            self._copied[self._flip].synchronize()  # its last copy has read it (usually long done)
         h64, h32 = self._h64[self._flip], self._h32[self._flip]
         ends = np.cumsum(np.asarray(ext, dtype=np.int64))
         h64[0, :t] = ids
@@ -146,6 +159,8 @@ class PrefillGraphs:
             self.steps["eager"] += 1
             return None
         self._buf.copy_(self._host[self._flip], non_blocking=True)  # one copy (a few KiB)
+        if self._copied is not None:
+            self._copied[self._flip].record()
         self.runner.bt.flush()
         self.steps["graph"] += 1
         if self.capture:
@@ -178,7 +193,7 @@ class PrefillGraphs:
     def _pad(h64: np.ndarray, h32: np.ndarray, t: int, b: int, T: int, B: int) -> None:
         """Padding of a ``(T, B)`` shape past ``t`` real tokens of ``b`` requests (module docstring)."""
         h64[0, t:T] = 0
-        h64[1, t:T] = np.arange(T - t)
+        h64[1, t:T] = 0  # rope's row 0: any position would do, and 0 is always in the table
         h64[2, t:T] = 0
         h64[3, b:B] = 0
         h32[0, b:B] = 0

@@ -125,6 +125,7 @@ class DraftModel:
         self.runner = ModelRunner(
             model, pool, block_table, cuda_graph=cuda_graph, graph_greedy=False, aux_rows=aux_rows,
             num_draft_tokens=num_draft_tokens,
+            prefill_graphs=False,  # _catch_up keeps rows of several extend steps' logits at once
         )  # fmt: skip
         self.bt = block_table
         self.k = num_draft_tokens

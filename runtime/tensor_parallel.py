@@ -182,6 +182,7 @@ def _follower_main(
             graph_greedy=graph_greedy,
             num_draft_tokens=num_draft_tokens,
             tree_graphs=tree_graphs,
+            prefill_graphs=False,  # as rank 0's (Engine): eager extend steps on every rank
         )
         while True:
             msg = _receive()
