@@ -11,7 +11,9 @@ Each request is a streamed ``/v1/completions`` call on random token ids (``--inp
 by ``--range-ratio``) with ``ignore_eos`` and ``max_tokens = --output-len`` (so every request
 generates exactly that many tokens) and ``stream_options.include_usage`` (token counts come from
 the server). TTFT is send -> first text chunk; ITL is the gap between text chunks (a chunk can
-carry two tokens when the detokenizer held back an incomplete character); TPOT is
+span several tokens: the detokenizer held back an incomplete character, or tokens decoded to no
+text and sent no event; ``chunks_per_token`` says how many; ``--logprobs 0`` puts every token in an
+event); TPOT is
 (end-to-end - TTFT) / (output tokens - 1). ``--rate inf`` sends everything at once.
 """
 
@@ -75,6 +77,8 @@ async def one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if args.logprobs is not None:  # every token then comes in an event, text or not
+        body["logprobs"] = args.logprobs
     res = Result(ok=False, prompt_len=len(prompt), requested=out_len)
     t0 = time.perf_counter()
     last = None
@@ -93,7 +97,7 @@ async def one_request(
                 now = time.perf_counter()
                 if ev.get("usage"):
                     res.output_tokens = ev["usage"]["completion_tokens"]
-                if any(c.get("text") for c in ev.get("choices", ())):
+                if any(c.get("text") or c.get("logprobs") for c in ev.get("choices", ())):
                     if last is None:
                         res.ttft = now - t0
                     else:
@@ -327,6 +331,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--range-ratio", type=float, default=0.0, help="Lengths uniform in [L(1-r), L(1+r)].")
     ap.add_argument("--max-concurrency", type=int, default=None, help="Requests in flight at most.")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="Ask for N top logprobs (0: the chosen token's): every token then arrives in an event, "
+        "so ITL is per token even where tokens decode to no text (random ids over a synthetic "
+        "tokenizer's reserved special tokens).",
+    )
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800.0, help="Per-request timeout (s).")

@@ -15,6 +15,8 @@
 #   CONCURRENCY=         requests in flight at most, a run each per rate (comma list; empty: no cap)
 #   NPROMPTS=500 INLEN=512 OUTLEN=128 RANGE=0.5   prompts per run, lengths, spread (uniform, +-RANGE)
 #   SERVER_ARGS=         more `kiln serve` flags, e.g. "--max-running 128"
+#   BENCH_ARGS=          more bench/serve.py flags, e.g. "--logprobs 0" (an event per token: ITL
+#                        per token, where random ids decode to no text)
 #   VARIANTS=default:    "NAME:FLAGS;NAME:FLAGS;...", a run each per rate and cap with these
 #                        `kiln serve` flags added, e.g. "alt:--no-mixed-steps;mixed:--mixed-steps"
 #   GPU_TESTS=           pytest paths run first with -m gpu (tests/server/test_gpu_serve.py needs
@@ -55,14 +57,15 @@ for rate in "${rates[@]}"; do
     for v in "${vs[@]}"; do
       [ -z "$v" ] && continue
       t=${v%%:*}; name=serve_r$rate${cap:+_c$cap}; [ "$t" != default ] && name+=_$t
+      # shellcheck disable=SC2086  # BENCH_ARGS: flags, split on purpose
       step "$name.txt" 400 python bench/serve.py --artifact "$ART" --num-prompts "$NPROMPTS" --rate "$rate" \
         --input-len "$INLEN" --output-len "$OUTLEN" --range-ratio "$RANGE" ${cap:+--max-concurrency "$cap"} \
-        --server-args "$SERVER_ARGS ${v#*:}" --json "$RAW/$name.json"
+        --server-args "$SERVER_ARGS ${v#*:}" --json "$RAW/$name.json" $BENCH_ARGS
       [ -z "$DRY" ] && [ -f "$RAW/$name.json.server.log" ] && mv "$RAW/$name.json.server.log" "$RAW/${name}_server.log"
       show "$name.txt" "." 18
       stamp "$name"
     done
   done
 done
-call_end serve.sh PRESET LAYERS DTYPE QUANT COMPILE_ARGS RATES CONCURRENCY NPROMPTS INLEN OUTLEN RANGE SERVER_ARGS VARIANTS \
+call_end serve.sh PRESET LAYERS DTYPE QUANT COMPILE_ARGS RATES CONCURRENCY NPROMPTS INLEN OUTLEN RANGE SERVER_ARGS BENCH_ARGS VARIANTS \
   GPU_TESTS BUDGET
