@@ -61,7 +61,9 @@ def test_counts_are_exact_for_a_known_workload(artifact, overlap, chunk):
     assert (discarded > 0) == overlap  # the 4-token request finishes while a step is in flight
     assert mix["steps"] == 0 and mix["mean_batch"] is None
     assert pre["steps"] + dec["steps"] == tot["steps"] == st["steps"]
-    assert {k: v["steps"] for k, v in st["step_kinds"].items()} == {k: m[k]["steps"] for k in st["step_kinds"]}
+    assert {k: v["steps"] for k, v in st["step_kinds"].items()} == {
+        k: m[k]["steps"] for k in st["step_kinds"]
+    }
     if chunk == 64:  # every prompt in one extend step, then all decode together until each ends
         assert pre["steps"] == 1 and pre["requests"] == 3
         assert dec["steps"] == max(MAX_TOKENS) - 1 + (1 if overlap else 0)
