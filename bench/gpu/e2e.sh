@@ -54,6 +54,8 @@
 #                        STARTUP_ARGS: more of its flags, e.g. "--imports 15" (the costliest imports)
 #   PROFILE=             batch sizes, e.g. 1,64: bench/gpu/profile_decode.py (GPU time per kernel);
 #                        PROFILE_ARGS: more of its flags, e.g. "--drafts 0,4,8" (verify steps' kernels)
+#                        or "--engine-extend 512 --mixed off,on" (whole prefill steps beside PROFILE
+#                        decoding requests: step times, kernels and host functions)
 #                        or, with SUCCESSOR=1, "--engine-ngram 4" / "--engine-draft 4" (whole speculative engine steps:
 #                        wall, GPU kernel time and host parts per step)
 #   TIMELINE=            a batch size, e.g. 1: bench/gpu/replay_timeline.py (a replay's critical path)
