@@ -228,7 +228,8 @@ _ALL: tuple[Setting, ...] = (
        env="KILN_MOE_CUTLASS", flag=True, when="per call: at capture for CUDA graphs"),
     _s("prefill_graphs", "run", "bool", "1",
        "Prefill and mixed steps of up to 1024 tokens replay CUDA graphs captured per padded shape "
-       "(tokens x requests, each on first use, about three eager steps' time once) instead of "
+       "(tokens x requests: one to three prompts' shapes captured while idle, the rest on first use, "
+       "each about three eager steps' time once) instead of "
        "launching the extend graph's kernels from Python: 25 ms of host time for the 8B shape's "
        "512-token chunk against 11 ms of GPU time (runtime/prefill_graphs.py). Off with tensor "
        "parallelism.",

@@ -183,7 +183,7 @@ def latency_cmd(
             "(the artifact's --max-batch-size, or --max-running)",
             param_hint="--batch-sizes",
         )
-    llm.engine.finish_captures()  # every decode graph before the timed steps
+    llm.engine.finish_captures()  # every decode graph and the prefill graphs ahead, before timing
     bw = read_bandwidth_gbps(llm.engine.device)
     kiln_latency(llm, 1, min(input_len, 32), 4, bw)  # warm-up
     prompts = None
@@ -335,7 +335,7 @@ def throughput_cmd(
         # on a GPU in a child process, so that all of its memory is back (benchmark.in_child)
         report["hf"] = in_child(hf_throughput, *hf_args) if device == "cuda" else hf_throughput(*hf_args)
     llm = LLM(artifact, log=True, **options_from(kw))
-    llm.engine.finish_captures()  # every decode graph before the timed steps
+    llm.engine.finish_captures()  # every decode graph and the prefill graphs ahead, before timing
     r = kiln_throughput(llm, prompts, lens)
     report["kiln"] = r
     report["settings"] = settings.snapshot("run")  # the run-time settings in effect (kiln/settings.py)

@@ -29,7 +29,8 @@ class DirectRunner:
         page_size = m.kv.page_size
         self.pool = KVPool.for_spec(m.kv, num_slots - num_slots % page_size, self.model.device)
         self.bt = BlockTable(max_running, m.max_blocks, self.model.device, page_size)
-        self.runner = ModelRunner(self.model, self.pool, self.bt, cuda_graph=cuda_graph)
+        # prefill eagerly: the unpadded extend graph, the reference the tests compare against
+        self.runner = ModelRunner(self.model, self.pool, self.bt, cuda_graph=cuda_graph, prefill_graphs=False)
         self.rows: list[int] = []
         self.lens: list[int] = []
 

@@ -590,9 +590,9 @@ class Engine:
 
     def idle(self) -> bool:
         """Work for an engine with no requests: capture one pending decode graph (``startup_graphs``
-        smallest), else one prefill graph captured ahead (runtime/prefill_graphs.py; one rank only:
-        each capture of a tensor-parallel run is collective); True if one was captured (call
-        again), False when there is nothing to do."""
+        smallest), else one prefill graph captured ahead (runtime/prefill_graphs.py; off with
+        tensor parallelism); True if one was captured (call again), False when there is nothing
+        to do."""
         if self.has_work():
             return False
         if self.runner.pending_graphs:

@@ -29,19 +29,22 @@ keeps several steps' logits rows at once, which one graph's output buffer cannot
 
 Each shape is captured the first time a step needs it: two warm-up runs and the capture, on the
 runner's capture stream into its graph pool (runtime/model_runner.py), about three eager steps
-once (60-80 ms for the 8B shape: a stall of every stream the first time). So the shapes of one or
-a few prompts' chunks, every token bucket at :data:`IDLE_REQUESTS` requests, are captured ahead
-while the engine is idle (:meth:`capture_next`, from ``Engine.idle``: a server right after start;
-``Engine.finish_captures``: the benchmarks before timing). At most :data:`MAX_GRAPHS` shapes are kept, whose logits rows (``B x V x 4`` bytes each)
-take at most :data:`LOGITS_BYTES` together; a step of another shape then runs eagerly. A
-failed capture (out of memory, an op that cannot be captured) is a warning, and every later
-extend step runs eagerly.
+once (~100 ms for the 8B shape: a stall of every stream the first time). So the shapes of one
+to three prompts' chunks, every token bucket at :data:`IDLE_REQUESTS` requests (``B = 1``: a
+chunk that fills its bucket exactly, as a long prompt's middle chunks do), are captured ahead while
+the engine is idle (:meth:`capture_next`, from ``Engine.idle``: a server right after start;
+``Engine.finish_captures``: the benchmarks before timing). At most :data:`MAX_GRAPHS` shapes are
+kept, whose logits rows (``B x V x 4`` bytes each) take at most :data:`LOGITS_BYTES` together; a
+step of another shape then runs eagerly. A failed capture (out of memory, an op that cannot be
+captured) is a warning: one captured ahead ends the captures ahead, one a step needed turns the
+graphs off (every later extend step runs eagerly).
 
 Static inputs: one device buffer, int64 ids / positions / slots / logits rows ``[4, T_max]`` and
 int32 rows / lengths / ``qo_indptr`` ``[3, B_max + 1]`` (``B_max + 1`` rounded to 4: each row
 16-byte aligned, as the artifact's kernels were specialized), written per step by one copy from a
-pinned host buffer; two host buffers alternate, as a copy may still be queued when the next step's
-inputs are written.
+pinned host buffer. Two host buffers alternate, and each waits for a CUDA event recorded after its
+last copy before it is written again: an extend step that samples nothing (a prompt's middle
+chunk) does not wait for the device, so the host can come back to a buffer whose copy is queued.
 
 ``capture=False`` (the tests, on CPU) runs the padded shape's graph eagerly instead of capturing
 it: the padding is checked where no CUDA graph exists.
@@ -63,9 +66,9 @@ if TYPE_CHECKING:
     from kiln.runtime.model_runner import ModelRunner
 
 TOKEN_BUCKETS: tuple[int, ...] = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
-MAX_GRAPHS = 64  # shapes captured at most (each about three eager steps' time, once)
+MAX_GRAPHS = 80  # shapes captured at most (each about three eager steps' time, once)
 LOGITS_BYTES = 1 << 29  # and the float32 logits rows all their graphs keep, together
-IDLE_REQUESTS = (2, 4)  # padded request counts captured ahead while idle (1-3 prompts a step)
+IDLE_REQUESTS = (1, 2, 4)  # padded request counts captured ahead while idle (1-3 prompts a step)
 
 
 def _pow2(n: int) -> int:
@@ -84,6 +87,7 @@ class PrefillGraphs:
         self.graphs: dict[tuple[int, int], Any] = {}  # (T, B) -> torch.cuda.CUDAGraph
         self.out: dict[tuple[int, int], torch.Tensor] = {}
         self.failed = False
+        self.ahead_failed = False  # a capture ahead failed: no more of them
         self.steps = {"graph": 0, "eager": 0}  # extend steps by how they ran (eager: too big, cap, failure)
         tmax = self.tokens[-1] if self.tokens else 0
         bmax = self.max_requests + 1
@@ -160,7 +164,7 @@ class PrefillGraphs:
             return None
         self._buf.copy_(self._host[self._flip], non_blocking=True)  # one copy (a few KiB)
         if self._copied is not None:
-            self._copied[self._flip].record()
+            self._copied[self._flip].record(torch.cuda.current_stream(self.runner.device))
         self.runner.bt.flush()
         self.steps["graph"] += 1
         if self.capture:
@@ -170,7 +174,7 @@ class PrefillGraphs:
 
     def pending(self) -> list[tuple[int, int]]:
         """The shapes :meth:`capture_next` would still capture ahead, smallest first."""
-        if not self.enabled:
+        if not self.enabled or self.ahead_failed:
             return []
         want = [(t, b) for t in self.tokens for b in IDLE_REQUESTS if t > b and b <= self.max_requests]
         return [s for s in want if s not in self.graphs]
@@ -181,7 +185,7 @@ class PrefillGraphs:
         todo = self.pending()
         if not todo or not self._room(todo[0][1]):
             return False
-        return self._capture(todo[0])
+        return self._capture(todo[0], ahead=True)
 
     def _room(self, rows: int) -> bool:
         """Whether one more graph, of ``rows`` logits rows, stays within the caps."""
@@ -222,9 +226,9 @@ class PrefillGraphs:
             *r.pool.scale_args,
         )
 
-    def _capture(self, shape: tuple[int, int]) -> bool:
+    def _capture(self, shape: tuple[int, int], ahead: bool = False) -> bool:
         """Capture ``shape``'s graph (its warm-ups and capture run on padding alone); False after
-        a failure, which turns the graphs off."""
+        a failure, which ends the captures ahead (``ahead``) or turns the graphs off."""
         if not self.capture:
             self.graphs[shape] = None
             return True
@@ -241,10 +245,14 @@ class PrefillGraphs:
         except Exception as e:
             warnings.warn(
                 f"kiln: capturing the prefill graph of {T} tokens x {B} requests failed "
-                f"({type(e).__name__}: {e}); extend steps run eagerly",
+                f"({type(e).__name__}: {e}); "
+                + ("no more shapes are captured ahead" if ahead else "extend steps run eagerly"),
                 stacklevel=4,
             )
-            self.failed = True
+            if ahead:
+                self.ahead_failed = True
+            else:
+                self.failed = True
             return False
         return True
 

@@ -77,14 +77,14 @@ def test_padded_steps_match_unpadded(artifact, mixed):
 
 def test_idle_engine_captures_prompt_shapes_ahead(artifact):
     """An idle engine captures the prefill shapes of one to three prompts ahead (every token bucket
-    at 2 and 4 padded requests), one per ``idle()`` call; the benchmarks' ``finish_captures`` takes
+    at 1, 2 and 4 padded requests), one per ``idle()`` call; the benchmarks' ``finish_captures`` takes
     them all; then a lone prompt's chunk needs no new capture."""
     llm = LLM(artifact, device="cpu", max_running=3)
     eng = llm.engine
     eng.runner.prefill = padded = PrefillGraphs(eng.runner, 1024, eng.bt.num_rows, capture=False)
     ahead = padded.pending()
-    assert ahead[:3] == [(16, 2), (16, 4), (24, 2)] and len(ahead) == 2 * len(TOKEN_BUCKETS)
-    assert eng.idle() and list(padded.graphs) == [(16, 2)]  # one shape a call
+    assert ahead[:4] == [(16, 1), (16, 2), (16, 4), (24, 1)] and len(ahead) == 3 * len(TOKEN_BUCKETS)
+    assert eng.idle() and list(padded.graphs) == [(16, 1)]  # one shape a call
     assert eng.finish_captures() == len(ahead) - 1 and padded.pending() == [] and not eng.idle()
     eng.add_request(PROMPTS[3], SamplingParams(max_tokens=2, temperature=0.0))
     assert not eng.idle()  # work waits: no capture
