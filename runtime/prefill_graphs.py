@@ -30,8 +30,8 @@ keeps several steps' logits rows at once, which one graph's output buffer cannot
 Each shape is captured the first time a step needs it: two warm-up runs and the capture, on the
 runner's capture stream into its graph pool (runtime/model_runner.py), about three eager steps once
 (a capturing step took 80-86 ms on the 8B shape: a stall of every stream the first time). So the
-shapes of one to three prompts' chunks, every token bucket at :data:`IDLE_REQUESTS` requests (``B =
-1``: a chunk that fills its bucket exactly, as a long prompt's middle chunks do), are captured
+shapes of one to three prompts' chunks, every token bucket at :data:`IDLE_REQUESTS` requests
+(``B = 1``: a chunk that fills its bucket exactly, as a long prompt's middle chunks do), are captured
 ahead while the engine is idle (:meth:`capture_next`, from ``Engine.idle``: a server right after
 start; ``Engine.finish_captures``: the benchmarks before timing). At most :data:`MAX_GRAPHS` shapes
 are kept, whose logits rows (``B x V x 4`` bytes each) take at most :data:`LOGITS_BYTES` together;
