@@ -178,14 +178,21 @@ async def replay(args: argparse.Namespace, url: str, vocab: int) -> dict[str, An
     }
 
 
-def _server_figures(text: str) -> dict[str, float]:
-    keep = ("kiln_prefix_cache_hit_rate", "kiln_preemptions_total", "kiln_kv_cache_capacity_tokens")
+def parse_metrics(text: str) -> dict[str, float]:
+    """A Prometheus text page as ``{sample: value}``, each sample as the page writes it, labels
+    included (``kiln_engine_steps_total{kind="decode"}``)."""
     out = {}
     for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0] in keep:
-            out[parts[0]] = float(parts[1])
+        if line and line[0] != "#":
+            sample, _, value = line.rpartition(" ")
+            out[sample] = float(value)
     return out
+
+
+def _server_figures(text: str) -> dict[str, float]:
+    m = parse_metrics(text)
+    keep = ("kiln_prefix_cache_hit_rate", "kiln_preemptions_total", "kiln_kv_cache_capacity_tokens")
+    return {k: m[k] for k in keep if k in m}
 
 
 _STEP_SUMS = {  # /metrics family -> key of the per-kind sums
@@ -198,25 +205,24 @@ _STEP_SUMS = {  # /metrics family -> key of the per-kind sums
 }
 
 
+def _labelled(text: str, family: str, label: str) -> dict[str, float]:
+    """``{label value: sample value}`` of one family's samples by one label."""
+    head = f'{family}{{{label}="'
+    return {k[len(head) : -2]: v for k, v in parse_metrics(text).items() if k.startswith(head)}
+
+
 def _step_sums(text: str) -> dict[str, dict[str, float]]:
     """``{kind: {steps, requests, wall_s, ...}}`` from the server's per-kind step counters."""
     out: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        name, _, rest = line.partition('{kind="')
-        if name in _STEP_SUMS and '"} ' in rest:
-            kind, value = rest.split('"} ')
-            out.setdefault(kind, {})[_STEP_SUMS[name]] = float(value)
+    for family, key in _STEP_SUMS.items():
+        for kind, v in _labelled(text, family, "kind").items():
+            out.setdefault(kind, {})[key] = v
     return out
 
 
 def _itl_buckets(text: str) -> dict[float, float]:
-    prefix = 'kiln_inter_token_latency_seconds_bucket{le="'
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(prefix):
-            le, value = line[len(prefix) :].split('"} ')
-            out[float(le)] = float(value)
-    return out
+    buckets = _labelled(text, "kiln_inter_token_latency_seconds_bucket", "le")
+    return {float(le): v for le, v in buckets.items()}
 
 
 def server_itl(before: str, after: str) -> dict[str, float]:

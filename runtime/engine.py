@@ -36,6 +36,7 @@ from kiln.runtime.spec_eagle import Eagle3Drafter
 from kiln.runtime.spec_policy import SpecPolicy
 from kiln.runtime.speculative import AcceptanceStats, NgramConfig, NgramDrafter
 from kiln.runtime.staging import HostStager
+from kiln.runtime.step_stats import KINDS
 from kiln.runtime.stepper import PLACEHOLDER, Launched, SpecParts, StepParts, Stepper
 from kiln.runtime.tokenizer import RequestText, load_tokenizer
 from kiln.weights.index import PackError
@@ -838,7 +839,7 @@ class Engine:
             "spec_policy_probes": self.spec_policy.probes if self.spec_policy else 0,
             # per step kind (prefill, decode, mixed): steps, requests, fed tokens, wall and host
             # seconds since start or reset_step_stats (runtime/step_stats.py)
-            "step_kinds": self.step_stats.sums(),
+            "step_kinds": {k: v for k, v in self.step_stats.as_dict().items() if k in KINDS},
         }
 
     def __repr__(self) -> str:

@@ -24,10 +24,10 @@ import bisect
 import contextlib
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -37,8 +37,10 @@ from kiln.manifest import Manifest, VerifySpec
 from kiln.ops.sampling.gumbel import argmax_rows
 from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import LoadedModel
-from kiln.runtime.prefill_graphs import PrefillGraphs
 from kiln.runtime.spec_tree import move_kv
+
+if TYPE_CHECKING:
+    from kiln.runtime.prefill_graphs import PrefillGraphs
 
 Mode = Literal["decode", "extend", "verify"]  # verify: an extend step with logits at every new token
 
@@ -120,26 +122,45 @@ def run_extend_graph(
     h32[2, : b + 1] = torch.tensor(indptr, dtype=torch.int32)
     i64, i32 = h64.to(dev, non_blocking=True), h32.to(dev, non_blocking=True)
     bt.flush()
-    tree = (i64[4, :t],) if tree_mask is not None else ()
-    graph = m.graphs[Manifest.TREE_GRAPH if tree_mask is not None else Manifest.SHARED_GRAPH]
-    logits = graph(
+    tree = i64[4, :t] if tree_mask is not None else None
+    logits = call_extend_graph(m, pool, bt, i64[:, :t], i32[:2, :b], i32[2, : b + 1], i64[3, :n], tree, aux)
+    return logits[:n]
+
+
+def call_extend_graph(
+    m: LoadedModel,
+    pool: KVPool,
+    bt: BlockTable,
+    i64: torch.Tensor,
+    i32: torch.Tensor,
+    indptr: torch.Tensor,
+    out_rows: torch.Tensor,
+    tree: torch.Tensor | None = None,
+    aux: tuple[torch.Tensor, ...] = (),
+) -> torch.Tensor:
+    """One run of the artifact's extend graph on device inputs (the tree graph with ``tree``, each
+    token's ancestor bitmask): ``i64`` rows ids / positions / slots ``[>= 3, T]``, ``i32`` rows
+    request rows / lengths ``[2, B]``, ``indptr`` ``[B + 1]``, ``out_rows`` the tokens whose logits
+    it returns. Every caller's one argument list: the eager extend, the verify graphs and the
+    prefill graphs (runtime/prefill_graphs.py)."""
+    graph = m.graphs[Manifest.TREE_GRAPH if tree is not None else Manifest.SHARED_GRAPH]
+    return graph(
         m.weights,
         m.cos_sin,
         pool.k_cache,
         pool.v_cache,
-        i64[0, :t],
-        i64[1, :t],
-        i64[2, :t],
+        i64[0],
+        i64[1],
+        i64[2],
         bt.table,
-        i32[0, :b],
-        i32[1, :b],
-        i32[2, : b + 1],
-        i64[3, :n],
+        i32[0],
+        i32[1],
+        indptr,
+        out_rows,
         *pool.scale_args,  # an FP8 pool's scales (compiler/context.py KV_SCALE_INPUTS)
-        *tree,  # compiler/context.py TREE_INPUTS, before the aux buffer
+        *(() if tree is None else (tree,)),  # compiler/context.py TREE_INPUTS, before the aux buffer
         *aux,
     )
-    return logits[:n]
 
 
 def aux_buffer(m: LoadedModel, rows: int) -> tuple[torch.Tensor, ...]:
@@ -254,6 +275,8 @@ class ModelRunner:
             prefill_graphs = settings.value("prefill_graphs")
         self.prefill: PrefillGraphs | None = None
         if self.use_cuda_graph and self.device.type == "cuda" and prefill_graphs and not self.aux_args:
+            from kiln.runtime.prefill_graphs import PrefillGraphs  # it calls call_extend_graph
+
             tokens = min(m.chunk_size, m.max_seq_len, m.max_blocks * pool.page_size)
             self.prefill = PrefillGraphs(self, tokens, block_table.num_rows)
         if self.use_cuda_graph:
@@ -335,46 +358,37 @@ class ModelRunner:
         waits for the whole device. ``CUDAGraph``'s ``capture_begin``/``capture_end`` directly:
         ``torch.cuda.graph`` synchronizes the device and empties the device and pinned-host caches
         before every capture."""
-        t0 = time.perf_counter()
         # Padding inputs: row 0 (all-zero block table row), slot 0, seq_len 1: valid and harmless.
         self._i64.zero_()
         self._i32[0].zero_()
         self._i32[1].fill_(1)
-        pool, stream = self._capture_pool()
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        capture = partial(_capture_graph, pool=pool)
-        try:
-            with torch.cuda.stream(stream):
-                for b in sorted(buckets, reverse=True):
-                    self.graphs[b], self._out[b] = capture(partial(self._run_decode_graph, b))
-                    self.pending_graphs.remove(b)
-                for tree in ((False, True) if self._vtree else (False,)) if verify else ():
-                    graphs, outs = (self.tgraphs, self._tout) if tree else (self.vgraphs, self._vout)
-                    for key in sorted(self._vshapes, reverse=True):
-                        self._pad_verify(*key)
-                        graphs[key], outs[key] = capture(partial(self._run_verify_graph, *key, tree))
-        finally:  # the main stream after the warm-ups, even when a capture failed
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            stream.synchronize()
-        self.capture_seconds += time.perf_counter() - t0
+        with self.capturing() as capture:
+            for b in sorted(buckets, reverse=True):
+                self.graphs[b], self._out[b] = capture(partial(self._run_decode_graph, b))
+                self.pending_graphs.remove(b)
+            for tree in ((False, True) if self._vtree else (False,)) if verify else ():
+                graphs, outs = (self.tgraphs, self._tout) if tree else (self.vgraphs, self._vout)
+                for key in sorted(self._vshapes, reverse=True):
+                    self._pad_verify(*key)
+                    graphs[key], outs[key] = capture(partial(self._run_verify_graph, *key, tree))
 
-    def _capture_pool(self) -> tuple[Any, Any]:
-        """The graph pool and capture stream every capture of this runner shares (the allocator
-        reuses a freed block only on the stream that freed it)."""
+    @contextlib.contextmanager
+    def capturing(
+        self,
+    ) -> Iterator[Callable[[Callable[[], torch.Tensor]], tuple[torch.cuda.CUDAGraph, torch.Tensor]]]:
+        """Yields ``capture(run)`` (:func:`_capture_graph`): graphs into the runner's one pool, on
+        its one capture stream (the allocator reuses a freed block only on the stream that freed
+        it), after the work queued so far; the main stream waits for the warm-ups after, even when
+        a capture failed. :meth:`_capture` and runtime/prefill_graphs.py capture through it."""
+        t0 = time.perf_counter()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
             self._capture_stream = torch.cuda.Stream(self.device)
-        return self._graph_pool, self._capture_stream
-
-    def capture_graph(self, run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """One graph of ``run`` (two warm-ups first) into the runner's pool, on its capture stream,
-        as :meth:`_capture` captures each (runtime/prefill_graphs.py captures its shapes so)."""
-        t0 = time.perf_counter()
-        pool, stream = self._capture_pool()
+        stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
             with torch.cuda.stream(stream):
-                return _capture_graph(run, pool)
+                yield partial(_capture_graph, pool=self._graph_pool)
         finally:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             stream.synchronize()
@@ -513,25 +527,11 @@ class ModelRunner:
 
     def _run_verify_graph(self, b: int, k: int, tree: bool = False) -> torch.Tensor:
         t = b * (k + 1)
-        mask = (self._v64[3, :t],) if tree else ()  # compiler/context.py TREE_INPUTS
-        graph = self.m.graphs[Manifest.TREE_GRAPH if tree else Manifest.SHARED_GRAPH]
-        return graph(
-            self.m.weights,
-            self.m.cos_sin,
-            self.pool.k_cache,
-            self.pool.v_cache,
-            self._v64[0, :t],
-            self._v64[1, :t],
-            self._v64[2, :t],
-            self.bt.table,
-            self._v32[0, :b],
-            self._v32[1, :b],
-            self._vindptr[k][: b + 1],
-            self._vrows[:t],
-            *self.pool.scale_args,
-            *mask,
-            *self.aux_args,
-        )
+        mask = self._v64[3, :t] if tree else None
+        return call_extend_graph(
+            self.m, self.pool, self.bt, self._v64[:, :t], self._v32[:, :b], self._vindptr[k][: b + 1],
+            self._vrows[:t], mask, self.aux_args,
+        )  # fmt: skip
 
     def verify(self, step: StepInputs, draft_ids: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits ``[B, P, V]`` of a verify step (an extend step in which request ``b``

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kiln.manifest import Manifest
+from kiln.runtime.model_runner import call_extend_graph
 
 if TYPE_CHECKING:
     from kiln.runtime.model_runner import ModelRunner
@@ -91,21 +91,31 @@ class PrefillGraphs:
         self.steps = {"graph": 0, "eager": 0}  # extend steps by how they ran (eager: too big, cap, failure)
         tmax = self.tokens[-1] if self.tokens else 0
         bmax = self.max_requests + 1
-        bmax += -bmax % 4
+        self._rows = (tmax, bmax + -bmax % 4)  # the int64 and int32 rows' lengths
         dev = runner.device
-        n64 = 4 * tmax * 8
-        self._buf = torch.zeros(n64 + 3 * bmax * 4, dtype=torch.uint8, device=dev)
-        self._i64 = self._buf[:n64].view(torch.int64).view(4, tmax)
-        self._i32 = self._buf[n64:].view(torch.int32).view(3, bmax)
+        self._buf = torch.zeros(self._nbytes, dtype=torch.uint8, device=dev)
+        self._i64, self._i32 = self._views(self._buf)
         pin = dev.type == "cuda"
-        self._host = [torch.zeros(self._buf.numel(), dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._host = [torch.zeros(self._nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         # each host buffer's copy, recorded: an extend step that samples nothing (a prompt's middle
         # chunk) does not wait for the device, so the host may come back to a buffer whose copy is
         # still queued
         self._copied = [torch.cuda.Event() for _ in range(2)] if pin else None
-        self._h64 = [h[:n64].numpy().view(np.int64).reshape(4, tmax) for h in self._host]
-        self._h32 = [h[n64:].numpy().view(np.int32).reshape(3, bmax) for h in self._host]
+        self._hviews = [self._views(h.numpy()) for h in self._host]
         self._flip = 0
+
+    @property
+    def _nbytes(self) -> int:
+        tmax, bmax = self._rows
+        return 4 * tmax * 8 + 3 * bmax * 4
+
+    def _views(self, buf: Any) -> tuple[Any, Any]:
+        """The int64 ``[4, T_max]`` and int32 ``[3, B_max + 1]`` views of a uint8 buffer (a device
+        tensor, or a host buffer's numpy array)."""
+        (tmax, bmax), n64 = self._rows, 4 * self._rows[0] * 8
+        if isinstance(buf, np.ndarray):
+            return buf[:n64].view(np.int64).reshape(4, tmax), buf[n64:].view(np.int32).reshape(3, bmax)
+        return buf[:n64].view(torch.int64).view(4, tmax), buf[n64:].view(torch.int32).view(3, bmax)
 
     @property
     def enabled(self) -> bool:
@@ -148,7 +158,7 @@ class PrefillGraphs:
         self._flip ^= 1
         if self._copied is not None:
             self._copied[self._flip].synchronize()  # its last copy has read it (usually long done)
-        h64, h32 = self._h64[self._flip], self._h32[self._flip]
+        h64, h32 = self._hviews[self._flip]
         ends = np.cumsum(np.asarray(ext, dtype=np.int64))
         h64[0, :t] = ids
         h64[1, :t] = pos
@@ -209,22 +219,8 @@ class PrefillGraphs:
     def _forward(self, T: int, B: int) -> torch.Tensor:
         """One run of the extend graph on the static inputs of shape ``(T, B)``."""
         r = self.runner
-        m = r.m
-        return m.graphs[Manifest.SHARED_GRAPH](
-            m.weights,
-            m.cos_sin,
-            r.pool.k_cache,
-            r.pool.v_cache,
-            self._i64[0, :T],
-            self._i64[1, :T],
-            self._i64[2, :T],
-            r.bt.table,
-            self._i32[0, :B],
-            self._i32[1, :B],
-            self._i32[2, : B + 1],
-            self._i64[3, :B],
-            *r.pool.scale_args,
-        )
+        i64, i32 = self._i64, self._i32
+        return call_extend_graph(r.m, r.pool, r.bt, i64[:, :T], i32[:2, :B], i32[2, : B + 1], i64[3, :B])
 
     def _capture(self, shape: tuple[int, int], ahead: bool = False) -> bool:
         """Capture ``shape``'s graph (its warm-ups and capture run on padding alone); False after
@@ -235,13 +231,12 @@ class PrefillGraphs:
         T, B = shape
         # padding alone, from a host array of its own (both pinned buffers may be in use: this
         # step's inputs, and the previous step's copy, which may still be queued)
-        host = torch.zeros_like(self._host[0])
-        n64 = self._i64.numel() * 8
-        self._pad(host[:n64].numpy().view(np.int64).reshape(self._i64.shape),
-                  host[n64:].numpy().view(np.int32).reshape(self._i32.shape), 0, 0, T, B)  # fmt: skip
-        self._buf.copy_(host)  # on the step's stream: after any replay still reading the inputs
+        host = np.zeros(self._nbytes, dtype=np.uint8)
+        self._pad(*self._views(host), 0, 0, T, B)
+        self._buf.copy_(torch.from_numpy(host))  # on the step's stream: after any replay reading it
         try:
-            self.graphs[shape], self.out[shape] = self.runner.capture_graph(lambda: self._forward(T, B))
+            with self.runner.capturing() as capture:
+                self.graphs[shape], self.out[shape] = capture(lambda: self._forward(T, B))
         except Exception as e:
             warnings.warn(
                 f"kiln: capturing the prefill graph of {T} tokens x {B} requests failed "

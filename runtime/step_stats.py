@@ -209,21 +209,6 @@ class StepStats:
         self.host_s[kind] += host_s
         self.calls[kind] += 1
 
-    def sums(self) -> dict[str, dict[str, float]]:
-        """``{kind: {steps, requests, prefill_tokens, decode_tokens, wall_s, host_s}}``: the raw
-        sums, cheap enough to read at every metrics scrape (a scraper takes differences)."""
-        return {
-            name: {
-                "steps": self.steps[k],
-                "requests": self.requests[k],
-                "prefill_tokens": self.prefill_tokens[k],
-                "decode_tokens": self.decode_tokens[k],
-                "wall_s": self.wall_s[k],
-                "host_s": self.host_s[k],
-            }
-            for k, name in enumerate(KINDS)
-        }
-
     def snapshot(self) -> StepStatsSnapshot:
         kinds = tuple(
             KindStats(

@@ -39,6 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kiln import LLM, SamplingParams
 from kiln.runtime.benchmark import cycle_prompts, random_prompts
+from kiln.runtime.step_stats import KINDS
 
 
 def main() -> None:
@@ -229,7 +230,8 @@ def _profile_window(eng, steps: int, run: Callable[[], object]) -> dict:
     the first window (steps, mean batch, wall and host ms a step), host parts (ms per call) and the
     host functions by cumulative time (ms per call)."""
     hb = eng.host_breakdown
-    before, kinds_before = dict(hb), eng.step_stats.sums()
+    before = dict(hb)
+    eng.reset_step_stats()  # the engine's own step figures, over the window
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -241,13 +243,9 @@ def _profile_window(eng, steps: int, run: Callable[[], object]) -> dict:
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             per[e.name] += e.device_time / steps
-    kinds = {}
-    for kind, sums in eng.step_stats.sums().items():
-        d = {key: v - kinds_before[kind][key] for key, v in sums.items()}
-        if d["steps"]:
-            n = d["steps"]
-            kinds[kind] = {"steps": n, "mean_batch": d["requests"] / n, "step_ms": 1e3 * d["wall_s"] / n,
-                           "host_ms": 1e3 * d["host_s"] / n, "tokens_per_step": (d["prefill_tokens"] + d["decode_tokens"]) / n}  # fmt: skip
+    keys = ("steps", "mean_batch", "step_ms", "host_ms_per_step", "tokens_per_step")
+    m = eng.step_metrics()
+    kinds = {k: {f: m[k][f] for f in keys} for k in KINDS if m[k]["steps"]}
     out = {
         "wall_ms_per_step": 1e3 * wall / steps,
         "gpu_kernel_ms_per_step": sum(per.values()) / 1e3,
@@ -279,7 +277,7 @@ def _print_window(out: dict) -> None:
     )
     for kind, f in out["step_kinds"].items():
         print(f"  {kind}: {f['steps']} steps, batch {f['mean_batch']:.1f}, {f['tokens_per_step']:.0f} tokens, "
-              f"{f['step_ms']:.2f} ms a step ({f['host_ms']:.2f} host)")  # fmt: skip
+              f"{f['step_ms']:.2f} ms a step ({f['host_ms_per_step']:.2f} host)")  # fmt: skip
     for name, us in out["top"]:
         print(f"  {us:9.1f} us  {name[:90]}")
     print("  host, per call (cumulative ms, own ms, calls):")
