@@ -129,6 +129,7 @@ async def replay(args: argparse.Namespace, url: str, vocab: int) -> dict[str, An
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.timeout), limits=limits) as http:
         models = (await http.get("/v1/models")).json()["data"]
         model = models[0]["id"]
+        await wait_captured(http, args.startup_timeout)
         for i in range(args.warmup):  # first-request effects stay out of the figures
             await one_request(http, model, prompts[i % len(prompts)][:16], args, 4)
         metrics_before = (await http.get("/metrics")).text  # the run's step figures are differences
@@ -175,7 +176,30 @@ async def replay(args: argparse.Namespace, url: str, vocab: int) -> dict[str, An
         # one event (its queue held them: the HTTP side fell behind the engine)
         "chunks_per_token": sum(len(r.itl) + 1 for r in ok) / max(out_tok, 1),
         "server_itl_ms": server_itl(metrics_before, metrics),
+        "graph_captures": graph_captures(metrics_before, metrics),
     }
+
+
+_PENDING = "kiln_engine_graph_captures_pending"
+
+
+async def wait_captured(http: httpx.AsyncClient, timeout: float) -> None:
+    """Wait until the idle server has made the CUDA-graph captures it makes ahead (decode buckets,
+    prompt shapes), so that the run measures steady state; a server without the gauge: at once."""
+    deadline = time.monotonic() + timeout
+    while parse_metrics((await http.get("/metrics")).text).get(_PENDING, 0.0) > 0:
+        if time.monotonic() > deadline:
+            print(f"[bench serve] captures still pending after {timeout:g} s; measuring anyway")
+            return
+        await asyncio.sleep(0.25)
+
+
+def graph_captures(before: str, after: str) -> dict[str, float]:
+    """CUDA-graph captures the server made during the run (a new shape's first step; each stalls
+    every stream once) and their seconds."""
+    b, a = parse_metrics(before), parse_metrics(after)
+    keys = {"count": "kiln_engine_graph_captures_total", "seconds": "kiln_engine_graph_capture_seconds_total"}
+    return {k: a.get(m, 0.0) - b.get(m, 0.0) for k, m in keys.items()}
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -421,6 +445,9 @@ def print_report(r: dict[str, Any]) -> None:
             + ", ".join(f"{k} <= {v:g}" for k, v in sv.items())
             + f"; text chunks per token {r['chunks_per_token']:.2f}"
         )
+    cap = r.get("graph_captures")
+    if cap:
+        print(f"  graph captures during the run: {cap['count']:.0f} ({cap['seconds'] * 1e3:.0f} ms)")
     dec = steps.get("decode", {}).get("step_ms")
     if dec:
         print(f"  TPOT p99 / decode step: {r['tpot_ms']['p99'] / dec:.2f}x")

@@ -133,14 +133,16 @@ DECODE_SWEEP = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 16, 4, 2), (16, 32, 4, 3), 
 
 
 @pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")
-@pytest.mark.parametrize("splits_factor", [1, 2])
+@pytest.mark.parametrize("pps", [2, 4, 8, 16], ids=lambda p: f"pps{p}")
 @pytest.mark.parametrize("cfg", DECODE_SWEEP, ids=lambda c: "h{}-n{}-w{}-s{}".format(*c))
 @pytest.mark.parametrize(
     "batch, ctx, heads", [(64, 8192, 16), (64, 8192, 128), (1, 32768, 16), (256, 32768, 16), (64, 1024, 16)]
 )
-def test_mla_decode_sweep(measure, batch, ctx, heads, cfg, splits_factor):
+def test_mla_decode_sweep(measure, batch, ctx, heads, cfg, pps):
+    """``pps``: the split plan's programs per SM (``choose_num_splits``; 8 is its default). Each
+    split past the first writes a ``[B, H, 512]`` float32 partial the merge reads back."""
     config = MLADecodeConfig(block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-    splits = _splits(batch, ctx, heads, config.block_h) * splits_factor
+    splits = choose_num_splits(batch, ctx, triton.cdiv(heads, config.block_h), programs_per_sm=pps)
     fn = _decode_fn("triton", _decode_case(batch, ctx, heads), ctx, splits, config)
     measure(
         graphed(fn), bytes=decode_bytes(batch, ctx, heads), batch=batch, ctx=ctx, heads=heads,

@@ -602,6 +602,12 @@ class Engine:
         prefill = self.runner.prefill if self.ranks is None else None
         return prefill is not None and prefill.capture_next()
 
+    def captures_pending(self) -> int:
+        """How many CUDA-graph captures :meth:`idle` would still make: pending decode buckets and
+        prefill shapes captured ahead. Until it is 0 a first step of a new shape may capture."""
+        prefill = self.runner.prefill if self.ranks is None else None
+        return len(self.runner.pending_graphs) + (prefill.ahead_left() if prefill is not None else 0)
+
     def finish_captures(self) -> int:
         """Capture every pending decode graph and the prefill graphs captured ahead now, while no
         request runs; the benchmarks call it so that no timed step pays a capture. How many."""
@@ -840,6 +846,11 @@ class Engine:
             # per step kind (prefill, decode, mixed): steps, requests, fed tokens, wall and host
             # seconds since start or reset_step_stats (runtime/step_stats.py)
             "step_kinds": {k: v for k, v in self.step_stats.as_dict().items() if k in KINDS},
+            # CUDA-graph captures since start (decode, verify and prefill graphs; each stalls the
+            # steps once), their wall seconds, and those idle time would still make
+            "graph_captures": self.runner.captures,
+            "graph_capture_seconds": self.runner.capture_seconds,
+            "graph_captures_pending": self.captures_pending(),
         }
 
     def __repr__(self) -> str:

@@ -320,6 +320,7 @@ def load_model(
     import kiln.ops  # noqa: F401  (registers torch.ops.kiln.* before graphs deserialize)
     from kiln.ops.attention.rope import rope_cos_sin_cache
     from kiln.weights import load_pack
+    from kiln.weights.checksum import load_kernel as load_checksum_kernel
     from kiln.weights.fold import apply_norm_folds
 
     mark("manifest")
@@ -349,6 +350,8 @@ def load_model(
         finally:
             placed.set()
 
+    if verify and dev.type == "cuda":
+        load_checksum_kernel(dev)  # here, not first on the reader thread (load_kernel says why)
     t_w = time.perf_counter()
     worker = threading.Thread(target=load_weights, name="kiln-load-weights")
     worker.start()

@@ -258,7 +258,8 @@ class ModelRunner:
         self.vocab_size = m.vocab_size
         self.last_ids: torch.Tensor | None = None  # [n] int64: the last decode step's argmax ids
         self.ids_in_place = 0  # decode steps whose input ids the previous graph left in place
-        self.capture_seconds = 0.0
+        self.captures = 0  # capturing() blocks run (each stalls the step stream once)
+        self.capture_seconds = 0.0  # and their wall seconds, warm-ups included
         # token trees: the artifact's tree graph (:meth:`verify` of a tree step)
         self.has_tree_graph = Manifest.TREE_GRAPH in model.graphs
         self._init_verify(m.verify if num_draft_tokens else None, num_draft_tokens, tree_graphs)
@@ -392,6 +393,7 @@ class ModelRunner:
         finally:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             stream.synchronize()
+            self.captures += 1
             self.capture_seconds += time.perf_counter() - t0
 
     def decode(

@@ -189,13 +189,15 @@ class PrefillGraphs:
         want = [(t, b) for t in self.tokens for b in IDLE_REQUESTS if t > b and b <= self.max_requests]
         return [s for s in want if s not in self.graphs]
 
+    def ahead_left(self) -> int:
+        """How many shapes :meth:`capture_next` would still capture (0 once the caps are reached)."""
+        todo = self.pending()
+        return len(todo) if todo and self._room(todo[0][1]) else 0
+
     def capture_next(self) -> bool:
         """Capture the next pending shape (:meth:`pending`) if the caps leave room: between steps,
         with no step in flight (its warm-ups write the static inputs). True if one was captured."""
-        todo = self.pending()
-        if not todo or not self._room(todo[0][1]):
-            return False
-        return self._capture(todo[0], ahead=True)
+        return self.ahead_left() > 0 and self._capture(self.pending()[0], ahead=True)
 
     def _room(self, rows: int) -> bool:
         """Whether one more graph, of ``rows`` logits rows, stays within the caps."""

@@ -416,6 +416,10 @@ class _EngineCollector:
                 "Prompt tokens served from the prefix cache / prompt tokens admitted.",
                 s["cached_tokens"] / max(s["prompt_tokens"], 1),
             ),
+            "kiln_engine_graph_captures_pending": (
+                "CUDA-graph captures the idle engine would still make (a new shape's first step may capture).",
+                s["graph_captures_pending"],
+            ),
         }
         for name, (doc, v) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=float(v))
@@ -423,6 +427,14 @@ class _EngineCollector:
             "kiln_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache.", "cached_tokens"),
             "kiln_engine_prompt_tokens": ("Prompt tokens the engine admitted.", "prompt_tokens"),
             "kiln_preemptions": ("Running sequences preempted for KV memory.", "preemptions"),
+            "kiln_engine_graph_captures": (
+                "CUDA-graph captures (each stalls the engine's steps once).",
+                "graph_captures",
+            ),
+            "kiln_engine_graph_capture_seconds": (
+                "Wall seconds spent capturing CUDA graphs.",
+                "graph_capture_seconds",
+            ),
             # speculative decoding (the `speculative` setting; zeros when off)
             "kiln_spec_verify_requests": ("Request rows in speculative verify steps.", "spec_verified"),
             "kiln_spec_draft_tokens": ("Draft tokens proposed to verify steps.", "spec_proposed"),

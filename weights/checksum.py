@@ -221,6 +221,16 @@ def device_wsum64(buf: torch.Tensor, offsets: Sequence[int], nbytes: Sequence[in
     return [finish(s & MASK64, n) for s, n in zip(sums.cpu().tolist(), nbytes)]
 
 
+def load_kernel(device: torch.device) -> None:
+    """Find (or compile) the kernel for ``device`` and load its launcher on this thread: one launch
+    over one aligned block. The weight loader calls it before its reader thread starts, so that
+    thread's launches load nothing. Triton 3.6 loads each kernel's launcher as a C extension
+    module, all named ``__triton_launcher``; the reader thread's first launch, beside the engine's
+    graph captures on the main thread, once got another kernel's launcher (H100, session 33: a
+    server start failed with "function takes exactly 55 arguments (17 given)")."""
+    device_wsum64(torch.zeros(ALIGN, dtype=torch.uint8, device=device), [0], [ALIGN])
+
+
 def arena_of(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int], list[int]]:
     """The one allocation ``tensors`` live in (as a uint8 buffer), their byte offsets and sizes:
     the arguments of :func:`device_wsum64` for what a staged load returned."""

@@ -227,3 +227,27 @@ def test_graph_greedy_matches_the_sampler(gpu_art, monkeypatch):
         assert (llm.engine.runner.ids_in_place > 0) == (flag == "1")
         llm.engine.check_integrity()
     assert runs[0] == runs[1]
+
+
+def test_weight_thread_loads_no_kernel_launcher(gpu_art, monkeypatch):
+    """The checksum kernel's first launch (which loads its Triton launcher) runs on the main thread
+    before the weight reader starts: a first launch on the reader, beside the graph captures on the
+    main thread, once got another kernel's launcher (kiln/weights/checksum.py, load_kernel)."""
+    import threading
+
+    from kiln import LLM
+    from kiln.weights import checksum
+
+    _, art = gpu_art
+    checksum._wsum64_kernel.device_caches.clear()  # as in a fresh process: nothing loaded yet
+    threads: list[str] = []
+    launch = checksum.launch
+
+    def record(*args):
+        threads.append(threading.current_thread().name)
+        launch(*args)
+
+    monkeypatch.setattr(checksum, "launch", record)
+    LLM(str(art), device="cuda", kv_memory_gib=0.5)
+    assert threads and threads[0] == threading.main_thread().name, threads
+    assert "kiln-load-weights" in threads  # the pack's check itself still runs on the reader

@@ -84,8 +84,11 @@ def test_idle_engine_captures_prompt_shapes_ahead(artifact):
     eng.runner.prefill = padded = PrefillGraphs(eng.runner, 1024, eng.bt.num_rows, capture=False)
     ahead = padded.pending()
     assert ahead[:4] == [(16, 1), (16, 2), (16, 4), (24, 1)] and len(ahead) == 3 * len(TOKEN_BUCKETS)
+    assert eng.captures_pending() == len(ahead) == eng.status()["graph_captures_pending"]
     assert eng.idle() and list(padded.graphs) == [(16, 1)]  # one shape a call
+    assert eng.captures_pending() == len(ahead) - 1
     assert eng.finish_captures() == len(ahead) - 1 and padded.pending() == [] and not eng.idle()
+    assert eng.captures_pending() == 0 == eng.status()["graph_captures_pending"]
     eng.add_request(PROMPTS[3], SamplingParams(max_tokens=2, temperature=0.0))
     assert not eng.idle()  # work waits: no capture
     eng.run_until_done()

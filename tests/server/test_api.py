@@ -285,6 +285,9 @@ def test_metrics(server):
     assert values['kiln_engine_step_prefill_tokens_total{kind="prefill"}'] >= 1
     assert values['kiln_engine_step_prefill_tokens_total{kind="decode"}'] == 0
     assert values['kiln_engine_step_seconds_total{kind="decode"}'] > 0
+    # CUDA-graph captures (none on a CPU engine) and those still pending, which a benchmark waits for
+    assert values["kiln_engine_graph_captures_total"] == 0 == values["kiln_engine_graph_captures_pending"]
+    assert values["kiln_engine_graph_capture_seconds_total"] == 0
     decode_requests = values['kiln_engine_step_requests_total{kind="decode"}']
     assert decode_requests == values['kiln_engine_step_decode_tokens_total{kind="decode"}']  # a row each
 

@@ -120,6 +120,7 @@ def test_bench_serve_smoke(demo_artifact, tmp_path):
     assert dec["steps"] > 0 and 1 <= dec["mean_batch"] <= 4 and dec["step_ms"] > 0
     assert 0 < dec["host_ms"] <= dec["step_ms"]
     assert report["ttft_ms"]["p99"] <= report["e2e_ms"]["p99"]
+    assert report["graph_captures"] == {"count": 0, "seconds": 0}  # read from /metrics (none on a CPU)
     assert report["output_throughput"] > 0 and report["server_startup_s"] > 0
     assert "kiln_prefix_cache_hit_rate" in report["server_metrics"]
     assert "Finished server process" in (tmp_path / "serve.json.server.log").read_text()  # stopped cleanly
