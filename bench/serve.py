@@ -176,6 +176,7 @@ async def replay(args: argparse.Namespace, url: str, vocab: int) -> dict[str, An
         # one event (its queue held them: the HTTP side fell behind the engine)
         "chunks_per_token": sum(len(r.itl) + 1 for r in ok) / max(out_tok, 1),
         "server_itl_ms": server_itl(metrics_before, metrics),
+        "step_duration_ms": step_durations(metrics_before, metrics),
         "graph_captures": graph_captures(metrics_before, metrics),
     }
 
@@ -244,21 +245,40 @@ def _step_sums(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def _itl_buckets(text: str) -> dict[float, float]:
-    buckets = _labelled(text, "kiln_inter_token_latency_seconds_bucket", "le")
-    return {float(le): v for le, v in buckets.items()}
+def _buckets(text: str, family: str, where: str = "") -> dict[float, float]:
+    """One histogram's cumulative buckets ``{upper bound: count}``; ``where``: its other labels,
+    as the page writes them before ``le`` (``kind="decode",``)."""
+    head = f'{family}_bucket{{{where}le="'
+    return {float(k[len(head) : -2]): v for k, v in parse_metrics(text).items() if k.startswith(head)}
 
 
-def server_itl(before: str, after: str) -> dict[str, float]:
-    """The engine's inter-token gaps during the run (the server's histogram, stamped as each step's
-    tokens leave the engine thread, before the HTTP side sends them): the upper bucket bound, in
-    ms, that holds p50, p90, p99 and the largest gap."""
-    b, a = _itl_buckets(before), _itl_buckets(after)
+def bucket_quantiles(b: dict[float, float], a: dict[float, float]) -> dict[str, float]:
+    """Of the samples a histogram gained between ``b`` and ``a`` (cumulative buckets): the upper
+    bucket bound, in ms, that holds p50, p90, p99 and the largest (nan when none)."""
     cum = sorted((le, a[le] - b.get(le, 0.0)) for le in a)
     total = cum[-1][1] if cum else 0.0
     out = {}
     for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0)):
         out[name] = next((le * 1e3 for le, n in cum if total and n >= q * total), float("nan"))
+    return out
+
+
+def server_itl(before: str, after: str) -> dict[str, float]:
+    """The engine's inter-token gaps during the run (the server's histogram, stamped as each step's
+    tokens leave the engine thread, before the HTTP side sends them): :func:`bucket_quantiles`."""
+    family = "kiln_inter_token_latency_seconds"
+    return bucket_quantiles(_buckets(before, family), _buckets(after, family))
+
+
+def step_durations(before: str, after: str) -> dict[str, dict[str, float]]:
+    """The engine's step() calls during the run by kind (the server's step-duration histogram):
+    :func:`bucket_quantiles` of each kind that ran."""
+    family, out = "kiln_engine_step_duration_seconds", {}
+    for kind in _labelled(after, family + "_count", "kind"):
+        where = f'kind="{kind}",'
+        b, a = _buckets(before, family, where), _buckets(after, family, where)
+        if a and a[max(a)] > b.get(max(a), 0.0):
+            out[kind] = bucket_quantiles(b, a)
     return out
 
 
@@ -444,6 +464,11 @@ def print_report(r: dict[str, Any]) -> None:
             "  engine-side gaps (bucket bounds, ms): "
             + ", ".join(f"{k} <= {v:g}" for k, v in sv.items())
             + f"; text chunks per token {r['chunks_per_token']:.2f}"
+        )
+    for kind, q in (r.get("step_duration_ms") or {}).items():
+        print(
+            f"  {kind} step durations (bucket bounds, ms): "
+            + ", ".join(f"{k} <= {v:g}" for k, v in q.items())
         )
     cap = r.get("graph_captures")
     if cap:

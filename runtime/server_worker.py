@@ -382,14 +382,26 @@ _STEP_KIND_COUNTERS = {
 }
 
 
-def _step_kind_families(kinds: dict[str, dict[str, float]]):
-    from prometheus_client.core import CounterMetricFamily
+def _step_kind_families(kinds: dict[str, dict[str, Any]]):
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
     for name, (doc, key) in _STEP_KIND_COUNTERS.items():
         fam = CounterMetricFamily(name, doc, labels=["kind"])
         for kind, sums in kinds.items():
             fam.add_metric([kind], float(sums[key]))
         yield fam
+    hist = HistogramMetricFamily(
+        "kiln_engine_step_duration_seconds",
+        "Wall time of the engine's step() calls, by step kind (the longest bound the inter-token gaps).",
+        labels=["kind"],
+    )
+    for kind, sums in kinds.items():
+        total, buckets = 0, []
+        for le, n in sums["wall_hist"].items():  # upper bounds in ms, the last "inf"
+            total += n
+            buckets.append(("+Inf" if le == "inf" else str(float(le) / 1e3), total))
+        hist.add_metric([kind], buckets, float(sums["wall_s"]))
+    yield hist
 
 
 class _EngineCollector:

@@ -33,6 +33,9 @@ Per kind :class:`StepStats` keeps sums only (O(1) memory however many steps run)
   runs inside the launch, so ``host_s`` is close to ``wall_s``.
 - ``batch_hist``: steps per batch-size bucket (:data:`BATCH_BUCKETS`: 1, 2, 3-4, ..., 257-512,
   513+ requests).
+- ``wall_hist``: ``step()`` calls per wall-time bucket (:data:`WALL_BUCKETS_MS`, upper bounds; the
+  last open): the longest steps of a kind, which bound the inter-token gaps (a prefill step between
+  two decode steps delays every stream by its length).
 
 Beside the kinds, ``discarded_tokens``: tokens sampled for a request that had finished (or was
 aborted) while the step was in flight, the cost of overlapped decoding; a run's decode tokens are
@@ -48,6 +51,7 @@ zeroes everything (a benchmark resets before its measured run).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +66,10 @@ BATCH_BUCKETS = (
     + tuple(f"{2 ** (i - 1) + 1}-{2**i}" for i in range(2, _LAST_BUCKET))
     + (f"{2 ** (_LAST_BUCKET - 1) + 1}+",)
 )
+
+
+# Upper bounds (ms) of ``wall_hist``'s buckets; one more bucket holds the longer calls.
+WALL_BUCKETS_MS = (5, 10, 15, 20, 30, 40, 60, 80, 100, 150, 200, 300, 500, 1000)
 
 
 def step_kind(prefill_tokens: int, decode_tokens: int) -> int:
@@ -88,6 +96,7 @@ class KindStats:
     host_s: float
     calls: int
     batch_hist: tuple[int, ...]  # steps per BATCH_BUCKETS bucket
+    wall_hist: tuple[int, ...]  # step() calls per WALL_BUCKETS_MS bucket (+ one open bucket)
 
     @property
     def tokens(self) -> int:
@@ -121,6 +130,7 @@ class KindStats:
             "host_s": self.host_s,
             "calls": self.calls,
             "batch_hist": dict(zip(BATCH_BUCKETS, self.batch_hist)),
+            "wall_hist": dict(zip((*map(str, WALL_BUCKETS_MS), "inf"), self.wall_hist)),
             "mean_batch": self.mean_batch,
             "tokens_per_step": self.tokens_per_step,
             "step_ms": self.step_ms,
@@ -152,6 +162,7 @@ class StepStatsSnapshot:
             sum(k.host_s for k in ks),
             sum(k.calls for k in ks),
             tuple(map(sum, zip(*(k.batch_hist for k in ks)))),
+            tuple(map(sum, zip(*(k.wall_hist for k in ks)))),
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -174,6 +185,7 @@ class StepStats:
         "prefill_tokens",
         "requests",
         "steps",
+        "wall_hist",
         "wall_s",
     )
 
@@ -191,6 +203,7 @@ class StepStats:
         self.host_s = [0.0] * n
         self.calls = [0] * n
         self.hist = [[0] * len(BATCH_BUCKETS) for _ in KINDS]
+        self.wall_hist = [[0] * (len(WALL_BUCKETS_MS) + 1) for _ in KINDS]
         self.discarded_tokens = 0
 
     def count(self, requests: int, prefill_tokens: int, decode_tokens: int) -> int:
@@ -208,6 +221,7 @@ class StepStats:
         self.wall_s[kind] += wall_s
         self.host_s[kind] += host_s
         self.calls[kind] += 1
+        self.wall_hist[kind][bisect.bisect_left(WALL_BUCKETS_MS, wall_s * 1e3)] += 1
 
     def snapshot(self) -> StepStatsSnapshot:
         kinds = tuple(
@@ -221,6 +235,7 @@ class StepStats:
                 self.host_s[k],
                 self.calls[k],
                 tuple(self.hist[k]),
+                tuple(self.wall_hist[k]),
             )
             for k, name in enumerate(KINDS)
         )

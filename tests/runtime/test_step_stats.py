@@ -10,7 +10,16 @@ from tiny_models import make_checkpoint
 
 from kiln import LLM, SamplingParams
 from kiln.compiler.build import CompileOptions, compile_model
-from kiln.runtime.step_stats import BATCH_BUCKETS, DECODE, KINDS, MIXED, PREFILL, StepStats, step_kind
+from kiln.runtime.step_stats import (
+    BATCH_BUCKETS,
+    DECODE,
+    KINDS,
+    MIXED,
+    PREFILL,
+    WALL_BUCKETS_MS,
+    StepStats,
+    step_kind,
+)
 
 # Three prompts with distinct first tokens (no radix-cache hit between them) and their output lengths.
 PROMPTS = [[3 + i, *range(20 + 7 * i, 20 + 7 * i + n - 1)] for i, n in enumerate((5, 23, 12))]
@@ -78,6 +87,7 @@ def test_counts_are_exact_for_a_known_workload(artifact, overlap, chunk):
     assert tot["tokens_per_step"] == (tot["prefill_tokens"] + tot["decode_tokens"]) / tot["steps"]
     for k in (pre, dec, tot):
         assert sum(k["batch_hist"].values()) == k["steps"] and list(k["batch_hist"]) == list(BATCH_BUCKETS)
+        assert sum(k["wall_hist"].values()) == k["calls"]  # every step() call in one wall-time bucket
         assert 0 < k["host_s"] <= k["wall_s"]  # the host time is a part of the step calls' time
         assert k["step_ms"] == pytest.approx(1e3 * k["wall_s"] / k["steps"])
     assert list(dec["batch_hist"].values())[3:] == [0] * (len(BATCH_BUCKETS) - 3)  # never over 3
@@ -133,6 +143,14 @@ def test_accumulator_kinds_buckets_and_totals():
     tot = snap.total
     assert (tot.steps, tot.prefill_tokens, tot.decode_tokens) == (10, 40, dec.decode_tokens + 2)
     assert tot.wall_s == pytest.approx(1.0) and sum(tot.batch_hist) == 10
+    # step() calls by wall time: 500 ms and 300 ms in the <= 500 and <= 300 buckets, 200 ms <= 200
+    assert dec.wall_hist == (0,) * 11 + (1, 1, 0, 0) and mix.wall_hist == (0,) * 10 + (1, 0, 0, 0, 0)
+    s.time(PREFILL, 0.005, 0.0)  # on a bound: that bucket (Prometheus' le)
+    s.time(PREFILL, 2.0, 0.0)  # past the last bound: the open bucket
+    assert s.snapshot().kind("prefill").wall_hist == (1,) + (0,) * 13 + (1,)
+    assert s.as_dict()["all"]["wall_hist"] == dict(
+        zip((*map(str, WALL_BUCKETS_MS), "inf"), s.snapshot().total.wall_hist)
+    )
     assert snap.kind("prefill").host_ms_per_step == 0.0 and snap.kind("prefill").step_ms == 0.0
     s.reset()
     assert s.snapshot().total.steps == 0 and s.snapshot().total.batch_hist == (0,) * len(BATCH_BUCKETS)

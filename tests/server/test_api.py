@@ -288,6 +288,12 @@ def test_metrics(server):
     # CUDA-graph captures (none on a CPU engine) and those still pending, which a benchmark waits for
     assert values["kiln_engine_graph_captures_total"] == 0 == values["kiln_engine_graph_captures_pending"]
     assert values["kiln_engine_graph_capture_seconds_total"] == 0
+    # step() calls by wall time, per kind: the open bucket counts them all
+    assert values['kiln_engine_step_duration_seconds_count{kind="decode"}'] >= 2
+    assert (
+        values['kiln_engine_step_duration_seconds_bucket{kind="decode",le="+Inf"}']
+        == values['kiln_engine_step_duration_seconds_count{kind="decode"}']
+    )
     decode_requests = values['kiln_engine_step_requests_total{kind="decode"}']
     assert decode_requests == values['kiln_engine_step_decode_tokens_total{kind="decode"}']  # a row each
 

@@ -121,6 +121,9 @@ def test_bench_serve_smoke(demo_artifact, tmp_path):
     assert 0 < dec["host_ms"] <= dec["step_ms"]
     assert report["ttft_ms"]["p99"] <= report["e2e_ms"]["p99"]
     assert report["graph_captures"] == {"count": 0, "seconds": 0}  # read from /metrics (none on a CPU)
+    walls = report["step_duration_ms"]  # the step-duration histogram's run: both kinds ran
+    assert set(walls) == {"prefill", "decode"}
+    assert all(0 < w["p50"] <= w["p99"] <= w["max"] for w in walls.values()), walls
     assert report["output_throughput"] > 0 and report["server_startup_s"] > 0
     assert "kiln_prefix_cache_hit_rate" in report["server_metrics"]
     assert "Finished server process" in (tmp_path / "serve.json.server.log").read_text()  # stopped cleanly
