@@ -177,6 +177,7 @@ async def replay(args: argparse.Namespace, url: str, vocab: int) -> dict[str, An
         "chunks_per_token": sum(len(r.itl) + 1 for r in ok) / max(out_tok, 1),
         "server_itl_ms": server_itl(metrics_before, metrics),
         "step_duration_ms": step_durations(metrics_before, metrics),
+        "gc_pauses": gc_pauses(metrics_before, metrics),
         "graph_captures": graph_captures(metrics_before, metrics),
     }
 
@@ -268,6 +269,21 @@ def server_itl(before: str, after: str) -> dict[str, float]:
     tokens leave the engine thread, before the HTTP side sends them): :func:`bucket_quantiles`."""
     family = "kiln_inter_token_latency_seconds"
     return bucket_quantiles(_buckets(before, family), _buckets(after, family))
+
+
+def gc_pauses(before: str, after: str) -> dict[str, dict[str, float]]:
+    """Python's garbage-collector pauses in the server during the run, by generation: how many,
+    their seconds, and the bucket bound (ms) holding the longest."""
+    family, out = "kiln_python_gc_pause_seconds", {}
+    b, a = parse_metrics(before), parse_metrics(after)
+    for gen in _labelled(after, family + "_count", "generation"):
+        where = f'generation="{gen}"'
+        n = a[f"{family}_count{{{where}}}"] - b.get(f"{family}_count{{{where}}}", 0.0)
+        if n:
+            s = a[f"{family}_sum{{{where}}}"] - b.get(f"{family}_sum{{{where}}}", 0.0)
+            q = bucket_quantiles(_buckets(before, family, where + ","), _buckets(after, family, where + ","))
+            out[gen] = {"count": n, "seconds": s, "max_ms": q["max"]}
+    return out
 
 
 def step_durations(before: str, after: str) -> dict[str, dict[str, float]]:
@@ -469,6 +485,15 @@ def print_report(r: dict[str, Any]) -> None:
         print(
             f"  {kind} step durations (bucket bounds, ms): "
             + ", ".join(f"{k} <= {v:g}" for k, v in q.items())
+        )
+    gcs = r.get("gc_pauses") or {}
+    if gcs:
+        print(
+            "  gc pauses: "
+            + ", ".join(
+                f"gen {g} {v['count']:.0f} ({v['seconds'] * 1e3:.0f} ms, max <= {v['max_ms']:g})"
+                for g, v in gcs.items()
+            )
         )
     cap = r.get("graph_captures")
     if cap:

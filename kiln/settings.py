@@ -234,6 +234,12 @@ _ALL: tuple[Setting, ...] = (
        "512-token chunk against 11 ms of GPU time (runtime/prefill_graphs.py). Off with tensor "
        "parallelism.",
        env="KILN_PREFILL_GRAPHS", flag=True, when="engine start"),
+    _s("gc_freeze", "run", "bool", "1",
+       "kiln serve: once the engine and the server have started, collect once and freeze every "
+       "object alive in Python's garbage collector (gc.freeze): no collection walks torch's, the "
+       "artifact's and the tokenizer's objects again, so a full collection no longer stalls a step "
+       "(runtime/gc_pauses.py).",
+       env="KILN_GC_FREEZE", flag=True, when="server start"),
     _s("mixed_steps", "run", "bool", "0",
        "While prompts wait or prefill, run the running requests' decode tokens and a prefill chunk in "
        "one step (the extend graph, --chunk-size tokens in all) instead of alternating decode and "

@@ -113,6 +113,7 @@ class EngineOptions:
     moe_cutlass: bool | None = None  # MoE rungs recorded for CUTLASS run it (off: their Triton configs)
     prefill_graphs: bool | None = None  # extend steps replay CUDA graphs (runtime/prefill_graphs.py)
     mixed_steps: bool | None = None  # decode tokens and a prefill chunk in one step (runtime/scheduler.py)
+    gc_freeze: bool | None = None  # kiln serve freezes the start-up heap (runtime/gc_pauses.py)
     tp_timeout: int | None = None  # seconds a tensor-parallel collective waits for the other ranks
     tp_all_reduce: str | None = None  # "auto" (symmetric memory where it is faster) or "nccl"
     cache_dir: str | None = None  # where artifacts compiled from a checkpoint are kept

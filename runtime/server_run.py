@@ -19,8 +19,9 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from kiln import gc_paused
+from kiln import gc_paused, settings
 from kiln.errors import KilnError
+from kiln.runtime.gc_pauses import freeze_startup
 from kiln.runtime.server import OpenAIServer, ServerOptions, create_app
 
 SHUTDOWN_GRACE_S = 5.0  # after shutdown_timeout: time for the error replies to go out
@@ -77,6 +78,7 @@ def serve(
             create_app(engine, opts), host=host, port=port, log_level=log_level, access_log=access_log
         )
         server.config.load()  # (what server.run() does first: its protocol modules, the app's wrappers)
+    freeze_startup(settings.value("gc_freeze"))  # the server's start-up objects too (runtime/gc_pauses.py)
     # uvicorn (>= 0.29) installs its own handlers while it runs, and after shutting down re-raises
     # the signal it caught under the handlers it found: Python's defaults would then kill the
     # process by SIGTERM (status 143) or raise KeyboardInterrupt. With ours in place the re-raise

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.runtime import gc_pauses
 from kiln.runtime.request import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -342,6 +343,7 @@ class ServerMetrics:
         )
         self.status: dict[str, Any] = {}
         r.register(_EngineCollector(self))
+        gc_pauses.install()  # the collector's pauses, process-wide (runtime/gc_pauses.py)
 
     def on_outputs(self, t: float, items: list[tuple[Sink, RequestOutput]]) -> None:
         ntok = 0
@@ -402,6 +404,21 @@ def _step_kind_families(kinds: dict[str, dict[str, Any]]):
             buckets.append(("+Inf" if le == "inf" else str(float(le) / 1e3), total))
         hist.add_metric([kind], buckets, float(sums["wall_s"]))
     yield hist
+
+
+def _gc_pause_family():
+    from prometheus_client.core import HistogramMetricFamily
+
+    fam = HistogramMetricFamily(
+        "kiln_python_gc_pause_seconds",
+        "Pauses of Python's garbage collector, by generation (a collection stalls the engine's step).",
+        labels=["generation"],
+    )
+    bounds = [str(b) for b in gc_pauses.PAUSE_BUCKETS_S] + ["+Inf"]
+    for gen, (counts, seconds) in gc_pauses.pauses().items():
+        cum = [sum(counts[: i + 1]) for i in range(len(counts))]
+        fam.add_metric([str(gen)], list(zip(bounds, cum)), seconds)
+    return fam
 
 
 class _EngineCollector:
@@ -467,6 +484,7 @@ class _EngineCollector:
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(s[key]))
         yield from _step_kind_families(s["step_kinds"])
+        yield _gc_pause_family()
         yield GaugeMetricFamily(
             "kiln_spec_acceptance_rate",
             "Draft tokens accepted / proposed since the server started (0 before any).",

@@ -127,3 +127,24 @@ def test_bench_serve_smoke(demo_artifact, tmp_path):
     assert report["output_throughput"] > 0 and report["server_startup_s"] > 0
     assert "kiln_prefix_cache_hit_rate" in report["server_metrics"]
     assert "Finished server process" in (tmp_path / "serve.json.server.log").read_text()  # stopped cleanly
+
+
+def test_serve_freezes_the_startup_heap(demo_one_rank, monkeypatch):
+    """``kiln serve`` freezes what start-up made in the garbage collector before it serves (the
+    ``gc_freeze`` setting, on by default: runtime/gc_pauses.py); ``--no-gc-freeze`` leaves it."""
+    import gc
+
+    import uvicorn
+
+    frozen = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, *a, **kw: frozen.append(gc.get_freeze_count()))
+    try:
+        for flags in ([], ["--no-gc-freeze"]):
+            gc.unfreeze()
+            r = CliRunner().invoke(
+                cli, ["serve", str(demo_one_rank), "--device", "cpu", *flags], catch_exceptions=False
+            )
+            assert r.exit_code == 0, r.output
+    finally:
+        gc.unfreeze()
+    assert frozen[0] > 10_000 and frozen[1] == 0, frozen  # torch's and the engine's objects, then none
