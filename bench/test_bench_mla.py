@@ -6,8 +6,7 @@ the pool's layer view ``[S, 1, r + dr]``; ``H`` = 16 heads (V2-Lite, V3 at tp 8)
   cached latent row read once (``B L (r + dr) 2``) + ``q_latent``, ``q_pe`` and the output, as a
   fraction of the measured read bandwidth (issue 29: >= 80% where memory bound; at 16 heads the
   kernel does ~30 FLOP/byte, bandwidth bound; at 128 heads ~240, near the H200's ridge:
-  docs/mla.md). ``num_splits``: ``choose_num_splits`` over the kernel's head blocks for the context
-  (what ``num_splits=0`` picks).
+  docs/mla.md). ``num_splits``: ``mla_num_splits`` (what ``num_splits=0`` picks).
 * extend (``kiln::mla_extend``, the flash kernel): one 4k prompt, 4k new tokens over a 4k prefix, 8
   chunks of 512 over 4k prefixes, 64 requests of 8 new tokens over 2k (speculative / short chunks,
   where the absorbed form wins: docs/mla.md): ``flops`` = ``2 H (2 r + dr)`` per visible (query,
@@ -39,10 +38,10 @@ from kiln.ops.attention.decode import choose_num_splits
 from kiln.ops.attention.mla import (
     MLADecodeConfig,
     MLAExtendConfig,
-    default_decode_config,
     mla_decode_triton,
     mla_extend_ref,
     mla_extend_triton,
+    mla_num_splits,
 )
 from kiln.ops.attention.reference import random_block_table, request_slots
 
@@ -104,10 +103,6 @@ def _decode_fn(
     return lambda: _eager_decode(q_latent, q_pe, cache, slots, _sm_scale())
 
 
-def _splits(batch: int, ctx: int, heads: int, block_h: int) -> int:
-    return choose_num_splits(batch, ctx, triton.cdiv(heads, block_h))
-
-
 DECODE_CASES = pick([(b, c) for b in (1, 8, 64, 256) for c in (1024, 8192, 32768)], [(1, 40), (3, 40)])
 
 
@@ -118,7 +113,7 @@ def test_mla_decode(measure, batch, ctx, heads, impl):
     if impl == "eager" and batch * ctx > EAGER_MAX_TOKENS:
         pytest.skip(f"eager gathers B * L = {batch * ctx} latent rows; the bound is {EAGER_MAX_TOKENS}")
     case = _decode_case(batch, ctx, heads)
-    splits = _splits(batch, ctx, heads, default_decode_config(heads).block_h)
+    splits = mla_num_splits(batch, ctx, heads)
     fn = _decode_fn(impl, case, ctx, splits)
     out = fn()
     assert out.shape == (batch, heads, R) and not out.isnan().any()

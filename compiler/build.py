@@ -202,8 +202,13 @@ def _copy_tokenizer(model_dir: Path, out: Path) -> list[str]:
 
 
 def _decode_splits(cfg: ModelConfig, batch: int, max_seq_len: int, tp: int) -> int:
+    """The split-KV factor the decode attention picks at ``batch`` (the manifest's record): MLA's
+    rule for MLA layers (one latent KV head read by every head block), else GQA's per KV head."""
     from kiln.ops.attention.decode import choose_num_splits
+    from kiln.ops.attention.mla import mla_num_splits
 
+    if cfg.mla is not None:
+        return mla_num_splits(batch, max_seq_len, cfg.num_heads // tp)
     return choose_num_splits(batch, max_seq_len, cfg.kv_heads_per_rank(tp))
 
 

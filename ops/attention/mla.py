@@ -525,6 +525,7 @@ class MLADecodeConfig:
     block_n: int = 32  # keys per iteration: a [32, 512] latent tile
     num_warps: int = 4
     num_stages: int = 2
+    programs_per_sm: int = 8  # the split plan's target (choose_num_splits; 0 splits = auto)
 
 
 def default_decode_config(heads: int) -> MLADecodeConfig:
@@ -532,12 +533,28 @@ def default_decode_config(heads: int) -> MLADecodeConfig:
     decode_sweep``, docs/mla.md): at 16 heads (memory-bound) the default, 32 keys x 16 heads on 4
     warps, is the best or within 2% of it at every shape (84% of read bandwidth at batch 256 x 32k);
     at 64 heads and more (compute-bound: V3 at tp 1) 64-head blocks on 8 warps read each latent tile
-    once for 64 heads, 1.29x faster than 16-head blocks at batch 64 x 8k."""
+    once for 64 heads, 1.29x faster than 16-head blocks at batch 64 x 8k.
+
+    Splits (session 33, the same sweep over the split plan's programs per SM, 2 to 16): at 16 heads
+    eight per SM stays best (batch 64 x 8k 71.7% of read bandwidth against 62.9% at four and 65.2%
+    at sixteen; within 1% elsewhere); 64-head blocks do best with two (0.978 ms against 1.077 at
+    eight, 128 heads at batch 64 x 8k): their programs are compute-bound, and more splits only add
+    partials for the merge."""
     if interpreting():
         return MLADecodeConfig(block_h=16, block_n=16, num_warps=1, num_stages=1)
     if heads >= 64:
-        return MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
+        return MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, programs_per_sm=2)
     return MLADecodeConfig()
+
+
+def mla_num_splits(batch: int, max_seq_len: int, heads: int, config: MLADecodeConfig | None = None) -> int:
+    """The split-KV factor of an MLA decode of ``batch`` requests over ``heads`` query heads (the
+    op's choice for ``num_splits = 0``): the latent is one KV head that every head block of
+    ``config`` (default: :func:`default_decode_config`) reads, so its programs are head blocks x
+    batch x splits, aimed at the config's programs per SM."""
+    cfg = config or default_decode_config(heads)
+    head_blocks = triton.cdiv(heads, cfg.block_h)
+    return choose_num_splits(max(batch, 1), max_seq_len, head_blocks, programs_per_sm=cfg.programs_per_sm)
 
 
 @kiln_op("mla_decode", ref=mla_decode_ref, check=check_mla_decode, fake=empty_mla_out)
@@ -553,7 +570,7 @@ def mla_decode_triton(
     cfg = config or default_decode_config(heads)
     head_blocks = triton.cdiv(heads, cfg.block_h)
     if num_splits == 0:
-        num_splits = choose_num_splits(max(bsz, 1), block_table.shape[1] * page_size, head_blocks)
+        num_splits = mla_num_splits(bsz, block_table.shape[1] * page_size, heads, cfg)
     out = torch.empty(bsz, heads, r, dtype=q_latent.dtype, device=q_latent.device)
     if bsz == 0:
         return out

@@ -231,6 +231,22 @@ def test_folded_norms_run_batch_one_in_the_residual_stream(tmp_path, hf_quiet, n
     assert out[0].token_ids == hf_greedy(hf, prompt, NEW)[0]
 
 
+def test_manifest_records_the_mla_split_plan(tmp_path, hf_quiet):
+    """The manifest's decode split factors for an MLA model are the MLA op's (one latent KV head,
+    read by every head block), not GQA's per-KV-head rule: at batch 64 over 8k tokens those differ."""
+    from kiln.compiler.build import _decode_splits
+    from kiln.compiler.config import load_config
+    from kiln.ops.attention.decode import choose_num_splits
+    from kiln.ops.attention.mla import mla_num_splits
+
+    make_deepseek_checkpoint(tmp_path / "hf", "v2-lite")
+    cfg = load_config(tmp_path / "hf")
+    for tp in (1, 2):
+        want = mla_num_splits(64, 8192, cfg.num_heads // tp)
+        assert _decode_splits(cfg, 64, 8192, tp) == want
+    assert want != choose_num_splits(64, 8192, cfg.kv_heads_per_rank(2))
+
+
 def test_norm_folds_refuse_a_layer_with_any_fp8_linear(tmp_path, hf_quiet):
     """A block-FP8 checkpoint may leave some linears unquantized (``modules_to_not_convert``): a
     layer folds only when none of its linears is FP8 (the folds write into ``q_b``, the shared
