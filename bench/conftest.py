@@ -19,6 +19,7 @@ import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -154,6 +155,22 @@ def graphed(fn: Callable[[], object]) -> Callable[[], object]:
     with torch.cuda.graph(g):
         fn()
     return g.replay
+
+
+def kernel_resources(jit_fn: Any) -> dict[str, int]:
+    """The registers per thread and spilled bytes of ``jit_fn``'s compiled variants that have run
+    in this process, the largest of each (``regs``, ``spills``; empty before any has run or where
+    Triton does not say): a kernel that spills, or whose registers leave room for few programs per
+    SM, is limited by that rather than by its tiles."""
+    kernels = []
+    for cache in getattr(jit_fn, "device_caches", {}).values():
+        compiled = cache[0] if isinstance(cache, tuple) else cache
+        kernels += [
+            k for k in getattr(compiled, "values", lambda: [])() if getattr(k, "n_regs", None) is not None
+        ]
+    if not kernels:
+        return {}
+    return {"regs": max(k.n_regs for k in kernels), "spills": max(k.n_spills for k in kernels)}
 
 
 def pick(gpu_value, smoke_value):

@@ -32,12 +32,13 @@ from collections.abc import Callable
 import pytest
 import torch
 import triton
-from conftest import SMOKE, graphed, pick
+from conftest import SMOKE, graphed, kernel_resources, pick
 
 from kiln.ops.attention.decode import choose_num_splits
 from kiln.ops.attention.mla import (
     MLADecodeConfig,
     MLAExtendConfig,
+    _mla_decode_split_kernel,
     mla_decode_triton,
     mla_extend_ref,
     mla_extend_triton,
@@ -139,9 +140,11 @@ def test_mla_decode_sweep(measure, batch, ctx, heads, cfg, pps):
     config = MLADecodeConfig(block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
     splits = choose_num_splits(batch, ctx, triton.cdiv(heads, config.block_h), programs_per_sm=pps)
     fn = _decode_fn("triton", _decode_case(batch, ctx, heads), ctx, splits, config)
+    _mla_decode_split_kernel.device_caches.clear()  # this config's variant alone in kernel_resources
+    replay = graphed(fn)
     measure(
-        graphed(fn), bytes=decode_bytes(batch, ctx, heads), batch=batch, ctx=ctx, heads=heads,
-        num_splits=splits, config=str(config),
+        replay, bytes=decode_bytes(batch, ctx, heads), batch=batch, ctx=ctx, heads=heads,
+        num_splits=splits, config=str(config), **kernel_resources(_mla_decode_split_kernel),
     )  # fmt: skip
 
 
