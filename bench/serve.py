@@ -232,9 +232,15 @@ _STEP_SUMS = {  # /metrics family -> key of the per-kind sums
 
 
 def _labelled(text: str, family: str, label: str) -> dict[str, float]:
-    """``{label value: sample value}`` of one family's samples by one label."""
+    """``{label value: sample value}`` of one family's samples that carry that one label only (a
+    histogram's buckets, which also carry ``le``, go through :func:`_buckets`)."""
     head = f'{family}{{{label}="'
-    return {k[len(head) : -2]: v for k, v in parse_metrics(text).items() if k.startswith(head)}
+    out = {}
+    for k, v in parse_metrics(text).items():
+        value = k[len(head) : -2]
+        if k.startswith(head) and k.endswith('"}') and '"' not in value:
+            out[value] = v
+    return out
 
 
 def _step_sums(text: str) -> dict[str, dict[str, float]]:

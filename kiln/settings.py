@@ -238,7 +238,8 @@ _ALL: tuple[Setting, ...] = (
        "kiln serve: once the engine and the server have started, collect once and freeze every "
        "object alive in Python's garbage collector (gc.freeze): no collection walks torch's, the "
        "artifact's and the tokenizer's objects again, so a full collection no longer stalls a step "
-       "(runtime/gc_pauses.py).",
+       "(runtime/gc_pauses.py). Tensor-parallel ranks 1..N-1 do the same once set up; kiln.LLM, "
+       "generate and bench, whose engines may come and go, ignore it.",
        env="KILN_GC_FREEZE", flag=True, when="server start"),
     _s("mixed_steps", "run", "bool", "0",
        "While prompts wait or prefill, run the running requests' decode tokens and a prefill chunk in "

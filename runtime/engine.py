@@ -604,8 +604,9 @@ class Engine:
         return prefill is not None and prefill.capture_next()
 
     def captures_pending(self) -> int:
-        """How many CUDA-graph captures :meth:`idle` would still make: pending decode buckets and
-        prefill shapes captured ahead. Until it is 0 a first step of a new shape may capture."""
+        """The CUDA graphs :meth:`idle` may still capture: pending decode buckets and prefill shapes
+        to capture ahead (:meth:`PrefillGraphs.ahead_left`); 0 once it has nothing left to do.
+        Until then a first step of a new shape may capture."""
         prefill = self.runner.prefill if self.ranks is None else None
         return len(self.runner.pending_graphs) + (prefill.ahead_left() if prefill is not None else 0)
 
@@ -811,7 +812,8 @@ class Engine:
     def step_metrics(self) -> dict[str, Any]:
         """The step figures since the engine started or :meth:`reset_step_stats`, as plain numbers:
         ``{"prefill" | "decode" | "mixed" | "all": {steps, requests, prefill_tokens, decode_tokens,
-        wall_s, host_s, calls, batch_hist, mean_batch, tokens_per_step, step_ms, host_ms_per_step},
+        wall_s, host_s, calls, batch_hist, wall_hist, mean_batch, tokens_per_step, step_ms,
+        host_ms_per_step},
         "discarded_tokens": n}`` (runtime/step_stats.py says what each figure means), with
         speculative decoding on also ``"speculative"``: ``AcceptanceStats.as_dict()``."""
         m = self.step_stats.as_dict()
@@ -847,8 +849,9 @@ class Engine:
             # per step kind (prefill, decode, mixed): steps, requests, fed tokens, wall and host
             # seconds since start or reset_step_stats (runtime/step_stats.py)
             "step_kinds": {k: v for k, v in self.step_stats.as_dict().items() if k in KINDS},
-            # CUDA-graph captures since start (decode, verify and prefill graphs; each stalls the
-            # steps once), their wall seconds, and those idle time would still make
+            # CUDA-graph capture runs since start (ModelRunner.capturing blocks: start-up's decode
+            # and verify graphs are one, each later decode bucket or prefill shape one; each stalls
+            # the steps once), their wall seconds, and the graphs idle time may still capture
             "graph_captures": self.runner.captures,
             "graph_capture_seconds": self.runner.capture_seconds,
             "graph_captures_pending": self.captures_pending(),

@@ -11,11 +11,15 @@ H100 saw decode step() calls of 200-300 ms against 7 ms steps, with no graph cap
   its engine and app are up): one full collection, then every object alive goes to the
   collector's permanent generation (``gc.freeze()``), which no collection walks. Objects made
   later are collected as usual. A frozen object is never collected, even once it is garbage in a
-  cycle: so only a process that keeps its engine for good (the server) freezes, not ``kiln.LLM``,
-  whose engines come and go (the tests make hundreds).
+  cycle: so only a process that keeps its engine for good freezes (the server, and tensor-parallel
+  ranks 1..N-1 once set up, whose collections would stall every rank's collectives), not
+  ``kiln.LLM``, whose engines come and go (the tests make hundreds).
 * :func:`install` / :func:`pauses`: every collection's pause, by generation, in buckets of
   :data:`PAUSE_BUCKETS_S` (the server's ``kiln_python_gc_pause_seconds`` histogram). One
-  process-wide callback, installed once; its cost is two clock reads per collection.
+  process-wide callback, installed once; its cost is two clock reads per collection. No lock: only
+  the callback writes, inside a collection, and CPython runs one collection at a time; a lock
+  would deadlock, since :func:`pauses` allocates while reading and may itself start a collection
+  whose callback then waits for it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from typing import Any
 
 PAUSE_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)  # upper bounds; one more open
 
-_lock = threading.Lock()
 _counts = [[0] * (len(PAUSE_BUCKETS_S) + 1) for _ in range(3)]  # per generation, per bucket
 _sums = [0.0, 0.0, 0.0]
 _started: dict[int, float] = {}  # thread id -> when its collection started
@@ -43,9 +46,8 @@ def _on_gc(phase: str, info: dict[str, Any]) -> None:
         return
     s = time.perf_counter() - t0
     g = min(int(info.get("generation", 2)), 2)
-    with _lock:
-        _counts[g][bisect.bisect_left(PAUSE_BUCKETS_S, s)] += 1
-        _sums[g] += s
+    _counts[g][bisect.bisect_left(PAUSE_BUCKETS_S, s)] += 1
+    _sums[g] += s
 
 
 def install() -> None:
@@ -56,9 +58,8 @@ def install() -> None:
 
 def pauses() -> dict[int, tuple[list[int], float]]:
     """``{generation: (collections per bucket of PAUSE_BUCKETS_S plus the open one, seconds)}``
-    since :func:`install`."""
-    with _lock:
-        return {g: (list(_counts[g]), _sums[g]) for g in range(3)}
+    since :func:`install` (a copy; a collection that ends while it is taken may be half in it)."""
+    return {g: (list(_counts[g]), _sums[g]) for g in range(3)}
 
 
 def freeze_startup(enabled: bool) -> None:

@@ -190,7 +190,8 @@ class PrefillGraphs:
         return [s for s in want if s not in self.graphs]
 
     def ahead_left(self) -> int:
-        """How many shapes :meth:`capture_next` would still capture (0 once the caps are reached)."""
+        """The shapes still to capture ahead (:meth:`pending`); 0 once the caps leave no room for
+        the next one, when :meth:`capture_next` stops (so a count, at most, of those it makes)."""
         todo = self.pending()
         return len(todo) if todo and self._room(todo[0][1]) else 0
 

@@ -446,7 +446,7 @@ class _EngineCollector:
                 s["cached_tokens"] / max(s["prompt_tokens"], 1),
             ),
             "kiln_engine_graph_captures_pending": (
-                "CUDA-graph captures the idle engine would still make (a new shape's first step may capture).",
+                "CUDA graphs the idle engine may still capture (until 0, a new shape's first step may capture).",
                 s["graph_captures_pending"],
             ),
         }
@@ -457,7 +457,8 @@ class _EngineCollector:
             "kiln_engine_prompt_tokens": ("Prompt tokens the engine admitted.", "prompt_tokens"),
             "kiln_preemptions": ("Running sequences preempted for KV memory.", "preemptions"),
             "kiln_engine_graph_captures": (
-                "CUDA-graph captures (each stalls the engine's steps once).",
+                "CUDA-graph capture runs (start-up's is one, then one per later decode bucket or "
+                "prefill shape; each stalls the steps once).",
                 "graph_captures",
             ),
             "kiln_engine_graph_capture_seconds": (

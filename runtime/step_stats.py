@@ -35,7 +35,8 @@ Per kind :class:`StepStats` keeps sums only (O(1) memory however many steps run)
   513+ requests).
 - ``wall_hist``: ``step()`` calls per wall-time bucket (:data:`WALL_BUCKETS_MS`, upper bounds; the
   last open): the longest steps of a kind, which bound the inter-token gaps (a prefill step between
-  two decode steps delays every stream by its length).
+  two decode steps delays every stream by its length). In ``as_dict`` its keys are the bounds as
+  strings, ``"5"`` .. ``"1000"`` and ``"inf"`` (``batch_hist``'s are its bucket names).
 
 Beside the kinds, ``discarded_tokens``: tokens sampled for a request that had finished (or was
 aborted) while the step was in flight, the cost of overlapped decoding; a run's decode tokens are

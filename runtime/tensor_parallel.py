@@ -54,6 +54,7 @@ from kiln import settings
 from kiln.errors import KilnError
 from kiln.ops.common.collective import enable_symmetric_all_reduce, set_tp_group
 from kiln.runtime import step_wire
+from kiln.runtime.gc_pauses import freeze_startup
 from kiln.runtime.kv_pool import BlockTable, KVPool
 from kiln.runtime.loader import load_model
 from kiln.runtime.model_runner import ModelRunner, StepInputs, with_drafts
@@ -184,6 +185,7 @@ def _follower_main(
             tree_graphs=tree_graphs,
             prefill_graphs=False,  # as rank 0's (Engine): eager extend steps on every rank
         )
+        freeze_startup(settings.value("gc_freeze"))  # this process's engine is for good (gc_pauses.py)
         while True:
             msg = _receive()
             if msg[0] == "stop":

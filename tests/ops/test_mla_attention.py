@@ -214,6 +214,21 @@ def test_extend_matches_expanded(path, seed, page_size):
         assert err < 1e-5, f"seed {seed}, request {b}: relative error {err:.2e}"
 
 
+def test_decode_split_plan_by_head_block(monkeypatch):
+    """The GPU launch (not the interpreter's): 16-head blocks aim at eight programs per SM, 64-head
+    blocks (64 heads and more) at two (measured, ``default_decode_config``); ``num_splits = 0``
+    picks ``mla_num_splits``: the latent is one KV head, read by each head block."""
+    from kiln.ops.attention.decode import choose_num_splits
+
+    monkeypatch.setattr(mla, "interpreting", lambda: False)
+    assert mla.default_decode_config(16).programs_per_sm == 8
+    wide = mla.default_decode_config(128)
+    assert (wide.block_h, wide.programs_per_sm) == (64, 2)
+    assert mla.mla_num_splits(64, 8192, 16) == choose_num_splits(64, 8192, 1) == 17
+    assert mla.mla_num_splits(64, 8192, 128) == choose_num_splits(64, 8192, 2, programs_per_sm=2) == 3
+    assert mla.mla_num_splits(64, 8192, 128) != choose_num_splits(64, 8192, 2)  # eight per SM: 9
+
+
 @pytest.mark.parametrize("page_size, num_splits", [(1, 3), (16, 1), (16, 0)])
 def test_decode_matches_expanded(path, seed, page_size, num_splits):
     """One new token per request (its latent written by the op), a padding row (block-table row 0,

@@ -35,3 +35,25 @@ def test_freeze_startup_freezes_and_later_garbage_is_still_collected():
         assert gc.collect() >= 1 and gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
+
+
+def test_reading_the_pauses_while_collections_run_does_not_deadlock():
+    """``pauses()`` allocates, so a collection (and its callback) may start inside it: with a lock
+    shared by the two the reader waited for itself (a /metrics scrape hung the server)."""
+    import threading
+
+    gc_pauses.install()
+    done = threading.Event()
+
+    def read() -> None:
+        for _ in range(2000):
+            gc_pauses.pauses()
+        done.set()
+
+    old = gc.get_threshold()
+    gc.set_threshold(1)  # a collection at nearly every allocation
+    try:
+        threading.Thread(target=read, daemon=True).start()
+        assert done.wait(30), "pauses() did not return"
+    finally:
+        gc.set_threshold(*old)

@@ -232,7 +232,8 @@ def test_graph_greedy_matches_the_sampler(gpu_art, monkeypatch):
 def test_weight_thread_loads_no_kernel_launcher(gpu_art, monkeypatch):
     """The checksum kernel's first launch (which loads its Triton launcher) runs on the main thread
     before the weight reader starts: a first launch on the reader, beside the graph captures on the
-    main thread, once got another kernel's launcher (kiln/weights/checksum.py, load_kernel)."""
+    main thread, once got another kernel's launcher (kiln/weights/checksum.py, load_kernel). And
+    the engine counts its CUDA-graph capture runs and those pending (/metrics)."""
     import threading
 
     from kiln import LLM
@@ -248,6 +249,13 @@ def test_weight_thread_loads_no_kernel_launcher(gpu_art, monkeypatch):
         launch(*args)
 
     monkeypatch.setattr(checksum, "launch", record)
-    LLM(str(art), device="cuda", kv_memory_gib=0.5)
+    eng = LLM(str(art), device="cuda", kv_memory_gib=0.5).engine
     assert threads and threads[0] == threading.main_thread().name, threads
     assert "kiln-load-weights" in threads  # the pack's check itself still runs on the reader
+    # the capture runs /metrics counts: start-up's, then one per graph captured while idle
+    start = eng.status()["graph_captures"]
+    assert start >= 1 and eng.captures_pending() > 0  # prompt shapes to capture ahead
+    made = eng.finish_captures()
+    s = eng.status()
+    assert s["graph_captures"] == start + made and s["graph_captures_pending"] == 0 and made > 0
+    assert s["graph_capture_seconds"] > 0

@@ -74,11 +74,51 @@ def test_serve_options(demo_one_rank, monkeypatch):
         assert r.exit_code != 0 and flag in r.output, (flag, r.output)
 
 
-def test_bench_serve_smoke(demo_artifact, tmp_path):
+def _bench_serve():
+    """bench/serve.py as a module."""
     spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "bench" / "serve.py")
     bench = importlib.util.module_from_spec(spec)
     sys.modules["bench_serve"] = bench  # dataclasses look their module up
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_waits_for_the_servers_captures(monkeypatch):
+    """Before sending load, bench/serve.py polls /metrics until the idle server's pending captures
+    reach 0 (a server without the gauge: at once), and gives up at its timeout."""
+    import asyncio
+    import types
+
+    bench = _bench_serve()
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(asyncio, "sleep", lambda s: real_sleep(0))  # no real waits
+
+    class Server:
+        def __init__(self, pending):
+            self.pending, self.scrapes = list(pending), 0
+
+        async def get(self, path):
+            assert path == "/metrics"
+            self.scrapes += 1
+            n = self.pending.pop(0) if len(self.pending) > 1 else self.pending[0]
+            page = (
+                ""
+                if n is None
+                else f"# TYPE kiln_engine_graph_captures_pending gauge\nkiln_engine_graph_captures_pending {n}\n"
+            )
+            return types.SimpleNamespace(text=page)
+
+    for pending, scrapes in (([3, 2, 0], 3), ([None], 1)):
+        s = Server(pending)
+        asyncio.run(bench.wait_captured(s, timeout=60))
+        assert s.scrapes == scrapes
+    stuck = Server([1])
+    asyncio.run(bench.wait_captured(stuck, timeout=0.05))  # returns at the timeout
+    assert stuck.scrapes >= 1
+
+
+def test_bench_serve_smoke(demo_artifact, tmp_path):
+    bench = _bench_serve()
     out = tmp_path / "serve.json"
     report = bench.main(
         [
@@ -121,6 +161,8 @@ def test_bench_serve_smoke(demo_artifact, tmp_path):
     assert 0 < dec["host_ms"] <= dec["step_ms"]
     assert report["ttft_ms"]["p99"] <= report["e2e_ms"]["p99"]
     assert report["graph_captures"] == {"count": 0, "seconds": 0}  # read from /metrics (none on a CPU)
+    young = report["gc_pauses"]["0"]  # the server's young collections during the run
+    assert young["count"] >= 1 and young["seconds"] > 0 and young["max_ms"] > 0
     walls = report["step_duration_ms"]  # the step-duration histogram's run: both kinds ran
     assert set(walls) == {"prefill", "decode"}
     assert all(0 < w["p50"] <= w["p99"] <= w["max"] for w in walls.values()), walls
