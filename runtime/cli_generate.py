@@ -46,7 +46,13 @@ def engine_options(f):  # shared by generate, serve and bench
             help="Cap on concurrently running requests (at most the artifact's max batch size).",
         ),
         click.option(
-            "--chunk-size", type=int, default=None, help="Prefill chunk in tokens (capped at the artifact's)."
+            "--chunk-size",
+            type=int,
+            default=None,
+            help="Most prompt tokens in one prefill step (capped at the artifact's chunk, 4096 by "
+            "default). A prefill step delays every stream by its length: serving the 8B shape at "
+            "16 req/s on an H100, 1024 cut the longest inter-token gap from 68 to 38 ms, for 1.6% "
+            "less offline throughput (docs/performance.md).",
         ),
         click.option(
             "--verify/--no-verify",
