@@ -297,13 +297,30 @@ def _mla_kv_write_kernel(
 
 
 @triton.jit
+def _mla_tile(
+    bt_row, cache_ptr, stride_cp, stride_ct, n0, end, r, e,
+    R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Keys ``n0 .. n0 + BLOCK_N`` of a request (rows at or past ``end`` masked): the latent tile
+    ``c [BLOCK_N, BLOCK_R]`` (key and value), the rope keys ``pe [BLOCK_N, BLOCK_DR]`` and the row
+    mask, through the block table row ``bt_row``."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    kmask = offs < end
+    page = tl.load(bt_row + offs // PAGE, mask=kmask, other=0).to(tl.int64)
+    tok = cache_ptr + page * stride_cp + (offs % PAGE).to(tl.int64) * stride_ct  # [BLOCK_N] rows
+    c = tl.load(tok[:, None] + r[None, :], mask=kmask[:, None] & (r[None, :] < R), other=0.0)
+    pe = tl.load(tok[:, None] + R + e[None, :], mask=kmask[:, None] & (e[None, :] < DR), other=0.0)
+    return c, pe, kmask
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     ql_ptr, qp_ptr, cache_ptr, bt_ptr, rows_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     stride_lb, stride_lh, stride_pb, stride_ph, stride_cp, stride_ct, stride_bt, stride_ob, stride_oh,
     num_heads, num_splits, sm_scale,
     R: tl.constexpr, BLOCK_R: tl.constexpr, DR: tl.constexpr, BLOCK_DR: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     pdl_trigger(PDL)
     pdl_wait(PDL)  # every program, before any load (ops/common/launch.py)
@@ -336,17 +353,27 @@ def _mla_decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     bt_row = bt_ptr + row * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        kmask = offs < end
-        page = tl.load(bt_row + offs // PAGE, mask=kmask, other=0).to(tl.int64)
-        tok = cache_ptr + page * stride_cp + (offs % PAGE).to(tl.int64) * stride_ct  # [BLOCK_N] rows
-        c = tl.load(tok[:, None] + r[None, :], mask=kmask[:, None] & (r[None, :] < R), other=0.0)
-        pe = tl.load(tok[:, None] + R + e[None, :], mask=kmask[:, None] & (e[None, :] < DR), other=0.0)
-        # c: [BLOCK_N, BLOCK_R] (key and value), pe: [BLOCK_N, BLOCK_DR]; read once for BLOCK_H heads
-        s = tl_dot(ql, tl.trans(c), PREC, UPCAST) + tl_dot(qp, tl.trans(pe), PREC, UPCAST)
-        s = tl.where(kmask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-        acc, m_i, l_i = softmax_block(s, c, m_i, l_i, acc, PREC, UPCAST)
+    if PREFETCH:  # the next tile's loads are issued before this tile's dots (registers for two)
+        c, pe, kmask = _mla_tile(
+            bt_row, cache_ptr, stride_cp, stride_ct, start, end, r, e, R, DR, PAGE, BLOCK_N
+        )
+        for n0 in range(start, end, BLOCK_N):
+            c_next, pe_next, kmask_next = _mla_tile(
+                bt_row, cache_ptr, stride_cp, stride_ct, n0 + BLOCK_N, end, r, e, R, DR, PAGE, BLOCK_N
+            )  # past the end: every row masked, nothing read
+            s = tl_dot(ql, tl.trans(c), PREC, UPCAST) + tl_dot(qp, tl.trans(pe), PREC, UPCAST)
+            s = tl.where(kmask[None, :], s * qk_scale, float("-inf"))
+            acc, m_i, l_i = softmax_block(s, c, m_i, l_i, acc, PREC, UPCAST)
+            c, pe, kmask = c_next, pe_next, kmask_next
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            c, pe, kmask = _mla_tile(
+                bt_row, cache_ptr, stride_cp, stride_ct, n0, end, r, e, R, DR, PAGE, BLOCK_N
+            )
+            # c: [BLOCK_N, BLOCK_R] (key and value), pe: [BLOCK_N, BLOCK_DR]; read once for BLOCK_H heads
+            s = tl_dot(ql, tl.trans(c), PREC, UPCAST) + tl_dot(qp, tl.trans(pe), PREC, UPCAST)
+            s = tl.where(kmask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+            acc, m_i, l_i = softmax_block(s, c, m_i, l_i, acc, PREC, UPCAST)
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]  # zeros for an empty request
     omask = hmask[:, None] & (r[None, :] < R)
@@ -526,6 +553,9 @@ class MLADecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 8  # the split plan's target (choose_num_splits; 0 splits = auto)
+    # issue the next key tile's loads before this tile's dots: the loads are gathered through the
+    # block table, so Triton makes them plain loads, not pipelined copies (docs/mla.md); unmeasured
+    prefetch: bool = False
 
 
 def default_decode_config(heads: int) -> MLADecodeConfig:
@@ -590,7 +620,7 @@ def mla_decode_triton(
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), stride_page,
         stride_token, block_table.stride(0), out.stride(0), out.stride(1), heads, num_splits,
         float(sm_scale), R=r, BLOCK_R=block_r, DR=dr, BLOCK_DR=max(16, next_pow2(dr)), PAGE=page_size,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DIRECT=direct,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DIRECT=direct, PREFETCH=cfg.prefetch,
         PREC="ieee" if q_latent.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
