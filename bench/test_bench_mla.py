@@ -122,29 +122,27 @@ def test_mla_decode(measure, batch, ctx, heads, impl):
     measure(graphed(fn), bytes=nbytes, impl=impl, batch=batch, ctx=ctx, heads=heads, num_splits=splits)
 
 
-# (block_h, block_n, num_warps, num_stages[, prefetch]); the first is the default
-DECODE_SWEEP = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 16, 4, 2), (16, 32, 4, 3), (16, 32, 8, 2),
-                (16, 64, 8, 2), (16, 64, 4, 3), (16, 32, 8, 4), (32, 32, 8, 2), (64, 32, 8, 2),
-                (64, 16, 8, 2), (16, 16, 4, 4), (16, 16, 8, 3),
-                (16, 16, 4, 2, True), (16, 16, 8, 2, True), (16, 32, 8, 2, True)]  # fmt: skip
-
-
-def _sweep_id(c: tuple) -> str:
-    return "h{}-n{}-w{}-s{}".format(*c) + ("-pf" if c[4:] and c[4] else "")
+# the launches swept (MLADecodeConfig.label names them); the first is the default
+DECODE_SWEEP = [MLADecodeConfig(h, n, w, s) for h, n, w, s in (
+    (16, 32, 4, 2), (16, 64, 4, 2), (16, 16, 4, 2), (16, 32, 4, 3), (16, 32, 8, 2), (16, 64, 8, 2),
+    (16, 64, 4, 3), (16, 32, 8, 4), (32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2), (16, 16, 4, 4),
+    (16, 16, 8, 3),
+)] + [  # the next tile's loads before this tile's dots; a register cap for three programs an SM
+    MLADecodeConfig(16, 16, 4, 2, prefetch=True), MLADecodeConfig(16, 16, 8, 2, prefetch=True),
+    MLADecodeConfig(16, 32, 8, 2, prefetch=True), MLADecodeConfig(16, 16, 4, 2, maxnreg=168),
+    MLADecodeConfig(16, 32, 4, 2, maxnreg=168), MLADecodeConfig(16, 16, 4, 2, prefetch=True, maxnreg=168),
+]  # fmt: skip
 
 
 @pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")
 @pytest.mark.parametrize("pps", [2, 4, 8, 16], ids=lambda p: f"pps{p}")
-@pytest.mark.parametrize("cfg", DECODE_SWEEP, ids=_sweep_id)
+@pytest.mark.parametrize("config", DECODE_SWEEP, ids=lambda c: c.label)
 @pytest.mark.parametrize(
     "batch, ctx, heads", [(64, 8192, 16), (64, 8192, 128), (1, 32768, 16), (256, 32768, 16), (64, 1024, 16)]
 )
-def test_mla_decode_sweep(measure, batch, ctx, heads, cfg, pps):
+def test_mla_decode_sweep(measure, batch, ctx, heads, config, pps):
     """``pps``: the split plan's programs per SM (``choose_num_splits``; 8 is its default). Each
     split past the first writes a ``[B, H, 512]`` float32 partial the merge reads back."""
-    config = MLADecodeConfig(
-        block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3], prefetch=bool(cfg[4:] and cfg[4])
-    )
     splits = choose_num_splits(batch, ctx, triton.cdiv(heads, config.block_h), programs_per_sm=pps)
     fn = _decode_fn("triton", _decode_case(batch, ctx, heads), ctx, splits, config)
     _mla_decode_split_kernel.device_caches.clear()  # this config's variant alone in kernel_resources

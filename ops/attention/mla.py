@@ -556,6 +556,15 @@ class MLADecodeConfig:
     # issue the next key tile's loads before this tile's dots: the loads are gathered through the
     # block table, so Triton makes them plain loads, not pipelined copies (docs/mla.md); unmeasured
     prefetch: bool = False
+    # registers a thread at most (ptxas spills past it): left free the default takes 255, two
+    # programs an SM; 168 fits three (docs/mla.md); unmeasured
+    maxnreg: int | None = None
+
+    @property
+    def label(self) -> str:
+        """``h16-n32-w4-s2`` (``-pf`` with prefetch, ``-r168`` with a register cap)."""
+        tail = ("-pf" if self.prefetch else "") + (f"-r{self.maxnreg}" if self.maxnreg else "")
+        return f"h{self.block_h}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}{tail}"
 
 
 def default_decode_config(heads: int) -> MLADecodeConfig:
@@ -623,6 +632,7 @@ def mla_decode_triton(
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DIRECT=direct, PREFETCH=cfg.prefetch,
         PREC="ieee" if q_latent.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )  # fmt: skip
     if not direct:
         block_m = min(64, block_r)  # decode.py's merge: the partials' layout and split plan are its own

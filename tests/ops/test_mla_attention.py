@@ -231,17 +231,20 @@ def test_decode_split_plan_by_head_block(monkeypatch):
 
 
 @pytest.mark.parametrize("page_size, num_splits", [(1, 3), (16, 1), (16, 0)])
-@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch-r168"])
 def test_decode_matches_expanded(path, seed, page_size, num_splits, prefetch, monkeypatch):
     """One new token per request (its latent written by the op), a padding row (block-table row 0,
     length 0: zeros); absorbed decode + apply_uv against the expanded form. ``prefetch``: the
-    kernel loads each next key tile before the current one's dots (``MLADecodeConfig.prefetch``)."""
+    kernel loads each next key tile before the current one's dots (``MLADecodeConfig.prefetch``),
+    launched with a register cap (``maxnreg``, which the interpreter takes and ignores)."""
     if prefetch:
         if path != "kernel":
             pytest.skip("a launch option of the Triton kernel")
         launch = mla.default_decode_config(H)
         monkeypatch.setattr(
-            mla, "default_decode_config", lambda heads: dataclasses.replace(launch, prefetch=True)
+            mla,
+            "default_decode_config",
+            lambda heads: dataclasses.replace(launch, prefetch=True, maxnreg=168),
         )
     lens = [1, 9, 40, 17, 64]
     block_table, req_rows, cache = paged_cache(lens, page_size)
