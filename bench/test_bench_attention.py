@@ -210,12 +210,15 @@ def test_decode_engine(measure, batch, ctx, page, kv):
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("splits", ["auto", "one", "double"])
 @pytest.mark.parametrize(
-    "cfg", [(64, 4, 2), (128, 8, 2), (64, 4, 3), (32, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 3), (32, 2, 3)]
-)
+    "cfg",
+    [(64, 4, 2), (128, 8, 2), (64, 4, 3), (32, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 3), (32, 2, 3),
+     (32, 4, 2, 168), (32, 2, 3, 168), (32, 4, 2, 128)],  # (block_n, warps, stages[, register cap])
+    ids=lambda c: "n{}-w{}-s{}".format(*c) + (f"-r{c[3]}" if c[3:] else ""),
+)  # fmt: skip
 @pytest.mark.parametrize("batch, ctx, page", [(64, 512, 1), (64, 512, 16), (256, 1024, 1), (256, 1024, 16)])
 def test_decode_engine_sweep(measure, batch, ctx, page, cfg, splits, kv):
     q, k_cache, v_cache, bt, rows, lens, _, nbytes, kv_scales = _decode_case(batch, ctx, page, kv)
-    config = DecodeConfig(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
+    config = DecodeConfig(*cfg)
     auto = choose_num_splits(batch, ENGINE_CAP, HKV)
     n = {"auto": auto, "one": 1, "double": 2 * auto}[splits]
     fn = lambda: decode_attention_triton(

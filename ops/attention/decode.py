@@ -107,6 +107,15 @@ class DecodeConfig:
     block_n: int = 32  # keys per iteration
     num_warps: int = 4
     num_stages: int = 2
+    # registers a thread at most (ptxas spills past it; Triton's ``maxnreg``): left free the bf16
+    # launch takes 255, two programs an SM (docs/performance.md); unmeasured
+    maxnreg: int | None = None
+
+    def launch(self) -> dict[str, int]:
+        """The Triton launch options: warps, stages and the register cap where one is set."""
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages} | (
+            {"maxnreg": self.maxnreg} if self.maxnreg else {}
+        )
 
 
 def default_config(head_dim: int, v_head_dim: int, kv_fp8: bool = False) -> DecodeConfig:
@@ -461,7 +470,7 @@ def decode_attention_triton(
         BLOCK_D=max(16, next_pow2(d)), DV=dv, BLOCK_DV=block_dv, PAGE=page_size,
         BLOCK_N=cfg.block_n,
         HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, DIRECT=direct,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), **cfg.launch(), **pdl,
         PREWAIT=prewait("attn"), KV_FP8=k_scale is not None,
     )  # fmt: skip
     if not direct:

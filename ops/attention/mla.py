@@ -560,6 +560,12 @@ class MLADecodeConfig:
     # programs an SM; 168 fits three (docs/mla.md); unmeasured
     maxnreg: int | None = None
 
+    def launch(self) -> dict[str, int]:
+        """The Triton launch options: warps, stages and the register cap where one is set."""
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages} | (
+            {"maxnreg": self.maxnreg} if self.maxnreg else {}
+        )
+
     @property
     def label(self) -> str:
         """``h16-n32-w4-s2`` (``-pf`` with prefetch, ``-r168`` with a register cap)."""
@@ -631,8 +637,7 @@ def mla_decode_triton(
         float(sm_scale), R=r, BLOCK_R=block_r, DR=dr, BLOCK_DR=max(16, next_pow2(dr)), PAGE=page_size,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DIRECT=direct, PREFETCH=cfg.prefetch,
         PREC="ieee" if q_latent.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        **cfg.launch(), **pdl,
     )  # fmt: skip
     if not direct:
         block_m = min(64, block_r)  # decode.py's merge: the partials' layout and split plan are its own
