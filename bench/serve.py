@@ -150,6 +150,8 @@ async def replay(args: argparse.Namespace, url: str, vocab: int) -> dict[str, An
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t_start
         metrics = (await http.get("/metrics")).text
+    before, after = parse_metrics(metrics_before), parse_metrics(metrics)
+    gc = labelled_histograms(before, after, "kiln_python_gc_pause_seconds", "generation")
     ok = [r for r in results if r.ok]
     out_tok = sum(r.output_tokens for r in ok)
     in_tok = sum(r.prompt_len for r in ok)
@@ -170,19 +172,24 @@ async def replay(args: argparse.Namespace, url: str, vocab: int) -> dict[str, An
         "itl_ms": percentiles([x for r in ok for x in r.itl]),
         "tpot_ms": percentiles(tpot),
         "e2e_ms": percentiles([r.e2e for r in ok]),
-        "server_metrics": _server_figures(metrics),
-        "steps": step_figures(metrics_before, metrics),
+        "server_metrics": _server_figures(after),
+        "steps": step_figures(before, after),
         # text chunks a client received per token: below 1 when the server sent several tokens in
         # one event (its queue held them: the HTTP side fell behind the engine)
         "chunks_per_token": sum(len(r.itl) + 1 for r in ok) / max(out_tok, 1),
-        "server_itl_ms": server_itl(metrics_before, metrics),
-        "step_duration_ms": step_durations(metrics_before, metrics),
-        "gc_pauses": gc_pauses(metrics_before, metrics),
-        "graph_captures": graph_captures(metrics_before, metrics),
+        "server_itl_ms": server_itl(before, after),
+        # the engine's step() calls by kind, and the garbage collector's pauses by generation
+        "step_duration_ms": labelled_histograms(before, after, "kiln_engine_step_duration_seconds", "kind"),
+        "gc_pauses": {
+            g: {"count": h["count"], "seconds": h["seconds"], "max_ms": h["max"]} for g, h in gc.items()
+        },
+        "graph_captures": graph_captures(before, after),
     }
 
 
 _PENDING = "kiln_engine_graph_captures_pending"
+
+Metrics = dict[str, float]  # a /metrics page, parsed (parse_metrics)
 
 
 async def wait_captured(http: httpx.AsyncClient, timeout: float) -> None:
@@ -196,15 +203,7 @@ async def wait_captured(http: httpx.AsyncClient, timeout: float) -> None:
         await asyncio.sleep(0.25)
 
 
-def graph_captures(before: str, after: str) -> dict[str, float]:
-    """CUDA-graph captures the server made during the run (a new shape's first step; each stalls
-    every stream once) and their seconds."""
-    b, a = parse_metrics(before), parse_metrics(after)
-    keys = {"count": "kiln_engine_graph_captures_total", "seconds": "kiln_engine_graph_capture_seconds_total"}
-    return {k: a.get(m, 0.0) - b.get(m, 0.0) for k, m in keys.items()}
-
-
-def parse_metrics(text: str) -> dict[str, float]:
+def parse_metrics(text: str) -> Metrics:
     """A Prometheus text page as ``{sample: value}``, each sample as the page writes it, labels
     included (``kiln_engine_steps_total{kind="decode"}``)."""
     out = {}
@@ -215,10 +214,16 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def _server_figures(text: str) -> dict[str, float]:
-    m = parse_metrics(text)
+def _server_figures(m: Metrics) -> dict[str, float]:
     keep = ("kiln_prefix_cache_hit_rate", "kiln_preemptions_total", "kiln_kv_cache_capacity_tokens")
     return {k: m[k] for k in keep if k in m}
+
+
+def graph_captures(b: Metrics, a: Metrics) -> dict[str, float]:
+    """CUDA-graph captures the server made during the run (a new shape's first step; each stalls
+    every stream once) and their seconds."""
+    keys = {"count": "kiln_engine_graph_captures_total", "seconds": "kiln_engine_graph_capture_seconds_total"}
+    return {k: a.get(m, 0.0) - b.get(m, 0.0) for k, m in keys.items()}
 
 
 _STEP_SUMS = {  # /metrics family -> key of the per-kind sums
@@ -231,32 +236,32 @@ _STEP_SUMS = {  # /metrics family -> key of the per-kind sums
 }
 
 
-def _labelled(text: str, family: str, label: str) -> dict[str, float]:
+def _labelled(m: Metrics, family: str, label: str) -> dict[str, float]:
     """``{label value: sample value}`` of one family's samples that carry that one label only (a
     histogram's buckets, which also carry ``le``, go through :func:`_buckets`)."""
     head = f'{family}{{{label}="'
     out = {}
-    for k, v in parse_metrics(text).items():
+    for k, v in m.items():
         value = k[len(head) : -2]
         if k.startswith(head) and k.endswith('"}') and '"' not in value:
             out[value] = v
     return out
 
 
-def _step_sums(text: str) -> dict[str, dict[str, float]]:
+def _step_sums(m: Metrics) -> dict[str, dict[str, float]]:
     """``{kind: {steps, requests, wall_s, ...}}`` from the server's per-kind step counters."""
     out: dict[str, dict[str, float]] = {}
     for family, key in _STEP_SUMS.items():
-        for kind, v in _labelled(text, family, "kind").items():
+        for kind, v in _labelled(m, family, "kind").items():
             out.setdefault(kind, {})[key] = v
     return out
 
 
-def _buckets(text: str, family: str, where: str = "") -> dict[float, float]:
+def _buckets(m: Metrics, family: str, where: str = "") -> dict[float, float]:
     """One histogram's cumulative buckets ``{upper bound: count}``; ``where``: its other labels,
     as the page writes them before ``le`` (``kind="decode",``)."""
     head = f'{family}_bucket{{{where}le="'
-    return {float(k[len(head) : -2]): v for k, v in parse_metrics(text).items() if k.startswith(head)}
+    return {float(k[len(head) : -2]): v for k, v in m.items() if k.startswith(head)}
 
 
 def bucket_quantiles(b: dict[float, float], a: dict[float, float]) -> dict[str, float]:
@@ -270,41 +275,30 @@ def bucket_quantiles(b: dict[float, float], a: dict[float, float]) -> dict[str, 
     return out
 
 
-def server_itl(before: str, after: str) -> dict[str, float]:
+def server_itl(b: Metrics, a: Metrics) -> dict[str, float]:
     """The engine's inter-token gaps during the run (the server's histogram, stamped as each step's
     tokens leave the engine thread, before the HTTP side sends them): :func:`bucket_quantiles`."""
     family = "kiln_inter_token_latency_seconds"
-    return bucket_quantiles(_buckets(before, family), _buckets(after, family))
+    return bucket_quantiles(_buckets(b, family), _buckets(a, family))
 
 
-def gc_pauses(before: str, after: str) -> dict[str, dict[str, float]]:
-    """Python's garbage-collector pauses in the server during the run, by generation: how many,
-    their seconds, and the bucket bound (ms) holding the longest."""
-    family, out = "kiln_python_gc_pause_seconds", {}
-    b, a = parse_metrics(before), parse_metrics(after)
-    for gen in _labelled(after, family + "_count", "generation"):
-        where = f'generation="{gen}"'
-        n = a[f"{family}_count{{{where}}}"] - b.get(f"{family}_count{{{where}}}", 0.0)
-        if n:
-            s = a[f"{family}_sum{{{where}}}"] - b.get(f"{family}_sum{{{where}}}", 0.0)
-            q = bucket_quantiles(_buckets(before, family, where + ","), _buckets(after, family, where + ","))
-            out[gen] = {"count": n, "seconds": s, "max_ms": q["max"]}
+def labelled_histograms(b: Metrics, a: Metrics, family: str, label: str) -> dict[str, dict[str, float]]:
+    """The samples a histogram with one label gained during the run, per label value that gained
+    any: ``count``, ``seconds`` (their sum) and :func:`bucket_quantiles`."""
+    out = {}
+    for value in _labelled(a, family + "_count", label):
+        where = f'{label}="{value}"'
+        count, total = (f"{family}{part}{{{where}}}" for part in ("_count", "_sum"))
+        if a[count] > b.get(count, 0.0):
+            out[value] = {
+                "count": a[count] - b.get(count, 0.0),
+                "seconds": a[total] - b.get(total, 0.0),
+                **bucket_quantiles(_buckets(b, family, where + ","), _buckets(a, family, where + ",")),
+            }
     return out
 
 
-def step_durations(before: str, after: str) -> dict[str, dict[str, float]]:
-    """The engine's step() calls during the run by kind (the server's step-duration histogram):
-    :func:`bucket_quantiles` of each kind that ran."""
-    family, out = "kiln_engine_step_duration_seconds", {}
-    for kind in _labelled(after, family + "_count", "kind"):
-        where = f'kind="{kind}",'
-        b, a = _buckets(before, family, where), _buckets(after, family, where)
-        if a and a[max(a)] > b.get(max(a), 0.0):
-            out[kind] = bucket_quantiles(b, a)
-    return out
-
-
-def step_figures(before: str, after: str) -> dict[str, dict[str, float | None]]:
+def step_figures(before: Metrics, after: Metrics) -> dict[str, dict[str, float | None]]:
     """The engine's steps during the run, by kind: steps, mean batch (requests per step), mean step
     and host time (ms), tokens fed per step. The decode step at the mean running batch and one
     chunk's prefill (a prefill step, or a mixed step with mixed steps on) are what TPOT and the
@@ -487,10 +481,10 @@ def print_report(r: dict[str, Any]) -> None:
             + ", ".join(f"{k} <= {v:g}" for k, v in sv.items())
             + f"; text chunks per token {r['chunks_per_token']:.2f}"
         )
-    for kind, q in (r.get("step_duration_ms") or {}).items():
+    for kind, h in (r.get("step_duration_ms") or {}).items():
         print(
             f"  {kind} step durations (bucket bounds, ms): "
-            + ", ".join(f"{k} <= {v:g}" for k, v in q.items())
+            + ", ".join(f"{k} <= {h[k]:g}" for k in ("p50", "p90", "p99", "max"))
         )
     gcs = r.get("gc_pauses") or {}
     if gcs:
