@@ -25,17 +25,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.runtime import gc_pauses
 from kiln.runtime.request import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.step_stats import WALL_BUCKETS_MS
 
 # (rid, prompt token ids, params, seed_index): one engine request
 Seq = tuple[str, list[int], SamplingParams, int]
@@ -397,13 +399,17 @@ def _step_kind_families(kinds: dict[str, dict[str, Any]]):
         "Wall time of the engine's step() calls, by step kind (the longest bound the inter-token gaps).",
         labels=["kind"],
     )
+    walls = [b / 1e3 for b in WALL_BUCKETS_MS]  # as_dict's wall_hist: one count per bound, then "inf"
     for kind, sums in kinds.items():
-        total, buckets = 0, []
-        for le, n in sums["wall_hist"].items():  # upper bounds in ms, the last "inf"
-            total += n
-            buckets.append(("+Inf" if le == "inf" else str(float(le) / 1e3), total))
-        hist.add_metric([kind], buckets, float(sums["wall_s"]))
+        hist.add_metric([kind], _cumulative(walls, sums["wall_hist"].values()), float(sums["wall_s"]))
     yield hist
+
+
+def _cumulative(bounds_s: Sequence[float], counts: Iterable[int]) -> list[tuple[str, int]]:
+    """Prometheus histogram buckets ``(le, count at or below)`` from per-bucket counts: one per
+    bound, then the open bucket (``+Inf``)."""
+    les = [str(b) for b in bounds_s] + ["+Inf"]
+    return list(zip(les, itertools.accumulate(counts), strict=True))
 
 
 def _gc_pause_family():
@@ -414,10 +420,8 @@ def _gc_pause_family():
         "Pauses of Python's garbage collector, by generation (a collection stalls the engine's step).",
         labels=["generation"],
     )
-    bounds = [str(b) for b in gc_pauses.PAUSE_BUCKETS_S] + ["+Inf"]
     for gen, (counts, seconds) in gc_pauses.pauses().items():
-        cum = [sum(counts[: i + 1]) for i in range(len(counts))]
-        fam.add_metric([str(gen)], list(zip(bounds, cum)), seconds)
+        fam.add_metric([str(gen)], _cumulative(gc_pauses.PAUSE_BUCKETS_S, counts), seconds)
     return fam
 
 
