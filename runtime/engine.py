@@ -592,22 +592,22 @@ class Engine:
 
     def idle(self) -> bool:
         """Work for an engine with no requests: capture one pending decode graph (``startup_graphs``
-        smallest), else one prefill graph captured ahead (runtime/prefill_graphs.py; off with
-        tensor parallelism); True if one was captured (call again), False when there is nothing
-        to do."""
+        smallest), else one prefill graph captured ahead (runtime/prefill_graphs.py; the runner
+        has none with tensor parallelism); True if one was captured (call again), False when there
+        is nothing to do."""
         if self.has_work():
             return False
         if self.runner.pending_graphs:
             self.runner.capture_pending()
             return True
-        prefill = self.runner.prefill if self.ranks is None else None
+        prefill = self.runner.prefill
         return prefill is not None and prefill.capture_next()
 
     def captures_pending(self) -> int:
         """The CUDA graphs :meth:`idle` may still capture: pending decode buckets and prefill shapes
         to capture ahead (:meth:`PrefillGraphs.ahead_left`); 0 once it has nothing left to do.
         Until then a first step of a new shape may capture."""
-        prefill = self.runner.prefill if self.ranks is None else None
+        prefill = self.runner.prefill
         return len(self.runner.pending_graphs) + (prefill.ahead_left() if prefill is not None else 0)
 
     def finish_captures(self) -> int:

@@ -258,9 +258,8 @@ class ModelRunner:
         self.vocab_size = m.vocab_size
         self.last_ids: torch.Tensor | None = None  # [n] int64: the last decode step's argmax ids
         self.ids_in_place = 0  # decode steps whose input ids the previous graph left in place
-        self.captures = (
-            0  # capturing() blocks run (each stalls the step stream once; one may hold several graphs)
-        )
+        # capturing() blocks run (each stalls the step stream once; one may hold several graphs)
+        self.captures = 0
         self.capture_seconds = 0.0  # and their wall seconds, warm-ups included
         # token trees: the artifact's tree graph (:meth:`verify` of a tree step)
         self.has_tree_graph = Manifest.TREE_GRAPH in model.graphs

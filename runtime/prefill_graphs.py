@@ -189,16 +189,21 @@ class PrefillGraphs:
         want = [(t, b) for t in self.tokens for b in IDLE_REQUESTS if t > b and b <= self.max_requests]
         return [s for s in want if s not in self.graphs]
 
+    def _ahead(self) -> list[tuple[int, int]]:
+        """:meth:`pending`, or none once the caps leave no room for the next shape."""
+        todo = self.pending()
+        return todo if todo and self._room(todo[0][1]) else []
+
     def ahead_left(self) -> int:
         """The shapes still to capture ahead (:meth:`pending`); 0 once the caps leave no room for
         the next one, when :meth:`capture_next` stops (so a count, at most, of those it makes)."""
-        todo = self.pending()
-        return len(todo) if todo and self._room(todo[0][1]) else 0
+        return len(self._ahead())
 
     def capture_next(self) -> bool:
         """Capture the next pending shape (:meth:`pending`) if the caps leave room: between steps,
         with no step in flight (its warm-ups write the static inputs). True if one was captured."""
-        return self.ahead_left() > 0 and self._capture(self.pending()[0], ahead=True)
+        todo = self._ahead()
+        return bool(todo) and self._capture(todo[0], ahead=True)
 
     def _room(self, rows: int) -> bool:
         """Whether one more graph, of ``rows`` logits rows, stays within the caps."""
