@@ -54,7 +54,15 @@ from kiln.ops.attention.reference import (
     empty_attention_out,
     kv_scale_args,
 )
-from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, prewait
+from kiln.ops.common.launch import (
+    LaunchOptions,
+    interpreting,
+    next_pow2,
+    pdl_args,
+    pdl_trigger,
+    pdl_wait,
+    prewait,
+)
 from kiln.ops.common.op import kiln_op
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
@@ -103,19 +111,13 @@ def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, to
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(LaunchOptions):
     block_n: int = 32  # keys per iteration
     num_warps: int = 4
     num_stages: int = 2
     # registers a thread at most (ptxas spills past it; Triton's ``maxnreg``): left free the bf16
     # launch takes 255, two programs an SM (docs/performance.md); unmeasured
     maxnreg: int | None = None
-
-    def launch(self) -> dict[str, int]:
-        """The Triton launch options: warps, stages and the register cap where one is set."""
-        return {"num_warps": self.num_warps, "num_stages": self.num_stages} | (
-            {"maxnreg": self.maxnreg} if self.maxnreg else {}
-        )
 
 
 def default_config(head_dim: int, v_head_dim: int, kv_fp8: bool = False) -> DecodeConfig:

@@ -83,7 +83,7 @@ from kiln.ops.attention.decode import (
 )
 from kiln.ops.attention.extend import find_tile
 from kiln.ops.attention.reference import tree_visible
-from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
+from kiln.ops.common.launch import LaunchOptions, interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
 from kiln.ops.common.op import kiln_op
 
 LOG2E = 1.4426950408889634
@@ -357,23 +357,21 @@ def _mla_decode_split_kernel(
         c, pe, kmask = _mla_tile(
             bt_row, cache_ptr, stride_cp, stride_ct, start, end, r, e, R, DR, PAGE, BLOCK_N
         )
-        for n0 in range(start, end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
+        if PREFETCH:  # past the end: every row masked, nothing read
             c_next, pe_next, kmask_next = _mla_tile(
                 bt_row, cache_ptr, stride_cp, stride_ct, n0 + BLOCK_N, end, r, e, R, DR, PAGE, BLOCK_N
-            )  # past the end: every row masked, nothing read
-            s = tl_dot(ql, tl.trans(c), PREC, UPCAST) + tl_dot(qp, tl.trans(pe), PREC, UPCAST)
-            s = tl.where(kmask[None, :], s * qk_scale, float("-inf"))
-            acc, m_i, l_i = softmax_block(s, c, m_i, l_i, acc, PREC, UPCAST)
-            c, pe, kmask = c_next, pe_next, kmask_next
-    else:
-        for n0 in range(start, end, BLOCK_N):
+            )
+        else:
             c, pe, kmask = _mla_tile(
                 bt_row, cache_ptr, stride_cp, stride_ct, n0, end, r, e, R, DR, PAGE, BLOCK_N
             )
-            # c: [BLOCK_N, BLOCK_R] (key and value), pe: [BLOCK_N, BLOCK_DR]; read once for BLOCK_H heads
-            s = tl_dot(ql, tl.trans(c), PREC, UPCAST) + tl_dot(qp, tl.trans(pe), PREC, UPCAST)
-            s = tl.where(kmask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-            acc, m_i, l_i = softmax_block(s, c, m_i, l_i, acc, PREC, UPCAST)
+        # c: [BLOCK_N, BLOCK_R] (key and value), pe: [BLOCK_N, BLOCK_DR]; read once for BLOCK_H heads
+        s = tl_dot(ql, tl.trans(c), PREC, UPCAST) + tl_dot(qp, tl.trans(pe), PREC, UPCAST)
+        s = tl.where(kmask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        acc, m_i, l_i = softmax_block(s, c, m_i, l_i, acc, PREC, UPCAST)
+        if PREFETCH:
+            c, pe, kmask = c_next, pe_next, kmask_next
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]  # zeros for an empty request
     omask = hmask[:, None] & (r[None, :] < R)
@@ -547,7 +545,7 @@ def mla_kv_write_triton(
 
 
 @dataclass(frozen=True)
-class MLADecodeConfig:
+class MLADecodeConfig(LaunchOptions):
     block_h: int = 16  # heads per program (tl.dot needs >= 16 rows)
     block_n: int = 32  # keys per iteration: a [32, 512] latent tile
     num_warps: int = 4
@@ -559,12 +557,6 @@ class MLADecodeConfig:
     # registers a thread at most (ptxas spills past it): left free the default takes 255, two
     # programs an SM; 168 fits three (docs/mla.md); unmeasured
     maxnreg: int | None = None
-
-    def launch(self) -> dict[str, int]:
-        """The Triton launch options: warps, stages and the register cap where one is set."""
-        return {"num_warps": self.num_warps, "num_stages": self.num_stages} | (
-            {"maxnreg": self.maxnreg} if self.maxnreg else {}
-        )
 
     @property
     def label(self) -> str:

@@ -108,6 +108,20 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     return _cuda_props(t.device).major >= 9
 
 
+class LaunchOptions:
+    """For a kernel's launch-config dataclass with ``num_warps``, ``num_stages`` and ``maxnreg``
+    fields: :meth:`launch`, the Triton launch options they give."""
+
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None  # registers a thread at most (ptxas spills past it); None: no cap
+
+    def launch(self) -> dict[str, int]:
+        """The Triton launch options: warps, stages and the register cap where one is set."""
+        cap = {"maxnreg": self.maxnreg} if self.maxnreg else {}
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages} | cap
+
+
 def pdl_args(t: torch.Tensor) -> dict[str, bool]:
     """A launch's PDL keyword arguments for kernels of inputs like ``t``: the kernel's ``PDL``
     constexpr and, when on, ``launch_pdl`` (the interpreter takes no ``launch_pdl`` at all)."""
