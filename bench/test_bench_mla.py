@@ -26,15 +26,14 @@ through the interpreter, one round each.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
 import pytest
 import torch
-import triton
 from conftest import SMOKE, graphed, kernel_resources, pick
 
-from kiln.ops.attention.decode import choose_num_splits
 from kiln.ops.attention.mla import (
     MLADecodeConfig,
     MLAExtendConfig,
@@ -141,15 +140,24 @@ DECODE_SWEEP = [MLADecodeConfig(h, n, w, s) for h, n, w, s in (
     "batch, ctx, heads", [(64, 8192, 16), (64, 8192, 128), (1, 32768, 16), (256, 32768, 16), (64, 1024, 16)]
 )
 def test_mla_decode_sweep(measure, batch, ctx, heads, config, pps):
-    """``pps``: the split plan's programs per SM (``choose_num_splits``; 8 is its default). Each
-    split past the first writes a ``[B, H, 512]`` float32 partial the merge reads back."""
-    splits = choose_num_splits(batch, ctx, triton.cdiv(heads, config.block_h), programs_per_sm=pps)
+    """``pps``: the split plan's programs per SM (``mla_num_splits``; the config's default is 8 at
+    16 heads). Each split past the first writes a ``[B, H, 512]`` float32 partial the merge reads
+    back."""
+    splits = mla_num_splits(batch, ctx, heads, dataclasses.replace(config, programs_per_sm=pps))
     fn = _decode_fn("triton", _decode_case(batch, ctx, heads), ctx, splits, config)
-    _mla_decode_split_kernel.device_caches.clear()  # this config's variant alone in kernel_resources
+    _measure_launch(measure, fn, batch, ctx, heads, num_splits=splits, config=str(config))
+
+
+def _measure_launch(
+    measure, fn: Callable[[], object], batch: int, ctx: int, heads: int, **info: object
+) -> None:
+    """A sweep point: ``fn`` graphed and timed, with the registers and spills of the split kernel
+    variant it compiled (the others forgotten first)."""
+    getattr(_mla_decode_split_kernel, "device_caches", {}).clear()  # (the interpreter keeps none)
     replay = graphed(fn)
     measure(
         replay, bytes=decode_bytes(batch, ctx, heads), batch=batch, ctx=ctx, heads=heads,
-        num_splits=splits, config=str(config), **kernel_resources(_mla_decode_split_kernel),
+        **info, **kernel_resources(_mla_decode_split_kernel),
     )  # fmt: skip
 
 
@@ -159,16 +167,12 @@ def test_mla_decode_sweep(measure, batch, ctx, heads, config, pps):
 def test_mla_decode_split_count_sweep(measure, batch, ctx, splits):
     """16 heads, the default launch, explicit split counts: whether the time follows the waves
     (``ceil(batch * splits / resident programs)`` times the keys a split walks) rather than the
-    programs per SM. On the H100 at 64 x 8k (s33c) eight per SM (17 splits, 2.75 waves of the 396
-    programs that fit at 72 KB of shared memory each) gave 71.7%, four (9: 1.45 waves) 62.9%, two
-    (5: 0.81) 54.6%, sixteen (33: 5.3) 65.2%; the wave model puts 6, 12 and 18 splits ~5% ahead."""
+    programs per SM. On the H100 at 64 x 8k (s33c) eight per SM (17 splits) gave 71.7%, four (9)
+    62.9%, two (5) 54.6%, sixteen (33) 65.2%. How many programs are resident decides the waves:
+    72 KB of shared memory would let three fit an SM, 255 registers a thread let two (read with
+    bench/kernel_probe.py on Triton 3.9; ``kernel_resources`` records what ran)."""
     fn = _decode_fn("triton", _decode_case(batch, ctx, 16), ctx, splits)
-    _mla_decode_split_kernel.device_caches.clear()
-    replay = graphed(fn)
-    measure(
-        replay, bytes=decode_bytes(batch, ctx, 16), batch=batch, ctx=ctx, heads=16, num_splits=splits,
-        **kernel_resources(_mla_decode_split_kernel),
-    )  # fmt: skip
+    _measure_launch(measure, fn, batch, ctx, 16, num_splits=splits)
 
 
 # --------------------------------------------------------------------------- extend
