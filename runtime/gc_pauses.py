@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import bisect
 import gc
-import threading
 import time
 from typing import Any
 
@@ -34,14 +33,14 @@ PAUSE_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)  # upper bound
 
 _counts = [[0] * (len(PAUSE_BUCKETS_S) + 1) for _ in range(3)]  # per generation, per bucket
 _sums = [0.0, 0.0, 0.0]
-_started: dict[int, float] = {}  # thread id -> when its collection started
+_started: list[float | None] = [None]  # when the collection under way started (one at a time)
 
 
 def _on_gc(phase: str, info: dict[str, Any]) -> None:
     if phase == "start":
-        _started[threading.get_ident()] = time.perf_counter()
+        _started[0] = time.perf_counter()
         return
-    t0 = _started.pop(threading.get_ident(), None)
+    t0, _started[0] = _started[0], None
     if t0 is None:  # installed mid-collection
         return
     s = time.perf_counter() - t0
