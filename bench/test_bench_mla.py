@@ -34,10 +34,12 @@ import pytest
 import torch
 from conftest import SMOKE, graphed, kernel_resources, pick
 
+from kiln.ops.attention.decode import choose_num_splits
 from kiln.ops.attention.mla import (
     MLADecodeConfig,
     MLAExtendConfig,
     _mla_decode_split_kernel,
+    default_decode_config,
     mla_decode_triton,
     mla_extend_ref,
     mla_extend_triton,
@@ -126,26 +128,38 @@ DECODE_SWEEP = [MLADecodeConfig(h, n, w, s) for h, n, w, s in (
     (16, 32, 4, 2), (16, 64, 4, 2), (16, 16, 4, 2), (16, 32, 4, 3), (16, 32, 8, 2), (16, 64, 8, 2),
     (16, 64, 4, 3), (16, 32, 8, 4), (32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2), (16, 16, 4, 4),
     (16, 16, 8, 3),
-)] + [  # the next tile's loads before this tile's dots; a register cap for three programs an SM
-    MLADecodeConfig(16, 16, 4, 2, prefetch=True), MLADecodeConfig(16, 16, 8, 2, prefetch=True),
-    MLADecodeConfig(16, 32, 8, 2, prefetch=True), MLADecodeConfig(16, 16, 4, 2, maxnreg=168),
-    MLADecodeConfig(16, 32, 4, 2, maxnreg=168), MLADecodeConfig(16, 16, 4, 2, prefetch=True, maxnreg=168),
-]  # fmt: skip
+)]  # fmt: skip
 
 
 @pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")
-@pytest.mark.parametrize("pps", [2, 4, 8, 16], ids=lambda p: f"pps{p}")
+@pytest.mark.parametrize("resident", [1, 2, 3, 4], ids=lambda r: f"res{r}")
 @pytest.mark.parametrize("config", DECODE_SWEEP, ids=lambda c: c.label)
 @pytest.mark.parametrize(
     "batch, ctx, heads", [(64, 8192, 16), (64, 8192, 128), (1, 32768, 16), (256, 32768, 16), (64, 1024, 16)]
 )
-def test_mla_decode_sweep(measure, batch, ctx, heads, config, pps):
-    """``pps``: the split plan's programs per SM (``mla_num_splits``; the config's default is 8 at
-    16 heads). Each split past the first writes a ``[B, H, 512]`` float32 partial the merge reads
-    back."""
-    splits = mla_num_splits(batch, ctx, heads, dataclasses.replace(config, programs_per_sm=pps))
+def test_mla_decode_sweep(measure, batch, ctx, heads, config, resident):
+    """``resident``: the programs an SM holds that the split plan fills in one wave
+    (``mla_num_splits``); the registers and spills recorded say what the launch really allows.
+    Each split past the first writes a ``[B, H, 512]`` float32 partial the merge reads back."""
+    splits = mla_num_splits(batch, ctx, heads, dataclasses.replace(config, resident=resident))
     fn = _decode_fn("triton", _decode_case(batch, ctx, heads), ctx, splits, config)
     _measure_launch(measure, fn, batch, ctx, heads, num_splits=splits, config=str(config))
+
+
+@pytest.mark.skipif(SMOKE, reason="split plan comparison: GPU only")
+@pytest.mark.parametrize("plan", ["waves", "pps8"])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("batch, ctx", DECODE_CASES)
+def test_mla_decode_plan_sweep(measure, batch, ctx, heads, plan):
+    """The default launch under two split plans: ``waves``, the op's (``mla_num_splits``: one wave
+    of resident programs), and ``pps8``, eight programs an SM (``choose_num_splits``, GQA's rule,
+    which MLA used until session 34)."""
+    if plan == "waves":
+        splits = mla_num_splits(batch, ctx, heads)
+    else:
+        splits = choose_num_splits(batch, ctx, -(-heads // default_decode_config(heads).block_h))
+    fn = _decode_fn("triton", _decode_case(batch, ctx, heads), ctx, splits)
+    _measure_launch(measure, fn, batch, ctx, heads, num_splits=splits)
 
 
 def _measure_launch(
@@ -166,11 +180,9 @@ def _measure_launch(
 @pytest.mark.parametrize("batch, ctx", [(64, 8192), (64, 4096), (32, 8192)])
 def test_mla_decode_split_count_sweep(measure, batch, ctx, splits):
     """16 heads, the default launch, explicit split counts: whether the time follows the waves
-    (``ceil(batch * splits / resident programs)`` times the keys a split walks) rather than the
-    programs per SM. On the H100 at 64 x 8k (s33c) eight per SM (17 splits) gave 71.7%, four (9)
-    62.9%, two (5) 54.6%, sixteen (33) 65.2%. How many programs are resident decides the waves:
-    72 KB of shared memory would let three fit an SM, 255 registers a thread let two (read with
-    bench/kernel_probe.py on Triton 3.9; ``kernel_resources`` records what ran)."""
+    (``ceil(batch * splits / resident programs)`` times the keys a split walks). It does (H100,
+    session 34): at 64 x 8k 4 splits (one wave of two programs an SM) read at 74.5% of bandwidth,
+    5 at 53.4%, 8 (two waves) at 72.7%, 17 at 71.7%; ``mla_num_splits`` fills one wave."""
     fn = _decode_fn("triton", _decode_case(batch, ctx, 16), ctx, splits)
     _measure_launch(measure, fn, batch, ctx, 16, num_splits=splits)
 

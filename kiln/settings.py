@@ -199,7 +199,8 @@ _ALL: tuple[Setting, ...] = (
        flag=True, when="per call: at capture for CUDA graphs"),
     _s("prewait", "run", "parts", "all",
        "Kernels that load what nothing in the CUDA graph writes before their PDL wait (ops/common/launch.py): "
-       "gemv (first weight step), attn, rope, slab / slab_norm (a one-row GEMV's whole weight slab).",
+       "gemv (first weight step), attn (16-bit KV caches), rope, slab / slab_norm (a one-row GEMV's whole "
+       "weight slab).",
        env="KILN_PREWAIT", flag=True, choices=("gemv", "attn", "rope", "slab", "slab_norm"),
        when="per call: at capture for CUDA graphs"),
     _s("graph_greedy", "run", "bool", "1",

@@ -35,8 +35,12 @@ against 716, and q and the weights round finer in float16), q too, for float16 d
 float32 dots); the scores of key ``n`` are multiplied by its ``k_scale`` (folded into the softmax
 scale) and the softmax weights of key ``n`` by its ``v_scale`` over the block's largest (kept in
 [0, 1], float16's normal range) before P @ V, whose result takes that largest back (the denominator
-sums the unscaled weights). Scales load with their rows' masks (0 for masked keys), and with
-PREWAIT before and after the wait as the rows do.
+sums the unscaled weights). Scales load with their rows' masks (0 for masked keys). An FP8 cache's
+split kernel takes no pre-wait loads (the ``attn`` part of the ``prewait`` setting applies to 16-bit
+caches only): held across the wait, the first block's rows and scales made ptxas spill (412 bytes,
+bench/kernel_probe.py) and lose the asynchronous copies, and on the H100 (session 34,
+``test_decode_engine_sweep``) the kernel took 0.359 ms with them and 0.267 without at batch 256 x
+1024 keys, page 16 (0.426 and 0.282 at page 1).
 """
 
 from __future__ import annotations
@@ -124,14 +128,16 @@ def default_config(head_dim: int, v_head_dim: int, kv_fp8: bool = False) -> Deco
     """The launch for a head size and cache format. H200 sweep at the engine's shapes (batch 64 / 512
     tokens and 256 / 1024, Llama-3.1-8B heads, `test_decode_engine_sweep`,
     bench/results/2026-12-04_h200_s20c_*): 32-key blocks beat 64 for a 16-bit cache (page 16:
-    0.319 vs 0.354 ms at 256 / 1024; page 1: 0.353 vs 0.493) and 32-key blocks on 2 warps with 3
-    stages for an FP8 cache (0.357 vs 0.430 ms)."""
+    0.319 vs 0.354 ms at 256 / 1024; page 1: 0.353 vs 0.493). For an FP8 cache, without its
+    pre-wait loads (module docstring), 128-key blocks on 4 warps were best at all four shapes on the
+    H100 (session 34: 0.267 ms at 256 / 1024 page 16 against 0.314 for the earlier 32-key blocks on
+    2 warps with 3 stages, 0.282 vs 0.307 at page 1, 0.0465 vs 0.0491 ms at 64 / 512)."""
     if interpreting():
         return DecodeConfig(block_n=16, num_warps=1, num_stages=1)
     if max(head_dim, v_head_dim) > 128:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
     if kv_fp8:
-        return DecodeConfig(block_n=32, num_warps=2, num_stages=3)
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=2)
     return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
 
 
@@ -315,6 +321,7 @@ def _decode_split_kernel(
         DT = tl.float16  # FP8 tiles and q (see the module docstring)
     else:
         DT = q_ptr.dtype.element_ty
+    tl.static_assert(not (PREWAIT and KV_FP8), "an FP8 cache takes no pre-wait loads (module docstring)")
     if PREWAIT:  # the first block's cached keys now; the new one (seq_len - 1) after the wait
         offs0 = start + tl.arange(0, BLOCK_N)
         kmask0 = offs0 < end
@@ -328,15 +335,12 @@ def _decode_split_kernel(
         )  # fmt: skip
         pdl_wait(PDL)
         new0 = kmask0 & (offs0 == seq_len - 1)  # [BLOCK_N]: the row the kernel before wrote
-        k_new, v_new, ks_new, vs_new = _block_kv(
+        k_new, v_new, _ks, _vs = _block_kv(
             k_base, v_base, ks_base, vs_base, slot0, stride_ks, stride_vs, stride_kss, stride_vss, d, dv,
             new0, D, DV, KV_FP8, DT,
         )  # fmt: skip
         k_pre = tl.where(new0[:, None], k_new, k_pre)
         v_pre = tl.where(new0[:, None], v_new, v_pre)
-        if KV_FP8:
-            ks_pre = tl.where(new0, ks_new, ks_pre)
-            vs_pre = tl.where(new0, vs_new, vs_pre)
     q = tl.load(
         q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
         mask=hmask[:, None] & (d[None, :] < D),
@@ -473,7 +477,7 @@ def decode_attention_triton(
         BLOCK_N=cfg.block_n,
         HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, DIRECT=direct,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), **cfg.launch(), **pdl,
-        PREWAIT=prewait("attn"), KV_FP8=k_scale is not None,
+        PREWAIT=prewait("attn") and k_scale is None, KV_FP8=k_scale is not None,
     )  # fmt: skip
     if not direct:
         block_dv = min(64, block_dv)

@@ -74,9 +74,10 @@ import triton
 import triton.language as tl
 
 from kiln.ops.attention.decode import (
+    MAX_SPLITS,
+    MIN_KEYS_PER_SPLIT,
     _decode_merge_kernel,
     _split_plan,
-    choose_num_splits,
     softmax_block,
     split_partials,
     tl_dot,
@@ -320,7 +321,7 @@ def _mla_decode_split_kernel(
     num_heads, num_splits, sm_scale,
     R: tl.constexpr, BLOCK_R: tl.constexpr, DR: tl.constexpr, BLOCK_DR: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_trigger(PDL)
     pdl_wait(PDL)  # every program, before any load (ops/common/launch.py)
@@ -353,25 +354,12 @@ def _mla_decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     bt_row = bt_ptr + row * stride_bt
-    if PREFETCH:  # the next tile's loads are issued before this tile's dots (registers for two)
-        c, pe, kmask = _mla_tile(
-            bt_row, cache_ptr, stride_cp, stride_ct, start, end, r, e, R, DR, PAGE, BLOCK_N
-        )
     for n0 in range(start, end, BLOCK_N):
-        if PREFETCH:  # past the end: every row masked, nothing read
-            c_next, pe_next, kmask_next = _mla_tile(
-                bt_row, cache_ptr, stride_cp, stride_ct, n0 + BLOCK_N, end, r, e, R, DR, PAGE, BLOCK_N
-            )
-        else:
-            c, pe, kmask = _mla_tile(
-                bt_row, cache_ptr, stride_cp, stride_ct, n0, end, r, e, R, DR, PAGE, BLOCK_N
-            )
+        c, pe, kmask = _mla_tile(bt_row, cache_ptr, stride_cp, stride_ct, n0, end, r, e, R, DR, PAGE, BLOCK_N)
         # c: [BLOCK_N, BLOCK_R] (key and value), pe: [BLOCK_N, BLOCK_DR]; read once for BLOCK_H heads
         s = tl_dot(ql, tl.trans(c), PREC, UPCAST) + tl_dot(qp, tl.trans(pe), PREC, UPCAST)
         s = tl.where(kmask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
         acc, m_i, l_i = softmax_block(s, c, m_i, l_i, acc, PREC, UPCAST)
-        if PREFETCH:
-            c, pe, kmask = c_next, pe_next, kmask_next
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]  # zeros for an empty request
     omask = hmask[:, None] & (r[None, :] < R)
@@ -550,19 +538,15 @@ class MLADecodeConfig(LaunchOptions):
     block_n: int = 32  # keys per iteration: a [32, 512] latent tile
     num_warps: int = 4
     num_stages: int = 2
-    programs_per_sm: int = 8  # the split plan's target (choose_num_splits; 0 splits = auto)
-    # issue the next key tile's loads before this tile's dots: the loads are gathered through the
-    # block table, so Triton makes them plain loads, not pipelined copies (docs/mla.md); unmeasured
-    prefetch: bool = False
-    # registers a thread at most (ptxas spills past it): left free the default takes 255, two
-    # programs an SM; 168 fits three (docs/mla.md); unmeasured
-    maxnreg: int | None = None
+    # programs an SM holds at once, which the split plan fills in one wave (mla_num_splits): what
+    # the launch's registers allow, as compiled by Triton 3.6 for the H100 (bench/conftest.py
+    # kernel_resources): 211 registers a thread x 4 warps -> two
+    resident: int = 2
 
     @property
     def label(self) -> str:
-        """``h16-n32-w4-s2`` (``-pf`` with prefetch, ``-r168`` with a register cap)."""
-        tail = ("-pf" if self.prefetch else "") + (f"-r{self.maxnreg}" if self.maxnreg else "")
-        return f"h{self.block_h}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}{tail}"
+        """``h16-n32-w4-s2``."""
+        return f"h{self.block_h}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
 
 
 def default_decode_config(heads: int) -> MLADecodeConfig:
@@ -570,28 +554,34 @@ def default_decode_config(heads: int) -> MLADecodeConfig:
     decode_sweep``, docs/mla.md): at 16 heads (memory-bound) the default, 32 keys x 16 heads on 4
     warps, is the best or within 2% of it at every shape (84% of read bandwidth at batch 256 x 32k);
     at 64 heads and more (compute-bound: V3 at tp 1) 64-head blocks on 8 warps read each latent tile
-    once for 64 heads, 1.29x faster than 16-head blocks at batch 64 x 8k.
-
-    Splits (session 33, the same sweep over the split plan's programs per SM, 2 to 16): at 16 heads
-    eight per SM stays best (batch 64 x 8k 71.7% of read bandwidth against 62.9% at four and 65.2%
-    at sixteen; within 1% elsewhere); 64-head blocks do best with two (0.978 ms against 1.077 at
-    eight, 128 heads at batch 64 x 8k): their programs are compute-bound, and more splits only add
-    partials for the merge."""
+    once for 64 heads, 1.29x faster than 16-head blocks at batch 64 x 8k. That launch takes 250
+    registers a thread on 8 warps: one program an SM."""
     if interpreting():
         return MLADecodeConfig(block_h=16, block_n=16, num_warps=1, num_stages=1)
     if heads >= 64:
-        return MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, programs_per_sm=2)
+        return MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, resident=1)
     return MLADecodeConfig()
 
 
-def mla_num_splits(batch: int, max_seq_len: int, heads: int, config: MLADecodeConfig | None = None) -> int:
+def mla_num_splits(
+    batch: int, max_seq_len: int, heads: int, config: MLADecodeConfig | None = None, num_sms: int = 132
+) -> int:
     """The split-KV factor of an MLA decode of ``batch`` requests over ``heads`` query heads (the
-    op's choice for ``num_splits = 0``): the latent is one KV head that every head block of
-    ``config`` (default: :func:`default_decode_config`) reads, so its programs are head blocks x
-    batch x splits, aimed at the config's programs per SM."""
+    op's choice for ``num_splits = 0``). The latent is one KV head that every head block of
+    ``config`` (default: :func:`default_decode_config`) reads, so a split adds head blocks x batch
+    programs; the plan takes as many splits as fill one wave of the SMs' resident programs
+    (``config.resident`` each), one split once the batch alone fills it, and at least
+    ``MIN_KEYS_PER_SPLIT`` keys a split.
+
+    Whole waves, not a programs-per-SM target: on the H100 at 16 heads (session 34, explicit split
+    counts) batch 64 x 8k read at 74.5% of bandwidth with 4 splits (256 programs, one wave of 264)
+    and 72.7% with 8 (two waves), but 53.4% with 5 (a second wave of 56 programs); 32 x 8k best at 8
+    (68.7%), 64 x 4k at 4 (67.2%). The earlier target, eight programs an SM, took 17 splits at 64 x 8k
+    (71.7%)."""
     cfg = config or default_decode_config(heads)
-    head_blocks = triton.cdiv(heads, cfg.block_h)
-    return choose_num_splits(max(batch, 1), max_seq_len, head_blocks, programs_per_sm=cfg.programs_per_sm)
+    programs = triton.cdiv(heads, cfg.block_h) * max(batch, 1)
+    by_len = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
+    return max(1, min(cfg.resident * num_sms // programs, by_len, MAX_SPLITS))
 
 
 @kiln_op("mla_decode", ref=mla_decode_ref, check=check_mla_decode, fake=empty_mla_out)
@@ -627,7 +617,7 @@ def mla_decode_triton(
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), stride_page,
         stride_token, block_table.stride(0), out.stride(0), out.stride(1), heads, num_splits,
         float(sm_scale), R=r, BLOCK_R=block_r, DR=dr, BLOCK_DR=max(16, next_pow2(dr)), PAGE=page_size,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DIRECT=direct, PREFETCH=cfg.prefetch,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DIRECT=direct,
         PREC="ieee" if q_latent.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
         **cfg.launch(), **pdl,
     )  # fmt: skip

@@ -40,7 +40,8 @@ or ``none`` / ``0``; default all; read at call time, so at capture): the kernels
   (qkv, router, gate_up);
 * ``attn``: the decode split kernel its step inputs (length, request row, block-table pages) and the
   K/V rows of the keys earlier steps cached (the new key, written by the kernel before, is loaded
-  after the wait); the merge kernel the request's length;
+  after the wait), with 16-bit caches only (an FP8 cache's kernel spilled with them:
+  ops/attention/decode.py); the merge kernel the request's length;
 * ``rope``: the RoPE + KV-write kernel its position, cos/sin row and cache slot.
 
 Step inputs are copied on the stream before the graph's replay, and a kernel launched early (its
@@ -109,12 +110,13 @@ def pdl_enabled(t: torch.Tensor) -> bool:
 
 
 class LaunchOptions:
-    """For a kernel's launch-config dataclass with ``num_warps``, ``num_stages`` and ``maxnreg``
-    fields: :meth:`launch`, the Triton launch options they give."""
+    """For a kernel's launch-config dataclass with ``num_warps`` and ``num_stages`` fields (and a
+    ``maxnreg`` field where it offers a register cap): :meth:`launch`, the Triton launch options
+    they give."""
 
     num_warps: int
     num_stages: int
-    maxnreg: int | None  # registers a thread at most (ptxas spills past it); None: no cap
+    maxnreg: int | None = None  # registers a thread at most (ptxas spills past it); None: no cap
 
     def launch(self) -> dict[str, int]:
         """The Triton launch options: warps, stages and the register cap where one is set."""

@@ -153,24 +153,20 @@ def test_decode_window_softcap_many_splits(triton_on_cpu, seed, window, cap):
     check(seed, [0, 1, 37, 100], 8, 1, 64, 64, 16, 32, torch.float32, window=window, cap=cap)
 
 
-@pytest.mark.parametrize("kv_fp8", [False, True])
 @pytest.mark.parametrize("prewait", ["none", "attn"])
-def test_decode_prewait_split_and_direct(triton_on_cpu, seed, monkeypatch, prewait, kv_fp8):
-    # the first block's K/V (FP8: and their scales) loaded before the wait (PREWAIT), the new row's
-    # after it, or all after: same output, split or direct
+def test_decode_prewait_split_and_direct(triton_on_cpu, seed, monkeypatch, prewait):
+    # the first block's K/V loaded before the wait (PREWAIT), the new row's after it, or all after:
+    # same output, split or direct
     monkeypatch.setenv("KILN_PREWAIT", prewait)
     q, k, v, bt, rows, lens = make_inputs([0, 1, 37, 50], 8, 2, 64, 64, 1, torch.float32)
-    scales = ()
-    if kv_fp8:
-        k, v, *scales = fp8_caches(k, v, bt, rows, lens, 1)
-    ref = decode_attention_ref(q, k, v, bt, rows, lens, 0.125, 1, 1, -1, 0.0, *scales)
+    ref = decode_attention_ref(q, k, v, bt, rows, lens, 0.125, 1, 1, -1, 0.0)
     for splits in (1, 3):
-        out = dec.decode_attention_triton(q, k, v, bt, rows, lens, 0.125, 1, splits, -1, 0.0, *scales)
+        out = dec.decode_attention_triton(q, k, v, bt, rows, lens, 0.125, 1, splits, -1, 0.0)
         assert rel_err(out, ref) < 1e-5, f"seed {seed}, {splits} splits"
     # a register cap is a launch option (the interpreter takes it and ignores it): same output
     capped = dec.DecodeConfig(block_n=16, num_warps=1, num_stages=1, maxnreg=168)
     assert capped.launch() == {"num_warps": 1, "num_stages": 1, "maxnreg": 168}
-    out = dec.decode_attention_triton(q, k, v, bt, rows, lens, 0.125, 1, 3, -1, 0.0, *scales, config=capped)
+    out = dec.decode_attention_triton(q, k, v, bt, rows, lens, 0.125, 1, 3, -1, 0.0, config=capped)
     assert rel_err(out, ref) < 1e-5
 
 
@@ -262,14 +258,35 @@ def test_kv_scale_errors_are_named(seed, monkeypatch):
 
 
 class _LaunchSpy:
-    """Counts launches of a jitted kernel (``kernel[grid](...)``), forwarding them."""
+    """Counts launches of a jitted kernel (``kernel[grid](...)``) and keeps the last one's keyword
+    arguments, forwarding them."""
 
     def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
+        self.kernel, self.launches, self.kwargs = kernel, 0, {}
 
     def __getitem__(self, grid):
         self.launches += 1
-        return self.kernel[grid]
+
+        def launch(*args, **kwargs):
+            self.kwargs = kwargs
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_decode_fp8_cache_takes_no_prewait(triton_on_cpu, seed, monkeypatch):
+    # with the attn pre-wait on, a 16-bit cache's split kernel loads its first block before the
+    # wait and an FP8 cache's does not (its kernel spilled with them: the module docstring)
+    monkeypatch.setenv("KILN_PREWAIT", "attn")
+    q, k, v, bt, rows, lens = make_inputs([1, 37, 50], 8, 2, 64, 64, 1, torch.float32)
+    k8, v8, *scales = fp8_caches(k, v, bt, rows, lens, 1)
+    ref = decode_attention_ref(q, k8, v8, bt, rows, lens, 0.125, 1, 3, -1, 0.0, *scales)
+    for cache, kv_scales, want in (((k, v), (), True), ((k8, v8), scales, False)):
+        spy = _LaunchSpy(dec._decode_split_kernel)
+        monkeypatch.setattr(dec, "_decode_split_kernel", spy)
+        out = dec.decode_attention_triton(q, *cache, bt, rows, lens, 0.125, 1, 3, -1, 0.0, *kv_scales)
+        assert spy.kwargs["PREWAIT"] is want and spy.kwargs["KV_FP8"] is not want
+    assert rel_err(out, ref) < 1e-5
 
 
 def test_decode_merge_launches(triton_on_cpu, seed, monkeypatch):

@@ -20,7 +20,6 @@ to bf16 before P @ V).
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import math
 
@@ -215,37 +214,30 @@ def test_extend_matches_expanded(path, seed, page_size):
         assert err < 1e-5, f"seed {seed}, request {b}: relative error {err:.2e}"
 
 
-def test_decode_split_plan_by_head_block(monkeypatch):
-    """The GPU launch (not the interpreter's): 16-head blocks aim at eight programs per SM, 64-head
-    blocks (64 heads and more) at two (measured, ``default_decode_config``); ``num_splits = 0``
-    picks ``mla_num_splits``: the latent is one KV head, read by each head block."""
-    from kiln.ops.attention.decode import choose_num_splits
+def test_decode_split_plan_fills_one_wave(monkeypatch):
+    """The GPU launch (not the interpreter's): the split plan takes the most splits whose programs
+    (head blocks x batch x splits) fit one wave of the resident programs (two an SM for 16-head
+    blocks, one for 64-head blocks, from their registers), one split once the batch fills the wave
+    alone, and at least ``MIN_KEYS_PER_SPLIT`` keys a split."""
+    from kiln.ops.attention.decode import MIN_KEYS_PER_SPLIT
 
     monkeypatch.setattr(mla, "interpreting", lambda: False)
-    assert mla.default_decode_config(16).programs_per_sm == 8
+    assert mla.default_decode_config(16).resident == 2
     wide = mla.default_decode_config(128)
-    assert (wide.block_h, wide.programs_per_sm) == (64, 2)
-    assert mla.mla_num_splits(64, 8192, 16) == choose_num_splits(64, 8192, 1) == 17
-    assert mla.mla_num_splits(64, 8192, 128) == choose_num_splits(64, 8192, 2, programs_per_sm=2) == 3
-    assert mla.mla_num_splits(64, 8192, 128) != choose_num_splits(64, 8192, 2)  # eight per SM: 9
+    assert (wide.block_h, wide.resident) == (64, 1)
+    assert mla.mla_num_splits(64, 8192, 16) == 4  # 256 programs of 264 (a fifth split: 320)
+    assert mla.mla_num_splits(32, 8192, 16) == 8
+    assert mla.mla_num_splits(64, 8192, 128) == 1  # two head blocks x 64 = 128 of 132
+    assert mla.mla_num_splits(256, 32768, 16) == 1
+    assert mla.mla_num_splits(8, 32768, 16) == 33
+    assert mla.mla_num_splits(1, 4 * MIN_KEYS_PER_SPLIT, 16) == 4  # bounded by the keys
+    assert mla.mla_num_splits(64, 8192, 16, num_sms=78) == 2
 
 
 @pytest.mark.parametrize("page_size, num_splits", [(1, 3), (16, 1), (16, 0)])
-@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch-r168"])
-def test_decode_matches_expanded(path, seed, page_size, num_splits, prefetch, monkeypatch):
+def test_decode_matches_expanded(path, seed, page_size, num_splits):
     """One new token per request (its latent written by the op), a padding row (block-table row 0,
-    length 0: zeros); absorbed decode + apply_uv against the expanded form. ``prefetch``: the
-    kernel loads each next key tile before the current one's dots (``MLADecodeConfig.prefetch``),
-    launched with a register cap (``maxnreg``, which the interpreter takes and ignores)."""
-    if prefetch:
-        if path != "kernel":
-            pytest.skip("a launch option of the Triton kernel")
-        launch = mla.default_decode_config(H)
-        monkeypatch.setattr(
-            mla,
-            "default_decode_config",
-            lambda heads: dataclasses.replace(launch, prefetch=True, maxnreg=168),
-        )
+    length 0: zeros); absorbed decode + apply_uv against the expanded form."""
     lens = [1, 9, 40, 17, 64]
     block_table, req_rows, cache = paged_cache(lens, page_size)
     c_kv = [torch.randn(n, R) for n in lens]
