@@ -211,9 +211,8 @@ def test_decode_engine(measure, batch, ctx, page, kv):
 @pytest.mark.parametrize("splits", ["auto", "one", "double"])
 @pytest.mark.parametrize(
     "cfg",
-    [(64, 4, 2), (128, 8, 2), (64, 4, 3), (32, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 3), (32, 2, 3),
-     (32, 4, 2, 168), (32, 2, 3, 168), (32, 4, 2, 128)],  # (block_n, warps, stages[, register cap])
-    ids=lambda c: "n{}-w{}-s{}".format(*c) + (f"-r{c[3]}" if c[3:] else ""),
+    [(64, 4, 2), (128, 8, 2), (64, 4, 3), (32, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 3), (32, 2, 3)],
+    ids=lambda c: "n{}-w{}-s{}".format(*c),  # (block_n, warps, stages)
 )  # fmt: skip
 @pytest.mark.parametrize("batch, ctx, page", [(64, 512, 1), (64, 512, 16), (256, 1024, 1), (256, 1024, 16)])
 def test_decode_engine_sweep(measure, batch, ctx, page, cfg, splits, kv):

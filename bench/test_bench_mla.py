@@ -135,7 +135,7 @@ DECODE_SWEEP = [MLADecodeConfig(h, n, w, s) for h, n, w, s in (
 @pytest.mark.parametrize("resident", [1, 2, 3, 4], ids=lambda r: f"res{r}")
 @pytest.mark.parametrize("config", DECODE_SWEEP, ids=lambda c: c.label)
 @pytest.mark.parametrize(
-    "batch, ctx, heads", [(64, 8192, 16), (64, 8192, 128), (1, 32768, 16), (256, 32768, 16), (64, 1024, 16)]
+    "batch, ctx, heads", [(64, 8192, 16), (64, 8192, 128), (8, 32768, 16), (256, 32768, 16), (64, 1024, 16)]
 )
 def test_mla_decode_sweep(measure, batch, ctx, heads, config, resident):
     """``resident``: the programs an SM holds that the split plan fills in one wave

@@ -119,9 +119,6 @@ class DecodeConfig(LaunchOptions):
     block_n: int = 32  # keys per iteration
     num_warps: int = 4
     num_stages: int = 2
-    # registers a thread at most (ptxas spills past it; Triton's ``maxnreg``): left free the bf16
-    # launch takes 255, two programs an SM (docs/performance.md); unmeasured
-    maxnreg: int | None = None
 
 
 def default_config(head_dim: int, v_head_dim: int, kv_fp8: bool = False) -> DecodeConfig:

@@ -110,18 +110,16 @@ def pdl_enabled(t: torch.Tensor) -> bool:
 
 
 class LaunchOptions:
-    """For a kernel's launch-config dataclass with ``num_warps`` and ``num_stages`` fields (and a
-    ``maxnreg`` field where it offers a register cap): :meth:`launch`, the Triton launch options
-    they give."""
+    """For a kernel's launch-config dataclass with ``num_warps`` and ``num_stages`` fields:
+    :meth:`launch`, the Triton launch options they give. (A register cap, Triton's ``maxnreg``, was
+    measured on the decode kernels in session 34 and never won: docs/performance.md.)"""
 
     num_warps: int
     num_stages: int
-    maxnreg: int | None = None  # registers a thread at most (ptxas spills past it); None: no cap
 
     def launch(self) -> dict[str, int]:
-        """The Triton launch options: warps, stages and the register cap where one is set."""
-        cap = {"maxnreg": self.maxnreg} if self.maxnreg else {}
-        return {"num_warps": self.num_warps, "num_stages": self.num_stages} | cap
+        """The Triton launch options: warps and stages."""
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
 def pdl_args(t: torch.Tensor) -> dict[str, bool]:
