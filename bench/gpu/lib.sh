@@ -15,7 +15,9 @@
 #     full 48-layer Qwen3-30B-A3B: 61 GB each in bf16); make_checkpoint checks the free space first;
 #   - wheels carried in .whl (git-ignored; e.g. fastapi for the server) are installed into
 #     /tmp/site and put on PYTHONPATH first;
-#   - COMMIT (the commit under test; the machine has no git) is recorded in the bundle's command;
+#   - COMMIT (the commit under test) is recorded in the bundle's command: write the hash into the
+#     command sent; `$(git rev-parse --short HEAD)` on the GPU machine reads a stale .git there
+#     (session 34's bundles named the previous session's last commit);
 #   - DRY=1 prints each step's command instead of running it (no GPU, no kiln import), to check a
 #     parameter set anywhere.
 
