@@ -141,7 +141,8 @@ def test_mla_decode_sweep(measure, batch, ctx, heads, config, resident):
     """``resident``: the programs an SM holds that the split plan fills in one wave
     (``mla_num_splits``); the registers and spills recorded say what the launch really allows.
     Each split past the first writes a ``[B, H, 512]`` float32 partial the merge reads back."""
-    splits = mla_num_splits(batch, ctx, heads, dataclasses.replace(config, resident=resident))
+    config = dataclasses.replace(config, resident=resident)
+    splits = mla_num_splits(batch, ctx, heads, config)
     fn = _decode_fn("triton", _decode_case(batch, ctx, heads), ctx, splits, config)
     _measure_launch(measure, fn, batch, ctx, heads, num_splits=splits, config=str(config))
 
@@ -151,9 +152,10 @@ def test_mla_decode_sweep(measure, batch, ctx, heads, config, resident):
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("batch, ctx", DECODE_CASES)
 def test_mla_decode_plan_sweep(measure, batch, ctx, heads, plan):
-    """The default launch under two split plans: ``waves``, the op's (``mla_num_splits``: one wave
-    of resident programs), and ``pps8``, eight programs an SM (``choose_num_splits``, GQA's rule,
-    which MLA used until session 34)."""
+    """The default launch under two split plans: ``waves``, the op's (``mla_num_splits``: by the
+    waves of resident programs), and ``pps8``, eight programs an SM (``choose_num_splits``, GQA's
+    rule, which MLA used for 16-head blocks until session 34; 64-head blocks used two an SM in
+    session 33, 0.978 ms at 64 x 8k, against 1.080 at eight here)."""
     if plan == "waves":
         splits = mla_num_splits(batch, ctx, heads)
     else:
@@ -175,16 +177,23 @@ def _measure_launch(
     )  # fmt: skip
 
 
+SPLIT_COUNTS = [4, 5, 6, 8, 11, 12, 16, 17, 18, 24, 34]
+# (batch, ctx, splits): the waves at 64 and 32 requests, and batches that fill one wave of the
+# default launch's 264 programs by half or more, where one split leaves each SM one or two programs
+SPLIT_COUNT_CASES = [(b, c, n) for b, c in ((64, 8192), (64, 4096), (32, 8192)) for n in SPLIT_COUNTS] + [
+    (b, 8192, n) for b in (160, 192) for n in (1, 2, 3, 4, 5, 6, 8)
+]
+
+
 @pytest.mark.skipif(SMOKE, reason="configuration sweep: GPU only")
-@pytest.mark.parametrize("splits", [4, 5, 6, 8, 11, 12, 16, 17, 18, 24, 34])
-@pytest.mark.parametrize("batch, ctx", [(64, 8192), (64, 4096), (32, 8192)])
+@pytest.mark.parametrize("batch, ctx, splits", SPLIT_COUNT_CASES)
 def test_mla_decode_split_count_sweep(measure, batch, ctx, splits):
     """16 heads, the default launch, explicit split counts: whether the time follows the waves
     (``ceil(batch * splits / resident programs)`` times the keys a split walks). It does (H100,
     session 34): at 64 x 8k 4 splits (one wave of two programs an SM) read at 74.5% of bandwidth,
-    5 at 53.4%, 8 (two waves) at 72.7%, 17 at 71.7%; ``mla_num_splits`` fills one wave."""
+    5 at 53.4%, 8 (two waves) at 72.7%, 17 at 71.7%. ``mla_num_splits`` picks by that model."""
     fn = _decode_fn("triton", _decode_case(batch, ctx, 16), ctx, splits)
-    _measure_launch(measure, fn, batch, ctx, 16, num_splits=splits)
+    _measure_launch(measure, fn, batch, ctx, 16, num_splits=splits, plan=mla_num_splits(batch, ctx, 16))
 
 
 # --------------------------------------------------------------------------- extend

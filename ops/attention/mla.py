@@ -84,10 +84,20 @@ from kiln.ops.attention.decode import (
 )
 from kiln.ops.attention.extend import find_tile
 from kiln.ops.attention.reference import tree_visible
-from kiln.ops.common.launch import LaunchOptions, interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait
+from kiln.ops.common.launch import (
+    LaunchOptions,
+    interpreting,
+    next_pow2,
+    pdl_args,
+    pdl_trigger,
+    pdl_wait,
+    sm_count,
+)
 from kiln.ops.common.op import kiln_op
 
 LOG2E = 1.4426950408889634
+MAX_WAVES = 4  # the split plan looks at up to this many waves of resident programs
+WAVE_SLACK = 0.1  # ... and the fewest waves within this of the best cost (mla_num_splits)
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -568,20 +578,27 @@ def mla_num_splits(
 ) -> int:
     """The split-KV factor of an MLA decode of ``batch`` requests over ``heads`` query heads (the
     op's choice for ``num_splits = 0``). The latent is one KV head that every head block of
-    ``config`` (default: :func:`default_decode_config`) reads, so a split adds head blocks x batch
-    programs; the plan takes as many splits as fill one wave of the SMs' resident programs
-    (``config.resident`` each), one split once the batch alone fills it, and at least
-    ``MIN_KEYS_PER_SPLIT`` keys a split.
+    ``config`` (default: :func:`default_decode_config`) reads, so a split adds ``P`` = head blocks x
+    batch programs, which run in waves of ``config.resident`` programs an SM.
 
-    Whole waves, not a programs-per-SM target: on the H100 at 16 heads (session 34, explicit split
-    counts) batch 64 x 8k read at 74.5% of bandwidth with 4 splits (256 programs, one wave of 264)
-    and 72.7% with 8 (two waves), but 53.4% with 5 (a second wave of 56 programs); 32 x 8k best at 8
-    (68.7%), 64 x 4k at 4 (67.2%). The earlier target, eight programs an SM, took 17 splits at 64 x 8k
-    (71.7%)."""
+    Time follows the waves (``ceil(P s / slots)``) times the keys a split walks (``1 / s``). Of the
+    split counts within ``WAVE_SLACK`` of the best such cost (at most ``MAX_WAVES`` waves, at least
+    ``MIN_KEYS_PER_SPLIT`` keys a split) the plan takes those with the fewest waves, and of them the
+    most splits. Measured on the H100 at 16 heads (session 34, explicit split counts): batch 64 x 8k
+    read at 74.5% of bandwidth with 4 splits (256 programs, one wave of 264), 72.7% with 8 (two
+    waves), 53.4% with 5 (a second wave of 56 programs) and 64.0% with 34 (more waves cost more than
+    the model says: hence the fewest waves near the best); 32 x 8k best at 8 (68.7%), 64 x 4k at 4
+    (67.2%). The earlier target, eight programs an SM, took 17 splits at 64 x 8k (71.7%)."""
+    if heads < 1 or num_sms < 1:
+        raise ValueError(f"mla_num_splits: heads ({heads}) and num_sms ({num_sms}) must be >= 1.")
     cfg = config or default_decode_config(heads)
     programs = triton.cdiv(heads, cfg.block_h) * max(batch, 1)
-    by_len = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
-    return max(1, min(cfg.resident * num_sms // programs, by_len, MAX_SPLITS))
+    slots = cfg.resident * num_sms
+    most = min(max(1, max_seq_len // MIN_KEYS_PER_SPLIT), MAX_SPLITS, max(1, MAX_WAVES * slots // programs))
+    plans = [(triton.cdiv(programs * s, slots), s) for s in range(1, most + 1)]  # (waves, splits)
+    best = min(w / s for w, s in plans)
+    _waves, fewer = min((w, -s) for w, s in plans if w / s <= best * (1 + WAVE_SLACK))
+    return -fewer
 
 
 @kiln_op("mla_decode", ref=mla_decode_ref, check=check_mla_decode, fake=empty_mla_out)
@@ -597,7 +614,9 @@ def mla_decode_triton(
     cfg = config or default_decode_config(heads)
     head_blocks = triton.cdiv(heads, cfg.block_h)
     if num_splits == 0:
-        num_splits = mla_num_splits(bsz, block_table.shape[1] * page_size, heads, cfg)
+        num_splits = mla_num_splits(
+            bsz, block_table.shape[1] * page_size, heads, cfg, sm_count(q_latent.device, 132)
+        )
     out = torch.empty(bsz, heads, r, dtype=q_latent.dtype, device=q_latent.device)
     if bsz == 0:
         return out

@@ -214,24 +214,29 @@ def test_extend_matches_expanded(path, seed, page_size):
         assert err < 1e-5, f"seed {seed}, request {b}: relative error {err:.2e}"
 
 
-def test_decode_split_plan_fills_one_wave(monkeypatch):
-    """The GPU launch (not the interpreter's): the split plan takes the most splits whose programs
-    (head blocks x batch x splits) fit one wave of the resident programs (two an SM for 16-head
-    blocks, one for 64-head blocks, from their registers), one split once the batch fills the wave
-    alone, and at least ``MIN_KEYS_PER_SPLIT`` keys a split."""
+def test_decode_split_plan_follows_waves(monkeypatch):
+    """The GPU launch (not the interpreter's): the plan costs ``s`` splits at ``ceil(P s / slots) /
+    s`` (``P`` = head blocks x batch, ``slots`` = two resident programs an SM for 16-head blocks, one
+    for 64-head blocks) and takes the fewest waves near the best cost, then the most splits; at
+    least ``MIN_KEYS_PER_SPLIT`` keys a split."""
     from kiln.ops.attention.decode import MIN_KEYS_PER_SPLIT
 
     monkeypatch.setattr(mla, "interpreting", lambda: False)
     assert mla.default_decode_config(16).resident == 2
     wide = mla.default_decode_config(128)
     assert (wide.block_h, wide.resident) == (64, 1)
-    assert mla.mla_num_splits(64, 8192, 16) == 4  # 256 programs of 264 (a fifth split: 320)
+    assert mla.mla_num_splits(64, 8192, 16) == 4  # one wave: 256 programs of 264 (a fifth split: 320)
     assert mla.mla_num_splits(32, 8192, 16) == 8
     assert mla.mla_num_splits(64, 8192, 128) == 1  # two head blocks x 64 = 128 of 132
     assert mla.mla_num_splits(256, 32768, 16) == 1
     assert mla.mla_num_splits(8, 32768, 16) == 33
     assert mla.mla_num_splits(1, 4 * MIN_KEYS_PER_SPLIT, 16) == 4  # bounded by the keys
-    assert mla.mla_num_splits(64, 8192, 16, num_sms=78) == 2
+    # between half a wave and a wave the batch alone leaves SMs one program: more waves of splits
+    assert mla.mla_num_splits(192, 8192, 16) == 4  # three waves of 768 programs: 0.75 of one split's time
+    assert mla.mla_num_splits(160, 8192, 16) == 3  # two waves of 480
+    assert mla.mla_num_splits(64, 8192, 16, num_sms=114) == 7  # 448 programs, two waves of 228
+    with pytest.raises(ValueError, match=r"heads \(0\)"):
+        mla.mla_num_splits(64, 8192, 0)
 
 
 @pytest.mark.parametrize("page_size, num_splits", [(1, 3), (16, 1), (16, 0)])
