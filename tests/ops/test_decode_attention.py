@@ -275,13 +275,13 @@ def test_decode_fp8_cache_takes_no_prewait(triton_on_cpu, seed, monkeypatch):
     monkeypatch.setenv("KILN_PREWAIT", "attn")
     q, k, v, bt, rows, lens = make_inputs([1, 37, 50], 8, 2, 64, 64, 1, torch.float32)
     k8, v8, *scales = fp8_caches(k, v, bt, rows, lens, 1)
-    ref = decode_attention_ref(q, k8, v8, bt, rows, lens, 0.125, 1, 3, -1, 0.0, *scales)
     for cache, kv_scales, want in (((k, v), (), True), ((k8, v8), scales, False)):
+        ref = decode_attention_ref(q, *cache, bt, rows, lens, 0.125, 1, 3, -1, 0.0, *kv_scales)
         spy = _LaunchSpy(dec._decode_split_kernel)
         monkeypatch.setattr(dec, "_decode_split_kernel", spy)
         out = dec.decode_attention_triton(q, *cache, bt, rows, lens, 0.125, 1, 3, -1, 0.0, *kv_scales)
         assert spy.kwargs["PREWAIT"] is want and spy.kwargs["KV_FP8"] is not want
-    assert rel_err(out, ref) < 1e-5
+        assert rel_err(out, ref) < 1e-5, f"seed {seed}, pre-wait {want}"
 
 
 def test_decode_merge_launches(triton_on_cpu, seed, monkeypatch):
