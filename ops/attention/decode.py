@@ -58,15 +58,7 @@ from kiln.ops.attention.reference import (
     empty_attention_out,
     kv_scale_args,
 )
-from kiln.ops.common.launch import (
-    LaunchOptions,
-    interpreting,
-    next_pow2,
-    pdl_args,
-    pdl_trigger,
-    pdl_wait,
-    prewait,
-)
+from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, prewait
 from kiln.ops.common.op import kiln_op
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
@@ -115,7 +107,7 @@ def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, to
 
 
 @dataclass(frozen=True)
-class DecodeConfig(LaunchOptions):
+class DecodeConfig:
     block_n: int = 32  # keys per iteration
     num_warps: int = 4
     num_stages: int = 2
@@ -473,7 +465,7 @@ def decode_attention_triton(
         BLOCK_D=max(16, next_pow2(d)), DV=dv, BLOCK_DV=block_dv, PAGE=page_size,
         BLOCK_N=cfg.block_n,
         HAS_CAP=logit_cap > 0, HAS_WINDOW=sliding_window > 0, DIRECT=direct,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), **cfg.launch(), **pdl,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         PREWAIT=prewait("attn") and k_scale is None, KV_FP8=k_scale is not None,
     )  # fmt: skip
     if not direct:

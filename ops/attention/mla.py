@@ -84,15 +84,7 @@ from kiln.ops.attention.decode import (
 )
 from kiln.ops.attention.extend import find_tile
 from kiln.ops.attention.reference import tree_visible
-from kiln.ops.common.launch import (
-    LaunchOptions,
-    interpreting,
-    next_pow2,
-    pdl_args,
-    pdl_trigger,
-    pdl_wait,
-    sm_count,
-)
+from kiln.ops.common.launch import interpreting, next_pow2, pdl_args, pdl_trigger, pdl_wait, sm_count
 from kiln.ops.common.op import kiln_op
 
 LOG2E = 1.4426950408889634
@@ -308,23 +300,6 @@ def _mla_kv_write_kernel(
 
 
 @triton.jit
-def _mla_tile(
-    bt_row, cache_ptr, stride_cp, stride_ct, n0, end, r, e,
-    R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """Keys ``n0 .. n0 + BLOCK_N`` of a request (rows at or past ``end`` masked): the latent tile
-    ``c [BLOCK_N, BLOCK_R]`` (key and value), the rope keys ``pe [BLOCK_N, BLOCK_DR]`` and the row
-    mask, through the block table row ``bt_row``."""
-    offs = n0 + tl.arange(0, BLOCK_N)
-    kmask = offs < end
-    page = tl.load(bt_row + offs // PAGE, mask=kmask, other=0).to(tl.int64)
-    tok = cache_ptr + page * stride_cp + (offs % PAGE).to(tl.int64) * stride_ct  # [BLOCK_N] rows
-    c = tl.load(tok[:, None] + r[None, :], mask=kmask[:, None] & (r[None, :] < R), other=0.0)
-    pe = tl.load(tok[:, None] + R + e[None, :], mask=kmask[:, None] & (e[None, :] < DR), other=0.0)
-    return c, pe, kmask
-
-
-@triton.jit
 def _mla_decode_split_kernel(
     ql_ptr, qp_ptr, cache_ptr, bt_ptr, rows_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     stride_lb, stride_lh, stride_pb, stride_ph, stride_cp, stride_ct, stride_bt, stride_ob, stride_oh,
@@ -365,7 +340,12 @@ def _mla_decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     bt_row = bt_ptr + row * stride_bt
     for n0 in range(start, end, BLOCK_N):
-        c, pe, kmask = _mla_tile(bt_row, cache_ptr, stride_cp, stride_ct, n0, end, r, e, R, DR, PAGE, BLOCK_N)
+        offs = n0 + tl.arange(0, BLOCK_N)
+        kmask = offs < end
+        page = tl.load(bt_row + offs // PAGE, mask=kmask, other=0).to(tl.int64)
+        tok = cache_ptr + page * stride_cp + (offs % PAGE).to(tl.int64) * stride_ct  # [BLOCK_N] rows
+        c = tl.load(tok[:, None] + r[None, :], mask=kmask[:, None] & (r[None, :] < R), other=0.0)
+        pe = tl.load(tok[:, None] + R + e[None, :], mask=kmask[:, None] & (e[None, :] < DR), other=0.0)
         # c: [BLOCK_N, BLOCK_R] (key and value), pe: [BLOCK_N, BLOCK_DR]; read once for BLOCK_H heads
         s = tl_dot(ql, tl.trans(c), PREC, UPCAST) + tl_dot(qp, tl.trans(pe), PREC, UPCAST)
         s = tl.where(kmask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
@@ -543,12 +523,12 @@ def mla_kv_write_triton(
 
 
 @dataclass(frozen=True)
-class MLADecodeConfig(LaunchOptions):
+class MLADecodeConfig:
     block_h: int = 16  # heads per program (tl.dot needs >= 16 rows)
     block_n: int = 32  # keys per iteration: a [32, 512] latent tile
     num_warps: int = 4
     num_stages: int = 2
-    # programs an SM holds at once, which the split plan fills in one wave (mla_num_splits): what
+    # programs an SM holds at once, whose waves the split plan counts (mla_num_splits): what
     # the launch's registers allow, as compiled by Triton 3.6 for the H100 (bench/conftest.py
     # kernel_resources): 211 registers a thread x 4 warps -> two
     resident: int = 2
@@ -638,7 +618,7 @@ def mla_decode_triton(
         float(sm_scale), R=r, BLOCK_R=block_r, DR=dr, BLOCK_DR=max(16, next_pow2(dr)), PAGE=page_size,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DIRECT=direct,
         PREC="ieee" if q_latent.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
-        **cfg.launch(), **pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     if not direct:
         block_m = min(64, block_r)  # decode.py's merge: the partials' layout and split plan are its own

@@ -281,7 +281,7 @@ def verify_attention_triton(
         float(logit_cap), GROUP=group, QTILE=tile, ROWS=max(16, next_pow2(tile * group)), D=d,
         BLOCK_D=max(16, next_pow2(d)), DV=dv, BLOCK_DV=block_dv, PAGE=page_size, BLOCK_N=cfg.block_n,
         MIN_CHUNK=min_chunk, SCAN=SCAN_REQS, HAS_CAP=logit_cap > 0, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=interpreting(), **cfg.launch(), **pdl,
+        UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         TREE=tree_mask is not None,
     )  # fmt: skip
     if num_splits > 1:

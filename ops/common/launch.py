@@ -109,19 +109,6 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     return _cuda_props(t.device).major >= 9
 
 
-class LaunchOptions:
-    """For a kernel's launch-config dataclass with ``num_warps`` and ``num_stages`` fields:
-    :meth:`launch`, the Triton launch options they give. (A register cap, Triton's ``maxnreg``, was
-    measured on the decode kernels in session 34 and never won: docs/performance.md.)"""
-
-    num_warps: int
-    num_stages: int
-
-    def launch(self) -> dict[str, int]:
-        """The Triton launch options: warps and stages."""
-        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
-
-
 def pdl_args(t: torch.Tensor) -> dict[str, bool]:
     """A launch's PDL keyword arguments for kernels of inputs like ``t``: the kernel's ``PDL``
     constexpr and, when on, ``launch_pdl`` (the interpreter takes no ``launch_pdl`` at all)."""
